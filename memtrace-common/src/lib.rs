@@ -1,0 +1,520 @@
+//! The wire contract between memtrace's eBPF programs and its userspace reader: the records
+//! the probes write into the per-CPU ring buffers, the probe configuration userspace writes
+//! into the programs' read-only data, and the map/counter indices both sides agree on.
+//!
+//! Every record is `#[repr(C)]`, starts with a one-byte [`RecordType`], and has no implicit
+//! padding (the `const` assertions at the bottom check sizes, so a field added in the wrong
+//! place fails the build). Userspace must check a record's length before reading it.
+#![no_std]
+
+/// Deepest stack either side walks; matches the kernel's default `perf_event_max_stack`.
+pub const MAX_STACK_DEPTH: usize = 127;
+/// Size of the outer array that holds one ring buffer per CPU.
+pub const MAX_CPUS: u32 = 1024;
+/// Length of `task->comm`.
+pub const COMM_LEN: usize = 16;
+/// Bytes of the exec'd file name kept in a [`TaskRecord`].
+pub const FILENAME_LEN: usize = 256;
+
+/// First byte of every ring record.
+#[repr(u8)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RecordType {
+    UserAlloc = 1,
+    Free = 2,
+    KernelAlloc = 3,
+    Stack = 4,
+    Task = 5,
+}
+
+impl RecordType {
+    pub const fn from_u8(v: u8) -> Option<Self> {
+        Some(match v {
+            1 => Self::UserAlloc,
+            2 => Self::Free,
+            3 => Self::KernelAlloc,
+            4 => Self::Stack,
+            5 => Self::Task,
+            _ => return None,
+        })
+    }
+}
+
+/// Which entry point produced an allocation or a free. The value doubles as the uprobe
+/// attach cookie, so one program serves every function of the malloc family.
+#[repr(u8)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum Kind {
+    Malloc = 1,
+    Calloc = 2,
+    Realloc = 3,
+    ReallocArray = 4,
+    PosixMemalign = 5,
+    AlignedAlloc = 6,
+    Memalign = 7,
+    Valloc = 8,
+    Pvalloc = 9,
+    Mmap = 10,
+    Free = 16,
+    Munmap = 17,
+    Kmalloc = 32,
+    KmemCacheAlloc = 33,
+    PageAlloc = 34,
+    Kfree = 40,
+    KmemCacheFree = 41,
+    PageFree = 42,
+}
+
+impl Kind {
+    pub const fn from_u8(v: u8) -> Option<Self> {
+        Some(match v {
+            1 => Self::Malloc,
+            2 => Self::Calloc,
+            3 => Self::Realloc,
+            4 => Self::ReallocArray,
+            5 => Self::PosixMemalign,
+            6 => Self::AlignedAlloc,
+            7 => Self::Memalign,
+            8 => Self::Valloc,
+            9 => Self::Pvalloc,
+            10 => Self::Mmap,
+            16 => Self::Free,
+            17 => Self::Munmap,
+            32 => Self::Kmalloc,
+            33 => Self::KmemCacheAlloc,
+            34 => Self::PageAlloc,
+            40 => Self::Kfree,
+            41 => Self::KmemCacheFree,
+            42 => Self::PageFree,
+            _ => return None,
+        })
+    }
+
+    /// The address space a block of this kind lives in; allocations and frees pair up only
+    /// within one.
+    pub const fn space(self) -> Space {
+        match self {
+            Self::Malloc
+            | Self::Calloc
+            | Self::Realloc
+            | Self::ReallocArray
+            | Self::PosixMemalign
+            | Self::AlignedAlloc
+            | Self::Memalign
+            | Self::Valloc
+            | Self::Pvalloc
+            | Self::Free => Space::Heap,
+            Self::Mmap | Self::Munmap => Space::Mmap,
+            Self::Kmalloc | Self::KmemCacheAlloc | Self::Kfree | Self::KmemCacheFree => Space::Slab,
+            Self::PageAlloc | Self::PageFree => Space::Page,
+        }
+    }
+
+    pub const fn is_free(self) -> bool {
+        matches!(self, Self::Free | Self::Munmap | Self::Kfree | Self::KmemCacheFree | Self::PageFree)
+    }
+
+    pub const fn is_kernel(self) -> bool {
+        matches!(self.space(), Space::Slab | Space::Page)
+    }
+
+    pub const fn name(self) -> &'static str {
+        match self {
+            Self::Malloc => "malloc",
+            Self::Calloc => "calloc",
+            Self::Realloc => "realloc",
+            Self::ReallocArray => "reallocarray",
+            Self::PosixMemalign => "posix_memalign",
+            Self::AlignedAlloc => "aligned_alloc",
+            Self::Memalign => "memalign",
+            Self::Valloc => "valloc",
+            Self::Pvalloc => "pvalloc",
+            Self::Mmap => "mmap",
+            Self::Free => "free",
+            Self::Munmap => "munmap",
+            Self::Kmalloc => "kmalloc",
+            Self::KmemCacheAlloc => "cache",
+            Self::PageAlloc => "page",
+            Self::Kfree => "kfree",
+            Self::KmemCacheFree => "cache_free",
+            Self::PageFree => "page_free",
+        }
+    }
+}
+
+/// Address spaces in which blocks are paired.
+#[repr(u8)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum Space {
+    /// The user allocator's heap, per process.
+    Heap = 0,
+    /// Anonymous or file mappings made through the allocator library's `mmap`, per process.
+    Mmap = 1,
+    /// Kernel slab objects (kmalloc and kmem caches), one space for the machine.
+    Slab = 2,
+    /// Kernel pages, keyed by page frame number.
+    Page = 3,
+}
+
+/// Bits of a record's `flags` byte.
+pub mod flags {
+    /// `bytes_alloc` was read from the allocator's own metadata (glibc chunk header), so it
+    /// equals `malloc_usable_size`; otherwise it is a copy of `bytes_req`.
+    pub const USABLE_EXACT: u8 = 1 << 0;
+    /// The free is the old block of a successful `realloc`/`reallocarray`.
+    pub const BY_REALLOC: u8 = 1 << 1;
+    /// Kernel event raised in hard-IRQ, soft-IRQ or NMI context: not on behalf of a task.
+    pub const IRQ: u8 = 1 << 2;
+    /// `stack` holds a valid stack hash.
+    pub const HAS_STACK: u8 = 1 << 3;
+    /// The allocation came from a thread whose tgid is traced, while the block is freed from
+    /// a context that is not (kernel frees of blocks the target allocated).
+    pub const FOREIGN_FREE: u8 = 1 << 4;
+    /// TaskRecord exit: the whole thread group is gone.
+    pub const GROUP_DEAD: u8 = 1 << 5;
+}
+
+/// An allocation by the user-space allocator (malloc family, mmap). 48 bytes.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct UserAllocRecord {
+    pub rtype: u8,
+    pub kind: u8,
+    pub flags: u8,
+    pub _pad: u8,
+    pub pid: u32,
+    pub tid: u32,
+    /// `bytes_alloc - bytes_req` (what the allocator handed out beyond the request).
+    pub bytes_extra: u32,
+    /// `bpf_ktime_get_ns()` (CLOCK_MONOTONIC) when the call returned.
+    pub ts_ns: u64,
+    pub ptr: u64,
+    pub bytes_req: u64,
+    /// Hash naming the user stack; its frames arrive once in a [`StackHeader`] record.
+    pub stack: u64,
+}
+
+/// A free of any space. 32 bytes.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct FreeRecord {
+    pub rtype: u8,
+    pub kind: u8,
+    pub flags: u8,
+    pub _pad: u8,
+    pub pid: u32,
+    pub tid: u32,
+    /// munmap: length in pages (rounded up); page free: order; otherwise 0.
+    pub arg: u32,
+    /// For a realloc's old block: when realloc was entered, so the free sorts before any
+    /// other thread's reuse of the address.
+    pub ts_ns: u64,
+    /// Address freed (page frame number for pages).
+    pub ptr: u64,
+}
+
+/// A kernel allocation (kmalloc, kmem_cache_alloc, page allocator). 64 bytes.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct KernelAllocRecord {
+    pub rtype: u8,
+    pub kind: u8,
+    pub flags: u8,
+    /// Page allocations: the order.
+    pub order: u8,
+    pub pid: u32,
+    pub tid: u32,
+    /// NUMA node asked for (-1: any); page allocations: the migrate type.
+    pub node: i32,
+    pub bytes_req: u32,
+    pub bytes_alloc: u32,
+    pub gfp_flags: u32,
+    pub _pad: u32,
+    pub ts_ns: u64,
+    /// Object address (page frame number for pages).
+    pub ptr: u64,
+    /// The kernel function that asked (`call_site` of the tracepoint; 0 for pages).
+    pub call_site: u64,
+    /// Hash of the kernel stack joined with the user stack of the task it ran for.
+    pub stack: u64,
+}
+
+/// Header of a stack record, followed by `n_kernel` kernel addresses (u64) and `n_user`
+/// [`UserFrame`]s. Sent once per distinct stack hash (again if the probes forget it).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct StackHeader {
+    pub rtype: u8,
+    pub _pad: u8,
+    pub n_kernel: u8,
+    pub n_user: u8,
+    /// Process whose address space the user frames belong to.
+    pub pid: u32,
+    pub hash: u64,
+}
+
+/// A user frame as `bpf_get_stack(BPF_F_USER_BUILD_ID)` reports it (`struct
+/// bpf_stack_build_id`): a build id and file offset when the kernel could resolve them,
+/// else the raw instruction pointer.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct UserFrame {
+    pub status: i32,
+    pub build_id: [u8; 20],
+    /// File offset when `status == BUILD_ID_VALID`, else the address.
+    pub offset_or_ip: u64,
+}
+
+impl UserFrame {
+    pub const BUILD_ID_EMPTY: i32 = 0;
+    pub const BUILD_ID_VALID: i32 = 1;
+    pub const BUILD_ID_IP: i32 = 2;
+}
+
+/// What happened to a task.
+#[repr(u8)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum TaskEvent {
+    /// A new thread group (process) was created by fork/clone without CLONE_THREAD.
+    Fork = 1,
+    /// A thread was created.
+    Thread = 2,
+    Exec = 3,
+    Exit = 4,
+    /// `comm` changed (prctl PR_SET_NAME, pthread_setname_np).
+    Rename = 5,
+}
+
+impl TaskEvent {
+    pub const fn from_u8(v: u8) -> Option<Self> {
+        Some(match v {
+            1 => Self::Fork,
+            2 => Self::Thread,
+            3 => Self::Exec,
+            4 => Self::Exit,
+            5 => Self::Rename,
+            _ => return None,
+        })
+    }
+}
+
+/// Process lifecycle, so pairing knows when an address space begins and ends and reports
+/// can name tasks that are gone. 304 bytes; rare.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct TaskRecord {
+    pub rtype: u8,
+    pub event: u8,
+    pub flags: u8,
+    pub _pad: u8,
+    /// tgid of the task the event is about (the child for Fork/Thread).
+    pub pid: u32,
+    /// Thread id the event is about.
+    pub tid: u32,
+    /// Fork/Thread: the parent's tgid; otherwise 0.
+    pub ppid: u32,
+    pub ts_ns: u64,
+    pub comm: [u8; COMM_LEN],
+    /// Exec: the file name passed to exec, NUL-terminated.
+    pub filename: [u8; FILENAME_LEN],
+}
+
+impl Default for TaskRecord {
+    fn default() -> Self {
+        Self {
+            rtype: RecordType::Task as u8,
+            event: 0,
+            flags: 0,
+            _pad: 0,
+            pid: 0,
+            tid: 0,
+            ppid: 0,
+            ts_ns: 0,
+            comm: [0; COMM_LEN],
+            filename: [0; FILENAME_LEN],
+        }
+    }
+}
+
+/// Indices of the per-CPU `COUNTERS` array: what the probes could not deliver or track.
+pub mod counter {
+    /// Records dropped because the CPU's ring buffer was full.
+    pub const LOST_EVENTS: u32 = 0;
+    /// Stack records dropped because the ring was full (events keep the hash).
+    pub const LOST_STACKS: u32 = 1;
+    /// Allocation calls not tracked because the in-flight table was full.
+    pub const LOST_INFLIGHT: u32 = 2;
+    /// Kernel blocks of traced tasks not remembered because the live table was full; a
+    /// later free of one from another context goes unseen.
+    pub const LOST_KERNEL_LIVE: u32 = 3;
+    /// CPUs with no ring buffer installed (events dropped).
+    pub const NO_RING: u32 = 4;
+    pub const COUNT: u32 = 8;
+}
+
+/// States of a tgid in the `TRACED` map.
+pub mod traced {
+    /// Forked by `record -- CMD`, not yet exec'd: ignore its events (they are memtrace's).
+    pub const PENDING_EXEC: u32 = 1;
+    pub const ACTIVE: u32 = 2;
+}
+
+/// Byte offsets of the tracepoint fields the programs read, taken from tracefs `format`
+/// files at load time so the programs do not depend on one kernel's layout. `u32::MAX` marks
+/// a field this kernel does not have.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SlabAllocLayout {
+    pub call_site: u32,
+    pub ptr: u32,
+    pub bytes_req: u32,
+    pub bytes_alloc: u32,
+    pub gfp_flags: u32,
+    pub node: u32,
+}
+
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct TracepointLayout {
+    pub kmalloc: SlabAllocLayout,
+    pub cache_alloc: SlabAllocLayout,
+    pub kfree_ptr: u32,
+    pub cache_free_ptr: u32,
+    pub page_alloc_pfn: u32,
+    pub page_alloc_order: u32,
+    pub page_alloc_gfp: u32,
+    pub page_alloc_migratetype: u32,
+    pub page_free_pfn: u32,
+    pub page_free_order: u32,
+    pub page_free_batched_pfn: u32,
+    pub exec_filename: u32,
+    pub exit_group_dead: u32,
+    pub newtask_pid: u32,
+    pub newtask_clone_flags: u32,
+    pub rename_newcomm: u32,
+}
+
+/// Size of the head of a tracepoint record the programs copy in one read. Every field
+/// offset in [`TracepointLayout`] must be below this.
+pub const TP_HEAD_BYTES: usize = 64;
+
+impl TracepointLayout {
+    const NONE: SlabAllocLayout = SlabAllocLayout {
+        call_site: u32::MAX,
+        ptr: u32::MAX,
+        bytes_req: u32::MAX,
+        bytes_alloc: u32::MAX,
+        gfp_flags: u32::MAX,
+        node: u32::MAX,
+    };
+    pub const fn zeroed() -> Self {
+        Self {
+            kmalloc: Self::NONE,
+            cache_alloc: Self::NONE,
+            kfree_ptr: u32::MAX,
+            cache_free_ptr: u32::MAX,
+            page_alloc_pfn: u32::MAX,
+            page_alloc_order: u32::MAX,
+            page_alloc_gfp: u32::MAX,
+            page_alloc_migratetype: u32::MAX,
+            page_free_pfn: u32::MAX,
+            page_free_order: u32::MAX,
+            page_free_batched_pfn: u32::MAX,
+            exec_filename: u32::MAX,
+            exit_group_dead: u32::MAX,
+            newtask_pid: u32::MAX,
+            newtask_clone_flags: u32::MAX,
+            rename_newcomm: u32::MAX,
+        }
+    }
+}
+
+/// Written by userspace into the programs' `.rodata` before load; the verifier then treats
+/// every field as a constant and prunes the branches that do not apply.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ProbeConfig {
+    /// memtrace's own tgid: never traced.
+    pub self_tgid: u32,
+    /// 1: every process (`record -a`); 0: only tgids in `TRACED`.
+    pub trace_all: u32,
+    /// Walk user stacks for user allocations.
+    pub user_stacks: u32,
+    /// Walk kernel stacks (and the user stack of the task they ran for) for kernel allocations.
+    pub kernel_stacks: u32,
+    /// The allocator is glibc's: read `malloc_usable_size` from the chunk header.
+    pub glibc_chunks: u32,
+    /// Wake the reader once this many bytes wait in a ring (others are submitted quietly;
+    /// the reader also polls on a timer).
+    pub wakeup_bytes: u32,
+    /// Emit frees of kernel blocks only if a traced task allocated them (pid mode), else all.
+    pub track_kernel_live: u32,
+    /// Add the children of traced processes to the traced set (`-- CMD`, `--follow-forks`).
+    pub follow_children: u32,
+    pub tp: TracepointLayout,
+}
+
+impl ProbeConfig {
+    pub const fn zeroed() -> Self {
+        Self {
+            self_tgid: 0,
+            trace_all: 0,
+            user_stacks: 0,
+            kernel_stacks: 0,
+            glibc_chunks: 0,
+            wakeup_bytes: 0,
+            track_kernel_live: 0,
+            follow_children: 0,
+            tp: TracepointLayout::zeroed(),
+        }
+    }
+}
+
+/// Per-thread state between an allocation function's entry and its return.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct InFlight {
+    pub kind: u8,
+    pub _pad: [u8; 3],
+    /// Allocator calls nested inside this one (realloc calling malloc): ignored.
+    pub depth: u32,
+    /// Stack pointer at entry; a call is nested only if it runs deeper than this.
+    pub sp: u64,
+    pub ts_entry: u64,
+    pub bytes_req: u64,
+    /// realloc/reallocarray: the old block; posix_memalign: where the result is stored.
+    pub ptr_arg: u64,
+}
+
+/// Mixes one stack word into a running hash (both sides compute it identically).
+#[inline(always)]
+pub const fn stack_hash_step(h: u64, word: u64) -> u64 {
+    (h.rotate_left(5) ^ word).wrapping_mul(0x517c_c1b7_2722_0a95)
+}
+
+/// Seeds of the user-only and the kernel+user stack hashes.
+pub const USER_STACK_SEED: u64 = 0x6d65_6d74_7261_6365;
+pub const KERNEL_STACK_SEED: u64 = 0x6b65_726e_656c_2b75;
+
+#[cfg(feature = "user")]
+mod pod {
+    use super::*;
+    // SAFETY: every type below is #[repr(C)], Copy, made only of integers and integer
+    // arrays, and has no padding (sizes are asserted below), so any bit pattern is valid.
+    unsafe impl aya::Pod for ProbeConfig {}
+    // SAFETY: as above.
+    unsafe impl aya::Pod for InFlight {}
+}
+
+const _: () = {
+    assert!(core::mem::size_of::<UserAllocRecord>() == 48);
+    assert!(core::mem::size_of::<FreeRecord>() == 32);
+    assert!(core::mem::size_of::<KernelAllocRecord>() == 64);
+    assert!(core::mem::size_of::<StackHeader>() == 16);
+    assert!(core::mem::size_of::<UserFrame>() == 32);
+    assert!(core::mem::size_of::<TaskRecord>() == 24 + COMM_LEN + FILENAME_LEN);
+    assert!(core::mem::size_of::<SlabAllocLayout>() == 24);
+    assert!(core::mem::size_of::<TracepointLayout>() == 48 + 14 * 4);
+    assert!(core::mem::size_of::<ProbeConfig>() == 32 + 48 + 14 * 4);
+    assert!(core::mem::size_of::<InFlight>() == 40);
+};

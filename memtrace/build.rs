@@ -1,0 +1,38 @@
+//! Builds the eBPF object (embedded by `src/probes`) with aya-build, and the bundled C
+//! workloads the demo, the tests and the benchmarks trace.
+use std::{env, path::PathBuf, process::Command};
+
+use anyhow::{Context as _, bail};
+
+/// (source, output name, extra compiler flags)
+const WORKLOADS: &[(&str, &str, &[&str])] =
+    &[("workloads/alloc_workload.c", "alloc_workload", &["-fno-omit-frame-pointer"])];
+
+fn main() -> anyhow::Result<()> {
+    let manifest_dir = PathBuf::from(env::var("CARGO_MANIFEST_DIR")?);
+    let ebpf_dir = manifest_dir.join("../memtrace-ebpf");
+    let ebpf_dir = ebpf_dir.to_str().context("non-UTF-8 path")?;
+    aya_build::build_ebpf(
+        [aya_build::Package { name: "memtrace-ebpf", root_dir: ebpf_dir, ..Default::default() }],
+        aya_build::Toolchain::default(),
+    )?;
+
+    let out_dir = PathBuf::from(env::var("OUT_DIR")?);
+    let cc = env::var("CC").unwrap_or_else(|_| "cc".into());
+    for (source, name, flags) in WORKLOADS {
+        println!("cargo:rerun-if-changed={source}");
+        let status = Command::new(&cc)
+            .args(["-O2", "-g", "-pthread", "-fno-builtin", "-Wall", "-Werror"])
+            .args(*flags)
+            .arg("-o")
+            .arg(out_dir.join(name))
+            .arg(manifest_dir.join(source))
+            .status()
+            .with_context(|| format!("running {cc} for {source} (install gcc: cargo xtask setup)"))?;
+        if !status.success() {
+            bail!("{cc} failed to build {source}");
+        }
+    }
+    println!("cargo:rustc-env=MEMTRACE_WORKLOAD_DIR={}", out_dir.display());
+    Ok(())
+}

@@ -1,0 +1,463 @@
+//! Pairing and aggregation, pure code with no BPF in it: events go in, in time order;
+//! per-group statistics and the blocks still live come out. A free is counted against the
+//! group that allocated the block. User blocks live in a per-process address space that
+//! ends at exec or exit (so a reused pid is a new space); kernel blocks in one space per
+//! machine.
+pub mod histogram;
+
+use std::collections::{BTreeMap, HashMap};
+
+use memtrace_common::{Kind, Space, TaskEvent, flags};
+use serde::Serialize;
+
+pub use self::histogram::Histogram;
+use crate::event::{Alloc, Event, Free};
+
+/// User or kernel.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Domain {
+    User,
+    Kernel,
+}
+
+impl Domain {
+    pub fn of(kind: Kind) -> Self {
+        if kind.is_kernel() { Self::Kernel } else { Self::User }
+    }
+}
+
+/// What identifies where an allocation came from, before any grouping.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct Origin {
+    /// Stack id + 1 (0: no stack).
+    pub stack: u64,
+    /// Kernel call site (0 for user allocations).
+    pub call_site: u64,
+    pub kind: Kind,
+    pub pid: u32,
+}
+
+impl Origin {
+    pub fn of(a: &Alloc) -> Self {
+        Self { stack: a.stack, call_site: a.call_site, kind: a.kind, pid: a.pid }
+    }
+}
+
+/// Figures of one group of allocations.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Stats {
+    pub allocs: u64,
+    pub frees: u64,
+    pub bytes_req: u64,
+    pub bytes_alloc: u64,
+    pub live_allocs: u64,
+    pub live_bytes_req: u64,
+    pub live_bytes_alloc: u64,
+    pub peak_live_bytes_req: u64,
+    /// Lifetimes (ns) of the blocks freed.
+    pub lifetimes: Histogram,
+    /// Freed by the allocating thread before it allocated anything else.
+    pub temporary: u64,
+    /// Kernel blocks freed on another CPU than the one that allocated them.
+    pub freed_on_other_cpu: u64,
+    /// Blocks still live when their process exec'd or exited.
+    pub leaked_at_exit: u64,
+}
+
+impl Stats {
+    fn on_alloc(&mut self, req: u64, alloc: u64) {
+        self.allocs += 1;
+        self.bytes_req += req;
+        self.bytes_alloc += alloc;
+        self.live_allocs += 1;
+        self.live_bytes_req += req;
+        self.live_bytes_alloc += alloc;
+        self.peak_live_bytes_req = self.peak_live_bytes_req.max(self.live_bytes_req);
+    }
+
+    fn on_free(&mut self, block: &LiveBlock) {
+        self.frees += 1;
+        self.live_allocs -= 1;
+        self.live_bytes_req -= block.bytes_req;
+        self.live_bytes_alloc -= block.bytes_alloc;
+    }
+
+    /// Adds another group's figures (the peak of a merge is an upper bound).
+    pub fn merge(&mut self, o: &Self) {
+        self.allocs += o.allocs;
+        self.frees += o.frees;
+        self.bytes_req += o.bytes_req;
+        self.bytes_alloc += o.bytes_alloc;
+        self.live_allocs += o.live_allocs;
+        self.live_bytes_req += o.live_bytes_req;
+        self.live_bytes_alloc += o.live_bytes_alloc;
+        self.peak_live_bytes_req += o.peak_live_bytes_req;
+        self.lifetimes.merge(&o.lifetimes);
+        self.temporary += o.temporary;
+        self.freed_on_other_cpu += o.freed_on_other_cpu;
+        self.leaked_at_exit += o.leaked_at_exit;
+    }
+
+    /// Internal fragmentation: the share of allocated bytes not asked for.
+    pub fn frag_pct(&self) -> f64 {
+        if self.bytes_alloc == 0 { 0.0 } else { 100.0 - 100.0 * self.bytes_req as f64 / self.bytes_alloc as f64 }
+    }
+
+    pub fn wasted(&self) -> u64 {
+        self.bytes_alloc.saturating_sub(self.bytes_req)
+    }
+}
+
+/// Per-domain totals, with what could not be paired.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Totals {
+    pub stats: Stats,
+    /// Frees of blocks whose allocation was not seen (allocated before tracing began).
+    pub unmatched_frees: u64,
+    /// Allocations at an address already live: the earlier block's free was not seen.
+    pub missed_frees: u64,
+    /// Frees of blocks already freed: the allocator releasing its own caches (glibc's
+    /// per-thread cache at thread exit), not the program's frees.
+    pub allocator_frees: u64,
+}
+
+/// Addresses a process freed recently (bounded), to recognise the allocator freeing the
+/// blocks it cached for reuse.
+#[derive(Default)]
+struct RecentFrees {
+    /// Address → sequence number of its latest insertion.
+    set: HashMap<u64, u64>,
+    order: std::collections::VecDeque<(u64, u64)>,
+    seq: u64,
+}
+
+impl RecentFrees {
+    const CAPACITY: usize = 4096;
+
+    fn insert(&mut self, addr: u64) {
+        self.seq += 1;
+        self.set.insert(addr, self.seq);
+        self.order.push_back((addr, self.seq));
+        while self.order.len() > Self::CAPACITY {
+            let Some((old, seq)) = self.order.pop_front() else {
+                break;
+            };
+            // Only the latest insertion of an address evicts it.
+            if self.set.get(&old) == Some(&seq) {
+                self.set.remove(&old);
+            }
+        }
+    }
+
+    fn remove(&mut self, addr: u64) {
+        self.set.remove(&addr);
+    }
+
+    fn contains(&self, addr: u64) -> bool {
+        self.set.contains_key(&addr)
+    }
+}
+
+/// A block not yet freed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LiveBlock {
+    pub group: u32,
+    pub ts_ns: u64,
+    pub bytes_req: u64,
+    pub bytes_alloc: u64,
+    pub cpu: u16,
+    pub pid: u32,
+    pub tid: u32,
+    pub stack: u64,
+    pub kind: Kind,
+    /// The block's process exec'd or exited while it was live.
+    pub orphaned: bool,
+}
+
+/// Address space of a block: the space kind and, for user spaces, the process instance.
+type SpaceKey = (Space, u32);
+
+/// Group id of allocations a report filters out: paired, so their frees are recognised,
+/// but counted nowhere.
+pub const EXCLUDED: u32 = u32::MAX;
+
+/// Pairs and aggregates. `G` maps an allocation's origin to a group id.
+pub struct Analyzer<G: FnMut(&Origin) -> u32> {
+    group_of: G,
+    group_cache: HashMap<Origin, u32>,
+    pub groups: Vec<Stats>,
+    pub totals: BTreeMap<Domain, Totals>,
+    /// User heap blocks, per process instance.
+    heap: HashMap<u32, HashMap<u64, LiveBlock>>,
+    /// Kernel blocks (slab objects, pages).
+    kernel: HashMap<(Space, u64), LiveBlock>,
+    /// mmap regions, per process instance; they are freed by range.
+    mmaps: BTreeMap<(u32, u64), (u64, LiveBlock)>,
+    /// Blocks whose process exec'd or exited while they were live.
+    orphans: Vec<LiveBlock>,
+    /// Per process instance: addresses freed lately.
+    recent_frees: HashMap<u32, RecentFrees>,
+    /// tid → unmatched heap frees since its last allocation.
+    pending_unmatched: HashMap<u32, u64>,
+    /// pid → current address-space instance.
+    instances: HashMap<u32, u32>,
+    next_instance: u32,
+    /// tid → its most recent allocation, for spotting temporaries.
+    last_alloc: HashMap<u32, (SpaceKey, u64)>,
+    pub last_ts: u64,
+    pub first_ts: Option<u64>,
+    pub events: u64,
+    /// While set, frees of unknown blocks are not counted (they belong to filtered-out
+    /// processes).
+    pub quiet_unmatched: bool,
+}
+
+impl<G: FnMut(&Origin) -> u32> Analyzer<G> {
+    pub fn new(group_of: G) -> Self {
+        Self {
+            group_of,
+            group_cache: HashMap::new(),
+            groups: Vec::new(),
+            totals: BTreeMap::new(),
+            heap: HashMap::new(),
+            kernel: HashMap::new(),
+            mmaps: BTreeMap::new(),
+            orphans: Vec::new(),
+            recent_frees: HashMap::new(),
+            pending_unmatched: HashMap::new(),
+            instances: HashMap::new(),
+            next_instance: 1,
+            last_alloc: HashMap::new(),
+            last_ts: 0,
+            first_ts: None,
+            events: 0,
+            quiet_unmatched: false,
+        }
+    }
+
+    fn instance(&mut self, pid: u32) -> u32 {
+        let next = &mut self.next_instance;
+        *self.instances.entry(pid).or_insert_with(|| {
+            let id = *next;
+            *next += 1;
+            id
+        })
+    }
+
+    fn space(&mut self, kind: Kind, pid: u32) -> SpaceKey {
+        let space = kind.space();
+        match space {
+            Space::Heap | Space::Mmap => (space, self.instance(pid)),
+            Space::Slab | Space::Page => (space, 0),
+        }
+    }
+
+    fn group(&mut self, origin: Origin) -> u32 {
+        if let Some(&g) = self.group_cache.get(&origin) {
+            return g;
+        }
+        let g = (self.group_of)(&origin);
+        if g != EXCLUDED && self.groups.len() <= g as usize {
+            self.groups.resize(g as usize + 1, Stats::default());
+        }
+        self.group_cache.insert(origin, g);
+        g
+    }
+
+    pub fn push(&mut self, event: &Event) {
+        self.events += 1;
+        let ts = event.ts_ns();
+        self.first_ts.get_or_insert(ts);
+        self.last_ts = self.last_ts.max(ts);
+        match event {
+            Event::Alloc(a) => self.alloc(a),
+            Event::Free(f) => self.free(f),
+            Event::Task(t) => {
+                if t.event == TaskEvent::Exit
+                    && let Some(n) = self.pending_unmatched.remove(&t.tid)
+                {
+                    self.totals.entry(Domain::User).or_default().allocator_frees += n;
+                }
+                let ends_space = match t.event {
+                    TaskEvent::Exec => true,
+                    TaskEvent::Exit => t.flags & flags::GROUP_DEAD != 0,
+                    _ => false,
+                };
+                if ends_space {
+                    self.end_process(t.pid);
+                }
+            }
+        }
+    }
+
+    fn totals(&mut self, kind: Kind) -> &mut Totals {
+        self.totals.entry(Domain::of(kind)).or_default()
+    }
+
+    fn alloc(&mut self, a: &Alloc) {
+        self.alloc_in(a, None);
+    }
+
+    /// Records an allocation the caller filtered out: paired, never counted.
+    pub fn push_excluded(&mut self, a: &Alloc) {
+        self.events += 1;
+        self.alloc_in(a, Some(EXCLUDED));
+    }
+
+    fn alloc_in(&mut self, a: &Alloc, forced_group: Option<u32>) {
+        if a.kind.space() == Space::Heap
+            && let Some(n) = self.pending_unmatched.remove(&a.tid)
+        {
+            self.totals.entry(Domain::User).or_default().unmatched_frees += n;
+        }
+        let space = self.space(a.kind, a.pid);
+        let group = match forced_group {
+            Some(g) => g,
+            None => self.group(Origin::of(a)),
+        };
+        let block = LiveBlock {
+            group,
+            ts_ns: a.ts_ns,
+            bytes_req: a.bytes_req,
+            bytes_alloc: a.bytes_alloc,
+            cpu: a.cpu,
+            pid: a.pid,
+            tid: a.tid,
+            stack: a.stack,
+            kind: a.kind,
+            orphaned: false,
+        };
+        let replaced = match space.0 {
+            Space::Mmap => self.mmaps.insert((space.1, a.ptr), (a.bytes_alloc, block)).map(|(_, b)| b),
+            Space::Heap => {
+                if let Some(recent) = self.recent_frees.get_mut(&space.1) {
+                    recent.remove(a.ptr);
+                }
+                self.heap.entry(space.1).or_default().insert(a.ptr, block)
+            }
+            Space::Slab | Space::Page => self.kernel.insert((space.0, a.ptr), block),
+        };
+        if let Some(old) = replaced
+            && old.group != EXCLUDED
+        {
+            // The old block's free was never seen: retire it silently as freed.
+            self.groups[old.group as usize].on_free(&old);
+            self.totals(old.kind).stats.on_free(&old);
+            self.totals(a.kind).missed_frees += 1;
+        }
+        self.last_alloc.insert(a.tid, (space, a.ptr));
+        if group == EXCLUDED {
+            return;
+        }
+        self.groups[group as usize].on_alloc(a.bytes_req, a.bytes_alloc);
+        self.totals(a.kind).stats.on_alloc(a.bytes_req, a.bytes_alloc);
+    }
+
+    fn retire(&mut self, block: LiveBlock, f: &Free, temporary: bool) {
+        if block.group == EXCLUDED {
+            return;
+        }
+        let g = &mut self.groups[block.group as usize];
+        g.on_free(&block);
+        g.lifetimes.record(f.ts_ns.saturating_sub(block.ts_ns));
+        if temporary {
+            g.temporary += 1;
+        }
+        let other_cpu = block.kind.is_kernel() && block.cpu != f.cpu;
+        if other_cpu {
+            g.freed_on_other_cpu += 1;
+        }
+        let t = self.totals(block.kind);
+        t.stats.on_free(&block);
+        t.stats.lifetimes.record(f.ts_ns.saturating_sub(block.ts_ns));
+        if temporary {
+            t.stats.temporary += 1;
+        }
+        if other_cpu {
+            t.stats.freed_on_other_cpu += 1;
+        }
+    }
+
+    fn free(&mut self, f: &Free) {
+        let space = self.space(f.kind, f.pid);
+        if space.0 == Space::Mmap {
+            // munmap frees every region starting inside [ptr, ptr + len); unmaps of regions
+            // never seen mapped are the allocator's own (large chunks) and are ignored.
+            let end = f.ptr.saturating_add(u64::from(f.arg.max(1)) * 4096);
+            let keys: Vec<(u32, u64)> = self.mmaps.range((space.1, f.ptr)..(space.1, end)).map(|(k, _)| *k).collect();
+            for key in keys {
+                let (_, block) = self.mmaps.remove(&key).expect("key from range");
+                self.retire(block, f, false);
+            }
+            return;
+        }
+        let found = match space.0 {
+            Space::Heap => self.heap.get_mut(&space.1).and_then(|m| m.remove(&f.ptr)),
+            _ => self.kernel.remove(&(space.0, f.ptr)),
+        };
+        match found {
+            Some(block) => {
+                if space.0 == Space::Heap {
+                    self.recent_frees.entry(space.1).or_default().insert(f.ptr);
+                }
+                let temporary = self.last_alloc.get(&f.tid) == Some(&(space, f.ptr));
+                if temporary {
+                    self.last_alloc.remove(&f.tid);
+                }
+                self.retire(block, f, temporary);
+            }
+            None if self.quiet_unmatched => {}
+            None if space.0 == Space::Heap && self.recent_frees.get(&space.1).is_some_and(|r| r.contains(f.ptr)) => {
+                self.totals(f.kind).allocator_frees += 1;
+            }
+            // Decided later: at thread exit glibc frees its per-thread cache, chunks the
+            // program never saw included; such frees come after the thread's last allocation.
+            None if space.0 == Space::Heap => *self.pending_unmatched.entry(f.tid).or_default() += 1,
+            None => self.totals(f.kind).unmatched_frees += 1,
+        }
+    }
+
+    /// The process's address space is gone: its live blocks stay counted as live (leaked at
+    /// exit) but can no longer be freed; later events of the pid start a new space.
+    fn end_process(&mut self, pid: u32) {
+        let Some(instance) = self.instances.remove(&pid) else {
+            return;
+        };
+        self.recent_frees.remove(&instance);
+        let mut gone: Vec<LiveBlock> = self.heap.remove(&instance).unwrap_or_default().into_values().collect();
+        let regions: Vec<(u32, u64)> =
+            self.mmaps.range((instance, 0)..=(instance, u64::MAX)).map(|(k, _)| *k).collect();
+        gone.extend(regions.iter().filter_map(|k| self.mmaps.remove(k)).map(|(_, b)| b));
+        for mut block in gone {
+            if block.group == EXCLUDED {
+                continue;
+            }
+            block.orphaned = true;
+            self.groups[block.group as usize].leaked_at_exit += 1;
+            self.orphans.push(block);
+        }
+    }
+
+    /// Settles what is still undecided; call once after the last event.
+    pub fn finish(&mut self) {
+        let pending: u64 = self.pending_unmatched.drain().map(|(_, n)| n).sum();
+        if pending > 0 {
+            self.totals.entry(Domain::User).or_default().unmatched_frees += pending;
+        }
+    }
+
+    /// Every block still live, user and kernel (orphans included), filtered ones excepted.
+    pub fn live_blocks(&self) -> impl Iterator<Item = &LiveBlock> {
+        self.heap
+            .values()
+            .flat_map(|m| m.values())
+            .chain(self.kernel.values())
+            .chain(self.mmaps.values().map(|(_, b)| b))
+            .chain(self.orphans.iter())
+            .filter(|b| b.group != EXCLUDED)
+    }
+}
+
+#[cfg(test)]
+mod tests;

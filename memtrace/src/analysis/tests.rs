@@ -1,0 +1,212 @@
+//! Pairing and aggregation on hand-written event sequences.
+use memtrace_common::{Kind, TaskEvent, flags};
+
+use super::*;
+use crate::event::{Alloc, Event, Free, Task};
+
+#[allow(clippy::too_many_arguments, reason = "a compact way to write test events")]
+fn alloc(ts: u64, pid: u32, tid: u32, kind: Kind, ptr: u64, req: u64, alloc: u64, stack: u64) -> Event {
+    Event::Alloc(Alloc {
+        ts_ns: ts,
+        pid,
+        tid,
+        cpu: 0,
+        kind,
+        flags: 0,
+        ptr,
+        bytes_req: req,
+        bytes_alloc: alloc,
+        stack,
+        call_site: 0,
+        gfp_flags: 0,
+        node: -1,
+        order: 0,
+    })
+}
+
+fn free(ts: u64, pid: u32, tid: u32, kind: Kind, ptr: u64) -> Event {
+    Event::Free(Free { ts_ns: ts, pid, tid, cpu: 0, kind, flags: 0, ptr, arg: 0 })
+}
+
+fn exit(ts: u64, pid: u32) -> Event {
+    Event::Task(Task {
+        ts_ns: ts,
+        event: TaskEvent::Exit,
+        flags: flags::GROUP_DEAD,
+        pid,
+        tid: pid,
+        ppid: 0,
+        comm: String::new(),
+        filename: String::new(),
+    })
+}
+
+/// Groups by stack id.
+fn by_stack() -> Analyzer<impl FnMut(&Origin) -> u32 + use<>> {
+    Analyzer::new(|o: &Origin| o.stack as u32)
+}
+
+fn run(events: &[Event]) -> Analyzer<impl FnMut(&Origin) -> u32 + use<>> {
+    let mut a = by_stack();
+    for e in events {
+        a.push(e);
+    }
+    a.finish();
+    a
+}
+
+#[test]
+fn frees_count_against_the_allocating_site() {
+    let a = run(&[
+        alloc(1, 10, 10, Kind::Malloc, 0x1000, 24, 40, 1),
+        alloc(2, 10, 11, Kind::Malloc, 0x2000, 100, 104, 2),
+        free(3, 10, 11, Kind::Free, 0x1000), // another thread frees site 1's block
+    ]);
+    let s1 = &a.groups[1];
+    assert_eq!((s1.allocs, s1.frees, s1.live_allocs, s1.live_bytes_req), (1, 1, 0, 0));
+    assert_eq!(s1.lifetimes.count(), 1);
+    let s2 = &a.groups[2];
+    assert_eq!((s2.allocs, s2.frees, s2.live_allocs, s2.live_bytes_req), (1, 0, 1, 100));
+    let user = &a.totals[&Domain::User];
+    assert_eq!((user.stats.allocs, user.stats.bytes_req, user.stats.bytes_alloc), (2, 124, 144));
+    assert_eq!(user.stats.frag_pct(), 100.0 - 100.0 * 124.0 / 144.0);
+}
+
+#[test]
+fn a_realloc_is_a_free_and_an_allocation() {
+    let mut old_free = free(5, 1, 1, Kind::Free, 0x1000);
+    if let Event::Free(f) = &mut old_free {
+        f.flags = flags::BY_REALLOC;
+    }
+    let a = run(&[
+        alloc(1, 1, 1, Kind::Malloc, 0x1000, 10, 24, 1),
+        old_free,
+        alloc(6, 1, 1, Kind::Realloc, 0x3000, 500, 504, 2),
+    ]);
+    assert_eq!((a.groups[1].frees, a.groups[1].live_allocs), (1, 0));
+    assert_eq!((a.groups[2].allocs, a.groups[2].live_bytes_req), (1, 500));
+}
+
+#[test]
+fn frees_of_unknown_blocks_are_counted_not_paired() {
+    let a = run(&[free(1, 1, 1, Kind::Free, 0xdead), free(2, 0, 0, Kind::Kfree, 0xbeef)]);
+    assert_eq!(a.totals[&Domain::User].unmatched_frees, 1);
+    assert_eq!(a.totals[&Domain::Kernel].unmatched_frees, 1);
+    assert_eq!(a.totals[&Domain::User].stats.frees, 0);
+}
+
+#[test]
+fn a_reused_pid_is_a_new_address_space() {
+    let a = run(&[
+        alloc(1, 7, 7, Kind::Malloc, 0x1000, 8, 24, 1),
+        exit(2, 7),
+        // Same pid, same address: another process. Its free must not free the old block.
+        free(3, 7, 7, Kind::Free, 0x1000),
+        alloc(4, 7, 7, Kind::Malloc, 0x1000, 16, 24, 2),
+    ]);
+    assert_eq!((a.groups[1].live_allocs, a.groups[1].leaked_at_exit, a.groups[1].frees), (1, 1, 0));
+    assert_eq!(a.totals[&Domain::User].unmatched_frees, 1);
+    assert_eq!(a.totals[&Domain::User].missed_frees, 0);
+    assert_eq!(a.live_blocks().count(), 2);
+}
+
+#[test]
+fn kernel_blocks_pair_across_processes_and_cpus() {
+    let mut k = alloc(1, 5, 5, Kind::KmemCacheAlloc, 0xffff_1000, 64, 64, 1);
+    if let Event::Alloc(a) = &mut k {
+        a.cpu = 0;
+    }
+    let mut f = free(2, 0, 0, Kind::Kfree, 0xffff_1000);
+    if let Event::Free(f) = &mut f {
+        f.cpu = 1;
+    }
+    let a = run(&[k, f]);
+    assert_eq!((a.groups[1].frees, a.groups[1].freed_on_other_cpu), (1, 1));
+}
+
+#[test]
+fn munmap_frees_every_region_in_its_range_and_ignores_the_rest() {
+    let mut unmap = free(4, 1, 1, Kind::Munmap, 0x10000);
+    if let Event::Free(f) = &mut unmap {
+        f.arg = 3; // three pages: covers the first two regions
+    }
+    let a = run(&[
+        alloc(1, 1, 1, Kind::Mmap, 0x10000, 4096, 4096, 1),
+        alloc(2, 1, 1, Kind::Mmap, 0x11000, 4096, 4096, 1),
+        alloc(3, 1, 1, Kind::Mmap, 0x20000, 8192, 8192, 2),
+        unmap,
+        free(5, 1, 1, Kind::Munmap, 0x90000), // the allocator's own chunk: not ours
+    ]);
+    assert_eq!((a.groups[1].frees, a.groups[1].live_allocs), (2, 0));
+    assert_eq!(a.groups[2].live_allocs, 1);
+    assert_eq!(a.totals[&Domain::User].unmatched_frees, 0);
+}
+
+#[test]
+fn a_free_right_after_the_allocation_is_temporary() {
+    let a = run(&[
+        alloc(1, 1, 1, Kind::Malloc, 0x1000, 8, 24, 1),
+        free(2, 1, 1, Kind::Free, 0x1000), // temporary
+        alloc(3, 1, 1, Kind::Malloc, 0x2000, 8, 24, 1),
+        alloc(4, 1, 1, Kind::Malloc, 0x3000, 8, 24, 1),
+        free(5, 1, 1, Kind::Free, 0x2000), // not: another allocation came between
+    ]);
+    assert_eq!(a.groups[1].temporary, 1);
+    assert_eq!(a.groups[1].frees, 2);
+}
+
+#[test]
+fn an_allocation_over_a_live_block_retires_it() {
+    let a = run(&[alloc(1, 1, 1, Kind::Malloc, 0x1000, 8, 24, 1), alloc(2, 1, 1, Kind::Malloc, 0x1000, 8, 24, 2)]);
+    assert_eq!(a.totals[&Domain::User].missed_frees, 1);
+    assert_eq!(a.groups[1].live_allocs, 0);
+    assert_eq!(a.totals[&Domain::User].stats.live_allocs, 1);
+}
+
+#[test]
+fn peak_live_bytes_is_the_high_water_mark() {
+    let a = run(&[
+        alloc(1, 1, 1, Kind::Malloc, 0x1000, 100, 112, 1),
+        alloc(2, 1, 1, Kind::Malloc, 0x2000, 50, 56, 1),
+        free(3, 1, 1, Kind::Free, 0x1000),
+        alloc(4, 1, 1, Kind::Malloc, 0x3000, 20, 24, 1),
+    ]);
+    assert_eq!(a.groups[1].peak_live_bytes_req, 150);
+    assert_eq!(a.groups[1].live_bytes_req, 70);
+}
+
+#[test]
+fn the_allocator_releasing_its_cache_is_not_an_unmatched_free() {
+    let a = run(&[
+        alloc(1, 1, 1, Kind::Malloc, 0x1000, 8, 24, 1),
+        free(2, 1, 1, Kind::Free, 0x1000),
+        // glibc's tcache teardown at thread exit frees the cached chunk again.
+        free(3, 1, 1, Kind::Free, 0x1000),
+        // Reallocated, freed, and an unknown block.
+        alloc(4, 1, 1, Kind::Malloc, 0x1000, 8, 24, 1),
+        free(5, 1, 1, Kind::Free, 0x1000),
+        free(6, 1, 1, Kind::Free, 0x2000),
+    ]);
+    let user = &a.totals[&Domain::User];
+    assert_eq!((user.allocator_frees, user.unmatched_frees, user.stats.frees), (1, 1, 2));
+}
+
+#[test]
+fn frees_after_a_threads_last_allocation_before_it_exits_are_the_allocators() {
+    let mut thread_exit = exit(9, 1);
+    if let Event::Task(t) = &mut thread_exit {
+        t.tid = 2;
+        t.flags = 0;
+    }
+    let a = run(&[
+        alloc(1, 1, 2, Kind::Malloc, 0x1000, 8, 24, 1),
+        free(2, 1, 2, Kind::Free, 0x5000), // unknown, then the thread allocates: unmatched
+        alloc(3, 1, 2, Kind::Malloc, 0x2000, 8, 24, 1),
+        free(4, 1, 2, Kind::Free, 0x6000), // unknown, then the thread exits: allocator's
+        free(5, 1, 2, Kind::Free, 0x7000),
+        thread_exit,
+        free(10, 1, 3, Kind::Free, 0x8000), // unknown, thread 3 never exits: unmatched
+    ]);
+    let user = &a.totals[&Domain::User];
+    assert_eq!((user.unmatched_frees, user.allocator_frees), (2, 2));
+}

@@ -1,0 +1,141 @@
+//! Just enough ELF reading for memtrace: defined function symbols and their file offsets
+//! (where uprobes go), DT_NEEDED / RUNPATH (to find the allocator a program will load), and
+//! GNU build ids (to name code independently of where it was mapped).
+use std::{collections::HashMap, fs::File, path::Path};
+
+use anyhow::{Context as _, Result};
+use memmap2::Mmap;
+use object::{
+    Endianness, Object as _, ObjectSymbol as _, SymbolKind, elf,
+    read::elf::{Dyn as _, ElfFile64, FileHeader as _, ProgramHeader as _},
+};
+
+/// An ELF file mapped read-only.
+pub struct ElfFile {
+    map: Mmap,
+}
+
+impl ElfFile {
+    pub fn open(path: &Path) -> Result<Self> {
+        let file = File::open(path).with_context(|| format!("opening {}", path.display()))?;
+        // SAFETY: the mapping is read-only and private; a concurrent truncation of the file
+        // could fault, which is the same risk every ELF reader (including ld.so) accepts.
+        let map = unsafe { Mmap::map(&file) }.with_context(|| format!("mapping {}", path.display()))?;
+        Ok(Self { map })
+    }
+
+    fn parse(&self) -> Result<ElfFile64<'_, Endianness>> {
+        ElfFile64::parse(&*self.map).context("not a 64-bit ELF file")
+    }
+
+    pub fn build_id(&self) -> Option<Vec<u8>> {
+        let file = self.parse().ok()?;
+        file.build_id().ok().flatten().map(<[u8]>::to_vec)
+    }
+
+    /// File offsets of the defined functions among `names` (dynamic symbols first, then the
+    /// full symbol table for static executables).
+    pub fn function_offsets(&self, names: &[&str]) -> Result<HashMap<String, u64>> {
+        let file = self.parse()?;
+        let mut found = HashMap::new();
+        for symbol in file.dynamic_symbols().chain(file.symbols()) {
+            if symbol.kind() != SymbolKind::Text || !symbol.is_definition() {
+                continue;
+            }
+            let Ok(name) = symbol.name() else { continue };
+            // Versioned dynamic names ("malloc@@GLIBC_2.2.5") are not in .dynsym names.
+            if !names.contains(&name) || found.contains_key(name) {
+                continue;
+            }
+            if let Some(offset) = vaddr_to_file_offset(&file, symbol.address()) {
+                found.insert(name.to_string(), offset);
+            }
+        }
+        Ok(found)
+    }
+
+    /// DT_NEEDED names and the RUNPATH/RPATH search directories (raw, `$ORIGIN` unexpanded).
+    pub fn dynamic_deps(&self) -> Result<(Vec<String>, Vec<String>)> {
+        let file = self.parse()?;
+        let endian = file.endian();
+        let data = &*self.map;
+        let sections = file.elf_section_table();
+        let mut needed = Vec::new();
+        let mut runpath = Vec::new();
+        // The index returned with the entries is the section's link: its string table.
+        let Some((entries, strings_index)) = sections.dynamic(endian, data)? else {
+            return Ok((needed, runpath));
+        };
+        let strings = sections.strings(endian, data, strings_index)?;
+        for entry in entries {
+            let Some(tag) = entry.tag32(endian) else {
+                continue;
+            };
+            if !matches!(tag, elf::DT_NEEDED | elf::DT_RUNPATH | elf::DT_RPATH) {
+                continue;
+            }
+            let Ok(value) = entry.string(endian, strings) else {
+                continue;
+            };
+            let value = String::from_utf8_lossy(value).into_owned();
+            if tag == elf::DT_NEEDED {
+                needed.push(value);
+            } else {
+                runpath.extend(value.split(':').filter(|s| !s.is_empty()).map(str::to_string));
+            }
+        }
+        Ok((needed, runpath))
+    }
+
+    /// Whether the file has a `.text` section (a real code object, not a data file).
+    pub fn has_text(&self) -> bool {
+        self.parse().map(|f| f.section_by_name(".text").is_some()).unwrap_or(false)
+    }
+}
+
+fn vaddr_to_file_offset(file: &ElfFile64<'_, Endianness>, vaddr: u64) -> Option<u64> {
+    let endian = file.endian();
+    let headers = file.elf_header().program_headers(endian, file.data()).ok()?;
+    headers.iter().find_map(|ph| {
+        let start = ph.p_vaddr(endian);
+        let end = start + ph.p_filesz(endian);
+        (ph.p_type(endian) == elf::PT_LOAD && (start..end).contains(&vaddr))
+            .then(|| vaddr - start + ph.p_offset(endian))
+    })
+}
+
+/// Build id of the ELF file at `path`, if it has one.
+pub fn build_id(path: &Path) -> Option<Vec<u8>> {
+    ElfFile::open(path).ok()?.build_id()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn libc_path() -> std::path::PathBuf {
+        crate::procfs::Maps::read_self()
+            .unwrap()
+            .file_mappings()
+            .map(|m| m.path.clone())
+            .find(|p| p.file_name().is_some_and(|n| n.to_string_lossy().starts_with("libc.so")))
+            .expect("test binary maps libc")
+    }
+
+    #[test]
+    fn finds_malloc_and_its_build_id_in_our_own_libc() {
+        let libc = ElfFile::open(&libc_path()).unwrap();
+        let offsets = libc.function_offsets(&["malloc", "free", "no_such_function"]).unwrap();
+        assert!(offsets["malloc"] > 0);
+        assert!(offsets["free"] > 0);
+        assert!(!offsets.contains_key("no_such_function"));
+        assert_eq!(libc.build_id().map(|id| id.len()), Some(20));
+    }
+
+    #[test]
+    fn reads_needed_libraries_of_our_own_executable() {
+        let exe = ElfFile::open(&std::env::current_exe().unwrap()).unwrap();
+        let (needed, _) = exe.dynamic_deps().unwrap();
+        assert!(needed.iter().any(|n| n.starts_with("libc.so")), "{needed:?}");
+    }
+}

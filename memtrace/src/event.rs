@@ -1,0 +1,372 @@
+//! Decoded events: what the probes reported, as owned Rust values, and the length-checked
+//! decoding of raw ring records into them. Everything downstream (the recording file,
+//! pairing, aggregation, `top`) works on these types.
+use memtrace_common::{
+    FreeRecord, KernelAllocRecord, Kind, RecordType, StackHeader, TaskEvent, TaskRecord, UserAllocRecord, UserFrame,
+    flags,
+};
+use thiserror::Error;
+
+/// An allocation, user or kernel.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Alloc {
+    pub ts_ns: u64,
+    pub pid: u32,
+    pub tid: u32,
+    pub cpu: u16,
+    pub kind: Kind,
+    pub flags: u8,
+    pub ptr: u64,
+    pub bytes_req: u64,
+    pub bytes_alloc: u64,
+    /// Stack hash (0: none).
+    pub stack: u64,
+    /// Kernel: the requesting function's address (0 for user and page allocations).
+    pub call_site: u64,
+    pub gfp_flags: u32,
+    /// NUMA node asked for; pages: migrate type.
+    pub node: i32,
+    /// Pages: allocation order.
+    pub order: u8,
+}
+
+/// A free of any space.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Free {
+    pub ts_ns: u64,
+    pub pid: u32,
+    pub tid: u32,
+    pub cpu: u16,
+    pub kind: Kind,
+    pub flags: u8,
+    pub ptr: u64,
+    /// munmap: length in pages; page free: order.
+    pub arg: u32,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Task {
+    pub ts_ns: u64,
+    pub event: TaskEvent,
+    pub flags: u8,
+    pub pid: u32,
+    pub tid: u32,
+    pub ppid: u32,
+    pub comm: String,
+    /// Exec only: the file exec'd.
+    pub filename: String,
+}
+
+/// A time-ordered event.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Event {
+    Alloc(Alloc),
+    Free(Free),
+    Task(Task),
+}
+
+impl Event {
+    pub fn ts_ns(&self) -> u64 {
+        match self {
+            Self::Alloc(a) => a.ts_ns,
+            Self::Free(f) => f.ts_ns,
+            Self::Task(t) => t.ts_ns,
+        }
+    }
+}
+
+/// One event as a line of text (`memtrace dump`).
+pub struct Line<'a>(pub &'a Event);
+
+impl std::fmt::Display for Line<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let ts = self.0.ts_ns();
+        write!(f, "{:>6}.{:09} ", ts / 1_000_000_000, ts % 1_000_000_000)?;
+        match self.0 {
+            Event::Alloc(a) => {
+                write!(
+                    f,
+                    "{}/{} cpu{} {} 0x{:x} req={} alloc={} stack={}",
+                    a.pid,
+                    a.tid,
+                    a.cpu,
+                    a.kind.name(),
+                    a.ptr,
+                    a.bytes_req,
+                    a.bytes_alloc,
+                    a.stack
+                )?;
+                if a.kind.is_kernel() {
+                    write!(f, " call_site=0x{:x} gfp=0x{:x} node={}", a.call_site, a.gfp_flags, a.node)?;
+                }
+                Ok(())
+            }
+            Event::Free(x) => {
+                write!(f, "{}/{} cpu{} {} 0x{:x}", x.pid, x.tid, x.cpu, x.kind.name(), x.ptr)?;
+                if x.flags & flags::BY_REALLOC != 0 {
+                    f.write_str(" (realloc)")?;
+                }
+                if x.arg != 0 {
+                    write!(f, " arg={}", x.arg)?;
+                }
+                Ok(())
+            }
+            Event::Task(t) => {
+                write!(f, "{}/{} {:?} comm={} ppid={} {}", t.pid, t.tid, t.event, t.comm, t.ppid, t.filename)
+            }
+        }
+    }
+}
+
+/// A user frame: a position in an object named by build id, or a bare address.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum RawUserFrame {
+    BuildId { build_id: [u8; 20], offset: u64 },
+    Ip(u64),
+}
+
+/// The frames behind a stack hash.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StackRecord {
+    pub hash: u64,
+    pub pid: u32,
+    /// Kernel addresses, innermost first.
+    pub kernel: Vec<u64>,
+    /// User frames, innermost first.
+    pub user: Vec<RawUserFrame>,
+}
+
+/// One decoded ring record.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Record {
+    Event(Event),
+    Stack(StackRecord),
+}
+
+#[derive(Debug, Error, PartialEq, Eq)]
+pub enum DecodeError {
+    #[error("empty record")]
+    Empty,
+    #[error("unknown record type {0}")]
+    UnknownType(u8),
+    #[error("record of type {rtype:?} is {len} bytes, needs {need}")]
+    Truncated { rtype: RecordType, len: usize, need: usize },
+    #[error("unknown allocation kind {0}")]
+    UnknownKind(u8),
+    #[error("unknown task event {0}")]
+    UnknownTaskEvent(u8),
+}
+
+/// Copies a `T` out of the front of `bytes` after checking the length.
+fn read<T: Copy>(bytes: &[u8], rtype: RecordType) -> Result<T, DecodeError> {
+    let need = size_of::<T>();
+    if bytes.len() < need {
+        return Err(DecodeError::Truncated { rtype, len: bytes.len(), need });
+    }
+    // SAFETY: `bytes` holds at least size_of::<T>() bytes (checked above); T is one of the
+    // plain-data records of memtrace-common, valid for any bit pattern; read_unaligned
+    // imposes no alignment requirement.
+    Ok(unsafe { std::ptr::read_unaligned(bytes.as_ptr().cast::<T>()) })
+}
+
+fn kind(v: u8) -> Result<Kind, DecodeError> {
+    Kind::from_u8(v).ok_or(DecodeError::UnknownKind(v))
+}
+
+fn c_string(bytes: &[u8]) -> String {
+    let end = bytes.iter().position(|&b| b == 0).unwrap_or(bytes.len());
+    String::from_utf8_lossy(&bytes[..end]).into_owned()
+}
+
+/// Decodes one ring record read from CPU `cpu`'s ring.
+pub fn decode(bytes: &[u8], cpu: u16) -> Result<Record, DecodeError> {
+    let &first = bytes.first().ok_or(DecodeError::Empty)?;
+    let rtype = RecordType::from_u8(first).ok_or(DecodeError::UnknownType(first))?;
+    Ok(match rtype {
+        RecordType::UserAlloc => {
+            let r: UserAllocRecord = read(bytes, rtype)?;
+            Record::Event(Event::Alloc(Alloc {
+                ts_ns: r.ts_ns,
+                pid: r.pid,
+                tid: r.tid,
+                cpu,
+                kind: kind(r.kind)?,
+                flags: r.flags,
+                ptr: r.ptr,
+                bytes_req: r.bytes_req,
+                bytes_alloc: r.bytes_req + u64::from(r.bytes_extra),
+                stack: if r.flags & flags::HAS_STACK != 0 { r.stack } else { 0 },
+                call_site: 0,
+                gfp_flags: 0,
+                node: -1,
+                order: 0,
+            }))
+        }
+        RecordType::KernelAlloc => {
+            let r: KernelAllocRecord = read(bytes, rtype)?;
+            Record::Event(Event::Alloc(Alloc {
+                ts_ns: r.ts_ns,
+                pid: r.pid,
+                tid: r.tid,
+                cpu,
+                kind: kind(r.kind)?,
+                flags: r.flags,
+                ptr: r.ptr,
+                bytes_req: u64::from(r.bytes_req),
+                bytes_alloc: u64::from(r.bytes_alloc),
+                stack: if r.flags & flags::HAS_STACK != 0 { r.stack } else { 0 },
+                call_site: r.call_site,
+                gfp_flags: r.gfp_flags,
+                node: r.node,
+                order: r.order,
+            }))
+        }
+        RecordType::Free => {
+            let r: FreeRecord = read(bytes, rtype)?;
+            Record::Event(Event::Free(Free {
+                ts_ns: r.ts_ns,
+                pid: r.pid,
+                tid: r.tid,
+                cpu,
+                kind: kind(r.kind)?,
+                flags: r.flags,
+                ptr: r.ptr,
+                arg: r.arg,
+            }))
+        }
+        RecordType::Task => {
+            let r: TaskRecord = read(bytes, rtype)?;
+            let event = TaskEvent::from_u8(r.event).ok_or(DecodeError::UnknownTaskEvent(r.event))?;
+            Record::Event(Event::Task(Task {
+                ts_ns: r.ts_ns,
+                event,
+                flags: r.flags,
+                pid: r.pid,
+                tid: r.tid,
+                ppid: r.ppid,
+                comm: c_string(&r.comm),
+                filename: c_string(&r.filename),
+            }))
+        }
+        RecordType::Stack => {
+            let h: StackHeader = read(bytes, rtype)?;
+            let kernel_bytes = usize::from(h.n_kernel) * 8;
+            let user_bytes = usize::from(h.n_user) * size_of::<UserFrame>();
+            let need = size_of::<StackHeader>() + kernel_bytes + user_bytes;
+            if bytes.len() < need {
+                return Err(DecodeError::Truncated { rtype, len: bytes.len(), need });
+            }
+            let body = &bytes[size_of::<StackHeader>()..need];
+            let (kernel_part, user_part) = body.split_at(kernel_bytes);
+            let kernel = kernel_part
+                .chunks_exact(8)
+                .map(|c| u64::from_ne_bytes(c.try_into().expect("8-byte chunk")))
+                .take_while(|&ip| ip != 0)
+                .collect();
+            let user = user_part
+                .chunks_exact(size_of::<UserFrame>())
+                .map(|c| read::<UserFrame>(c, rtype))
+                .collect::<Result<Vec<_>, _>>()?
+                .into_iter()
+                .filter_map(|f| match f.status {
+                    UserFrame::BUILD_ID_VALID => {
+                        Some(RawUserFrame::BuildId { build_id: f.build_id, offset: f.offset_or_ip })
+                    }
+                    UserFrame::BUILD_ID_IP if f.offset_or_ip != 0 => Some(RawUserFrame::Ip(f.offset_or_ip)),
+                    _ => None,
+                })
+                .collect();
+            Record::Stack(StackRecord { hash: h.hash, pid: h.pid, kernel, user })
+        }
+    })
+}
+
+#[cfg(test)]
+pub(crate) mod tests {
+    use super::*;
+
+    pub fn bytes_of<T: Copy>(value: &T) -> Vec<u8> {
+        // SAFETY: T is a padding-free plain-data record; viewing it as bytes is sound.
+        unsafe { std::slice::from_raw_parts((value as *const T).cast::<u8>(), size_of::<T>()) }.to_vec()
+    }
+
+    fn user_alloc() -> UserAllocRecord {
+        UserAllocRecord {
+            rtype: RecordType::UserAlloc as u8,
+            kind: Kind::Calloc as u8,
+            flags: flags::HAS_STACK | flags::USABLE_EXACT,
+            _pad: 0,
+            pid: 10,
+            tid: 11,
+            bytes_extra: 8,
+            ts_ns: 1000,
+            ptr: 0x5555_0000,
+            bytes_req: 40,
+            stack: 0xabcd,
+        }
+    }
+
+    #[test]
+    fn decodes_a_user_allocation() {
+        let rec = decode(&bytes_of(&user_alloc()), 3).unwrap();
+        let Record::Event(Event::Alloc(a)) = rec else { panic!("{rec:?}") };
+        assert_eq!((a.kind, a.bytes_req, a.bytes_alloc, a.stack, a.cpu), (Kind::Calloc, 40, 48, 0xabcd, 3));
+    }
+
+    #[test]
+    fn a_stack_hash_without_the_flag_is_ignored() {
+        let mut r = user_alloc();
+        r.flags = 0;
+        let Record::Event(Event::Alloc(a)) = decode(&bytes_of(&r), 0).unwrap() else { panic!() };
+        assert_eq!(a.stack, 0);
+    }
+
+    #[test]
+    fn every_short_prefix_is_rejected() {
+        let bytes = bytes_of(&user_alloc());
+        for len in 1..bytes.len() {
+            assert_eq!(
+                decode(&bytes[..len], 0),
+                Err(DecodeError::Truncated { rtype: RecordType::UserAlloc, len, need: 48 })
+            );
+        }
+        assert_eq!(decode(&[], 0), Err(DecodeError::Empty));
+        assert_eq!(decode(&[99; 64], 0), Err(DecodeError::UnknownType(99)));
+    }
+
+    #[test]
+    fn unknown_kinds_are_errors() {
+        let mut r = user_alloc();
+        r.kind = 200;
+        assert_eq!(decode(&bytes_of(&r), 0), Err(DecodeError::UnknownKind(200)));
+    }
+
+    #[test]
+    fn decodes_stacks_with_both_parts() {
+        let header = StackHeader { rtype: RecordType::Stack as u8, _pad: 0, n_kernel: 2, n_user: 2, pid: 7, hash: 99 };
+        let mut bytes = bytes_of(&header);
+        bytes.extend(0xffff_ffff_8100_0000u64.to_ne_bytes());
+        bytes.extend(0xffff_ffff_8200_0000u64.to_ne_bytes());
+        let valid = UserFrame { status: UserFrame::BUILD_ID_VALID, build_id: [7; 20], offset_or_ip: 0x1234 };
+        let ip = UserFrame { status: UserFrame::BUILD_ID_IP, build_id: [0; 20], offset_or_ip: 0x7f00_0000_1000 };
+        bytes.extend(bytes_of(&valid));
+        bytes.extend(bytes_of(&ip));
+        let Record::Stack(s) = decode(&bytes, 0).unwrap() else { panic!() };
+        assert_eq!(s.kernel, [0xffff_ffff_8100_0000, 0xffff_ffff_8200_0000]);
+        assert_eq!(
+            s.user,
+            [RawUserFrame::BuildId { build_id: [7; 20], offset: 0x1234 }, RawUserFrame::Ip(0x7f00_0000_1000)]
+        );
+        // One byte short of the last frame.
+        assert!(matches!(decode(&bytes[..bytes.len() - 1], 0), Err(DecodeError::Truncated { .. })));
+    }
+
+    #[test]
+    fn decodes_task_records_with_names() {
+        let mut r = TaskRecord { event: TaskEvent::Exec as u8, pid: 5, tid: 5, ts_ns: 9, ..Default::default() };
+        r.comm[..4].copy_from_slice(b"prog");
+        r.filename[..9].copy_from_slice(b"/bin/prog");
+        let Record::Event(Event::Task(t)) = decode(&bytes_of(&r), 0).unwrap() else { panic!() };
+        assert_eq!((t.event, t.comm.as_str(), t.filename.as_str()), (TaskEvent::Exec, "prog", "/bin/prog"));
+    }
+}

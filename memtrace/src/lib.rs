@@ -1,0 +1,18 @@
+//! memtrace: a system-wide memory-allocation tracer built on eBPF.
+//!
+//! The pipeline, in the order data flows: [`probes`] load and attach the eBPF programs and
+//! own the per-CPU rings; [`event`] decodes ring records; [`session`] drains the rings,
+//! orders events and feeds the [`recording`] writer; [`analysis`] pairs allocations with
+//! frees and aggregates them per stack; [`symbolize`] turns addresses into names; [`report`]
+//! prints what users read.
+pub mod analysis;
+pub mod elf;
+pub mod event;
+pub mod modules;
+pub mod probes;
+pub mod procfs;
+pub mod recording;
+pub mod report;
+pub mod session;
+pub mod stacks;
+pub mod symbolize;

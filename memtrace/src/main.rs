@@ -1,0 +1,247 @@
+//! The `memtrace` command line: parses arguments, runs a subcommand, and turns every error
+//! into one line on stderr and a non-zero exit code.
+use std::{ffi::OsString, io::Write as _, path::PathBuf, process::ExitCode, time::Duration};
+
+use anyhow::{Result, bail};
+use clap::{Args, Parser, Subcommand};
+use memtrace::{
+    report::{self, DomainFilter, Format, GroupBy, KindFilter, ReportOptions, SortKey},
+    session::{self, CommandFailed, RecordOptions, Target},
+};
+
+#[derive(Parser)]
+#[command(name = "memtrace", version, about = "Trace memory allocations, kernel and user, with eBPF")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Trace allocations and frees into a recording file.
+    Record(RecordArgs),
+    /// Summarize a recording per call site, stack, function or process.
+    Report(ReportArgs),
+    /// Print every event of a recording, one per line (like `perf script`).
+    Dump(DumpArgs),
+}
+
+#[derive(Args)]
+struct DumpArgs {
+    /// The recording to read.
+    #[arg(short, long, default_value = "memtrace.data")]
+    input: PathBuf,
+}
+
+fn dump(args: DumpArgs) -> Result<i32> {
+    let mut out = std::io::BufWriter::new(std::io::stdout().lock());
+    let mut failed = None;
+    report::for_each_event(&args.input, &mut |e| {
+        if failed.is_none()
+            && let Err(err) = writeln!(out, "{}", memtrace::event::Line(&e))
+        {
+            failed = Some(err);
+        }
+    })
+    .map_err(|e| anyhow::anyhow!("{}: {e}", args.input.display()))?;
+    match failed.map_or_else(|| out.flush(), Err) {
+        Err(e) if e.kind() != std::io::ErrorKind::BrokenPipe => bail!("writing: {e}"),
+        _ => Ok(0),
+    }
+}
+
+fn parse_duration(s: &str) -> Result<Duration, String> {
+    let s = s.trim();
+    let (number, scale) = if let Some(v) = s.strip_suffix("ms") {
+        (v, 1e-3)
+    } else if let Some(v) = s.strip_suffix('s') {
+        (v, 1.0)
+    } else if let Some(v) = s.strip_suffix('m') {
+        (v, 60.0)
+    } else if let Some(v) = s.strip_suffix('h') {
+        (v, 3600.0)
+    } else {
+        (s, 1.0)
+    };
+    let value: f64 = number.trim().parse().map_err(|_| format!("not a duration: {s:?} (try 5s, 500ms, 2m)"))?;
+    if !(value.is_finite() && value >= 0.0) {
+        return Err(format!("not a duration: {s:?}"));
+    }
+    Ok(Duration::from_secs_f64(value * scale))
+}
+
+fn parse_size(s: &str) -> Result<u64, String> {
+    let s = s.trim();
+    let split = s.find(|c: char| !c.is_ascii_digit()).unwrap_or(s.len());
+    let (number, unit) = s.split_at(split);
+    let n: u64 = number.parse().map_err(|_| format!("not a size: {s:?}"))?;
+    let scale = match unit.trim().to_ascii_lowercase().as_str() {
+        "" | "b" => 1,
+        "k" | "kb" | "kib" => 1 << 10,
+        "m" | "mb" | "mib" => 1 << 20,
+        "g" | "gb" | "gib" => 1 << 30,
+        other => return Err(format!("unknown size unit {other:?}")),
+    };
+    n.checked_mul(scale).ok_or_else(|| format!("size too large: {s:?}"))
+}
+
+#[derive(Args)]
+struct RecordArgs {
+    /// Trace a running process (and its threads).
+    #[arg(short, long, conflicts_with_all = ["all", "command"])]
+    pid: Option<u32>,
+    /// Trace every process and the kernel, including processes started later.
+    #[arg(short = 'a', long, conflicts_with = "command")]
+    all: bool,
+    /// Where to write the recording.
+    #[arg(short, long, default_value = "memtrace.data")]
+    output: PathBuf,
+    /// Replace the output file even if it is not a memtrace recording.
+    #[arg(long)]
+    force: bool,
+    /// Stop after this long (e.g. 10s, 500ms, 2m).
+    #[arg(short, long, value_parser = parse_duration)]
+    duration: Option<Duration>,
+    /// Do not trace user-space allocators.
+    #[arg(long)]
+    no_user: bool,
+    /// Do not trace kernel allocations.
+    #[arg(long)]
+    no_kernel: bool,
+    /// Do not walk kernel stacks (kernel call sites are still recorded).
+    #[arg(long)]
+    no_kernel_stacks: bool,
+    /// Do not walk user stacks.
+    #[arg(long)]
+    no_user_stacks: bool,
+    /// Prefix of the allocator's functions, for custom allocators (e.g. je_ for jemalloc).
+    #[arg(long, default_value = "")]
+    symbol_prefix: String,
+    /// Ring buffer size per CPU (e.g. 4M; a power of two).
+    #[arg(long, value_parser = parse_size, default_value = "4M")]
+    ring_size: u64,
+    /// With --pid, also trace the children the process forks from now on.
+    #[arg(long)]
+    follow_forks: bool,
+    /// No status line or summary on stderr.
+    #[arg(short, long)]
+    quiet: bool,
+    /// The command to run and trace, after `--`.
+    #[arg(last = true, value_name = "CMD")]
+    command: Vec<OsString>,
+}
+
+#[derive(Args)]
+struct ReportArgs {
+    /// The recording to read.
+    #[arg(short, long, default_value = "memtrace.data")]
+    input: PathBuf,
+    #[arg(long, value_enum, default_value_t)]
+    format: Format,
+    /// What a row stands for.
+    #[arg(long, value_enum, default_value_t)]
+    by: GroupBy,
+    /// Which allocations: user space, kernel, or both side by side.
+    #[arg(long, value_enum, default_value_t)]
+    domain: DomainFilter,
+    /// Column to sort by (largest first).
+    #[arg(long, value_enum, default_value_t)]
+    sort: SortKey,
+    /// Show only the first N rows.
+    #[arg(long)]
+    top: Option<usize>,
+    /// Only this process.
+    #[arg(long)]
+    pid: Option<u32>,
+    /// Only processes with this command name.
+    #[arg(long)]
+    comm: Option<String>,
+    /// Only allocations of at least this many bytes requested (e.g. 4k).
+    #[arg(long, value_parser = parse_size)]
+    min_size: Option<u64>,
+    /// Only these kinds of allocation (repeat or comma-separate).
+    #[arg(long, value_enum, value_delimiter = ',')]
+    kind: Vec<KindFilter>,
+    /// List the blocks still live at the end, grouped by stack, oldest and largest first.
+    #[arg(long)]
+    leaks: bool,
+    /// With --leaks: only blocks at least this old at the end (e.g. 5s).
+    #[arg(long, value_parser = parse_duration, requires = "leaks")]
+    older_than: Option<Duration>,
+}
+
+fn record(args: RecordArgs) -> Result<i32> {
+    let target = match (args.pid, args.all, args.command.is_empty()) {
+        (Some(pid), _, _) => Target::Pid(pid),
+        (None, true, _) => Target::All,
+        (None, false, false) => Target::Command(args.command),
+        (None, false, true) => bail!("say what to trace: --pid PID, -a, or -- CMD [ARGS...]"),
+    };
+    let ring_bytes = u32::try_from(args.ring_size).ok().filter(|b| b.is_power_of_two() && *b >= 4096);
+    let Some(ring_bytes) = ring_bytes else {
+        bail!("--ring-size must be a power of two between 4K and 2G, not {}", args.ring_size);
+    };
+    if args.follow_forks && args.pid.is_none() {
+        bail!("--follow-forks goes with --pid (children of -- CMD are always traced)");
+    }
+    let summary = session::record(RecordOptions {
+        target,
+        output: args.output,
+        force: args.force,
+        duration: args.duration,
+        user: !args.no_user,
+        kernel: !args.no_kernel,
+        user_stacks: !args.no_user_stacks,
+        kernel_stacks: !args.no_kernel_stacks,
+        symbol_prefix: args.symbol_prefix,
+        ring_bytes,
+        follow_forks: args.follow_forks || args.pid.is_none(),
+        quiet: args.quiet,
+    })?;
+    Ok(summary.exit_code)
+}
+
+fn report(args: ReportArgs) -> Result<i32> {
+    let opts = ReportOptions {
+        format: args.format,
+        by: args.by,
+        domain: args.domain,
+        sort: args.sort,
+        top: args.top,
+        pid: args.pid,
+        comm: args.comm,
+        min_size: args.min_size,
+        kinds: args.kind,
+        leaks: args.leaks,
+        older_than: args.older_than,
+    };
+    let analysis = report::analyze(&args.input, &opts)?;
+    let text = match opts.format {
+        Format::Text => report::render_text(&analysis, &opts),
+        Format::Json => report::render_json(&analysis, &opts)? + "\n",
+    };
+    let mut stdout = std::io::stdout().lock();
+    if let Err(e) = stdout.write_all(text.as_bytes()).and_then(|()| stdout.flush())
+        && e.kind() != std::io::ErrorKind::BrokenPipe
+    {
+        bail!("writing the report: {e}");
+    }
+    Ok(0)
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Command::Record(args) => record(args),
+        Command::Report(args) => report(args),
+        Command::Dump(args) => dump(args),
+    };
+    match result {
+        Ok(code) => ExitCode::from(code.clamp(0, 255) as u8),
+        Err(e) => {
+            eprintln!("memtrace: {e:#}");
+            let code = e.downcast_ref::<CommandFailed>().map_or(1, |c| c.0.exit_code());
+            ExitCode::from(code as u8)
+        }
+    }
+}

@@ -1,0 +1,288 @@
+//! Owning the eBPF side: checking privileges, loading the embedded object with its
+//! configuration, creating one ring buffer per CPU (installed before anything attaches, so
+//! no early event is lost), attaching tracepoints and uprobes, and reading the probes'
+//! loss counters. Dropping [`Probes`] detaches everything.
+pub mod allocator;
+pub mod tracefs;
+
+use std::num::NonZeroU32;
+
+use anyhow::{Context as _, Result, bail};
+use aya::{
+    Ebpf, EbpfLoader,
+    maps::{ArrayOfMaps, HashMap, Map, MapData, PerCpuArray, RingBuf},
+    programs::{
+        TracePoint, UProbe,
+        trace_point::TracePointLinkId,
+        uprobe::{UProbeAttachLocation, UProbeAttachPoint, UProbeLinkId, UProbeScope},
+    },
+};
+use aya_obj::generated::bpf_map_type::BPF_MAP_TYPE_RINGBUF;
+use memtrace_common::{Kind, MAX_CPUS, ProbeConfig, TracepointLayout, counter, traced};
+
+pub use self::allocator::{Allocator, AttachPoint};
+
+/// The probes' object, built by build.rs.
+static OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/memtrace"));
+
+/// How the probes should behave; fixed at load time.
+#[derive(Debug, Clone)]
+pub struct Settings {
+    /// Trace every process (`record -a`) rather than the tgids added with `trace_tgid`.
+    pub all_processes: bool,
+    pub user_stacks: bool,
+    pub kernel_stacks: bool,
+    /// The allocator is glibc's: read usable sizes from chunk headers.
+    pub glibc_chunks: bool,
+    /// Bytes per CPU ring (a power of two, at least a page).
+    pub ring_bytes: u32,
+    /// Children of traced processes are traced too.
+    pub follow_children: bool,
+}
+
+/// A CPU's ring.
+pub struct Ring {
+    pub cpu: u16,
+    pub ring: RingBuf<MapData>,
+}
+
+/// Sums and per-CPU values of the probes' loss counters.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Counters {
+    pub lost_events: u64,
+    pub lost_events_per_cpu: Vec<u64>,
+    pub lost_stacks: u64,
+    pub lost_inflight: u64,
+    pub lost_kernel_live: u64,
+    pub no_ring: u64,
+}
+
+/// An attachment, so detaching can close them all at once.
+enum Attachment {
+    UProbe(&'static str, UProbeLinkId),
+    TracePoint(&'static str, TracePointLinkId),
+}
+
+pub struct Probes {
+    ebpf: Ebpf,
+    rings: Vec<Ring>,
+    attachments: Vec<Attachment>,
+    _logger: Option<aya_log::EbpfLogger<&'static dyn log::Log>>,
+}
+
+/// Fails with a one-line explanation unless this process may load tracing programs.
+pub fn check_privileges() -> Result<()> {
+    const CAP_SYS_ADMIN: u32 = 21;
+    const CAP_PERFMON: u32 = 38;
+    const CAP_BPF: u32 = 39;
+    let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
+    let effective = status
+        .lines()
+        .find_map(|l| l.strip_prefix("CapEff:"))
+        .and_then(|v| u64::from_str_radix(v.trim(), 16).ok())
+        .unwrap_or(0);
+    let has = |cap: u32| effective & (1 << cap) != 0;
+    if has(CAP_SYS_ADMIN) || (has(CAP_BPF) && has(CAP_PERFMON)) {
+        return Ok(());
+    }
+    bail!(
+        "memtrace needs root, or the CAP_BPF and CAP_PERFMON capabilities, to load its probes (try: sudo memtrace ...)"
+    )
+}
+
+fn possible_cpus() -> Result<u32> {
+    let n = aya::util::nr_cpus().map_err(|(path, e)| anyhow::anyhow!("reading {path}: {e}"))?;
+    let n = u32::try_from(n).unwrap_or(u32::MAX);
+    if n > MAX_CPUS {
+        bail!("this machine has {n} possible CPUs; memtrace supports up to {MAX_CPUS}");
+    }
+    Ok(n)
+}
+
+impl Probes {
+    /// Loads the programs and installs the rings. Nothing is attached yet.
+    pub fn load(settings: &Settings) -> Result<Self> {
+        check_privileges()?;
+        let tracefs_root = tracefs::root()?;
+        let layout: TracepointLayout = tracefs::layout(&tracefs_root)?;
+        let config = ProbeConfig {
+            self_tgid: std::process::id(),
+            trace_all: u32::from(settings.all_processes),
+            user_stacks: u32::from(settings.user_stacks),
+            kernel_stacks: u32::from(settings.kernel_stacks),
+            glibc_chunks: u32::from(settings.glibc_chunks),
+            wakeup_bytes: settings.ring_bytes / 4,
+            track_kernel_live: u32::from(!settings.all_processes),
+            follow_children: u32::from(settings.follow_children),
+            tp: layout,
+        };
+        // Kernels before 5.11 charge BPF memory to RLIMIT_MEMLOCK.
+        let unlimited = libc::rlimit { rlim_cur: libc::RLIM_INFINITY, rlim_max: libc::RLIM_INFINITY };
+        // SAFETY: a valid rlimit struct is passed; failure is harmless on newer kernels.
+        unsafe { libc::setrlimit(libc::RLIMIT_MEMLOCK, &unlimited) };
+        let mut ebpf = EbpfLoader::new().override_global("CONFIG", &config, true).load(OBJECT).map_err(|e| {
+            anyhow::anyhow!("loading the eBPF programs: {e} (is BTF available at /sys/kernel/btf/vmlinux?)")
+        })?;
+        let logger = aya_log::EbpfLogger::init(&mut ebpf).ok();
+        let rings = install_rings(&mut ebpf, settings.ring_bytes)?;
+        Ok(Self { ebpf, rings, attachments: Vec::new(), _logger: logger })
+    }
+
+    pub fn rings_mut(&mut self) -> &mut [Ring] {
+        &mut self.rings
+    }
+
+    /// Adds `tgid` to the traced set; a process memtrace forked waits for its exec first.
+    pub fn trace_tgid(&mut self, tgid: u32, pending_exec: bool) -> Result<()> {
+        let mut map: HashMap<_, u32, u32> = HashMap::try_from(self.ebpf.map_mut("TRACED").context("TRACED map")?)?;
+        let state = if pending_exec { traced::PENDING_EXEC } else { traced::ACTIVE };
+        map.insert(tgid, state, 0).context("adding the target to the traced set")?;
+        Ok(())
+    }
+
+    /// The tgids currently in the traced set (the targets and, with follow, their children).
+    pub fn traced_tgids(&self) -> Result<Vec<u32>> {
+        let map: HashMap<_, u32, u32> = HashMap::try_from(self.ebpf.map("TRACED").context("TRACED map")?)?;
+        Ok(map.keys().filter_map(Result::ok).collect())
+    }
+
+    fn attach_tracepoint(&mut self, program: &'static str, category: &str, name: &str) -> Result<()> {
+        let prog: &mut TracePoint =
+            self.ebpf.program_mut(program).with_context(|| format!("program {program} missing"))?.try_into()?;
+        prog.load().with_context(|| format!("verifying {program}"))?;
+
+        let id = prog.attach(category, name).with_context(|| format!("attaching to tracepoint {category}/{name}"))?;
+        self.attachments.push(Attachment::TracePoint(program, id));
+        Ok(())
+    }
+
+    /// Task lifecycle tracepoints: always on (they drive pairing and process names).
+    pub fn attach_task_tracepoints(&mut self) -> Result<()> {
+        self.attach_tracepoint("task_newtask", "task", "task_newtask")?;
+        self.attach_tracepoint("sched_process_exec", "sched", "sched_process_exec")?;
+        self.attach_tracepoint("sched_process_exit", "sched", "sched_process_exit")?;
+        self.attach_tracepoint("task_rename", "task", "task_rename")?;
+        Ok(())
+    }
+
+    /// The kmem tracepoints.
+    pub fn attach_kernel(&mut self) -> Result<()> {
+        for name in [
+            "kmalloc",
+            "kmem_cache_alloc",
+            "kfree",
+            "kmem_cache_free",
+            "mm_page_alloc",
+            "mm_page_free",
+            "mm_page_free_batched",
+        ] {
+            self.attach_tracepoint(name, "kmem", name)?;
+        }
+        Ok(())
+    }
+
+    fn uprobe(&mut self, name: &'static str) -> Result<&mut UProbe> {
+        let prog: &mut UProbe =
+            self.ebpf.program_mut(name).with_context(|| format!("program {name} missing"))?.try_into()?;
+        if prog.fd().is_err() {
+            prog.load().with_context(|| format!("verifying {name}"))?;
+        }
+        Ok(prog)
+    }
+
+    /// Attaches the malloc-family probes at every point of `allocator`, for one process
+    /// (`Some(pid)`, its threads included) or for every process mapping the object.
+    pub fn attach_allocator(&mut self, allocator: &Allocator, pid: Option<u32>) -> Result<()> {
+        let scope = match pid.and_then(NonZeroU32::new) {
+            Some(pid) => UProbeScope::OneProcess(pid),
+            None => UProbeScope::AllProcesses,
+        };
+        for point in &allocator.points {
+            let programs: &[&'static str] = if matches!(point.kind, Kind::Free | Kind::Munmap) {
+                &["free_enter"]
+            } else {
+                &["alloc_enter", "alloc_return"]
+            };
+            for &program in programs {
+                let id = self
+                    .uprobe(program)?
+                    .attach(
+                        UProbeAttachPoint {
+                            location: UProbeAttachLocation::AbsoluteOffset(point.offset),
+                            cookie: Some(point.kind as u64),
+                        },
+                        &point.path,
+                        scope,
+                    )
+                    .with_context(|| format!("attaching to {} in {}", point.symbols.join("/"), point.path.display()))?;
+                self.attachments.push(Attachment::UProbe(program, id));
+            }
+        }
+        Ok(())
+    }
+
+    /// Starts detaching every probe on a background thread and returns it; the maps and
+    /// rings stay readable. The kernel waits for an RCU grace period per detach, one after
+    /// another (seconds in all), so the caller finishes its work meanwhile. Uprobes go first:
+    /// they are what costs the traced processes.
+    pub fn detach(&mut self) -> std::thread::JoinHandle<()> {
+        let mut links: Vec<Box<dyn FnOnce() + Send>> = Vec::new();
+        let mut attachments = std::mem::take(&mut self.attachments);
+        attachments.sort_by_key(|a| matches!(a, Attachment::TracePoint(..)));
+        for attachment in attachments {
+            match attachment {
+                Attachment::UProbe(name, id) => {
+                    if let Some(link) = self.uprobe(name).ok().and_then(|p| p.take_link(id).ok()) {
+                        links.push(Box::new(move || drop(link)));
+                    }
+                }
+                Attachment::TracePoint(name, id) => {
+                    let prog: Option<&mut TracePoint> = self.ebpf.program_mut(name).and_then(|p| p.try_into().ok());
+                    if let Some(link) = prog.and_then(|p| p.take_link(id).ok()) {
+                        links.push(Box::new(move || drop(link)));
+                    }
+                }
+            }
+        }
+        std::thread::spawn(move || {
+            for close in links {
+                close();
+            }
+        })
+    }
+
+    pub fn counters(&self) -> Result<Counters> {
+        let map: PerCpuArray<_, u64> = PerCpuArray::try_from(self.ebpf.map("COUNTERS").context("COUNTERS map")?)?;
+        let per_cpu = |i: u32| -> Result<Vec<u64>> { Ok(map.get(&i, 0)?.iter().copied().collect()) };
+        let sum = |i: u32| -> Result<u64> { Ok(per_cpu(i)?.iter().sum()) };
+        let lost_events_per_cpu = per_cpu(counter::LOST_EVENTS)?;
+        Ok(Counters {
+            lost_events: lost_events_per_cpu.iter().sum(),
+            lost_events_per_cpu,
+            lost_stacks: sum(counter::LOST_STACKS)?,
+            lost_inflight: sum(counter::LOST_INFLIGHT)?,
+            lost_kernel_live: sum(counter::LOST_KERNEL_LIVE)?,
+            no_ring: sum(counter::NO_RING)?,
+        })
+    }
+}
+
+/// Creates one ring per possible CPU and installs each in the outer array.
+fn install_rings(ebpf: &mut Ebpf, ring_bytes: u32) -> Result<Vec<Ring>> {
+    if !ring_bytes.is_power_of_two() || ring_bytes < 4096 {
+        bail!("ring size must be a power of two of at least 4096 bytes, not {ring_bytes}");
+    }
+    let cpus = possible_cpus()?;
+    let mut outer: ArrayOfMaps<&mut MapData, MapData> =
+        ArrayOfMaps::try_from(ebpf.map_mut("RINGS").context("RINGS map")?)?;
+    let mut rings = Vec::with_capacity(cpus as usize);
+    for cpu in 0..cpus {
+        let obj = aya_obj::Map::new_from_params(BPF_MAP_TYPE_RINGBUF as u32, 0, 0, ring_bytes, 0);
+        let data = MapData::create(obj, &format!("memtrace_rb{cpu}"), None)
+            .with_context(|| format!("creating the ring buffer of CPU {cpu}"))?;
+        outer.set(cpu, &data, 0).with_context(|| format!("installing the ring buffer of CPU {cpu}"))?;
+        let ring = RingBuf::try_from(Map::RingBuf(data))?;
+        rings.push(Ring { cpu: cpu as u16, ring });
+    }
+    Ok(rings)
+}

@@ -1,0 +1,188 @@
+//! What memtrace reads from /proc: memory maps, command names, executables, process state.
+use std::{
+    fs, io,
+    path::{Path, PathBuf},
+};
+
+/// One line of /proc/PID/maps.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Mapping {
+    pub start: u64,
+    pub end: u64,
+    pub executable: bool,
+    /// Offset in the mapped file.
+    pub offset: u64,
+    pub inode: u64,
+    /// File path, or a pseudo name like `[heap]`, or empty for anonymous memory.
+    pub path: PathBuf,
+    /// The file was deleted (or replaced) after it was mapped.
+    pub deleted: bool,
+}
+
+impl Mapping {
+    pub fn is_file(&self) -> bool {
+        self.inode != 0 && self.path.is_absolute()
+    }
+
+    /// File offset of `addr`, which must lie in this mapping.
+    pub fn file_offset(&self, addr: u64) -> u64 {
+        addr - self.start + self.offset
+    }
+}
+
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Maps {
+    pub mappings: Vec<Mapping>,
+}
+
+impl Maps {
+    pub fn read(pid: u32) -> io::Result<Self> {
+        Ok(Self::parse(&fs::read_to_string(format!("/proc/{pid}/maps"))?))
+    }
+
+    pub fn read_self() -> io::Result<Self> {
+        Ok(Self::parse(&fs::read_to_string("/proc/self/maps")?))
+    }
+
+    pub fn parse(text: &str) -> Self {
+        let mappings = text.lines().filter_map(parse_line).collect();
+        Self { mappings }
+    }
+
+    pub fn file_mappings(&self) -> impl Iterator<Item = &Mapping> {
+        self.mappings.iter().filter(|m| m.is_file())
+    }
+
+    /// The mapping containing `addr` (mappings are sorted by address).
+    pub fn find(&self, addr: u64) -> Option<&Mapping> {
+        let i = self.mappings.partition_point(|m| m.end <= addr);
+        self.mappings.get(i).filter(|m| m.start <= addr)
+    }
+}
+
+fn parse_line(line: &str) -> Option<Mapping> {
+    let mut parts = line.splitn(6, ' ');
+    let range = parts.next()?;
+    let perms = parts.next()?;
+    let offset = parts.next()?;
+    let _dev = parts.next()?;
+    let inode = parts.next()?;
+    let path = parts.next().unwrap_or("").trim_start();
+    let (start, end) = range.split_once('-')?;
+    let (path, deleted) = match path.strip_suffix(" (deleted)") {
+        Some(p) => (p, true),
+        None => (path, false),
+    };
+    Some(Mapping {
+        start: u64::from_str_radix(start, 16).ok()?,
+        end: u64::from_str_radix(end, 16).ok()?,
+        executable: perms.as_bytes().get(2) == Some(&b'x'),
+        offset: u64::from_str_radix(offset, 16).ok()?,
+        inode: inode.parse().ok()?,
+        path: PathBuf::from(path),
+        deleted,
+    })
+}
+
+/// Command name (`comm`) of a task, without the trailing newline.
+pub fn comm(pid: u32, tid: u32) -> Option<String> {
+    fs::read_to_string(format!("/proc/{pid}/task/{tid}/comm"))
+        .or_else(|_| fs::read_to_string(format!("/proc/{tid}/comm")))
+        .ok()
+        .map(|s| s.trim_end_matches('\n').to_string())
+}
+
+pub fn exe(pid: u32) -> io::Result<PathBuf> {
+    fs::read_link(format!("/proc/{pid}/exe"))
+}
+
+/// A path as seen from inside the process's mount namespace (containers): prefer the
+/// process's root when the file is not visible from ours.
+pub fn path_in_process(pid: u32, path: &Path) -> PathBuf {
+    if path.exists() {
+        return path.to_path_buf();
+    }
+    let rooted = Path::new("/proc").join(pid.to_string()).join("root").join(path.strip_prefix("/").unwrap_or(path));
+    if rooted.exists() { rooted } else { path.to_path_buf() }
+}
+
+/// The process state letter from /proc/PID/stat ('R', 'S', 'Z', ...), and whether it is a
+/// kernel thread.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ProcessState {
+    pub state: char,
+    pub kernel_thread: bool,
+}
+
+pub fn process_state(pid: u32) -> io::Result<ProcessState> {
+    let stat = fs::read_to_string(format!("/proc/{pid}/stat"))?;
+    // The command name is in parentheses and may contain spaces: parse after the last ')'.
+    let after = stat.rsplit_once(')').map(|(_, rest)| rest).unwrap_or("");
+    let fields: Vec<&str> = after.split_whitespace().collect();
+    let state = fields.first().and_then(|s| s.chars().next()).unwrap_or('?');
+    // Field 9 of stat is flags; after the ')' split it is index 6. PF_KTHREAD = 0x00200000.
+    let flags: u64 = fields.get(6).and_then(|f| f.parse().ok()).unwrap_or(0);
+    Ok(ProcessState { state, kernel_thread: flags & 0x0020_0000 != 0 })
+}
+
+/// LD_PRELOAD entries of a process's environment.
+pub fn ld_preload(pid: u32) -> Vec<PathBuf> {
+    let Ok(environ) = fs::read(format!("/proc/{pid}/environ")) else {
+        return Vec::new();
+    };
+    environ
+        .split(|&b| b == 0)
+        .filter_map(|var| var.strip_prefix(b"LD_PRELOAD="))
+        .flat_map(|v| {
+            String::from_utf8_lossy(v)
+                .split([':', ' '])
+                .filter(|s| !s.is_empty())
+                .map(PathBuf::from)
+                .collect::<Vec<_>>()
+        })
+        .collect()
+}
+
+/// Every process id currently in /proc.
+pub fn all_pids() -> Vec<u32> {
+    let Ok(dir) = fs::read_dir("/proc") else {
+        return Vec::new();
+    };
+    dir.filter_map(|e| e.ok()?.file_name().to_str()?.parse().ok()).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MAPS: &str = "\
+55d0c6a00000-55d0c6a02000 r--p 00000000 fe:01 1234  /usr/bin/prog
+55d0c6a02000-55d0c6a05000 r-xp 00002000 fe:01 1234  /usr/bin/prog
+55d0c7000000-55d0c7021000 rw-p 00000000 00:00 0  [heap]
+7f1e2a000000-7f1e2a028000 r--p 00000000 fe:01 99 /usr/lib/x86_64-linux-gnu/libc.so.6
+7f1e2a028000-7f1e2a19d000 r-xp 00028000 fe:01 99 /usr/lib/x86_64-linux-gnu/libc.so.6
+7f1e2b000000-7f1e2b001000 r-xp 00000000 fe:01 77 /tmp/my lib.so (deleted)
+7ffd00000000-7ffd00021000 rw-p 00000000 00:00 0                          [stack]
+";
+
+    #[test]
+    fn parses_maps_with_spaces_and_deleted_files() {
+        let maps = Maps::parse(MAPS);
+        assert_eq!(maps.mappings.len(), 7);
+        let lib = &maps.mappings[5];
+        assert_eq!(lib.path, PathBuf::from("/tmp/my lib.so"));
+        assert!(lib.deleted && lib.executable);
+        assert_eq!(maps.file_mappings().count(), 5);
+        let code = maps.find(0x7f1e2a030000).unwrap();
+        assert_eq!(code.file_offset(0x7f1e2a030000), 0x30000);
+        assert!(maps.find(0x7f1e2a19d000).is_none());
+        assert_eq!(maps.find(0x55d0c7000010).unwrap().path, PathBuf::from("[heap]"));
+    }
+
+    #[test]
+    fn reads_our_own_state() {
+        let state = process_state(std::process::id()).unwrap();
+        assert!(!state.kernel_thread);
+        assert!(matches!(state.state, 'R' | 'S'));
+    }
+}

@@ -1,0 +1,177 @@
+//! The recording file (`memtrace.data`): a versioned, self-describing binary format.
+//!
+//! ```text
+//! header   "MEMTRACE" | version u16 LE | byte order of the recording machine u8 (1 = little,
+//!          2 = big) | pointer size u8 | clock u8 (1 = CLOCK_MONOTONIC) | 3 reserved bytes
+//! chunks   kind u8 | payload length u32 LE | CRC-32 of payload u32 LE | payload
+//! ```
+//! Integers inside chunks are LEB128 varints (zigzag for signed deltas), whatever the
+//! recording machine's byte order. Chunks: `Meta` (JSON, first), `Events` (time-ordered,
+//! delta-encoded, each chunk decodable on its own), `Stacks` and `Modules` (definitions that
+//! events and stacks refer to by id), `Symbols` (frames symbolized while the processes
+//! lived, so reports work offline and elsewhere), `Stats` (JSON counters; the last one
+//! wins) and `End` (the file was finalized). A reader stops at the first incomplete or
+//! corrupt chunk and keeps everything before it, so a crashed recorder leaves a readable
+//! file.
+pub mod codec;
+mod events;
+mod reader;
+mod writer;
+
+use std::collections::BTreeMap;
+
+pub use reader::{Chunk, Reader, read_all};
+use serde::{Deserialize, Serialize};
+use thiserror::Error;
+pub use writer::Writer;
+
+pub const MAGIC: &[u8; 8] = b"MEMTRACE";
+pub const VERSION: u16 = 1;
+pub const HEADER_LEN: usize = 16;
+pub const CLOCK_MONOTONIC: u8 = 1;
+/// Chunks larger than this are treated as corruption.
+pub const MAX_CHUNK: u32 = 64 << 20;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(u8)]
+pub enum ChunkKind {
+    Meta = 1,
+    Events = 2,
+    Stacks = 3,
+    Modules = 4,
+    Symbols = 5,
+    Stats = 6,
+    End = 7,
+}
+
+impl ChunkKind {
+    pub fn from_u8(v: u8) -> Option<Self> {
+        Some(match v {
+            1 => Self::Meta,
+            2 => Self::Events,
+            3 => Self::Stacks,
+            4 => Self::Modules,
+            5 => Self::Symbols,
+            6 => Self::Stats,
+            7 => Self::End,
+            _ => return None,
+        })
+    }
+}
+
+#[derive(Debug, Error)]
+pub enum FormatError {
+    #[error("not a memtrace recording (no MEMTRACE header)")]
+    NotMemtrace,
+    #[error("recording format version {0} is newer than this memtrace understands ({VERSION}); upgrade memtrace")]
+    UnsupportedVersion(u16),
+    #[error("recording is truncated at byte {offset} (in the middle of a chunk)")]
+    Truncated { offset: u64 },
+    #[error("recording is corrupt at byte {offset}: {reason}")]
+    Corrupt { offset: u64, reason: String },
+    #[error("reading the recording: {0}")]
+    Io(#[from] std::io::Error),
+}
+
+/// What was recorded, how and where (the `Meta` chunk).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Meta {
+    pub memtrace_version: String,
+    pub hostname: String,
+    pub kernel_release: String,
+    /// "pid", "command" or "all".
+    pub mode: String,
+    pub target_pids: Vec<u32>,
+    pub target_command: Vec<String>,
+    pub start_unix_ns: u64,
+    pub start_monotonic_ns: u64,
+    pub page_size: u64,
+    pub allocator: Option<String>,
+    pub allocator_is_glibc: bool,
+    pub user: bool,
+    pub kernel: bool,
+    /// Size-weighted sampling period in bytes (None: every allocation recorded).
+    #[serde(default)]
+    pub sample_bytes: Option<u64>,
+}
+
+/// Counters of the recording (the `Stats` chunk).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Stats {
+    /// Records the probes could not deliver (ring full), summed over CPUs.
+    pub lost_events: u64,
+    pub lost_events_per_cpu: Vec<u64>,
+    pub lost_stacks: u64,
+    /// Allocation calls not followed to their return (per-thread table full).
+    pub lost_inflight: u64,
+    /// Kernel blocks whose later free might be missed (table full).
+    pub lost_kernel_live: u64,
+    /// Events dropped because a CPU had no ring buffer.
+    pub no_ring: u64,
+    pub events: u64,
+    pub end_monotonic_ns: u64,
+    /// Exit status of the traced command (record -- CMD), shell-style.
+    pub exit_code: Option<i32>,
+    /// Why the recording ended ("target exited", "interrupted", "duration", ...).
+    pub end_reason: String,
+}
+
+/// An object file frames point into, named by build id and path.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Module {
+    pub id: u32,
+    pub build_id: Vec<u8>,
+    pub path: String,
+}
+
+/// A user frame as stored: a file offset inside a module, or a bare address.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum FileFrame {
+    Module { module: u32, offset: u64 },
+    Address(u64),
+}
+
+/// A stack definition.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct FileStack {
+    pub id: u32,
+    pub pid: u32,
+    /// Kernel addresses, innermost first.
+    pub kernel: Vec<u64>,
+    /// User frames, innermost first.
+    pub user: Vec<FileFrame>,
+}
+
+/// What a symbolized address is: one entry per function, innermost (inlined) first.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Symbol {
+    pub name: String,
+    pub file: Option<String>,
+    pub line: u32,
+    /// Inlined into the next entry.
+    pub inlined: bool,
+}
+
+/// Address a symbol table entry describes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum SymbolKey {
+    Kernel(u64),
+    User(FileFrame),
+}
+
+/// A whole recording, read into memory (see [`read_all`]).
+#[derive(Debug, Default)]
+pub struct Recording {
+    pub meta: Meta,
+    pub events: Vec<crate::event::Event>,
+    pub stacks: BTreeMap<u32, FileStack>,
+    pub modules: BTreeMap<u32, Module>,
+    pub symbols: BTreeMap<SymbolKey, Vec<Symbol>>,
+    pub stats: Stats,
+    pub finalized: bool,
+    /// Problems met while reading (truncation, corruption): the report shows them.
+    pub warnings: Vec<String>,
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,248 @@
+//! Reading a recording chunk by chunk (streaming, for large files) or whole.
+use std::{
+    fs::File,
+    io::{self, BufReader, Read},
+    path::Path,
+};
+
+use super::{
+    ChunkKind, FileFrame, FileStack, FormatError, HEADER_LEN, MAGIC, MAX_CHUNK, Meta, Module, Recording, Stats, Symbol,
+    SymbolKey, VERSION, codec::Cursor, events::decode_chunk,
+};
+use crate::event::Event;
+
+pub enum Chunk {
+    /// An `Events` payload; decode it with [`Reader::decode_events`].
+    Events {
+        payload: Vec<u8>,
+        offset: u64,
+    },
+    Stacks(Vec<FileStack>),
+    Modules(Vec<Module>),
+    Symbols(Vec<(SymbolKey, Vec<Symbol>)>),
+    Stats(Stats),
+    End,
+}
+
+pub struct Reader<R: Read> {
+    input: R,
+    offset: u64,
+    pub meta: Meta,
+}
+
+/// Reads until `buf` is full; returns how many bytes were read (short only at EOF).
+fn read_full(input: &mut impl Read, buf: &mut [u8]) -> io::Result<usize> {
+    let mut filled = 0;
+    while filled < buf.len() {
+        match input.read(&mut buf[filled..]) {
+            Ok(0) => break,
+            Ok(n) => filled += n,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(filled)
+}
+
+impl Reader<BufReader<File>> {
+    pub fn open(path: &Path) -> Result<Self, FormatError> {
+        Self::new(BufReader::with_capacity(1 << 20, File::open(path)?))
+    }
+}
+
+impl<R: Read> Reader<R> {
+    /// Checks the header and reads the `Meta` chunk.
+    pub fn new(mut input: R) -> Result<Self, FormatError> {
+        let mut header = [0u8; HEADER_LEN];
+        let n = read_full(&mut input, &mut header)?;
+        if n < MAGIC.len() || &header[..8] != MAGIC {
+            return Err(FormatError::NotMemtrace);
+        }
+        if n < HEADER_LEN {
+            return Err(FormatError::Truncated { offset: n as u64 });
+        }
+        let version = u16::from_le_bytes([header[8], header[9]]);
+        if version > VERSION {
+            return Err(FormatError::UnsupportedVersion(version));
+        }
+        if header[11] != 8 {
+            return Err(FormatError::Corrupt { offset: 11, reason: format!("pointer size {}", header[11]) });
+        }
+        let mut reader = Self { input, offset: HEADER_LEN as u64, meta: Meta::default() };
+        match reader.raw_chunk()? {
+            Some((ChunkKind::Meta, payload, offset)) => {
+                reader.meta = serde_json::from_slice(&payload)
+                    .map_err(|e| FormatError::Corrupt { offset, reason: format!("metadata: {e}") })?;
+            }
+            Some(_) => {
+                return Err(FormatError::Corrupt { offset: HEADER_LEN as u64, reason: "no metadata chunk".into() });
+            }
+            None => {
+                return Err(FormatError::Truncated { offset: HEADER_LEN as u64 });
+            }
+        }
+        Ok(reader)
+    }
+
+    /// Next chunk: `Ok(None)` at a clean end of file.
+    fn raw_chunk(&mut self) -> Result<Option<(ChunkKind, Vec<u8>, u64)>, FormatError> {
+        loop {
+            let start = self.offset;
+            let mut head = [0u8; 9];
+            let n = read_full(&mut self.input, &mut head)?;
+            if n == 0 {
+                return Ok(None);
+            }
+            if n < head.len() {
+                return Err(FormatError::Truncated { offset: start });
+            }
+            let len = u32::from_le_bytes(head[1..5].try_into().expect("4 bytes"));
+            let crc = u32::from_le_bytes(head[5..9].try_into().expect("4 bytes"));
+            if len > MAX_CHUNK {
+                return Err(FormatError::Corrupt { offset: start, reason: format!("chunk of {len} bytes") });
+            }
+            let mut payload = vec![0u8; len as usize];
+            let got = read_full(&mut self.input, &mut payload)?;
+            if got < payload.len() {
+                return Err(FormatError::Truncated { offset: start });
+            }
+            self.offset = start + 9 + u64::from(len);
+            if crc32fast::hash(&payload) != crc {
+                return Err(FormatError::Corrupt { offset: start, reason: "checksum mismatch".into() });
+            }
+            match ChunkKind::from_u8(head[0]) {
+                Some(kind) => return Ok(Some((kind, payload, start + 9))),
+                None => continue, // a chunk kind from a newer minor version: skip it
+            }
+        }
+    }
+
+    pub fn next_chunk(&mut self) -> Result<Option<Chunk>, FormatError> {
+        let Some((kind, payload, offset)) = self.raw_chunk()? else {
+            return Ok(None);
+        };
+        Ok(Some(match kind {
+            ChunkKind::Meta => {
+                return Err(FormatError::Corrupt { offset, reason: "second metadata chunk".into() });
+            }
+            ChunkKind::Events => Chunk::Events { payload, offset },
+            ChunkKind::Stacks => Chunk::Stacks(parse_stacks(&payload, offset)?),
+            ChunkKind::Modules => Chunk::Modules(parse_modules(&payload, offset)?),
+            ChunkKind::Symbols => Chunk::Symbols(parse_symbols(&payload, offset)?),
+            ChunkKind::Stats => Chunk::Stats(
+                serde_json::from_slice(&payload)
+                    .map_err(|e| FormatError::Corrupt { offset, reason: format!("stats: {e}") })?,
+            ),
+            ChunkKind::End => Chunk::End,
+        }))
+    }
+
+    pub fn decode_events(payload: &[u8], offset: u64, sink: &mut dyn FnMut(Event)) -> Result<u32, FormatError> {
+        decode_chunk(payload, offset, sink)
+    }
+}
+
+fn parse_modules(payload: &[u8], offset: u64) -> Result<Vec<Module>, FormatError> {
+    let mut c = Cursor::new(payload, offset);
+    let mut out = Vec::new();
+    while !c.is_empty() {
+        out.push(Module { id: c.varint_u32()?, build_id: c.bytes()?.to_vec(), path: c.string()? });
+    }
+    Ok(out)
+}
+
+fn parse_stacks(payload: &[u8], offset: u64) -> Result<Vec<FileStack>, FormatError> {
+    let mut c = Cursor::new(payload, offset);
+    let mut out = Vec::new();
+    while !c.is_empty() {
+        let id = c.varint_u32()?;
+        let pid = c.varint_u32()?;
+        let nk = c.len(1)?;
+        let mut kernel = Vec::with_capacity(nk);
+        let mut prev = 0u64;
+        for _ in 0..nk {
+            prev = prev.wrapping_add(c.signed()? as u64);
+            kernel.push(prev);
+        }
+        let nu = c.len(2)?;
+        let mut user = Vec::with_capacity(nu);
+        for _ in 0..nu {
+            let tag = c.varint()?;
+            let value = c.varint()?;
+            user.push(if tag == 0 {
+                FileFrame::Address(value)
+            } else {
+                let module = u32::try_from(tag - 1)
+                    .map_err(|_| FormatError::Corrupt { offset, reason: "module id out of range".into() })?;
+                FileFrame::Module { module, offset: value }
+            });
+        }
+        out.push(FileStack { id, pid, kernel, user });
+    }
+    Ok(out)
+}
+
+fn parse_symbols(payload: &[u8], offset: u64) -> Result<Vec<(SymbolKey, Vec<Symbol>)>, FormatError> {
+    let mut c = Cursor::new(payload, offset);
+    let mut out = Vec::new();
+    while !c.is_empty() {
+        let key = match c.u8()? {
+            0 => SymbolKey::Kernel(c.varint()?),
+            1 => SymbolKey::User(FileFrame::Module { module: c.varint_u32()?, offset: c.varint()? }),
+            2 => SymbolKey::User(FileFrame::Address(c.varint()?)),
+            other => {
+                return Err(FormatError::Corrupt { offset, reason: format!("symbol key type {other}") });
+            }
+        };
+        let n = c.len(3)?;
+        let mut symbols = Vec::with_capacity(n);
+        for _ in 0..n {
+            let name = c.string()?;
+            let bits = c.u8()?;
+            let file = if bits & 2 != 0 { Some(c.string()?) } else { None };
+            let line = c.varint_u32()?;
+            symbols.push(Symbol { name, file, line, inlined: bits & 1 != 0 });
+        }
+        out.push((key, symbols));
+    }
+    Ok(out)
+}
+
+/// Reads a whole recording into memory. Fails only if the header or metadata are unusable;
+/// damage further in ends the read early with a warning in `Recording::warnings`.
+pub fn read_all(input: impl Read) -> Result<Recording, FormatError> {
+    let mut reader = Reader::new(input)?;
+    let mut rec = Recording { meta: reader.meta.clone(), ..Default::default() };
+    loop {
+        let chunk = match reader.next_chunk() {
+            Ok(Some(chunk)) => chunk,
+            Ok(None) => break,
+            Err(e) => {
+                rec.warnings.push(format!("{e}; reporting the complete part before it"));
+                break;
+            }
+        };
+        match chunk {
+            Chunk::Events { payload, offset } => {
+                let mut batch = Vec::new();
+                match decode_chunk(&payload, offset, &mut |e| batch.push(e)) {
+                    Ok(_) => rec.events.extend(batch),
+                    Err(e) => {
+                        rec.warnings.push(format!("{e}; reporting the complete part before it"));
+                        break;
+                    }
+                }
+            }
+            Chunk::Stacks(stacks) => rec.stacks.extend(stacks.into_iter().map(|s| (s.id, s))),
+            Chunk::Modules(modules) => rec.modules.extend(modules.into_iter().map(|m| (m.id, m))),
+            Chunk::Symbols(symbols) => rec.symbols.extend(symbols),
+            Chunk::Stats(stats) => rec.stats = stats,
+            Chunk::End => rec.finalized = true,
+        }
+    }
+    if !rec.finalized && rec.warnings.is_empty() {
+        rec.warnings
+            .push("the recording was not finalized (memtrace stopped abruptly); figures cover what was written".into());
+    }
+    Ok(rec)
+}

@@ -1,0 +1,282 @@
+//! The recorded stacks, named: turns a stack id into frames (kernel part trimmed to start at
+//! the allocation's caller, then the user part), each with function, inline chain, source
+//! location and module. Names come from the recording's symbol table; when the recording
+//! has none (memtrace stopped abruptly), from the local files and kernel, once per
+//! distinct address.
+use std::{
+    collections::{BTreeMap, HashMap, HashSet},
+    fmt,
+    path::Path,
+};
+
+use serde::Serialize;
+
+use crate::{
+    recording::{FileFrame, FileStack, Module, Symbol, SymbolKey},
+    symbolize::Symbolizer,
+};
+
+/// One named frame.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize)]
+pub struct Frame {
+    pub function: String,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub file: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub line: Option<u32>,
+    /// Object file (path or name) for user frames, "[kernel]" for kernel frames.
+    pub module: String,
+    /// Offset in the module (user) or address (kernel).
+    pub address: u64,
+    pub kernel: bool,
+    /// Inlined into the frame that follows.
+    pub inlined: bool,
+    /// No symbol was found: `function` is `module+0xoffset` or an address.
+    pub unknown: bool,
+}
+
+impl fmt::Display for Frame {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.function)?;
+        if let (Some(file), Some(line)) = (&self.file, self.line) {
+            let short = Path::new(file).file_name().map(|n| n.to_string_lossy()).unwrap_or_default();
+            write!(f, " ({short}:{line})")?;
+        }
+        if self.inlined {
+            f.write_str(" [inlined]")?;
+        }
+        Ok(())
+    }
+}
+
+fn module_name(path: &str) -> String {
+    Path::new(path).file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_else(|| path.to_string())
+}
+
+#[derive(Default)]
+pub struct StackTable {
+    pub stacks: BTreeMap<u32, FileStack>,
+    pub modules: BTreeMap<u32, Module>,
+    pub symbols: HashMap<SymbolKey, Vec<Symbol>>,
+    /// Names computed for (stack id, call site).
+    cache: HashMap<(u64, u64), Vec<Frame>>,
+}
+
+impl StackTable {
+    pub fn new(
+        stacks: BTreeMap<u32, FileStack>,
+        modules: BTreeMap<u32, Module>,
+        symbols: impl IntoIterator<Item = (SymbolKey, Vec<Symbol>)>,
+    ) -> Self {
+        Self { stacks, modules, symbols: symbols.into_iter().collect(), cache: HashMap::new() }
+    }
+
+    /// Symbolizes locally every frame the recording has no symbol for. Returns how many
+    /// addresses were named that way.
+    pub fn fill_missing_symbols(&mut self) -> usize {
+        let mut by_module: HashMap<u32, HashSet<u64>> = HashMap::new();
+        let mut kernel: HashSet<u64> = HashSet::new();
+        for stack in self.stacks.values() {
+            for &addr in &stack.kernel {
+                if !self.symbols.contains_key(&SymbolKey::Kernel(addr)) {
+                    kernel.insert(addr);
+                }
+            }
+            for frame in &stack.user {
+                if let FileFrame::Module { module, offset } = *frame
+                    && !self.symbols.contains_key(&SymbolKey::User(*frame))
+                {
+                    by_module.entry(module).or_default().insert(offset);
+                }
+            }
+        }
+        if by_module.is_empty() && kernel.is_empty() {
+            return 0;
+        }
+        let symbolizer = Symbolizer::new();
+        let mut named = 0;
+        for (module, offsets) in by_module {
+            let Some(m) = self.modules.get(&module) else {
+                continue;
+            };
+            let path = Path::new(&m.path);
+            // Only a file with the recorded build id describes these offsets.
+            if m.path.is_empty()
+                || (!m.build_id.is_empty() && crate::elf::build_id(path).as_deref() != Some(&m.build_id[..]))
+            {
+                continue;
+            }
+            let offsets: Vec<u64> = offsets.into_iter().collect();
+            let lookups: Vec<u64> = offsets.iter().map(|o| o.saturating_sub(1)).collect();
+            for (offset, syms) in offsets.iter().zip(symbolizer.object(path, &lookups)) {
+                if !syms.is_empty() {
+                    named += 1;
+                    self.symbols.insert(SymbolKey::User(FileFrame::Module { module, offset: *offset }), syms);
+                }
+            }
+        }
+        let addrs: Vec<u64> = kernel.into_iter().collect();
+        let lookups: Vec<u64> = addrs.iter().map(|a| a.saturating_sub(1)).collect();
+        for (addr, syms) in addrs.iter().zip(symbolizer.kernel(&lookups)) {
+            if !syms.is_empty() {
+                named += 1;
+                self.symbols.insert(SymbolKey::Kernel(*addr), syms);
+            }
+        }
+        self.cache.clear();
+        named
+    }
+
+    /// The frames of one address: the inline chain, innermost first.
+    fn name(&self, key: SymbolKey) -> Vec<Frame> {
+        let (kernel, address, module) = match key {
+            SymbolKey::Kernel(addr) => (true, addr, "[kernel]".to_string()),
+            SymbolKey::User(FileFrame::Module { module, offset }) => {
+                let m = self.modules.get(&module);
+                let name = match m {
+                    Some(m) if !m.path.is_empty() => module_name(&m.path),
+                    Some(m) => format!("[build-id {}]", hex(&m.build_id)),
+                    None => "[unknown module]".into(),
+                };
+                (false, offset, name)
+            }
+            SymbolKey::User(FileFrame::Address(ip)) => (false, ip, "[unknown]".into()),
+        };
+        match self.symbols.get(&key) {
+            Some(chain) if !chain.is_empty() => chain
+                .iter()
+                .map(|s| Frame {
+                    function: s.name.clone(),
+                    file: s.file.clone(),
+                    line: (s.line != 0).then_some(s.line),
+                    module: module.clone(),
+                    address,
+                    kernel,
+                    inlined: s.inlined,
+                    unknown: false,
+                })
+                .collect(),
+            _ => vec![Frame {
+                function: if kernel {
+                    format!("0x{address:x}")
+                } else if matches!(key, SymbolKey::User(FileFrame::Address(_))) {
+                    format!("[unknown] 0x{address:x}")
+                } else {
+                    format!("{module}+0x{address:x}")
+                },
+                file: None,
+                line: None,
+                module,
+                address,
+                kernel,
+                inlined: false,
+                unknown: true,
+            }],
+        }
+    }
+
+    /// The named frames of an allocation, innermost first: the kernel part (starting at
+    /// `call_site` when it is on the stack), then the user part. Falls back to the call
+    /// site alone when the stack is unknown.
+    pub fn frames(&mut self, stack: u64, call_site: u64) -> Vec<Frame> {
+        if let Some(f) = self.cache.get(&(stack, call_site)) {
+            return f.clone();
+        }
+        let mut out = Vec::new();
+        let recorded = stack.checked_sub(1).and_then(|id| self.stacks.get(&(id as u32)));
+        match recorded {
+            Some(s) => {
+                let start = if call_site != 0 { s.kernel.iter().position(|&a| a == call_site) } else { None };
+                let kernel = match start {
+                    Some(i) => &s.kernel[i..],
+                    None if call_site != 0 => {
+                        out.extend(self.name(SymbolKey::Kernel(call_site)));
+                        &s.kernel[..0]
+                    }
+                    None => &s.kernel[..],
+                };
+                for &addr in kernel {
+                    out.extend(self.name(SymbolKey::Kernel(addr)));
+                }
+                for frame in &s.user {
+                    out.extend(self.name(SymbolKey::User(*frame)));
+                }
+            }
+            None if call_site != 0 => out.extend(self.name(SymbolKey::Kernel(call_site))),
+            None => {}
+        }
+        self.cache.insert((stack, call_site), out.clone());
+        out
+    }
+
+    /// Whether the stack was cut short by the kernel's depth limit.
+    pub fn is_truncated(&self, stack: u64) -> bool {
+        stack
+            .checked_sub(1)
+            .and_then(|id| self.stacks.get(&(id as u32)))
+            .is_some_and(|s| s.user.len() >= memtrace_common::MAX_STACK_DEPTH)
+    }
+}
+
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn table() -> StackTable {
+        let mut stacks = BTreeMap::new();
+        stacks.insert(
+            0,
+            FileStack {
+                id: 0,
+                pid: 1,
+                kernel: vec![0xffff_0001, 0xffff_0002, 0xffff_0003],
+                user: vec![FileFrame::Module { module: 0, offset: 0x10 }, FileFrame::Address(0x7f00)],
+            },
+        );
+        let mut modules = BTreeMap::new();
+        modules.insert(0, Module { id: 0, build_id: vec![], path: "/usr/bin/prog".into() });
+        let symbols = vec![
+            (SymbolKey::Kernel(0xffff_0002), vec![Symbol { name: "do_thing".into(), ..Default::default() }]),
+            (
+                SymbolKey::User(FileFrame::Module { module: 0, offset: 0x10 }),
+                vec![
+                    Symbol { name: "helper".into(), file: Some("/src/a.c".into()), line: 3, inlined: true },
+                    Symbol { name: "main".into(), file: Some("/src/a.c".into()), line: 9, inlined: false },
+                ],
+            ),
+        ];
+        StackTable::new(stacks, modules, symbols)
+    }
+
+    #[test]
+    fn kernel_frames_start_at_the_call_site_and_inlines_expand() {
+        let mut t = table();
+        let frames = t.frames(1, 0xffff_0002);
+        let names: Vec<String> = frames.iter().map(|f| f.function.clone()).collect();
+        assert_eq!(names, ["do_thing", "0xffff0003", "helper", "main", "[unknown] 0x7f00"]);
+        assert!(frames[2].inlined && !frames[3].inlined);
+        assert_eq!(frames[3].to_string(), "main (a.c:9)");
+    }
+
+    #[test]
+    fn unknown_user_frames_keep_their_module_and_offset() {
+        let mut t = table();
+        t.symbols.clear();
+        let frames = t.frames(1, 0);
+        assert_eq!(frames[3].function, "prog+0x10");
+        assert!(frames[3].unknown);
+    }
+
+    #[test]
+    fn a_missing_stack_falls_back_to_the_call_site() {
+        let mut t = table();
+        let frames = t.frames(99, 0xffff_0002);
+        assert_eq!(frames.len(), 1);
+        assert_eq!(frames[0].function, "do_thing");
+        assert!(t.frames(0, 0).is_empty());
+    }
+}

@@ -1,0 +1,103 @@
+//! Helpers shared by the integration tests: they run the real `memtrace` binary as root
+//! against the bundled workload, so the kernel path is exercised for real.
+#![allow(dead_code)]
+
+use std::{
+    io::{BufRead as _, BufReader},
+    path::{Path, PathBuf},
+    process::{Child, Command, Output},
+    thread::JoinHandle,
+};
+
+use serde_json::Value;
+
+pub fn memtrace() -> Command {
+    Command::new(env!("CARGO_BIN_EXE_memtrace"))
+}
+
+pub fn workload() -> PathBuf {
+    Path::new(env!("MEMTRACE_WORKLOAD_DIR")).join("alloc_workload")
+}
+
+/// Fails the test with a clear message unless we may load BPF programs.
+pub fn require_root() {
+    // SAFETY: geteuid has no preconditions.
+    assert_eq!(
+        unsafe { libc::geteuid() },
+        0,
+        "the integration tests load eBPF programs: run them as root (cargo xtask test)"
+    );
+}
+
+/// A fresh directory for one test's files.
+pub fn scratch(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("memtrace-it-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+pub fn run(cmd: &mut Command) -> Output {
+    let out = cmd.output().expect("spawning memtrace");
+    if !out.status.success() {
+        panic!(
+            "{cmd:?} failed with {}\nstdout:\n{}\nstderr:\n{}",
+            out.status,
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    out
+}
+
+pub fn report_json(data: &Path, extra: &[&str]) -> Value {
+    let out = run(memtrace().args(["report", "--format", "json", "-i"]).arg(data).args(extra));
+    serde_json::from_slice(&out.stdout).expect("report JSON")
+}
+
+/// What the workload says it did, per allocating function.
+pub fn manifest(path: &Path) -> Value {
+    serde_json::from_str(&std::fs::read_to_string(path).expect("workload manifest")).expect("manifest JSON")
+}
+
+/// The site whose innermost frame is the function `name`.
+pub fn site<'a>(report: &'a Value, name: &str) -> Option<&'a Value> {
+    report["sites"].as_array()?.iter().find(|s| s["frames"][0]["function"] == name)
+}
+
+pub const FIGURES: [&str; 6] = ["allocs", "frees", "bytes_req", "bytes_alloc", "live_allocs", "live_bytes_req"];
+
+/// Asserts that, for every function of the manifest, the report (grouped by function)
+/// shows exactly the same figures, and that the function is the first user frame.
+pub fn assert_matches_manifest(report: &Value, manifest: &Value) {
+    for expected in manifest["sites"].as_array().unwrap() {
+        let name = expected["function"].as_str().unwrap();
+        let got = site(report, name).unwrap_or_else(|| panic!("no site with {name} as first frame in {report:#}"));
+        assert_eq!(got["domain"], "user", "{name}");
+        for figure in FIGURES {
+            assert_eq!(got[figure], expected[figure], "{name}: {figure} (report {got:#})");
+        }
+    }
+}
+
+/// Reads a recorder's stderr until it says it is tracing; the rest of stderr is collected
+/// by the returned thread.
+pub fn wait_until_tracing(recorder: &mut Child) -> JoinHandle<String> {
+    let mut lines = BufReader::new(recorder.stderr.take().expect("stderr piped")).lines();
+    let mut seen = String::new();
+    for line in lines.by_ref() {
+        let line = line.unwrap();
+        seen.push_str(&line);
+        seen.push('\n');
+        if line.contains("memtrace: tracing") {
+            return std::thread::spawn(move || {
+                for line in lines.map_while(Result::ok) {
+                    seen.push_str(&line);
+                    seen.push('\n');
+                }
+                seen
+            });
+        }
+    }
+    panic!("memtrace never started tracing:\n{seen}");
+}

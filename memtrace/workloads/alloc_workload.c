@@ -1,0 +1,387 @@
+/*
+ * The bundled deterministic workload memtrace's demo, tests and benchmarks trace.
+ *
+ * Default mode ("exercise"): every thread calls every entry point of the malloc family from
+ * its own noinline function (so each is a distinct call site), frees all but a known number
+ * of blocks, and measures malloc_usable_size itself. With --manifest FILE it writes what it
+ * did, per allocating function, as JSON; tests compare memtrace's figures with it exactly.
+ *
+ * Other modes: --loop N (N malloc+free pairs, prints ns/pair: the overhead benchmark),
+ * --kernel-loop N (N pipe()+close() pairs: kernel allocations on behalf of the task),
+ * --sleep-ms MS (pause before starting), --wait-stdin (start once a line is read from
+ * stdin), so a recorder can attach with --pid first.
+ */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <malloc.h>
+#include <pthread.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <time.h>
+#include <unistd.h>
+
+#define NOINLINE __attribute__((noinline))
+
+enum site {
+    S_MALLOC,
+    S_MALLOC_LARGE,
+    S_CALLOC,
+    S_REALLOC,
+    S_REALLOCARRAY,
+    S_POSIX_MEMALIGN,
+    S_ALIGNED_ALLOC,
+    S_MEMALIGN,
+    S_VALLOC,
+    S_PVALLOC,
+    S_MMAP,
+    S_LEAK,
+    S_COUNT
+};
+
+static const char *site_names[S_COUNT] = {
+    "wl_malloc",       "wl_malloc_large", "wl_calloc",        "wl_realloc",
+    "wl_reallocarray", "wl_posix_memalign", "wl_aligned_alloc", "wl_memalign",
+    "wl_valloc",       "wl_pvalloc",      "wl_mmap",          "wl_leak",
+};
+
+struct figures {
+    unsigned long allocs, frees, bytes_req, bytes_alloc, live_allocs, live_bytes_req;
+};
+
+static struct figures totals[S_COUNT];
+static pthread_mutex_t totals_lock = PTHREAD_MUTEX_INITIALIZER;
+
+/* Per-thread tally, merged under the lock when the thread ends. */
+struct tally {
+    struct figures f[S_COUNT];
+};
+
+static volatile uintptr_t sink;
+
+static void touch(void *p, size_t n) {
+    if (n)
+        memset(p, 0xa5, n < 64 ? n : 64);
+    sink ^= (uintptr_t)p;
+}
+
+static void count_alloc(struct tally *t, enum site s, void *p, size_t req) {
+    t->f[s].allocs++;
+    t->f[s].bytes_req += req;
+    t->f[s].bytes_alloc += malloc_usable_size(p);
+    t->f[s].live_allocs++;
+    t->f[s].live_bytes_req += req;
+}
+
+static void count_free(struct tally *t, enum site s, size_t req) {
+    t->f[s].frees++;
+    t->f[s].live_allocs--;
+    t->f[s].live_bytes_req -= req;
+}
+
+NOINLINE static void *wl_malloc(struct tally *t, size_t n) {
+    void *p = malloc(n);
+    count_alloc(t, S_MALLOC, p, n);
+    touch(p, n);
+    return p;
+}
+
+NOINLINE static void *wl_malloc_large(struct tally *t, size_t n) {
+    void *p = malloc(n); /* above the mmap threshold: an mmapped chunk */
+    count_alloc(t, S_MALLOC_LARGE, p, n);
+    touch(p, n);
+    return p;
+}
+
+NOINLINE static void *wl_calloc(struct tally *t, size_t nmemb, size_t size) {
+    void *p = calloc(nmemb, size);
+    count_alloc(t, S_CALLOC, p, nmemb * size);
+    touch(p, nmemb * size);
+    return p;
+}
+
+/* realloc(NULL, a) allocates; realloc(p, b) frees p and allocates; realloc(q, 0) frees. */
+NOINLINE static void wl_realloc(struct tally *t, size_t a, size_t b) {
+    void *p = realloc(NULL, a);
+    count_alloc(t, S_REALLOC, p, a);
+    touch(p, a);
+    void *q = realloc(p, b);
+    count_free(t, S_REALLOC, a);
+    count_alloc(t, S_REALLOC, q, b);
+    touch(q, b);
+    void *r = realloc(q, 0);
+    count_free(t, S_REALLOC, b);
+    sink ^= (uintptr_t)r; /* glibc returns NULL */
+}
+
+NOINLINE static void *wl_reallocarray(struct tally *t, size_t n1, size_t n2, size_t size) {
+    void *p = reallocarray(NULL, n1, size);
+    count_alloc(t, S_REALLOCARRAY, p, n1 * size);
+    touch(p, n1 * size);
+    void *q = reallocarray(p, n2, size);
+    count_free(t, S_REALLOCARRAY, n1 * size);
+    count_alloc(t, S_REALLOCARRAY, q, n2 * size);
+    touch(q, n2 * size);
+    return q;
+}
+
+NOINLINE static void *wl_posix_memalign(struct tally *t, size_t align, size_t n) {
+    void *p = NULL;
+    if (posix_memalign(&p, align, n) != 0)
+        abort();
+    count_alloc(t, S_POSIX_MEMALIGN, p, n);
+    touch(p, n);
+    return p;
+}
+
+NOINLINE static void *wl_aligned_alloc(struct tally *t, size_t align, size_t n) {
+    void *p = aligned_alloc(align, n);
+    count_alloc(t, S_ALIGNED_ALLOC, p, n);
+    touch(p, n);
+    return p;
+}
+
+NOINLINE static void *wl_memalign(struct tally *t, size_t align, size_t n) {
+    void *p = memalign(align, n);
+    count_alloc(t, S_MEMALIGN, p, n);
+    touch(p, n);
+    return p;
+}
+
+NOINLINE static void *wl_valloc(struct tally *t, size_t n) {
+    void *p = valloc(n);
+    count_alloc(t, S_VALLOC, p, n);
+    touch(p, n);
+    return p;
+}
+
+NOINLINE static void *wl_pvalloc(struct tally *t, size_t n) {
+    void *p = pvalloc(n);
+    /* pvalloc rounds the request up to whole pages; the request is still n. */
+    count_alloc(t, S_PVALLOC, p, n);
+    touch(p, n);
+    return p;
+}
+
+NOINLINE static void *wl_mmap(struct tally *t, size_t n) {
+    void *p = mmap(NULL, n, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (p == MAP_FAILED)
+        abort();
+    t->f[S_MMAP].allocs++;
+    t->f[S_MMAP].bytes_req += n;
+    t->f[S_MMAP].bytes_alloc += (n + 4095) & ~(size_t)4095;
+    t->f[S_MMAP].live_allocs++;
+    t->f[S_MMAP].live_bytes_req += n;
+    touch(p, n);
+    return p;
+}
+
+NOINLINE static void *wl_leak(struct tally *t, size_t n) {
+    void *p = malloc(n);
+    count_alloc(t, S_LEAK, p, n);
+    touch(p, n);
+    return p;
+}
+
+/* Calls that must not count as allocations or frees. */
+NOINLINE static void wl_not_allocations(void) {
+    static volatile size_t huge = SIZE_MAX; /* volatile: keep the compiler from judging */
+    free(NULL);
+    void *p = malloc(huge); /* fails */
+    sink ^= (uintptr_t)p;
+    p = calloc(huge / 2, 4); /* overflows, fails */
+    sink ^= (uintptr_t)p;
+    void *q = NULL;
+    if (posix_memalign(&q, 3, 64) != EINVAL) /* bad alignment, fails */
+        abort();
+}
+
+struct thread_arg {
+    int iterations;
+    int leaks;
+};
+
+static pthread_barrier_t start_barrier;
+
+static void merge(const struct tally *t) {
+    pthread_mutex_lock(&totals_lock);
+    for (int s = 0; s < S_COUNT; s++) {
+        totals[s].allocs += t->f[s].allocs;
+        totals[s].frees += t->f[s].frees;
+        totals[s].bytes_req += t->f[s].bytes_req;
+        totals[s].bytes_alloc += t->f[s].bytes_alloc;
+        totals[s].live_allocs += t->f[s].live_allocs;
+        totals[s].live_bytes_req += t->f[s].live_bytes_req;
+    }
+    pthread_mutex_unlock(&totals_lock);
+}
+
+/* Sizes vary with the iteration so fragmentation is not uniform. */
+static void *exercise(void *argp) {
+    const struct thread_arg *arg = argp;
+    struct tally *t = calloc(1, sizeof *t); /* not a wl_ site: excluded from the manifest */
+    pthread_barrier_wait(&start_barrier);
+    for (int i = 0; i < arg->iterations; i++) {
+        size_t small = 8 + (size_t)(i % 13) * 7;
+        void *a = wl_malloc(t, small);
+        void *b = wl_calloc(t, 3 + i % 4, 24);
+        wl_realloc(t, 40 + i % 9, 300 + (size_t)(i % 5) * 100);
+        void *c = wl_reallocarray(t, 4, 12 + i % 3, 16);
+        void *d = wl_posix_memalign(t, 64, 100 + (size_t)(i % 7));
+        void *e = wl_aligned_alloc(t, 128, 256);
+        void *f = wl_memalign(t, 32, 1000 + (size_t)(i % 3));
+        void *g = wl_valloc(t, 3000);
+        void *h = wl_pvalloc(t, 5000);
+        void *l = i % 10 == 0 ? wl_malloc_large(t, 300000 + (size_t)i) : NULL;
+        void *m = i % 10 == 5 ? wl_mmap(t, 10000 + (size_t)i) : NULL;
+        wl_not_allocations();
+
+        free(a);
+        count_free(t, S_MALLOC, small);
+        free(b);
+        count_free(t, S_CALLOC, (size_t)(3 + i % 4) * 24);
+        free(c);
+        count_free(t, S_REALLOCARRAY, (size_t)(12 + i % 3) * 16);
+        free(d);
+        count_free(t, S_POSIX_MEMALIGN, 100 + (size_t)(i % 7));
+        free(e);
+        count_free(t, S_ALIGNED_ALLOC, 256);
+        free(f);
+        count_free(t, S_MEMALIGN, 1000 + (size_t)(i % 3));
+        free(g);
+        count_free(t, S_VALLOC, 3000);
+        free(h);
+        count_free(t, S_PVALLOC, 5000);
+        if (l) {
+            free(l);
+            count_free(t, S_MALLOC_LARGE, 300000 + (size_t)i);
+        }
+        if (m) {
+            munmap(m, 10000 + (size_t)i);
+            t->f[S_MMAP].frees++;
+            t->f[S_MMAP].live_allocs--;
+            t->f[S_MMAP].live_bytes_req -= 10000 + (size_t)i;
+        }
+    }
+    for (int i = 0; i < arg->leaks; i++)
+        sink ^= (uintptr_t)wl_leak(t, 77);
+    merge(t);
+    free(t);
+    return NULL;
+}
+
+static void write_manifest(const char *path, int threads, int iterations, int leaks) {
+    FILE *out = fopen(path, "w");
+    if (!out) {
+        perror(path);
+        exit(2);
+    }
+    fprintf(out, "{\"pid\": %d, \"threads\": %d, \"iterations\": %d, \"leaks_per_thread\": %d,\n",
+            (int)getpid(), threads, iterations, leaks);
+    fprintf(out, " \"sites\": [\n");
+    for (int s = 0; s < S_COUNT; s++) {
+        const struct figures *f = &totals[s];
+        fprintf(out,
+                "  {\"function\": \"%s\", \"allocs\": %lu, \"frees\": %lu, \"bytes_req\": %lu, "
+                "\"bytes_alloc\": %lu, \"live_allocs\": %lu, \"live_bytes_req\": %lu}%s\n",
+                site_names[s], f->allocs, f->frees, f->bytes_req, f->bytes_alloc, f->live_allocs,
+                f->live_bytes_req, s + 1 < S_COUNT ? "," : "");
+    }
+    fprintf(out, " ]}\n");
+    fclose(out);
+}
+
+static double now_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return ts.tv_sec * 1e9 + ts.tv_nsec;
+}
+
+NOINLINE static void loop_pair(size_t n) {
+    void *p = malloc(n);
+    sink ^= (uintptr_t)p;
+    free(p);
+}
+
+NOINLINE static void kernel_pair(void) {
+    int fds[2];
+    if (pipe(fds) != 0)
+        abort();
+    close(fds[0]);
+    close(fds[1]);
+}
+
+static long arg_value(int argc, char **argv, const char *name, long fallback) {
+    for (int i = 1; i + 1 < argc; i++)
+        if (strcmp(argv[i], name) == 0)
+            return strtol(argv[i + 1], NULL, 10);
+    return fallback;
+}
+
+static const char *arg_string(int argc, char **argv, const char *name) {
+    for (int i = 1; i + 1 < argc; i++)
+        if (strcmp(argv[i], name) == 0)
+            return argv[i + 1];
+    return NULL;
+}
+
+int main(int argc, char **argv) {
+    long sleep_ms = arg_value(argc, argv, "--sleep-ms", 0);
+    if (sleep_ms > 0)
+        usleep((useconds_t)sleep_ms * 1000);
+    for (int i = 1; i < argc; i++) {
+        if (strcmp(argv[i], "--wait-stdin") == 0) {
+            char line[16];
+            if (read(0, line, sizeof line) < 0)
+                abort();
+        }
+    }
+
+    long loop = arg_value(argc, argv, "--loop", 0);
+    if (loop > 0) {
+        double t0 = now_ns();
+        for (long i = 0; i < loop; i++)
+            loop_pair(32);
+        printf("%.1f ns/pair\n", (now_ns() - t0) / (double)loop);
+        return 0;
+    }
+    long kernel_loop = arg_value(argc, argv, "--kernel-loop", 0);
+    if (kernel_loop > 0) {
+        double t0 = now_ns();
+        for (long i = 0; i < kernel_loop; i++)
+            kernel_pair();
+        printf("%.1f ns/pipe\n", (now_ns() - t0) / (double)kernel_loop);
+        return 0;
+    }
+
+    int threads = (int)arg_value(argc, argv, "--threads", 4);
+    int iterations = (int)arg_value(argc, argv, "--iterations", 200);
+    int leaks = (int)arg_value(argc, argv, "--leaks", 5);
+    const char *manifest = arg_string(argc, argv, "--manifest");
+    long kernel_pipes = arg_value(argc, argv, "--pipes", 20);
+
+    struct thread_arg arg = {iterations, leaks};
+    pthread_t *tids = calloc((size_t)threads, sizeof *tids);
+    pthread_barrier_init(&start_barrier, NULL, (unsigned)threads);
+    for (int i = 0; i < threads; i++)
+        if (pthread_create(&tids[i], NULL, exercise, &arg) != 0)
+            abort();
+    for (int i = 0; i < threads; i++)
+        pthread_join(tids[i], NULL);
+    free(tids);
+    for (long i = 0; i < kernel_pipes; i++)
+        kernel_pair();
+
+    unsigned long allocs = 0, live = 0;
+    for (int s = 0; s < S_COUNT; s++) {
+        allocs += totals[s].allocs;
+        live += totals[s].live_allocs;
+    }
+    printf("alloc_workload: %d threads x %d iterations: %lu allocations, %lu left live\n",
+           threads, iterations, allocs, live);
+    if (manifest)
+        write_manifest(manifest, threads, iterations, leaks);
+    return 0;
+}
