@@ -5,8 +5,11 @@ use std::{env, path::PathBuf, process::Command};
 use anyhow::{Context as _, bail};
 
 /// (source, output name, extra compiler flags)
-const WORKLOADS: &[(&str, &str, &[&str])] =
-    &[("workloads/alloc_workload.c", "alloc_workload", &["-fno-omit-frame-pointer"])];
+const WORKLOADS: &[(&str, &str, &[&str])] = &[
+    ("workloads/alloc_workload.c", "alloc_workload", &["-fno-omit-frame-pointer"]),
+    // malloc linked into the executable: memtrace must find the allocator there.
+    ("workloads/alloc_workload.c", "alloc_workload_static", &["-fno-omit-frame-pointer", "-static"]),
+];
 
 fn main() -> anyhow::Result<()> {
     let manifest_dir = PathBuf::from(env::var("CARGO_MANIFEST_DIR")?);

@@ -4,7 +4,7 @@
 mod common;
 
 use std::{
-    io::Write as _,
+    io::{BufRead as _, BufReader, Read as _, Write as _},
     process::{Command, Stdio},
     thread,
     time::Duration,
@@ -86,9 +86,14 @@ fn record_pid_traces_a_running_process() {
         .args(["--wait-stdin", "--manifest"])
         .arg(&manifest_path)
         .stdin(Stdio::piped())
-        .stdout(Stdio::null())
+        .stdout(Stdio::piped())
         .spawn()
         .unwrap();
+    // Once it says so, it has started (its libraries are mapped) and waits.
+    let mut target_out = BufReader::new(target.stdout.take().unwrap());
+    let mut ready = String::new();
+    target_out.read_line(&mut ready).unwrap();
+    assert_eq!(ready, "waiting\n");
     let mut recorder = memtrace()
         .args(["record", "--pid", &target.id().to_string(), "-o"])
         .arg(&data)
@@ -97,6 +102,8 @@ fn record_pid_traces_a_running_process() {
         .unwrap();
     let stderr = wait_until_tracing(&mut recorder);
     target.stdin.take().unwrap().write_all(b"go\n").unwrap();
+    let mut rest = String::new();
+    target_out.read_to_string(&mut rest).unwrap();
     assert!(target.wait().unwrap().success());
     let status = recorder.wait().unwrap();
     assert!(status.success(), "{}", stderr.join().unwrap());
@@ -128,4 +135,48 @@ fn record_all_traces_processes_started_later() {
     let report = report_json(&data, &["--by", "function", "--pid", &pid]);
     assert_eq!(report["lost_events"], 0);
     assert_matches_manifest(&report, &manifest(&manifest_path));
+}
+
+#[test]
+fn a_statically_linked_malloc_is_found_in_the_executable() {
+    require_root();
+    let dir = scratch("static");
+    let data = dir.join("static.data");
+    let manifest_path = dir.join("manifest.json");
+    let static_workload = workload().with_file_name("alloc_workload_static");
+    run(memtrace()
+        .args(["record", "-q", "-o"])
+        .arg(&data)
+        .arg("--")
+        .arg(&static_workload)
+        .args(ARGS)
+        .arg("--manifest")
+        .arg(&manifest_path));
+    let report = report_json(&data, &["--by", "function"]);
+    assert_clean(&report);
+    let allocator = report["recording"]["allocator"].as_str().unwrap();
+    assert!(allocator.ends_with("alloc_workload_static"), "{allocator}");
+    assert_eq!(report["recording"]["allocator_is_glibc"], true);
+    assert_matches_manifest(&report, &manifest(&manifest_path));
+}
+
+#[test]
+fn a_custom_allocator_is_traced_through_its_prefix() {
+    require_root();
+    let dir = scratch("custom");
+    let data = dir.join("custom.data");
+    let manifest_path = dir.join("manifest.json");
+    run(memtrace()
+        .args(["record", "-q", "--symbol-prefix", "mt_", "-o"])
+        .arg(&data)
+        .arg("--")
+        .arg(workload())
+        .args(["--custom", "1000", "--manifest"])
+        .arg(&manifest_path));
+    let report = report_json(&data, &["--by", "function", "--domain", "user"]);
+    assert_clean(&report);
+    // Its metadata is unknown to memtrace: allocated = requested.
+    assert_eq!(report["recording"]["allocator_is_glibc"], false);
+    assert_matches_manifest(&report, &manifest(&manifest_path));
+    assert_eq!(report["totals"]["user"]["allocs"], 1000, "only the mt_ allocator is traced");
 }

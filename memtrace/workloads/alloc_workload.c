@@ -8,6 +8,8 @@
  *
  * Other modes: --loop N (N malloc+free pairs, prints ns/pair: the overhead benchmark),
  * --kernel-loop N (N pipe()+close() pairs: kernel allocations on behalf of the task),
+ * --custom N (N allocations from a tiny allocator of its own, mt_malloc/mt_free: what
+ * `record --symbol-prefix mt_` must find in the executable),
  * --sleep-ms MS (pause before starting), --wait-stdin (start once a line is read from
  * stdin), so a recorder can attach with --pid first.
  */
@@ -313,6 +315,48 @@ NOINLINE static void kernel_pair(void) {
     close(fds[1]);
 }
 
+/* A tiny bump allocator with its own entry points, standing in for jemalloc & co. */
+static char mt_arena[1 << 20];
+static size_t mt_used;
+
+NOINLINE void *mt_malloc(size_t n) {
+    n = (n + 15) & ~(size_t)15;
+    if (mt_used + n > sizeof mt_arena)
+        return NULL;
+    void *p = mt_arena + mt_used;
+    mt_used += n;
+    return p;
+}
+
+NOINLINE void mt_free(void *p) {
+    sink ^= (uintptr_t)p; /* a bump allocator never reuses memory */
+}
+
+NOINLINE static void wl_custom(long n, const char *manifest) {
+    unsigned long bytes = 0, frees = 0, live_bytes = 0;
+    for (long i = 0; i < n; i++) {
+        size_t size = 24 + (size_t)(i % 8);
+        void *p = mt_malloc(size);
+        bytes += size;
+        if (i % 2 == 0) {
+            mt_free(p);
+            frees++;
+        } else {
+            live_bytes += size;
+        }
+    }
+    if (manifest) {
+        FILE *out = fopen(manifest, "w");
+        if (!out)
+            abort();
+        fprintf(out,
+                "{\"pid\": %d, \"sites\": [{\"function\": \"wl_custom\", \"allocs\": %ld, \"frees\": %lu, "
+                "\"bytes_req\": %lu, \"bytes_alloc\": %lu, \"live_allocs\": %lu, \"live_bytes_req\": %lu}]}\n",
+                (int)getpid(), n, frees, bytes, bytes, (unsigned long)n - frees, live_bytes);
+        fclose(out);
+    }
+}
+
 static long arg_value(int argc, char **argv, const char *name, long fallback) {
     for (int i = 1; i + 1 < argc; i++)
         if (strcmp(argv[i], name) == 0)
@@ -334,6 +378,8 @@ int main(int argc, char **argv) {
     for (int i = 1; i < argc; i++) {
         if (strcmp(argv[i], "--wait-stdin") == 0) {
             char line[16];
+            printf("waiting\n");
+            fflush(stdout);
             if (read(0, line, sizeof line) < 0)
                 abort();
         }
@@ -345,6 +391,11 @@ int main(int argc, char **argv) {
         for (long i = 0; i < loop; i++)
             loop_pair(32);
         printf("%.1f ns/pair\n", (now_ns() - t0) / (double)loop);
+        return 0;
+    }
+    long custom = arg_value(argc, argv, "--custom", 0);
+    if (custom > 0) {
+        wl_custom(custom, arg_string(argc, argv, "--manifest"));
         return 0;
     }
     long kernel_loop = arg_value(argc, argv, "--kernel-loop", 0);

@@ -242,7 +242,9 @@ pub fn for_process(pid: u32, prefix: &str) -> Result<Allocator> {
             order.push(m.clone());
         }
     }
-    resolve(&order, prefix)
+    // A process caught while the dynamic linker still maps its libraries: find them the way
+    // the linker will (uprobes attach to files, so they fire once the library is mapped).
+    resolve(&order, prefix).or_else(|e| for_executable(&exe, prefix).map_err(|_| e))
 }
 
 /// The C library the machine's programs use (for `record -a`): the one this process runs on.

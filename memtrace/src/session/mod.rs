@@ -29,7 +29,7 @@ use tokio::{
 
 use self::{reorder::Reorder, spawn::PausedChild};
 use crate::{
-    event::{Event, Record, StackRecord, decode},
+    event::{Event, Record, StackRecord, Task, decode},
     modules::ModuleTable,
     probes::{self, Allocator, Probes},
     procfs,
@@ -120,6 +120,8 @@ struct Recorder {
     attached: HashSet<u32>,
     /// Children waiting for their uprobes.
     new_children: Vec<u32>,
+    /// Processes whose name the recording already holds.
+    named: HashSet<u32>,
     write_error: Option<io::Error>,
     decode_errors: u64,
 }
@@ -147,7 +149,43 @@ impl Recorder {
         self.writer.stack(&FileStack { id, pid: s.pid, kernel: s.kernel, user });
     }
 
+    /// Records the name of a process met for the first time (one already running when
+    /// tracing began has no exec event to name it).
+    fn name_process(&mut self, pid: u32, ts_ns: u64) {
+        if pid == 0 || !self.named.insert(pid) {
+            return;
+        }
+        if let Some(comm) = procfs::comm(pid, pid) {
+            self.write(&Event::Task(Task {
+                ts_ns,
+                event: TaskEvent::Rename,
+                flags: 0,
+                pid,
+                tid: pid,
+                ppid: 0,
+                comm,
+                filename: String::new(),
+            }));
+        }
+    }
+
+    fn write(&mut self, event: &Event) {
+        if self.write_error.is_none()
+            && let Err(e) = self.writer.event(event)
+        {
+            self.write_error = Some(e);
+        }
+    }
+
     fn on_event(&mut self, mut event: Event) {
+        match &event {
+            Event::Alloc(a) => self.name_process(a.pid, a.ts_ns),
+            Event::Free(f) => self.name_process(f.pid, f.ts_ns),
+            Event::Task(t) if t.tid == t.pid && t.event != TaskEvent::Exit => {
+                self.named.insert(t.pid);
+            }
+            Event::Task(_) => {}
+        }
         match &mut event {
             Event::Alloc(a) => {
                 if a.stack != 0 || a.flags & flags::HAS_STACK != 0 {
@@ -167,11 +205,7 @@ impl Recorder {
                 _ => {}
             },
         }
-        if self.write_error.is_none()
-            && let Err(e) = self.writer.event(&event)
-        {
-            self.write_error = Some(e);
-        }
+        self.write(&event);
     }
 
     /// Symbolizes every frame the recording refers to, while the files are at hand.
@@ -573,6 +607,7 @@ pub fn record(opts: RecordOptions) -> Result<RecordSummary> {
         pids_seen: HashSet::new(),
         attached: HashSet::new(),
         new_children: Vec::new(),
+        named: HashSet::new(),
         write_error: None,
         decode_errors: 0,
     };
