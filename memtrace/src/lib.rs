@@ -8,6 +8,7 @@
 pub mod analysis;
 pub mod elf;
 pub mod event;
+pub mod export;
 pub mod modules;
 pub mod probes;
 pub mod procfs;

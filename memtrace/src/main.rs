@@ -5,6 +5,7 @@ use std::{ffi::OsString, io::Write as _, path::PathBuf, process::ExitCode, time:
 use anyhow::{Result, bail};
 use clap::{Args, Parser, Subcommand};
 use memtrace::{
+    export::{self, ExportFormat, Weight},
     report::{self, DomainFilter, Format, GroupBy, KindFilter, ReportOptions, SortKey},
     session::{self, CommandFailed, RecordOptions, Target},
 };
@@ -24,6 +25,74 @@ enum Command {
     Report(ReportArgs),
     /// Print every event of a recording, one per line (like `perf script`).
     Dump(DumpArgs),
+    /// Write folded stacks, an SVG flame graph or a pprof profile.
+    Export(ExportArgs),
+}
+
+#[derive(Args)]
+struct ExportArgs {
+    /// The recording to read.
+    #[arg(short, long, default_value = "memtrace.data")]
+    input: PathBuf,
+    /// Where to write (default: standard output).
+    #[arg(short, long)]
+    output: Option<PathBuf>,
+    #[arg(long, value_enum, default_value_t)]
+    format: ExportFormat,
+    /// What the width of a frame stands for (folded and svg; pprof carries them all).
+    #[arg(long, value_enum, default_value_t)]
+    weight: Weight,
+    /// Which allocations: user space, kernel, or both.
+    #[arg(long, value_enum, default_value_t)]
+    domain: DomainFilter,
+    /// Only this process.
+    #[arg(long)]
+    pid: Option<u32>,
+    /// Only processes with this command name.
+    #[arg(long)]
+    comm: Option<String>,
+    /// Only allocations of at least this many bytes requested.
+    #[arg(long, value_parser = parse_size)]
+    min_size: Option<u64>,
+    /// Only these kinds of allocation.
+    #[arg(long, value_enum, value_delimiter = ',')]
+    kind: Vec<KindFilter>,
+}
+
+fn export(args: ExportArgs) -> Result<i32> {
+    let opts = ReportOptions {
+        by: GroupBy::Stack,
+        domain: args.domain,
+        pid: args.pid,
+        comm: args.comm,
+        min_size: args.min_size,
+        kinds: args.kind,
+        split_processes: true,
+        ..Default::default()
+    };
+    let analysis = report::analyze(&args.input, &opts)?;
+    for w in &analysis.warnings {
+        eprintln!("memtrace: warning: {w}");
+    }
+    let mut out: Box<dyn std::io::Write> = match &args.output {
+        Some(path) => Box::new(std::io::BufWriter::new(
+            std::fs::File::create(path).map_err(|e| anyhow::anyhow!("creating {}: {e}", path.display()))?,
+        )),
+        None => Box::new(std::io::BufWriter::new(std::io::stdout().lock())),
+    };
+    let result = match args.format {
+        ExportFormat::Folded => export::write_folded(&analysis, args.weight, &mut out),
+        ExportFormat::Svg => export::write_svg(&analysis, args.weight, &mut out),
+        ExportFormat::Pprof => export::write_pprof(&analysis, &mut out),
+    }
+    .and_then(|()| Ok(out.flush()?));
+    match result {
+        Err(e) if e.downcast_ref::<std::io::Error>().is_some_and(|e| e.kind() == std::io::ErrorKind::BrokenPipe) => {
+            Ok(0)
+        }
+        Err(e) => Err(e),
+        Ok(()) => Ok(0),
+    }
 }
 
 #[derive(Args)]
@@ -214,6 +283,7 @@ fn report(args: ReportArgs) -> Result<i32> {
         kinds: args.kind,
         leaks: args.leaks,
         older_than: args.older_than,
+        split_processes: false,
     };
     let analysis = report::analyze(&args.input, &opts)?;
     let text = match opts.format {
@@ -235,6 +305,7 @@ fn main() -> ExitCode {
         Command::Record(args) => record(args),
         Command::Report(args) => report(args),
         Command::Dump(args) => dump(args),
+        Command::Export(args) => export(args),
     };
     match result {
         Ok(code) => ExitCode::from(code.clamp(0, 255) as u8),

@@ -17,6 +17,9 @@ use crate::{
     recording::{FileFrame, Module},
 };
 
+/// File offsets at or past this are not real frames.
+const MAX_FILE_OFFSET: u64 = 1 << 40;
+
 /// Processes whose maps are kept.
 const MAX_PROCESS_MAPS: usize = 4096;
 
@@ -183,34 +186,93 @@ impl ModuleTable {
         self.module_id(Some(build_id.to_vec()), path)
     }
 
-    fn mapping_for(&mut self, pid: u32, ip: u64) -> Option<(PathBuf, u64)> {
-        let stale = self.maps.get(&pid).is_none_or(|m| m.read_at.elapsed() > MAPS_REFRESH);
-        let found = self.maps.get(&pid).and_then(|m| m.maps.find(ip)).filter(|m| m.is_file()).cloned();
-        let mapping = match found {
-            Some(m) => Some(m),
-            None if stale && self.learn_process(pid) => {
-                self.maps.get(&pid).and_then(|m| m.maps.find(ip)).filter(|m| m.is_file()).cloned()
-            }
-            None => None,
-        }?;
-        Some((procfs::path_in_process(pid, &mapping.path), mapping.file_offset(ip)))
-    }
-
-    /// A user frame of process `pid` as a module and file offset, if it can be named.
-    pub fn resolve(&mut self, pid: u32, frame: RawUserFrame) -> FileFrame {
-        match frame {
-            RawUserFrame::BuildId { build_id, offset } => {
-                FileFrame::Module { module: self.module_for_build_id(pid, &build_id), offset }
-            }
-            RawUserFrame::Ip(ip) => match self.mapping_for(pid, ip) {
-                Some((path, offset)) => {
-                    let build_id = self.file_build_id(&path);
-                    FileFrame::Module { module: self.module_id(build_id, Some(path)), offset }
+    fn mapping_for(&mut self, pid: u32, ip: u64) -> Place {
+        let lookup = |table: &Self| -> Option<Place> {
+            let maps = &table.maps.get(&pid)?.maps;
+            Some(match maps.find(ip) {
+                Some(m) if m.executable && m.is_file() => {
+                    Place::File(procfs::path_in_process(pid, &m.path), m.file_offset(ip))
                 }
-                None => FileFrame::Address(ip),
-            },
+                Some(m) if m.executable => Place::AnonymousCode,
+                _ => Place::NotCode,
+            })
+        };
+        let stale = self.maps.get(&pid).is_none_or(|m| m.read_at.elapsed() > MAPS_REFRESH);
+        match lookup(self) {
+            Some(place @ (Place::File(..) | Place::AnonymousCode)) => place,
+            found => {
+                if stale && self.learn_process(pid) {
+                    lookup(self).unwrap_or(Place::Unknown)
+                } else {
+                    found.unwrap_or(Place::Unknown)
+                }
+            }
         }
     }
+
+    /// A user stack of process `pid` as modules and file offsets, cut where the frame-pointer
+    /// walk went astray: at an address that is not code (the walk followed a register that
+    /// was not a frame pointer), and at a frame repeated to the depth limit (a pointer loop).
+    /// Returns the frames and whether the stack was cut.
+    pub fn resolve_stack(&mut self, pid: u32, raw: &[RawUserFrame]) -> (Vec<FileFrame>, bool) {
+        let mut frames = Vec::with_capacity(raw.len());
+        let mut truncated = false;
+        for &frame in raw {
+            let resolved = match frame {
+                // No object file is a terabyte long: the walk went astray.
+                RawUserFrame::BuildId { offset, .. } if offset >= MAX_FILE_OFFSET => {
+                    truncated = true;
+                    break;
+                }
+                RawUserFrame::BuildId { build_id, offset } => {
+                    FileFrame::Module { module: self.module_for_build_id(pid, &build_id), offset }
+                }
+                RawUserFrame::Ip(ip) => match self.mapping_for(pid, ip) {
+                    Place::File(path, offset) => {
+                        let build_id = self.file_build_id(&path);
+                        FileFrame::Module { module: self.module_id(build_id, Some(path)), offset }
+                    }
+                    Place::AnonymousCode | Place::Unknown => FileFrame::Address(ip),
+                    Place::NotCode => {
+                        truncated = true;
+                        break;
+                    }
+                },
+            };
+            frames.push(resolved);
+        }
+        if raw.len() >= memtrace_common::MAX_STACK_DEPTH {
+            truncated = true;
+            let last = frames.last().copied();
+            while frames.len() >= 2
+                && frames[frames.len() - 2] == frames[frames.len() - 1]
+                && Some(frames[frames.len() - 1]) == last
+            {
+                frames.pop();
+            }
+        }
+        (frames, truncated)
+    }
+
+    /// A single user frame of process `pid` (see [`Self::resolve_stack`]).
+    pub fn resolve(&mut self, pid: u32, frame: RawUserFrame) -> FileFrame {
+        let (frames, _) = self.resolve_stack(pid, &[frame]);
+        frames.first().copied().unwrap_or(match frame {
+            RawUserFrame::Ip(ip) => FileFrame::Address(ip),
+            RawUserFrame::BuildId { offset, .. } => FileFrame::Address(offset),
+        })
+    }
+}
+
+/// Where an address of a process lies.
+enum Place {
+    File(PathBuf, u64),
+    /// Executable memory without a file (JIT-compiled code).
+    AnonymousCode,
+    /// Mapped data, or nothing: not a return address.
+    NotCode,
+    /// The process's maps are not known.
+    Unknown,
 }
 
 #[cfg(test)]
@@ -240,9 +302,28 @@ mod tests {
     }
 
     #[test]
-    fn unknown_addresses_stay_addresses() {
+    fn a_walk_into_data_is_cut_there() {
+        let pid = std::process::id();
         let mut table = ModuleTable::new();
-        assert_eq!(table.resolve(std::process::id(), RawUserFrame::Ip(16)), FileFrame::Address(16));
+        let data = Box::new(0u64);
+        let frames =
+            [RawUserFrame::Ip(marker()), RawUserFrame::Ip(&*data as *const u64 as u64), RawUserFrame::Ip(marker())];
+        let (resolved, truncated) = table.resolve_stack(pid, &frames);
+        assert!(truncated);
+        assert_eq!(resolved.len(), 1);
+        // A process we know nothing of: addresses stay addresses.
+        assert_eq!(table.resolve_stack(0, &[RawUserFrame::Ip(16)]), (vec![FileFrame::Address(16)], false));
+    }
+
+    #[test]
+    fn a_frame_pointer_loop_to_the_depth_limit_is_collapsed() {
+        let pid = std::process::id();
+        let mut table = ModuleTable::new();
+        let mut frames = vec![RawUserFrame::Ip(marker())];
+        frames.extend(std::iter::repeat_n(RawUserFrame::Ip(marker() + 1), memtrace_common::MAX_STACK_DEPTH - 1));
+        let (resolved, truncated) = table.resolve_stack(pid, &frames);
+        assert!(truncated);
+        assert_eq!(resolved.len(), 2);
     }
 
     #[test]

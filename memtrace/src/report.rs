@@ -134,6 +134,9 @@ pub struct ReportOptions {
     pub kinds: Vec<KindFilter>,
     pub leaks: bool,
     pub older_than: Option<Duration>,
+    /// With `GroupBy::Stack`: keep each process's share of a stack apart (exports put
+    /// the process name at the root of every stack).
+    pub split_processes: bool,
 }
 
 /// What a group is made of.
@@ -141,7 +144,7 @@ pub struct ReportOptions {
 enum GroupKey {
     /// (module, address) of the first frame; for unknown stacks, the kind.
     Site(Domain, String, u64),
-    Stack(Domain, u64, u64),
+    Stack(Domain, u64, u64, u32),
     Function(Domain, String),
     Process(Domain, u32),
 }
@@ -267,6 +270,7 @@ pub fn analyze(path: &Path, opts: &ReportOptions) -> Result<Analysis> {
     let domain_filter = opts.domain;
     let kinds = opts.kinds.clone();
     let pid_filter = opts.pid;
+    let split = opts.split_processes;
 
     let (groups, totals, live, first_ts, last_ts, events) = {
         let table = &mut table;
@@ -278,7 +282,7 @@ pub fn analyze(path: &Path, opts: &ReportOptions) -> Result<Analysis> {
                 return EXCLUDED;
             }
             let key = match by {
-                GroupBy::Stack => GroupKey::Stack(domain, o.stack, o.call_site),
+                GroupBy::Stack => GroupKey::Stack(domain, o.stack, o.call_site, if split { o.pid } else { 0 }),
                 GroupBy::Process => GroupKey::Process(domain, o.pid),
                 GroupBy::Site | GroupBy::Function => {
                     let frames = table.frames(o.stack, o.call_site);

@@ -209,12 +209,9 @@ impl StackTable {
         out
     }
 
-    /// Whether the stack was cut short by the kernel's depth limit.
+    /// Whether the stack's walk was cut (depth limit, or it left the code).
     pub fn is_truncated(&self, stack: u64) -> bool {
-        stack
-            .checked_sub(1)
-            .and_then(|id| self.stacks.get(&(id as u32)))
-            .is_some_and(|s| s.user.len() >= memtrace_common::MAX_STACK_DEPTH)
+        stack.checked_sub(1).and_then(|id| self.stacks.get(&(id as u32))).is_some_and(|s| s.truncated)
     }
 }
 
@@ -235,6 +232,7 @@ mod tests {
                 pid: 1,
                 kernel: vec![0xffff_0001, 0xffff_0002, 0xffff_0003],
                 user: vec![FileFrame::Module { module: 0, offset: 0x10 }, FileFrame::Address(0x7f00)],
+                truncated: false,
             },
         );
         let mut modules = BTreeMap::new();

@@ -140,6 +140,8 @@ pub struct FileStack {
     pub kernel: Vec<u64>,
     /// User frames, innermost first.
     pub user: Vec<FileFrame>,
+    /// The walk was cut (depth limit, or it left the code).
+    pub truncated: bool,
 }
 
 /// What a symbolized address is: one entry per function, innermost (inlined) first.

@@ -157,6 +157,7 @@ fn parse_stacks(payload: &[u8], offset: u64) -> Result<Vec<FileStack>, FormatErr
     while !c.is_empty() {
         let id = c.varint_u32()?;
         let pid = c.varint_u32()?;
+        let truncated = c.varint()? & 1 != 0;
         let nk = c.len(1)?;
         let mut kernel = Vec::with_capacity(nk);
         let mut prev = 0u64;
@@ -177,7 +178,7 @@ fn parse_stacks(payload: &[u8], offset: u64) -> Result<Vec<FileStack>, FormatErr
                 FileFrame::Module { module, offset: value }
             });
         }
-        out.push(FileStack { id, pid, kernel, user });
+        out.push(FileStack { id, pid, kernel, user, truncated });
     }
     Ok(out)
 }

@@ -70,6 +70,7 @@ fn write(events: &[Event], finish: bool) -> Vec<u8> {
         pid: 42,
         kernel: vec![0xffff_ffff_8100_0010, 0xffff_ffff_8100_0000],
         user: vec![FileFrame::Module { module: 0, offset: 0x1234 }, FileFrame::Address(0x7f00_0000_0000)],
+        truncated: true,
     });
     w.symbol(
         SymbolKey::User(FileFrame::Module { module: 0, offset: 0x1234 }),

@@ -86,6 +86,7 @@ impl<W: Write> Writer<W> {
         let out = &mut self.stacks;
         put_varint(out, u64::from(s.id));
         put_varint(out, u64::from(s.pid));
+        put_varint(out, u64::from(s.truncated));
         put_varint(out, s.kernel.len() as u64);
         let mut prev = 0u64;
         for &addr in &s.kernel {

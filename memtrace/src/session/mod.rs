@@ -140,13 +140,13 @@ impl Recorder {
         if self.pids_seen.insert(s.pid) {
             self.modules.learn_process(s.pid);
         }
-        let user: Vec<FileFrame> = s.user.iter().map(|&f| self.modules.resolve(s.pid, f)).collect();
+        let (user, truncated) = self.modules.resolve_stack(s.pid, &s.user);
         self.user_frames.extend(user.iter().copied());
         self.kernel_addrs.extend(s.kernel.iter().copied());
         for m in self.modules.take_new() {
             self.writer.module(&m);
         }
-        self.writer.stack(&FileStack { id, pid: s.pid, kernel: s.kernel, user });
+        self.writer.stack(&FileStack { id, pid: s.pid, kernel: s.kernel, user, truncated });
     }
 
     /// Records the name of a process met for the first time (one already running when

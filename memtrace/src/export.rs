@@ -1,0 +1,318 @@
+//! `memtrace export`: the per-stack figures of a recording as perf-style folded stacks
+//! (flamegraph.pl, inferno, speedscope), an SVG flame graph (inferno), or a gzipped pprof
+//! profile (go tool pprof, Pyroscope, Parca). Stacks are root first in folded output: the
+//! process name, the user frames, then the kernel frames of allocations made in the kernel
+//! on the process's behalf.
+use std::{collections::BTreeMap, collections::HashMap, io::Write};
+
+use anyhow::Result;
+use clap::ValueEnum;
+
+use crate::{
+    analysis::{Domain, Stats},
+    report::{Analysis, GroupRow},
+    stacks::Frame,
+};
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, Default)]
+pub enum ExportFormat {
+    /// `frame;frame;frame value` lines, root first.
+    #[default]
+    Folded,
+    /// An SVG flame graph.
+    Svg,
+    /// gzipped profile.proto with alloc_objects/alloc_space/inuse_objects/inuse_space.
+    Pprof,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, Default)]
+pub enum Weight {
+    /// Number of allocations.
+    Allocs,
+    /// Bytes requested.
+    #[default]
+    Bytes,
+    /// Bytes the allocator handed out.
+    BytesAlloc,
+    /// Bytes lost to internal fragmentation (allocated − requested).
+    Wasted,
+    /// Bytes requested still live at the end.
+    Live,
+}
+
+impl Weight {
+    pub fn of(self, s: &Stats) -> u64 {
+        match self {
+            Self::Allocs => s.allocs,
+            Self::Bytes => s.bytes_req,
+            Self::BytesAlloc => s.bytes_alloc,
+            Self::Wasted => s.wasted(),
+            Self::Live => s.live_bytes_req,
+        }
+    }
+
+    fn describe(self) -> (&'static str, &'static str) {
+        match self {
+            Self::Allocs => ("allocations", "allocations"),
+            Self::Bytes => ("bytes requested", "bytes"),
+            Self::BytesAlloc => ("bytes allocated", "bytes"),
+            Self::Wasted => ("bytes wasted to internal fragmentation", "bytes"),
+            Self::Live => ("bytes still live at the end", "bytes"),
+        }
+    }
+}
+
+/// A frame as a folded-stack element: no `;` (the separator), kernel frames marked `_[k]`
+/// as perf and flamegraph.pl do.
+fn folded_name(f: &Frame) -> String {
+    let mut name: String = f.function.chars().map(|c| if c == ';' { ':' } else { c }).collect();
+    if f.kernel {
+        name.push_str("_[k]");
+    }
+    name
+}
+
+fn process_name(a: &Analysis, row: &GroupRow) -> String {
+    match row.pids.first() {
+        Some(0) | None => "[kernel]".into(),
+        Some(pid) => a.comms.get(pid).cloned().unwrap_or_else(|| format!("pid {pid}")),
+    }
+}
+
+/// Folded stacks and their weights, merged when they name the same frames.
+pub fn folded(a: &Analysis, weight: Weight) -> BTreeMap<String, u64> {
+    let mut out = BTreeMap::new();
+    for row in &a.groups {
+        let value = weight.of(&row.stats);
+        if value == 0 {
+            continue;
+        }
+        let mut line = process_name(a, row);
+        for f in row.frames.iter().rev() {
+            line.push(';');
+            line.push_str(&folded_name(f));
+        }
+        *out.entry(line).or_insert(0) += value;
+    }
+    out
+}
+
+pub fn write_folded(a: &Analysis, weight: Weight, out: &mut dyn Write) -> Result<()> {
+    for (stack, value) in folded(a, weight) {
+        writeln!(out, "{stack} {value}")?;
+    }
+    Ok(())
+}
+
+pub fn write_svg(a: &Analysis, weight: Weight, out: &mut dyn Write) -> Result<()> {
+    use inferno::flamegraph::{
+        Options,
+        color::{BasicPalette, Palette},
+        from_lines,
+    };
+    let lines: Vec<String> = folded(a, weight).into_iter().map(|(s, v)| format!("{s} {v}")).collect();
+    let (what, unit) = weight.describe();
+    let mut opts = Options::default();
+    opts.title = format!("memtrace: {what}");
+    opts.count_name = unit.into();
+    opts.colors = Palette::Basic(BasicPalette::Mem);
+    if lines.is_empty() {
+        anyhow::bail!("nothing to draw: no stack has any {what}");
+    }
+    from_lines(&mut opts, lines.iter().map(String::as_str), out)?;
+    Ok(())
+}
+
+// ---------------------------------------------------------------------------------------
+// pprof (profile.proto), encoded by hand: a handful of messages.
+// ---------------------------------------------------------------------------------------
+
+fn varint(out: &mut Vec<u8>, mut v: u64) {
+    while v >= 0x80 {
+        out.push((v as u8) | 0x80);
+        v >>= 7;
+    }
+    out.push(v as u8);
+}
+
+fn field_varint(out: &mut Vec<u8>, field: u32, v: u64) {
+    if v != 0 {
+        varint(out, u64::from(field) << 3);
+        varint(out, v);
+    }
+}
+
+fn field_bytes(out: &mut Vec<u8>, field: u32, bytes: &[u8]) {
+    varint(out, (u64::from(field) << 3) | 2);
+    varint(out, bytes.len() as u64);
+    out.extend_from_slice(bytes);
+}
+
+fn field_packed(out: &mut Vec<u8>, field: u32, values: impl IntoIterator<Item = u64>) {
+    let mut packed = Vec::new();
+    for v in values {
+        varint(&mut packed, v);
+    }
+    field_bytes(out, field, &packed);
+}
+
+#[derive(Default)]
+struct Strings {
+    table: Vec<String>,
+    index: HashMap<String, u64>,
+}
+
+impl Strings {
+    fn new() -> Self {
+        let mut s = Self::default();
+        s.id("");
+        s
+    }
+
+    fn id(&mut self, s: &str) -> u64 {
+        if let Some(&i) = self.index.get(s) {
+            return i;
+        }
+        let i = self.table.len() as u64;
+        self.table.push(s.to_string());
+        self.index.insert(s.to_string(), i);
+        i
+    }
+}
+
+/// The profile, before compression.
+pub fn pprof_bytes(a: &Analysis) -> Vec<u8> {
+    let mut strings = Strings::new();
+    let mut profile = Vec::new();
+    let sample_types = [
+        ("alloc_objects", "count"),
+        ("alloc_space", "bytes"),
+        ("inuse_objects", "count"),
+        ("inuse_space", "bytes"),
+        ("requested_space", "bytes"),
+        ("wasted_space", "bytes"),
+    ];
+    for (kind, unit) in sample_types {
+        let mut vt = Vec::new();
+        field_varint(&mut vt, 1, strings.id(kind));
+        field_varint(&mut vt, 2, strings.id(unit));
+        field_bytes(&mut profile, 1, &vt);
+    }
+
+    let mut mappings: HashMap<String, u64> = HashMap::new();
+    let mut mapping_msgs = Vec::new();
+    let mut functions: HashMap<(String, String), u64> = HashMap::new();
+    let mut function_msgs = Vec::new();
+    let mut locations: HashMap<(String, u64, bool), u64> = HashMap::new();
+    let mut location_msgs = Vec::new();
+
+    for row in &a.groups {
+        let s = &row.stats;
+        // One location per address: an inline chain (inlined frames, then the frame they
+        // were inlined into) becomes the lines of one location, innermost first.
+        let mut location_ids = Vec::new();
+        let mut chain: Vec<&Frame> = Vec::new();
+        for f in &row.frames {
+            chain.push(f);
+            if f.inlined {
+                continue;
+            }
+            let key = (f.module.clone(), f.address, f.kernel);
+            let next_id = locations.len() as u64 + 1;
+            let id = *locations.entry(key).or_insert_with(|| {
+                let mapping_id = *mappings.entry(f.module.clone()).or_insert_with(|| {
+                    let id = mapping_msgs.len() as u64 + 1;
+                    let mut m = Vec::new();
+                    field_varint(&mut m, 1, id);
+                    field_varint(&mut m, 5, strings.id(&f.module));
+                    field_varint(&mut m, 7, 1); // has_functions
+                    mapping_msgs.push(m);
+                    id
+                });
+                let mut loc = Vec::new();
+                field_varint(&mut loc, 1, next_id);
+                field_varint(&mut loc, 2, mapping_id);
+                field_varint(&mut loc, 3, f.address);
+                for c in &chain {
+                    let file = c.file.clone().unwrap_or_default();
+                    let fkey = (c.function.clone(), file.clone());
+                    let next_fn = functions.len() as u64 + 1;
+                    let function_id = *functions.entry(fkey).or_insert_with(|| {
+                        let mut func = Vec::new();
+                        field_varint(&mut func, 1, next_fn);
+                        field_varint(&mut func, 2, strings.id(&c.function));
+                        field_varint(&mut func, 3, strings.id(&c.function));
+                        field_varint(&mut func, 4, strings.id(&file));
+                        function_msgs.push(func);
+                        next_fn
+                    });
+                    let mut line = Vec::new();
+                    field_varint(&mut line, 1, function_id);
+                    field_varint(&mut line, 2, u64::from(c.line.unwrap_or(0)));
+                    field_bytes(&mut loc, 4, &line);
+                }
+                location_msgs.push(loc);
+                next_id
+            });
+            location_ids.push(id);
+            chain.clear();
+        }
+        let mut sample = Vec::new();
+        field_packed(&mut sample, 1, location_ids);
+        field_packed(
+            &mut sample,
+            2,
+            [s.allocs, s.bytes_alloc, s.live_allocs, s.live_bytes_alloc, s.bytes_req, s.wasted()],
+        );
+        let mut labels: Vec<(u64, Option<u64>, u64)> = vec![
+            (strings.id("domain"), Some(strings.id(if row.domain == Domain::User { "user" } else { "kernel" })), 0),
+            (strings.id("process"), Some(strings.id(&process_name(a, row))), 0),
+        ];
+        if let Some(&pid) = row.pids.first() {
+            labels.push((strings.id("pid"), None, u64::from(pid)));
+        }
+        for (key, str_value, num) in labels {
+            let mut label = Vec::new();
+            field_varint(&mut label, 1, key);
+            match str_value {
+                Some(v) => field_varint(&mut label, 2, v),
+                None => field_varint(&mut label, 3, num),
+            }
+            field_bytes(&mut sample, 3, &label);
+        }
+        field_bytes(&mut profile, 2, &sample);
+    }
+    for m in &mapping_msgs {
+        field_bytes(&mut profile, 3, m);
+    }
+    for l in &location_msgs {
+        field_bytes(&mut profile, 4, l);
+    }
+    for f in &function_msgs {
+        field_bytes(&mut profile, 5, f);
+    }
+    let time_nanos = a.meta.start_unix_ns;
+    let default_type = strings.id("alloc_space");
+    let period_type = {
+        let mut vt = Vec::new();
+        field_varint(&mut vt, 1, strings.id("space"));
+        field_varint(&mut vt, 2, strings.id("bytes"));
+        vt
+    };
+    for s in &strings.table {
+        field_bytes(&mut profile, 6, s.as_bytes());
+    }
+    field_varint(&mut profile, 9, time_nanos);
+    field_varint(&mut profile, 10, a.duration_ns);
+    field_bytes(&mut profile, 11, &period_type);
+    field_varint(&mut profile, 12, a.meta.sample_bytes.unwrap_or(1));
+    field_varint(&mut profile, 14, default_type);
+    profile
+}
+
+pub fn write_pprof(a: &Analysis, out: &mut dyn Write) -> Result<()> {
+    let mut gz = flate2::write::GzEncoder::new(out, flate2::Compression::default());
+    gz.write_all(&pprof_bytes(a))?;
+    gz.finish()?;
+    Ok(())
+}

@@ -1,0 +1,301 @@
+//! Analysis of a real recording of the bundled workload: per-site figures found through the
+//! symbolized frames, folded totals for every weight, the SVG and pprof exports, leaks,
+//! filters — all exact against what the workload counted.
+mod common;
+
+use std::{
+    collections::BTreeMap,
+    io::Read as _,
+    path::{Path, PathBuf},
+    process::Command,
+    sync::OnceLock,
+};
+
+use common::*;
+use serde_json::Value;
+
+/// One recording shared by the tests of this file.
+fn recording() -> &'static (PathBuf, Value) {
+    static RECORDING: OnceLock<(PathBuf, Value)> = OnceLock::new();
+    RECORDING.get_or_init(|| {
+        require_root();
+        let dir = scratch("analysis");
+        let data = dir.join("analysis.data");
+        let manifest_path = dir.join("manifest.json");
+        run(memtrace()
+            .args(["record", "-q", "-o"])
+            .arg(&data)
+            .arg("--")
+            .arg(workload())
+            .args(["--threads", "3", "--iterations", "120", "--leaks", "4", "--manifest"])
+            .arg(&manifest_path));
+        (data, manifest(&manifest_path))
+    })
+}
+
+fn expected(manifest: &Value, function: &str) -> Value {
+    manifest["sites"].as_array().unwrap().iter().find(|s| s["function"] == function).unwrap().clone()
+}
+
+#[test]
+fn per_site_figures_are_exact_through_symbolized_frames() {
+    let (data, manifest) = recording();
+    let report = report_json(data, &["--by", "site"]);
+    for function in [
+        "wl_malloc",
+        "wl_malloc_large",
+        "wl_calloc",
+        "wl_posix_memalign",
+        "wl_aligned_alloc",
+        "wl_memalign",
+        "wl_valloc",
+        "wl_pvalloc",
+        "wl_mmap",
+        "wl_leak",
+    ] {
+        let want = expected(manifest, function);
+        let got = site(&report, function).unwrap_or_else(|| panic!("no site {function}"));
+        for figure in FIGURES {
+            assert_eq!(got[figure], want[figure], "{function} {figure}");
+        }
+        // The site frame carries its source location; its caller follows.
+        assert_eq!(got["frames"][0]["file"].as_str().map(|f| f.ends_with("alloc_workload.c")), Some(true), "{got:#}");
+        assert_eq!(got["frames"][1]["function"], "exercise", "{function}");
+        let frag = got["frag_pct"].as_f64().unwrap();
+        let (req, alloc) = (want["bytes_req"].as_f64().unwrap(), want["bytes_alloc"].as_f64().unwrap());
+        assert!((frag - (100.0 - 100.0 * req / alloc)).abs() < 0.01, "{function}: {frag}");
+    }
+    // realloc and reallocarray are called from two places each: their sites add up.
+    for function in ["wl_realloc", "wl_reallocarray"] {
+        let sites: Vec<&Value> =
+            report["sites"].as_array().unwrap().iter().filter(|s| s["frames"][0]["function"] == function).collect();
+        assert_eq!(sites.len(), 2, "{function}");
+        let want = expected(manifest, function);
+        for figure in FIGURES {
+            let sum: u64 = sites.iter().map(|s| s[figure].as_u64().unwrap()).sum();
+            assert_eq!(Some(sum), want[figure].as_u64(), "{function} {figure}");
+        }
+    }
+    // Kernel sites are named after kernel functions.
+    let kernel: Vec<&Value> = report["sites"].as_array().unwrap().iter().filter(|s| s["domain"] == "kernel").collect();
+    assert!(!kernel.is_empty());
+    for s in kernel {
+        let name = s["frames"][0]["function"].as_str().unwrap();
+        assert!(!name.starts_with("0x") && s["frames"][0]["kernel"] == true, "{s:#}");
+    }
+}
+
+fn folded(data: &Path, weight: &str, extra: &[&str]) -> BTreeMap<String, u64> {
+    let out = run(memtrace().args(["export", "--format", "folded", "--weight", weight, "-i"]).arg(data).args(extra));
+    String::from_utf8(out.stdout)
+        .unwrap()
+        .lines()
+        .map(|l| {
+            let (stack, value) = l.rsplit_once(' ').expect("stack value");
+            (stack.to_string(), value.parse().expect("a count"))
+        })
+        .collect()
+}
+
+#[test]
+fn folded_totals_are_exact_for_every_weight() {
+    let (data, manifest) = recording();
+    let report = report_json(data, &[]);
+    let totals = &report["totals"];
+    let both = |f: &str| totals["user"][f].as_u64().unwrap() + totals["kernel"][f].as_u64().unwrap();
+    for (weight, figure) in [
+        ("allocs", "allocs"),
+        ("bytes", "bytes_req"),
+        ("bytes-alloc", "bytes_alloc"),
+        ("wasted", "wasted"),
+        ("live", "live_bytes_req"),
+    ] {
+        let lines = folded(data, weight, &[]);
+        assert_eq!(lines.values().sum::<u64>(), both(figure), "total of --weight {weight}");
+        // Root first: the process, then the thread start, down to the allocating function.
+        for function in ["wl_malloc", "wl_calloc", "wl_leak"] {
+            let want = expected(manifest, function);
+            let want = match figure {
+                "wasted" => want["bytes_alloc"].as_u64().unwrap() - want["bytes_req"].as_u64().unwrap(),
+                f => want[f].as_u64().unwrap(),
+            };
+            let got: u64 = lines
+                .iter()
+                .filter(|(stack, _)| {
+                    stack.starts_with("alloc_workload;") && stack.ends_with(&format!(";exercise;{function}"))
+                })
+                .map(|(_, v)| v)
+                .sum();
+            assert_eq!(got, want, "{function} --weight {weight}");
+        }
+    }
+    // Kernel frames follow the user frames that caused them, marked as perf does.
+    let lines = folded(data, "allocs", &["--domain", "kernel"]);
+    assert!(lines.keys().any(|s| s.contains(";main;") && s.contains("alloc_pipe_info_[k]")), "{lines:#?}");
+}
+
+#[test]
+fn svg_flame_graph_renders() {
+    let (data, _) = recording();
+    let out = run(memtrace().args(["export", "--format", "svg", "--weight", "bytes-alloc", "-i"]).arg(data));
+    let svg = String::from_utf8(out.stdout).unwrap();
+    assert!(svg.starts_with("<?xml") && svg.trim_end().ends_with("</svg>"));
+    assert!(svg.contains("wl_malloc_large") && svg.contains("memtrace: bytes allocated"));
+}
+
+/// profile.proto, as far as the test reads it, decoded by prost (an independent decoder).
+mod pprof {
+    #[derive(Clone, PartialEq, prost::Message)]
+    pub struct Profile {
+        #[prost(message, repeated, tag = "1")]
+        pub sample_type: Vec<ValueType>,
+        #[prost(message, repeated, tag = "2")]
+        pub sample: Vec<Sample>,
+        #[prost(message, repeated, tag = "4")]
+        pub location: Vec<Location>,
+        #[prost(message, repeated, tag = "5")]
+        pub function: Vec<Function>,
+        #[prost(string, repeated, tag = "6")]
+        pub string_table: Vec<String>,
+        #[prost(int64, tag = "14")]
+        pub default_sample_type: i64,
+    }
+    #[derive(Clone, PartialEq, prost::Message)]
+    pub struct ValueType {
+        #[prost(int64, tag = "1")]
+        pub r#type: i64,
+        #[prost(int64, tag = "2")]
+        pub unit: i64,
+    }
+    #[derive(Clone, PartialEq, prost::Message)]
+    pub struct Sample {
+        #[prost(uint64, repeated, tag = "1")]
+        pub location_id: Vec<u64>,
+        #[prost(int64, repeated, tag = "2")]
+        pub value: Vec<i64>,
+    }
+    #[derive(Clone, PartialEq, prost::Message)]
+    pub struct Location {
+        #[prost(uint64, tag = "1")]
+        pub id: u64,
+        #[prost(message, repeated, tag = "4")]
+        pub line: Vec<Line>,
+    }
+    #[derive(Clone, PartialEq, prost::Message)]
+    pub struct Line {
+        #[prost(uint64, tag = "1")]
+        pub function_id: u64,
+        #[prost(int64, tag = "2")]
+        pub line: i64,
+    }
+    #[derive(Clone, PartialEq, prost::Message)]
+    pub struct Function {
+        #[prost(uint64, tag = "1")]
+        pub id: u64,
+        #[prost(int64, tag = "2")]
+        pub name: i64,
+    }
+}
+
+#[test]
+fn pprof_profile_decodes_with_heap_sample_types() {
+    use prost::Message as _;
+    let (data, manifest) = recording();
+    let out = run(memtrace().args(["export", "--format", "pprof", "-i"]).arg(data));
+    let mut raw = Vec::new();
+    flate2::read::GzDecoder::new(&out.stdout[..]).read_to_end(&mut raw).expect("gzip");
+    let profile = pprof::Profile::decode(&raw[..]).expect("a profile.proto message");
+    let name = |i: i64| profile.string_table[i as usize].as_str();
+    let types: Vec<&str> = profile.sample_type.iter().map(|t| name(t.r#type)).collect();
+    assert_eq!(&types[..4], ["alloc_objects", "alloc_space", "inuse_objects", "inuse_space"]);
+    assert_eq!(name(profile.default_sample_type), "alloc_space");
+    let report = report_json(data, &[]);
+    let total_allocs: i64 = profile.sample.iter().map(|s| s.value[0]).sum();
+    let want =
+        report["totals"]["user"]["allocs"].as_i64().unwrap() + report["totals"]["kernel"]["allocs"].as_i64().unwrap();
+    assert_eq!(total_allocs, want);
+    // The samples whose leaf is wl_leak hold exactly the leaked blocks, still in use.
+    let function_name = |id: u64| name(profile.function.iter().find(|f| f.id == id).unwrap().name).to_string();
+    let leaf = |s: &pprof::Sample| {
+        let loc = profile.location.iter().find(|l| l.id == s.location_id[0]).unwrap();
+        function_name(loc.line[0].function_id)
+    };
+    let leaked: i64 = profile.sample.iter().filter(|s| leaf(s) == "wl_leak").map(|s| s.value[2]).sum();
+    assert_eq!(Some(leaked), expected(manifest, "wl_leak")["live_allocs"].as_i64());
+}
+
+#[test]
+fn leaks_are_listed_by_stack_with_their_age() {
+    let (data, manifest) = recording();
+    let report = report_json(data, &["--leaks"]);
+    let leaks = report["leaks"].as_array().unwrap();
+    let ours: Vec<&Value> = leaks.iter().filter(|l| l["frames"][0]["function"] == "wl_leak").collect();
+    let blocks: u64 = ours.iter().map(|l| l["blocks"].as_u64().unwrap()).sum();
+    assert_eq!(Some(blocks), expected(manifest, "wl_leak")["live_allocs"].as_u64());
+    let ages: Vec<u64> = leaks.iter().map(|l| l["oldest_age_ns"].as_u64().unwrap()).collect();
+    assert!(ages.windows(2).all(|w| w[0] >= w[1]), "oldest first: {ages:?}");
+    // Nothing the workload leaked is a minute old.
+    let old = report_json(data, &["--leaks", "--older-than", "60s"]);
+    assert!(old["leaks"].as_array().unwrap().is_empty());
+}
+
+#[test]
+fn filters_and_sorting_select_what_they_say() {
+    let (data, manifest) = recording();
+    let calloc = report_json(data, &["--kind", "calloc"]);
+    let sites = calloc["sites"].as_array().unwrap();
+    assert!(!sites.is_empty() && sites.iter().all(|s| s["kinds"] == serde_json::json!(["calloc"])));
+    assert_eq!(site(&calloc, "wl_calloc").unwrap()["allocs"], expected(manifest, "wl_calloc")["allocs"]);
+    assert!(site(&calloc, "wl_malloc").is_none());
+
+    let big = report_json(data, &["--min-size", "100000", "--domain", "user"]);
+    for s in big["sites"].as_array().unwrap() {
+        assert!(s["req_per_call"].as_f64().unwrap() >= 100000.0, "{s:#}");
+    }
+    let large = site(&big, "wl_malloc_large").unwrap();
+    assert_eq!(large["allocs"], expected(manifest, "wl_malloc_large")["allocs"]);
+
+    let top = report_json(data, &["--top", "3", "--sort", "allocs"]);
+    let allocs: Vec<u64> = top["sites"].as_array().unwrap().iter().map(|s| s["allocs"].as_u64().unwrap()).collect();
+    assert_eq!(allocs.len(), 3);
+    assert!(allocs.windows(2).all(|w| w[0] >= w[1]));
+
+    let by_process = report_json(data, &["--by", "process", "--domain", "user"]);
+    let process = &by_process["sites"][0];
+    assert_eq!(process["process"].as_str().map(|p| p.starts_with("alloc_workload [")), Some(true), "{process:#}");
+}
+
+#[test]
+fn text_report_names_sites_and_units() {
+    let (data, _) = recording();
+    let out = run(memtrace().args(["report", "--top", "40", "-i"]).arg(data));
+    let text = String::from_utf8(out.stdout).unwrap();
+    assert!(text.contains("wl_pvalloc (alloc_workload.c:"), "{text}");
+    assert!(text.contains("MiB") && text.contains("lost events: 0"), "{text}");
+}
+
+#[test]
+fn a_real_python_program_renders_as_a_flame_graph() {
+    require_root();
+    let dir = scratch("python");
+    let data = dir.join("python.data");
+    let python =
+        ["/usr/bin/python3", "/usr/local/bin/python3"].into_iter().find(|p| Path::new(p).exists()).expect("python3");
+    run(memtrace()
+        .args(["record", "-q", "--no-kernel", "-o"])
+        .arg(&data)
+        .arg("--")
+        .arg(python)
+        .args(["-c", "d = {i: str(i) * 10 for i in range(100000)}; print(len(d))"]));
+    let lines = folded(&data, "bytes", &[]);
+    assert!(lines.len() > 10, "{lines:#?}");
+    assert!(lines.keys().all(|s| s.starts_with("python3")), "process name at the root");
+    let out = Command::new(env!("CARGO_BIN_EXE_memtrace"))
+        .args(["export", "--format", "svg", "-i"])
+        .arg(&data)
+        .output()
+        .unwrap();
+    assert!(out.status.success());
+    let svg = String::from_utf8(out.stdout).unwrap();
+    assert!(svg.contains("<svg") && svg.contains("python3"));
+}
