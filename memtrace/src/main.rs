@@ -6,8 +6,9 @@ use anyhow::{Result, bail};
 use clap::{Args, Parser, Subcommand};
 use memtrace::{
     export::{self, ExportFormat, Weight},
+    live::Column,
     report::{self, DomainFilter, Format, GroupBy, KindFilter, ReportOptions, SortKey},
-    session::{self, CommandFailed, RecordOptions, Target},
+    session::{self, CommandFailed, RecordOptions, Target, TraceOptions},
 };
 
 #[derive(Parser)]
@@ -27,6 +28,82 @@ enum Command {
     Dump(DumpArgs),
     /// Write folded stacks, an SVG flame graph or a pprof profile.
     Export(ExportArgs),
+    /// A live view of allocations, like top (whole machine unless --pid or -- CMD).
+    Top(TopArgs),
+}
+
+#[derive(Args)]
+struct TopArgs {
+    /// Watch a running process (and its threads).
+    #[arg(short, long, conflicts_with = "command")]
+    pid: Option<u32>,
+    /// Seconds between refreshes.
+    #[arg(short = 'd', long = "delay", value_parser = parse_duration, default_value = "1")]
+    delay: Duration,
+    /// Batch mode: plain-text snapshots on stdout, like top -b.
+    #[arg(short, long)]
+    batch: bool,
+    /// Stop after this many refreshes.
+    #[arg(short = 'n', long)]
+    iterations: Option<u64>,
+    /// Rows per snapshot in batch mode.
+    #[arg(long, default_value_t = 25)]
+    rows: usize,
+    /// What a row stands for.
+    #[arg(long, value_enum, default_value_t)]
+    by: GroupBy,
+    /// Which allocations: user space, kernel, or both.
+    #[arg(long, value_enum, default_value_t)]
+    domain: DomainFilter,
+    /// Column to sort by.
+    #[arg(long, value_enum, default_value_t)]
+    sort: Column,
+    /// Only rows whose name or stack contains this text.
+    #[arg(long, default_value = "")]
+    filter: String,
+    /// Live blocks followed at most; beyond, allocations are counted but not followed
+    /// (bounds memtrace's memory: about 100 bytes per block).
+    #[arg(long, default_value_t = 2_000_000)]
+    max_live_blocks: usize,
+    /// Do not trace user-space allocators.
+    #[arg(long)]
+    no_user: bool,
+    /// Do not trace kernel allocations.
+    #[arg(long)]
+    no_kernel: bool,
+    /// Prefix of the allocator's functions, for custom allocators.
+    #[arg(long, default_value = "")]
+    symbol_prefix: String,
+    /// The command to run and watch, after `--`.
+    #[arg(last = true, value_name = "CMD")]
+    command: Vec<OsString>,
+}
+
+fn top(args: TopArgs) -> Result<i32> {
+    let target = match (args.pid, args.command.is_empty()) {
+        (Some(pid), _) => Target::Pid(pid),
+        (None, false) => Target::Command(args.command),
+        (None, true) => Target::All,
+    };
+    memtrace::top::run(memtrace::top::TopOptions {
+        trace: TraceOptions {
+            target,
+            user: !args.no_user,
+            kernel: !args.no_kernel,
+            user_stacks: true,
+            kernel_stacks: true,
+            symbol_prefix: args.symbol_prefix,
+            ring_bytes: 4 << 20,
+            follow_forks: false,
+            quiet: false,
+        },
+        interval: args.delay.max(Duration::from_millis(100)),
+        batch: args.batch,
+        iterations: args.iterations,
+        live_limit: args.max_live_blocks,
+        rows: args.rows,
+        view: memtrace::live::ViewOptions { by: args.by, domain: args.domain, sort: args.sort, filter: args.filter },
+    })
 }
 
 #[derive(Args)]
@@ -254,18 +331,20 @@ fn record(args: RecordArgs) -> Result<i32> {
         bail!("--follow-forks goes with --pid (children of -- CMD are always traced)");
     }
     let summary = session::record(RecordOptions {
-        target,
+        trace: TraceOptions {
+            target,
+            user: !args.no_user,
+            kernel: !args.no_kernel,
+            user_stacks: !args.no_user_stacks,
+            kernel_stacks: !args.no_kernel_stacks,
+            symbol_prefix: args.symbol_prefix,
+            ring_bytes,
+            follow_forks: args.follow_forks,
+            quiet: args.quiet,
+        },
         output: args.output,
         force: args.force,
         duration: args.duration,
-        user: !args.no_user,
-        kernel: !args.no_kernel,
-        user_stacks: !args.no_user_stacks,
-        kernel_stacks: !args.no_kernel_stacks,
-        symbol_prefix: args.symbol_prefix,
-        ring_bytes,
-        follow_forks: args.follow_forks || args.pid.is_none(),
-        quiet: args.quiet,
     })?;
     Ok(summary.exit_code)
 }
@@ -306,6 +385,7 @@ fn main() -> ExitCode {
         Command::Report(args) => report(args),
         Command::Dump(args) => dump(args),
         Command::Export(args) => export(args),
+        Command::Top(args) => top(args),
     };
     match result {
         Ok(code) => ExitCode::from(code.clamp(0, 255) as u8),

@@ -52,7 +52,7 @@ pub enum DomainFilter {
 }
 
 impl DomainFilter {
-    fn admits(self, d: Domain) -> bool {
+    pub fn admits(self, d: Domain) -> bool {
         matches!((self, d), (Self::Both, _) | (Self::User, Domain::User) | (Self::Kernel, Domain::Kernel))
     }
 }

@@ -76,6 +76,13 @@ impl Stats {
         self.peak_live_bytes_req = self.peak_live_bytes_req.max(self.live_bytes_req);
     }
 
+    /// An allocation counted but not followed (the live table is full).
+    fn on_untracked_alloc(&mut self, req: u64, alloc: u64) {
+        self.allocs += 1;
+        self.bytes_req += req;
+        self.bytes_alloc += alloc;
+    }
+
     fn on_free(&mut self, block: &LiveBlock) {
         self.frees += 1;
         self.live_allocs -= 1;
@@ -211,6 +218,13 @@ pub struct Analyzer<G: FnMut(&Origin) -> u32> {
     /// While set, frees of unknown blocks are not counted (they belong to filtered-out
     /// processes).
     pub quiet_unmatched: bool,
+    /// Most blocks followed at once; allocations beyond are counted but not followed
+    /// (their frees then look unmatched, and live figures undercount).
+    pub live_limit: usize,
+    /// Blocks followed now.
+    live_count: usize,
+    /// Allocations not followed because the table was full.
+    pub untracked: u64,
 }
 
 impl<G: FnMut(&Origin) -> u32> Analyzer<G> {
@@ -233,6 +247,9 @@ impl<G: FnMut(&Origin) -> u32> Analyzer<G> {
             first_ts: None,
             events: 0,
             quiet_unmatched: false,
+            live_limit: usize::MAX,
+            live_count: 0,
+            untracked: 0,
         }
     }
 
@@ -328,6 +345,12 @@ impl<G: FnMut(&Origin) -> u32> Analyzer<G> {
             kind: a.kind,
             orphaned: false,
         };
+        if self.live_count >= self.live_limit && group != EXCLUDED {
+            self.untracked += 1;
+            self.groups[group as usize].on_untracked_alloc(a.bytes_req, a.bytes_alloc);
+            self.totals(a.kind).stats.on_untracked_alloc(a.bytes_req, a.bytes_alloc);
+            return;
+        }
         let replaced = match space.0 {
             Space::Mmap => self.mmaps.insert((space.1, a.ptr), (a.bytes_alloc, block)).map(|(_, b)| b),
             Space::Heap => {
@@ -338,6 +361,9 @@ impl<G: FnMut(&Origin) -> u32> Analyzer<G> {
             }
             Space::Slab | Space::Page => self.kernel.insert((space.0, a.ptr), block),
         };
+        if replaced.is_none() {
+            self.live_count += 1;
+        }
         if let Some(old) = replaced
             && old.group != EXCLUDED
         {
@@ -355,6 +381,7 @@ impl<G: FnMut(&Origin) -> u32> Analyzer<G> {
     }
 
     fn retire(&mut self, block: LiveBlock, f: &Free, temporary: bool) {
+        self.live_count -= 1;
         if block.group == EXCLUDED {
             return;
         }
@@ -431,6 +458,7 @@ impl<G: FnMut(&Origin) -> u32> Analyzer<G> {
         gone.extend(regions.iter().filter_map(|k| self.mmaps.remove(k)).map(|(_, b)| b));
         for mut block in gone {
             if block.group == EXCLUDED {
+                self.live_count -= 1;
                 continue;
             }
             block.orphaned = true;
@@ -445,6 +473,11 @@ impl<G: FnMut(&Origin) -> u32> Analyzer<G> {
         if pending > 0 {
             self.totals.entry(Domain::User).or_default().unmatched_frees += pending;
         }
+    }
+
+    /// Each origin met so far and its group.
+    pub fn origins(&self) -> impl Iterator<Item = (&Origin, u32)> {
+        self.group_cache.iter().map(|(o, &g)| (o, g))
     }
 
     /// Every block still live, user and kernel (orphans included), filtered ones excepted.

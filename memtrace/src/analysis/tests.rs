@@ -210,3 +210,19 @@ fn frees_after_a_threads_last_allocation_before_it_exits_are_the_allocators() {
     let user = &a.totals[&Domain::User];
     assert_eq!((user.unmatched_frees, user.allocator_frees), (2, 2));
 }
+
+#[test]
+fn beyond_the_live_limit_allocations_are_counted_not_followed() {
+    let mut a = by_stack();
+    a.live_limit = 2;
+    for i in 0..5u64 {
+        a.push(&alloc(i, 1, 1, Kind::Malloc, 0x1000 * (i + 1), 10, 16, 1));
+    }
+    a.push(&free(10, 1, 1, Kind::Free, 0x1000)); // followed: frees a slot
+    a.push(&alloc(11, 1, 1, Kind::Malloc, 0x9000, 10, 16, 1)); // fits again
+    a.finish();
+    assert_eq!(a.untracked, 3);
+    let s = &a.groups[1];
+    assert_eq!((s.allocs, s.bytes_req, s.live_allocs, s.frees), (6, 60, 2, 1));
+    assert_eq!(a.live_blocks().count(), 2);
+}

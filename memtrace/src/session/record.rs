@@ -1,0 +1,386 @@
+//! `memtrace record`: a session whose sink writes the recording file — events in time
+//! order, the stacks and modules they refer to, process names, and at the end every
+//! frame symbolized while the files are at hand. Every way a recording ends (the target
+//! exits, Ctrl-C/SIGTERM/SIGHUP, --duration, a write error) goes through the same
+//! finalization: detach, drain, symbolize, write stats and the end marker.
+use std::{
+    collections::{HashMap, HashSet},
+    fs::File,
+    io::{self, BufWriter, IsTerminal as _, Write as _},
+    path::{Path, PathBuf},
+    time::{Duration, Instant},
+};
+
+use anyhow::{Context as _, Result, bail};
+use memtrace_common::{TaskEvent, flags};
+
+use super::{Sink, TraceOptions, Tracer, Wake, Waker, block_on, monotonic_ns, output};
+use crate::{
+    event::{Event, StackRecord, Task},
+    modules::ModuleTable,
+    procfs,
+    recording::{FileFrame, FileStack, Meta, Stats, SymbolKey, Writer},
+    symbolize::Symbolizer,
+};
+
+#[derive(Debug, Clone)]
+pub struct RecordOptions {
+    pub trace: TraceOptions,
+    pub output: PathBuf,
+    pub force: bool,
+    pub duration: Option<Duration>,
+}
+
+/// How a recording went.
+#[derive(Debug, Clone)]
+pub struct RecordSummary {
+    /// memtrace's exit code: the command's for `-- CMD`, else 0.
+    pub exit_code: i32,
+    pub events: u64,
+    pub lost_events: u64,
+    pub bytes: u64,
+    pub end_reason: String,
+}
+
+const DRAIN_INTERVAL: Duration = Duration::from_millis(20);
+const FLUSH_INTERVAL: Duration = Duration::from_millis(500);
+
+fn realtime_ns() -> u64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos() as u64).unwrap_or(0)
+}
+
+fn read_trimmed(path: &str) -> String {
+    std::fs::read_to_string(path).map(|s| s.trim().to_string()).unwrap_or_default()
+}
+
+/// The sink of a recording.
+struct Recorder {
+    writer: Writer<BufWriter<File>>,
+    modules: ModuleTable,
+    /// Probe stack hash → file stack id.
+    stack_ids: HashMap<u64, u32>,
+    defined: HashSet<u32>,
+    user_frames: HashSet<FileFrame>,
+    kernel_addrs: HashSet<u64>,
+    pids_seen: HashSet<u32>,
+    /// Processes whose name the recording already holds.
+    named: HashSet<u32>,
+    write_error: Option<io::Error>,
+}
+
+impl Recorder {
+    fn stack_id(&mut self, hash: u64) -> u32 {
+        let next = self.stack_ids.len() as u32;
+        *self.stack_ids.entry(hash).or_insert(next)
+    }
+
+    /// Records the name of a process met for the first time (one already running when
+    /// tracing began has no exec event to name it).
+    fn name_process(&mut self, pid: u32, ts_ns: u64) {
+        if pid == 0 || !self.named.insert(pid) {
+            return;
+        }
+        if let Some(comm) = procfs::comm(pid, pid) {
+            self.write(&Event::Task(Task {
+                ts_ns,
+                event: TaskEvent::Rename,
+                flags: 0,
+                pid,
+                tid: pid,
+                ppid: 0,
+                comm,
+                filename: String::new(),
+            }));
+        }
+    }
+
+    fn write(&mut self, event: &Event) {
+        if self.write_error.is_none()
+            && let Err(e) = self.writer.event(event)
+        {
+            self.write_error = Some(e);
+        }
+    }
+
+    /// Symbolizes every frame the recording refers to, while the files are at hand.
+    fn write_symbols(&mut self) {
+        let symbolizer = Symbolizer::new();
+        let mut by_module: HashMap<u32, Vec<u64>> = HashMap::new();
+        for frame in &self.user_frames {
+            if let FileFrame::Module { module, offset } = *frame {
+                by_module.entry(module).or_default().push(offset);
+            }
+        }
+        let modules = self.modules.modules().to_vec();
+        for (module, mut offsets) in by_module {
+            let Some(m) = modules.get(module as usize) else { continue };
+            if m.path.is_empty() {
+                continue;
+            }
+            offsets.sort_unstable();
+            // Return addresses point after the call; name the call instruction.
+            let lookups: Vec<u64> = offsets.iter().map(|o| o.saturating_sub(1)).collect();
+            let results = symbolizer.object(Path::new(&m.path), &lookups);
+            for (offset, symbols) in offsets.iter().zip(results) {
+                if !symbols.is_empty() {
+                    self.writer.symbol(SymbolKey::User(FileFrame::Module { module, offset: *offset }), &symbols);
+                }
+            }
+        }
+        let mut addrs: Vec<u64> = self.kernel_addrs.iter().copied().collect();
+        addrs.sort_unstable();
+        let lookups: Vec<u64> = addrs.iter().map(|a| a.saturating_sub(1)).collect();
+        for (addr, symbols) in addrs.iter().zip(symbolizer.kernel(&lookups)) {
+            if !symbols.is_empty() {
+                self.writer.symbol(SymbolKey::Kernel(*addr), &symbols);
+            }
+        }
+    }
+}
+
+impl Sink for Recorder {
+    fn stack(&mut self, s: StackRecord) {
+        let id = self.stack_id(s.hash);
+        if !self.defined.insert(id) {
+            return;
+        }
+        if self.pids_seen.insert(s.pid) {
+            self.modules.learn_process(s.pid);
+        }
+        let (user, truncated) = self.modules.resolve_stack(s.pid, &s.user);
+        self.user_frames.extend(user.iter().copied());
+        self.kernel_addrs.extend(s.kernel.iter().copied());
+        for m in self.modules.take_new() {
+            self.writer.module(&m);
+        }
+        self.writer.stack(&FileStack { id, pid: s.pid, kernel: s.kernel, user, truncated });
+    }
+
+    fn event(&mut self, mut event: Event) {
+        match &event {
+            Event::Alloc(a) => self.name_process(a.pid, a.ts_ns),
+            Event::Free(f) => self.name_process(f.pid, f.ts_ns),
+            Event::Task(t) if t.tid == t.pid && t.event != TaskEvent::Exit => {
+                self.named.insert(t.pid);
+            }
+            Event::Task(_) => {}
+        }
+        match &mut event {
+            Event::Alloc(a) => {
+                if a.stack != 0 {
+                    a.stack = u64::from(self.stack_id(a.stack)) + 1;
+                }
+                a.flags &= !flags::HAS_STACK;
+                if a.call_site != 0 {
+                    self.kernel_addrs.insert(a.call_site);
+                }
+            }
+            Event::Task(t) if t.event == TaskEvent::Exec => {
+                self.pids_seen.remove(&t.pid);
+            }
+            _ => {}
+        }
+        self.write(&event);
+    }
+
+    fn exec_seen(&mut self, pid: u32, filename: &Path) {
+        self.modules.learn_exec(pid, filename);
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum StopReason {
+    TargetExited(Option<i32>),
+    Signal(i32),
+    Duration,
+    WriteFailed,
+}
+
+fn human_count(n: f64) -> String {
+    if n >= 1e9 {
+        format!("{:.2}G", n / 1e9)
+    } else if n >= 1e6 {
+        format!("{:.2}M", n / 1e6)
+    } else if n >= 1e3 {
+        format!("{:.1}k", n / 1e3)
+    } else {
+        format!("{n:.0}")
+    }
+}
+
+fn status_line(
+    tracer: &Tracer,
+    recorder: &Recorder,
+    started: Instant,
+    events_before: u64,
+    interval: Duration,
+) -> String {
+    let events = recorder.writer.events_written();
+    let rate = (events - events_before) as f64 / interval.as_secs_f64().max(1e-9);
+    let lost = tracer.probes.counters().map(|c| c.lost_events).unwrap_or(0);
+    format!(
+        "memtrace: {:6.1}s  {:>8} events/s  {:>8} events  {} lost  {:.1} MB",
+        started.elapsed().as_secs_f64(),
+        human_count(rate),
+        human_count(events as f64),
+        lost,
+        recorder.writer.bytes_written() as f64 / 1e6
+    )
+}
+
+async fn run(tracer: &mut Tracer, recorder: &mut Recorder, opts: &RecordOptions) -> Result<StopReason> {
+    let mut waker = Waker::new(tracer, DRAIN_INTERVAL, opts.duration)?;
+    let show_status = !opts.trace.quiet && io::stderr().is_terminal();
+    let started = Instant::now();
+    let mut last_status = Instant::now();
+    let mut events_at_status = 0u64;
+    let mut last_flush = Instant::now();
+    let reason = loop {
+        let wake = waker.wait().await;
+        tracer.drain(recorder, false);
+        if recorder.write_error.is_some() {
+            break StopReason::WriteFailed;
+        }
+        match wake {
+            Wake::Tick => {}
+            Wake::Deadline => break StopReason::Duration,
+            Wake::TargetExited => break StopReason::TargetExited(tracer.reap_command()),
+            Wake::Signal(sig) if tracer.on_signal(sig) => break StopReason::Signal(sig),
+            Wake::Signal(_) => {}
+        }
+        if let Some(sig) = tracer.signal_grace_expired() {
+            break StopReason::Signal(sig);
+        }
+        if last_flush.elapsed() >= FLUSH_INTERVAL {
+            if let Err(e) = recorder.writer.flush() {
+                recorder.write_error = Some(e);
+                break StopReason::WriteFailed;
+            }
+            last_flush = Instant::now();
+        }
+        if show_status && last_status.elapsed() >= Duration::from_secs(1) {
+            eprint!("\r\x1b[K{}", status_line(tracer, recorder, started, events_at_status, last_status.elapsed()));
+            events_at_status = recorder.writer.events_written();
+            last_status = Instant::now();
+        }
+    };
+    if show_status {
+        eprint!("\r\x1b[K");
+    }
+    Ok(reason)
+}
+
+/// Runs a whole recording.
+pub fn record(opts: RecordOptions) -> Result<RecordSummary> {
+    let started = Instant::now();
+    let mut file = None;
+    let mut tracer = Tracer::start(&opts.trace, || {
+        file = Some(output::create(&opts.output, opts.force)?);
+        Ok(())
+    })?;
+    let file = file.expect("created before the probes load");
+    let target = &opts.trace.target;
+    let meta = Meta {
+        memtrace_version: env!("CARGO_PKG_VERSION").into(),
+        hostname: read_trimmed("/proc/sys/kernel/hostname"),
+        kernel_release: read_trimmed("/proc/sys/kernel/osrelease"),
+        mode: match target {
+            super::Target::Pid(_) => "pid",
+            super::Target::Command(_) => "command",
+            super::Target::All => "all",
+        }
+        .into(),
+        target_pids: tracer.target_pid.into_iter().collect(),
+        target_command: match target {
+            super::Target::Command(argv) => argv.iter().map(|a| a.to_string_lossy().into_owned()).collect(),
+            _ => Vec::new(),
+        },
+        start_unix_ns: realtime_ns(),
+        start_monotonic_ns: monotonic_ns(),
+        // SAFETY: sysconf has no preconditions.
+        page_size: unsafe { libc::sysconf(libc::_SC_PAGESIZE) } as u64,
+        allocator: tracer.allocator.as_ref().map(|a| a.object.display().to_string()),
+        allocator_is_glibc: tracer.allocator.as_ref().is_some_and(|a| a.glibc),
+        user: opts.trace.user,
+        kernel: opts.trace.kernel,
+        sample_bytes: None,
+    };
+    let writer = Writer::new(BufWriter::with_capacity(1 << 20, file), &meta)
+        .with_context(|| format!("writing {}", opts.output.display()))?;
+    let mut recorder = Recorder {
+        writer,
+        modules: ModuleTable::new(),
+        stack_ids: HashMap::new(),
+        defined: HashSet::new(),
+        user_frames: HashSet::new(),
+        kernel_addrs: HashSet::new(),
+        pids_seen: HashSet::new(),
+        named: HashSet::new(),
+        write_error: None,
+    };
+    tracer.release()?;
+    let reason = block_on(run(&mut tracer, &mut recorder, &opts))??;
+    finish(tracer, recorder, &opts, reason, started)
+}
+
+fn finish(
+    mut tracer: Tracer,
+    mut recorder: Recorder,
+    opts: &RecordOptions,
+    reason: StopReason,
+    started: Instant,
+) -> Result<RecordSummary> {
+    let (teardown, counters) = tracer.stop(&mut recorder);
+    let end_reason = match &reason {
+        StopReason::TargetExited(Some(code)) => format!("the command exited with status {code}"),
+        StopReason::TargetExited(None) => "the target process exited".into(),
+        StopReason::Signal(sig) => format!("interrupted by signal {sig}"),
+        StopReason::Duration => "the duration elapsed".into(),
+        StopReason::WriteFailed => "writing the recording failed".into(),
+    };
+    if let Some(e) = recorder.write_error.take() {
+        let events = recorder.writer.events_written();
+        bail!(
+            "writing {}: {e}; the file keeps the events written before the failure (about {events})",
+            opts.output.display()
+        );
+    }
+    let stats = Stats {
+        lost_events: counters.lost_events,
+        lost_events_per_cpu: counters.lost_events_per_cpu.clone(),
+        lost_stacks: counters.lost_stacks,
+        lost_inflight: counters.lost_inflight,
+        lost_kernel_live: counters.lost_kernel_live,
+        no_ring: counters.no_ring,
+        events: recorder.writer.events_written(),
+        end_monotonic_ns: monotonic_ns(),
+        exit_code: match reason {
+            StopReason::TargetExited(code) => code,
+            _ => None,
+        },
+        end_reason: end_reason.clone(),
+    };
+    recorder.write_symbols();
+    let events = recorder.writer.events_written();
+    let file = recorder.writer.finish(&stats).with_context(|| format!("finishing {}", opts.output.display()))?;
+    let bytes = file.get_ref().metadata().map(|m| m.len()).unwrap_or(0);
+    let exit_code = match reason {
+        StopReason::TargetExited(Some(code)) => code,
+        StopReason::Signal(sig) if tracer.is_command => 128 + sig,
+        _ => 0,
+    };
+    if !opts.trace.quiet {
+        let mut err = io::stderr().lock();
+        let _ = writeln!(
+            err,
+            "memtrace: {end_reason}; recorded {} events ({} lost) in {:.1}s to {} ({:.1} MB)",
+            events,
+            counters.lost_events,
+            started.elapsed().as_secs_f64(),
+            opts.output.display(),
+            bytes as f64 / 1e6
+        );
+    }
+    let _ = teardown.join();
+    Ok(RecordSummary { exit_code, events, lost_events: counters.lost_events, bytes, end_reason })
+}

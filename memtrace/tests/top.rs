@@ -1,0 +1,52 @@
+//! `memtrace top -b` against the live bundled workload: its sites and exact counts appear
+//! in the snapshots, and the live-block bound is shown when it is reached.
+mod common;
+
+use common::*;
+
+fn column(line: &str, index: usize) -> Option<&str> {
+    line.split_whitespace().nth(index)
+}
+
+#[test]
+fn batch_mode_shows_the_workloads_sites_and_figures() {
+    require_root();
+    let dir = scratch("top");
+    let manifest_path = dir.join("manifest.json");
+    let out = run(memtrace()
+        .args(["top", "-b", "-n", "50", "-d", "0.3", "--rows", "40", "--by", "function", "--sort", "allocs", "--"])
+        .arg(workload())
+        .args(["--threads", "2", "--iterations", "400", "--leaks", "2", "--manifest"])
+        .arg(&manifest_path));
+    let text = String::from_utf8(out.stdout).unwrap();
+    let manifest = manifest(&manifest_path);
+    // The last snapshot is taken once the command exited and everything was drained.
+    let last = text.rsplit("memtrace top — ").next().unwrap();
+    assert!(last.contains("lost 0"), "{last}");
+    for want in manifest["sites"].as_array().unwrap() {
+        let function = want["function"].as_str().unwrap();
+        let line = last
+            .lines()
+            .find(|l| l.ends_with(&format!(" {function}")))
+            .unwrap_or_else(|| panic!("no row for {function} in\n{last}"));
+        // Columns: domain, allocs/s, bytes/s (two words), live, live bytes (two words),
+        // frag, growth (two words), allocs, site (one word when grouped by function).
+        let words: Vec<&str> = line.split_whitespace().collect();
+        let allocs = words[words.len() - 2].replace(',', "");
+        assert_eq!(allocs, want["allocs"].to_string(), "{line}");
+        let live = column(line, 4).unwrap().replace(',', "");
+        assert_eq!(live, want["live_allocs"].to_string(), "{line}");
+    }
+}
+
+#[test]
+fn the_live_block_bound_is_shown_when_reached() {
+    require_root();
+    let out = run(memtrace()
+        .args(["top", "-b", "-n", "50", "-d", "0.3", "--max-live-blocks", "50", "--domain", "user", "--"])
+        .arg(workload())
+        .args(["--threads", "1", "--iterations", "50", "--leaks", "200"]));
+    let text = String::from_utf8(out.stdout).unwrap();
+    let last = text.rsplit("memtrace top — ").next().unwrap();
+    assert!(last.contains("live-block table full (50 blocks)"), "{last}");
+}
