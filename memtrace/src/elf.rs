@@ -10,6 +10,14 @@ use object::{
     read::elf::{Dyn as _, ElfFile64, FileHeader as _, ProgramHeader as _},
 };
 
+/// A function in an ELF file: where its code starts in the file, and its size (0 when
+/// the symbol does not say).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Function {
+    pub offset: u64,
+    pub size: u64,
+}
+
 /// An ELF file mapped read-only.
 pub struct ElfFile {
     map: Mmap,
@@ -33,9 +41,9 @@ impl ElfFile {
         file.build_id().ok().flatten().map(<[u8]>::to_vec)
     }
 
-    /// File offsets of the defined functions among `names` (dynamic symbols first, then the
-    /// full symbol table for static executables).
-    pub fn function_offsets(&self, names: &[&str]) -> Result<HashMap<String, u64>> {
+    /// File offsets and sizes of the defined functions among `names` (dynamic symbols
+    /// first, then the full symbol table for static executables).
+    pub fn function_offsets(&self, names: &[&str]) -> Result<HashMap<String, Function>> {
         let file = self.parse()?;
         let mut found = HashMap::new();
         for symbol in file.dynamic_symbols().chain(file.symbols()) {
@@ -48,10 +56,16 @@ impl ElfFile {
                 continue;
             }
             if let Some(offset) = vaddr_to_file_offset(&file, symbol.address()) {
-                found.insert(name.to_string(), offset);
+                found.insert(name.to_string(), Function { offset, size: symbol.size() });
             }
         }
         Ok(found)
+    }
+
+    /// Up to `len` bytes of the file from `offset`.
+    pub fn bytes(&self, offset: u64, len: usize) -> &[u8] {
+        let start = (offset as usize).min(self.map.len());
+        &self.map[start..(start + len).min(self.map.len())]
     }
 
     /// DT_NEEDED names and the RUNPATH/RPATH search directories (raw, `$ORIGIN` unexpanded).
@@ -126,8 +140,8 @@ mod tests {
     fn finds_malloc_and_its_build_id_in_our_own_libc() {
         let libc = ElfFile::open(&libc_path()).unwrap();
         let offsets = libc.function_offsets(&["malloc", "free", "no_such_function"]).unwrap();
-        assert!(offsets["malloc"] > 0);
-        assert!(offsets["free"] > 0);
+        assert!(offsets["malloc"].offset > 0 && offsets["malloc"].size > 0);
+        assert!(offsets["free"].offset > 0);
         assert!(!offsets.contains_key("no_such_function"));
         assert_eq!(libc.build_id().map(|id| id.len()), Some(20));
     }

@@ -11,13 +11,34 @@ use std::{
 use anyhow::{Result, bail};
 use memtrace_common::Kind;
 
-use crate::{elf::ElfFile, procfs};
+use crate::{
+    elf::{ElfFile, Function},
+    probes::placement,
+    procfs,
+};
+use iced_x86::Register;
+
+/// The argument registers the probes read for each kind of function.
+fn argument_registers(kind: Kind) -> &'static [Register] {
+    match kind {
+        Kind::Malloc | Kind::Valloc | Kind::Pvalloc | Kind::Free => &[Register::RDI],
+        Kind::Calloc | Kind::Realloc | Kind::Munmap => &[Register::RDI, Register::RSI],
+        Kind::ReallocArray => &[Register::RDI, Register::RSI, Register::RDX],
+        Kind::PosixMemalign => &[Register::RDI, Register::RDX],
+        Kind::AlignedAlloc | Kind::Memalign | Kind::Mmap => &[Register::RSI],
+        _ => &[Register::RDI, Register::RSI, Register::RDX],
+    }
+}
 
 /// Where one uprobe goes.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct AttachPoint {
     pub path: PathBuf,
+    /// The function's file offset.
     pub offset: u64,
+    /// Where in the function the probes go (see `placement`): the first instruction the
+    /// kernel emulates, when reaching it changes nothing the probes read.
+    pub probe_offset: u64,
     pub kind: Kind,
     /// Every symbol at this address (aliases such as `memalign`/`aligned_alloc`).
     pub symbols: Vec<String>,
@@ -66,14 +87,14 @@ pub fn resolve(candidates: &[PathBuf], prefix: &str) -> Result<Allocator> {
             let free = format!("{prefix}free");
             if offsets.contains_key(&malloc) && offsets.contains_key(&free) {
                 let glibc = prefix.is_empty() && offsets.contains_key("__libc_malloc");
-                let named: Vec<(String, u64, Kind)> = FAMILY
+                let named: Vec<(String, Function, Kind)> = FAMILY
                     .iter()
                     .filter_map(|(n, k)| {
                         let name = format!("{prefix}{n}");
                         offsets.get(&name).map(|&o| (name, o, *k))
                     })
                     .collect();
-                allocator = Some((path.clone(), glibc, group_by_offset(path, named)));
+                allocator = Some((path.clone(), glibc, group_by_offset(&elf, path, named)));
             }
         }
         if mapping_points.is_none() {
@@ -82,7 +103,7 @@ pub fn resolve(candidates: &[PathBuf], prefix: &str) -> Result<Allocator> {
             if offsets.contains_key("mmap") && offsets.contains_key("munmap") {
                 let named =
                     MAPPING.iter().filter_map(|(n, k)| offsets.get(*n).map(|&o| (n.to_string(), o, *k))).collect();
-                mapping_points = Some(group_by_offset(path, named));
+                mapping_points = Some(group_by_offset(&elf, path, named));
             }
         }
         if allocator.is_some() && mapping_points.is_some() {
@@ -99,13 +120,25 @@ pub fn resolve(candidates: &[PathBuf], prefix: &str) -> Result<Allocator> {
     Ok(Allocator { object, glibc, points })
 }
 
-/// One attach point per address, named by the first function in list order.
-fn group_by_offset(path: &Path, named: Vec<(String, u64, Kind)>) -> Vec<AttachPoint> {
+/// One attach point per address, named by the first function in list order, with its
+/// probe placed past instructions the kernel would single-step.
+fn group_by_offset(elf: &ElfFile, path: &Path, named: Vec<(String, Function, Kind)>) -> Vec<AttachPoint> {
     let mut points: Vec<AttachPoint> = Vec::new();
-    for (name, offset, kind) in named {
-        match points.iter_mut().find(|p| p.offset == offset) {
+    for (name, function, kind) in named {
+        match points.iter_mut().find(|p| p.offset == function.offset) {
             Some(point) => point.symbols.push(name),
-            None => points.push(AttachPoint { path: path.to_path_buf(), offset, kind, symbols: vec![name] }),
+            None => {
+                let len = (function.size > 0).then_some(function.size as usize);
+                let code = elf.bytes(function.offset, len.unwrap_or(64).min(64 << 10));
+                let probe_offset = placement::probe_offset(code, len, argument_registers(kind));
+                points.push(AttachPoint {
+                    path: path.to_path_buf(),
+                    offset: function.offset,
+                    probe_offset,
+                    kind,
+                    symbols: vec![name],
+                });
+            }
         }
     }
     points
@@ -270,6 +303,49 @@ mod tests {
         offsets.sort();
         offsets.dedup();
         assert_eq!(offsets.len(), alloc.points.len());
+    }
+
+    #[test]
+    fn probes_in_our_libc_sit_on_emulated_instructions_that_keep_the_arguments() {
+        use iced_x86::{Decoder, DecoderOptions, Instruction, InstructionInfoFactory, OpAccess};
+        let alloc = for_process(std::process::id(), "").unwrap();
+        let elf = ElfFile::open(&alloc.object).unwrap();
+        let mut moved = 0;
+        for p in &alloc.points {
+            let code = elf.bytes(p.offset, 64);
+            let at = p.probe_offset as usize;
+            // The probed instruction is emulated (or the probe stayed at the entry).
+            let mut decoder = Decoder::with_ip(64, code, 0, DecoderOptions::NONE);
+            let mut info = InstructionInfoFactory::new();
+            let mut instr = Instruction::default();
+            let mut offset = 0;
+            while offset < at {
+                decoder.decode_out(&mut instr);
+                // Nothing skipped writes the stack pointer or an argument the probe reads.
+                for used in info.info(&instr).used_registers() {
+                    let reg = used.register().full_register();
+                    let written = !matches!(used.access(), OpAccess::Read | OpAccess::CondRead | OpAccess::NoMemAccess);
+                    assert!(
+                        !(written && (reg == Register::RSP || argument_registers(p.kind).contains(&reg))),
+                        "{:?} at +{offset} writes {reg:?}",
+                        p.symbols
+                    );
+                }
+                offset += instr.len();
+            }
+            assert_eq!(offset, at, "{:?}: the probe is on an instruction boundary", p.symbols);
+            if at > 0 {
+                decoder.decode_out(&mut instr);
+                assert!(placement::is_emulated(&code[at..at + instr.len()]), "{:?}", p.symbols);
+                moved += 1;
+            }
+        }
+        // glibc's free begins with `test %rdi,%rdi`: its probe must have moved.
+        let free = alloc.points.iter().find(|p| p.kind == Kind::Free).unwrap();
+        if alloc.glibc {
+            assert!(free.probe_offset > 0, "free's probe stayed at an instruction the kernel single-steps");
+            assert!(moved >= 1);
+        }
     }
 
     #[test]

@@ -3,6 +3,7 @@
 //! no early event is lost), attaching tracepoints and uprobes, and reading the probes'
 //! loss counters. Dropping [`Probes`] detaches everything.
 pub mod allocator;
+pub mod placement;
 pub mod tracefs;
 
 use std::num::NonZeroU32;
@@ -208,7 +209,7 @@ impl Probes {
                     .uprobe(program)?
                     .attach(
                         UProbeAttachPoint {
-                            location: UProbeAttachLocation::AbsoluteOffset(point.offset),
+                            location: UProbeAttachLocation::AbsoluteOffset(point.offset + point.probe_offset),
                             cookie: Some(point.kind as u64),
                         },
                         &point.path,
