@@ -349,6 +349,8 @@ pub mod counter {
     pub const LOST_KERNEL_LIVE: u32 = 3;
     /// CPUs with no ring buffer installed (events dropped).
     pub const NO_RING: u32 = 4;
+    /// Sampled blocks not remembered because the table was full (their frees go unseen).
+    pub const LOST_SAMPLED_LIVE: u32 = 5;
     pub const COUNT: u32 = 8;
 }
 
@@ -452,6 +454,9 @@ pub struct ProbeConfig {
     /// Add the children of traced processes to the traced set (`-- CMD`, `--follow-forks`).
     pub follow_children: u32,
     pub tp: TracepointLayout,
+    /// Size-weighted sampling of user allocations: each byte is sampled with probability
+    /// 1/sample_bytes (0: every allocation is recorded).
+    pub sample_bytes: u64,
 }
 
 impl ProbeConfig {
@@ -466,8 +471,24 @@ impl ProbeConfig {
             track_kernel_live: 0,
             follow_children: 0,
             tp: TracepointLayout::zeroed(),
+            sample_bytes: 0,
         }
     }
+}
+
+/// A sampled user block (sampled mode): its free must be reported, others' need not be.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct SampledKey {
+    pub tgid: u32,
+    pub _pad: u32,
+    pub ptr: u64,
+}
+
+/// `InFlight::flags`: the new block is sampled / the old block (realloc) was.
+pub mod inflight {
+    pub const SAMPLE_NEW: u8 = 1;
+    pub const OLD_SAMPLED: u8 = 2;
 }
 
 /// Per-thread state between an allocation function's entry and its return.
@@ -475,7 +496,9 @@ impl ProbeConfig {
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct InFlight {
     pub kind: u8,
-    pub _pad: [u8; 3],
+    /// `inflight::*` bits.
+    pub flags: u8,
+    pub _pad: [u8; 2],
     /// Allocator calls nested inside this one (realloc calling malloc): ignored.
     pub depth: u32,
     /// Stack pointer at entry; a call is nested only if it runs deeper than this.
@@ -515,6 +538,7 @@ const _: () = {
     assert!(core::mem::size_of::<TaskRecord>() == 24 + COMM_LEN + FILENAME_LEN);
     assert!(core::mem::size_of::<SlabAllocLayout>() == 24);
     assert!(core::mem::size_of::<TracepointLayout>() == 48 + 14 * 4);
-    assert!(core::mem::size_of::<ProbeConfig>() == 32 + 48 + 14 * 4);
+    assert!(core::mem::size_of::<ProbeConfig>() == 32 + 48 + 14 * 4 + 8);
+    assert!(core::mem::size_of::<SampledKey>() == 16);
     assert!(core::mem::size_of::<InFlight>() == 40);
 };

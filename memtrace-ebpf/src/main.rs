@@ -28,8 +28,8 @@ use aya_ebpf::{
 };
 use memtrace_common::{
     COMM_LEN, FILENAME_LEN, FreeRecord, InFlight, KERNEL_STACK_SEED, KernelAllocRecord, Kind, MAX_CPUS,
-    MAX_STACK_DEPTH, ProbeConfig, RecordType, StackHeader, TP_HEAD_BYTES, TaskEvent, TaskRecord, USER_STACK_SEED,
-    UserAllocRecord, UserFrame, counter, flags, stack_hash_step, traced,
+    MAX_STACK_DEPTH, ProbeConfig, RecordType, SampledKey, StackHeader, TP_HEAD_BYTES, TaskEvent, TaskRecord,
+    USER_STACK_SEED, UserAllocRecord, UserFrame, counter, flags, inflight, stack_hash_step, traced,
 };
 
 /// Written by userspace before load (`EbpfLoader::override_global`).
@@ -75,6 +75,56 @@ const PAGE_KEY: u64 = 1 << 63;
 /// Stack hashes whose frames were already sent. Forgetting one only costs a resend.
 #[btf_map]
 static STACKS_SENT: LruHashMap<u64, u8, 65536> = LruHashMap::new();
+
+/// Sampled mode: bytes left before the next sample, per CPU.
+#[btf_map]
+static SAMPLE_COUNTDOWN: PerCpuArray<i64, 1> = PerCpuArray::new();
+
+/// Sampled mode: the sampled user blocks still live (their frees are the only ones sent).
+#[btf_map]
+static SAMPLED_LIVE: HashMap<SampledKey, u8, 262144> = HashMap::new();
+
+/// log2(1 + k/16) in Q16, for the exponential sampling intervals.
+const LOG2_1_PLUS: [u32; 17] =
+    [0, 5732, 11136, 16248, 21098, 25711, 30109, 34312, 38336, 42196, 45904, 49472, 52911, 56229, 59434, 62534, 65536];
+
+/// An exponentially distributed number of bytes with mean `mean`: -ln(U)·mean, U uniform
+/// in (0, 1], computed in fixed point (log2 by leading zeros and a 16-entry table).
+#[inline(always)]
+fn exponential_bytes(mean: u64) -> u64 {
+    // SAFETY: no preconditions.
+    let r = unsafe { generated::bpf_get_prandom_u32() } | 1;
+    let msb = 31 - r.leading_zeros();
+    let frac = if msb >= 20 { (r >> (msb - 20)) & 0xf_ffff } else { (r << (20 - msb)) & 0xf_ffff };
+    let idx = ((frac >> 16) & 15) as usize;
+    let (lo, hi) = (LOG2_1_PLUS[idx], LOG2_1_PLUS[idx + 1]);
+    let log2_r = (msb << 16) + lo + (((hi - lo) * (frac & 0xffff)) >> 16);
+    let minus_log2_u = u64::from((32 << 16) - log2_r);
+    // ln 2 = 45426 / 65536. Userspace keeps `mean` below 2^40, so neither product can
+    // overflow (mean·2^21, then 2^45·2^16).
+    ((mean.wrapping_mul(minus_log2_u) >> 16).wrapping_mul(45426) >> 16).max(1)
+}
+
+/// Whether an allocation of `size` bytes is sampled: each byte with probability
+/// 1/`mean`, so large blocks are nearly always sampled and small ones rarely.
+#[inline(always)]
+fn sample_hit(size: u64, mean: u64) -> bool {
+    let Some(slot) = SAMPLE_COUNTDOWN.get_ptr_mut(0) else { return true };
+    // SAFETY: this CPU's slot; programs on one CPU do not run concurrently.
+    let remaining = unsafe { &mut *slot };
+    let size = size.min(i64::MAX as u64) as i64;
+    if *remaining > size {
+        *remaining -= size;
+        return false;
+    }
+    *remaining = exponential_bytes(mean).min(i64::MAX as u64) as i64;
+    true
+}
+
+#[inline(always)]
+fn sampled_key(tgid: u32, ptr: u64) -> SampledKey {
+    SampledKey { tgid, _pad: 0, ptr }
+}
 
 const USER_FRAMES_BYTES: usize = MAX_STACK_DEPTH * size_of::<UserFrame>();
 const KERNEL_FRAMES_BYTES: usize = MAX_STACK_DEPTH * size_of::<u64>();
@@ -350,8 +400,13 @@ fn try_alloc_enter(ctx: &ProbeContext) -> Result<(), ()> {
             state.depth += 1;
             return Ok(());
         }
-        // Otherwise the entry is stale (its return was never seen) or a tail call from the
-        // outer function at the same depth (realloc(NULL, n) jumping to malloc): replace it.
+        if sp == state.sp {
+            // A tail call at the same depth (realloc(NULL, n) jumping to malloc,
+            // reallocarray to realloc): the call the user made, and its sampling decision,
+            // stay the outer one's; both return probes fire once, at the same return.
+            return Ok(());
+        }
+        // Otherwise the entry is stale (its return was never seen): replace it.
     }
     let arg = |n: usize| -> u64 { ctx.arg::<u64>(n).unwrap_or(0) };
     let (bytes_req, ptr_arg) = match Kind::from_u8(kind) {
@@ -364,9 +419,24 @@ fn try_alloc_enter(ctx: &ProbeContext) -> Result<(), ()> {
         Some(Kind::Mmap) => (arg(1), 0),
         _ => return Err(()),
     };
+    let mut sampling = inflight::SAMPLE_NEW | inflight::OLD_SAMPLED;
+    let mean = config!(sample_bytes);
+    if mean != 0 {
+        let has_old = ptr_arg != 0 && matches!(Kind::from_u8(kind), Some(Kind::Realloc | Kind::ReallocArray));
+        // SAFETY: plain byte value.
+        let old_sampled = has_old && unsafe { SAMPLED_LIVE.get(sampled_key(tgid, ptr_arg)) }.is_some();
+        sampling = if sample_hit(bytes_req, mean) { inflight::SAMPLE_NEW } else { 0 }
+            | if old_sampled { inflight::OLD_SAMPLED } else { 0 };
+        if sampling == 0 && !matches!(Kind::from_u8(kind), Some(Kind::Realloc | Kind::ReallocArray)) {
+            // Nothing of this call is recorded: its return finds no state. (realloc keeps
+            // an empty state, so the malloc it may tail-call does not draw a second chance.)
+            return Ok(());
+        }
+    }
     let state = InFlight {
         kind,
-        _pad: [0; 3],
+        flags: sampling,
+        _pad: [0; 2],
         depth: 0,
         sp,
         // SAFETY: no preconditions.
@@ -437,9 +507,13 @@ fn try_alloc_return(ctx: &RetProbeContext) -> Result<(), ()> {
     };
     let ring = this_ring().ok_or(())?;
     let is_realloc = matches!(kind, Kind::Realloc | Kind::ReallocArray);
-    if is_realloc && state.ptr_arg != 0 {
+    let sampling = config!(sample_bytes) != 0;
+    if is_realloc && state.ptr_arg != 0 && state.flags & inflight::OLD_SAMPLED != 0 {
         if ptr == 0 && state.bytes_req != 0 {
             return Ok(()); // failed: the old block is untouched
+        }
+        if sampling {
+            let _ = SAMPLED_LIVE.remove(sampled_key(tgid, state.ptr_arg));
         }
         // The old block is gone: freed (size 0) or replaced by the new one.
         emit::<FreeRecord>(ring, |r| {
@@ -452,8 +526,11 @@ fn try_alloc_return(ctx: &RetProbeContext) -> Result<(), ()> {
             r.ptr = state.ptr_arg;
         });
     }
-    if ptr == 0 {
+    if ptr == 0 || state.flags & inflight::SAMPLE_NEW == 0 {
         return Ok(());
+    }
+    if sampling && SAMPLED_LIVE.insert(sampled_key(tgid, ptr), 1u8, BPF_ANY as u64).is_err() {
+        bump(counter::LOST_SAMPLED_LIVE);
     }
     let stack = user_stack(ctx.as_ptr(), ring, tgid);
     let (bytes_alloc, exact) = if kind == Kind::Mmap {
@@ -496,6 +573,14 @@ fn try_free_enter(ctx: &ProbeContext) -> Result<(), ()> {
     if !is_traced(tgid) {
         return Ok(());
     }
+    // SAFETY: the helper only reads the attach cookie.
+    let kind = unsafe { generated::bpf_get_attach_cookie(ctx.as_ptr()) } as u8;
+    let sampled_heap = config!(sample_bytes) != 0 && kind == Kind::Free as u8;
+    // Sampled mode: only the frees of sampled blocks matter (most frees stop here).
+    // SAFETY: plain byte value.
+    if sampled_heap && unsafe { SAMPLED_LIVE.get(sampled_key(tgid, ptr)) }.is_none() {
+        return Ok(());
+    }
     // SAFETY: copied out at once.
     if let Some(state) = unsafe { INFLIGHT.get(id) } {
         // SAFETY: ctx is this probe's pt_regs.
@@ -503,8 +588,9 @@ fn try_free_enter(ctx: &ProbeContext) -> Result<(), ()> {
             return Ok(()); // the allocator freeing inside realloc: reported by realloc
         }
     }
-    // SAFETY: the helper only reads the attach cookie.
-    let kind = unsafe { generated::bpf_get_attach_cookie(ctx.as_ptr()) } as u8;
+    if sampled_heap {
+        let _ = SAMPLED_LIVE.remove(sampled_key(tgid, ptr));
+    }
     let arg = if kind == Kind::Munmap as u8 {
         let len: u64 = ctx.arg(1).unwrap_or(0);
         (len.div_ceil(4096)).min(u32::MAX as u64) as u32
@@ -523,6 +609,18 @@ fn try_free_enter(ctx: &ProbeContext) -> Result<(), ()> {
         r.ptr = ptr;
     });
     Ok(())
+}
+
+/// Benchmark baseline: an empty entry probe (`memtrace bench-baseline`).
+#[uprobe]
+pub fn empty_enter(_ctx: ProbeContext) -> u32 {
+    0
+}
+
+/// Benchmark baseline: an empty return probe.
+#[uretprobe]
+pub fn empty_return(_ctx: RetProbeContext) -> u32 {
+    0
 }
 
 // ---------------------------------------------------------------------------------------

@@ -137,7 +137,7 @@ pub struct ViewOptions {
 }
 
 impl LiveView {
-    pub fn new(live_limit: usize) -> Self {
+    pub fn new(live_limit: usize, sample_bytes: Option<u64>) -> Self {
         let mut next = 0u32;
         let grouping: Grouping = Box::new(move |_| {
             next += 1;
@@ -145,6 +145,7 @@ impl LiveView {
         });
         let mut analyzer = Analyzer::new(grouping);
         analyzer.live_limit = live_limit;
+        analyzer.sample_bytes = sample_bytes;
         Self {
             analyzer,
             modules: ModuleTable::new(),

@@ -30,6 +30,23 @@ enum Command {
     Export(ExportArgs),
     /// A live view of allocations, like top (whole machine unless --pid or -- CMD).
     Top(TopArgs),
+    /// Benchmark baseline: run a command with empty probes at malloc entry/return and
+    /// free entry (what any uprobe tracer pays at least).
+    #[command(hide = true)]
+    BenchBaseline(BaselineArgs),
+}
+
+#[derive(Args)]
+struct BaselineArgs {
+    /// Put the empty probes where memtrace places its own, not at the function entries.
+    #[arg(long)]
+    placed: bool,
+    /// No return probe on malloc (what an entry program that skips its return probe, as
+    /// uprobe sessions allow, would cost).
+    #[arg(long)]
+    no_return: bool,
+    #[arg(last = true, required = true, value_name = "CMD")]
+    command: Vec<OsString>,
 }
 
 #[derive(Args)]
@@ -74,6 +91,9 @@ struct TopArgs {
     /// Prefix of the allocator's functions, for custom allocators.
     #[arg(long, default_value = "")]
     symbol_prefix: String,
+    /// Sample user allocations: each byte with probability 1/SIZE (figures are estimates).
+    #[arg(long, value_parser = parse_sample_bytes)]
+    sample_bytes: Option<u64>,
     /// The command to run and watch, after `--`.
     #[arg(last = true, value_name = "CMD")]
     command: Vec<OsString>,
@@ -96,6 +116,7 @@ fn top(args: TopArgs) -> Result<i32> {
             ring_bytes: 4 << 20,
             follow_forks: false,
             quiet: false,
+            sample_bytes: args.sample_bytes,
         },
         interval: args.delay.max(Duration::from_millis(100)),
         batch: args.batch,
@@ -231,6 +252,14 @@ fn parse_size(s: &str) -> Result<u64, String> {
     n.checked_mul(scale).ok_or_else(|| format!("size too large: {s:?}"))
 }
 
+fn parse_sample_bytes(s: &str) -> Result<u64, String> {
+    let n = parse_size(s)?;
+    if n == 0 || n >= 1 << 40 {
+        return Err(format!("sampling period must be between 1 byte and 1 TiB, not {s:?}"));
+    }
+    Ok(n)
+}
+
 #[derive(Args)]
 struct RecordArgs {
     /// Trace a running process (and its threads).
@@ -269,6 +298,10 @@ struct RecordArgs {
     /// With --pid, also trace the children the process forks from now on.
     #[arg(long)]
     follow_forks: bool,
+    /// Sample user allocations: each byte with probability 1/SIZE (e.g. 512k), like
+    /// jemalloc/tcmalloc heap profiles; reports scale the figures back (estimates).
+    #[arg(long, value_parser = parse_sample_bytes)]
+    sample_bytes: Option<u64>,
     /// No status line or summary on stderr.
     #[arg(short, long)]
     quiet: bool,
@@ -341,6 +374,7 @@ fn record(args: RecordArgs) -> Result<i32> {
             ring_bytes,
             follow_forks: args.follow_forks,
             quiet: args.quiet,
+            sample_bytes: args.sample_bytes,
         },
         output: args.output,
         force: args.force,
@@ -386,6 +420,7 @@ fn main() -> ExitCode {
         Command::Dump(args) => dump(args),
         Command::Export(args) => export(args),
         Command::Top(args) => top(args),
+        Command::BenchBaseline(args) => session::run_baseline(&args.command, args.placed, !args.no_return),
     };
     match result {
         Ok(code) => ExitCode::from(code.clamp(0, 255) as u8),

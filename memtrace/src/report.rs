@@ -315,6 +315,7 @@ pub fn analyze(path: &Path, opts: &ReportOptions) -> Result<Analysis> {
             g
         };
         let mut analyzer = Analyzer::new(group_of);
+        analyzer.sample_bytes = meta.sample_bytes;
         for_each_event(path, &mut |event| {
             if let Event::Task(t) = &event
                 && matches!(t.event, TaskEvent::Exec | TaskEvent::Rename | TaskEvent::Fork)
@@ -587,6 +588,12 @@ pub fn render_text(a: &Analysis, opts: &ReportOptions) -> String {
             "allocator unknown to memtrace: allocated = requested"
         };
         let _ = writeln!(out, "allocator: {alloc} ({how})");
+    }
+    if let Some(n) = a.meta.sample_bytes {
+        let _ = writeln!(
+            out,
+            "sampled: each byte of user allocations with probability 1/{n}; user figures are estimates (kernel figures exact)"
+        );
     }
     for w in &a.warnings {
         let _ = writeln!(out, "warning: {w}");
@@ -904,6 +911,11 @@ pub fn render_json(a: &Analysis, opts: &ReportOptions) -> Result<String> {
         "finalized": a.finalized,
         "warnings": a.warnings,
         "exit_code": a.stats.exit_code,
+        "recorder": {
+            "cpu_ns": a.stats.recorder_cpu_ns,
+            "peak_rss_bytes": a.stats.recorder_peak_rss_bytes,
+            "lost_sampled_live": a.stats.lost_sampled_live,
+        },
         "recording": a.meta,
         "group_by": a.by,
         "sites": sites,

@@ -312,7 +312,7 @@ pub fn run(opts: TopOptions) -> Result<i32> {
     // The view owns the screen: the session's own messages would garble it.
     trace.quiet = trace.quiet || !opts.batch;
     let mut tracer = Tracer::start(&trace, || Ok(()))?;
-    let mut live = LiveView::new(opts.live_limit);
+    let mut live = LiveView::new(opts.live_limit, trace.sample_bytes);
     tracer.release()?;
     let result = if opts.batch {
         block_on(batch(&mut tracer, &mut live, &opts))?

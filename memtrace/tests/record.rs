@@ -180,3 +180,43 @@ fn a_custom_allocator_is_traced_through_its_prefix() {
     assert_matches_manifest(&report, &manifest(&manifest_path));
     assert_eq!(report["totals"]["user"]["allocs"], 1000, "only the mt_ allocator is traced");
 }
+
+#[test]
+fn sampled_recording_estimates_the_true_figures() {
+    require_root();
+    let dir = scratch("sampled");
+    let data = dir.join("sampled.data");
+    let manifest_path = dir.join("manifest.json");
+    run(memtrace()
+        .args(["record", "-q", "--sample-bytes", "4096", "-o"])
+        .arg(&data)
+        .arg("--")
+        .arg(workload())
+        .args(ARGS)
+        .arg("--manifest")
+        .arg(&manifest_path));
+    let manifest = manifest(&manifest_path);
+    let report = report_json(&data, &["--by", "function", "--domain", "user"]);
+    assert_eq!(report["recording"]["sample_bytes"], 4096);
+    assert_eq!(report["lost_events"], 0);
+    // Blocks far larger than the sampling period are always sampled, standing for one.
+    let large = manifest["sites"].as_array().unwrap().iter().find(|s| s["function"] == "wl_malloc_large").unwrap();
+    assert_eq!(site(&report, "wl_malloc_large").unwrap()["allocs"], large["allocs"]);
+    // The rest are estimates: unbiased, within a few standard errors.
+    let sum = |v: &Value, f: &str| -> f64 {
+        v["sites"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|s| {
+                let name = s.get("function").or_else(|| s["frames"].get(0).map(|f| &f["function"]));
+                name.and_then(Value::as_str).is_some_and(|n| n.starts_with("wl_"))
+            })
+            .map(|s| s[f].as_f64().unwrap())
+            .sum()
+    };
+    for (figure, tolerance) in [("bytes_req", 0.02), ("allocs", 0.15)] {
+        let (got, want) = (sum(&report, figure), sum(&manifest, figure));
+        assert!((got - want).abs() / want < tolerance, "{figure}: estimated {got}, true {want}");
+    }
+}

@@ -307,6 +307,24 @@ NOINLINE static void loop_pair(size_t n) {
     free(p);
 }
 
+struct loop_arg {
+    long pairs;
+    double deadline_ns;
+    long done;
+};
+
+/* malloc+free pairs until `pairs` are done or the deadline passes (checked every 1024). */
+static void *loop_thread(void *argp) {
+    struct loop_arg *arg = argp;
+    for (long i = 0; arg->pairs == 0 || i < arg->pairs; i++) {
+        loop_pair(32);
+        arg->done++;
+        if (arg->deadline_ns > 0 && (i & 1023) == 0 && now_ns() >= arg->deadline_ns)
+            break;
+    }
+    return NULL;
+}
+
 NOINLINE static void kernel_pair(void) {
     int fds[2];
     if (pipe(fds) != 0)
@@ -386,11 +404,30 @@ int main(int argc, char **argv) {
     }
 
     long loop = arg_value(argc, argv, "--loop", 0);
-    if (loop > 0) {
+    long loop_seconds = arg_value(argc, argv, "--loop-seconds", 0);
+    if (loop > 0 || loop_seconds > 0) {
+        int loop_threads = (int)arg_value(argc, argv, "--loop-threads", 1);
+        struct loop_arg args[64];
+        pthread_t loop_tids[64];
+        if (loop_threads < 1 || loop_threads > 64)
+            abort();
         double t0 = now_ns();
-        for (long i = 0; i < loop; i++)
-            loop_pair(32);
-        printf("%.1f ns/pair\n", (now_ns() - t0) / (double)loop);
+        for (int i = 0; i < loop_threads; i++) {
+            args[i].pairs = loop;
+            args[i].deadline_ns = loop_seconds > 0 ? t0 + loop_seconds * 1e9 : 0;
+            args[i].done = 0;
+            if (pthread_create(&loop_tids[i], NULL, loop_thread, &args[i]) != 0)
+                abort();
+        }
+        long total = 0;
+        for (int i = 0; i < loop_threads; i++) {
+            pthread_join(loop_tids[i], NULL);
+            total += args[i].done;
+        }
+        double elapsed = now_ns() - t0;
+        /* Per pair, per thread: the cost a single thread pays. */
+        printf("%.1f ns/pair (%ld pairs, %d threads, %.2f s)\n", elapsed * loop_threads / (double)total, total,
+               loop_threads, elapsed / 1e9);
         return 0;
     }
     long custom = arg_value(argc, argv, "--custom", 0);

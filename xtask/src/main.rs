@@ -11,6 +11,8 @@ use std::{
 
 use anyhow::{Context as _, Result, bail};
 
+mod bench;
+
 fn workspace_root() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).parent().expect("xtask lives in the workspace").to_path_buf()
 }
@@ -216,11 +218,13 @@ fn main() -> Result<()> {
         "setup" => setup(),
         "test" => test(),
         "demo" => demo(),
+        "bench" => bench::bench(),
         _ => {
-            eprintln!("usage: cargo xtask <setup|test|demo>");
+            eprintln!("usage: cargo xtask <setup|test|demo|bench>");
             eprintln!("  setup  install rust-src, bpf-linker (for the nightly's LLVM), gcc; mount tracefs");
             eprintln!("  test   formatting, clippy on both crates, unit and integration tests (root)");
             eprintln!("  demo   trace the bundled workload and print the report (root)");
+            eprintln!("  bench  overhead against the peers, pipeline speed, sustained load -> BENCHMARKS.md (root)");
             std::process::exit(2);
         }
     }

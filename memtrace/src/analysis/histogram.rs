@@ -31,12 +31,17 @@ fn lower_bound(b: usize) -> u64 {
 
 impl Histogram {
     pub fn record(&mut self, v: u64) {
+        self.record_n(v, 1);
+    }
+
+    /// Records `n` observations of `v`.
+    pub fn record_n(&mut self, v: u64, n: u64) {
         let b = bucket(v);
         if self.counts.len() <= b {
             self.counts.resize(b + 1, 0);
         }
-        self.counts[b] += 1;
-        self.total += 1;
+        self.counts[b] += n;
+        self.total += n;
     }
 
     pub fn count(&self) -> u64 {

@@ -66,28 +66,30 @@ pub struct Stats {
 }
 
 impl Stats {
-    fn on_alloc(&mut self, req: u64, alloc: u64) {
-        self.allocs += 1;
-        self.bytes_req += req;
-        self.bytes_alloc += alloc;
-        self.live_allocs += 1;
-        self.live_bytes_req += req;
-        self.live_bytes_alloc += alloc;
+    /// `count` allocations of these sizes (more than one when one sampled allocation
+    /// stands for several).
+    fn on_alloc(&mut self, req: u64, alloc: u64, count: u64) {
+        self.allocs += count;
+        self.bytes_req += req * count;
+        self.bytes_alloc += alloc * count;
+        self.live_allocs += count;
+        self.live_bytes_req += req * count;
+        self.live_bytes_alloc += alloc * count;
         self.peak_live_bytes_req = self.peak_live_bytes_req.max(self.live_bytes_req);
     }
 
-    /// An allocation counted but not followed (the live table is full).
-    fn on_untracked_alloc(&mut self, req: u64, alloc: u64) {
-        self.allocs += 1;
-        self.bytes_req += req;
-        self.bytes_alloc += alloc;
+    /// Allocations counted but not followed (the live table is full).
+    fn on_untracked_alloc(&mut self, req: u64, alloc: u64, count: u64) {
+        self.allocs += count;
+        self.bytes_req += req * count;
+        self.bytes_alloc += alloc * count;
     }
 
     fn on_free(&mut self, block: &LiveBlock) {
-        self.frees += 1;
-        self.live_allocs -= 1;
-        self.live_bytes_req -= block.bytes_req;
-        self.live_bytes_alloc -= block.bytes_alloc;
+        self.frees += block.count;
+        self.live_allocs -= block.count;
+        self.live_bytes_req -= block.bytes_req * block.count;
+        self.live_bytes_alloc -= block.bytes_alloc * block.count;
     }
 
     /// Adds another group's figures (the peak of a merge is an upper bound).
@@ -180,6 +182,25 @@ pub struct LiveBlock {
     pub kind: Kind,
     /// The block's process exec'd or exited while it was live.
     pub orphaned: bool,
+    /// How many allocations the block stands for (1 unless sampled).
+    pub count: u64,
+}
+
+/// How many allocations one sampled allocation of `size` bytes stands for, when each byte
+/// was sampled with probability 1/`mean`: 1/P(sampled) = 1/(1 − e^(−size/mean)), rounded
+/// up or down at random (seeded by `seed`, so reports are reproducible) so that the sum
+/// stays an unbiased estimate.
+pub fn sample_multiplicity(size: u64, mean: u64, seed: u64) -> u64 {
+    let p = -(-(size.max(1) as f64) / mean.max(1) as f64).exp_m1();
+    let w = 1.0 / p;
+    let whole = w.floor();
+    // splitmix64 of the seed, as a uniform number in [0, 1).
+    let mut z = seed.wrapping_add(0x9e37_79b9_7f4a_7c15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    z ^= z >> 31;
+    let u = (z >> 11) as f64 / (1u64 << 53) as f64;
+    whole as u64 + u64::from(u < w - whole)
 }
 
 /// Address space of a block: the space kind and, for user spaces, the process instance.
@@ -225,6 +246,9 @@ pub struct Analyzer<G: FnMut(&Origin) -> u32> {
     live_count: usize,
     /// Allocations not followed because the table was full.
     pub untracked: u64,
+    /// The recording sampled user allocations (each byte with probability 1/this): each
+    /// sampled one stands for 1/P(sampled) allocations of its size.
+    pub sample_bytes: Option<u64>,
 }
 
 impl<G: FnMut(&Origin) -> u32> Analyzer<G> {
@@ -250,6 +274,7 @@ impl<G: FnMut(&Origin) -> u32> Analyzer<G> {
             live_limit: usize::MAX,
             live_count: 0,
             untracked: 0,
+            sample_bytes: None,
         }
     }
 
@@ -329,6 +354,10 @@ impl<G: FnMut(&Origin) -> u32> Analyzer<G> {
             self.totals.entry(Domain::User).or_default().unmatched_frees += n;
         }
         let space = self.space(a.kind, a.pid);
+        let count = match self.sample_bytes {
+            Some(mean) if !a.kind.is_kernel() => sample_multiplicity(a.bytes_req, mean, a.ts_ns ^ a.ptr),
+            _ => 1,
+        };
         let group = match forced_group {
             Some(g) => g,
             None => self.group(Origin::of(a)),
@@ -344,11 +373,12 @@ impl<G: FnMut(&Origin) -> u32> Analyzer<G> {
             stack: a.stack,
             kind: a.kind,
             orphaned: false,
+            count,
         };
         if self.live_count >= self.live_limit && group != EXCLUDED {
             self.untracked += 1;
-            self.groups[group as usize].on_untracked_alloc(a.bytes_req, a.bytes_alloc);
-            self.totals(a.kind).stats.on_untracked_alloc(a.bytes_req, a.bytes_alloc);
+            self.groups[group as usize].on_untracked_alloc(a.bytes_req, a.bytes_alloc, count);
+            self.totals(a.kind).stats.on_untracked_alloc(a.bytes_req, a.bytes_alloc, count);
             return;
         }
         let replaced = match space.0 {
@@ -376,8 +406,8 @@ impl<G: FnMut(&Origin) -> u32> Analyzer<G> {
         if group == EXCLUDED {
             return;
         }
-        self.groups[group as usize].on_alloc(a.bytes_req, a.bytes_alloc);
-        self.totals(a.kind).stats.on_alloc(a.bytes_req, a.bytes_alloc);
+        self.groups[group as usize].on_alloc(a.bytes_req, a.bytes_alloc, count);
+        self.totals(a.kind).stats.on_alloc(a.bytes_req, a.bytes_alloc, count);
     }
 
     fn retire(&mut self, block: LiveBlock, f: &Free, temporary: bool) {
@@ -387,9 +417,9 @@ impl<G: FnMut(&Origin) -> u32> Analyzer<G> {
         }
         let g = &mut self.groups[block.group as usize];
         g.on_free(&block);
-        g.lifetimes.record(f.ts_ns.saturating_sub(block.ts_ns));
+        g.lifetimes.record_n(f.ts_ns.saturating_sub(block.ts_ns), block.count);
         if temporary {
-            g.temporary += 1;
+            g.temporary += block.count;
         }
         let other_cpu = block.kind.is_kernel() && block.cpu != f.cpu;
         if other_cpu {
@@ -397,9 +427,9 @@ impl<G: FnMut(&Origin) -> u32> Analyzer<G> {
         }
         let t = self.totals(block.kind);
         t.stats.on_free(&block);
-        t.stats.lifetimes.record(f.ts_ns.saturating_sub(block.ts_ns));
+        t.stats.lifetimes.record_n(f.ts_ns.saturating_sub(block.ts_ns), block.count);
         if temporary {
-            t.stats.temporary += 1;
+            t.stats.temporary += block.count;
         }
         if other_cpu {
             t.stats.freed_on_other_cpu += 1;
@@ -462,7 +492,7 @@ impl<G: FnMut(&Origin) -> u32> Analyzer<G> {
                 continue;
             }
             block.orphaned = true;
-            self.groups[block.group as usize].leaked_at_exit += 1;
+            self.groups[block.group as usize].leaked_at_exit += block.count;
             self.orphans.push(block);
         }
     }

@@ -226,3 +226,23 @@ fn beyond_the_live_limit_allocations_are_counted_not_followed() {
     assert_eq!((s.allocs, s.bytes_req, s.live_allocs, s.frees), (6, 60, 2, 1));
     assert_eq!(a.live_blocks().count(), 2);
 }
+
+#[test]
+fn sampled_allocations_stand_for_the_ones_not_sampled() {
+    // Each byte sampled with probability 1/1000: a 10-byte block is sampled ~1% of the
+    // time, so each sampled one stands for ~100; a 1 MB block always, standing for itself.
+    let n = 20_000u64;
+    let total: u64 = (0..n).map(|i| super::sample_multiplicity(10, 1000, i)).sum();
+    let expected = n as f64 / (1.0 - (-10.0f64 / 1000.0).exp());
+    assert!((total as f64 - expected).abs() / expected < 0.001, "{total} vs {expected}");
+    assert_eq!(super::sample_multiplicity(1 << 20, 1000, 7), 1);
+
+    let mut a = by_stack();
+    a.sample_bytes = Some(1000);
+    a.push(&alloc(1, 1, 1, Kind::Malloc, 0x1000, 10, 24, 1));
+    let count = a.groups[1].allocs;
+    assert!((100..=101).contains(&count), "{count}");
+    assert_eq!(a.groups[1].bytes_req, 10 * count);
+    a.push(&free(2, 1, 1, Kind::Free, 0x1000));
+    assert_eq!((a.groups[1].frees, a.groups[1].live_allocs, a.groups[1].live_bytes_req), (count, 0, 0));
+}

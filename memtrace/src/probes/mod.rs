@@ -39,6 +39,8 @@ pub struct Settings {
     pub ring_bytes: u32,
     /// Children of traced processes are traced too.
     pub follow_children: bool,
+    /// Size-weighted sampling of user allocations (mean bytes between samples).
+    pub sample_bytes: Option<u64>,
 }
 
 /// A CPU's ring.
@@ -56,6 +58,7 @@ pub struct Counters {
     pub lost_inflight: u64,
     pub lost_kernel_live: u64,
     pub no_ring: u64,
+    pub lost_sampled_live: u64,
 }
 
 /// An attachment, so detaching can close them all at once.
@@ -116,6 +119,7 @@ impl Probes {
             track_kernel_live: u32::from(!settings.all_processes),
             follow_children: u32::from(settings.follow_children),
             tp: layout,
+            sample_bytes: settings.sample_bytes.unwrap_or(0),
         };
         // Kernels before 5.11 charge BPF memory to RLIMIT_MEMLOCK.
         let unlimited = libc::rlimit { rlim_cur: libc::RLIM_INFINITY, rlim_max: libc::RLIM_INFINITY };
@@ -222,6 +226,26 @@ impl Probes {
         Ok(())
     }
 
+    /// The benchmark baseline: empty programs at the naive attach points (malloc entry and
+    /// return, free entry), at the function entries or where memtrace would place them.
+    pub fn attach_empty(&mut self, allocator: &Allocator, pid: u32, placed: bool, with_return: bool) -> Result<()> {
+        let scope = UProbeScope::OneProcess(NonZeroU32::new(pid).context("pid 0")?);
+        for point in allocator.points.iter().filter(|p| matches!(p.kind, Kind::Malloc | Kind::Free)) {
+            let offset = point.offset + if placed { point.probe_offset } else { 0 };
+            let programs: &[&'static str] = if point.kind == Kind::Free || !with_return {
+                &["empty_enter"]
+            } else {
+                &["empty_enter", "empty_return"]
+            };
+            for &program in programs {
+                let id =
+                    self.uprobe(program)?.attach(UProbeAttachLocation::AbsoluteOffset(offset), &point.path, scope)?;
+                self.attachments.push(Attachment::UProbe(program, id));
+            }
+        }
+        Ok(())
+    }
+
     /// Starts detaching every probe on a background thread and returns it; the maps and
     /// rings stay readable. The kernel waits for an RCU grace period per detach, one after
     /// another (seconds in all), so the caller finishes its work meanwhile. Uprobes go first:
@@ -264,6 +288,7 @@ impl Probes {
             lost_inflight: sum(counter::LOST_INFLIGHT)?,
             lost_kernel_live: sum(counter::LOST_KERNEL_LIVE)?,
             no_ring: sum(counter::NO_RING)?,
+            lost_sampled_live: sum(counter::LOST_SAMPLED_LIVE)?,
         })
     }
 }

@@ -108,12 +108,21 @@ pub struct Stats {
     pub lost_kernel_live: u64,
     /// Events dropped because a CPU had no ring buffer.
     pub no_ring: u64,
+    /// Sampled blocks whose free could not be followed (table full).
+    #[serde(default)]
+    pub lost_sampled_live: u64,
     pub events: u64,
     pub end_monotonic_ns: u64,
     /// Exit status of the traced command (record -- CMD), shell-style.
     pub exit_code: Option<i32>,
     /// Why the recording ended ("target exited", "interrupted", "duration", ...).
     pub end_reason: String,
+    /// CPU time memtrace itself used while recording (user + system).
+    #[serde(default)]
+    pub recorder_cpu_ns: u64,
+    /// memtrace's own peak resident memory.
+    #[serde(default)]
+    pub recorder_peak_rss_bytes: u64,
 }
 
 /// An object file frames point into, named by build id and path.

@@ -56,6 +56,8 @@ pub struct TraceOptions {
     /// Trace the children the targets fork (always on for `-- CMD`).
     pub follow_forks: bool,
     pub quiet: bool,
+    /// Size-weighted sampling of user allocations (mean bytes between samples).
+    pub sample_bytes: Option<u64>,
 }
 
 /// Where drained records go.
@@ -160,6 +162,7 @@ impl Tracer {
             glibc_chunks: allocator.as_ref().is_some_and(|a| a.glibc),
             ring_bytes: options.ring_bytes,
             follow_children: is_command || options.follow_forks,
+            sample_bytes: options.sample_bytes,
         })?;
         let mut child = None;
         let target_pid = match &options.target {
@@ -479,4 +482,32 @@ impl Drop for Waker {
 pub fn block_on<T>(body: impl std::future::Future<Output = T>) -> Result<T> {
     let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
     Ok(runtime.block_on(body))
+}
+
+/// Runs `argv` with empty probes at the naive attach points (the benchmark's floor) and
+/// returns its exit code.
+pub fn run_baseline(argv: &[OsString], placed: bool, with_return: bool) -> Result<i32> {
+    probes::check_privileges()?;
+    let program = spawn::resolve_program(&argv[0]).map_err(|e| anyhow!(CommandFailed(e)))?;
+    let allocator = probes::allocator::for_executable(&program, "")?;
+    let mut probes = Probes::load(&probes::Settings {
+        all_processes: false,
+        user_stacks: false,
+        kernel_stacks: false,
+        glibc_chunks: false,
+        ring_bytes: 4096,
+        follow_children: false,
+        sample_bytes: None,
+    })?;
+    let mut child = spawn::spawn_paused(argv).map_err(|e| anyhow!(CommandFailed(e)))?;
+    if let Err(e) = probes.attach_empty(&allocator, child.pid, placed, with_return) {
+        child.abandon();
+        return Err(e);
+    }
+    child.release().map_err(|e| anyhow!(CommandFailed(e)))?;
+    let mut status = 0;
+    // SAFETY: waits for our own child.
+    unsafe { libc::waitpid(child.pid as i32, &mut status, 0) };
+    let _ = probes.detach().join();
+    Ok(spawn::exit_code(status))
 }

@@ -49,6 +49,16 @@ fn realtime_ns() -> u64 {
     std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos() as u64).unwrap_or(0)
 }
 
+/// CPU time (ns) and peak resident memory (bytes) of this process so far.
+fn self_usage() -> (u64, u64) {
+    // SAFETY: getrusage fills the struct it is given.
+    let mut ru: libc::rusage = unsafe { std::mem::zeroed() };
+    // SAFETY: as above; RUSAGE_SELF is always valid.
+    unsafe { libc::getrusage(libc::RUSAGE_SELF, &mut ru) };
+    let tv = |t: libc::timeval| t.tv_sec as u64 * 1_000_000_000 + t.tv_usec as u64 * 1000;
+    (tv(ru.ru_utime) + tv(ru.ru_stime), ru.ru_maxrss as u64 * 1024)
+}
+
 fn read_trimmed(path: &str) -> String {
     std::fs::read_to_string(path).map(|s| s.trim().to_string()).unwrap_or_default()
 }
@@ -303,7 +313,7 @@ pub fn record(opts: RecordOptions) -> Result<RecordSummary> {
         allocator_is_glibc: tracer.allocator.as_ref().is_some_and(|a| a.glibc),
         user: opts.trace.user,
         kernel: opts.trace.kernel,
-        sample_bytes: None,
+        sample_bytes: opts.trace.sample_bytes,
     };
     let writer = Writer::new(BufWriter::with_capacity(1 << 20, file), &meta)
         .with_context(|| format!("writing {}", opts.output.display()))?;
@@ -352,6 +362,7 @@ fn finish(
         lost_inflight: counters.lost_inflight,
         lost_kernel_live: counters.lost_kernel_live,
         no_ring: counters.no_ring,
+        lost_sampled_live: counters.lost_sampled_live,
         events: recorder.writer.events_written(),
         end_monotonic_ns: monotonic_ns(),
         exit_code: match reason {
@@ -359,8 +370,11 @@ fn finish(
             _ => None,
         },
         end_reason: end_reason.clone(),
+        ..Default::default()
     };
     recorder.write_symbols();
+    let usage = self_usage();
+    let stats = Stats { recorder_cpu_ns: usage.0, recorder_peak_rss_bytes: usage.1, ..stats };
     let events = recorder.writer.events_written();
     let file = recorder.writer.finish(&stats).with_context(|| format!("finishing {}", opts.output.display()))?;
     let bytes = file.get_ref().metadata().map(|m| m.len()).unwrap_or(0);
@@ -373,12 +387,14 @@ fn finish(
         let mut err = io::stderr().lock();
         let _ = writeln!(
             err,
-            "memtrace: {end_reason}; recorded {} events ({} lost) in {:.1}s to {} ({:.1} MB)",
+            "memtrace: {end_reason}; recorded {} events ({} lost) in {:.1}s to {} ({:.1} MB); memtrace used {:.2}s CPU, {:.0} MB peak",
             events,
             counters.lost_events,
             started.elapsed().as_secs_f64(),
             opts.output.display(),
-            bytes as f64 / 1e6
+            bytes as f64 / 1e6,
+            stats.recorder_cpu_ns as f64 / 1e9,
+            stats.recorder_peak_rss_bytes as f64 / 1e6,
         );
     }
     let _ = teardown.join();
