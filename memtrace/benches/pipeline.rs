@@ -28,7 +28,7 @@ fn stream() -> Vec<Vec<u8>> {
     while out.len() < EVENTS {
         ts += 37;
         let tid = 100 + (i % 8) as u32;
-        if live.len() < 16 || i % 2 == 0 {
+        if live.len() < 16 || i.is_multiple_of(2) {
             let ptr = 0x5555_0000_0000 + (i % 4096) * 64 + (i / 4096 % 7) * 0x40_0000;
             let size = 16 + (i % 13) * 8;
             out.push(bytes_of(&UserAllocRecord {
@@ -90,7 +90,7 @@ fn pipeline(c: &mut Criterion) {
                 if let Ok(Record::Event(e)) = decode(r, 0) {
                     let ts = e.ts_ns();
                     reorder.push(e);
-                    if i % 8192 == 0 {
+                    if i.is_multiple_of(8192) {
                         reorder.release(ts.saturating_sub(100_000), &mut |e| writer.event(&e).unwrap());
                     }
                 }
