@@ -9,6 +9,10 @@ const WORKLOADS: &[(&str, &str, &[&str])] = &[
     ("workloads/alloc_workload.c", "alloc_workload", &["-fno-omit-frame-pointer"]),
     // malloc linked into the executable: memtrace must find the allocator there.
     ("workloads/alloc_workload.c", "alloc_workload_static", &["-fno-omit-frame-pointer", "-static"]),
+    // No allocator at all.
+    ("workloads/no_malloc.c", "no_malloc", &["-nostdlib", "-static", "-ffreestanding", "-fno-stack-protector"]),
+    // A second allocator a workload loads with dlopen.
+    ("workloads/bump_alloc.c", "libbump_alloc.so", &["-shared", "-fPIC"]),
 ];
 
 fn main() -> anyhow::Result<()> {
@@ -25,7 +29,8 @@ fn main() -> anyhow::Result<()> {
     for (source, name, flags) in WORKLOADS {
         println!("cargo:rerun-if-changed={source}");
         let status = Command::new(&cc)
-            .args(["-O2", "-g", "-pthread", "-fno-builtin", "-Wall", "-Werror"])
+            .args(["-O2", "-g", "-fno-builtin", "-Wall", "-Werror"])
+            .args(if name.starts_with("alloc_workload") { &["-pthread", "-ldl"][..] } else { &[][..] })
             .args(*flags)
             .arg("-o")
             .arg(out_dir.join(name))

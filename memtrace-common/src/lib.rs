@@ -444,8 +444,7 @@ pub struct ProbeConfig {
     pub user_stacks: u32,
     /// Walk kernel stacks (and the user stack of the task they ran for) for kernel allocations.
     pub kernel_stacks: u32,
-    /// The allocator is glibc's: read `malloc_usable_size` from the chunk header.
-    pub glibc_chunks: u32,
+    pub _reserved: u32,
     /// Wake the reader once this many bytes wait in a ring (others are submitted quietly;
     /// the reader also polls on a timer).
     pub wakeup_bytes: u32,
@@ -466,7 +465,7 @@ impl ProbeConfig {
             trace_all: 0,
             user_stacks: 0,
             kernel_stacks: 0,
-            glibc_chunks: 0,
+            _reserved: 0,
             wakeup_bytes: 0,
             track_kernel_live: 0,
             follow_children: 0,
@@ -489,6 +488,14 @@ pub struct SampledKey {
 pub mod inflight {
     pub const SAMPLE_NEW: u8 = 1;
     pub const OLD_SAMPLED: u8 = 2;
+    /// The allocator is glibc's (from the attach cookie).
+    pub const GLIBC: u8 = 4;
+}
+
+/// Attach cookies of the malloc-family probes: the `Kind` in the low byte, flags above.
+pub mod cookie {
+    /// The allocator is glibc's: read `malloc_usable_size` from the chunk header.
+    pub const GLIBC: u64 = 1 << 8;
 }
 
 /// Per-thread state between an allocation function's entry and its return.

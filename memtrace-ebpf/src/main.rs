@@ -21,7 +21,7 @@ use aya_ebpf::{
         BPF_ANY, BPF_F_USER_BUILD_ID, BPF_F_USER_STACK, BPF_NOEXIST, BPF_RB_AVAIL_DATA, BPF_RB_FORCE_WAKEUP,
         BPF_RB_NO_WAKEUP, pt_regs,
     },
-    btf_maps::{ArrayOfMaps, HashMap, LruHashMap, PerCpuArray, RingBuf},
+    btf_maps::{Array, ArrayOfMaps, HashMap, LruHashMap, PerCpuArray, RingBuf},
     helpers::{bpf_get_current_comm, bpf_get_current_pid_tgid, bpf_ktime_get_ns, bpf_probe_read_user, generated},
     macros::{btf_map, tracepoint, uprobe, uretprobe},
     programs::{ProbeContext, RetProbeContext, TracePointContext},
@@ -75,6 +75,21 @@ const PAGE_KEY: u64 = 1 << 63;
 /// Stack hashes whose frames were already sent. Forgetting one only costs a resend.
 #[btf_map]
 static STACKS_SENT: LruHashMap<u64, u8, 65536> = LruHashMap::new();
+
+/// Sampling switched on at run time (index 0: mean bytes, 0 = off) when the rings
+/// overflow; frees are then all still reported.
+#[btf_map]
+static SAMPLE_OVERRIDE: Array<u64, 1> = Array::new();
+
+/// The sampling period in force: configured, or switched on by userspace under load.
+#[inline(always)]
+fn sampling_mean() -> u64 {
+    let configured = config!(sample_bytes);
+    if configured != 0 {
+        return configured;
+    }
+    SAMPLE_OVERRIDE.get(0).copied().unwrap_or(0)
+}
 
 /// Sampled mode: bytes left before the next sample, per CPU.
 #[btf_map]
@@ -175,7 +190,13 @@ fn wakeup_flags(ring: &Ring) -> u64 {
 /// Reserves a `T` in `ring`, lets `fill` write it, submits it; counts a loss when full.
 #[inline(always)]
 fn emit<T: 'static>(ring: &Ring, fill: impl FnOnce(&mut T)) {
-    let flags = wakeup_flags(ring);
+    emit_waking::<T>(ring, false, fill)
+}
+
+/// As [`emit`]; `wake` wakes the reader at once (new processes: it attaches to them).
+#[inline(always)]
+fn emit_waking<T: 'static>(ring: &Ring, wake: bool, fill: impl FnOnce(&mut T)) {
+    let flags = if wake { BPF_RB_FORCE_WAKEUP as u64 } else { wakeup_flags(ring) };
     match ring.reserve_untyped::<T>(0) {
         Some(mut entry) => {
             // SAFETY: the reservation is size_of::<T>() bytes, 8-byte aligned; every record
@@ -389,7 +410,9 @@ fn try_alloc_enter(ctx: &ProbeContext) -> Result<(), ()> {
         return Ok(());
     }
     // SAFETY: the helper only reads the attach cookie of this program's link.
-    let kind = unsafe { generated::bpf_get_attach_cookie(ctx.as_ptr()) } as u8;
+    let cookie = unsafe { generated::bpf_get_attach_cookie(ctx.as_ptr()) };
+    let kind = cookie as u8;
+    let glibc = if cookie & memtrace_common::cookie::GLIBC != 0 { inflight::GLIBC } else { 0 };
     // SAFETY: ctx is this probe's pt_regs.
     let sp = unsafe { (*regs(ctx)).rsp };
     // SAFETY: the value is copied out and written back whole.
@@ -420,7 +443,7 @@ fn try_alloc_enter(ctx: &ProbeContext) -> Result<(), ()> {
         _ => return Err(()),
     };
     let mut sampling = inflight::SAMPLE_NEW | inflight::OLD_SAMPLED;
-    let mean = config!(sample_bytes);
+    let mean = sampling_mean();
     if mean != 0 {
         let has_old = ptr_arg != 0 && matches!(Kind::from_u8(kind), Some(Kind::Realloc | Kind::ReallocArray));
         // SAFETY: plain byte value.
@@ -435,7 +458,7 @@ fn try_alloc_enter(ctx: &ProbeContext) -> Result<(), ()> {
     }
     let state = InFlight {
         kind,
-        flags: sampling,
+        flags: sampling | glibc,
         _pad: [0; 2],
         depth: 0,
         sp,
@@ -535,7 +558,7 @@ fn try_alloc_return(ctx: &RetProbeContext) -> Result<(), ()> {
     let stack = user_stack(ctx.as_ptr(), ring, tgid);
     let (bytes_alloc, exact) = if kind == Kind::Mmap {
         ((state.bytes_req + 4095) & !4095, true)
-    } else if config!(glibc_chunks) != 0 {
+    } else if state.flags & inflight::GLIBC != 0 {
         match glibc_usable_size(ptr) {
             Some(usable) if usable >= state.bytes_req => (usable, true),
             _ => (state.bytes_req, false),
@@ -846,7 +869,7 @@ fn try_page_free(ctx: &TracePointContext, pfn_offset: u32, order_offset: u32) ->
 
 #[inline(always)]
 fn emit_task(ring: &Ring, event: TaskEvent, pid: u32, tid: u32, ppid: u32, extra_flags: u8) {
-    emit::<TaskRecord>(ring, |r| {
+    emit_waking::<TaskRecord>(ring, event == TaskEvent::Fork, |r| {
         r.rtype = RecordType::Task as u8;
         r.event = event as u8;
         r.flags = extra_flags;
@@ -911,7 +934,8 @@ fn try_exec(ctx: &TracePointContext) -> Result<(), ()> {
     let head = TpHead::read(ctx).ok_or(())?;
     let loc = head.u32_at(config!(tp.exec_filename));
     let ring = this_ring().ok_or(())?;
-    let flags = wakeup_flags(ring);
+    // The reader re-resolves the allocator of the new program: wake it at once.
+    let flags = BPF_RB_FORCE_WAKEUP as u64;
     let Some(mut entry) = ring.reserve_untyped::<TaskRecord>(0) else {
         bump(counter::LOST_EVENTS);
         return Ok(());

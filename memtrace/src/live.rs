@@ -37,6 +37,8 @@ pub struct LiveView {
     previous: HashMap<RowKey, (u64, u64)>,
     first_live: HashMap<RowKey, u64>,
     last_totals: (u64, u64, u64),
+    /// Sampling switched on while running (rings overflowing): (from, mean bytes).
+    pub sample_from: Option<(u64, u64)>,
     /// Rows first seen after a reset start from their current figures (no rate spike);
     /// otherwise a new row's activity all happened during the last interval.
     just_reset: bool,
@@ -159,6 +161,7 @@ impl LiveView {
             first_live: HashMap::new(),
             last_totals: (0, 0, 0),
             just_reset: false,
+            sample_from: None,
         }
     }
 
@@ -190,6 +193,10 @@ impl LiveView {
     /// Computes what to show; `interval` is the time since the previous snapshot.
     pub fn snapshot(&mut self, view: &ViewOptions, interval: Duration, lost_events: u64) -> Snapshot {
         if self.unnamed {
+            self.modules.find_missing_files();
+            for m in self.modules.take_new() {
+                self.table.modules.insert(m.id, m);
+            }
             self.table.fill_missing_symbols();
             self.unnamed = false;
         }
@@ -321,6 +328,7 @@ impl Sink for LiveView {
             }
             _ => {}
         }
+        self.analyzer.sample_from = self.sample_from;
         self.analyzer.push(&event);
     }
 

@@ -126,6 +126,15 @@ impl ModuleTable {
         }
     }
 
+    /// Finds the files of modules known only by build id (their processes were gone),
+    /// among the system libraries. Slow (reads every library's notes once): call it when
+    /// tracing is over. Modules found are defined again by `take_new`.
+    pub fn find_missing_files(&mut self) {
+        if self.modules.iter().any(|m| m.path.is_empty() && !m.build_id.is_empty()) {
+            self.scan_system_dirs();
+        }
+    }
+
     fn scan_system_dirs(&mut self) {
         if self.scanned_system_dirs {
             return;
@@ -179,9 +188,8 @@ impl ModuleTable {
         if !self.catalog.contains_key(build_id) {
             self.learn_process(pid);
         }
-        if !self.catalog.contains_key(build_id) {
-            self.scan_system_dirs();
-        }
+        // Still unknown: its file is looked for among the system libraries later
+        // (`find_missing_files`), not here, where tracing waits.
         let path = self.catalog.get(build_id).cloned();
         self.module_id(Some(build_id.to_vec()), path)
     }
@@ -338,8 +346,10 @@ mod tests {
         let id = elf::build_id(&libc).unwrap();
         let mut table = ModuleTable::new();
         let frame = RawUserFrame::BuildId { build_id: id.clone().try_into().unwrap(), offset: 0x100 };
-        // pid 0 has no maps: the catalog must come from the system directories.
+        // pid 0 has no maps: the file is found among the system libraries, afterwards.
         let FileFrame::Module { module, .. } = table.resolve(0, frame) else { panic!() };
+        assert!(table.modules()[module as usize].path.is_empty());
+        table.find_missing_files();
         let found = &table.modules()[module as usize];
         assert_eq!(fs::canonicalize(&found.path).unwrap(), fs::canonicalize(&libc).unwrap());
     }

@@ -316,6 +316,7 @@ pub fn analyze(path: &Path, opts: &ReportOptions) -> Result<Analysis> {
         };
         let mut analyzer = Analyzer::new(group_of);
         analyzer.sample_bytes = meta.sample_bytes;
+        analyzer.sample_from = stats.sampled_from;
         for_each_event(path, &mut |event| {
             if let Event::Task(t) = &event
                 && matches!(t.event, TaskEvent::Exec | TaskEvent::Rename | TaskEvent::Fork)
@@ -588,6 +589,13 @@ pub fn render_text(a: &Analysis, opts: &ReportOptions) -> String {
             "allocator unknown to memtrace: allocated = requested"
         };
         let _ = writeln!(out, "allocator: {alloc} ({how})");
+    }
+    if let Some((from, n)) = a.stats.sampled_from {
+        let after = duration(from.saturating_sub(a.meta.start_monotonic_ns));
+        let _ = writeln!(
+            out,
+            "warning: the rings overflowed {after} into the recording; from then on user allocations were sampled (each byte with probability 1/{n}): figures are estimates"
+        );
     }
     if let Some(n) = a.meta.sample_bytes {
         let _ = writeln!(
@@ -911,6 +919,7 @@ pub fn render_json(a: &Analysis, opts: &ReportOptions) -> Result<String> {
         "finalized": a.finalized,
         "warnings": a.warnings,
         "exit_code": a.stats.exit_code,
+        "sampled_from": a.stats.sampled_from,
         "recorder": {
             "cpu_ns": a.stats.recorder_cpu_ns,
             "peak_rss_bytes": a.stats.recorder_peak_rss_bytes,

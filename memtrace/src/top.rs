@@ -342,6 +342,7 @@ async fn batch(tracer: &mut Tracer, live: &mut LiveView, opts: &TopOptions) -> R
             _ => false,
         };
         tracer.drain(live, finished);
+        tracer.tend();
         if finished || last.elapsed() >= opts.interval {
             let lost = tracer.probes.counters().map(|c| c.lost_events).unwrap_or(0);
             let snap = live.snapshot(&opts.view, last.elapsed(), lost);
@@ -389,6 +390,13 @@ async fn interactive(tracer: &mut Tracer, live: &mut LiveView, opts: &TopOptions
             _ => {}
         }
         tracer.drain(live, false);
+        tracer.tend();
+        if let Some((_, mean)) = tracer.degraded
+            && live.sample_from.is_none()
+        {
+            live.sample_from = tracer.degraded;
+            state.status = format!("  (rings overflowed: sampling 1/{mean} bytes, estimates)");
+        }
         while event::poll(Duration::ZERO)? {
             if let TermEvent::Key(key) = event::read()? {
                 let before = (state.options.by, state.options.domain, state.options.filter.clone(), state.options.sort);

@@ -8,12 +8,15 @@
  *
  * Other modes: --loop N (N malloc+free pairs, prints ns/pair: the overhead benchmark),
  * --kernel-loop N (N pipe()+close() pairs: kernel allocations on behalf of the task),
+ * --dlopen LIB N (load the allocator library LIB with dlopen, wait 3 s, then make N
+ * allocations with its malloc, through dlsym: a second allocator memtrace must find),
  * --custom N (N allocations from a tiny allocator of its own, mt_malloc/mt_free: what
  * `record --symbol-prefix mt_` must find in the executable),
  * --sleep-ms MS (pause before starting), --wait-stdin (start once a line is read from
  * stdin), so a recorder can attach with --pid first.
  */
 #define _GNU_SOURCE
+#include <dlfcn.h>
 #include <errno.h>
 #include <malloc.h>
 #include <pthread.h>
@@ -375,6 +378,11 @@ NOINLINE static void wl_custom(long n, const char *manifest) {
     }
 }
 
+NOINLINE static void wl_dlopen_alloc(void *(*dl_malloc)(size_t), long n) {
+    for (long i = 0; i < n; i++)
+        sink ^= (uintptr_t)dl_malloc(48);
+}
+
 static long arg_value(int argc, char **argv, const char *name, long fallback) {
     for (int i = 1; i + 1 < argc; i++)
         if (strcmp(argv[i], name) == 0)
@@ -428,6 +436,23 @@ int main(int argc, char **argv) {
         /* Per pair, per thread: the cost a single thread pays. */
         printf("%.1f ns/pair (%ld pairs, %d threads, %.2f s)\n", elapsed * loop_threads / (double)total, total,
                loop_threads, elapsed / 1e9);
+        return 0;
+    }
+    const char *dl = arg_string(argc, argv, "--dlopen");
+    if (dl) {
+        void *lib = dlopen(dl, RTLD_NOW | RTLD_LOCAL);
+        if (!lib) {
+            fprintf(stderr, "%s\n", dlerror());
+            return 2;
+        }
+        void *(*dl_malloc)(size_t) = (void *(*)(size_t))dlsym(lib, "malloc");
+        sleep(3);
+        long n = 0;
+        for (int i = 1; i + 2 < argc + 1; i++)
+            if (strcmp(argv[i], "--dlopen") == 0 && i + 2 < argc)
+                n = strtol(argv[i + 2], NULL, 10);
+        wl_dlopen_alloc(dl_malloc, n);
+        printf("dlopen: %ld allocations\n", n);
         return 0;
     }
     long custom = arg_value(argc, argv, "--custom", 0);

@@ -249,6 +249,9 @@ pub struct Analyzer<G: FnMut(&Origin) -> u32> {
     /// The recording sampled user allocations (each byte with probability 1/this): each
     /// sampled one stands for 1/P(sampled) allocations of its size.
     pub sample_bytes: Option<u64>,
+    /// Sampling switched on during the recording (rings overflowing): (from, mean bytes).
+    /// From then on frees of blocks not sampled are reported too: unknown ones are ignored.
+    pub sample_from: Option<(u64, u64)>,
 }
 
 impl<G: FnMut(&Origin) -> u32> Analyzer<G> {
@@ -275,6 +278,7 @@ impl<G: FnMut(&Origin) -> u32> Analyzer<G> {
             live_count: 0,
             untracked: 0,
             sample_bytes: None,
+            sample_from: None,
         }
     }
 
@@ -354,7 +358,12 @@ impl<G: FnMut(&Origin) -> u32> Analyzer<G> {
             self.totals.entry(Domain::User).or_default().unmatched_frees += n;
         }
         let space = self.space(a.kind, a.pid);
-        let count = match self.sample_bytes {
+        let mean = match (self.sample_bytes, self.sample_from) {
+            (Some(mean), _) => Some(mean),
+            (None, Some((from, mean))) if a.ts_ns >= from => Some(mean),
+            _ => None,
+        };
+        let count = match mean {
             Some(mean) if !a.kind.is_kernel() => sample_multiplicity(a.bytes_req, mean, a.ts_ns ^ a.ptr),
             _ => 1,
         };
@@ -465,6 +474,8 @@ impl<G: FnMut(&Origin) -> u32> Analyzer<G> {
                 self.retire(block, f, temporary);
             }
             None if self.quiet_unmatched => {}
+            // After sampling was switched on, frees of blocks never sampled arrive too.
+            None if self.sample_from.is_some_and(|(from, _)| f.ts_ns >= from) && !f.kind.is_kernel() => {}
             None if space.0 == Space::Heap && self.recent_frees.get(&space.1).is_some_and(|r| r.contains(f.ptr)) => {
                 self.totals(f.kind).allocator_frees += 1;
             }

@@ -48,6 +48,8 @@ pub struct AttachPoint {
 pub struct Allocator {
     /// The object whose malloc family is probed.
     pub object: PathBuf,
+    /// The object's (device, inode): the same file under different paths is one allocator.
+    pub file_id: (u64, u64),
     /// glibc's malloc: `malloc_usable_size` can be read from chunk headers.
     pub glibc: bool,
     pub points: Vec<AttachPoint>,
@@ -117,7 +119,13 @@ pub fn resolve(candidates: &[PathBuf], prefix: &str) -> Result<Allocator> {
         );
     };
     points.extend(mapping_points.unwrap_or_default());
-    Ok(Allocator { object, glibc, points })
+    Ok(Allocator { file_id: file_id(&object), object, glibc, points })
+}
+
+/// (device, inode) of a file, following symlinks (and /proc/PID/root).
+pub fn file_id(path: &Path) -> (u64, u64) {
+    use std::os::unix::fs::MetadataExt as _;
+    fs::metadata(path).map(|m| (m.dev(), m.ino())).unwrap_or((0, 0))
 }
 
 /// One attach point per address, named by the first function in list order, with its

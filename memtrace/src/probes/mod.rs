@@ -33,8 +33,6 @@ pub struct Settings {
     pub all_processes: bool,
     pub user_stacks: bool,
     pub kernel_stacks: bool,
-    /// The allocator is glibc's: read usable sizes from chunk headers.
-    pub glibc_chunks: bool,
     /// Bytes per CPU ring (a power of two, at least a page).
     pub ring_bytes: u32,
     /// Children of traced processes are traced too.
@@ -114,7 +112,7 @@ impl Probes {
             trace_all: u32::from(settings.all_processes),
             user_stacks: u32::from(settings.user_stacks),
             kernel_stacks: u32::from(settings.kernel_stacks),
-            glibc_chunks: u32::from(settings.glibc_chunks),
+            _reserved: 0,
             wakeup_bytes: settings.ring_bytes / 4,
             track_kernel_live: u32::from(!settings.all_processes),
             follow_children: u32::from(settings.follow_children),
@@ -214,7 +212,9 @@ impl Probes {
                     .attach(
                         UProbeAttachPoint {
                             location: UProbeAttachLocation::AbsoluteOffset(point.offset + point.probe_offset),
-                            cookie: Some(point.kind as u64),
+                            cookie: Some(
+                                point.kind as u64 | if allocator.glibc { memtrace_common::cookie::GLIBC } else { 0 },
+                            ),
                         },
                         &point.path,
                         scope,
@@ -223,6 +223,15 @@ impl Probes {
                 self.attachments.push(Attachment::UProbe(program, id));
             }
         }
+        Ok(())
+    }
+
+    /// Switches size-weighted sampling on (mean bytes between samples) or off (0) while
+    /// running: the way out when the rings overflow.
+    pub fn set_sampling(&mut self, mean: u64) -> Result<()> {
+        let mut map: aya::maps::Array<_, u64> =
+            aya::maps::Array::try_from(self.ebpf.map_mut("SAMPLE_OVERRIDE").context("SAMPLE_OVERRIDE map")?)?;
+        map.set(0, mean, 0)?;
         Ok(())
     }
 

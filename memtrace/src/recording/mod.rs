@@ -123,6 +123,9 @@ pub struct Stats {
     /// memtrace's own peak resident memory.
     #[serde(default)]
     pub recorder_peak_rss_bytes: u64,
+    /// The rings overflowed and sampling was switched on: (from this timestamp, mean bytes).
+    #[serde(default)]
+    pub sampled_from: Option<(u64, u64)>,
 }
 
 /// An object file frames point into, named by build id and path.

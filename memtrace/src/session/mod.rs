@@ -12,7 +12,7 @@ use std::{
     ffi::OsString,
     io,
     os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd},
-    path::Path,
+    path::{Path, PathBuf},
     sync::Arc,
     thread::JoinHandle,
     time::{Duration, Instant},
@@ -117,7 +117,20 @@ pub struct Tracer {
     pub options: TraceOptions,
     child: Option<PausedChild>,
     reorder: Reorder,
-    attached: HashSet<u32>,
+    /// Every allocator found so far: the target's, those of programs exec'd later, those
+    /// loaded with dlopen.
+    allocators: Vec<Allocator>,
+    /// (pid, allocator file) pairs with probes (pid 0: every process).
+    attached: HashSet<(u32, (u64, u64))>,
+    /// Processes followed (targets and their children), for the dlopen scan.
+    followed: HashSet<u32>,
+    /// Objects already checked for an allocator.
+    checked_objects: HashSet<PathBuf>,
+    last_scan: Instant,
+    last_loss_check: Instant,
+    lost_seen: u64,
+    /// When the rings overflowed and sampling was switched on: (timestamp, mean bytes).
+    pub degraded: Option<(u64, u64)>,
     /// Events stamped later than this are dropped (set when stopping).
     cutoff_ns: Option<u64>,
     /// Ring records that did not decode.
@@ -142,7 +155,6 @@ impl Tracer {
             Target::All => {}
         }
         probes::check_privileges()?;
-        before_load()?;
         let prefix = &options.symbol_prefix;
         let allocator = match (&options.target, &program, options.user) {
             (_, _, false) => None,
@@ -155,11 +167,11 @@ impl Tracer {
             _ => Some(probes::allocator::system_libc(prefix)?),
         };
         let is_command = matches!(options.target, Target::Command(_));
+        before_load()?;
         let mut probes = Probes::load(&probes::Settings {
             all_processes: matches!(options.target, Target::All),
             user_stacks: options.user_stacks,
             kernel_stacks: options.kernel_stacks,
-            glibc_chunks: allocator.as_ref().is_some_and(|a| a.glibc),
             ring_bytes: options.ring_bytes,
             follow_children: is_command || options.follow_forks,
             sample_bytes: options.sample_bytes,
@@ -195,15 +207,23 @@ impl Tracer {
             }
             return Err(e);
         }
+        let attached_to = target_pid.unwrap_or(0);
         Ok(Self {
             probes,
+            allocators: allocator.iter().cloned().collect(),
+            attached: allocator.iter().map(|a| (attached_to, a.file_id)).collect(),
+            followed: target_pid.into_iter().collect(),
+            checked_objects: HashSet::new(),
+            last_scan: Instant::now(),
+            last_loss_check: Instant::now(),
+            lost_seen: 0,
+            degraded: None,
             allocator,
             target_pid,
             is_command,
             options: options.clone(),
             child,
             reorder: Reorder::new(),
-            attached: target_pid.into_iter().collect(),
             cutoff_ns: None,
             decode_errors: 0,
             forwarded_signal: None,
@@ -229,20 +249,35 @@ impl Tracer {
     }
 
     /// Reads every ring dry into `sink`; releases the events old enough to be in order
-    /// (all of them if `everything`). Returns how many records were read.
+    /// (all of them if `everything`). New processes are handled as soon as they are read:
+    /// children get the allocator probes, programs exec'd get theirs. Returns how many
+    /// records were read.
     pub fn drain(&mut self, sink: &mut dyn Sink, everything: bool) -> usize {
         let now = monotonic_ns();
         let mut n = 0;
-        for ring in self.probes.rings_mut() {
-            while let Some(item) = ring.ring.next() {
+        for cpu in 0..self.probes.rings_mut().len() {
+            while let Some(record) = {
+                let ring = &mut self.probes.rings_mut()[cpu];
+                let cpu_id = ring.cpu;
+                ring.ring.next().map(|item| decode(&item, cpu_id))
+            } {
                 n += 1;
-                match decode(&item, ring.cpu) {
+                match record {
                     Ok(Record::Stack(s)) => sink.stack(s),
                     Ok(Record::Event(e)) if self.cutoff_ns.is_none_or(|c| e.ts_ns() <= c) => {
+                        // New processes are handled at once: the sooner their probes are in
+                        // place, the fewer of their first allocations go unseen.
                         if let Event::Task(t) = &e
-                            && t.event == TaskEvent::Exec
+                            && self.cutoff_ns.is_none()
                         {
-                            sink.exec_seen(t.pid, Path::new(&t.filename));
+                            match t.event {
+                                TaskEvent::Exec => {
+                                    sink.exec_seen(t.pid, Path::new(&t.filename));
+                                    self.on_exec(t.pid);
+                                }
+                                TaskEvent::Fork => self.on_fork(t.pid),
+                                _ => {}
+                            }
                         }
                         self.reorder.push(e)
                     }
@@ -251,37 +286,124 @@ impl Tracer {
                 }
             }
         }
-        let mut children = Vec::new();
-        let mut release = |e: Event| {
-            if let Event::Task(t) = &e
-                && t.event == TaskEvent::Fork
-            {
-                children.push(t.pid);
-            }
-            sink.event(e);
-        };
         if everything {
-            self.reorder.release_all(&mut release);
+            self.reorder.release_all(&mut |e| sink.event(e));
         } else {
-            self.reorder.release(now.saturating_sub(REORDER_LAG_NS), &mut release);
+            self.reorder.release(now.saturating_sub(REORDER_LAG_NS), &mut |e| sink.event(e));
         }
-        self.attach_children(children);
         n
     }
 
-    /// Children of traced processes get the allocator probes as soon as we see them.
-    fn attach_children(&mut self, children: Vec<u32>) {
-        let follow = (self.is_command || self.options.follow_forks) && self.options.user;
-        let Some(allocator) = self.allocator.as_ref().filter(|_| follow) else { return };
-        if matches!(self.options.target, Target::All) {
-            return; // every process is already traced
+    fn following(&self) -> bool {
+        (self.is_command || self.options.follow_forks)
+            && self.options.user
+            && !matches!(self.options.target, Target::All)
+    }
+
+    fn attach(&mut self, pid: u32, allocator: &Allocator) {
+        if !self.attached.insert((pid, allocator.file_id)) {
+            return;
         }
-        for pid in children {
-            if self.attached.insert(pid)
-                && let Err(e) = self.probes.attach_allocator(allocator, Some(pid))
-                && !self.options.quiet
+        if let Err(e) = self.probes.attach_allocator(allocator, (pid != 0).then_some(pid))
+            && !self.options.quiet
+        {
+            eprintln!("memtrace: not tracing {} in pid {pid}: {e:#}", allocator.object.display());
+        }
+    }
+
+    /// A child of a followed process: the allocators its parent has are its own.
+    fn on_fork(&mut self, pid: u32) {
+        if !self.following() {
+            return;
+        }
+        self.followed.insert(pid);
+        for allocator in self.allocators.clone() {
+            self.attach(pid, &allocator);
+        }
+    }
+
+    /// A traced process exec'd: its new program may bring another allocator (a static
+    /// binary, another libc); probes already attached stay (they fire if the new program
+    /// maps the same files).
+    fn on_exec(&mut self, pid: u32) {
+        if !self.options.user || (!self.followed.contains(&pid) && !matches!(self.options.target, Target::All)) {
+            return;
+        }
+        let Ok(exe) = procfs::exe(pid) else { return };
+        let exe = procfs::path_in_process(pid, &exe);
+        if matches!(self.options.target, Target::All) && !self.checked_objects.insert(exe.clone()) {
+            return; // a program seen before: its allocator is attached for everyone
+        }
+        let Ok(allocator) = probes::allocator::for_executable(&exe, &self.options.symbol_prefix) else { return };
+        let scope = if matches!(self.options.target, Target::All) { 0 } else { pid };
+        if !self.allocators.iter().any(|a| a.file_id == allocator.file_id) {
+            self.allocators.push(allocator.clone());
+        }
+        self.attach(scope, &allocator);
+    }
+
+    /// Housekeeping between drains: allocators loaded with dlopen by followed processes
+    /// (every 2 s), and the rings' losses (every 250 ms): when they overflow, sampling is
+    /// switched on rather than letting events drop.
+    pub fn tend(&mut self) {
+        if self.options.user
+            && !matches!(self.options.target, Target::All)
+            && self.last_scan.elapsed() >= Duration::from_secs(2)
+        {
+            self.last_scan = Instant::now();
+            self.scan_for_dlopened_allocators();
+        }
+        if self.last_loss_check.elapsed() >= Duration::from_millis(250) {
+            self.last_loss_check = Instant::now();
+            let lost = self.probes.counters().map(|c| c.lost_events).unwrap_or(0);
+            if lost > self.lost_seen
+                && self.degraded.is_none()
+                && self.options.sample_bytes.is_none()
+                && self.options.user
             {
-                eprintln!("memtrace: not tracing the allocations of child {pid}: {e:#}");
+                const MEAN: u64 = 64 << 10;
+                if self.probes.set_sampling(MEAN).is_ok() {
+                    self.degraded = Some((monotonic_ns(), MEAN));
+                    if !self.options.quiet {
+                        eprintln!(
+                            "memtrace: the rings overflowed ({} events lost): sampling user allocations from now on (each byte with probability 1/{MEAN}); figures become estimates",
+                            lost - self.lost_seen
+                        );
+                    }
+                }
+            }
+            self.lost_seen = lost;
+        }
+    }
+
+    fn scan_for_dlopened_allocators(&mut self) {
+        let prefix = self.options.symbol_prefix.clone();
+        for pid in self.followed.clone() {
+            let Ok(maps) = procfs::Maps::read(pid) else {
+                self.followed.remove(&pid);
+                continue;
+            };
+            let objects: Vec<PathBuf> = maps
+                .file_mappings()
+                .filter(|m| m.executable)
+                .map(|m| procfs::path_in_process(pid, &m.path))
+                .filter(|p| !self.checked_objects.contains(p))
+                .collect();
+            for object in objects {
+                self.checked_objects.insert(object.clone());
+                let id = probes::allocator::file_id(&object);
+                if self.allocators.iter().any(|a| a.file_id == id) {
+                    continue;
+                }
+                // Another object defining the allocator's entry points: probe it too.
+                if let Ok(found) = probes::allocator::resolve(std::slice::from_ref(&object), &prefix)
+                    && found.file_id == id
+                {
+                    self.allocators.push(found.clone());
+                    for p in self.followed.clone() {
+                        self.attach(p, &found);
+                    }
+                }
             }
         }
     }
@@ -494,7 +616,6 @@ pub fn run_baseline(argv: &[OsString], placed: bool, with_return: bool) -> Resul
         all_processes: false,
         user_stacks: false,
         kernel_stacks: false,
-        glibc_chunks: false,
         ring_bytes: 4096,
         follow_children: false,
         sample_bytes: None,

@@ -114,6 +114,10 @@ impl Recorder {
 
     /// Symbolizes every frame the recording refers to, while the files are at hand.
     fn write_symbols(&mut self) {
+        self.modules.find_missing_files();
+        for m in self.modules.take_new() {
+            self.writer.module(&m);
+        }
         let symbolizer = Symbolizer::new();
         let mut by_module: HashMap<u32, Vec<u64>> = HashMap::new();
         for frame in &self.user_frames {
@@ -248,6 +252,7 @@ async fn run(tracer: &mut Tracer, recorder: &mut Recorder, opts: &RecordOptions)
     let reason = loop {
         let wake = waker.wait().await;
         tracer.drain(recorder, false);
+        tracer.tend();
         if recorder.write_error.is_some() {
             break StopReason::WriteFailed;
         }
@@ -284,10 +289,19 @@ async fn run(tracer: &mut Tracer, recorder: &mut Recorder, opts: &RecordOptions)
 pub fn record(opts: RecordOptions) -> Result<RecordSummary> {
     let started = Instant::now();
     let mut file = None;
-    let mut tracer = Tracer::start(&opts.trace, || {
+    let mut tracer = match Tracer::start(&opts.trace, || {
         file = Some(output::create(&opts.output, opts.force)?);
         Ok(())
-    })?;
+    }) {
+        Ok(tracer) => tracer,
+        Err(e) => {
+            if file.is_some() {
+                // Nothing was recorded: do not leave an empty file behind.
+                let _ = std::fs::remove_file(&opts.output);
+            }
+            return Err(e);
+        }
+    };
     let file = file.expect("created before the probes load");
     let target = &opts.trace.target;
     let meta = Meta {
@@ -328,7 +342,11 @@ pub fn record(opts: RecordOptions) -> Result<RecordSummary> {
         named: HashSet::new(),
         write_error: None,
     };
-    tracer.release()?;
+    if let Err(e) = tracer.release() {
+        drop(recorder);
+        let _ = std::fs::remove_file(&opts.output);
+        return Err(e);
+    }
     let reason = block_on(run(&mut tracer, &mut recorder, &opts))??;
     finish(tracer, recorder, &opts, reason, started)
 }
@@ -370,6 +388,7 @@ fn finish(
             _ => None,
         },
         end_reason: end_reason.clone(),
+        sampled_from: tracer.degraded,
         ..Default::default()
     };
     recorder.write_symbols();

@@ -1,0 +1,505 @@
+//! Bad input, process lifecycle, faults, load and privileges: every case asserts the
+//! message and exit code users see, or that nothing recorded was lost.
+mod common;
+
+use std::{
+    fs,
+    io::{BufRead as _, BufReader, Read as _, Write as _},
+    os::unix::fs::PermissionsExt as _,
+    path::{Path, PathBuf},
+    process::{Child, Command, Output, Stdio},
+    thread,
+    time::{Duration, Instant},
+};
+
+use common::*;
+use serde_json::Value;
+
+fn workload_dir() -> PathBuf {
+    workload().parent().unwrap().to_path_buf()
+}
+
+/// Runs memtrace and expects it to fail with `code` and one line on stderr containing
+/// every piece of `needles`.
+fn fails(cmd: &mut Command, code: i32, needles: &[&str]) -> String {
+    let out: Output = cmd.output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert_eq!(out.status.code(), Some(code), "{cmd:?}\nstderr: {stderr}");
+    let lines: Vec<&str> = stderr.lines().filter(|l| !l.trim().is_empty()).collect();
+    assert_eq!(lines.len(), 1, "one line expected, got: {stderr}");
+    for needle in needles {
+        assert!(lines[0].contains(needle), "{needle:?} not in {:?}", lines[0]);
+    }
+    assert!(!stderr.contains("panicked"), "{stderr}");
+    lines[0].to_string()
+}
+
+fn signal(pid: u32, sig: i32) {
+    // SAFETY: plain kill(2).
+    unsafe { libc::kill(pid as i32, sig) };
+}
+
+/// A workload that waits for a line on stdin (so memtrace attaches first), and its stdout.
+fn waiting_workload(args: &[&str]) -> (Child, BufReader<std::process::ChildStdout>) {
+    let mut child = Command::new(workload())
+        .args(args)
+        .arg("--wait-stdin")
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut out = BufReader::new(child.stdout.take().unwrap());
+    let mut line = String::new();
+    out.read_line(&mut line).unwrap();
+    assert_eq!(line, "waiting\n");
+    (child, out)
+}
+
+fn start_recording(args: &[&str], data: &Path) -> (Child, thread::JoinHandle<String>) {
+    let mut rec = memtrace().arg("record").args(args).arg("-o").arg(data).stderr(Stdio::piped()).spawn().unwrap();
+    let stderr = wait_until_tracing(&mut rec);
+    (rec, stderr)
+}
+
+// ---------------------------------------------------------------------------------------
+// Bad input and environment.
+// ---------------------------------------------------------------------------------------
+
+#[test]
+fn without_privileges_the_error_names_what_is_needed() {
+    require_root();
+    let dir = scratch("noroot");
+    fs::set_permissions(&dir, fs::Permissions::from_mode(0o777)).unwrap();
+    for sub in [&["record", "-o"][..], &["top", "-b", "-n", "1"][..]] {
+        let mut cmd = Command::new("setpriv");
+        cmd.args(["--reuid=65534", "--regid=65534", "--clear-groups", env!("CARGO_BIN_EXE_memtrace")]).args(sub);
+        if sub[0] == "record" {
+            cmd.arg(dir.join("x.data"));
+        }
+        cmd.args(["--", "true"]);
+        fails(&mut cmd, 1, &["CAP_BPF", "CAP_PERFMON", "root"]);
+    }
+    assert!(!dir.join("x.data").exists(), "no file left behind");
+}
+
+#[test]
+fn bad_pids_are_named_in_the_error() {
+    require_root();
+    let dir = scratch("badpid");
+    let out = dir.join("x.data");
+    fails(memtrace().args(["record", "--pid", "4194300", "-o"]).arg(&out), 1, &["no process with pid 4194300"]);
+    fails(memtrace().args(["record", "--pid", "2", "-o"]).arg(&out), 1, &["pid 2", "kernel thread"]);
+    // A zombie: a child that exited and was not reaped yet.
+    let zombie = Command::new("true").spawn().unwrap();
+    thread::sleep(Duration::from_millis(300));
+    fails(
+        memtrace().args(["record", "--pid", &zombie.id().to_string(), "-o"]).arg(&out),
+        1,
+        &["zombie", &zombie.id().to_string()],
+    );
+    // A process with no allocator at all.
+    let mut bare = Command::new(workload_dir().join("no_malloc")).spawn().unwrap();
+    thread::sleep(Duration::from_millis(200));
+    let pid = bare.id().to_string();
+    fails(memtrace().args(["record", "--pid", &pid, "-o"]).arg(&out), 1, &[&format!("pid {pid}"), "no malloc"]);
+    bare.kill().unwrap();
+    bare.wait().unwrap();
+    assert!(!out.exists(), "failed recordings leave no file");
+}
+
+#[test]
+fn a_missing_command_fails_like_a_shell() {
+    require_root();
+    let dir = scratch("nocmd");
+    fails(
+        memtrace().args(["record", "-o"]).arg(dir.join("x.data")).args(["--", "no-such-command-xyz"]),
+        127,
+        &["no-such-command-xyz: command not found"],
+    );
+    fails(memtrace().args(["top", "-b", "--", "/no/such/path"]), 127, &["command not found"]);
+}
+
+#[test]
+fn damaged_recordings_give_clear_errors_or_the_complete_part() {
+    let dir = scratch("damaged");
+    let cases: Vec<(&str, Vec<u8>, &str)> = vec![
+        ("empty", vec![], "not a memtrace recording"),
+        (
+            "random",
+            (0..4096u32).map(|i| (i.wrapping_mul(2654435761) >> 13) as u8).collect(),
+            "not a memtrace recording",
+        ),
+        ("elf", fs::read("/bin/true").unwrap(), "not a memtrace recording"),
+    ];
+    for (name, bytes, message) in cases {
+        let path = dir.join(name);
+        fs::write(&path, bytes).unwrap();
+        fails(memtrace().args(["report", "-i"]).arg(&path), 1, &[message]);
+    }
+    fails(memtrace().args(["report", "-i"]).arg(dir.join("missing.data")), 1, &["No such file"]);
+
+    // A real recording, then a newer format version and truncations of it.
+    let good = dir.join("good.data");
+    run(memtrace().args(["record", "-q", "--no-kernel", "-o"]).arg(&good).arg("--").arg(workload()).args([
+        "--threads",
+        "1",
+        "--iterations",
+        "50",
+    ]));
+    let bytes = fs::read(&good).unwrap();
+    let mut newer = bytes.clone();
+    newer[8] = 99;
+    fs::write(dir.join("newer.data"), &newer).unwrap();
+    fails(memtrace().args(["report", "-i"]).arg(dir.join("newer.data")), 1, &["version 99", "newer"]);
+    let complete = report_json(&good, &[]);
+    for cut in [bytes.len() / 2, bytes.len() - 3] {
+        let path = dir.join(format!("cut{cut}.data"));
+        fs::write(&path, &bytes[..cut]).unwrap();
+        let report = report_json(&path, &[]);
+        let warnings = report["warnings"].as_array().unwrap();
+        assert!(warnings.iter().any(|w| w.as_str().unwrap().contains("truncated")), "{warnings:?}");
+        assert!(report["events"].as_u64().unwrap() <= complete["events"].as_u64().unwrap());
+        // Every command reads it without a panic.
+        for args in
+            [&["export", "--format", "folded"][..], &["export", "--format", "pprof"], &["dump"], &["report", "--leaks"]]
+        {
+            let out = memtrace().args(args).arg("-i").arg(&path).output().unwrap();
+            assert!(!String::from_utf8_lossy(&out.stderr).contains("panicked"), "{args:?}");
+        }
+    }
+}
+
+#[test]
+fn output_paths_that_cannot_be_written_fail_clearly() {
+    require_root();
+    let dir = scratch("outputs");
+    let record = |out: &Path| {
+        let mut cmd = memtrace();
+        cmd.args(["record", "-q", "-o"]).arg(out).arg("--").arg(workload()).args([
+            "--threads",
+            "1",
+            "--iterations",
+            "5",
+        ]);
+        cmd
+    };
+    fails(&mut record(&dir.join("no/such/dir/x.data")), 1, &["creating", "No such file or directory"]);
+    fails(&mut record(&dir), 1, &["is a directory"]);
+    // Someone else's file is kept unless --force.
+    let precious = dir.join("precious.txt");
+    fs::write(&precious, b"keep me").unwrap();
+    fails(&mut record(&precious), 1, &["not a memtrace recording", "--force"]);
+    assert_eq!(fs::read(&precious).unwrap(), b"keep me");
+    // A read-only file system.
+    let ro = dir.join("ro");
+    fs::create_dir(&ro).unwrap();
+    let mounted =
+        Command::new("mount").args(["-t", "tmpfs", "-o", "ro,size=1m", "memtrace-test"]).arg(&ro).status().unwrap();
+    assert!(mounted.success());
+    fails(&mut record(&ro.join("x.data")), 1, &["Read-only file system"]);
+    Command::new("umount").arg(&ro).status().unwrap();
+    // A recording replaces an earlier one, created private to its owner.
+    let out = dir.join("mine.data");
+    run(&mut record(&out));
+    run(&mut record(&out));
+    assert_eq!(fs::metadata(&out).unwrap().permissions().mode() & 0o777, 0o600);
+}
+
+#[test]
+fn a_full_disk_stops_the_recording_and_keeps_what_was_written() {
+    require_root();
+    let dir = scratch("full");
+    let mounted =
+        Command::new("mount").args(["-t", "tmpfs", "-o", "size=1m", "memtrace-full"]).arg(&dir).status().unwrap();
+    assert!(mounted.success());
+    let data = dir.join("full.data");
+    let out = memtrace()
+        .args(["record", "-q", "-o"])
+        .arg(&data)
+        .arg("--")
+        .arg(workload())
+        .args(["--loop", "400000"])
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(stderr.contains("No space left on device") && stderr.contains("keeps the events written"), "{stderr}");
+    let report = report_json(&data, &[]);
+    assert!(report["events"].as_u64().unwrap() > 1000, "the complete part reads");
+    Command::new("umount").arg(&dir).status().unwrap();
+}
+
+// ---------------------------------------------------------------------------------------
+// Process lifecycle and signals.
+// ---------------------------------------------------------------------------------------
+
+#[test]
+fn sigterm_sigint_and_sighup_finalize_the_recording() {
+    require_root();
+    let dir = scratch("signals");
+    for (sig, name) in [(libc::SIGTERM, "term"), (libc::SIGINT, "int"), (libc::SIGHUP, "hup")] {
+        let (mut target, _out) = waiting_workload(&["--threads", "1", "--iterations", "10"]);
+        let data = dir.join(format!("{name}.data"));
+        let (mut rec, stderr) = start_recording(&["--pid", &target.id().to_string()], &data);
+        thread::sleep(Duration::from_millis(300));
+        signal(rec.id(), sig);
+        let status = rec.wait().unwrap();
+        assert_eq!(status.code(), Some(0), "{name}: {}", stderr.join().unwrap());
+        let report = report_json(&data, &[]);
+        assert_eq!(report["finalized"], true, "{name}");
+        // The target is untouched.
+        target.stdin.take().unwrap().write_all(b"go\n").unwrap();
+        assert!(target.wait().unwrap().success());
+    }
+}
+
+#[test]
+fn ctrl_c_reaches_the_command_and_its_status_is_memtraces() {
+    require_root();
+    let dir = scratch("cmdint");
+    let data = dir.join("cmd.data");
+    let mut rec = memtrace()
+        .args(["record", "-o"])
+        .arg(&data)
+        .arg("--")
+        .arg(workload())
+        .args(["--loop-seconds", "30"])
+        .stderr(Stdio::piped())
+        .stdout(Stdio::null())
+        .spawn()
+        .unwrap();
+    let stderr = wait_until_tracing(&mut rec);
+    thread::sleep(Duration::from_millis(500));
+    let started = Instant::now();
+    signal(rec.id(), libc::SIGINT);
+    let status = rec.wait().unwrap();
+    assert!(started.elapsed() < Duration::from_secs(10));
+    assert_eq!(status.code(), Some(130), "like a shell: 128 + SIGINT; {}", stderr.join().unwrap());
+    let report = report_json(&data, &[]);
+    assert_eq!(report["finalized"], true);
+    assert_eq!(report["exit_code"], 130);
+}
+
+/// The byte at `addr` in a process's memory.
+fn byte_at(pid: u32, addr: u64) -> u8 {
+    let mut mem = fs::File::open(format!("/proc/{pid}/mem")).unwrap();
+    use std::io::Seek as _;
+    mem.seek(std::io::SeekFrom::Start(addr)).unwrap();
+    let mut b = [0u8];
+    mem.read_exact(&mut b).unwrap();
+    b[0]
+}
+
+/// Where the free probe of a process sits, as an address in it.
+fn free_probe_address(pid: u32) -> u64 {
+    let maps = fs::read_to_string(format!("/proc/{pid}/maps")).unwrap();
+    let libc_line = maps.lines().find(|l| l.contains("libc.so") && l.contains("r-xp")).unwrap();
+    let mut parts = libc_line.split_whitespace();
+    let range = parts.next().unwrap();
+    let _perms = parts.next();
+    let offset = u64::from_str_radix(parts.next().unwrap(), 16).unwrap();
+    let start = u64::from_str_radix(range.split('-').next().unwrap(), 16).unwrap();
+    let path = libc_line.split_whitespace().last().unwrap();
+    // The file offset of free, read from the ELF symbol table with nm.
+    let nm = Command::new("nm").args(["-D", path]).output().unwrap();
+    let free = String::from_utf8_lossy(&nm.stdout)
+        .lines()
+        .find_map(|l| {
+            let mut p = l.split_whitespace();
+            let addr = p.next()?;
+            let _kind = p.next()?;
+            (p.next()? == "free@@GLIBC_2.2.5").then(|| u64::from_str_radix(addr, 16).unwrap())
+        })
+        .unwrap();
+    start + free - offset + 3
+}
+
+#[test]
+fn kill_9_leaves_no_probe_behind_and_the_target_running() {
+    require_root();
+    let dir = scratch("kill9");
+    let mut target = Command::new(workload()).args(["--loop-seconds", "6"]).stdout(Stdio::piped()).spawn().unwrap();
+    thread::sleep(Duration::from_millis(200));
+    let pid = target.id();
+    let probe = free_probe_address(pid);
+    let (mut rec, _stderr) = start_recording(&["--pid", &pid.to_string()], &dir.join("k.data"));
+    thread::sleep(Duration::from_millis(500));
+    assert_eq!(byte_at(pid, probe), 0xcc, "the probe is a breakpoint while tracing");
+    rec.kill().unwrap();
+    rec.wait().unwrap();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while byte_at(pid, probe) == 0xcc && Instant::now() < deadline {
+        thread::sleep(Duration::from_millis(100));
+    }
+    assert_ne!(byte_at(pid, probe), 0xcc, "the breakpoint is gone");
+    let mut out = String::new();
+    target.stdout.take().unwrap().read_to_string(&mut out).unwrap();
+    assert!(target.wait().unwrap().success(), "the target ran on");
+    assert!(out.contains("ns/pair"));
+    // A partial recording of a killed memtrace still reads.
+    let report = report_json(&dir.join("k.data"), &[]);
+    assert_eq!(report["finalized"], false);
+}
+
+#[test]
+fn an_exec_of_a_program_with_its_own_allocator_is_followed() {
+    require_root();
+    let dir = scratch("exec");
+    let data = dir.join("exec.data");
+    let manifest_path = dir.join("manifest.json");
+    // The shell execs a statically linked program (malloc in the executable): memtrace
+    // finds the new allocator when the exec happens. The program waits 300 ms first.
+    let script = format!(
+        "exec {} --sleep-ms 300 --threads 2 --iterations 50 --manifest {}",
+        workload_dir().join("alloc_workload_static").display(),
+        manifest_path.display()
+    );
+    run(memtrace().args(["record", "-q", "--no-kernel", "-o"]).arg(&data).args(["--", "sh", "-c", &script]));
+    let report = report_json(&data, &["--by", "function"]);
+    assert_matches_manifest(&report, &manifest(&manifest_path));
+}
+
+#[test]
+fn children_of_the_command_are_traced() {
+    require_root();
+    let dir = scratch("fork");
+    let data = dir.join("fork.data");
+    let manifest_path = dir.join("manifest.json");
+    // The shell forks the workload (and waits): a child of the traced command. memtrace
+    // attaches to it as soon as it sees the fork (a few milliseconds: the child waits that
+    // long before allocating; see the README on what a child does in its first moments).
+    let script = format!(
+        "{} --sleep-ms 200 --threads 2 --iterations 100 --manifest {}; true",
+        workload().display(),
+        manifest_path.display()
+    );
+    run(memtrace()
+        .args(["record", "-q", "--no-kernel", "-o"])
+        .arg(&data)
+        .args(["--", "sh", "-c", &script])
+        .stdout(Stdio::null()));
+    let manifest = manifest(&manifest_path);
+    let child = manifest["pid"].as_u64().unwrap().to_string();
+    let report = report_json(&data, &["--by", "function", "--pid", &child]);
+    assert_matches_manifest(&report, &manifest);
+}
+
+#[test]
+fn an_allocator_loaded_with_dlopen_is_found() {
+    require_root();
+    let dir = scratch("dlopen");
+    let data = dir.join("dl.data");
+    let lib = workload_dir().join("libbump_alloc.so");
+    run(memtrace()
+        .args(["record", "-q", "--no-kernel", "-o"])
+        .arg(&data)
+        .arg("--")
+        .arg(workload())
+        .arg("--dlopen")
+        .arg(&lib)
+        .arg("700"));
+    let report = report_json(&data, &["--by", "function"]);
+    let s = site(&report, "wl_dlopen_alloc").unwrap_or_else(|| panic!("{report:#}"));
+    assert_eq!(s["allocs"], 700);
+    assert_eq!(s["bytes_req"], 700 * 48);
+    assert_eq!(s["bytes_alloc"], 700 * 48, "not glibc: allocated = requested");
+}
+
+// ---------------------------------------------------------------------------------------
+// Load and faults.
+// ---------------------------------------------------------------------------------------
+
+#[test]
+fn overflowing_rings_switch_to_sampling_and_count_the_losses() {
+    require_root();
+    let dir = scratch("overflow");
+    let data = dir.join("o.data");
+    let out = memtrace()
+        .args(["record", "--ring-size", "8k", "-o"])
+        .arg(&data)
+        .arg("--")
+        .arg(workload())
+        .args(["--loop", "300000"])
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    assert!(stderr.contains("the rings overflowed") && stderr.contains("sampling"), "{stderr}");
+    let report = report_json(&data, &["--domain", "user"]);
+    let lost = report["lost_events"].as_u64().unwrap();
+    assert!(lost > 0);
+    assert!(report["sampled_from"].is_array(), "{report:#}");
+    // The estimate stays close to the 300 000 pairs the workload made.
+    let allocs = report["totals"]["user"]["allocs"].as_f64().unwrap();
+    assert!((allocs - 300_000.0).abs() < 45_000.0, "{allocs}");
+}
+
+#[test]
+fn memtraces_memory_stays_bounded_under_many_live_blocks() {
+    require_root();
+    let dir = scratch("bounded");
+    let data = dir.join("b.data");
+    // One million blocks leaked.
+    run(memtrace()
+        .args(["record", "-q", "--no-kernel", "-o"])
+        .arg(&data)
+        .arg("--")
+        .arg(workload())
+        .args(["--threads", "4", "--iterations", "1", "--leaks", "250000"])
+        .stdout(Stdio::null()));
+    let report = report_json(&data, &["--by", "function"]);
+    assert_eq!(site(&report, "wl_leak").unwrap()["live_allocs"], 1_000_000);
+    let rss = report["recorder"]["peak_rss_bytes"].as_u64().unwrap();
+    assert!(rss < 160 << 20, "memtrace's RSS {rss} grew with the live blocks");
+}
+
+#[test]
+fn sustained_load_on_every_core_is_accounted_for() {
+    require_root();
+    let dir = scratch("sustained");
+    let data = dir.join("s.data");
+    let out = run(memtrace().args(["record", "-q", "--no-kernel", "-o"]).arg(&data).arg("--").arg(workload()).args([
+        "--loop-seconds",
+        "20",
+        "--loop-threads",
+        "2",
+    ]));
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let pairs: u64 = stdout.split('(').nth(1).unwrap().split(' ').next().unwrap().parse().unwrap();
+    let report = report_json(&data, &["--by", "function"]);
+    let lost = report["lost_events"].as_u64().unwrap();
+    let site = site(&report, "loop_pair").unwrap();
+    if lost == 0 {
+        assert_eq!(site["allocs"].as_u64(), Some(pairs), "every pair recorded");
+        assert_eq!(site["frees"].as_u64(), Some(pairs));
+    } else {
+        // Losses are counted, and sampling took over: the estimate stays close.
+        assert!(report["sampled_from"].is_array());
+        let allocs = site["allocs"].as_f64().unwrap();
+        assert!((allocs - pairs as f64).abs() / (pairs as f64) < 0.1, "{allocs} vs {pairs}");
+    }
+    let _: Value = report;
+}
+
+#[test]
+fn pid_mode_follows_forks_when_asked() {
+    require_root();
+    let dir = scratch("followpid");
+    let data = dir.join("f.data");
+    let manifest_path = dir.join("manifest.json");
+    // A shell that waits for a line, then forks the workload.
+    let script = format!(
+        "read go; {} --sleep-ms 200 --threads 1 --iterations 40 --manifest {} > /dev/null",
+        workload().display(),
+        manifest_path.display()
+    );
+    let mut shell = Command::new("sh").args(["-c", &script]).stdin(Stdio::piped()).spawn().unwrap();
+    thread::sleep(Duration::from_millis(200));
+    let (mut rec, stderr) = start_recording(&["--pid", &shell.id().to_string(), "--follow-forks"], &data);
+    shell.stdin.take().unwrap().write_all(b"go\n").unwrap();
+    assert!(shell.wait().unwrap().success());
+    assert!(rec.wait().unwrap().success(), "{}", stderr.join().unwrap());
+    let manifest = manifest(&manifest_path);
+    let child = manifest["pid"].as_u64().unwrap().to_string();
+    assert_matches_manifest(&report_json(&data, &["--by", "function", "--pid", &child]), &manifest);
+}
