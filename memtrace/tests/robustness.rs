@@ -90,13 +90,14 @@ fn bad_pids_are_named_in_the_error() {
     fails(memtrace().args(["record", "--pid", "4194300", "-o"]).arg(&out), 1, &["no process with pid 4194300"]);
     fails(memtrace().args(["record", "--pid", "2", "-o"]).arg(&out), 1, &["pid 2", "kernel thread"]);
     // A zombie: a child that exited and was not reaped yet.
-    let zombie = Command::new("true").spawn().unwrap();
+    let mut zombie = Command::new("true").spawn().unwrap();
     thread::sleep(Duration::from_millis(300));
     fails(
         memtrace().args(["record", "--pid", &zombie.id().to_string(), "-o"]).arg(&out),
         1,
         &["zombie", &zombie.id().to_string()],
     );
+    zombie.wait().unwrap();
     // A process with no allocator at all.
     let mut bare = Command::new(workload_dir().join("no_malloc")).spawn().unwrap();
     thread::sleep(Duration::from_millis(200));
