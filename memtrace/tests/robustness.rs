@@ -430,9 +430,10 @@ fn overflowing_rings_switch_to_sampling_and_count_the_losses() {
     let lost = report["lost_events"].as_u64().unwrap();
     assert!(lost > 0);
     assert!(report["sampled_from"].is_array(), "{report:#}");
-    // The estimate stays close to the 300 000 pairs the workload made.
+    // What was seen, estimated from the switch on, plus what was lost before it, accounts
+    // for the 300 000 pairs the workload made.
     let allocs = report["totals"]["user"]["allocs"].as_f64().unwrap();
-    assert!((allocs - 300_000.0).abs() < 45_000.0, "{allocs}");
+    assert!(allocs < 345_000.0 && allocs + lost as f64 > 255_000.0, "{allocs} seen, {lost} lost");
 }
 
 #[test]

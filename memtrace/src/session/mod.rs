@@ -343,7 +343,7 @@ impl Tracer {
     }
 
     /// Housekeeping between drains: allocators loaded with dlopen by followed processes
-    /// (every 2 s), and the rings' losses (every 250 ms): when they overflow, sampling is
+    /// (every 2 s), and the rings' losses (every 100 ms): when they overflow, sampling is
     /// switched on rather than letting events drop.
     pub fn tend(&mut self) {
         if self.options.user
@@ -353,7 +353,7 @@ impl Tracer {
             self.last_scan = Instant::now();
             self.scan_for_dlopened_allocators();
         }
-        if self.last_loss_check.elapsed() >= Duration::from_millis(250) {
+        if self.last_loss_check.elapsed() >= Duration::from_millis(100) {
             self.last_loss_check = Instant::now();
             let lost = self.probes.counters().map(|c| c.lost_events).unwrap_or(0);
             if lost > self.lost_seen
