@@ -7,6 +7,8 @@ use anyhow::{Context as _, bail};
 /// (source, output name, extra compiler flags)
 const WORKLOADS: &[(&str, &str, &[&str])] = &[
     ("workloads/alloc_workload.c", "alloc_workload", &["-fno-omit-frame-pointer"]),
+    // Release-build style, as distributions ship: whole stacks need the call-frame information.
+    ("workloads/alloc_workload.c", "alloc_workload_nofp", &["-fomit-frame-pointer"]),
     // malloc linked into the executable: memtrace must find the allocator there.
     ("workloads/alloc_workload.c", "alloc_workload_static", &["-fno-omit-frame-pointer", "-static"]),
     // No allocator at all.

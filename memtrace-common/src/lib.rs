@@ -25,6 +25,7 @@ pub enum RecordType {
     KernelAlloc = 3,
     Stack = 4,
     Task = 5,
+    Mapping = 6,
 }
 
 impl RecordType {
@@ -35,6 +36,7 @@ impl RecordType {
             3 => Self::KernelAlloc,
             4 => Self::Stack,
             5 => Self::Task,
+            6 => Self::Mapping,
             _ => return None,
         })
     }
@@ -240,12 +242,17 @@ pub struct KernelAllocRecord {
 }
 
 /// Header of a stack record, followed by `n_kernel` kernel addresses (u64) and `n_user`
-/// [`UserFrame`]s. Sent once per distinct stack hash (again if the probes forget it).
+/// user frames: [`UserFrame`]s from the kernel's frame-pointer walk, or, with
+/// [`stack_flags::USER_IPS`], bare addresses (u64) from the probes' own unwinder. A record
+/// with [`stack_flags::MISS`] then carries an [`UnwindMiss`] and a copy of the user stack
+/// from the frame where the probes' unwinder found no rule. Sent once per distinct stack
+/// hash (again if the probes forget it).
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct StackHeader {
     pub rtype: u8,
-    pub _pad: u8,
+    /// `stack_flags::*` bits.
+    pub flags: u8,
     pub n_kernel: u8,
     pub n_user: u8,
     /// Process whose address space the user frames belong to.
@@ -269,6 +276,124 @@ impl UserFrame {
     pub const BUILD_ID_EMPTY: i32 = 0;
     pub const BUILD_ID_VALID: i32 = 1;
     pub const BUILD_ID_IP: i32 = 2;
+}
+
+/// `StackHeader::flags`.
+pub mod stack_flags {
+    /// The user frames are u64 addresses, not [`super::UserFrame`]s.
+    pub const USER_IPS: u8 = 1;
+    /// The user walk stopped before the outermost frame (no unwind information, an
+    /// unreadable stack, or the depth limit).
+    pub const TRUNCATED: u8 = 2;
+    /// The user walk stopped at a frame with no rule learned yet: an [`super::UnwindMiss`]
+    /// and a stack copy follow the frames, and userspace finishes the walk.
+    pub const MISS: u8 = 4;
+    /// A kernel stack joined with the user stack of its task (hashed with the kernel seed).
+    pub const KERNEL: u8 = 8;
+}
+
+/// How one frame of user code is unwound, learned by userspace from the module's
+/// `.eh_frame` / `.debug_frame` and looked up by the probes per frame. x86-64 only: the
+/// walk tracks the instruction, stack and frame pointers; the return address is always at
+/// CFA − 8 (rules where it is not are [`unwind_kind::STOP`]).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct UnwindRule {
+    /// Added to the register `kind` names to give the canonical frame address.
+    pub cfa_offset: i32,
+    /// Where the caller's rbp was saved, relative to the CFA; 0: rbp is unchanged.
+    pub rbp_offset: i16,
+    /// `unwind_kind::*`.
+    pub kind: u8,
+    pub _pad: u8,
+}
+
+pub mod unwind_kind {
+    /// CFA = rsp + offset.
+    pub const CFA_SP: u8 = 1;
+    /// CFA = rbp + offset.
+    pub const CFA_BP: u8 = 2;
+    /// CFA = *(rbp + offset): functions that realign their stack (GCC's DRAP in `main`).
+    pub const CFA_BP_DEREF: u8 = 3;
+    /// The outermost frame (`_start`, `clone3`: the return address is undefined).
+    pub const OUTERMOST: u8 = 4;
+    /// Code without usable unwind information: the walk stops, the stack is truncated.
+    pub const STOP: u8 = 5;
+    /// A signal trampoline (`__restore_rt`): rsp points at the `ucontext_t` the kernel
+    /// pushed; the interrupted registers are read from it.
+    pub const SIGNAL: u8 = 6;
+}
+
+/// `ProbeConfig::dwarf_unwind`: how the probes walk user stacks.
+pub mod unwind_mode {
+    /// The kernel's frame-pointer walk (`bpf_get_stack`), frames named by build id.
+    pub const FRAME_POINTERS: u32 = 0;
+    /// The learned `.eh_frame` rules, walked in the probe; misses go to userspace.
+    pub const LEARNED: u32 = 1;
+    /// No walk in the probe: every stack is sent as a copy for userspace to unwind (how
+    /// `perf --call-graph dwarf` works; kept to measure the two designs side by side).
+    pub const COPY_ALWAYS: u32 = 2;
+}
+
+/// Offsets in the x86-64 `ucontext_t` a signal trampoline's rsp points at
+/// (`uc_mcontext.gregs[REG_RBP / REG_RSP / REG_RIP]`).
+pub mod sigframe {
+    pub const RBP: u64 = 40 + 10 * 8;
+    pub const RSP: u64 = 40 + 15 * 8;
+    pub const RIP: u64 = 40 + 16 * 8;
+}
+
+/// Key of a learned rule: the address a frame's rule is looked up at (the return address
+/// minus one for callers, so the lookup falls inside the call instruction; the address
+/// itself for the first frame of a kernel event and for frames a signal interrupted), in
+/// one address space: the tgid and its exec generation.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct UnwindKey {
+    pub tgid: u32,
+    /// Changes at each fork and exec, so rules of an old image or of an earlier process
+    /// with the same pid are never used.
+    pub generation: u32,
+    pub addr: u64,
+}
+
+/// Registers of the frame where the probes' walk found no rule, and what follows.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct UnwindMiss {
+    pub ip: u64,
+    pub sp: u64,
+    pub bp: u64,
+    /// The return address the uprobe trampoline stands for on this stack (0: none known).
+    pub ret_addr: u64,
+    pub generation: u32,
+    /// 1: `ip` is the exact instruction (look the rule up at it), 0: a return address.
+    pub exact: u8,
+    pub _pad: [u8; 3],
+    /// Bytes of user stack copied from `sp` that follow this header.
+    pub copy_len: u32,
+    pub _pad2: u32,
+}
+
+/// Bytes of user stack sent with an [`UnwindMiss`] (what `perf --call-graph dwarf` copies
+/// by default).
+pub const UNWIND_COPY_BYTES: usize = 8192;
+
+/// A file mapped executable by a traced process (`mmap` with `PROT_EXEC` of a file opened
+/// with `openat`: how ld.so and dlopen load libraries), so the unwinder knows which file
+/// an address lies in even when the process is gone before its maps can be read.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct MappingRecord {
+    pub rtype: u8,
+    pub _pad: [u8; 3],
+    pub pid: u32,
+    pub start: u64,
+    pub len: u64,
+    /// File offset of `start`.
+    pub file_offset: u64,
+    /// The path given to `openat`, NUL-terminated.
+    pub path: [u8; FILENAME_LEN],
 }
 
 /// What happened to a task.
@@ -351,6 +476,9 @@ pub mod counter {
     pub const NO_RING: u32 = 4;
     /// Sampled blocks not remembered because the table was full (their frees go unseen).
     pub const LOST_SAMPLED_LIVE: u32 = 5;
+    /// User stacks left truncated at a frame without a learned rule because the ring had
+    /// no room for a stack copy (code run hot before its rules were learned).
+    pub const UNWIND_BUDGET: u32 = 6;
     pub const COUNT: u32 = 8;
 }
 
@@ -444,7 +572,8 @@ pub struct ProbeConfig {
     pub user_stacks: u32,
     /// Walk kernel stacks (and the user stack of the task they ran for) for kernel allocations.
     pub kernel_stacks: u32,
-    pub _reserved: u32,
+    /// `unwind_mode::*`.
+    pub dwarf_unwind: u32,
     /// Wake the reader once this many bytes wait in a ring (others are submitted quietly;
     /// the reader also polls on a timer).
     pub wakeup_bytes: u32,
@@ -465,7 +594,7 @@ impl ProbeConfig {
             trace_all: 0,
             user_stacks: 0,
             kernel_stacks: 0,
-            _reserved: 0,
+            dwarf_unwind: 0,
             wakeup_bytes: 0,
             track_kernel_live: 0,
             follow_children: 0,
@@ -514,13 +643,24 @@ pub struct InFlight {
     pub bytes_req: u64,
     /// realloc/reallocarray: the old block; posix_memalign: where the result is stored.
     pub ptr_arg: u64,
+    /// The caller's return address, which the return probe replaces on the stack with the
+    /// uprobe trampoline's until the call returns: stack walks during the call (kernel
+    /// allocations, page faults in the allocator) put it back.
+    pub ret_addr: u64,
 }
+
+/// The page of the uprobe trampoline return probes plant as return addresses
+/// (`[uprobes]`, placed at the top of the x86-64 user address space).
+pub const UPROBE_TRAMPOLINE_PAGE: u64 = 0x7fff_ffff_e000;
 
 /// Mixes one stack word into a running hash (both sides compute it identically).
 #[inline(always)]
 pub const fn stack_hash_step(h: u64, word: u64) -> u64 {
     (h.rotate_left(5) ^ word).wrapping_mul(0x517c_c1b7_2722_0a95)
 }
+
+/// Mixed into the hash of a stack whose user walk ended at a frame without a rule.
+pub const MISS_HASH_MARK: u64 = 0x6d69_7373;
 
 /// Seeds of the user-only and the kernel+user stack hashes.
 pub const USER_STACK_SEED: u64 = 0x6d65_6d74_7261_6365;
@@ -534,6 +674,10 @@ mod pod {
     unsafe impl aya::Pod for ProbeConfig {}
     // SAFETY: as above.
     unsafe impl aya::Pod for InFlight {}
+    // SAFETY: as above.
+    unsafe impl aya::Pod for UnwindKey {}
+    // SAFETY: as above.
+    unsafe impl aya::Pod for UnwindRule {}
 }
 
 const _: () = {
@@ -547,5 +691,9 @@ const _: () = {
     assert!(core::mem::size_of::<TracepointLayout>() == 48 + 14 * 4);
     assert!(core::mem::size_of::<ProbeConfig>() == 32 + 48 + 14 * 4 + 8);
     assert!(core::mem::size_of::<SampledKey>() == 16);
-    assert!(core::mem::size_of::<InFlight>() == 40);
+    assert!(core::mem::size_of::<InFlight>() == 48);
+    assert!(core::mem::size_of::<UnwindRule>() == 8);
+    assert!(core::mem::size_of::<UnwindKey>() == 16);
+    assert!(core::mem::size_of::<UnwindMiss>() == 48);
+    assert!(core::mem::size_of::<MappingRecord>() == 32 + FILENAME_LEN);
 };

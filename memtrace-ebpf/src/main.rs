@@ -19,7 +19,7 @@ use aya_ebpf::{
     EbpfContext,
     bindings::{
         BPF_ANY, BPF_F_USER_BUILD_ID, BPF_F_USER_STACK, BPF_NOEXIST, BPF_RB_AVAIL_DATA, BPF_RB_FORCE_WAKEUP,
-        BPF_RB_NO_WAKEUP, pt_regs,
+        BPF_RB_NO_WAKEUP, BPF_RB_RING_SIZE, pt_regs,
     },
     btf_maps::{Array, ArrayOfMaps, HashMap, LruHashMap, PerCpuArray, RingBuf},
     helpers::{bpf_get_current_comm, bpf_get_current_pid_tgid, bpf_ktime_get_ns, bpf_probe_read_user, generated},
@@ -28,8 +28,10 @@ use aya_ebpf::{
 };
 use memtrace_common::{
     COMM_LEN, FILENAME_LEN, FreeRecord, InFlight, KERNEL_STACK_SEED, KernelAllocRecord, Kind, MAX_CPUS,
-    MAX_STACK_DEPTH, ProbeConfig, RecordType, SampledKey, StackHeader, TP_HEAD_BYTES, TaskEvent, TaskRecord,
-    USER_STACK_SEED, UserAllocRecord, UserFrame, counter, flags, inflight, stack_hash_step, traced,
+    MAX_STACK_DEPTH, MISS_HASH_MARK, MappingRecord, ProbeConfig, RecordType, SampledKey, StackHeader, TP_HEAD_BYTES,
+    TaskEvent, TaskRecord, UNWIND_COPY_BYTES, UPROBE_TRAMPOLINE_PAGE, USER_STACK_SEED, UnwindKey, UnwindMiss,
+    UnwindRule, UserAllocRecord, UserFrame, counter, flags, inflight, sigframe, stack_flags, stack_hash_step, traced,
+    unwind_kind, unwind_mode,
 };
 
 /// Written by userspace before load (`EbpfLoader::override_global`).
@@ -143,19 +145,38 @@ fn sampled_key(tgid: u32, ptr: u64) -> SampledKey {
 
 const USER_FRAMES_BYTES: usize = MAX_STACK_DEPTH * size_of::<UserFrame>();
 const KERNEL_FRAMES_BYTES: usize = MAX_STACK_DEPTH * size_of::<u64>();
-const STACK_RECORD_MAX: usize = size_of::<StackHeader>() + KERNEL_FRAMES_BYTES + USER_FRAMES_BYTES;
+const USER_IPS_BYTES: usize = MAX_STACK_DEPTH * size_of::<u64>();
+/// Where the user part of a stack record may start at the latest (after all kernel frames).
+const USER_PART_MAX_OFF: usize = size_of::<StackHeader>() + KERNEL_FRAMES_BYTES;
+/// Where the miss part of a DWARF stack record may start at the latest.
+const MISS_MAX_OFF: usize = USER_PART_MAX_OFF + USER_IPS_BYTES;
+const FP_RECORD_MAX: usize = USER_PART_MAX_OFF + USER_FRAMES_BYTES;
+const DWARF_RECORD_MAX: usize = MISS_MAX_OFF + size_of::<UnwindMiss>() + UNWIND_COPY_BYTES;
+const STACK_RECORD_MAX: usize = if FP_RECORD_MAX > DWARF_RECORD_MAX { FP_RECORD_MAX } else { DWARF_RECORD_MAX };
 
 /// Per-CPU scratch space: stacks are far larger than the 512-byte BPF stack.
 #[repr(C)]
 struct Scratch {
-    /// User instruction pointers, hashed to name the stack.
-    user_ips: [u64; MAX_STACK_DEPTH],
-    /// A stack record being assembled: header, kernel addresses, user frames.
+    /// User instruction pointers, hashed to name the stack (zero-terminated when shorter).
+    user_ips: [u64; MAX_STACK_DEPTH + 1],
+    /// Where the learned-rule walk stopped for want of a rule.
+    miss: UnwindMiss,
+    /// A stack record being assembled: header, kernel addresses, user frames, miss part.
     record: [u8; STACK_RECORD_MAX],
 }
 
 #[btf_map]
 static SCRATCH: PerCpuArray<Scratch, 1> = PerCpuArray::new();
+
+/// Unwind rules userspace learned from the modules' call-frame information, per address
+/// space and lookup address. Forgetting one only costs a stack copy and a lookup.
+#[btf_map]
+static UNWIND: LruHashMap<UnwindKey, UnwindRule, 131072> = LruHashMap::new();
+
+/// tgid → generation of its address space, set at fork and exec (absent: 0, a process
+/// that existed before tracing began).
+#[btf_map]
+static GENERATIONS: LruHashMap<u32, u32, 65536> = LruHashMap::new();
 
 type Ring = RingBuf<u8, RING_TEMPLATE_BYTES>;
 
@@ -244,10 +265,11 @@ fn scratch() -> Option<&'static mut Scratch> {
     SCRATCH.get_ptr_mut(0).map(|p| unsafe { &mut *p })
 }
 
-/// Walks the current task's user stack into `scratch.user_ips`; returns the frame count.
+/// Walks the current task's user stack by frame pointers into `scratch.user_ips`; returns
+/// the frame count.
 #[inline(always)]
 fn walk_user_ips(ctx: *mut c_void, scratch: &mut Scratch) -> usize {
-    // SAFETY: the buffer is MAX_STACK_DEPTH u64s long and its size is passed.
+    // SAFETY: the buffer is at least MAX_STACK_DEPTH u64s long and that size is passed.
     let n = unsafe {
         generated::bpf_get_stack(
             ctx,
@@ -256,12 +278,269 @@ fn walk_user_ips(ctx: *mut c_void, scratch: &mut Scratch) -> usize {
             BPF_F_USER_STACK as u64,
         )
     };
+    scratch.user_ips[MAX_STACK_DEPTH] = 0;
     if n <= 0 { 0 } else { (n as usize / 8).min(MAX_STACK_DEPTH) }
 }
 
-/// Hashes the frames of a buffer `bpf_get_stack` filled (it zeroes the unused tail), up to
-/// the first zero. Stopping on the data rather than on the frame count keeps the count's
-/// range unrefined, so the verifier prunes every exit of the loop into one state.
+/// User registers a walk starts from.
+#[derive(Clone, Copy)]
+struct UserRegs {
+    ip: u64,
+    sp: u64,
+    bp: u64,
+    /// `ip` is the exact instruction, not a return address.
+    exact: bool,
+}
+
+impl UserRegs {
+    /// At a return probe: `ip` is the return address into the caller of the probed function.
+    #[inline(always)]
+    fn of_return(ctx: &RetProbeContext) -> Self {
+        let r = regs(ctx);
+        // SAFETY: ctx is the return probe's pt_regs.
+        unsafe { Self { ip: (*r).rip, sp: (*r).rsp, bp: (*r).rbp, exact: false } }
+    }
+
+    /// The registers the current task entered the kernel with (None for kernel threads).
+    #[inline(always)]
+    fn of_current_task() -> Option<Self> {
+        // SAFETY: both helpers take the current task, which stays valid while we run.
+        let r = unsafe { generated::bpf_task_pt_regs(generated::bpf_get_current_task_btf()) } as *const pt_regs;
+        if r.is_null() {
+            return None;
+        }
+        // SAFETY (the three reads): field addresses only; the reads are checked.
+        let ip = read_kernel_u64(unsafe { addr_of!((*r).rip) })?;
+        let sp = read_kernel_u64(unsafe { addr_of!((*r).rsp) })?;
+        let bp = read_kernel_u64(unsafe { addr_of!((*r).rbp) })?;
+        // Kernel threads have no user registers (zeroed); user addresses are below 2^47.
+        if ip == 0 || ip >= 1 << 47 {
+            return None;
+        }
+        Some(Self { ip, sp, bp, exact: true })
+    }
+}
+
+#[inline(always)]
+fn read_kernel_u64(src: *const u64) -> Option<u64> {
+    let mut v = 0u64;
+    // SAFETY: checked read of 8 bytes into a local.
+    let ret = unsafe { generated::bpf_probe_read_kernel(addr_of_mut!(v) as *mut c_void, 8, src as *const c_void) };
+    if ret == 0 { Some(v) } else { None }
+}
+
+#[inline(always)]
+fn read_user_u64(addr: u64) -> Option<u64> {
+    let mut v = 0u64;
+    // SAFETY: checked read of 8 bytes of user memory into a local.
+    let ret = unsafe { generated::bpf_probe_read_user(addr_of_mut!(v) as *mut c_void, 8, addr as *const c_void) };
+    if ret == 0 { Some(v) } else { None }
+}
+
+/// The generation of `tgid`'s address space (see [`GENERATIONS`]).
+#[inline(always)]
+fn generation(tgid: u32) -> u32 {
+    // SAFETY: plain u32 copied out at once.
+    unsafe { GENERATIONS.get(tgid) }.copied().unwrap_or(0)
+}
+
+/// Gives `tgid` a new address-space generation (it forked or exec'd).
+#[inline(always)]
+fn new_generation(tgid: u32) {
+    if config!(dwarf_unwind) == 0 {
+        return;
+    }
+    // SAFETY: no preconditions. A clock reading differs from the tgid's previous one.
+    let generation = unsafe { bpf_ktime_get_ns() } as u32 | 1;
+    let _ = GENERATIONS.insert(tgid, generation, BPF_ANY as u64);
+}
+
+/// The state of a learned-rule walk, on the BPF stack between `bpf_loop` steps.
+#[repr(C)]
+struct WalkState {
+    ip: u64,
+    sp: u64,
+    bp: u64,
+    /// What the uprobe trampoline stands for, if an allocator call is in progress.
+    ret_addr: u64,
+    /// The stack hash, continued with each frame.
+    hash: u64,
+    tgid: u32,
+    generation: u32,
+    /// Frames in `scratch.user_ips`.
+    n: u32,
+    /// `ip` is the exact instruction, not a return address.
+    exact: u32,
+    /// `stack_flags` the walk ended with.
+    result: u32,
+    _pad: u32,
+}
+
+/// One frame of the walk (a `bpf_loop` callback: verified once, whatever the depth).
+/// Records the frame, looks its rule up and steps to the caller; returns 1 to stop.
+#[inline(never)]
+extern "C" fn walk_step(index: u64, state: *mut c_void) -> i64 {
+    // SAFETY: bpf_loop hands back the pointer to the WalkState on the caller's stack.
+    let st = unsafe { &mut *(state as *mut WalkState) };
+    let Some(scratch) = scratch() else { return 1 };
+    let i = index as usize;
+    if i >= MAX_STACK_DEPTH {
+        return 1;
+    }
+    scratch.user_ips[i] = st.ip;
+    st.n = i as u32 + 1;
+    st.hash = stack_hash_step(st.hash, st.ip);
+    let (ip, sp, bp) = (st.ip, st.sp, st.bp);
+    let key = UnwindKey { tgid: st.tgid, generation: st.generation, addr: if st.exact != 0 { ip } else { ip - 1 } };
+    // SAFETY: the rule is copied out at once.
+    let rule =
+        if config!(dwarf_unwind) == unwind_mode::COPY_ALWAYS { None } else { unsafe { UNWIND.get(key) }.copied() };
+    let Some(rule) = rule else {
+        scratch.miss = UnwindMiss {
+            ip,
+            sp,
+            bp,
+            ret_addr: st.ret_addr,
+            generation: st.generation,
+            exact: st.exact as u8,
+            _pad: [0; 3],
+            copy_len: 0,
+            _pad2: 0,
+        };
+        st.result = stack_flags::MISS as u32;
+        return 1;
+    };
+    let next = match rule.kind {
+        unwind_kind::OUTERMOST => {
+            st.result = 0;
+            return 1;
+        }
+        unwind_kind::SIGNAL => {
+            match (
+                read_user_u64(sp + sigframe::RIP),
+                read_user_u64(sp + sigframe::RSP),
+                read_user_u64(sp + sigframe::RBP),
+            ) {
+                (Some(i), Some(s), Some(b)) => Some((i, s, b, 1)),
+                _ => None,
+            }
+        }
+        unwind_kind::CFA_SP | unwind_kind::CFA_BP | unwind_kind::CFA_BP_DEREF => {
+            let offset = rule.cfa_offset as i64 as u64;
+            let cfa = match rule.kind {
+                unwind_kind::CFA_SP => Some(sp.wrapping_add(offset)),
+                unwind_kind::CFA_BP => Some(bp.wrapping_add(offset)),
+                _ => read_user_u64(bp.wrapping_add(offset)),
+            };
+            match cfa {
+                Some(cfa) => {
+                    let ra = read_user_u64(cfa.wrapping_sub(8));
+                    let saved_bp = if rule.rbp_offset != 0 {
+                        read_user_u64(cfa.wrapping_add(rule.rbp_offset as i64 as u64))
+                    } else {
+                        Some(bp)
+                    };
+                    match (ra, saved_bp) {
+                        (Some(ra), Some(b)) => Some((ra, cfa, b, 0)),
+                        _ => None,
+                    }
+                }
+                None => None,
+            }
+        }
+        _ => None, // STOP: no usable rule for this code
+    };
+    let Some((next_ip, next_sp, next_bp, next_exact)) = next else {
+        st.result = stack_flags::TRUNCATED as u32;
+        return 1;
+    };
+    if next_ip == 0 {
+        st.result = 0; // a zero return address ends the chain
+        return 1;
+    }
+    let next_ip = if next_ip & !0xfff == UPROBE_TRAMPOLINE_PAGE { st.ret_addr } else { next_ip };
+    if next_ip == 0 {
+        st.result = stack_flags::TRUNCATED as u32; // a trampoline we cannot see through
+        return 1;
+    }
+    st.ip = next_ip;
+    st.sp = next_sp;
+    st.bp = next_bp;
+    st.exact = next_exact;
+    // Past the last step the walk is cut at the depth limit.
+    st.result = stack_flags::TRUNCATED as u32;
+    0
+}
+
+/// Walks the user stack with the rules learned for it into `scratch.user_ips`, from
+/// `regs`, continuing `hash` with each frame. Returns the frame count, `stack_flags`
+/// (TRUNCATED, or MISS with `scratch.miss` holding the registers of the frame that had no
+/// rule) and the hash.
+#[inline(always)]
+fn walk_user_dwarf(scratch: &mut Scratch, tgid: u32, regs: UserRegs, hash: u64) -> (usize, u8, u64) {
+    let (id, _, _) = pid_tgid();
+    // SAFETY: copied out at once.
+    let ret_addr = match unsafe { INFLIGHT.get(id) } {
+        Some(s) if s.depth == 0 => s.ret_addr,
+        _ => 0,
+    };
+    let mut st = WalkState {
+        ip: regs.ip,
+        sp: regs.sp,
+        bp: regs.bp,
+        ret_addr,
+        hash,
+        tgid,
+        generation: generation(tgid),
+        n: 0,
+        exact: regs.exact as u32,
+        result: stack_flags::TRUNCATED as u32,
+        _pad: 0,
+    };
+    // SAFETY: walk_step is a BPF callback taking (index, ctx); ctx is our stack state.
+    unsafe {
+        generated::bpf_loop(MAX_STACK_DEPTH as u32, walk_step as *mut c_void, addr_of_mut!(st) as *mut c_void, 0)
+    };
+    let n = (st.n as usize).min(MAX_STACK_DEPTH);
+    if n < MAX_STACK_DEPTH {
+        scratch.user_ips[n] = 0;
+    }
+    scratch.user_ips[MAX_STACK_DEPTH] = 0;
+    (n, st.result as u8 | stack_flags::USER_IPS, st.hash)
+}
+
+/// The user part of a stack: frames in `scratch.user_ips`, `stack_flags`, and whether a
+/// copy of the stack goes with it (the walk missed a rule).
+#[derive(Clone, Copy)]
+struct UserPart {
+    n: usize,
+    flags: u8,
+    with_copy: bool,
+}
+
+/// Walks the user stack the configured way: by learned rules from `regs`, or by frame
+/// pointers (`ctx` names the task's registers to `bpf_get_stack`).
+#[inline(always)]
+/// Returns the user part and `hash` continued with its frames.
+fn walk_user(ctx: *mut c_void, scratch: &mut Scratch, tgid: u32, regs: Option<UserRegs>, hash: u64) -> (UserPart, u64) {
+    if config!(dwarf_unwind) != unwind_mode::FRAME_POINTERS {
+        match regs {
+            Some(regs) => {
+                let (n, flags, hash) = walk_user_dwarf(scratch, tgid, regs, hash);
+                (UserPart { n, flags, with_copy: false }, hash)
+            }
+            None => (UserPart { n: 0, flags: 0, with_copy: false }, hash),
+        }
+    } else {
+        let n = walk_user_ips(ctx, scratch);
+        let hash = if n > 0 { hash_words(hash, scratch.user_ips.as_ptr()) } else { hash };
+        (UserPart { n, flags: 0, with_copy: false }, hash)
+    }
+}
+
+/// Hashes the frames of a zero-terminated buffer, up to the first zero. Stopping on the
+/// data rather than on the frame count keeps the count's range unrefined, so the verifier
+/// prunes every exit of the loop into one state.
 #[inline(always)]
 fn hash_words(mut h: u64, words: *const u64) -> u64 {
     for i in 0..MAX_STACK_DEPTH {
@@ -275,9 +554,54 @@ fn hash_words(mut h: u64, words: *const u64) -> u64 {
     h
 }
 
-/// Sends the stack record for `hash` unless it was sent before. The header and the
-/// kernel part (if any) are already in `scratch.record`; this adds the user frames with
-/// build ids. Frames are only walked again for stacks not seen before.
+/// Whether a stack copy may go into `ring`: only while it is less than half full, so
+/// copies (sent while rules are being learned) never crowd out events.
+#[inline(always)]
+fn room_for_copy(ring: &Ring) -> bool {
+    let ring_ptr = ring as *const Ring as *mut c_void;
+    // SAFETY: `ring` is a ring buffer map returned by the outer map lookup.
+    let (waiting, size) = unsafe {
+        (
+            generated::bpf_ringbuf_query(ring_ptr, BPF_RB_AVAIL_DATA as u64),
+            generated::bpf_ringbuf_query(ring_ptr, BPF_RB_RING_SIZE as u64),
+        )
+    };
+    waiting + (STACK_RECORD_MAX as u64) < size / 2
+}
+
+/// For a stack whose walk stopped at a frame without a rule: the hash of a copy sent for
+/// userspace to finish the walk (and learn the rules from), unique to this event; or, when
+/// the ring has no room for it, None: the event keeps the partial stack, marked truncated.
+#[inline(always)]
+fn copy_hash(ring: &Ring, h: u64) -> Option<u64> {
+    if config!(dwarf_unwind) != unwind_mode::COPY_ALWAYS && !room_for_copy(ring) {
+        bump(counter::UNWIND_BUDGET);
+        return None;
+    }
+    // SAFETY: no preconditions.
+    let (now, cpu) = unsafe { (bpf_ktime_get_ns(), generated::bpf_get_smp_processor_id()) };
+    Some(stack_hash_step(stack_hash_step(stack_hash_step(h, MISS_HASH_MARK), now), u64::from(cpu)))
+}
+
+/// The hash, and the user part with whether to send a copy, for a walk that may have missed.
+#[inline(always)]
+fn after_miss(ring: &Ring, hash: u64, user: UserPart) -> (u64, UserPart) {
+    if user.flags & stack_flags::MISS == 0 {
+        return (hash, user);
+    }
+    match copy_hash(ring, hash) {
+        Some(unique) => (unique, UserPart { with_copy: true, ..user }),
+        None => (
+            stack_hash_step(hash, MISS_HASH_MARK),
+            UserPart { n: user.n, flags: (user.flags & !stack_flags::MISS) | stack_flags::TRUNCATED, with_copy: false },
+        ),
+    }
+}
+
+/// Writes the stack record for `hash` (header and kernel part already in
+/// `scratch.record`) and sends it, unless it was sent before. Frame-pointer stacks get
+/// their frames with build ids from the kernel; learned-rule stacks get their addresses,
+/// and with `with_copy` the miss registers and a copy of the stack from there.
 #[inline(always)]
 fn send_stack_once(
     ctx: *mut c_void,
@@ -286,19 +610,44 @@ fn send_stack_once(
     hash: u64,
     pid: u32,
     n_kernel: usize,
-    n_user: usize,
+    user: UserPart,
 ) {
-    // SAFETY: value is a plain byte.
-    if unsafe { STACKS_SENT.get(hash) }.is_some() {
-        return;
-    }
-    if STACKS_SENT.insert(hash, 1u8, BPF_NOEXIST as u64).is_err() {
-        return; // another CPU is sending it
+    let with_copy = user.with_copy;
+    if !with_copy {
+        // SAFETY: value is a plain byte.
+        if unsafe { STACKS_SENT.get(hash) }.is_some() {
+            return;
+        }
+        if STACKS_SENT.insert(hash, 1u8, BPF_NOEXIST as u64).is_err() {
+            return; // another CPU is sending it
+        }
     }
     let n_kernel = n_kernel.min(MAX_STACK_DEPTH);
     let user_off = size_of::<StackHeader>() + n_kernel * 8;
+    if user_off > USER_PART_MAX_OFF {
+        return;
+    }
     let mut n_user_frames = 0usize;
-    if n_user > 0 && user_off <= size_of::<StackHeader>() + KERNEL_FRAMES_BYTES {
+    let mut len = user_off;
+    if user.flags & stack_flags::USER_IPS != 0 {
+        let n = user.n.min(MAX_STACK_DEPTH);
+        let bytes = (n * 8) as u32;
+        // One copy rather than a loop the verifier would walk frame by frame.
+        // SAFETY: user_off + USER_IPS_BYTES <= STACK_RECORD_MAX and bytes <= USER_IPS_BYTES;
+        // the source is this CPU's scratch array.
+        unsafe {
+            generated::bpf_probe_read_kernel(
+                scratch.record.as_mut_ptr().add(user_off) as *mut c_void,
+                bytes.min(USER_IPS_BYTES as u32),
+                scratch.user_ips.as_ptr() as *const c_void,
+            )
+        };
+        n_user_frames = n;
+        len = user_off + n * 8;
+        if with_copy && len <= MISS_MAX_OFF {
+            len += append_stack_copy(scratch, len);
+        }
+    } else if user.n > 0 {
         // SAFETY: user_off + USER_FRAMES_BYTES <= STACK_RECORD_MAX, checked above.
         let n = unsafe {
             generated::bpf_get_stack(
@@ -311,10 +660,11 @@ fn send_stack_once(
         if n > 0 {
             n_user_frames = (n as usize / size_of::<UserFrame>()).min(MAX_STACK_DEPTH);
         }
+        len = user_off + n_user_frames * size_of::<UserFrame>();
     }
     let header = StackHeader {
         rtype: RecordType::Stack as u8,
-        _pad: 0,
+        flags: user.flags,
         n_kernel: n_kernel as u8,
         n_user: n_user_frames as u8,
         pid,
@@ -322,39 +672,71 @@ fn send_stack_once(
     };
     // SAFETY: the record buffer starts with room for a header; unaligned-safe write.
     unsafe { core::ptr::write_unaligned(scratch.record.as_mut_ptr() as *mut StackHeader, header) };
-    let len = user_off + n_user_frames * size_of::<UserFrame>();
     if len > STACK_RECORD_MAX {
         return;
     }
     let ring_ptr = ring as *const Ring as *mut c_void;
+    // A copy waits for userspace to learn from it: wake the reader at once.
+    let flags = if with_copy { BPF_RB_FORCE_WAKEUP as u64 } else { wakeup_flags(ring) };
     // SAFETY: `len` bytes of the per-CPU record buffer are initialised and in bounds.
     let ret = unsafe {
-        generated::bpf_ringbuf_output(
-            ring_ptr,
-            scratch.record.as_mut_ptr() as *mut c_void,
-            len as u64,
-            wakeup_flags(ring),
-        )
+        generated::bpf_ringbuf_output(ring_ptr, scratch.record.as_mut_ptr() as *mut c_void, len as u64, flags)
     };
     if ret != 0 {
-        let _ = STACKS_SENT.remove(hash);
+        if !with_copy {
+            let _ = STACKS_SENT.remove(hash);
+        }
         bump(counter::LOST_STACKS);
     }
 }
 
+/// Appends `scratch.miss` and a copy of the user stack from its stack pointer to the
+/// record at `off`; returns the bytes added. Near the top of a stack the full length is
+/// not mapped: the copy then ends where the mapping does.
+#[inline(always)]
+fn append_stack_copy(scratch: &mut Scratch, off: usize) -> usize {
+    let copy_off = off + size_of::<UnwindMiss>();
+    if copy_off > MISS_MAX_OFF + size_of::<UnwindMiss>() {
+        return 0;
+    }
+    let sp = scratch.miss.sp;
+    let to_page_end = 4096 - (sp & 4095) as u32;
+    let mut copied = 0u32;
+    for want in [UNWIND_COPY_BYTES as u32, to_page_end + 4096, to_page_end] {
+        let want = want.min(UNWIND_COPY_BYTES as u32);
+        // SAFETY: copy_off + UNWIND_COPY_BYTES <= STACK_RECORD_MAX; `want` is at most that.
+        let ret = unsafe {
+            generated::bpf_probe_read_user(
+                scratch.record.as_mut_ptr().add(copy_off) as *mut c_void,
+                want,
+                sp as *const c_void,
+            )
+        };
+        if ret == 0 {
+            copied = want;
+            break;
+        }
+    }
+    scratch.miss.copy_len = copied;
+    // SAFETY: off + size_of::<UnwindMiss>() = copy_off, within the buffer.
+    unsafe { core::ptr::write_unaligned(scratch.record.as_mut_ptr().add(off) as *mut UnwindMiss, scratch.miss) };
+    size_of::<UnwindMiss>() + copied as usize
+}
+
 /// Hash of the user stack of the current task, sending its frames if new.
 #[inline(always)]
-fn user_stack(ctx: *mut c_void, ring: &Ring, pid: u32) -> Option<u64> {
+fn user_stack(ctx: &RetProbeContext, ring: &Ring, pid: u32) -> Option<u64> {
     if config!(user_stacks) == 0 {
         return None;
     }
     let scratch = scratch()?;
-    let n = walk_user_ips(ctx, scratch);
-    if n == 0 {
+    let seed = stack_hash_step(USER_STACK_SEED, pid as u64);
+    let (user, hash) = walk_user(ctx.as_ptr(), scratch, pid, Some(UserRegs::of_return(ctx)), seed);
+    if user.n == 0 {
         return None;
     }
-    let hash = hash_words(stack_hash_step(USER_STACK_SEED, pid as u64), scratch.user_ips.as_ptr());
-    send_stack_once(ctx, ring, scratch, hash, pid, 0, n);
+    let (hash, user) = after_miss(ring, hash, user);
+    send_stack_once(ctx.as_ptr(), ring, scratch, hash, pid, 0, user);
     Some(hash)
 }
 
@@ -376,10 +758,6 @@ fn kernel_stack(ctx: *mut c_void, ring: &Ring, pid: u32) -> Option<u64> {
         )
     };
     let n_kernel = if n <= 0 { 0 } else { (n as usize / 8).min(MAX_STACK_DEPTH) };
-    let n_user = if pid != 0 && config!(user_stacks) != 0 { walk_user_ips(ctx, scratch) } else { 0 };
-    if n_kernel == 0 && n_user == 0 {
-        return None;
-    }
     let mut hash = stack_hash_step(KERNEL_STACK_SEED, pid as u64);
     if n_kernel > 0 {
         // SAFETY: the kernel frames were just written (zero-padded) at kernel_off.
@@ -387,10 +765,19 @@ fn kernel_stack(ctx: *mut c_void, ring: &Ring, pid: u32) -> Option<u64> {
     }
     // Separates the kernel part from the user part.
     hash = stack_hash_step(hash, u64::MAX);
-    if n_user > 0 {
-        hash = hash_words(hash, scratch.user_ips.as_ptr());
+    let (user, hash) = if pid != 0 && config!(user_stacks) != 0 {
+        let regs =
+            if config!(dwarf_unwind) != unwind_mode::FRAME_POINTERS { UserRegs::of_current_task() } else { None };
+        walk_user(ctx, scratch, pid, regs, hash)
+    } else {
+        (UserPart { n: 0, flags: 0, with_copy: false }, hash)
+    };
+    if n_kernel == 0 && user.n == 0 {
+        return None;
     }
-    send_stack_once(ctx, ring, scratch, hash, pid, n_kernel, n_user);
+    let (hash, user) = after_miss(ring, hash, user);
+    let user = UserPart { flags: user.flags | stack_flags::KERNEL, ..user };
+    send_stack_once(ctx, ring, scratch, hash, pid, n_kernel, user);
     Some(hash)
 }
 
@@ -466,6 +853,8 @@ fn try_alloc_enter(ctx: &ProbeContext) -> Result<(), ()> {
         ts_entry: unsafe { bpf_ktime_get_ns() },
         bytes_req,
         ptr_arg,
+        // The return probe plants its trampoline here after this program runs.
+        ret_addr: read_user_u64(sp).unwrap_or(0),
     };
     if INFLIGHT.insert(id, state, BPF_ANY as u64).is_err() {
         bump(counter::LOST_INFLIGHT);
@@ -555,7 +944,7 @@ fn try_alloc_return(ctx: &RetProbeContext) -> Result<(), ()> {
     if sampling && SAMPLED_LIVE.insert(sampled_key(tgid, ptr), 1u8, BPF_ANY as u64).is_err() {
         bump(counter::LOST_SAMPLED_LIVE);
     }
-    let stack = user_stack(ctx.as_ptr(), ring, tgid);
+    let stack = user_stack(ctx, ring, tgid);
     let (bytes_alloc, exact) = if kind == Kind::Mmap {
         ((state.bytes_req + 4095) & !4095, true)
     } else if state.flags & inflight::GLIBC != 0 {
@@ -900,6 +1289,9 @@ fn try_task_newtask(ctx: &TracePointContext) -> Result<(), ()> {
     if !is_traced(parent_tgid) {
         return Ok(());
     }
+    if !is_thread {
+        new_generation(child);
+    }
     if !is_thread && config!(trace_all) == 0 && config!(follow_children) != 0 {
         // Children of traced processes are traced (record -- CMD; --follow-forks).
         let _ = TRACED.insert(child, traced::ACTIVE, BPF_ANY as u64);
@@ -931,6 +1323,7 @@ fn try_exec(ctx: &TracePointContext) -> Result<(), ()> {
             None => return Ok(()),
         }
     }
+    new_generation(tgid);
     let head = TpHead::read(ctx).ok_or(())?;
     let loc = head.u32_at(config!(tp.exec_filename));
     let ring = this_ring().ok_or(())?;
@@ -978,6 +1371,9 @@ fn try_exit(ctx: &TracePointContext) -> Result<(), ()> {
     if group_dead && config!(trace_all) == 0 {
         let _ = TRACED.remove(tgid);
     }
+    if group_dead && config!(dwarf_unwind) != unwind_mode::FRAME_POINTERS {
+        let _ = GENERATIONS.remove(tgid);
+    }
     let ring = this_ring().ok_or(())?;
     emit_task(ring, TaskEvent::Exit, tgid, tid, 0, if group_dead { flags::GROUP_DEAD } else { 0 });
     Ok(())
@@ -1005,6 +1401,140 @@ fn try_rename(ctx: &TracePointContext) -> Result<(), ()> {
         // SAFETY: no preconditions.
         r.ts_ns = unsafe { bpf_ktime_get_ns() };
         r.comm = comm;
+    });
+    Ok(())
+}
+
+// ---------------------------------------------------------------------------------------
+// Executable file mappings (learned-rule call graphs only).
+// ---------------------------------------------------------------------------------------
+
+/// Syscall tracepoints share one layout: the arguments, 8 bytes each, from offset 16 (after
+/// the common header and the syscall number); the return value of `sys_exit_*` at 16.
+const SYSCALL_ARG: usize = 16;
+const SYSCALL_RET: usize = 16;
+const PROT_EXEC: u64 = 4;
+
+/// `openat` in flight: pid_tgid → the user pointer to the file name.
+#[btf_map]
+static OPENAT_ARGS: HashMap<u64, u64, 16384> = HashMap::new();
+
+/// Files traced processes opened: (tgid << 32 | fd) → path.
+#[btf_map]
+static FD_PATHS: LruHashMap<u64, [u8; FILENAME_LEN], 4096> = LruHashMap::new();
+
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct MmapArgs {
+    len: u64,
+    offset: u64,
+    fd: u64,
+}
+
+/// `mmap` of a file with PROT_EXEC in flight: pid_tgid → its arguments.
+#[btf_map]
+static MMAP_ARGS: HashMap<u64, MmapArgs, 16384> = HashMap::new();
+
+#[inline(always)]
+fn tracks_mappings(tgid: u32) -> bool {
+    config!(dwarf_unwind) != unwind_mode::FRAME_POINTERS && config!(user_stacks) != 0 && is_traced(tgid)
+}
+
+#[tracepoint]
+pub fn sys_enter_openat(ctx: TracePointContext) -> u32 {
+    let _ = try_enter_openat(&ctx);
+    0
+}
+
+fn try_enter_openat(ctx: &TracePointContext) -> Result<(), ()> {
+    let (id, tgid, _) = pid_tgid();
+    if !tracks_mappings(tgid) {
+        return Ok(());
+    }
+    // SAFETY: checked read of the tracepoint record (openat's second argument).
+    let filename: u64 = unsafe { ctx.read_at(SYSCALL_ARG + 8) }.map_err(|_| ())?;
+    OPENAT_ARGS.insert(id, filename, BPF_ANY as u64).map_err(|_| ())
+}
+
+#[tracepoint]
+pub fn sys_exit_openat(ctx: TracePointContext) -> u32 {
+    let _ = try_exit_openat(&ctx);
+    0
+}
+
+fn try_exit_openat(ctx: &TracePointContext) -> Result<(), ()> {
+    let (id, tgid, _) = pid_tgid();
+    // SAFETY: copied out at once.
+    let filename = *unsafe { OPENAT_ARGS.get(id) }.ok_or(())?;
+    let _ = OPENAT_ARGS.remove(id);
+    // SAFETY: checked read of the tracepoint record.
+    let fd: i64 = unsafe { ctx.read_at(SYSCALL_RET) }.map_err(|_| ())?;
+    if fd < 0 {
+        return Ok(());
+    }
+    let scratch = scratch().ok_or(())?;
+    let buf = scratch.record.as_mut_ptr();
+    // SAFETY: the record buffer is far longer than FILENAME_LEN; the read is checked and
+    // NUL-terminates what it copies.
+    let n = unsafe {
+        generated::bpf_probe_read_user_str(buf as *mut c_void, FILENAME_LEN as u32, filename as *const c_void)
+    };
+    if n <= 1 {
+        return Ok(());
+    }
+    // SAFETY: the first FILENAME_LEN bytes of the buffer are readable as an array.
+    let path = unsafe { &*(buf as *const [u8; FILENAME_LEN]) };
+    FD_PATHS.insert((u64::from(tgid) << 32) | fd as u64, path, BPF_ANY as u64).map_err(|_| ())
+}
+
+#[tracepoint]
+pub fn sys_enter_mmap(ctx: TracePointContext) -> u32 {
+    let _ = try_enter_mmap(&ctx);
+    0
+}
+
+fn try_enter_mmap(ctx: &TracePointContext) -> Result<(), ()> {
+    let (id, tgid, _) = pid_tgid();
+    if !tracks_mappings(tgid) {
+        return Ok(());
+    }
+    // SAFETY (the four reads): checked reads of the tracepoint record: len, prot, fd, off.
+    let len: u64 = unsafe { ctx.read_at(SYSCALL_ARG + 8) }.map_err(|_| ())?;
+    let prot: u64 = unsafe { ctx.read_at(SYSCALL_ARG + 16) }.map_err(|_| ())?;
+    let fd: u64 = unsafe { ctx.read_at(SYSCALL_ARG + 32) }.map_err(|_| ())?;
+    let offset: u64 = unsafe { ctx.read_at(SYSCALL_ARG + 40) }.map_err(|_| ())?;
+    if prot & PROT_EXEC == 0 || (fd as i64) < 0 {
+        return Ok(());
+    }
+    MMAP_ARGS.insert(id, MmapArgs { len, offset, fd }, BPF_ANY as u64).map_err(|_| ())
+}
+
+#[tracepoint]
+pub fn sys_exit_mmap(ctx: TracePointContext) -> u32 {
+    let _ = try_exit_mmap(&ctx);
+    0
+}
+
+fn try_exit_mmap(ctx: &TracePointContext) -> Result<(), ()> {
+    let (id, tgid, _) = pid_tgid();
+    // SAFETY: copied out at once.
+    let args = *unsafe { MMAP_ARGS.get(id) }.ok_or(())?;
+    let _ = MMAP_ARGS.remove(id);
+    // SAFETY: checked read of the tracepoint record.
+    let start: u64 = unsafe { ctx.read_at(SYSCALL_RET) }.map_err(|_| ())?;
+    if start >= (-4095i64) as u64 {
+        return Ok(()); // an error code
+    }
+    // SAFETY: copied into the record below before the map can change it.
+    let path = unsafe { FD_PATHS.get((u64::from(tgid) << 32) | (args.fd & 0xffff_ffff)) }.ok_or(())?;
+    let ring = this_ring().ok_or(())?;
+    emit_waking::<MappingRecord>(ring, true, |r| {
+        r.rtype = RecordType::Mapping as u8;
+        r.pid = tgid;
+        r.start = start;
+        r.len = args.len;
+        r.file_offset = args.offset;
+        r.path = *path;
     });
     Ok(())
 }

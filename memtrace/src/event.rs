@@ -2,8 +2,8 @@
 //! decoding of raw ring records into them. Everything downstream (the recording file,
 //! pairing, aggregation, `top`) works on these types.
 use memtrace_common::{
-    FreeRecord, KernelAllocRecord, Kind, RecordType, StackHeader, TaskEvent, TaskRecord, UserAllocRecord, UserFrame,
-    flags,
+    FreeRecord, KernelAllocRecord, Kind, MappingRecord, RecordType, StackHeader, TaskEvent, TaskRecord,
+    UNWIND_COPY_BYTES, UnwindMiss, UserAllocRecord, UserFrame, flags, stack_flags,
 };
 use thiserror::Error;
 
@@ -134,6 +134,49 @@ pub struct StackRecord {
     pub kernel: Vec<u64>,
     /// User frames, innermost first.
     pub user: Vec<RawUserFrame>,
+    /// How the user frames were found.
+    pub walk: UserWalk,
+    /// The user walk stopped before the outermost frame.
+    pub truncated: bool,
+    /// A kernel stack joined with its task's user stack (even when no kernel frame came).
+    pub joined_kernel: bool,
+    /// The probes' walk stopped for want of a rule: where, and a copy of the stack.
+    pub miss: Option<StackMiss>,
+}
+
+/// How a stack's user frames were walked.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum UserWalk {
+    /// By frame pointers (the kernel's walk): in code built without them the walk may
+    /// follow a register that is not a frame pointer, so its frames need checking.
+    #[default]
+    FramePointers,
+    /// By the modules' call-frame information: every frame is a real return address.
+    CallFrameInfo,
+}
+
+/// Where the probes' user walk found no rule, and the stack from there.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StackMiss {
+    pub ip: u64,
+    pub sp: u64,
+    pub bp: u64,
+    /// What the uprobe trampoline stands for on this stack (0: unknown).
+    pub ret_addr: u64,
+    pub generation: u32,
+    pub exact: bool,
+    /// User stack bytes from `sp` up.
+    pub copy: Vec<u8>,
+}
+
+/// A file a process mapped executable (see [`memtrace_common::MappingRecord`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct FileMapping {
+    pub pid: u32,
+    pub start: u64,
+    pub len: u64,
+    pub file_offset: u64,
+    pub path: String,
 }
 
 /// One decoded ring record.
@@ -141,6 +184,7 @@ pub struct StackRecord {
 pub enum Record {
     Event(Event),
     Stack(StackRecord),
+    Mapping(FileMapping),
 }
 
 #[derive(Debug, Error, PartialEq, Eq)]
@@ -248,10 +292,22 @@ pub fn decode(bytes: &[u8], cpu: u16) -> Result<Record, DecodeError> {
                 filename: c_string(&r.filename),
             }))
         }
+        RecordType::Mapping => {
+            let r: MappingRecord = read(bytes, rtype)?;
+            Record::Mapping(FileMapping {
+                pid: r.pid,
+                start: r.start,
+                len: r.len,
+                file_offset: r.file_offset,
+                path: c_string(&r.path),
+            })
+        }
         RecordType::Stack => {
             let h: StackHeader = read(bytes, rtype)?;
+            let user_ips = h.flags & stack_flags::USER_IPS != 0;
             let kernel_bytes = usize::from(h.n_kernel) * 8;
-            let user_bytes = usize::from(h.n_user) * size_of::<UserFrame>();
+            let frame_bytes = if user_ips { 8 } else { size_of::<UserFrame>() };
+            let user_bytes = usize::from(h.n_user) * frame_bytes;
             let need = size_of::<StackHeader>() + kernel_bytes + user_bytes;
             if bytes.len() < need {
                 return Err(DecodeError::Truncated { rtype, len: bytes.len(), need });
@@ -263,20 +319,58 @@ pub fn decode(bytes: &[u8], cpu: u16) -> Result<Record, DecodeError> {
                 .map(|c| u64::from_ne_bytes(c.try_into().expect("8-byte chunk")))
                 .take_while(|&ip| ip != 0)
                 .collect();
-            let user = user_part
-                .chunks_exact(size_of::<UserFrame>())
-                .map(|c| read::<UserFrame>(c, rtype))
-                .collect::<Result<Vec<_>, _>>()?
-                .into_iter()
-                .filter_map(|f| match f.status {
-                    UserFrame::BUILD_ID_VALID => {
-                        Some(RawUserFrame::BuildId { build_id: f.build_id, offset: f.offset_or_ip })
-                    }
-                    UserFrame::BUILD_ID_IP if f.offset_or_ip != 0 => Some(RawUserFrame::Ip(f.offset_or_ip)),
-                    _ => None,
+            let user = if user_ips {
+                user_part
+                    .chunks_exact(8)
+                    .map(|c| u64::from_ne_bytes(c.try_into().expect("8-byte chunk")))
+                    .take_while(|&ip| ip != 0)
+                    .map(RawUserFrame::Ip)
+                    .collect()
+            } else {
+                user_part
+                    .chunks_exact(size_of::<UserFrame>())
+                    .map(|c| read::<UserFrame>(c, rtype))
+                    .collect::<Result<Vec<_>, _>>()?
+                    .into_iter()
+                    .filter_map(|f| match f.status {
+                        UserFrame::BUILD_ID_VALID => {
+                            Some(RawUserFrame::BuildId { build_id: f.build_id, offset: f.offset_or_ip })
+                        }
+                        UserFrame::BUILD_ID_IP if f.offset_or_ip != 0 => Some(RawUserFrame::Ip(f.offset_or_ip)),
+                        _ => None,
+                    })
+                    .collect()
+            };
+            let miss = if h.flags & stack_flags::MISS != 0 {
+                let rest = &bytes[need..];
+                let m: UnwindMiss = read(rest, rtype)?;
+                let copy_len = m.copy_len as usize;
+                let copy_need = size_of::<UnwindMiss>() + copy_len;
+                if copy_len > UNWIND_COPY_BYTES || rest.len() < copy_need {
+                    return Err(DecodeError::Truncated { rtype, len: bytes.len(), need: need + copy_need });
+                }
+                Some(StackMiss {
+                    ip: m.ip,
+                    sp: m.sp,
+                    bp: m.bp,
+                    ret_addr: m.ret_addr,
+                    generation: m.generation,
+                    exact: m.exact != 0,
+                    copy: rest[size_of::<UnwindMiss>()..copy_need].to_vec(),
                 })
-                .collect();
-            Record::Stack(StackRecord { hash: h.hash, pid: h.pid, kernel, user })
+            } else {
+                None
+            };
+            Record::Stack(StackRecord {
+                hash: h.hash,
+                pid: h.pid,
+                kernel,
+                user,
+                walk: if user_ips { UserWalk::CallFrameInfo } else { UserWalk::FramePointers },
+                truncated: h.flags & stack_flags::TRUNCATED != 0,
+                joined_kernel: h.flags & stack_flags::KERNEL != 0,
+                miss,
+            })
         }
     })
 }
@@ -343,7 +437,7 @@ pub(crate) mod tests {
 
     #[test]
     fn decodes_stacks_with_both_parts() {
-        let header = StackHeader { rtype: RecordType::Stack as u8, _pad: 0, n_kernel: 2, n_user: 2, pid: 7, hash: 99 };
+        let header = StackHeader { rtype: RecordType::Stack as u8, flags: 0, n_kernel: 2, n_user: 2, pid: 7, hash: 99 };
         let mut bytes = bytes_of(&header);
         bytes.extend(0xffff_ffff_8100_0000u64.to_ne_bytes());
         bytes.extend(0xffff_ffff_8200_0000u64.to_ne_bytes());
@@ -357,8 +451,53 @@ pub(crate) mod tests {
             s.user,
             [RawUserFrame::BuildId { build_id: [7; 20], offset: 0x1234 }, RawUserFrame::Ip(0x7f00_0000_1000)]
         );
+        assert!(!s.truncated && !s.joined_kernel && s.miss.is_none());
         // One byte short of the last frame.
         assert!(matches!(decode(&bytes[..bytes.len() - 1], 0), Err(DecodeError::Truncated { .. })));
+    }
+
+    fn miss_record(copy_len: u32, copy: &[u8]) -> Vec<u8> {
+        let header = StackHeader {
+            rtype: RecordType::Stack as u8,
+            flags: stack_flags::USER_IPS | stack_flags::MISS | stack_flags::KERNEL,
+            n_kernel: 1,
+            n_user: 2,
+            pid: 7,
+            hash: 99,
+        };
+        let mut bytes = bytes_of(&header);
+        bytes.extend(0xffff_ffff_8100_0000u64.to_ne_bytes());
+        bytes.extend(0x40_1000u64.to_ne_bytes());
+        bytes.extend(0x40_2000u64.to_ne_bytes());
+        let miss = UnwindMiss {
+            ip: 0x40_2000,
+            sp: 0x7ffc_0000,
+            bp: 1,
+            generation: 3,
+            exact: 0,
+            copy_len,
+            ..Default::default()
+        };
+        bytes.extend(bytes_of(&miss));
+        bytes.extend(copy);
+        bytes
+    }
+
+    #[test]
+    fn decodes_unwound_stacks_with_a_stack_copy() {
+        let bytes = miss_record(4, &[1, 2, 3, 4]);
+        let Record::Stack(s) = decode(&bytes, 0).unwrap() else { panic!() };
+        assert_eq!(s.user, [RawUserFrame::Ip(0x40_1000), RawUserFrame::Ip(0x40_2000)]);
+        assert!(s.joined_kernel && !s.truncated);
+        let miss = s.miss.unwrap();
+        assert_eq!((miss.ip, miss.sp, miss.generation, miss.exact), (0x40_2000, 0x7ffc_0000, 3, false));
+        assert_eq!(miss.copy, [1, 2, 3, 4]);
+        // Every cut is an error, never a short copy; so is a length past the protocol's.
+        for len in 1..bytes.len() {
+            assert!(matches!(decode(&bytes[..len], 0), Err(DecodeError::Truncated { .. })), "{len}");
+        }
+        let huge = miss_record(UNWIND_COPY_BYTES as u32 + 1, &vec![0; UNWIND_COPY_BYTES + 1]);
+        assert!(matches!(decode(&huge, 0), Err(DecodeError::Truncated { .. })));
     }
 
     #[test]

@@ -2,7 +2,8 @@
 //!
 //! The pipeline, in the order data flows: [`probes`] load and attach the eBPF programs and
 //! own the per-CPU rings; [`event`] decodes ring records; [`session`] drains the rings,
-//! orders events and feeds the [`recording`] writer; [`analysis`] pairs allocations with
+//! orders events and feeds the [`recording`] writer, with [`unwind`] finishing the user
+//! stacks the probes could not walk alone; [`analysis`] pairs allocations with
 //! frees and aggregates them per stack; [`symbolize`] turns addresses into names; [`report`]
 //! prints what users read.
 pub mod analysis;
@@ -19,3 +20,4 @@ pub mod session;
 pub mod stacks;
 pub mod symbolize;
 pub mod top;
+pub mod unwind;

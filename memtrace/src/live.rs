@@ -301,7 +301,8 @@ impl Sink for LiveView {
         if self.learned.insert(s.pid) {
             self.modules.learn_process(s.pid);
         }
-        let (user, truncated) = self.modules.resolve_stack(s.pid, &s.user);
+        let (user, cut) = self.modules.resolve_stack(s.pid, &s.user, s.walk);
+        let truncated = s.truncated || cut;
         for m in self.modules.take_new() {
             self.table.modules.insert(m.id, m);
         }
@@ -335,5 +336,13 @@ impl Sink for LiveView {
     fn exec_seen(&mut self, pid: u32, filename: &Path) {
         self.learned.insert(pid);
         self.modules.learn_exec(pid, filename);
+    }
+
+    fn fork_seen(&mut self, child: u32, parent: u32) {
+        self.modules.learn_fork(child, parent);
+    }
+
+    fn file_seen(&mut self, path: &Path) {
+        self.modules.learn_file(path);
     }
 }

@@ -7,6 +7,7 @@ use clap::{Args, Parser, Subcommand};
 use memtrace::{
     export::{self, ExportFormat, Weight},
     live::Column,
+    probes::CallGraph,
     report::{self, DomainFilter, Format, GroupBy, KindFilter, ReportOptions, SortKey},
     session::{self, CommandFailed, RecordOptions, Target, TraceOptions},
 };
@@ -94,6 +95,10 @@ struct TopArgs {
     /// Sample user allocations: each byte with probability 1/SIZE (figures are estimates).
     #[arg(long, value_parser = parse_sample_bytes)]
     sample_bytes: Option<u64>,
+    /// How to walk user stacks: dwarf (call-frame information, whole stacks without frame
+    /// pointers) or fp (frame pointers only, cheapest).
+    #[arg(long, value_enum, default_value_t)]
+    call_graph: CallGraph,
     /// The command to run and watch, after `--`.
     #[arg(last = true, value_name = "CMD")]
     command: Vec<OsString>,
@@ -113,10 +118,11 @@ fn top(args: TopArgs) -> Result<i32> {
             user_stacks: true,
             kernel_stacks: true,
             symbol_prefix: args.symbol_prefix,
-            ring_bytes: 4 << 20,
+            ring_bytes: default_ring_bytes() as u32,
             follow_forks: false,
             quiet: false,
             sample_bytes: args.sample_bytes,
+            call_graph: args.call_graph,
         },
         interval: args.delay.max(Duration::from_millis(100)),
         batch: args.batch,
@@ -289,12 +295,19 @@ struct RecordArgs {
     /// Do not walk user stacks.
     #[arg(long)]
     no_user_stacks: bool,
+    /// How to walk user stacks: dwarf (the modules' call-frame information: whole stacks
+    /// without frame pointers, like perf --call-graph dwarf) or fp (frame pointers only:
+    /// cheapest, but stacks stop at code built without them).
+    #[arg(long, value_enum, default_value_t)]
+    call_graph: CallGraph,
     /// Prefix of the allocator's functions, for custom allocators (e.g. je_ for jemalloc).
     #[arg(long, default_value = "")]
     symbol_prefix: String,
-    /// Ring buffer size per CPU (e.g. 4M; a power of two).
-    #[arg(long, value_parser = parse_size, default_value = "4M")]
-    ring_size: u64,
+    /// Ring buffer size per CPU (e.g. 4M; a power of two). Default: 32M shared among the
+    /// CPUs, 4M to 16M each (room for the stack copies sent while a new process's unwind
+    /// rules are learned).
+    #[arg(long, value_parser = parse_size)]
+    ring_size: Option<u64>,
     /// With --pid, also trace the children the process forks from now on.
     #[arg(long)]
     follow_forks: bool,
@@ -349,6 +362,12 @@ struct ReportArgs {
     older_than: Option<Duration>,
 }
 
+/// Per-CPU ring size: 32 MiB shared among the CPUs, between 4 and 16 MiB each.
+fn default_ring_bytes() -> u64 {
+    let cpus = std::thread::available_parallelism().map_or(1, |n| n.get() as u64);
+    (32u64 << 20).div_ceil(cpus).next_power_of_two().clamp(4 << 20, 16 << 20)
+}
+
 fn record(args: RecordArgs) -> Result<i32> {
     let target = match (args.pid, args.all, args.command.is_empty()) {
         (Some(pid), _, _) => Target::Pid(pid),
@@ -356,9 +375,10 @@ fn record(args: RecordArgs) -> Result<i32> {
         (None, false, false) => Target::Command(args.command),
         (None, false, true) => bail!("say what to trace: --pid PID, -a, or -- CMD [ARGS...]"),
     };
-    let ring_bytes = u32::try_from(args.ring_size).ok().filter(|b| b.is_power_of_two() && *b >= 4096);
+    let ring_size = args.ring_size.unwrap_or_else(default_ring_bytes);
+    let ring_bytes = u32::try_from(ring_size).ok().filter(|b| b.is_power_of_two() && *b >= 4096);
     let Some(ring_bytes) = ring_bytes else {
-        bail!("--ring-size must be a power of two between 4K and 2G, not {}", args.ring_size);
+        bail!("--ring-size must be a power of two between 4K and 2G, not {ring_size}");
     };
     if args.follow_forks && args.pid.is_none() {
         bail!("--follow-forks goes with --pid (children of -- CMD are always traced)");
@@ -375,6 +395,7 @@ fn record(args: RecordArgs) -> Result<i32> {
             follow_forks: args.follow_forks,
             quiet: args.quiet,
             sample_bytes: args.sample_bytes,
+            call_graph: args.call_graph,
         },
         output: args.output,
         force: args.force,

@@ -12,7 +12,7 @@ use std::{
 
 use crate::{
     elf,
-    event::RawUserFrame,
+    event::{RawUserFrame, UserWalk},
     procfs::{self, Maps},
     recording::{FileFrame, Module},
 };
@@ -94,6 +94,18 @@ impl ModuleTable {
         for path in paths {
             self.file_build_id(&path);
         }
+        self.keep_maps(pid, maps);
+        true
+    }
+
+    /// A forked child starts with its parent's maps (it may exit before they can be read).
+    pub fn learn_fork(&mut self, child: u32, parent: u32) {
+        if let Some(maps) = self.maps.get(&parent).map(|p| p.maps.clone()) {
+            self.keep_maps(child, maps);
+        }
+    }
+
+    fn keep_maps(&mut self, pid: u32, maps: Maps) {
         if self.maps.insert(pid, ProcessMaps { maps, read_at: Instant::now() }).is_none() {
             self.maps_order.push_back(pid);
             // The maps of exited processes are kept (the last word on their layout) up to a
@@ -104,7 +116,6 @@ impl ModuleTable {
                 }
             }
         }
-        true
     }
 
     /// Learns the build id of the program a process just exec'd (from /proc while it
@@ -218,17 +229,25 @@ impl ModuleTable {
         }
     }
 
-    /// A user stack of process `pid` as modules and file offsets, cut where the frame-pointer
-    /// walk went astray: at an address that is not code (the walk followed a register that
-    /// was not a frame pointer), and at a frame repeated to the depth limit (a pointer loop).
-    /// Returns the frames and whether the stack was cut.
-    pub fn resolve_stack(&mut self, pid: u32, raw: &[RawUserFrame]) -> (Vec<FileFrame>, bool) {
+    /// Learns the build id of a file frames point into (from the unwinder, which read the
+    /// maps of a process that may be gone now).
+    pub fn learn_file(&mut self, path: &Path) {
+        self.file_build_id(path);
+    }
+
+    /// A user stack of process `pid` as modules and file offsets. A frame-pointer walk is
+    /// cut where it went astray: at an address that is not code (the walk followed a
+    /// register that was not a frame pointer), and at a frame repeated to the depth limit
+    /// (a pointer loop); a call-frame walk is taken as it is. Returns the frames and whether
+    /// the stack was cut.
+    pub fn resolve_stack(&mut self, pid: u32, raw: &[RawUserFrame], walk: UserWalk) -> (Vec<FileFrame>, bool) {
+        let checked = walk == UserWalk::FramePointers;
         let mut frames = Vec::with_capacity(raw.len());
         let mut truncated = false;
         for &frame in raw {
             let resolved = match frame {
                 // No object file is a terabyte long: the walk went astray.
-                RawUserFrame::BuildId { offset, .. } if offset >= MAX_FILE_OFFSET => {
+                RawUserFrame::BuildId { offset, .. } if checked && offset >= MAX_FILE_OFFSET => {
                     truncated = true;
                     break;
                 }
@@ -241,6 +260,7 @@ impl ModuleTable {
                         FileFrame::Module { module: self.module_id(build_id, Some(path)), offset }
                     }
                     Place::AnonymousCode | Place::Unknown => FileFrame::Address(ip),
+                    Place::NotCode if !checked => FileFrame::Address(ip),
                     Place::NotCode => {
                         truncated = true;
                         break;
@@ -249,7 +269,7 @@ impl ModuleTable {
             };
             frames.push(resolved);
         }
-        if raw.len() >= memtrace_common::MAX_STACK_DEPTH {
+        if checked && raw.len() >= memtrace_common::MAX_STACK_DEPTH {
             truncated = true;
             let last = frames.last().copied();
             while frames.len() >= 2
@@ -264,7 +284,7 @@ impl ModuleTable {
 
     /// A single user frame of process `pid` (see [`Self::resolve_stack`]).
     pub fn resolve(&mut self, pid: u32, frame: RawUserFrame) -> FileFrame {
-        let (frames, _) = self.resolve_stack(pid, &[frame]);
+        let (frames, _) = self.resolve_stack(pid, &[frame], UserWalk::FramePointers);
         frames.first().copied().unwrap_or(match frame {
             RawUserFrame::Ip(ip) => FileFrame::Address(ip),
             RawUserFrame::BuildId { offset, .. } => FileFrame::Address(offset),
@@ -316,11 +336,14 @@ mod tests {
         let data = Box::new(0u64);
         let frames =
             [RawUserFrame::Ip(marker()), RawUserFrame::Ip(&*data as *const u64 as u64), RawUserFrame::Ip(marker())];
-        let (resolved, truncated) = table.resolve_stack(pid, &frames);
+        let (resolved, truncated) = table.resolve_stack(pid, &frames, UserWalk::FramePointers);
         assert!(truncated);
         assert_eq!(resolved.len(), 1);
         // A process we know nothing of: addresses stay addresses.
-        assert_eq!(table.resolve_stack(0, &[RawUserFrame::Ip(16)]), (vec![FileFrame::Address(16)], false));
+        assert_eq!(
+            table.resolve_stack(0, &[RawUserFrame::Ip(16)], UserWalk::FramePointers),
+            (vec![FileFrame::Address(16)], false)
+        );
     }
 
     #[test]
@@ -329,7 +352,7 @@ mod tests {
         let mut table = ModuleTable::new();
         let mut frames = vec![RawUserFrame::Ip(marker())];
         frames.extend(std::iter::repeat_n(RawUserFrame::Ip(marker() + 1), memtrace_common::MAX_STACK_DEPTH - 1));
-        let (resolved, truncated) = table.resolve_stack(pid, &frames);
+        let (resolved, truncated) = table.resolve_stack(pid, &frames, UserWalk::FramePointers);
         assert!(truncated);
         assert_eq!(resolved.len(), 2);
     }

@@ -36,8 +36,14 @@ pub struct Maps {
 }
 
 impl Maps {
+    /// The maps of a live process. A process that exited (a zombie) or a kernel thread has
+    /// none: that is an error, so callers never replace what they knew with nothing.
     pub fn read(pid: u32) -> io::Result<Self> {
-        Ok(Self::parse(&fs::read_to_string(format!("/proc/{pid}/maps"))?))
+        let maps = Self::parse(&fs::read_to_string(format!("/proc/{pid}/maps"))?);
+        if maps.mappings.is_empty() {
+            return Err(io::Error::new(io::ErrorKind::NotFound, format!("process {pid} has no address space")));
+        }
+        Ok(maps)
     }
 
     pub fn read_self() -> io::Result<Self> {

@@ -2,7 +2,7 @@
 //! pairs and aggregates per call site / stack / function / process, and prints the table
 //! users read — or JSON for scripts, or the blocks still live (`--leaks`).
 use std::{
-    collections::{BTreeMap, HashMap},
+    collections::{BTreeMap, HashMap, HashSet},
     fmt::Write as _,
     fs::File,
     io::BufReader,
@@ -173,10 +173,25 @@ pub struct Analysis {
     pub events: u64,
     pub comms: HashMap<u32, String>,
     pub stacks: StackTable,
+    /// Per domain: allocations traced with a stack, and how many of those stacks were cut.
+    pub coverage: BTreeMap<Domain, StackCoverage>,
+}
+
+/// How whole the stacks of a domain's allocations are.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+pub struct StackCoverage {
+    /// Allocations recorded with a stack.
+    pub allocs_with_stack: u64,
+    /// Of those, allocations whose user stack walk was cut before the outermost frame.
+    pub allocs_truncated: u64,
+    /// Distinct truncated stacks among them.
+    pub stacks_truncated: u64,
 }
 
 pub struct GroupRow {
     pub domain: Domain,
+    /// The stack shown was cut before its outermost frame.
+    pub truncated: bool,
     pub label: String,
     pub frames: Vec<Frame>,
     pub kinds: Vec<Kind>,
@@ -264,6 +279,9 @@ pub fn analyze(path: &Path, opts: &ReportOptions) -> Result<Analysis> {
     }
 
     let mut comms: HashMap<u32, String> = HashMap::new();
+    let truncated_ids = table.truncated_stacks();
+    let mut coverage: BTreeMap<Domain, StackCoverage> = BTreeMap::new();
+    let mut truncated_seen: HashSet<u64> = HashSet::new();
     let mut infos: Vec<GroupInfo> = Vec::new();
     let mut index: HashMap<GroupKey, u32> = HashMap::new();
     let by = opts.by;
@@ -306,6 +324,10 @@ pub fn analyze(path: &Path, opts: &ReportOptions) -> Result<Analysis> {
                 });
             }
             let info = &mut infos[g as usize];
+            // The stack a group shows: a whole one if any of its allocations has one.
+            if info.stack != o.stack && table.is_truncated(info.stack) && !table.is_truncated(o.stack) && o.stack != 0 {
+                info.stack = o.stack;
+            }
             if !info.kinds.contains(&o.kind) {
                 info.kinds.push(o.kind);
             }
@@ -331,6 +353,20 @@ pub fn analyze(path: &Path, opts: &ReportOptions) -> Result<Analysis> {
             };
             let process_ok = pid_filter.is_none_or(|p| p == pid)
                 && opts.comm.as_ref().is_none_or(|c| comms.get(&pid).is_some_and(|n| n == c));
+            if let Event::Alloc(a) = &event
+                && a.stack != 0
+                && process_ok
+                && domain_filter.admits(Domain::of(a.kind))
+            {
+                let c = coverage.entry(Domain::of(a.kind)).or_default();
+                c.allocs_with_stack += 1;
+                if truncated_ids.contains(&a.stack) {
+                    c.allocs_truncated += 1;
+                    if truncated_seen.insert(a.stack) {
+                        c.stacks_truncated += 1;
+                    }
+                }
+            }
             match &event {
                 Event::Alloc(a) if !process_ok || opts.min_size.is_some_and(|m| a.bytes_req < m) => {
                     analyzer.push_excluded(a)
@@ -362,6 +398,7 @@ pub fn analyze(path: &Path, opts: &ReportOptions) -> Result<Analysis> {
         };
         rows.push(GroupRow {
             domain: info.domain,
+            truncated: table.is_truncated(info.stack),
             label,
             frames,
             kinds: info.kinds.clone(),
@@ -392,6 +429,7 @@ pub fn analyze(path: &Path, opts: &ReportOptions) -> Result<Analysis> {
         events,
         comms,
         stacks: table,
+        coverage,
     })
 }
 
@@ -658,6 +696,21 @@ pub fn render_text(a: &Analysis, opts: &ReportOptions) -> String {
             String::new()
         }
     );
+    for (domain, c) in &a.coverage {
+        if c.allocs_with_stack == 0 {
+            continue;
+        }
+        let _ = writeln!(
+            out,
+            "{} stacks: {} of {} allocations cut short ({:.1}%, {} distinct stacks; walked by {})",
+            domain_name(*domain),
+            count(c.allocs_truncated),
+            count(c.allocs_with_stack),
+            100.0 * c.allocs_truncated as f64 / c.allocs_with_stack as f64,
+            count(c.stacks_truncated),
+            if a.meta.call_graph == "dwarf" { "call-frame information" } else { "frame pointers" },
+        );
+    }
     if let Some(code) = s.exit_code {
         let _ = writeln!(out, "command exit status: {code}");
     }
@@ -818,6 +871,8 @@ fn round2(v: f64) -> f64 {
 #[derive(Serialize)]
 struct JsonSite<'a> {
     domain: Domain,
+    /// The stack in `frames` was cut before its outermost frame.
+    truncated: bool,
     kinds: Vec<&'static str>,
     pids: &'a [u32],
     frames: &'a [Frame],
@@ -870,6 +925,7 @@ pub fn render_json(a: &Analysis, opts: &ReportOptions) -> Result<String> {
             };
             JsonSite {
                 domain: g.domain,
+                truncated: g.truncated,
                 kinds: g.kinds.iter().map(|k| k.name()).collect(),
                 pids: &g.pids,
                 frames: &g.frames,
@@ -924,7 +980,11 @@ pub fn render_json(a: &Analysis, opts: &ReportOptions) -> Result<String> {
             "cpu_ns": a.stats.recorder_cpu_ns,
             "peak_rss_bytes": a.stats.recorder_peak_rss_bytes,
             "lost_sampled_live": a.stats.lost_sampled_live,
+            "unwind_copies": a.stats.unwind_copies,
+            "unwind_rules": a.stats.unwind_rules,
+            "unwind_budget_truncated": a.stats.unwind_budget_truncated,
         },
+        "stacks": a.coverage.iter().map(|(d, c)| (domain_name(*d), c)).collect::<BTreeMap<_, _>>(),
         "recording": a.meta,
         "group_by": a.by,
         "sites": sites,

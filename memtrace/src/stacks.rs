@@ -209,9 +209,15 @@ impl StackTable {
         out
     }
 
-    /// Whether the stack's walk was cut (depth limit, or it left the code).
+    /// Whether the stack's walk was cut (depth limit, code without unwind information, or
+    /// it left the code).
     pub fn is_truncated(&self, stack: u64) -> bool {
         stack.checked_sub(1).and_then(|id| self.stacks.get(&(id as u32))).is_some_and(|s| s.truncated)
+    }
+
+    /// The stack references (id + 1, as events carry them) of every truncated stack.
+    pub fn truncated_stacks(&self) -> HashSet<u64> {
+        self.stacks.values().filter(|s| s.truncated).map(|s| u64::from(s.id) + 1).collect()
     }
 }
 

@@ -49,6 +49,7 @@ fn assert_kernel_side(report: &Value) {
 #[test]
 fn record_command_counts_every_allocation_exactly() {
     require_root();
+    let _sharing = sharing_the_machine();
     let dir = scratch("command");
     let data = dir.join("cmd.data");
     let manifest_path = dir.join("manifest.json");
@@ -77,6 +78,7 @@ fn record_command_counts_every_allocation_exactly() {
 #[test]
 fn record_pid_traces_a_running_process() {
     require_root();
+    let _sharing = sharing_the_machine();
     let dir = scratch("pid");
     let data = dir.join("pid.data");
     let manifest_path = dir.join("manifest.json");
@@ -116,6 +118,7 @@ fn record_pid_traces_a_running_process() {
 #[test]
 fn record_all_traces_processes_started_later() {
     require_root();
+    let _alone = alone_on_the_machine();
     let dir = scratch("all");
     let data = dir.join("all.data");
     let manifest_path = dir.join("manifest.json");
@@ -140,6 +143,7 @@ fn record_all_traces_processes_started_later() {
 #[test]
 fn a_statically_linked_malloc_is_found_in_the_executable() {
     require_root();
+    let _sharing = sharing_the_machine();
     let dir = scratch("static");
     let data = dir.join("static.data");
     let manifest_path = dir.join("manifest.json");
@@ -163,6 +167,7 @@ fn a_statically_linked_malloc_is_found_in_the_executable() {
 #[test]
 fn a_custom_allocator_is_traced_through_its_prefix() {
     require_root();
+    let _sharing = sharing_the_machine();
     let dir = scratch("custom");
     let data = dir.join("custom.data");
     let manifest_path = dir.join("manifest.json");
@@ -184,6 +189,7 @@ fn a_custom_allocator_is_traced_through_its_prefix() {
 #[test]
 fn sampled_recording_estimates_the_true_figures() {
     require_root();
+    let _sharing = sharing_the_machine();
     let dir = scratch("sampled");
     let data = dir.join("sampled.data");
     let manifest_path = dir.join("manifest.json");

@@ -12,14 +12,20 @@
  * allocations with its malloc, through dlsym: a second allocator memtrace must find),
  * --custom N (N allocations from a tiny allocator of its own, mt_malloc/mt_free: what
  * `record --symbol-prefix mt_` must find in the executable),
+ * --stacks (allocations whose stacks test an unwinder: one in a signal handler, one in a
+ * qsort comparator called back from libc, one 100 and one 200 calls deep),
  * --sleep-ms MS (pause before starting), --wait-stdin (start once a line is read from
  * stdin), so a recorder can attach with --pid first.
+ *
+ * build.rs builds it twice: with frame pointers (alloc_workload) and without
+ * (alloc_workload_nofp, -fomit-frame-pointer), so stack walks can be compared.
  */
 #define _GNU_SOURCE
 #include <dlfcn.h>
 #include <errno.h>
 #include <malloc.h>
 #include <pthread.h>
+#include <signal.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -29,6 +35,9 @@
 #include <unistd.h>
 
 #define NOINLINE __attribute__((noinline))
+/* Neither inlined nor cloned nor otherwise changed by interprocedural passes, so the
+ * function keeps its name and its frame in every stack. */
+#define NOIPA __attribute__((noipa))
 
 enum site {
     S_MALLOC,
@@ -383,6 +392,65 @@ NOINLINE static void wl_dlopen_alloc(void *(*dl_malloc)(size_t), long n) {
         sink ^= (uintptr_t)dl_malloc(48);
 }
 
+/* --stacks: blocks whose stacks exercise an unwinder; tests know their sizes. */
+static void *stack_blocks[4];
+
+NOIPA static void *wl_signal_alloc(void) {
+    void *p = malloc(111);
+    touch(p, 111);
+    return p;
+}
+
+static void on_signal(int sig) {
+    (void)sig;
+    stack_blocks[0] = wl_signal_alloc();
+}
+
+/* The handler runs on the kernel's signal frame, above libc's raise(). */
+NOIPA static void wl_raise_site(void) {
+    signal(SIGUSR1, on_signal);
+    raise(SIGUSR1);
+    __asm__ volatile("" ::: "memory"); /* keeps raise from becoming a tail jump */
+}
+
+/* Called back from libc's qsort (built without frame pointers): a mixed stack. */
+NOIPA static int wl_sort_compare(const void *a, const void *b) {
+    if (!stack_blocks[1]) {
+        stack_blocks[1] = malloc(222);
+        touch(stack_blocks[1], 222);
+    }
+    return *(const int *)a - *(const int *)b;
+}
+
+NOIPA static void wl_sort_site(void) {
+    int v[8] = {5, 3, 7, 1, 8, 2, 6, 4};
+    qsort(v, 8, sizeof v[0], wl_sort_compare);
+    sink ^= (uintptr_t)v[0];
+}
+
+NOIPA static void *wl_deep_alloc(size_t n) {
+    void *p = malloc(n);
+    touch(p, n);
+    return p;
+}
+
+NOIPA static void *wl_recurse(int depth, size_t n) {
+    void *p = depth == 0 ? wl_deep_alloc(n) : wl_recurse(depth - 1, n);
+    __asm__ volatile("" ::: "memory"); /* keeps the call from becoming a jump */
+    sink ^= (uintptr_t)depth;
+    return p;
+}
+
+NOIPA static void wl_stack_tests(void) {
+    wl_raise_site();
+    wl_sort_site();
+    stack_blocks[2] = wl_recurse(100, 333);
+    stack_blocks[3] = wl_recurse(200, 444);
+    for (int i = 0; i < 4; i++)
+        free(stack_blocks[i]);
+    printf("stacks: 4 allocations\n");
+}
+
 static long arg_value(int argc, char **argv, const char *name, long fallback) {
     for (int i = 1; i + 1 < argc; i++)
         if (strcmp(argv[i], name) == 0)
@@ -408,6 +476,13 @@ int main(int argc, char **argv) {
             fflush(stdout);
             if (read(0, line, sizeof line) < 0)
                 abort();
+        }
+    }
+
+    for (int i = 1; i < argc; i++) {
+        if (strcmp(argv[i], "--stacks") == 0) {
+            wl_stack_tests();
+            return 0;
         }
     }
 

@@ -135,6 +135,118 @@ fn pipeline_throughput() -> Result<Vec<(String, f64)>> {
     Ok(figures)
 }
 
+/// The share of user allocations (and of distinct stacks) whose stack reaches the program's
+/// entry (`__libc_start_main` for the main thread, the thread start for others) unbroken.
+fn stack_reach(memtrace: &Path, data: &Path) -> Result<(f64, f64, u64)> {
+    let out = output(
+        Command::new(memtrace)
+            .args(["report", "--format", "json", "--by", "stack", "--domain", "user", "-i"])
+            .arg(data),
+    )?;
+    let report: serde_json::Value = serde_json::from_str(&out)?;
+    let (mut allocs, mut reaching, mut stacks, mut stacks_reaching) = (0u64, 0u64, 0u64, 0u64);
+    for site in report["sites"].as_array().into_iter().flatten() {
+        let frames = site["frames"].as_array().cloned().unwrap_or_default();
+        if frames.is_empty() {
+            continue;
+        }
+        let n = site["allocs"].as_u64().unwrap_or(0);
+        let reaches = site["truncated"] != true
+            && frames.iter().any(|f| {
+                let name = f["function"].as_str().unwrap_or("");
+                name.starts_with("__libc_start_main") || name == "start_thread" || name.starts_with("clone")
+            });
+        allocs += n;
+        stacks += 1;
+        if reaches {
+            reaching += n;
+            stacks_reaching += 1;
+        }
+    }
+    Ok((reaching as f64 / allocs.max(1) as f64, stacks_reaching as f64 / stacks.max(1) as f64, allocs))
+}
+
+const PYTHON_SCRIPT: &str = "import json, re, collections\n\
+data = [{'k': i, 'v': str(i) * 10, 'l': list(range(i % 50))} for i in range(20000)]\n\
+s = json.dumps(data)\n\
+back = json.loads(s)\n\
+c = collections.Counter(re.findall(r'[0-9]+', s[:200000]))\n\
+print(len(back), len(c))\n";
+
+/// python3 running a small script, recorded with each call graph: how many stacks are whole.
+fn python_stacks(memtrace: &Path, dir: &Path) -> Result<String> {
+    let python = fs::canonicalize("/usr/bin/python3").context("python3 is needed for this figure")?;
+    let mut out = String::from(
+        "| `--call-graph` | allocations | reaching the entry | distinct stacks reaching it |\n| --- | ---: | ---: | ---: |\n",
+    );
+    for graph in ["fp", "dwarf"] {
+        let data = dir.join(format!("python-{graph}.data"));
+        let status = Command::new(memtrace)
+            .args(["record", "-q", "--force", "--call-graph", graph, "-o"])
+            .arg(&data)
+            .arg("--")
+            .arg(&python)
+            .args(["-c", PYTHON_SCRIPT])
+            .stdout(Stdio::null())
+            .status()?;
+        if !status.success() {
+            bail!("recording python3 failed");
+        }
+        let (share, stacks, allocs) = stack_reach(memtrace, &data)?;
+        let _ = writeln!(out, "| {graph} | {allocs} | {:.1} % | {:.1} % |", share * 100.0, stacks * 100.0);
+    }
+    let _ = writeln!(
+        out,
+        "\n{} ({}), no frame pointers, running a small JSON/regex script (in `xtask/src/bench.rs`). A stack \
+         reaches the entry when it is not truncated and passes `__libc_start_main` (or a thread start).",
+        python.display(),
+        version(&python.to_string_lossy(), "--version")
+    );
+    Ok(out)
+}
+
+/// The learned-rule walk against a copy of every stack unwound in userspace (`perf
+/// --call-graph dwarf`'s design), on a short loop (every copy must fit in the rings).
+fn unwinding_designs(memtrace: &Path, nofp_workload: &Path, dir: &Path) -> Result<String> {
+    const PAIRS: &str = "5000";
+    let data = dir.join("designs.data");
+    let mut out = String::from(
+        "| design | min ns/pair | median ns/pair | stacks whole | stack bytes sent per allocation | lost events |\n| --- | ---: | ---: | ---: | ---: | ---: |\n",
+    );
+    for (graph, name) in [
+        ("dwarf", "rules learned from .eh_frame, walked in the probe (memtrace)"),
+        ("copy", "8 KiB stack copy per allocation, unwound in userspace (perf --call-graph dwarf)"),
+    ] {
+        let mut values = Vec::new();
+        let mut last = serde_json::Value::Null;
+        for _ in 0..RUNS {
+            let mut cmd = Command::new(memtrace);
+            cmd.args(["record", "-q", "--force", "--ring-size", "64M", "--call-graph", graph, "-o"])
+                .arg(&data)
+                .arg("--")
+                .arg(nofp_workload)
+                .args(["--loop", PAIRS]);
+            values.push(run_for_figure(&mut cmd)?);
+            last = serde_json::from_str(&output(
+                Command::new(memtrace).args(["report", "--format", "json", "--domain", "user", "-i"]).arg(&data),
+            )?)?;
+        }
+        let (min, median) = min_median(values);
+        let (share, _, allocs) = stack_reach(memtrace, &data)?;
+        let copies = last["recorder"]["unwind_copies"].as_u64().unwrap_or(0);
+        let copy_bytes = copies as f64 * 8192.0 / allocs.max(1) as f64;
+        let _ = writeln!(
+            out,
+            "| {name} | {min:.0} | {median:.0} | {:.1} % | ≤ {copy_bytes:.0} | {} |",
+            share * 100.0,
+            last["lost_events"]
+        );
+    }
+    let _ =
+        writeln!(out, "\n`--loop {PAIRS}` malloc+free pairs of `alloc_workload_nofp`, {RUNS} runs each, 64 MiB rings.");
+    Ok(out)
+}
+
 pub fn bench() -> Result<()> {
     crate::require_root("bench")?;
     crate::setup()?;
@@ -146,6 +258,7 @@ pub fn bench() -> Result<()> {
     }
     let (memtrace, workloads) = build_release()?;
     let workload = workloads.join("alloc_workload");
+    let nofp_workload = workloads.join("alloc_workload_nofp");
     let dir = target_dir().join("bench");
     fs::create_dir_all(&dir)?;
     let scratch = dir.join("scratch.data");
@@ -186,9 +299,28 @@ pub fn bench() -> Result<()> {
             c.arg("-o").arg(dir.join("heaptrack")).arg(&workload).args(["--loop", TRACED_PAIRS]);
             c
         })?,
-        measure("memtrace record (full capture)", "every allocation and free, stacks, sizes, kernel too", || {
-            traced(&["record", "-q", "--force", "-o", &scratch_str])
-        })?,
+        measure(
+            "memtrace record --call-graph fp",
+            "full capture, user stacks by frame pointers (the fast path; this loop has them)",
+            || traced(&["record", "-q", "--force", "--call-graph", "fp", "-o", &scratch_str]),
+        )?,
+        measure(
+            "memtrace record (full capture)",
+            "every allocation and free, stacks (call-frame information), sizes, kernel too",
+            || traced(&["record", "-q", "--force", "-o", &scratch_str]),
+        )?,
+        measure(
+            "memtrace record, loop built without frame pointers",
+            "same, on alloc_workload_nofp (-fomit-frame-pointer)",
+            || {
+                let mut c = Command::new(&memtrace);
+                c.args(["record", "-q", "--force", "-o", &scratch_str])
+                    .arg("--")
+                    .arg(&nofp_workload)
+                    .args(["--loop", TRACED_PAIRS]);
+                c
+            },
+        )?,
         measure("memtrace record --sample-bytes 512k", "size-weighted sampling", || {
             traced(&["record", "-q", "--force", "--sample-bytes", "512k", "-o", &scratch_str])
         })?,
@@ -217,6 +349,11 @@ pub fn bench() -> Result<()> {
     let (kb_min, kb_med) = min_median(kernel_bare);
     let (kt_min, kt_med) = min_median(kernel_traced);
     let (kn_min, kn_med) = min_median(kernel_traced_no_stacks);
+
+    eprintln!("xtask bench: two unwinding designs on the loop built without frame pointers");
+    let designs = unwinding_designs(&memtrace, &nofp_workload, &dir)?;
+    eprintln!("xtask bench: stacks of python3 (a distribution binary without frame pointers)");
+    let python = python_stacks(&memtrace, &dir)?;
 
     eprintln!("xtask bench: userspace pipeline (criterion)");
     let pipeline = pipeline_throughput()?;
@@ -268,6 +405,17 @@ pub fn bench() -> Result<()> {
         );
     }
     let full = configs.iter().find(|c| c.name.starts_with("memtrace record (full")).unwrap();
+    let fp = configs.iter().find(|c| c.name.contains("--call-graph fp")).unwrap();
+    let nofp = configs.iter().find(|c| c.name.contains("without frame pointers")).unwrap();
+    let _ = writeln!(
+        table,
+        "\nDWARF unwinding adds {:.0} ns per traced allocation over the frame-pointer walk on the same \
+         code ({:.0} vs {:.0} ns/pair, medians); on the build without frame pointers, {:.0} ns/pair.",
+        full.median - fp.median,
+        full.median,
+        fp.median,
+        nofp.median
+    );
     let sampled = configs.iter().find(|c| c.name.contains("sample")).unwrap();
     let entry_only = configs.iter().find(|c| c.name.starts_with("empty entry")).unwrap();
     let mut other = String::new();
@@ -316,7 +464,7 @@ pub fn bench() -> Result<()> {
         record_wall.as_secs_f64(),
         ok(report_wall.as_secs_f64() * 3.0 < record_wall.as_secs_f64()),
     );
-    println!("\n{table}\n{other}\n{targets}");
+    println!("\n{table}\n{designs}\n{python}\n{other}\n{targets}");
 
     let machine = format!(
         "- kernel: {}\n- CPU: {} ({} cores)\n- glibc: {}\n- rustc: {}\n- bpftrace: {}\n- heaptrack: {}\n- memtrace: {}",

@@ -19,7 +19,9 @@ use aya::{
     },
 };
 use aya_obj::generated::bpf_map_type::BPF_MAP_TYPE_RINGBUF;
-use memtrace_common::{Kind, MAX_CPUS, ProbeConfig, TracepointLayout, counter, traced};
+use memtrace_common::{
+    Kind, MAX_CPUS, ProbeConfig, TracepointLayout, UnwindKey, UnwindRule, counter, traced, unwind_mode,
+};
 
 pub use self::allocator::{Allocator, AttachPoint};
 
@@ -39,6 +41,40 @@ pub struct Settings {
     pub follow_children: bool,
     /// Size-weighted sampling of user allocations (mean bytes between samples).
     pub sample_bytes: Option<u64>,
+    pub call_graph: CallGraph,
+}
+
+/// How user stacks are walked.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
+pub enum CallGraph {
+    /// With the call-frame information (`.eh_frame`) of every module: whole stacks whether
+    /// or not the code keeps frame pointers.
+    #[default]
+    Dwarf,
+    /// By frame pointers (the kernel's walk): cheapest, but stops at code built without them.
+    Fp,
+    /// Send a copy of every stack for userspace to unwind, as `perf --call-graph dwarf`
+    /// does (for comparison; costly).
+    #[value(hide = true)]
+    Copy,
+}
+
+impl CallGraph {
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Dwarf => "dwarf",
+            Self::Fp => "fp",
+            Self::Copy => "copy",
+        }
+    }
+
+    fn mode(self) -> u32 {
+        match self {
+            Self::Dwarf => unwind_mode::LEARNED,
+            Self::Fp => unwind_mode::FRAME_POINTERS,
+            Self::Copy => unwind_mode::COPY_ALWAYS,
+        }
+    }
 }
 
 /// A CPU's ring.
@@ -57,6 +93,8 @@ pub struct Counters {
     pub lost_kernel_live: u64,
     pub no_ring: u64,
     pub lost_sampled_live: u64,
+    /// User stacks left truncated at a frame without a rule (copy budget spent).
+    pub unwind_budget: u64,
 }
 
 /// An attachment, so detaching can close them all at once.
@@ -112,7 +150,7 @@ impl Probes {
             trace_all: u32::from(settings.all_processes),
             user_stacks: u32::from(settings.user_stacks),
             kernel_stacks: u32::from(settings.kernel_stacks),
-            _reserved: 0,
+            dwarf_unwind: settings.call_graph.mode(),
             wakeup_bytes: settings.ring_bytes / 4,
             track_kernel_live: u32::from(!settings.all_processes),
             follow_children: u32::from(settings.follow_children),
@@ -143,6 +181,16 @@ impl Probes {
         Ok(())
     }
 
+    /// Installs unwind rules for the probes' user-stack walk.
+    pub fn learn_unwind_rules(&mut self, rules: &[(UnwindKey, UnwindRule)]) -> Result<()> {
+        let mut map: HashMap<_, UnwindKey, UnwindRule> =
+            HashMap::try_from(self.ebpf.map_mut("UNWIND").context("UNWIND map")?)?;
+        for (key, rule) in rules {
+            map.insert(key, rule, 0).context("installing an unwind rule")?;
+        }
+        Ok(())
+    }
+
     /// The tgids currently in the traced set (the targets and, with follow, their children).
     pub fn traced_tgids(&self) -> Result<Vec<u32>> {
         let map: HashMap<_, u32, u32> = HashMap::try_from(self.ebpf.map("TRACED").context("TRACED map")?)?;
@@ -165,6 +213,15 @@ impl Probes {
         self.attach_tracepoint("sched_process_exec", "sched", "sched_process_exec")?;
         self.attach_tracepoint("sched_process_exit", "sched", "sched_process_exit")?;
         self.attach_tracepoint("task_rename", "task", "task_rename")?;
+        Ok(())
+    }
+
+    /// `openat` and `mmap`: which files traced processes map executable (DWARF call
+    /// graphs need them when a process is gone before its maps are read).
+    pub fn attach_mapping_tracepoints(&mut self) -> Result<()> {
+        for name in ["sys_enter_openat", "sys_exit_openat", "sys_enter_mmap", "sys_exit_mmap"] {
+            self.attach_tracepoint(name, "syscalls", name)?;
+        }
         Ok(())
     }
 
@@ -298,6 +355,7 @@ impl Probes {
             lost_kernel_live: sum(counter::LOST_KERNEL_LIVE)?,
             no_ring: sum(counter::NO_RING)?,
             lost_sampled_live: sum(counter::LOST_SAMPLED_LIVE)?,
+            unwind_budget: sum(counter::UNWIND_BUDGET)?,
         })
     }
 }

@@ -93,6 +93,9 @@ pub struct Meta {
     /// Size-weighted sampling period in bytes (None: every allocation recorded).
     #[serde(default)]
     pub sample_bytes: Option<u64>,
+    /// How user stacks were walked: "dwarf" or "fp" (empty in older recordings: fp).
+    #[serde(default)]
+    pub call_graph: String,
 }
 
 /// Counters of the recording (the `Stats` chunk).
@@ -126,6 +129,14 @@ pub struct Stats {
     /// The rings overflowed and sampling was switched on: (from this timestamp, mean bytes).
     #[serde(default)]
     pub sampled_from: Option<(u64, u64)>,
+    /// DWARF call graphs: stack copies unwound by memtrace, rules it taught the probes,
+    /// and stacks left truncated because the ring had no room for a copy.
+    #[serde(default)]
+    pub unwind_copies: u64,
+    #[serde(default)]
+    pub unwind_rules: u64,
+    #[serde(default)]
+    pub unwind_budget_truncated: u64,
 }
 
 /// An object file frames point into, named by build id and path.

@@ -8,7 +8,7 @@ pub mod reorder;
 pub mod spawn;
 
 use std::{
-    collections::HashSet,
+    collections::{HashMap, HashSet},
     ffi::OsString,
     io,
     os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd},
@@ -30,9 +30,10 @@ use tokio::{
 pub use self::record::{RecordOptions, RecordSummary, record};
 use self::{reorder::Reorder, spawn::PausedChild};
 use crate::{
-    event::{Event, Record, StackRecord, decode},
-    probes::{self, Allocator, Counters, Probes},
+    event::{Event, Record, StackRecord, UserWalk, decode},
+    probes::{self, Allocator, CallGraph, Counters, Probes},
     procfs,
+    unwind::{UnwindStats, Unwinder},
 };
 
 /// What to trace.
@@ -58,6 +59,7 @@ pub struct TraceOptions {
     pub quiet: bool,
     /// Size-weighted sampling of user allocations (mean bytes between samples).
     pub sample_bytes: Option<u64>,
+    pub call_graph: CallGraph,
 }
 
 /// Where drained records go.
@@ -68,6 +70,10 @@ pub trait Sink {
     fn event(&mut self, event: Event);
     /// A process just exec'd `filename`: learn its program while it still runs.
     fn exec_seen(&mut self, _pid: u32, _filename: &Path) {}
+    /// A process forked a child, which starts with its address space.
+    fn fork_seen(&mut self, _child: u32, _parent: u32) {}
+    /// User frames will point into this file (by build id) from now on.
+    fn file_seen(&mut self, _path: &Path) {}
 }
 
 /// Events stamped within this long of "now" may still be on their way from another CPU.
@@ -126,6 +132,8 @@ pub struct Tracer {
     followed: HashSet<u32>,
     /// Objects already checked for an allocator.
     checked_objects: HashSet<PathBuf>,
+    /// Programs whose allocator was resolved (exec'd again and again: resolved once).
+    resolved_programs: HashMap<PathBuf, Option<Allocator>>,
     last_scan: Instant,
     last_loss_check: Instant,
     lost_seen: u64,
@@ -136,7 +144,15 @@ pub struct Tracer {
     /// Ring records that did not decode.
     pub decode_errors: u64,
     forwarded_signal: Option<(i32, Instant)>,
+    /// Finishes the stacks the probes' walk could not (DWARF call graphs).
+    unwinder: Option<Unwinder>,
+    /// Stack hashes of events whose stack was finished here → the finished stack's hash.
+    finished_stacks: HashMap<u64, u64>,
 }
+
+/// Finished stacks whose event has not been seen are forgotten beyond this many (the
+/// event was lost).
+const MAX_PENDING_FINISHED: usize = 1 << 16;
 
 impl Tracer {
     /// Checks the target, loads and attaches the probes. A command is forked but waits for
@@ -175,6 +191,7 @@ impl Tracer {
             ring_bytes: options.ring_bytes,
             follow_children: is_command || options.follow_forks,
             sample_bytes: options.sample_bytes,
+            call_graph: options.call_graph,
         })?;
         let mut child = None;
         let target_pid = match &options.target {
@@ -193,6 +210,9 @@ impl Tracer {
         };
         let attached = (|| -> Result<()> {
             probes.attach_task_tracepoints()?;
+            if options.user && options.user_stacks && options.call_graph != CallGraph::Fp {
+                probes.attach_mapping_tracepoints()?;
+            }
             if options.kernel {
                 probes.attach_kernel()?;
             }
@@ -208,12 +228,22 @@ impl Tracer {
             return Err(e);
         }
         let attached_to = target_pid.unwrap_or(0);
+        let mut unwinder = (options.call_graph != CallGraph::Fp && options.user_stacks).then(Unwinder::new);
+        if let (Some(u), Target::Pid(pid)) = (unwinder.as_mut(), &options.target) {
+            u.learn_process(*pid);
+        }
         Ok(Self {
             probes,
             allocators: allocator.iter().cloned().collect(),
             attached: allocator.iter().map(|a| (attached_to, a.file_id)).collect(),
             followed: target_pid.into_iter().collect(),
             checked_objects: HashSet::new(),
+            resolved_programs: program
+                .as_ref()
+                .and_then(|p| std::fs::canonicalize(p).ok())
+                .map(|p| (p, allocator.clone()))
+                .into_iter()
+                .collect(),
             last_scan: Instant::now(),
             last_loss_check: Instant::now(),
             lost_seen: 0,
@@ -227,7 +257,48 @@ impl Tracer {
             cutoff_ns: None,
             decode_errors: 0,
             forwarded_signal: None,
+            unwinder,
+            finished_stacks: HashMap::new(),
         })
+    }
+
+    pub fn unwind_stats(&self) -> Option<UnwindStats> {
+        self.unwinder.as_ref().map(Unwinder::stats)
+    }
+
+    /// A stack record from the probes: finished here first if their walk stopped for want
+    /// of a rule (the rules learned are installed for their next walks).
+    /// Frames found by the call-frame walk are named by build id and file offset here,
+    /// from the maps the unwinder keeps, so they can be symbolized after the process is
+    /// gone.
+    fn on_stack(&mut self, stack: StackRecord, sink: &mut dyn Sink) {
+        let Some(unwinder) = self.unwinder.as_mut() else {
+            sink.stack(stack);
+            return;
+        };
+        let mut stack = match unwinder.finish(&stack) {
+            Some(finished) => {
+                let learned = unwinder.take_learned();
+                // With copies of every stack the probes never look rules up.
+                if self.options.call_graph == CallGraph::Dwarf && !learned.is_empty() {
+                    // A failure only means more copies later.
+                    let _ = self.probes.learn_unwind_rules(&learned);
+                }
+                if self.finished_stacks.len() >= MAX_PENDING_FINISHED {
+                    self.finished_stacks.clear();
+                }
+                self.finished_stacks.insert(finished.event_hash, finished.whole.hash);
+                finished.whole
+            }
+            None => stack,
+        };
+        if stack.walk == UserWalk::CallFrameInfo {
+            unwinder.name_frames(&mut stack);
+            for path in unwinder.take_new_files() {
+                sink.file_seen(&path);
+            }
+        }
+        sink.stack(stack);
     }
 
     /// Lets a paused command exec; says what is traced unless quiet.
@@ -255,6 +326,8 @@ impl Tracer {
     pub fn drain(&mut self, sink: &mut dyn Sink, everything: bool) -> usize {
         let now = monotonic_ns();
         let mut n = 0;
+        // Stacks wait until every ring is read: the mappings they need may be in another.
+        let mut stacks = Vec::new();
         for cpu in 0..self.probes.rings_mut().len() {
             while let Some(record) = {
                 let ring = &mut self.probes.rings_mut()[cpu];
@@ -263,7 +336,12 @@ impl Tracer {
             } {
                 n += 1;
                 match record {
-                    Ok(Record::Stack(s)) => sink.stack(s),
+                    Ok(Record::Stack(s)) => stacks.push(s),
+                    Ok(Record::Mapping(m)) => {
+                        if let Some(u) = self.unwinder.as_mut() {
+                            u.learn_mapping(&m);
+                        }
+                    }
                     Ok(Record::Event(e)) if self.cutoff_ns.is_none_or(|c| e.ts_ns() <= c) => {
                         // New processes are handled at once: the sooner their probes are in
                         // place, the fewer of their first allocations go unseen.
@@ -272,10 +350,20 @@ impl Tracer {
                         {
                             match t.event {
                                 TaskEvent::Exec => {
+                                    // The maps first: a short-lived program may soon be gone.
+                                    if let Some(u) = self.unwinder.as_mut() {
+                                        u.learn_process(t.pid);
+                                    }
                                     sink.exec_seen(t.pid, Path::new(&t.filename));
                                     self.on_exec(t.pid);
                                 }
-                                TaskEvent::Fork => self.on_fork(t.pid),
+                                TaskEvent::Fork => {
+                                    if let Some(u) = self.unwinder.as_mut() {
+                                        u.learn_fork(t.pid, t.ppid);
+                                    }
+                                    sink.fork_seen(t.pid, t.ppid);
+                                    self.on_fork(t.pid);
+                                }
                                 _ => {}
                             }
                         }
@@ -286,10 +374,24 @@ impl Tracer {
                 }
             }
         }
+        for s in stacks {
+            self.on_stack(s, sink);
+        }
+        // An event whose stack was finished here refers to the finished stack.
+        let finished = &mut self.finished_stacks;
+        let mut forward = |mut e: Event| {
+            if !finished.is_empty()
+                && let Event::Alloc(a) = &mut e
+                && let Some(whole) = finished.remove(&a.stack)
+            {
+                a.stack = whole;
+            }
+            sink.event(e);
+        };
         if everything {
-            self.reorder.release_all(&mut |e| sink.event(e));
+            self.reorder.release_all(&mut forward);
         } else {
-            self.reorder.release(now.saturating_sub(REORDER_LAG_NS), &mut |e| sink.event(e));
+            self.reorder.release(now.saturating_sub(REORDER_LAG_NS), &mut forward);
         }
         n
     }
@@ -334,7 +436,14 @@ impl Tracer {
         if matches!(self.options.target, Target::All) && !self.checked_objects.insert(exe.clone()) {
             return; // a program seen before: its allocator is attached for everyone
         }
-        let Ok(allocator) = probes::allocator::for_executable(&exe, &self.options.symbol_prefix) else { return };
+        let canonical = std::fs::canonicalize(&exe).unwrap_or_else(|_| exe.clone());
+        let prefix = &self.options.symbol_prefix;
+        let resolved = self
+            .resolved_programs
+            .entry(canonical)
+            .or_insert_with(|| probes::allocator::for_executable(&exe, prefix).ok())
+            .clone();
+        let Some(allocator) = resolved else { return };
         let scope = if matches!(self.options.target, Target::All) { 0 } else { pid };
         if !self.allocators.iter().any(|a| a.file_id == allocator.file_id) {
             self.allocators.push(allocator.clone());
@@ -619,6 +728,7 @@ pub fn run_baseline(argv: &[OsString], placed: bool, with_return: bool) -> Resul
         ring_bytes: 4096,
         follow_children: false,
         sample_bytes: None,
+        call_graph: CallGraph::Fp,
     })?;
     let mut child = spawn::spawn_paused(argv).map_err(|e| anyhow!(CommandFailed(e)))?;
     if let Err(e) = probes.attach_empty(&allocator, child.pid, placed, with_return) {

@@ -161,7 +161,8 @@ impl Sink for Recorder {
         if self.pids_seen.insert(s.pid) {
             self.modules.learn_process(s.pid);
         }
-        let (user, truncated) = self.modules.resolve_stack(s.pid, &s.user);
+        let (user, cut) = self.modules.resolve_stack(s.pid, &s.user, s.walk);
+        let truncated = s.truncated || cut;
         self.user_frames.extend(user.iter().copied());
         self.kernel_addrs.extend(s.kernel.iter().copied());
         for m in self.modules.take_new() {
@@ -199,6 +200,14 @@ impl Sink for Recorder {
 
     fn exec_seen(&mut self, pid: u32, filename: &Path) {
         self.modules.learn_exec(pid, filename);
+    }
+
+    fn fork_seen(&mut self, child: u32, parent: u32) {
+        self.modules.learn_fork(child, parent);
+    }
+
+    fn file_seen(&mut self, path: &Path) {
+        self.modules.learn_file(path);
     }
 }
 
@@ -328,6 +337,7 @@ pub fn record(opts: RecordOptions) -> Result<RecordSummary> {
         user: opts.trace.user,
         kernel: opts.trace.kernel,
         sample_bytes: opts.trace.sample_bytes,
+        call_graph: if opts.trace.user_stacks { opts.trace.call_graph.name().into() } else { String::new() },
     };
     let writer = Writer::new(BufWriter::with_capacity(1 << 20, file), &meta)
         .with_context(|| format!("writing {}", opts.output.display()))?;
@@ -389,6 +399,9 @@ fn finish(
         },
         end_reason: end_reason.clone(),
         sampled_from: tracer.degraded,
+        unwind_copies: tracer.unwind_stats().map_or(0, |u| u.copies),
+        unwind_rules: tracer.unwind_stats().map_or(0, |u| u.rules),
+        unwind_budget_truncated: counters.unwind_budget,
         ..Default::default()
     };
     recorder.write_symbols();

@@ -19,6 +19,19 @@ pub fn workload() -> PathBuf {
     Path::new(env!("MEMTRACE_WORKLOAD_DIR")).join("alloc_workload")
 }
 
+static MACHINE: std::sync::RwLock<()> = std::sync::RwLock::new(());
+
+/// Held by a test that traces one process: such tests may run side by side.
+pub fn sharing_the_machine() -> std::sync::RwLockReadGuard<'static, ()> {
+    MACHINE.read().unwrap_or_else(|e| e.into_inner())
+}
+
+/// Held by a test that traces the whole machine (`record -a`) and counts exactly: the
+/// other tests' tracers and workloads would be traced too, and a traced tracer falls behind.
+pub fn alone_on_the_machine() -> std::sync::RwLockWriteGuard<'static, ()> {
+    MACHINE.write().unwrap_or_else(|e| e.into_inner())
+}
+
 /// Fails the test with a clear message unless we may load BPF programs.
 pub fn require_root() {
     // SAFETY: geteuid has no preconditions.

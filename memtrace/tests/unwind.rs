@@ -1,0 +1,205 @@
+//! Whole user stacks without frame pointers: the bundled workload built with
+//! `-fomit-frame-pointer` must give the figures of the frame-pointer build, with every frame
+//! up to the thread start; and stacks through a signal handler, through libc calling back
+//! into the program, and deeper than the limit come out whole, or marked truncated.
+mod common;
+
+use std::{
+    path::{Path, PathBuf},
+    sync::OnceLock,
+};
+
+use common::*;
+use serde_json::Value;
+
+fn nofp_workload() -> PathBuf {
+    Path::new(env!("MEMTRACE_WORKLOAD_DIR")).join("alloc_workload_nofp")
+}
+
+const SITES: [&str; 12] = [
+    "wl_malloc",
+    "wl_malloc_large",
+    "wl_calloc",
+    "wl_realloc",
+    "wl_reallocarray",
+    "wl_posix_memalign",
+    "wl_aligned_alloc",
+    "wl_memalign",
+    "wl_valloc",
+    "wl_pvalloc",
+    "wl_mmap",
+    "wl_leak",
+];
+
+/// Records `program` running the default exercise; returns the recording and its manifest.
+fn record_exercise(name: &str, program: &Path, call_graph: &str) -> (PathBuf, Value) {
+    let dir = scratch(name);
+    let data = dir.join("rec.data");
+    let manifest_path = dir.join("manifest.json");
+    run(memtrace()
+        // Room for the stack copies sent while the rules of a fresh process are learned.
+        .args(["record", "-q", "--ring-size", "32M", "--call-graph", call_graph, "-o"])
+        .arg(&data)
+        .arg("--")
+        .arg(program)
+        .args(["--threads", "3", "--iterations", "120", "--leaks", "4", "--manifest"])
+        .arg(&manifest_path));
+    (data, manifest(&manifest_path))
+}
+
+fn function_names(site: &Value) -> Vec<String> {
+    site["frames"].as_array().unwrap().iter().map(|f| f["function"].as_str().unwrap().to_string()).collect()
+}
+
+/// Sums the per-site figures of the sites whose first frame is `function`.
+fn site_figures(report: &Value, function: &str) -> Vec<u64> {
+    let sites: Vec<&Value> =
+        report["sites"].as_array().unwrap().iter().filter(|s| s["frames"][0]["function"] == function).collect();
+    assert!(!sites.is_empty(), "no site {function}");
+    FIGURES.iter().map(|f| sites.iter().map(|s| s[*f].as_u64().unwrap()).sum()).collect()
+}
+
+#[test]
+fn without_frame_pointers_the_figures_and_whole_stacks_match_the_frame_pointer_build() {
+    require_root();
+    let (fp_data, fp_manifest) = record_exercise("unwind-fp", &workload(), "fp");
+    let (data, manifest) = record_exercise("unwind-nofp", &nofp_workload(), "dwarf");
+
+    // The same figures per site: against the workload's own counts, and between the builds.
+    let fp_report = report_json(&fp_data, &["--by", "site", "--domain", "user"]);
+    let report = report_json(&data, &["--by", "site", "--domain", "user"]);
+    for function in SITES {
+        let want: Vec<u64> = FIGURES
+            .iter()
+            .map(|f| {
+                manifest["sites"].as_array().unwrap().iter().find(|s| s["function"] == function).unwrap()[*f]
+                    .as_u64()
+                    .unwrap()
+            })
+            .collect();
+        let fp_want: Vec<u64> = FIGURES
+            .iter()
+            .map(|f| {
+                fp_manifest["sites"].as_array().unwrap().iter().find(|s| s["function"] == function).unwrap()[*f]
+                    .as_u64()
+                    .unwrap()
+            })
+            .collect();
+        // Both exact against what each build counted; the builds do the same work (glibc's
+        // usable sizes may differ between any two runs: its mmap threshold moves with timing).
+        assert_eq!(site_figures(&report, function), want, "{function} without frame pointers");
+        assert_eq!(site_figures(&fp_report, function), fp_want, "{function} with frame pointers");
+        let same_work = |v: &[u64]| [v[0], v[1], v[2], v[4], v[5]];
+        assert_eq!(same_work(&want), same_work(&fp_want), "{function}: the two builds do the same work");
+    }
+
+    // Every stack of every site, whole: the site, its caller, the thread start.
+    let stacks = report_json(&data, &["--by", "stack", "--domain", "user"]);
+    assert_eq!(stacks["stacks"]["user"]["allocs_truncated"], 0, "{:#}", stacks["stacks"]);
+    let mut seen = 0;
+    for s in stacks["sites"].as_array().unwrap() {
+        let names = function_names(s);
+        if !SITES.contains(&names[0].as_str()) {
+            continue;
+        }
+        seen += 1;
+        assert_eq!(names[1..], ["exercise", "start_thread", "clone3"], "{names:?}");
+        assert_eq!(s["truncated"], false, "{names:?}");
+    }
+    assert!(seen >= SITES.len(), "{seen} stacks");
+
+    // The frame-pointer walk of the same code, for contrast, stops after the first frame or
+    // two (what users of frame-pointer tracers see).
+    let (fp_walk_of_nofp, _) = {
+        let dir = scratch("unwind-fp-walk");
+        let data = dir.join("rec.data");
+        run(memtrace()
+            .args(["record", "-q", "--call-graph", "fp", "-o"])
+            .arg(&data)
+            .arg("--")
+            .arg(nofp_workload())
+            .args(["--threads", "1", "--iterations", "20"]));
+        (data, ())
+    };
+    let fp_stacks = report_json(&fp_walk_of_nofp, &["--by", "stack", "--domain", "user"]);
+    let whole = fp_stacks["sites"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|s| SITES.contains(&s["frames"][0]["function"].as_str().unwrap_or("")))
+        .filter(|s| function_names(s).ends_with(&["exercise".into(), "start_thread".into(), "clone3".into()]))
+        .count();
+    assert_eq!(whole, 0, "frame pointers cannot walk code built without them");
+}
+
+/// One recording of `--stacks` without frame pointers, shared by the tests below.
+fn stacks_recording() -> &'static Value {
+    static REPORT: OnceLock<Value> = OnceLock::new();
+    REPORT.get_or_init(|| {
+        require_root();
+        let dir = scratch("unwind-stacks");
+        let data = dir.join("rec.data");
+        run(memtrace().args(["record", "-q", "-o"]).arg(&data).arg("--").arg(nofp_workload()).arg("--stacks"));
+        report_json(&data, &["--by", "stack", "--domain", "user"])
+    })
+}
+
+fn stack_of_size(bytes: u64) -> (Vec<String>, bool) {
+    let report = stacks_recording();
+    let s = report["sites"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|s| s["bytes_req"] == bytes)
+        .unwrap_or_else(|| panic!("no {bytes}-byte allocation in {report:#}"));
+    (function_names(s), s["truncated"].as_bool().unwrap())
+}
+
+/// The program's entry, innermost last.
+const FROM_MAIN: [&str; 4] = ["main", "__libc_start_call_main", "__libc_start_main_impl", "_start"];
+
+#[test]
+fn a_stack_through_a_signal_handler_continues_in_the_interrupted_code() {
+    let (names, truncated) = stack_of_size(111);
+    assert!(!truncated, "{names:?}");
+    assert_eq!(names[..2], ["wl_signal_alloc", "on_signal"], "{names:?}");
+    // Past the kernel's signal frame: the code raise() was running, then its callers.
+    let raise = names.iter().position(|n| n == "wl_raise_site").unwrap_or_else(|| panic!("{names:?}"));
+    assert!(raise > 3, "{names:?}");
+    assert_eq!(names[raise + 1..raise + 2], ["wl_stack_tests"], "{names:?}");
+    assert!(names.ends_with(&FROM_MAIN.map(String::from)), "{names:?}");
+}
+
+#[test]
+fn a_stack_through_libc_calling_back_into_the_program_is_whole() {
+    // The comparator (frame pointers or not) called from qsort's merge sort (libc, no frame
+    // pointers), called from the program: a mixed stack.
+    let (names, truncated) = stack_of_size(222);
+    assert!(!truncated, "{names:?}");
+    assert_eq!(names[0], "wl_sort_compare");
+    assert!(names.iter().any(|n| n.contains("qsort")), "{names:?}");
+    let site = names.iter().position(|n| n == "wl_sort_site").unwrap_or_else(|| panic!("{names:?}"));
+    assert_eq!(names[site + 1], "wl_stack_tests", "{names:?}");
+    assert!(names.ends_with(&FROM_MAIN.map(String::from)), "{names:?}");
+}
+
+#[test]
+fn deep_stacks_are_whole_up_to_the_limit_and_marked_truncated_beyond() {
+    // 100 recursive calls: 1 + 101 + 1 + 4 = 107 frames, all there.
+    let (names, truncated) = stack_of_size(333);
+    assert!(!truncated, "{names:?}");
+    assert_eq!(names[0], "wl_deep_alloc");
+    assert_eq!(names.iter().filter(|n| *n == "wl_recurse").count(), 101);
+    assert!(
+        names.ends_with(
+            &["wl_stack_tests".to_string()].into_iter().chain(FROM_MAIN.map(String::from)).collect::<Vec<_>>()
+        )
+    );
+    // 200: cut at 127 frames, and said so.
+    let (names, truncated) = stack_of_size(444);
+    assert!(truncated, "{names:?}");
+    assert_eq!(names.len(), memtrace_common::MAX_STACK_DEPTH);
+    assert!(names[1..].iter().all(|n| n == "wl_recurse"), "{names:?}");
+    let report = stacks_recording();
+    assert_eq!(report["stacks"]["user"]["allocs_truncated"], 1, "{:#}", report["stacks"]);
+}
