@@ -493,7 +493,9 @@ pub fn bench() -> Result<()> {
          everything below in one session; rerun it to reproduce. Ratios compare figures of the same run.\n\n\
          ## Machine\n\n{machine}\n\n## Per malloc+free pair\n\nThe bundled workload's loop (`alloc_workload --loop N`: \
          malloc(32) then free, {TRACED_PAIRS} pairs traced, {BARE_PAIRS} bare); {RUNS} runs each; the added cost \
-         is the median minus the bare median.\n\n{table}\n## Other figures\n\n{other}\n## Targets\n\n{targets}\n{notes}"
+         is the median minus the bare median.\n\n{table}\n## Two designs for whole stacks without frame pointers\n\n\
+         {designs}\n## Stacks of a distribution binary\n\n{python}\n## Other figures\n\n{other}\n## Targets\n\n\
+         {targets}\n{notes}"
     );
     fs::write(workspace_root().join("BENCHMARKS.md"), doc)?;
     eprintln!("xtask bench: wrote BENCHMARKS.md");
