@@ -166,34 +166,10 @@ impl ModuleUnwind {
     fn index(&mut self) {
         let mut spans = Vec::new();
         if let Some(eh) = &self.eh_frame {
-            let mut entries = eh.entries(&self.bases);
-            while let Ok(Some(entry)) = entries.next() {
-                if let CieOrFde::Fde(partial) = entry
-                    && let Ok(fde) = partial.parse(EhFrame::cie_from_offset)
-                {
-                    spans.push(Span {
-                        start: fde.initial_address(),
-                        end: fde.end_address(),
-                        offset: fde.offset(),
-                        in_debug_frame: false,
-                    });
-                }
-            }
+            fde_spans(eh, &self.bases, false, &mut spans);
         }
         if let Some(debug) = &self.debug_frame {
-            let mut entries = debug.entries(&self.bases);
-            while let Ok(Some(entry)) = entries.next() {
-                if let CieOrFde::Fde(partial) = entry
-                    && let Ok(fde) = partial.parse(DebugFrame::cie_from_offset)
-                {
-                    spans.push(Span {
-                        start: fde.initial_address(),
-                        end: fde.end_address(),
-                        offset: fde.offset(),
-                        in_debug_frame: true,
-                    });
-                }
-            }
+            fde_spans(debug, &self.bases, true, &mut spans);
         }
         spans.sort_by_key(|s| (s.start, s.in_debug_frame));
         self.spans = spans;
@@ -267,6 +243,22 @@ impl ModuleUnwind {
             return UnwindRule { kind: unwind_kind::OUTERMOST, ..STOP };
         }
         STOP
+    }
+}
+
+fn fde_spans<S: UnwindSection<Slice>>(section: &S, bases: &BaseAddresses, in_debug_frame: bool, out: &mut Vec<Span>) {
+    let mut entries = section.entries(bases);
+    while let Ok(Some(entry)) = entries.next() {
+        if let CieOrFde::Fde(partial) = entry
+            && let Ok(fde) = partial.parse(S::cie_from_offset)
+        {
+            out.push(Span {
+                start: fde.initial_address(),
+                end: fde.end_address(),
+                offset: fde.offset(),
+                in_debug_frame,
+            });
+        }
     }
 }
 
