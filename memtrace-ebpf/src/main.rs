@@ -290,6 +290,9 @@ struct UserRegs {
     bp: u64,
     /// `ip` is the exact instruction, not a return address.
     exact: bool,
+    /// The return address the uprobe trampoline hides on this stack while an allocator call
+    /// runs (0: none).
+    hidden_return: u64,
 }
 
 impl UserRegs {
@@ -298,7 +301,8 @@ impl UserRegs {
     fn of_return(ctx: &RetProbeContext) -> Self {
         let r = regs(ctx);
         // SAFETY: ctx is the return probe's pt_regs.
-        unsafe { Self { ip: (*r).rip, sp: (*r).rsp, bp: (*r).rbp, exact: false } }
+        // After the return nothing on the stack is hidden by the uprobe trampoline.
+        unsafe { Self { ip: (*r).rip, sp: (*r).rsp, bp: (*r).rbp, exact: false, hidden_return: 0 } }
     }
 
     /// The registers the current task entered the kernel with (None for kernel threads).
@@ -317,7 +321,13 @@ impl UserRegs {
         if ip == 0 || ip >= 1 << 47 {
             return None;
         }
-        Some(Self { ip, sp, bp, exact: true })
+        let (id, _, _) = pid_tgid();
+        // SAFETY: copied out at once.
+        let hidden_return = match unsafe { INFLIGHT.get(id) } {
+            Some(s) if s.depth == 0 => s.ret_addr,
+            _ => 0,
+        };
+        Some(Self { ip, sp, bp, exact: true, hidden_return })
     }
 }
 
@@ -478,17 +488,11 @@ extern "C" fn walk_step(index: u64, state: *mut c_void) -> i64 {
 /// rule) and the hash.
 #[inline(always)]
 fn walk_user_dwarf(scratch: &mut Scratch, tgid: u32, regs: UserRegs, hash: u64) -> (usize, u8, u64) {
-    let (id, _, _) = pid_tgid();
-    // SAFETY: copied out at once.
-    let ret_addr = match unsafe { INFLIGHT.get(id) } {
-        Some(s) if s.depth == 0 => s.ret_addr,
-        _ => 0,
-    };
     let mut st = WalkState {
         ip: regs.ip,
         sp: regs.sp,
         bp: regs.bp,
-        ret_addr,
+        ret_addr: regs.hidden_return,
         hash,
         tgid,
         generation: generation(tgid),

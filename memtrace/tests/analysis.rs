@@ -33,10 +33,6 @@ fn recording() -> &'static (PathBuf, Value) {
     })
 }
 
-fn expected(manifest: &Value, function: &str) -> Value {
-    manifest["sites"].as_array().unwrap().iter().find(|s| s["function"] == function).unwrap().clone()
-}
-
 #[test]
 fn per_site_figures_are_exact_through_symbolized_frames() {
     let (data, manifest) = recording();

@@ -16,21 +16,6 @@ fn nofp_workload() -> PathBuf {
     Path::new(env!("MEMTRACE_WORKLOAD_DIR")).join("alloc_workload_nofp")
 }
 
-const SITES: [&str; 12] = [
-    "wl_malloc",
-    "wl_malloc_large",
-    "wl_calloc",
-    "wl_realloc",
-    "wl_reallocarray",
-    "wl_posix_memalign",
-    "wl_aligned_alloc",
-    "wl_memalign",
-    "wl_valloc",
-    "wl_pvalloc",
-    "wl_mmap",
-    "wl_leak",
-];
-
 /// Records `program` running the default exercise; returns the recording and its manifest.
 fn record_exercise(name: &str, program: &Path, call_graph: &str) -> (PathBuf, Value) {
     let dir = scratch(name);
@@ -68,23 +53,13 @@ fn without_frame_pointers_the_figures_and_whole_stacks_match_the_frame_pointer_b
     // The same figures per site: against the workload's own counts, and between the builds.
     let fp_report = report_json(&fp_data, &["--by", "site", "--domain", "user"]);
     let report = report_json(&data, &["--by", "site", "--domain", "user"]);
-    for function in SITES {
-        let want: Vec<u64> = FIGURES
-            .iter()
-            .map(|f| {
-                manifest["sites"].as_array().unwrap().iter().find(|s| s["function"] == function).unwrap()[*f]
-                    .as_u64()
-                    .unwrap()
-            })
-            .collect();
-        let fp_want: Vec<u64> = FIGURES
-            .iter()
-            .map(|f| {
-                fp_manifest["sites"].as_array().unwrap().iter().find(|s| s["function"] == function).unwrap()[*f]
-                    .as_u64()
-                    .unwrap()
-            })
-            .collect();
+    let sites = manifest_functions(&manifest);
+    assert_eq!(sites.len(), 12);
+    for function in &sites {
+        let function = function.as_str();
+        let want: Vec<u64> = FIGURES.iter().map(|f| expected(&manifest, function)[*f].as_u64().unwrap()).collect();
+        let fp_want: Vec<u64> =
+            FIGURES.iter().map(|f| expected(&fp_manifest, function)[*f].as_u64().unwrap()).collect();
         // Both exact against what each build counted; the builds do the same work (glibc's
         // usable sizes may differ between any two runs: its mmap threshold moves with timing).
         assert_eq!(site_figures(&report, function), want, "{function} without frame pointers");
@@ -99,14 +74,14 @@ fn without_frame_pointers_the_figures_and_whole_stacks_match_the_frame_pointer_b
     let mut seen = 0;
     for s in stacks["sites"].as_array().unwrap() {
         let names = function_names(s);
-        if !SITES.contains(&names[0].as_str()) {
+        if !sites.contains(&names[0]) {
             continue;
         }
         seen += 1;
         assert_eq!(names[1..], ["exercise", "start_thread", "clone3"], "{names:?}");
         assert_eq!(s["truncated"], false, "{names:?}");
     }
-    assert!(seen >= SITES.len(), "{seen} stacks");
+    assert!(seen >= sites.len(), "{seen} stacks");
 
     // The frame-pointer walk of the same code, for contrast, stops after the first frame or
     // two (what users of frame-pointer tracers see).
@@ -126,7 +101,7 @@ fn without_frame_pointers_the_figures_and_whole_stacks_match_the_frame_pointer_b
         .as_array()
         .unwrap()
         .iter()
-        .filter(|s| SITES.contains(&s["frames"][0]["function"].as_str().unwrap_or("")))
+        .filter(|s| sites.iter().any(|f| s["frames"][0]["function"] == f.as_str()))
         .filter(|s| function_names(s).ends_with(&["exercise".into(), "start_thread".into(), "clone3".into()]))
         .count();
     assert_eq!(whole, 0, "frame pointers cannot walk code built without them");

@@ -73,6 +73,16 @@ pub fn manifest(path: &Path) -> Value {
     serde_json::from_str(&std::fs::read_to_string(path).expect("workload manifest")).expect("manifest JSON")
 }
 
+/// What the workload's manifest says of one allocating function.
+pub fn expected(manifest: &Value, function: &str) -> Value {
+    manifest["sites"].as_array().unwrap().iter().find(|s| s["function"] == function).unwrap().clone()
+}
+
+/// The allocating functions the workload's manifest lists.
+pub fn manifest_functions(manifest: &Value) -> Vec<String> {
+    manifest["sites"].as_array().unwrap().iter().map(|s| s["function"].as_str().unwrap().to_string()).collect()
+}
+
 /// The site whose innermost frame is the function `name`.
 pub fn site<'a>(report: &'a Value, name: &str) -> Option<&'a Value> {
     report["sites"].as_array()?.iter().find(|s| s["frames"][0]["function"] == name)
