@@ -1,0 +1,35 @@
+//! The probes' configuration: [`CONFIG`], written by userspace into `.rodata` before load
+//! (so the verifier treats every field as a constant), and the `config!` macro that reads a
+//! field of it, and the `tracepoint_program!` macro that writes the thin entry points.
+use core::ptr::read_volatile;
+
+use memtrace_common::ProbeConfig;
+
+#[unsafe(no_mangle)]
+pub(crate) static CONFIG: ProbeConfig = ProbeConfig::zeroed();
+
+#[inline(always)]
+pub(crate) fn read_config<T: Copy>(field: *const T) -> T {
+    // SAFETY: `field` points into the CONFIG static, which is always valid to read.
+    unsafe { read_volatile(field) }
+}
+
+/// Reads one field of [`CONFIG`] without letting the compiler fold the zeroed initializer.
+macro_rules! config {
+    ($($field:tt)+) => {
+        $crate::config::read_config(core::ptr::addr_of!($crate::config::CONFIG.$($field)+))
+    };
+}
+
+/// A tracepoint program: a thin entry point that runs `$body` (a `try_*` call returning a
+/// `Result`, with `$ctx: &TracePointContext`) and always returns 0 to the kernel.
+macro_rules! tracepoint_program {
+    ($name:ident, |$ctx:ident| $body:expr) => {
+        #[aya_ebpf::macros::tracepoint]
+        pub fn $name(ctx: aya_ebpf::programs::TracePointContext) -> u32 {
+            let $ctx = &ctx;
+            let _ = $body;
+            0
+        }
+    };
+}

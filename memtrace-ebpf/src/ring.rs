@@ -1,0 +1,84 @@
+//! Writing into the per-CPU rings: finding this CPU's ring, reserving and submitting
+//! records with batched wakeups, the loss counters, and the room left for stack copies.
+use core::ffi::c_void;
+
+use aya_ebpf::{
+    bindings::{BPF_RB_AVAIL_DATA, BPF_RB_FORCE_WAKEUP, BPF_RB_NO_WAKEUP, BPF_RB_RING_SIZE},
+    helpers::generated,
+};
+use memtrace_common::counter;
+
+use crate::{
+    maps::{COUNTERS, RINGS, Ring},
+    stack::STACK_RECORD_MAX,
+};
+
+#[inline(always)]
+pub(crate) fn bump(index: u32) {
+    if let Some(slot) = COUNTERS.get_ptr_mut(index) {
+        // SAFETY: per-CPU slot of this CPU; programs on one CPU do not run concurrently.
+        unsafe { *slot += 1 };
+    }
+}
+
+#[inline(always)]
+pub(crate) fn this_ring() -> Option<&'static Ring> {
+    // SAFETY: the helper has no preconditions.
+    let cpu = unsafe { generated::bpf_get_smp_processor_id() };
+    let ring = RINGS.get(cpu);
+    if ring.is_none() {
+        bump(counter::NO_RING);
+    }
+    ring
+}
+
+/// Submit flags: stay quiet until enough data waits, so the reader wakes per batch.
+#[inline(always)]
+pub(crate) fn wakeup_flags(ring: &Ring) -> u64 {
+    let ring_ptr = ring as *const Ring as *mut c_void;
+    // SAFETY: `ring` is a ring buffer map returned by the outer map lookup.
+    let waiting = unsafe { generated::bpf_ringbuf_query(ring_ptr, BPF_RB_AVAIL_DATA as u64) };
+    if waiting >= config!(wakeup_bytes) as u64 { BPF_RB_FORCE_WAKEUP as u64 } else { BPF_RB_NO_WAKEUP as u64 }
+}
+
+/// Reserves a `T` in `ring`, lets `fill` write it, submits it; counts a loss when full.
+#[inline(always)]
+pub(crate) fn emit<T: 'static>(ring: &Ring, fill: impl FnOnce(&mut T)) {
+    emit_waking::<T>(ring, false, fill)
+}
+
+/// As [`emit`]; `wake` wakes the reader at once (new processes: it attaches to them).
+#[inline(always)]
+pub(crate) fn emit_waking<T: 'static>(ring: &Ring, wake: bool, fill: impl FnOnce(&mut T)) {
+    let flags = if wake { BPF_RB_FORCE_WAKEUP as u64 } else { wakeup_flags(ring) };
+    match ring.reserve_untyped::<T>(0) {
+        Some(mut entry) => {
+            // SAFETY: the reservation is size_of::<T>() bytes, 8-byte aligned; every record
+            // type is plain data for which all-zero is valid, so zeroing then filling it
+            // initialises it fully.
+            let record = unsafe {
+                let p = entry.as_mut_ptr();
+                core::ptr::write_bytes(p, 0, 1);
+                &mut *p
+            };
+            fill(record);
+            entry.submit(flags);
+        }
+        None => bump(counter::LOST_EVENTS),
+    }
+}
+
+/// Whether a stack copy may go into `ring`: only while it is less than half full, so
+/// copies (sent while rules are being learned) never crowd out events.
+#[inline(always)]
+pub(crate) fn room_for_copy(ring: &Ring) -> bool {
+    let ring_ptr = ring as *const Ring as *mut c_void;
+    // SAFETY: `ring` is a ring buffer map returned by the outer map lookup.
+    let (waiting, size) = unsafe {
+        (
+            generated::bpf_ringbuf_query(ring_ptr, BPF_RB_AVAIL_DATA as u64),
+            generated::bpf_ringbuf_query(ring_ptr, BPF_RB_RING_SIZE as u64),
+        )
+    };
+    waiting + (STACK_RECORD_MAX as u64) < size / 2
+}

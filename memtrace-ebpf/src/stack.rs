@@ -1,0 +1,324 @@
+//! Stacks: walking the user part (frame pointers or learned rules) and the kernel part,
+//! hashing them, and sending each distinct stack's frames once (with a stack copy when the
+//! user walk missed a rule).
+use core::{ffi::c_void, mem::size_of};
+
+use aya_ebpf::{
+    EbpfContext,
+    bindings::{BPF_F_USER_BUILD_ID, BPF_F_USER_STACK, BPF_NOEXIST, BPF_RB_FORCE_WAKEUP},
+    helpers::{bpf_ktime_get_ns, generated},
+    programs::RetProbeContext,
+};
+use memtrace_common::{
+    KERNEL_STACK_SEED, MAX_STACK_DEPTH, MISS_HASH_MARK, RecordType, StackHeader, UNWIND_COPY_BYTES, USER_STACK_SEED,
+    UnwindMiss, UserFrame, counter, stack_flags, stack_hash_step, unwind_mode,
+};
+
+use crate::{
+    context::scratch,
+    maps::{Ring, STACKS_SENT},
+    ring::{bump, room_for_copy, wakeup_flags},
+    unwind::{UserRegs, walk_user_dwarf},
+};
+
+pub(crate) const USER_FRAMES_BYTES: usize = MAX_STACK_DEPTH * size_of::<UserFrame>();
+pub(crate) const KERNEL_FRAMES_BYTES: usize = MAX_STACK_DEPTH * size_of::<u64>();
+pub(crate) const USER_IPS_BYTES: usize = MAX_STACK_DEPTH * size_of::<u64>();
+/// Where the user part of a stack record may start at the latest (after all kernel frames).
+pub(crate) const USER_PART_MAX_OFF: usize = size_of::<StackHeader>() + KERNEL_FRAMES_BYTES;
+/// Where the miss part of a DWARF stack record may start at the latest.
+pub(crate) const MISS_MAX_OFF: usize = USER_PART_MAX_OFF + USER_IPS_BYTES;
+pub(crate) const FP_RECORD_MAX: usize = USER_PART_MAX_OFF + USER_FRAMES_BYTES;
+pub(crate) const DWARF_RECORD_MAX: usize = MISS_MAX_OFF + size_of::<UnwindMiss>() + UNWIND_COPY_BYTES;
+pub(crate) const STACK_RECORD_MAX: usize =
+    if FP_RECORD_MAX > DWARF_RECORD_MAX { FP_RECORD_MAX } else { DWARF_RECORD_MAX };
+
+/// Per-CPU scratch space: stacks are far larger than the 512-byte BPF stack.
+#[repr(C)]
+pub(crate) struct Scratch {
+    /// User instruction pointers, hashed to name the stack (zero-terminated when shorter).
+    pub(crate) user_ips: [u64; MAX_STACK_DEPTH + 1],
+    /// Where the learned-rule walk stopped for want of a rule.
+    pub(crate) miss: UnwindMiss,
+    /// A stack record being assembled: header, kernel addresses, user frames, miss part.
+    pub(crate) record: [u8; STACK_RECORD_MAX],
+}
+
+/// the frame count.
+#[inline(always)]
+pub(crate) fn walk_user_ips(ctx: *mut c_void, scratch: &mut Scratch) -> usize {
+    // SAFETY: the buffer is at least MAX_STACK_DEPTH u64s long and that size is passed.
+    let n = unsafe {
+        generated::bpf_get_stack(
+            ctx,
+            scratch.user_ips.as_mut_ptr() as *mut c_void,
+            KERNEL_FRAMES_BYTES as u32,
+            BPF_F_USER_STACK as u64,
+        )
+    };
+    scratch.user_ips[MAX_STACK_DEPTH] = 0;
+    if n <= 0 { 0 } else { (n as usize / 8).min(MAX_STACK_DEPTH) }
+}
+
+/// The user part of a stack: frames in `scratch.user_ips`, `stack_flags`, and whether a
+/// copy of the stack goes with it (the walk missed a rule).
+#[derive(Clone, Copy)]
+pub(crate) struct UserPart {
+    pub(crate) n: usize,
+    pub(crate) flags: u8,
+    pub(crate) with_copy: bool,
+}
+
+/// Walks the user stack the configured way: by learned rules from `regs`, or by frame
+/// pointers (`ctx` names the task's registers to `bpf_get_stack`).
+#[inline(always)]
+/// Returns the user part and `hash` continued with its frames.
+pub(crate) fn walk_user(
+    ctx: *mut c_void,
+    scratch: &mut Scratch,
+    tgid: u32,
+    regs: Option<UserRegs>,
+    hash: u64,
+) -> (UserPart, u64) {
+    if config!(dwarf_unwind) != unwind_mode::FRAME_POINTERS {
+        match regs {
+            Some(regs) => {
+                let (n, flags, hash) = walk_user_dwarf(scratch, tgid, regs, hash);
+                (UserPart { n, flags, with_copy: false }, hash)
+            }
+            None => (UserPart { n: 0, flags: 0, with_copy: false }, hash),
+        }
+    } else {
+        let n = walk_user_ips(ctx, scratch);
+        let hash = if n > 0 { hash_words(hash, scratch.user_ips.as_ptr()) } else { hash };
+        (UserPart { n, flags: 0, with_copy: false }, hash)
+    }
+}
+
+/// Hashes the frames of a zero-terminated buffer, up to the first zero. Stopping on the
+/// data rather than on the frame count keeps the count's range unrefined, so the verifier
+/// prunes every exit of the loop into one state.
+#[inline(always)]
+pub(crate) fn hash_words(mut h: u64, words: *const u64) -> u64 {
+    for i in 0..MAX_STACK_DEPTH {
+        // SAFETY: i < MAX_STACK_DEPTH, within the caller's buffer of that many words.
+        let word = unsafe { *words.add(i) };
+        if word == 0 {
+            break;
+        }
+        h = stack_hash_step(h, word);
+    }
+    h
+}
+
+/// For a stack whose walk stopped at a frame without a rule: the hash of a copy sent for
+/// userspace to finish the walk (and learn the rules from), unique to this event; or, when
+/// the ring has no room for it, None: the event keeps the partial stack, marked truncated.
+#[inline(always)]
+pub(crate) fn copy_hash(ring: &Ring, h: u64) -> Option<u64> {
+    if config!(dwarf_unwind) != unwind_mode::COPY_ALWAYS && !room_for_copy(ring) {
+        bump(counter::UNWIND_BUDGET);
+        return None;
+    }
+    // SAFETY: no preconditions.
+    let (now, cpu) = unsafe { (bpf_ktime_get_ns(), generated::bpf_get_smp_processor_id()) };
+    Some(stack_hash_step(stack_hash_step(stack_hash_step(h, MISS_HASH_MARK), now), u64::from(cpu)))
+}
+
+/// The hash, and the user part with whether to send a copy, for a walk that may have missed.
+#[inline(always)]
+pub(crate) fn after_miss(ring: &Ring, hash: u64, user: UserPart) -> (u64, UserPart) {
+    if user.flags & stack_flags::MISS == 0 {
+        return (hash, user);
+    }
+    match copy_hash(ring, hash) {
+        Some(unique) => (unique, UserPart { with_copy: true, ..user }),
+        None => (
+            stack_hash_step(hash, MISS_HASH_MARK),
+            UserPart { n: user.n, flags: (user.flags & !stack_flags::MISS) | stack_flags::TRUNCATED, with_copy: false },
+        ),
+    }
+}
+
+/// Writes the stack record for `hash` (header and kernel part already in
+/// `scratch.record`) and sends it, unless it was sent before. Frame-pointer stacks get
+/// their frames with build ids from the kernel; learned-rule stacks get their addresses,
+/// and with `with_copy` the miss registers and a copy of the stack from there.
+#[inline(always)]
+pub(crate) fn send_stack_once(
+    ctx: *mut c_void,
+    ring: &Ring,
+    scratch: &mut Scratch,
+    hash: u64,
+    pid: u32,
+    n_kernel: usize,
+    user: UserPart,
+) {
+    let with_copy = user.with_copy;
+    if !with_copy {
+        // SAFETY: value is a plain byte.
+        if unsafe { STACKS_SENT.get(hash) }.is_some() {
+            return;
+        }
+        if STACKS_SENT.insert(hash, 1u8, BPF_NOEXIST as u64).is_err() {
+            return; // another CPU is sending it
+        }
+    }
+    let n_kernel = n_kernel.min(MAX_STACK_DEPTH);
+    let user_off = size_of::<StackHeader>() + n_kernel * 8;
+    if user_off > USER_PART_MAX_OFF {
+        return;
+    }
+    let mut n_user_frames = 0usize;
+    let mut len = user_off;
+    if user.flags & stack_flags::USER_IPS != 0 {
+        let n = user.n.min(MAX_STACK_DEPTH);
+        let bytes = (n * 8) as u32;
+        // One copy rather than a loop the verifier would walk frame by frame.
+        // SAFETY: user_off + USER_IPS_BYTES <= STACK_RECORD_MAX and bytes <= USER_IPS_BYTES;
+        // the source is this CPU's scratch array.
+        unsafe {
+            generated::bpf_probe_read_kernel(
+                scratch.record.as_mut_ptr().add(user_off) as *mut c_void,
+                bytes.min(USER_IPS_BYTES as u32),
+                scratch.user_ips.as_ptr() as *const c_void,
+            )
+        };
+        n_user_frames = n;
+        len = user_off + n * 8;
+        if with_copy && len <= MISS_MAX_OFF {
+            len += append_stack_copy(scratch, len);
+        }
+    } else if user.n > 0 {
+        // SAFETY: user_off + USER_FRAMES_BYTES <= STACK_RECORD_MAX, checked above.
+        let n = unsafe {
+            generated::bpf_get_stack(
+                ctx,
+                scratch.record.as_mut_ptr().add(user_off) as *mut c_void,
+                USER_FRAMES_BYTES as u32,
+                (BPF_F_USER_STACK | BPF_F_USER_BUILD_ID) as u64,
+            )
+        };
+        if n > 0 {
+            n_user_frames = (n as usize / size_of::<UserFrame>()).min(MAX_STACK_DEPTH);
+        }
+        len = user_off + n_user_frames * size_of::<UserFrame>();
+    }
+    let header = StackHeader {
+        rtype: RecordType::Stack as u8,
+        flags: user.flags,
+        n_kernel: n_kernel as u8,
+        n_user: n_user_frames as u8,
+        pid,
+        hash,
+    };
+    // SAFETY: the record buffer starts with room for a header; unaligned-safe write.
+    unsafe { core::ptr::write_unaligned(scratch.record.as_mut_ptr() as *mut StackHeader, header) };
+    if len > STACK_RECORD_MAX {
+        return;
+    }
+    let ring_ptr = ring as *const Ring as *mut c_void;
+    // A copy waits for userspace to learn from it: wake the reader at once.
+    let flags = if with_copy { BPF_RB_FORCE_WAKEUP as u64 } else { wakeup_flags(ring) };
+    // SAFETY: `len` bytes of the per-CPU record buffer are initialised and in bounds.
+    let ret = unsafe {
+        generated::bpf_ringbuf_output(ring_ptr, scratch.record.as_mut_ptr() as *mut c_void, len as u64, flags)
+    };
+    if ret != 0 {
+        if !with_copy {
+            let _ = STACKS_SENT.remove(hash);
+        }
+        bump(counter::LOST_STACKS);
+    }
+}
+
+/// Appends `scratch.miss` and a copy of the user stack from its stack pointer to the
+/// record at `off`; returns the bytes added. Near the top of a stack the full length is
+/// not mapped: the copy then ends where the mapping does.
+#[inline(always)]
+pub(crate) fn append_stack_copy(scratch: &mut Scratch, off: usize) -> usize {
+    let copy_off = off + size_of::<UnwindMiss>();
+    if copy_off > MISS_MAX_OFF + size_of::<UnwindMiss>() {
+        return 0;
+    }
+    let sp = scratch.miss.sp;
+    let to_page_end = 4096 - (sp & 4095) as u32;
+    let mut copied = 0u32;
+    for want in [UNWIND_COPY_BYTES as u32, to_page_end + 4096, to_page_end] {
+        let want = want.min(UNWIND_COPY_BYTES as u32);
+        // SAFETY: copy_off + UNWIND_COPY_BYTES <= STACK_RECORD_MAX; `want` is at most that.
+        let ret = unsafe {
+            generated::bpf_probe_read_user(
+                scratch.record.as_mut_ptr().add(copy_off) as *mut c_void,
+                want,
+                sp as *const c_void,
+            )
+        };
+        if ret == 0 {
+            copied = want;
+            break;
+        }
+    }
+    scratch.miss.copy_len = copied;
+    // SAFETY: off + size_of::<UnwindMiss>() = copy_off, within the buffer.
+    unsafe { core::ptr::write_unaligned(scratch.record.as_mut_ptr().add(off) as *mut UnwindMiss, scratch.miss) };
+    size_of::<UnwindMiss>() + copied as usize
+}
+
+/// Hash of the user stack of the current task, sending its frames if new.
+#[inline(always)]
+pub(crate) fn user_stack(ctx: &RetProbeContext, ring: &Ring, pid: u32) -> Option<u64> {
+    if config!(user_stacks) == 0 {
+        return None;
+    }
+    let scratch = scratch()?;
+    let seed = stack_hash_step(USER_STACK_SEED, pid as u64);
+    let (user, hash) = walk_user(ctx.as_ptr(), scratch, pid, Some(UserRegs::of_return(ctx)), seed);
+    if user.n == 0 {
+        return None;
+    }
+    let (hash, user) = after_miss(ring, hash, user);
+    send_stack_once(ctx.as_ptr(), ring, scratch, hash, pid, 0, user);
+    Some(hash)
+}
+
+/// Hash of the kernel stack joined with the user stack of the task it runs for.
+#[inline(always)]
+pub(crate) fn kernel_stack(ctx: *mut c_void, ring: &Ring, pid: u32) -> Option<u64> {
+    if config!(kernel_stacks) == 0 {
+        return None;
+    }
+    let scratch = scratch()?;
+    let kernel_off = size_of::<StackHeader>();
+    // SAFETY: kernel_off + KERNEL_FRAMES_BYTES <= STACK_RECORD_MAX.
+    let n = unsafe {
+        generated::bpf_get_stack(
+            ctx,
+            scratch.record.as_mut_ptr().add(kernel_off) as *mut c_void,
+            KERNEL_FRAMES_BYTES as u32,
+            0,
+        )
+    };
+    let n_kernel = if n <= 0 { 0 } else { (n as usize / 8).min(MAX_STACK_DEPTH) };
+    let mut hash = stack_hash_step(KERNEL_STACK_SEED, pid as u64);
+    if n_kernel > 0 {
+        // SAFETY: the kernel frames were just written (zero-padded) at kernel_off.
+        hash = hash_words(hash, unsafe { scratch.record.as_ptr().add(kernel_off) } as *const u64);
+    }
+    // Separates the kernel part from the user part.
+    hash = stack_hash_step(hash, u64::MAX);
+    let (user, hash) = if pid != 0 && config!(user_stacks) != 0 {
+        let regs =
+            if config!(dwarf_unwind) != unwind_mode::FRAME_POINTERS { UserRegs::of_current_task() } else { None };
+        walk_user(ctx, scratch, pid, regs, hash)
+    } else {
+        (UserPart { n: 0, flags: 0, with_copy: false }, hash)
+    };
+    if n_kernel == 0 && user.n == 0 {
+        return None;
+    }
+    let (hash, user) = after_miss(ring, hash, user);
+    let user = UserPart { flags: user.flags | stack_flags::KERNEL, ..user };
+    send_stack_once(ctx, ring, scratch, hash, pid, n_kernel, user);
+    Some(hash)
+}

@@ -1,0 +1,274 @@
+//! The malloc family, from user space: one entry and one return program for every
+//! allocating function (the attach cookie says which fired) and one entry program for
+//! `free`/`munmap`. Calls the allocator makes to itself are recognised by the stack
+//! pointer and not counted twice; the empty programs are the benchmark's baseline.
+use aya_ebpf::{
+    EbpfContext,
+    bindings::BPF_ANY,
+    helpers::{bpf_ktime_get_ns, bpf_probe_read_user, generated},
+    macros::{uprobe, uretprobe},
+    programs::{ProbeContext, RetProbeContext},
+};
+use memtrace_common::{FreeRecord, InFlight, Kind, RecordType, UserAllocRecord, counter, flags, inflight};
+
+use crate::{
+    context::{is_traced, pid_tgid, read_user_u64, regs},
+    maps::{INFLIGHT, SAMPLED_LIVE},
+    ring::{bump, emit, this_ring},
+    sampling::{sample_hit, sampled_key, sampling_mean},
+    stack::user_stack,
+};
+
+// ---------------------------------------------------------------------------------------
+// User space: the malloc family.
+// ---------------------------------------------------------------------------------------
+
+#[uprobe]
+pub fn alloc_enter(ctx: ProbeContext) -> u32 {
+    let _ = try_alloc_enter(&ctx);
+    0
+}
+
+pub(crate) fn try_alloc_enter(ctx: &ProbeContext) -> Result<(), ()> {
+    let (id, tgid, _) = pid_tgid();
+    if !is_traced(tgid) {
+        return Ok(());
+    }
+    // SAFETY: the helper only reads the attach cookie of this program's link.
+    let cookie = unsafe { generated::bpf_get_attach_cookie(ctx.as_ptr()) };
+    let kind = cookie as u8;
+    let glibc = if cookie & memtrace_common::cookie::GLIBC != 0 { inflight::GLIBC } else { 0 };
+    // SAFETY: ctx is this probe's pt_regs.
+    let sp = unsafe { (*regs(ctx)).rsp };
+    // SAFETY: the value is copied out and written back whole.
+    if let Some(state) = INFLIGHT.get_ptr_mut(id) {
+        let state = unsafe { &mut *state };
+        if sp < state.sp {
+            // Called from inside another allocator call (realloc → malloc): not the user's.
+            state.depth += 1;
+            return Ok(());
+        }
+        if sp == state.sp {
+            // A tail call at the same depth (realloc(NULL, n) jumping to malloc,
+            // reallocarray to realloc): the call the user made, and its sampling decision,
+            // stay the outer one's; both return probes fire once, at the same return.
+            return Ok(());
+        }
+        // Otherwise the entry is stale (its return was never seen): replace it.
+    }
+    let arg = |n: usize| -> u64 { ctx.arg::<u64>(n).unwrap_or(0) };
+    let (bytes_req, ptr_arg) = match Kind::from_u8(kind) {
+        Some(Kind::Malloc | Kind::Valloc | Kind::Pvalloc) => (arg(0), 0),
+        Some(Kind::Calloc) => (arg(0).wrapping_mul(arg(1)), 0),
+        Some(Kind::Realloc) => (arg(1), arg(0)),
+        Some(Kind::ReallocArray) => (arg(1).wrapping_mul(arg(2)), arg(0)),
+        Some(Kind::PosixMemalign) => (arg(2), arg(0)),
+        Some(Kind::AlignedAlloc | Kind::Memalign) => (arg(1), 0),
+        Some(Kind::Mmap) => (arg(1), 0),
+        _ => return Err(()),
+    };
+    let mut sampling = inflight::SAMPLE_NEW | inflight::OLD_SAMPLED;
+    let mean = sampling_mean();
+    if mean != 0 {
+        let has_old = ptr_arg != 0 && matches!(Kind::from_u8(kind), Some(Kind::Realloc | Kind::ReallocArray));
+        // SAFETY: plain byte value.
+        let old_sampled = has_old && unsafe { SAMPLED_LIVE.get(sampled_key(tgid, ptr_arg)) }.is_some();
+        sampling = if sample_hit(bytes_req, mean) { inflight::SAMPLE_NEW } else { 0 }
+            | if old_sampled { inflight::OLD_SAMPLED } else { 0 };
+        if sampling == 0 && !matches!(Kind::from_u8(kind), Some(Kind::Realloc | Kind::ReallocArray)) {
+            // Nothing of this call is recorded: its return finds no state. (realloc keeps
+            // an empty state, so the malloc it may tail-call does not draw a second chance.)
+            return Ok(());
+        }
+    }
+    let state = InFlight {
+        kind,
+        flags: sampling | glibc,
+        _pad: [0; 2],
+        depth: 0,
+        sp,
+        // SAFETY: no preconditions.
+        ts_entry: unsafe { bpf_ktime_get_ns() },
+        bytes_req,
+        ptr_arg,
+        // The return probe plants its trampoline here after this program runs.
+        ret_addr: read_user_u64(sp).unwrap_or(0),
+    };
+    if INFLIGHT.insert(id, state, BPF_ANY as u64).is_err() {
+        bump(counter::LOST_INFLIGHT);
+    }
+    Ok(())
+}
+
+#[uretprobe]
+pub fn alloc_return(ctx: RetProbeContext) -> u32 {
+    let _ = try_alloc_return(&ctx);
+    0
+}
+
+/// glibc's `malloc_usable_size`, from the size word before the block.
+#[inline(always)]
+pub(crate) fn glibc_usable_size(ptr: u64) -> Option<u64> {
+    // SAFETY: reads user memory through the checked helper.
+    let size_word: u64 = unsafe { bpf_probe_read_user((ptr - 8) as *const u64) }.ok()?;
+    let chunk = size_word & !7;
+    let is_mmapped = size_word & 2 != 0;
+    let overhead = if is_mmapped { 16 } else { 8 };
+    chunk.checked_sub(overhead)
+}
+
+pub(crate) fn try_alloc_return(ctx: &RetProbeContext) -> Result<(), ()> {
+    let (id, tgid, tid) = pid_tgid();
+    // SAFETY: copied out at once.
+    let state = *unsafe { INFLIGHT.get(id) }.ok_or(())?;
+    // SAFETY: ctx is the return probe's pt_regs.
+    let sp = unsafe { (*regs(ctx)).rsp };
+    if sp < state.sp + 8 {
+        // The return of a nested allocator call.
+        if let Some(s) = INFLIGHT.get_ptr_mut(id) {
+            // SAFETY: the entry belongs to this thread.
+            unsafe { (*s).depth = (*s).depth.saturating_sub(1) };
+        }
+        return Ok(());
+    }
+    let _ = INFLIGHT.remove(id);
+    if sp != state.sp + 8 {
+        return Ok(()); // stale entry: its return was missed
+    }
+    let kind = Kind::from_u8(state.kind).ok_or(())?;
+    let ret: u64 = ctx.ret();
+    // SAFETY: no preconditions.
+    let now = unsafe { bpf_ktime_get_ns() };
+    let ptr = match kind {
+        Kind::PosixMemalign => {
+            if ret != 0 {
+                return Ok(()); // error code: nothing allocated
+            }
+            // SAFETY: checked read of the caller's result slot.
+            unsafe { bpf_probe_read_user(state.ptr_arg as *const u64) }.map_err(|_| ())?
+        }
+        Kind::Mmap => {
+            if ret as i64 == -1 {
+                return Ok(()); // MAP_FAILED
+            }
+            ret
+        }
+        _ => ret,
+    };
+    let ring = this_ring().ok_or(())?;
+    let is_realloc = matches!(kind, Kind::Realloc | Kind::ReallocArray);
+    let sampling = config!(sample_bytes) != 0;
+    if is_realloc && state.ptr_arg != 0 && state.flags & inflight::OLD_SAMPLED != 0 {
+        if ptr == 0 && state.bytes_req != 0 {
+            return Ok(()); // failed: the old block is untouched
+        }
+        if sampling {
+            let _ = SAMPLED_LIVE.remove(sampled_key(tgid, state.ptr_arg));
+        }
+        // The old block is gone: freed (size 0) or replaced by the new one.
+        emit::<FreeRecord>(ring, |r| {
+            r.rtype = RecordType::Free as u8;
+            r.kind = Kind::Free as u8;
+            r.flags = flags::BY_REALLOC;
+            r.pid = tgid;
+            r.tid = tid;
+            r.ts_ns = state.ts_entry;
+            r.ptr = state.ptr_arg;
+        });
+    }
+    if ptr == 0 || state.flags & inflight::SAMPLE_NEW == 0 {
+        return Ok(());
+    }
+    if sampling && SAMPLED_LIVE.insert(sampled_key(tgid, ptr), 1u8, BPF_ANY as u64).is_err() {
+        bump(counter::LOST_SAMPLED_LIVE);
+    }
+    let stack = user_stack(ctx, ring, tgid);
+    let (bytes_alloc, exact) = if kind == Kind::Mmap {
+        ((state.bytes_req + 4095) & !4095, true)
+    } else if state.flags & inflight::GLIBC != 0 {
+        match glibc_usable_size(ptr) {
+            Some(usable) if usable >= state.bytes_req => (usable, true),
+            _ => (state.bytes_req, false),
+        }
+    } else {
+        (state.bytes_req, false)
+    };
+    emit::<UserAllocRecord>(ring, |r| {
+        r.rtype = RecordType::UserAlloc as u8;
+        r.kind = state.kind;
+        r.flags = if exact { flags::USABLE_EXACT } else { 0 } | if stack.is_some() { flags::HAS_STACK } else { 0 };
+        r.pid = tgid;
+        r.tid = tid;
+        r.bytes_extra = (bytes_alloc - state.bytes_req).min(u32::MAX as u64) as u32;
+        r.ts_ns = now;
+        r.ptr = ptr;
+        r.bytes_req = state.bytes_req;
+        r.stack = stack.unwrap_or(0);
+    });
+    Ok(())
+}
+
+#[uprobe]
+pub fn free_enter(ctx: ProbeContext) -> u32 {
+    let _ = try_free_enter(&ctx);
+    0
+}
+
+pub(crate) fn try_free_enter(ctx: &ProbeContext) -> Result<(), ()> {
+    let ptr: u64 = ctx.arg(0).ok_or(())?;
+    if ptr == 0 {
+        return Ok(());
+    }
+    let (id, tgid, tid) = pid_tgid();
+    if !is_traced(tgid) {
+        return Ok(());
+    }
+    // SAFETY: the helper only reads the attach cookie.
+    let kind = unsafe { generated::bpf_get_attach_cookie(ctx.as_ptr()) } as u8;
+    let sampled_heap = config!(sample_bytes) != 0 && kind == Kind::Free as u8;
+    // Sampled mode: only the frees of sampled blocks matter (most frees stop here).
+    // SAFETY: plain byte value.
+    if sampled_heap && unsafe { SAMPLED_LIVE.get(sampled_key(tgid, ptr)) }.is_none() {
+        return Ok(());
+    }
+    // SAFETY: copied out at once.
+    if let Some(state) = unsafe { INFLIGHT.get(id) } {
+        // SAFETY: ctx is this probe's pt_regs.
+        if unsafe { (*regs(ctx)).rsp } < state.sp {
+            return Ok(()); // the allocator freeing inside realloc: reported by realloc
+        }
+    }
+    if sampled_heap {
+        let _ = SAMPLED_LIVE.remove(sampled_key(tgid, ptr));
+    }
+    let arg = if kind == Kind::Munmap as u8 {
+        let len: u64 = ctx.arg(1).unwrap_or(0);
+        (len.div_ceil(4096)).min(u32::MAX as u64) as u32
+    } else {
+        0
+    };
+    let ring = this_ring().ok_or(())?;
+    emit::<FreeRecord>(ring, |r| {
+        r.rtype = RecordType::Free as u8;
+        r.kind = kind;
+        r.pid = tgid;
+        r.tid = tid;
+        r.arg = arg;
+        // SAFETY: no preconditions.
+        r.ts_ns = unsafe { bpf_ktime_get_ns() };
+        r.ptr = ptr;
+    });
+    Ok(())
+}
+
+/// Benchmark baseline: an empty entry probe (`memtrace bench-baseline`).
+#[uprobe]
+pub fn empty_enter(_ctx: ProbeContext) -> u32 {
+    0
+}
+
+/// Benchmark baseline: an empty return probe.
+#[uretprobe]
+pub fn empty_return(_ctx: RetProbeContext) -> u32 {
+    0
+}
