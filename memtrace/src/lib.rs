@@ -11,6 +11,7 @@ pub mod elf;
 pub mod event;
 pub mod export;
 pub mod live;
+pub mod logging;
 pub mod modules;
 pub mod probes;
 pub mod procfs;

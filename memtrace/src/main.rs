@@ -435,6 +435,7 @@ fn report(args: ReportArgs) -> Result<i32> {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
+    memtrace::logging::init();
     let result = match cli.command {
         Command::Record(args) => record(args),
         Command::Report(args) => report(args),

@@ -321,7 +321,7 @@ pub fn run(opts: TopOptions) -> Result<i32> {
     };
     tracer.end_command();
     let (teardown, _) = tracer.stop(&mut live);
-    let _ = teardown.join();
+    teardown.join();
     result
 }
 

@@ -319,7 +319,7 @@ fn free_probe_address(pid: u32) -> u64 {
 fn kill_9_leaves_no_probe_behind_and_the_target_running() {
     require_root();
     let dir = scratch("kill9");
-    let mut target = Command::new(workload()).args(["--loop-seconds", "6"]).stdout(Stdio::piped()).spawn().unwrap();
+    let mut target = Command::new(workload()).args(["--loop-seconds", "12"]).stdout(Stdio::piped()).spawn().unwrap();
     thread::sleep(Duration::from_millis(200));
     let pid = target.id();
     let probe = free_probe_address(pid);

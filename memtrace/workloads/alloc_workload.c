@@ -14,6 +14,8 @@
  * `record --symbol-prefix mt_` must find in the executable),
  * --stacks (allocations whose stacks test an unwinder: one in a signal handler, one in a
  * qsort comparator called back from libc, one 100 and one 200 calls deep),
+ * --fork-children N (fork N children that each make 10 malloc(77) from wl_child_alloc at once
+ * and exit: a tracer must see a child from its first instruction),
  * --sleep-ms MS (pause before starting), --wait-stdin (start once a line is read from
  * stdin), so a recorder can attach with --pid first.
  *
@@ -31,6 +33,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -451,6 +454,31 @@ NOIPA static void wl_stack_tests(void) {
     printf("stacks: 4 allocations\n");
 }
 
+/* The first thing a forked child does: 10 allocations of 77 bytes, 7 of them freed. */
+NOIPA static void wl_child_alloc(void) {
+    void *p[10];
+    for (int i = 0; i < 10; i++)
+        p[i] = malloc(77);
+    for (int i = 0; i < 7; i++)
+        free(p[i]);
+    sink ^= (uintptr_t)p[9];
+}
+
+static void fork_children(long n) {
+    for (long i = 0; i < n; i++) {
+        pid_t pid = fork();
+        if (pid < 0)
+            abort();
+        if (pid == 0) {
+            wl_child_alloc();
+            _exit(0);
+        }
+    }
+    for (long i = 0; i < n; i++)
+        wait(NULL);
+    printf("fork-children: %ld children x 10 allocations\n", n);
+}
+
 static long arg_value(int argc, char **argv, const char *name, long fallback) {
     for (int i = 1; i + 1 < argc; i++)
         if (strcmp(argv[i], name) == 0)
@@ -528,6 +556,11 @@ int main(int argc, char **argv) {
                 n = strtol(argv[i + 2], NULL, 10);
         wl_dlopen_alloc(dl_malloc, n);
         printf("dlopen: %ld allocations\n", n);
+        return 0;
+    }
+    long children = arg_value(argc, argv, "--fork-children", 0);
+    if (children > 0) {
+        fork_children(children);
         return 0;
     }
     long custom = arg_value(argc, argv, "--custom", 0);

@@ -5,8 +5,9 @@
 pub mod allocator;
 pub mod placement;
 pub mod tracefs;
+pub mod uprobe_multi;
 
-use std::num::NonZeroU32;
+use std::{num::NonZeroU32, os::fd::AsFd as _, thread::JoinHandle};
 
 use anyhow::{Context as _, Result, bail};
 use aya::{
@@ -24,6 +25,7 @@ use memtrace_common::{
 };
 
 pub use self::allocator::{Allocator, AttachPoint};
+use self::uprobe_multi::{AttachPath, MultiLink, MultiSpec};
 
 /// The probes' object, built by build.rs.
 static OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/memtrace"));
@@ -100,14 +102,53 @@ pub struct Counters {
 /// An attachment, so detaching can close them all at once.
 enum Attachment {
     UProbe(&'static str, UProbeLinkId),
+    UProbeMulti(MultiLink),
     TracePoint(&'static str, TracePointLinkId),
 }
+
+/// The programs attached to the malloc family (loaded for multi links when the kernel has
+/// them).
+const ALLOCATOR_PROGRAMS: [&str; 3] = ["alloc_enter", "alloc_return", "free_enter"];
 
 pub struct Probes {
     ebpf: Ebpf,
     rings: Vec<Ring>,
     attachments: Vec<Attachment>,
+    attach_path: AttachPath,
     _logger: Option<aya_log::EbpfLogger<&'static dyn log::Log>>,
+}
+
+/// Probes being detached on background threads.
+pub struct Detaching {
+    threads: Vec<JoinHandle<()>>,
+}
+
+impl Detaching {
+    /// Threads closing links at once: each close waits on its own grace period, and they
+    /// overlap.
+    const THREADS: usize = 16;
+
+    fn start(links: Vec<Box<dyn FnOnce() + Send>>) -> Self {
+        let per_thread = links.len().div_ceil(Self::THREADS).max(1);
+        let mut links = links.into_iter().peekable();
+        let mut threads = Vec::new();
+        while links.peek().is_some() {
+            let batch: Vec<_> = links.by_ref().take(per_thread).collect();
+            threads.push(std::thread::spawn(move || {
+                for close in batch {
+                    close();
+                }
+            }));
+        }
+        Self { threads }
+    }
+
+    /// Waits until every probe is gone.
+    pub fn join(self) {
+        for t in self.threads {
+            let _ = t.join();
+        }
+    }
 }
 
 /// Fails with a one-line explanation unless this process may load tracing programs.
@@ -166,7 +207,14 @@ impl Probes {
         })?;
         let logger = aya_log::EbpfLogger::init(&mut ebpf).ok();
         let rings = install_rings(&mut ebpf, settings.ring_bytes)?;
-        Ok(Self { ebpf, rings, attachments: Vec::new(), _logger: logger })
+        let attach_path = AttachPath::choose();
+        log::debug!("uprobes attach through {}", attach_path.name());
+        Ok(Self { ebpf, rings, attachments: Vec::new(), attach_path, _logger: logger })
+    }
+
+    /// How this session attaches its uprobes.
+    pub fn attach_path(&self) -> AttachPath {
+        self.attach_path
     }
 
     pub fn rings_mut(&mut self) -> &mut [Ring] {
@@ -242,10 +290,16 @@ impl Probes {
     }
 
     fn uprobe(&mut self, name: &'static str) -> Result<&mut UProbe> {
+        let multi = self.attach_path == AttachPath::Multi && ALLOCATOR_PROGRAMS.contains(&name);
         let prog: &mut UProbe =
             self.ebpf.program_mut(name).with_context(|| format!("program {name} missing"))?.try_into()?;
         if prog.fd().is_err() {
-            prog.load().with_context(|| format!("verifying {name}"))?;
+            if multi {
+                prog.load_with_expected_attach_type(aya_obj::generated::bpf_attach_type::BPF_TRACE_UPROBE_MULTI)
+            } else {
+                prog.load()
+            }
+            .with_context(|| format!("verifying {name}"))?;
         }
         Ok(prog)
     }
@@ -253,6 +307,44 @@ impl Probes {
     /// Attaches the malloc-family probes at every point of `allocator`, for one process
     /// (`Some(pid)`, its threads included) or for every process mapping the object.
     pub fn attach_allocator(&mut self, allocator: &Allocator, pid: Option<u32>) -> Result<()> {
+        match self.attach_path {
+            AttachPath::Multi => self.attach_allocator_multi(allocator, pid),
+            AttachPath::PerfEvents => self.attach_allocator_per_probe(allocator, pid),
+        }
+    }
+
+    /// One link per program and file: the entry and return programs at every allocating
+    /// function, the free program at every freeing one.
+    fn attach_allocator_multi(&mut self, allocator: &Allocator, pid: Option<u32>) -> Result<()> {
+        let glibc = if allocator.glibc { memtrace_common::cookie::GLIBC } else { 0 };
+        let mut by_file: std::collections::BTreeMap<&std::path::Path, [Vec<(u64, u64)>; 2]> = Default::default();
+        for point in &allocator.points {
+            let frees = usize::from(matches!(point.kind, Kind::Free | Kind::Munmap));
+            by_file.entry(&point.path).or_default()[frees]
+                .push((point.offset + point.probe_offset, point.kind as u64 | glibc));
+        }
+        for (path, [allocs, frees]) in by_file {
+            for (program, points, retprobe) in
+                [("alloc_enter", &allocs, false), ("alloc_return", &allocs, true), ("free_enter", &frees, false)]
+            {
+                if points.is_empty() {
+                    continue;
+                }
+                let (offsets, cookies): (Vec<u64>, Vec<u64>) = points.iter().copied().unzip();
+                let prog = self.uprobe(program)?;
+                let fd = prog.fd().with_context(|| format!("program {program} not loaded"))?;
+                let link = uprobe_multi::attach(
+                    fd.as_fd(),
+                    &MultiSpec { path, offsets: &offsets, cookies: &cookies, pid, retprobe },
+                )
+                .with_context(|| format!("attaching {program} to {} functions in {}", offsets.len(), path.display()))?;
+                self.attachments.push(Attachment::UProbeMulti(link));
+            }
+        }
+        Ok(())
+    }
+
+    fn attach_allocator_per_probe(&mut self, allocator: &Allocator, pid: Option<u32>) -> Result<()> {
         let scope = match pid.and_then(NonZeroU32::new) {
             Some(pid) => UProbeScope::OneProcess(pid),
             None => UProbeScope::AllProcesses,
@@ -312,16 +404,17 @@ impl Probes {
         Ok(())
     }
 
-    /// Starts detaching every probe on a background thread and returns it; the maps and
-    /// rings stay readable. The kernel waits for an RCU grace period per detach, one after
-    /// another (seconds in all), so the caller finishes its work meanwhile. Uprobes go first:
-    /// they are what costs the traced processes.
-    pub fn detach(&mut self) -> std::thread::JoinHandle<()> {
+    /// Starts detaching every probe on background threads and returns a handle to join;
+    /// the maps and rings stay readable. The kernel waits for an RCU grace period per link
+    /// it closes, so links are closed on parallel threads where the grace periods overlap
+    /// (a multi link holds many probes and costs one); the caller finishes its work
+    /// meanwhile.
+    pub fn detach(&mut self) -> Detaching {
         let mut links: Vec<Box<dyn FnOnce() + Send>> = Vec::new();
-        let mut attachments = std::mem::take(&mut self.attachments);
-        attachments.sort_by_key(|a| matches!(a, Attachment::TracePoint(..)));
+        let attachments = std::mem::take(&mut self.attachments);
         for attachment in attachments {
             match attachment {
+                Attachment::UProbeMulti(link) => links.push(Box::new(move || drop(link))),
                 Attachment::UProbe(name, id) => {
                     if let Some(link) = self.uprobe(name).ok().and_then(|p| p.take_link(id).ok()) {
                         links.push(Box::new(move || drop(link)));
@@ -335,11 +428,7 @@ impl Probes {
                 }
             }
         }
-        std::thread::spawn(move || {
-            for close in links {
-                close();
-            }
-        })
+        Detaching::start(links)
     }
 
     pub fn counters(&self) -> Result<Counters> {

@@ -14,7 +14,6 @@ use std::{
     os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd},
     path::{Path, PathBuf},
     sync::Arc,
-    thread::JoinHandle,
     time::{Duration, Instant},
 };
 
@@ -31,7 +30,7 @@ pub use self::record::{RecordOptions, RecordSummary, record};
 use self::{reorder::Reorder, spawn::PausedChild};
 use crate::{
     event::{Event, Record, StackRecord, UserWalk, decode},
-    probes::{self, Allocator, CallGraph, Counters, Probes},
+    probes::{self, Allocator, CallGraph, Counters, Detaching, Probes, uprobe_multi::AttachPath},
     procfs,
     unwind::{UnwindStats, Unwinder},
 };
@@ -217,7 +216,7 @@ impl Tracer {
                 probes.attach_kernel()?;
             }
             if let Some(allocator) = &allocator {
-                probes.attach_allocator(allocator, target_pid)?;
+                probes.attach_allocator(allocator, probe_scope(&probes, options, target_pid))?;
             }
             Ok(())
         })();
@@ -227,7 +226,7 @@ impl Tracer {
             }
             return Err(e);
         }
-        let attached_to = target_pid.unwrap_or(0);
+        let attached_to = probe_scope(&probes, options, target_pid).unwrap_or(0);
         let mut unwinder = (options.call_graph != CallGraph::Fp && options.user_stacks).then(Unwinder::new);
         if let (Some(u), Target::Pid(pid)) = (unwinder.as_mut(), &options.target) {
             u.learn_process(*pid);
@@ -413,12 +412,17 @@ impl Tracer {
         }
     }
 
-    /// A child of a followed process: the allocators its parent has are its own.
+    /// A child of a followed process: the allocators its parent has are its own. With
+    /// multi links the probes already cover it (the kernel added it to the traced set at
+    /// its fork), from its first instruction.
     fn on_fork(&mut self, pid: u32) {
         if !self.following() {
             return;
         }
         self.followed.insert(pid);
+        if probe_scope(&self.probes, &self.options, Some(pid)).is_none() {
+            return;
+        }
         for allocator in self.allocators.clone() {
             self.attach(pid, &allocator);
         }
@@ -444,7 +448,7 @@ impl Tracer {
             .or_insert_with(|| probes::allocator::for_executable(&exe, prefix).ok())
             .clone();
         let Some(allocator) = resolved else { return };
-        let scope = if matches!(self.options.target, Target::All) { 0 } else { pid };
+        let scope = probe_scope(&self.probes, &self.options, Some(pid)).unwrap_or(0);
         if !self.allocators.iter().any(|a| a.file_id == allocator.file_id) {
             self.allocators.push(allocator.clone());
         }
@@ -574,12 +578,24 @@ impl Tracer {
     /// Stops tracing: events from now on are dropped, the probes detach on a background
     /// thread (join it before exiting), and everything already produced reaches `sink`.
     /// Returns the loss counters.
-    pub fn stop(&mut self, sink: &mut dyn Sink) -> (JoinHandle<()>, Counters) {
+    pub fn stop(&mut self, sink: &mut dyn Sink) -> (Detaching, Counters) {
         self.cutoff_ns = Some(monotonic_ns());
         let teardown = self.probes.detach();
         let counters = self.probes.counters().unwrap_or_default();
         while self.drain(sink, true) > 0 {}
         (teardown, counters)
+    }
+}
+
+/// Which processes a session's allocator probes fire for: `None`, every process (the
+/// probes filter by the traced set in the kernel: `-a`, and with multi links, followed
+/// processes, whose children the kernel adds at fork); else the one process.
+fn probe_scope(probes: &Probes, options: &TraceOptions, pid: Option<u32>) -> Option<u32> {
+    let following = matches!(options.target, Target::Command(_)) || options.follow_forks;
+    match options.target {
+        Target::All => None,
+        _ if following && probes.attach_path() == AttachPath::Multi => None,
+        _ => pid,
     }
 }
 
@@ -739,6 +755,6 @@ pub fn run_baseline(argv: &[OsString], placed: bool, with_return: bool) -> Resul
     let mut status = 0;
     // SAFETY: waits for our own child.
     unsafe { libc::waitpid(child.pid as i32, &mut status, 0) };
-    let _ = probes.detach().join();
+    probes.detach().join();
     Ok(spawn::exit_code(status))
 }

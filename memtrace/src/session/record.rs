@@ -429,6 +429,6 @@ fn finish(
             stats.recorder_peak_rss_bytes as f64 / 1e6,
         );
     }
-    let _ = teardown.join();
+    teardown.join();
     Ok(RecordSummary { exit_code, events, lost_events: counters.lost_events, bytes, end_reason })
 }
