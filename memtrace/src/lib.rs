@@ -7,9 +7,11 @@
 //! frees and aggregates them per stack; [`symbolize`] turns addresses into names; [`report`]
 //! prints what users read.
 pub mod analysis;
+pub mod columns;
 pub mod elf;
 pub mod event;
 pub mod export;
+pub mod grouping;
 pub mod live;
 pub mod modules;
 pub mod probes;
@@ -20,4 +22,5 @@ pub mod session;
 pub mod stacks;
 pub mod symbolize;
 pub mod top;
+pub mod units;
 pub mod unwind;
