@@ -7,6 +7,8 @@
 //! The rows come from [`crate::report::analyze`] grouped by stack, each process apart;
 //! [`pprof`] encodes the profile.
 pub mod pprof;
+#[cfg(test)]
+mod tests;
 
 use std::{collections::BTreeMap, io::Write};
 

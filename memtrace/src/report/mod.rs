@@ -10,6 +10,8 @@ pub mod analyze;
 pub mod json;
 pub mod load;
 pub mod options;
+#[cfg(test)]
+pub(crate) mod tests;
 pub mod text;
 
 pub use self::{
