@@ -88,11 +88,11 @@ pub fn render_text(a: &Summary, opts: &ReportOptions) -> String {
         }
         let _ = writeln!(
             out,
-            "{} stacks: {} of {} allocations cut short ({:.1}%, {} distinct stacks; walked by {})",
+            "{} stacks: {} of {} allocations cut short ({}, {} distinct stacks; walked by {})",
             domain_name(*domain),
             count(c.allocs_truncated),
             count(c.allocs_with_stack),
-            100.0 * c.allocs_truncated as f64 / c.allocs_with_stack as f64,
+            percent(100.0 * c.allocs_truncated as f64 / c.allocs_with_stack as f64),
             count(c.stacks_truncated),
             if a.meta.call_graph == "dwarf" { "call-frame information" } else { "frame pointers" },
         );

@@ -102,7 +102,7 @@ pub fn summary(s: &Snapshot, title: &str, status: &str, width: Width) -> Vec<Str
             format!("frees {}/s", rate(s.frees_per_sec)),
             format!("{} requested", bytes_per_sec(s.bytes_per_sec)),
             format!("live {} ({} blocks)", bytes(live), count(live_blocks)),
-            format!("wasted {} ({frag:.1}%)", bytes(alloc.saturating_sub(req))),
+            format!("wasted {} ({})", bytes(alloc.saturating_sub(req)), percent(frag)),
             format!("lost {}", count(s.lost_events)),
         ],
         width,
