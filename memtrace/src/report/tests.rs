@@ -173,12 +173,16 @@ fn write_recording(path: &std::path::Path) {
     w.finish(&stats).unwrap();
 }
 
-/// The recording, written once per test run.
+/// The recording, written once per test run into the build's directory (always the same
+/// bytes: written aside, then renamed over the previous run's).
 pub(crate) fn recording() -> &'static PathBuf {
     static PATH: OnceLock<PathBuf> = OnceLock::new();
     PATH.get_or_init(|| {
-        let path = std::env::temp_dir().join(format!("memtrace-unit-report-{}.data", std::process::id()));
-        write_recording(&path);
+        let dir = PathBuf::from(env!("OUT_DIR"));
+        let path = dir.join("report-tests.data");
+        let aside = dir.join(format!("report-tests.data.{}", std::process::id()));
+        write_recording(&aside);
+        std::fs::rename(&aside, &path).unwrap();
         path
     })
 }
