@@ -75,49 +75,6 @@ impl Event {
     }
 }
 
-/// One event as a line of text (`memtrace dump`).
-pub struct Line<'a>(pub &'a Event);
-
-impl std::fmt::Display for Line<'_> {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let ts = self.0.ts_ns();
-        write!(f, "{:>6}.{:09} ", ts / 1_000_000_000, ts % 1_000_000_000)?;
-        match self.0 {
-            Event::Alloc(a) => {
-                write!(
-                    f,
-                    "{}/{} cpu{} {} 0x{:x} req={} alloc={} stack={}",
-                    a.pid,
-                    a.tid,
-                    a.cpu,
-                    a.kind.name(),
-                    a.ptr,
-                    a.bytes_req,
-                    a.bytes_alloc,
-                    a.stack
-                )?;
-                if a.kind.is_kernel() {
-                    write!(f, " call_site=0x{:x} gfp=0x{:x} node={}", a.call_site, a.gfp_flags, a.node)?;
-                }
-                Ok(())
-            }
-            Event::Free(x) => {
-                write!(f, "{}/{} cpu{} {} 0x{:x}", x.pid, x.tid, x.cpu, x.kind.name(), x.ptr)?;
-                if x.flags & flags::BY_REALLOC != 0 {
-                    f.write_str(" (realloc)")?;
-                }
-                if x.arg != 0 {
-                    write!(f, " arg={}", x.arg)?;
-                }
-                Ok(())
-            }
-            Event::Task(t) => {
-                write!(f, "{}/{} {:?} comm={} ppid={} {}", t.pid, t.tid, t.event, t.comm, t.ppid, t.filename)
-            }
-        }
-    }
-}
-
 /// A user frame: a position in an object named by build id, or a bare address.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum RawUserFrame {

@@ -4,13 +4,19 @@
 //! own the per-CPU rings; [`event`] decodes ring records; [`session`] drains the rings,
 //! orders events and feeds the [`recording`] writer, with [`unwind`] finishing the user
 //! stacks the probes could not walk alone; [`analysis`] pairs allocations with
-//! frees and aggregates them per stack; [`symbolize`] turns addresses into names; [`report`]
-//! prints what users read.
+//! frees and aggregates them per stack; [`symbolize`] turns addresses into names.
+//!
+//! What users read: [`report`] (analysis of a recording, then text or JSON), [`export`]
+//! (folded stacks, SVG, pprof), [`top`] (live model, full-screen and batch views) and
+//! [`dump`], sharing [`grouping`] (what a row stands for, filters, labels), [`units`] (how
+//! figures read) and [`columns`] (tables that fit the terminal).
 pub mod analysis;
+pub mod columns;
+pub mod dump;
 pub mod elf;
 pub mod event;
 pub mod export;
-pub mod live;
+pub mod grouping;
 pub mod logging;
 pub mod modules;
 pub mod probes;
@@ -21,4 +27,5 @@ pub mod session;
 pub mod stacks;
 pub mod symbolize;
 pub mod top;
+pub mod units;
 pub mod unwind;

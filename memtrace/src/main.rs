@@ -5,11 +5,13 @@ use std::{ffi::OsString, io::Write as _, path::PathBuf, process::ExitCode, time:
 use anyhow::{Result, bail};
 use clap::{Args, Parser, Subcommand};
 use memtrace::{
+    columns::Layout,
     export::{self, ExportFormat, Weight},
-    live::Column,
+    grouping::{DomainFilter, Filters, GroupBy, KindFilter},
     probes::CallGraph,
-    report::{self, DomainFilter, Format, GroupBy, KindFilter, ReportOptions, SortKey},
+    report::{self, Format, ReportColumn, ReportOptions, SortKey},
     session::{self, CommandFailed, RecordOptions, Target, TraceOptions},
+    top::model::{Column, ViewOptions},
 };
 
 #[derive(Parser)]
@@ -79,6 +81,14 @@ struct TopArgs {
     /// Only rows whose name or stack contains this text.
     #[arg(long, default_value = "")]
     filter: String,
+    /// Every column; batch snapshots are not fitted to the terminal (the full-screen view
+    /// shows what fits the screen).
+    #[arg(short, long)]
+    wide: bool,
+    /// These columns, in this order (comma-separated); the domain comes first and the name
+    /// last.
+    #[arg(long, value_enum, value_delimiter = ',')]
+    fields: Vec<Column>,
     /// Live blocks followed at most; beyond, allocations are counted but not followed
     /// (bounds memtrace's memory: about 100 bytes per block).
     #[arg(long, default_value_t = 2_000_000)]
@@ -129,7 +139,8 @@ fn top(args: TopArgs) -> Result<i32> {
         iterations: args.iterations,
         live_limit: args.max_live_blocks,
         rows: args.rows,
-        view: memtrace::live::ViewOptions { by: args.by, domain: args.domain, sort: args.sort, filter: args.filter },
+        view: ViewOptions { by: args.by, domain: args.domain, sort: args.sort, filter: args.filter },
+        layout: Layout::from_flags(args.wide, args.fields),
     })
 }
 
@@ -146,7 +157,14 @@ struct ExportArgs {
     /// What the width of a frame stands for (folded and svg; pprof carries them all).
     #[arg(long, value_enum, default_value_t)]
     weight: Weight,
-    /// Which allocations: user space, kernel, or both.
+    #[command(flatten)]
+    filters: FilterArgs,
+}
+
+/// Which allocations count: the filters `report` and `export` share.
+#[derive(Args)]
+struct FilterArgs {
+    /// Which allocations: user space, kernel, or both side by side.
     #[arg(long, value_enum, default_value_t)]
     domain: DomainFilter,
     /// Only this process.
@@ -155,27 +173,25 @@ struct ExportArgs {
     /// Only processes with this command name.
     #[arg(long)]
     comm: Option<String>,
-    /// Only allocations of at least this many bytes requested.
+    /// Only allocations of at least this many bytes requested (e.g. 4k).
     #[arg(long, value_parser = parse_size)]
     min_size: Option<u64>,
-    /// Only these kinds of allocation.
+    /// Only these kinds of allocation (repeat or comma-separate).
     #[arg(long, value_enum, value_delimiter = ',')]
     kind: Vec<KindFilter>,
 }
 
+impl From<FilterArgs> for Filters {
+    fn from(a: FilterArgs) -> Self {
+        Self { domain: a.domain, pid: a.pid, comm: a.comm, min_size: a.min_size, kinds: a.kind }
+    }
+}
+
 fn export(args: ExportArgs) -> Result<i32> {
-    let opts = ReportOptions {
-        by: GroupBy::Stack,
-        domain: args.domain,
-        pid: args.pid,
-        comm: args.comm,
-        min_size: args.min_size,
-        kinds: args.kind,
-        split_processes: true,
-        ..Default::default()
-    };
-    let analysis = report::analyze(&args.input, &opts)?;
-    for w in &analysis.warnings {
+    let opts =
+        ReportOptions { by: GroupBy::Stack, filters: args.filters.into(), split_processes: true, ..Default::default() };
+    let summary = report::analyze(&args.input, &opts)?;
+    for w in &summary.warnings {
         eprintln!("memtrace: warning: {w}");
     }
     let mut out: Box<dyn std::io::Write> = match &args.output {
@@ -185,9 +201,9 @@ fn export(args: ExportArgs) -> Result<i32> {
         None => Box::new(std::io::BufWriter::new(std::io::stdout().lock())),
     };
     let result = match args.format {
-        ExportFormat::Folded => export::write_folded(&analysis, args.weight, &mut out),
-        ExportFormat::Svg => export::write_svg(&analysis, args.weight, &mut out),
-        ExportFormat::Pprof => export::write_pprof(&analysis, &mut out),
+        ExportFormat::Folded => export::write_folded(&summary, args.weight, &mut out),
+        ExportFormat::Svg => export::write_svg(&summary, args.weight, &mut out),
+        ExportFormat::Pprof => export::write_pprof(&summary, &mut out),
     }
     .and_then(|()| Ok(out.flush()?));
     match result {
@@ -208,19 +224,8 @@ struct DumpArgs {
 
 fn dump(args: DumpArgs) -> Result<i32> {
     let mut out = std::io::BufWriter::new(std::io::stdout().lock());
-    let mut failed = None;
-    report::for_each_event(&args.input, &mut |e| {
-        if failed.is_none()
-            && let Err(err) = writeln!(out, "{}", memtrace::event::Line(&e))
-        {
-            failed = Some(err);
-        }
-    })
-    .map_err(|e| anyhow::anyhow!("{}: {e}", args.input.display()))?;
-    match failed.map_or_else(|| out.flush(), Err) {
-        Err(e) if e.kind() != std::io::ErrorKind::BrokenPipe => bail!("writing: {e}"),
-        _ => Ok(0),
-    }
+    memtrace::dump::dump(&args.input, &mut out)?;
+    Ok(0)
 }
 
 fn parse_duration(s: &str) -> Result<Duration, String> {
@@ -333,27 +338,22 @@ struct ReportArgs {
     /// What a row stands for.
     #[arg(long, value_enum, default_value_t)]
     by: GroupBy,
-    /// Which allocations: user space, kernel, or both side by side.
-    #[arg(long, value_enum, default_value_t)]
-    domain: DomainFilter,
+    #[command(flatten)]
+    filters: FilterArgs,
     /// Column to sort by (largest first).
     #[arg(long, value_enum, default_value_t)]
     sort: SortKey,
     /// Show only the first N rows.
     #[arg(long)]
     top: Option<usize>,
-    /// Only this process.
-    #[arg(long)]
-    pid: Option<u32>,
-    /// Only processes with this command name.
-    #[arg(long)]
-    comm: Option<String>,
-    /// Only allocations of at least this many bytes requested (e.g. 4k).
-    #[arg(long, value_parser = parse_size)]
-    min_size: Option<u64>,
-    /// Only these kinds of allocation (repeat or comma-separate).
+    /// Every column, and lines as long as their names (default: the columns that fit the
+    /// terminal: $COLUMNS, else its width, else 80).
+    #[arg(short, long)]
+    wide: bool,
+    /// These columns, in this order (comma-separated); the domain comes first and the name
+    /// last.
     #[arg(long, value_enum, value_delimiter = ',')]
-    kind: Vec<KindFilter>,
+    fields: Vec<ReportColumn>,
     /// List the blocks still live at the end, grouped by stack, oldest and largest first.
     #[arg(long)]
     leaks: bool,
@@ -408,22 +408,16 @@ fn report(args: ReportArgs) -> Result<i32> {
     let opts = ReportOptions {
         format: args.format,
         by: args.by,
-        domain: args.domain,
+        filters: args.filters.into(),
         sort: args.sort,
         top: args.top,
-        pid: args.pid,
-        comm: args.comm,
-        min_size: args.min_size,
-        kinds: args.kind,
         leaks: args.leaks,
         older_than: args.older_than,
         split_processes: false,
+        layout: Layout::from_flags(args.wide, args.fields),
     };
-    let analysis = report::analyze(&args.input, &opts)?;
-    let text = match opts.format {
-        Format::Text => report::render_text(&analysis, &opts),
-        Format::Json => report::render_json(&analysis, &opts)? + "\n",
-    };
+    let summary = report::analyze(&args.input, &opts)?;
+    let text = report::render(&summary, &opts)?;
     let mut stdout = std::io::stdout().lock();
     if let Err(e) = stdout.write_all(text.as_bytes()).and_then(|()| stdout.flush())
         && e.kind() != std::io::ErrorKind::BrokenPipe

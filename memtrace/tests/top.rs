@@ -14,7 +14,8 @@ fn batch_mode_shows_the_workloads_sites_and_figures() {
     let dir = scratch("top");
     let manifest_path = dir.join("manifest.json");
     let out = run(memtrace()
-        .args(["top", "-b", "-n", "50", "-d", "0.3", "--rows", "40", "--by", "function", "--sort", "allocs", "--"])
+        .args(["top", "-b", "-n", "50", "-d", "0.3", "--rows", "40", "--by", "function", "--sort", "allocs", "--wide"])
+        .arg("--")
         .arg(workload())
         .args(["--threads", "2", "--iterations", "400", "--leaks", "2", "--manifest"])
         .arg(&manifest_path));

@@ -1,7 +1,8 @@
-//! The live state behind `memtrace top`: a session sink that pairs and aggregates events
-//! as they come (with a bounded table of live blocks) and names stacks on demand, and the
-//! snapshots the view shows — per site, function, process or stack, with rates over the
-//! last interval and live-bytes growth since the row first appeared.
+//! `top`'s model: a session sink that pairs and aggregates events as they come (with a
+//! bounded table of live blocks) and names stacks on demand, and the snapshots the views
+//! show — per site, function, process or stack (the grouping vocabulary of
+//! [`crate::grouping`]), filtered, sorted, with rates over the last interval and live-bytes
+//! growth since the row first appeared. No drawing here: see `tui` and `batch`.
 use std::{
     collections::{BTreeMap, HashMap},
     path::Path,
@@ -11,9 +12,9 @@ use std::{
 use crate::{
     analysis::{Analyzer, Domain, Origin, Stats},
     event::{Event, StackRecord},
+    grouping::{DomainFilter, GroupBy, GroupKey, label, matches_text},
     modules::ModuleTable,
     recording::FileStack,
-    report::{DomainFilter, GroupBy},
     session::Sink,
     stacks::{Frame, StackTable},
 };
@@ -34,8 +35,8 @@ pub struct LiveView {
     pub events: u64,
     /// Per display key: allocations and bytes at the previous snapshot, and live bytes when
     /// the row first appeared.
-    previous: HashMap<RowKey, (u64, u64)>,
-    first_live: HashMap<RowKey, u64>,
+    previous: HashMap<GroupKey, (u64, u64)>,
+    first_live: HashMap<GroupKey, u64>,
     last_totals: (u64, u64, u64),
     /// Sampling switched on while running (rings overflowing): (from, mean bytes).
     pub sample_from: Option<(u64, u64)>,
@@ -44,19 +45,10 @@ pub struct LiveView {
     just_reset: bool,
 }
 
-/// What a row stands for.
-#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub enum RowKey {
-    Site(Domain, String, u64),
-    Function(Domain, String),
-    Process(Domain, u32),
-    Stack(Domain, u64, u64),
-}
-
 /// One row of the view.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Row {
-    pub key: RowKey,
+    pub key: GroupKey,
     pub domain: Domain,
     pub label: String,
     pub frames: Vec<Frame>,
@@ -89,38 +81,49 @@ pub struct Snapshot {
     pub rows: Vec<Row>,
 }
 
-/// Columns the view sorts by.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
+/// The figures of a row: what the view sorts by (`--sort`, `s`) and shows (`--fields`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, clap::ValueEnum)]
 pub enum Column {
+    /// ALLOCS/s: allocations per second.
     AllocsPerSec,
+    /// BYTES/s: bytes requested per second.
     #[default]
     BytesPerSec,
+    /// LIVE BYTES: bytes live now.
     Live,
+    /// LIVE: blocks live now.
+    LiveAllocs,
+    /// FRAG: internal fragmentation, percent.
     Frag,
+    /// GROWTH: live bytes now minus when the row appeared.
     Growth,
+    /// ALLOCS: allocations so far.
     Allocs,
 }
 
 impl Column {
-    pub const ALL: [Column; 6] =
-        [Self::AllocsPerSec, Self::BytesPerSec, Self::Live, Self::Frag, Self::Growth, Self::Allocs];
+    /// The order `s` steps through.
+    pub const ALL: [Column; 7] =
+        [Self::AllocsPerSec, Self::BytesPerSec, Self::Live, Self::LiveAllocs, Self::Frag, Self::Growth, Self::Allocs];
 
     pub fn name(self) -> &'static str {
         match self {
             Self::AllocsPerSec => "allocs/s",
             Self::BytesPerSec => "bytes/s",
             Self::Live => "live bytes",
+            Self::LiveAllocs => "live blocks",
             Self::Frag => "frag %",
             Self::Growth => "growth",
             Self::Allocs => "allocs",
         }
     }
 
-    fn value(self, r: &Row) -> f64 {
+    pub fn value(self, r: &Row) -> f64 {
         match self {
             Self::AllocsPerSec => r.allocs_per_sec,
             Self::BytesPerSec => r.bytes_per_sec,
             Self::Live => r.stats.live_bytes_req as f64,
+            Self::LiveAllocs => r.stats.live_allocs as f64,
             Self::Frag => r.stats.frag_pct(),
             Self::Growth => r.growth as f64,
             Self::Allocs => r.stats.allocs as f64,
@@ -170,26 +173,6 @@ impl LiveView {
         *self.stack_ids.entry(hash).or_insert(next)
     }
 
-    fn row_key(&mut self, o: &Origin, by: GroupBy) -> RowKey {
-        let domain = Domain::of(o.kind);
-        match by {
-            GroupBy::Stack => RowKey::Stack(domain, o.stack, o.call_site),
-            GroupBy::Process => RowKey::Process(domain, o.pid),
-            GroupBy::Site | GroupBy::Function => {
-                let frames = self.table.frames(o.stack, o.call_site);
-                let first = match domain {
-                    Domain::User => frames.iter().find(|f| !f.kernel),
-                    Domain::Kernel => frames.first(),
-                };
-                match (first, by) {
-                    (Some(f), GroupBy::Site) => RowKey::Site(domain, f.module.clone(), f.address),
-                    (Some(f), _) => RowKey::Function(domain, f.function.clone()),
-                    (None, _) => RowKey::Site(domain, format!("[no stack: {}]", o.kind.name()), 0),
-                }
-            }
-        }
-    }
-
     /// Computes what to show; `interval` is the time since the previous snapshot.
     pub fn snapshot(&mut self, view: &ViewOptions, interval: Duration, lost_events: u64) -> Snapshot {
         if self.unnamed {
@@ -202,12 +185,12 @@ impl LiveView {
         }
         let secs = interval.as_secs_f64().max(1e-3);
         let origins: Vec<(Origin, u32)> = self.analyzer.origins().map(|(o, g)| (*o, g)).collect();
-        let mut groups: HashMap<RowKey, (Stats, Origin)> = HashMap::new();
+        let mut groups: HashMap<GroupKey, (Stats, Origin)> = HashMap::new();
         for (origin, g) in origins {
             if !view.domain.admits(Domain::of(origin.kind)) {
                 continue;
             }
-            let key = self.row_key(&origin, view.by);
+            let key = GroupKey::of(&origin, view.by, &mut self.table);
             let stats = &self.analyzer.groups[g as usize];
             let entry = groups.entry(key).or_insert_with(|| (Stats::default(), origin));
             entry.0.merge(stats);
@@ -216,18 +199,8 @@ impl LiveView {
         let mut rows = Vec::with_capacity(groups.len());
         for (key, (stats, origin)) in groups {
             let frames = self.table.frames(origin.stack, origin.call_site);
-            let label = match &key {
-                RowKey::Process(_, pid) => {
-                    format!("{} [{pid}]", self.comms.get(pid).map(String::as_str).unwrap_or("?"))
-                }
-                RowKey::Function(_, name) => name.clone(),
-                RowKey::Site(_, module, _) if frames.is_empty() => module.clone(),
-                _ => site_label(Domain::of(origin.kind), &frames),
-            };
-            if !filter.is_empty()
-                && !label.to_lowercase().contains(&filter)
-                && !frames.iter().any(|f| f.function.to_lowercase().contains(&filter))
-            {
+            let label = label(&key, &frames, &self.comms);
+            if !matches_text(&filter, &label, &frames) {
                 continue;
             }
             let baseline = if self.just_reset { (stats.allocs, stats.bytes_req) } else { (0, 0) };
@@ -281,15 +254,6 @@ impl LiveView {
         self.first_live.clear();
         self.just_reset = true;
     }
-}
-
-/// A site as one line: the site frame and two callers.
-pub fn site_label(domain: Domain, frames: &[Frame]) -> String {
-    let first = match domain {
-        Domain::User => frames.iter().position(|f| !f.kernel).unwrap_or(0),
-        Domain::Kernel => 0,
-    };
-    frames[first.min(frames.len())..].iter().take(3).map(|f| f.to_string()).collect::<Vec<_>>().join(" ← ")
 }
 
 impl Sink for LiveView {

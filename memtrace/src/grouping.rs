@@ -1,0 +1,290 @@
+//! The grouping vocabulary shared by `report`, `top` and `export`: what a row stands for
+//! ([`GroupBy`], [`GroupKey`]), which allocations count ([`DomainFilter`], [`KindFilter`],
+//! [`Filters`]), and how a row is named on one line ([`label`]).
+use std::collections::HashMap;
+
+use clap::ValueEnum;
+use memtrace_common::{Kind, Space};
+use serde::Serialize;
+
+use crate::{
+    analysis::{Domain, Origin},
+    stacks::{Frame, StackTable},
+};
+
+/// What a row stands for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, ValueEnum, Default, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum GroupBy {
+    /// The code that called the allocator (first user frame; kernel: the call site).
+    #[default]
+    Site,
+    /// The whole stack.
+    Stack,
+    /// The function containing the call site.
+    Function,
+    /// The process (command name and pid).
+    Process,
+}
+
+impl GroupBy {
+    /// What the rows are, in the plural ("call sites").
+    pub fn plural(self) -> &'static str {
+        match self {
+            Self::Site => "call sites",
+            Self::Stack => "stacks",
+            Self::Function => "functions",
+            Self::Process => "processes",
+        }
+    }
+}
+
+/// A domain as reports and exports name it: `user` or `kernel`.
+pub fn domain_name(d: Domain) -> &'static str {
+    match d {
+        Domain::User => "user",
+        Domain::Kernel => "kernel",
+    }
+}
+
+/// User space, kernel, or both.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, Default)]
+pub enum DomainFilter {
+    User,
+    Kernel,
+    #[default]
+    Both,
+}
+
+impl DomainFilter {
+    pub fn admits(self, d: Domain) -> bool {
+        matches!((self, d), (Self::Both, _) | (Self::User, Domain::User) | (Self::Kernel, Domain::Kernel))
+    }
+}
+
+/// Allocation kinds a report can select.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum KindFilter {
+    /// Every user heap allocation (malloc family).
+    Malloc,
+    Calloc,
+    Realloc,
+    Memalign,
+    Mmap,
+    Kmalloc,
+    /// kmem_cache_alloc.
+    Cache,
+    Page,
+    User,
+    Kernel,
+}
+
+impl KindFilter {
+    pub fn admits(self, k: Kind) -> bool {
+        match self {
+            Self::Malloc => k.space() == Space::Heap,
+            Self::Calloc => k == Kind::Calloc,
+            Self::Realloc => matches!(k, Kind::Realloc | Kind::ReallocArray),
+            Self::Memalign => {
+                matches!(k, Kind::Memalign | Kind::AlignedAlloc | Kind::PosixMemalign | Kind::Valloc | Kind::Pvalloc)
+            }
+            Self::Mmap => k == Kind::Mmap,
+            Self::Kmalloc => k == Kind::Kmalloc,
+            Self::Cache => k == Kind::KmemCacheAlloc,
+            Self::Page => k == Kind::PageAlloc,
+            Self::User => !k.is_kernel(),
+            Self::Kernel => k.is_kernel(),
+        }
+    }
+}
+
+/// Which allocations a report or an export counts.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Filters {
+    pub domain: DomainFilter,
+    /// Only this process.
+    pub pid: Option<u32>,
+    /// Only processes with this command name.
+    pub comm: Option<String>,
+    /// Only allocations of at least this many bytes requested.
+    pub min_size: Option<u64>,
+    /// Only these kinds (none: every kind).
+    pub kinds: Vec<KindFilter>,
+}
+
+impl Filters {
+    /// Whether allocations of this kind count (domain and kinds).
+    pub fn admits_kind(&self, kind: Kind) -> bool {
+        self.domain.admits(Domain::of(kind)) && (self.kinds.is_empty() || self.kinds.iter().any(|k| k.admits(kind)))
+    }
+
+    /// Whether the events of process `pid` count, its command name being in `comms`.
+    pub fn admits_process(&self, pid: u32, comms: &HashMap<u32, String>) -> bool {
+        self.pid.is_none_or(|p| p == pid) && self.comm.as_ref().is_none_or(|c| comms.get(&pid).is_some_and(|n| n == c))
+    }
+
+    /// Whether an allocation of `bytes_req` bytes is large enough to count.
+    pub fn admits_size(&self, bytes_req: u64) -> bool {
+        self.min_size.is_none_or(|m| bytes_req >= m)
+    }
+}
+
+/// What a row is made of: allocations with the same key are one row.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum GroupKey {
+    /// (module, address) of the first frame of the domain; for unknown stacks, the kind as
+    /// `[no stack: kind]` and address 0.
+    Site(Domain, String, u64),
+    /// The function of that frame.
+    Function(Domain, String),
+    Process(Domain, u32),
+    /// (stack, call site, pid): the pid is 0 unless each process's share is kept apart
+    /// ([`GroupKey::per_process`]).
+    Stack(Domain, u64, u64, u32),
+}
+
+impl GroupKey {
+    /// The row of an allocation from `origin`, grouped `by`; `stacks` names its frames.
+    pub fn of(origin: &Origin, by: GroupBy, stacks: &mut StackTable) -> Self {
+        let domain = Domain::of(origin.kind);
+        match by {
+            GroupBy::Stack => Self::Stack(domain, origin.stack, origin.call_site, 0),
+            GroupBy::Process => Self::Process(domain, origin.pid),
+            GroupBy::Site | GroupBy::Function => {
+                let frames = stacks.frames(origin.stack, origin.call_site);
+                match (first_frame(domain, &frames), by) {
+                    (Some(f), GroupBy::Site) => Self::Site(domain, f.module.clone(), f.address),
+                    (Some(f), _) => Self::Function(domain, f.function.clone()),
+                    (None, _) => Self::Site(domain, format!("[no stack: {}]", origin.kind.name()), 0),
+                }
+            }
+        }
+    }
+
+    /// The same stack, but only the allocations of process `pid` (exports put the process
+    /// at the root of every stack). Other keys are unchanged.
+    pub fn per_process(self, pid: u32) -> Self {
+        match self {
+            Self::Stack(domain, stack, call_site, _) => Self::Stack(domain, stack, call_site, pid),
+            other => other,
+        }
+    }
+
+    pub fn domain(&self) -> Domain {
+        match self {
+            Self::Site(d, ..) | Self::Function(d, _) | Self::Process(d, _) | Self::Stack(d, ..) => *d,
+        }
+    }
+}
+
+/// The frame a row is named after: the first user frame of user allocations (a user stack
+/// may start with the kernel frames of a system call), the first frame of kernel ones.
+pub fn first_frame(domain: Domain, frames: &[Frame]) -> Option<&Frame> {
+    frames.get(first_frame_index(domain, frames)?)
+}
+
+fn first_frame_index(domain: Domain, frames: &[Frame]) -> Option<usize> {
+    match domain {
+        Domain::User => frames.iter().position(|f| !f.kernel),
+        Domain::Kernel => (!frames.is_empty()).then_some(0),
+    }
+}
+
+/// The frames from the one a row is named after (all of them if there is none).
+pub fn site_frames(domain: Domain, frames: &[Frame]) -> &[Frame] {
+    &frames[first_frame_index(domain, frames).unwrap_or(0)..]
+}
+
+/// Frames a one-line site label shows: the site and two callers.
+pub const LABEL_FRAMES: usize = 3;
+
+/// A row's name on one line: `comm [pid]` for a process, the function's name, the kind for
+/// allocations without a stack, else the site and two callers (`f (a.c:1) ← g (a.c:9)`,
+/// with ` ← …` when a user stack goes on).
+pub fn label(key: &GroupKey, frames: &[Frame], comms: &HashMap<u32, String>) -> String {
+    match key {
+        GroupKey::Process(_, pid) => format!("{} [{pid}]", comms.get(pid).map(String::as_str).unwrap_or("?")),
+        GroupKey::Function(_, name) => name.clone(),
+        GroupKey::Site(_, module, _) if frames.is_empty() => module.clone(),
+        _ => {
+            let domain = key.domain();
+            let frames = site_frames(domain, frames);
+            let mut s = frames.iter().take(LABEL_FRAMES).map(|f| f.to_string()).collect::<Vec<_>>().join(" ← ");
+            if domain == Domain::User && frames.len() > LABEL_FRAMES {
+                s.push_str(" ← …");
+            }
+            s
+        }
+    }
+}
+
+/// Whether a row matches a case-insensitive text filter (`top`'s `/`): in its label or
+/// the function of any of its frames. An empty filter matches every row.
+pub fn matches_text(filter_lowercase: &str, label: &str, frames: &[Frame]) -> bool {
+    filter_lowercase.is_empty()
+        || label.to_lowercase().contains(filter_lowercase)
+        || frames.iter().any(|f| f.function.to_lowercase().contains(filter_lowercase))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn frame(function: &str, kernel: bool) -> Frame {
+        Frame {
+            function: function.into(),
+            file: (!kernel).then(|| "/src/app.c".to_string()),
+            line: (!kernel).then_some(7),
+            module: if kernel { "[kernel]".into() } else { "app".into() },
+            address: 0x10,
+            kernel,
+            inlined: false,
+            unknown: false,
+        }
+    }
+
+    #[test]
+    fn labels_name_the_site_and_two_callers() {
+        let comms = HashMap::from([(42, "prog".to_string())]);
+        let frames: Vec<Frame> =
+            vec![frame("sys_brk", true), frame("a", false), frame("b", false), frame("c", false), frame("main", false)];
+        let key = GroupKey::Site(Domain::User, "app".into(), 0x10);
+        assert_eq!(label(&key, &frames, &comms), "a (app.c:7) ← b (app.c:7) ← c (app.c:7) ← …");
+        assert_eq!(label(&key, &frames[..3], &comms), "a (app.c:7) ← b (app.c:7)");
+        let kernel = GroupKey::Stack(Domain::Kernel, 1, 0, 0);
+        assert_eq!(label(&kernel, &frames, &comms), "sys_brk ← a (app.c:7) ← b (app.c:7)");
+        assert_eq!(label(&GroupKey::Process(Domain::User, 42), &frames, &comms), "prog [42]");
+        assert_eq!(label(&GroupKey::Process(Domain::User, 7), &frames, &comms), "? [7]");
+        assert_eq!(label(&GroupKey::Function(Domain::User, "a".into()), &frames, &comms), "a");
+        let none = GroupKey::Site(Domain::User, "[no stack: malloc]".into(), 0);
+        assert_eq!(label(&none, &[], &comms), "[no stack: malloc]");
+    }
+
+    #[test]
+    fn filters_select_domains_kinds_processes_and_sizes() {
+        let comms = HashMap::from([(1, "a".to_string()), (2, "b".to_string())]);
+        let f = Filters {
+            domain: DomainFilter::User,
+            pid: None,
+            comm: Some("b".into()),
+            min_size: Some(64),
+            kinds: vec![KindFilter::Calloc, KindFilter::Mmap],
+        };
+        assert!(f.admits_kind(Kind::Calloc) && f.admits_kind(Kind::Mmap));
+        assert!(!f.admits_kind(Kind::Malloc) && !f.admits_kind(Kind::Kmalloc));
+        assert!(f.admits_process(2, &comms) && !f.admits_process(1, &comms) && !f.admits_process(3, &comms));
+        assert!(f.admits_size(64) && !f.admits_size(63));
+        let all = Filters::default();
+        assert!(all.admits_kind(Kind::PageAlloc) && all.admits_process(3, &comms) && all.admits_size(0));
+        assert!(KindFilter::Malloc.admits(Kind::Calloc) && !KindFilter::Malloc.admits(Kind::Mmap));
+    }
+
+    #[test]
+    fn text_filters_look_at_labels_and_frames() {
+        let frames = vec![frame("parse_request", false), frame("serve", false)];
+        assert!(matches_text("", "x", &frames));
+        assert!(matches_text("serve", "parse_request (app.c:7)", &frames));
+        assert!(matches_text("app.c", "parse_request (app.c:7)", &frames));
+        assert!(!matches_text("main", "parse_request (app.c:7)", &frames));
+    }
+}

@@ -1,0 +1,347 @@
+//! `analyze`: one pass over a recording's events, paired and aggregated per group (site,
+//! stack, function or process) under the report's filters, into a [`Summary`]: the totals,
+//! the rows sorted, the blocks still live, and how whole the stacks were. Rendering is
+//! elsewhere (`text`, `json`, `export`).
+use std::{
+    collections::{BTreeMap, HashMap, HashSet},
+    path::Path,
+};
+
+use anyhow::Result;
+use memtrace_common::{Kind, TaskEvent};
+use serde::Serialize;
+
+use super::{
+    load::{Definitions, for_each_event, read_definitions},
+    options::{ReportOptions, SortKey},
+};
+use crate::{
+    analysis::{Analyzer, Domain, EXCLUDED, LiveBlock, Origin, Stats, Totals},
+    event::Event,
+    grouping::{Filters, GroupBy, GroupKey, label},
+    recording::{self, Meta},
+    stacks::{Frame, StackTable},
+};
+
+/// Everything a report shows, computed once; printed as text or JSON, or exported.
+pub struct Summary {
+    pub meta: Meta,
+    pub stats: recording::Stats,
+    pub warnings: Vec<String>,
+    pub finalized: bool,
+    pub totals: BTreeMap<Domain, Totals>,
+    pub groups: Vec<GroupRow>,
+    pub leaks: Vec<LeakRow>,
+    pub by: GroupBy,
+    pub duration_ns: u64,
+    pub events: u64,
+    pub comms: HashMap<u32, String>,
+    pub stacks: StackTable,
+    /// Per domain: allocations traced with a stack, and how many of those stacks were cut.
+    pub coverage: BTreeMap<Domain, StackCoverage>,
+}
+
+/// How whole the stacks of a domain's allocations are.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+pub struct StackCoverage {
+    /// Allocations recorded with a stack.
+    pub allocs_with_stack: u64,
+    /// Of those, allocations whose user stack walk was cut before the outermost frame.
+    pub allocs_truncated: u64,
+    /// Distinct truncated stacks among them.
+    pub stacks_truncated: u64,
+}
+
+/// One group's figures and what names it.
+pub struct GroupRow {
+    pub domain: Domain,
+    /// The stack shown was cut before its outermost frame.
+    pub truncated: bool,
+    /// The row's name on one line ([`crate::grouping::label`]).
+    pub label: String,
+    pub frames: Vec<Frame>,
+    pub kinds: Vec<Kind>,
+    pub pids: Vec<u32>,
+    pub stats: Stats,
+    pub stack: u64,
+    pub call_site: u64,
+}
+
+/// Blocks still live at the end, from one stack.
+pub struct LeakRow {
+    pub domain: Domain,
+    pub frames: Vec<Frame>,
+    pub blocks: u64,
+    pub bytes_req: u64,
+    pub bytes_alloc: u64,
+    pub oldest_age_ns: u64,
+    pub pids: Vec<u32>,
+    pub stack: u64,
+    pub call_site: u64,
+}
+
+/// A group met while reading: its key and what the report shows of it.
+struct GroupInfo {
+    key: GroupKey,
+    /// A stack of the group, to show.
+    stack: u64,
+    call_site: u64,
+    kinds: Vec<Kind>,
+    pids: Vec<u32>,
+}
+
+/// Assigns allocations to groups (the analyzer's grouping function) and remembers each
+/// group's key, kinds, processes and the stack to show.
+struct Grouper<'a> {
+    by: GroupBy,
+    split_processes: bool,
+    filters: &'a Filters,
+    stacks: &'a mut StackTable,
+    infos: Vec<GroupInfo>,
+    index: HashMap<GroupKey, u32>,
+}
+
+impl Grouper<'_> {
+    /// Most processes listed per group.
+    const MAX_PIDS: usize = 64;
+
+    fn group_of(&mut self, o: &Origin) -> u32 {
+        if !self.filters.admits_kind(o.kind) {
+            return EXCLUDED;
+        }
+        let mut key = GroupKey::of(o, self.by, self.stacks);
+        if self.split_processes {
+            key = key.per_process(o.pid);
+        }
+        let next = self.infos.len() as u32;
+        let g = *self.index.entry(key.clone()).or_insert(next);
+        if g == next {
+            self.infos.push(GroupInfo {
+                key,
+                stack: o.stack,
+                call_site: o.call_site,
+                kinds: Vec::new(),
+                pids: Vec::new(),
+            });
+        }
+        let info = &mut self.infos[g as usize];
+        // The stack a group shows: a whole one if any of its allocations has one.
+        if info.stack != o.stack
+            && self.stacks.is_truncated(info.stack)
+            && !self.stacks.is_truncated(o.stack)
+            && o.stack != 0
+        {
+            info.stack = o.stack;
+        }
+        if !info.kinds.contains(&o.kind) {
+            info.kinds.push(o.kind);
+        }
+        if info.pids.len() < Self::MAX_PIDS && !info.pids.contains(&o.pid) {
+            info.pids.push(o.pid);
+        }
+        g
+    }
+}
+
+/// Counts, per domain, the allocations with a stack and those whose stack was cut.
+struct CoverageCounter {
+    truncated_ids: HashSet<u64>,
+    seen: HashSet<u64>,
+    coverage: BTreeMap<Domain, StackCoverage>,
+}
+
+impl CoverageCounter {
+    fn count(&mut self, domain: Domain, stack: u64) {
+        let c = self.coverage.entry(domain).or_default();
+        c.allocs_with_stack += 1;
+        if self.truncated_ids.contains(&stack) {
+            c.allocs_truncated += 1;
+            if self.seen.insert(stack) {
+                c.stacks_truncated += 1;
+            }
+        }
+    }
+}
+
+/// Reads the recording at `path` and adds it up as `opts` asks.
+pub fn analyze(path: &Path, opts: &ReportOptions) -> Result<Summary> {
+    let Definitions { meta, stacks: mut table, stats, finalized, mut warnings } = read_definitions(path)?;
+    if !finalized {
+        let named = table.fill_missing_symbols();
+        if named > 0 {
+            warnings.push(format!("{named} addresses were symbolized from this machine's files, not the recording"));
+        }
+    }
+
+    let filters = &opts.filters;
+    let mut comms: HashMap<u32, String> = HashMap::new();
+    let mut coverage =
+        CoverageCounter { truncated_ids: table.truncated_stacks(), seen: HashSet::new(), coverage: BTreeMap::new() };
+    let mut grouper = Grouper {
+        by: opts.by,
+        split_processes: opts.split_processes,
+        filters,
+        stacks: &mut table,
+        infos: Vec::new(),
+        index: HashMap::new(),
+    };
+
+    let mut analyzer = Analyzer::new(|o: &Origin| grouper.group_of(o));
+    analyzer.sample_bytes = meta.sample_bytes;
+    analyzer.sample_from = stats.sampled_from;
+    for_each_event(path, &mut |event| {
+        if let Event::Task(t) = &event
+            && matches!(t.event, TaskEvent::Exec | TaskEvent::Rename | TaskEvent::Fork)
+            && t.tid == t.pid
+        {
+            comms.insert(t.pid, t.comm.clone());
+        }
+        let pid = match &event {
+            Event::Alloc(a) => a.pid,
+            Event::Free(f) => f.pid,
+            Event::Task(t) => t.pid,
+        };
+        let process_ok = filters.admits_process(pid, &comms);
+        if let Event::Alloc(a) = &event
+            && a.stack != 0
+            && process_ok
+            && filters.domain.admits(Domain::of(a.kind))
+        {
+            coverage.count(Domain::of(a.kind), a.stack);
+        }
+        match &event {
+            Event::Alloc(a) if !process_ok || !filters.admits_size(a.bytes_req) => analyzer.push_excluded(a),
+            Event::Free(_) if !process_ok => {
+                analyzer.quiet_unmatched = true;
+                analyzer.push(&event);
+                analyzer.quiet_unmatched = false;
+            }
+            _ => analyzer.push(&event),
+        }
+    })?;
+    analyzer.finish();
+    let live: Vec<LiveBlock> = analyzer.live_blocks().copied().collect();
+    let (groups, totals, first_ts, last_ts, events) =
+        (analyzer.groups, analyzer.totals, analyzer.first_ts, analyzer.last_ts, analyzer.events);
+    let infos = grouper.infos;
+
+    let mut rows: Vec<GroupRow> = Vec::with_capacity(infos.len());
+    for (info, stats) in infos.iter().zip(groups) {
+        if stats.allocs == 0 {
+            continue;
+        }
+        let frames = table.frames(info.stack, info.call_site);
+        rows.push(GroupRow {
+            domain: info.key.domain(),
+            truncated: table.is_truncated(info.stack),
+            label: label(&info.key, &frames, &comms),
+            frames,
+            kinds: info.kinds.clone(),
+            pids: info.pids.clone(),
+            stats,
+            stack: info.stack,
+            call_site: info.call_site,
+        });
+    }
+    sort_rows(&mut rows, opts.sort);
+    if let Some(n) = opts.top {
+        rows.truncate(n);
+    }
+
+    let end_ts = last_ts.max(stats.end_monotonic_ns);
+    let leaks = if opts.leaks { leak_rows(&live, &infos, &mut table, end_ts, opts) } else { Vec::new() };
+    let duration_ns = first_ts.map_or(0, |f| end_ts.saturating_sub(f));
+    Ok(Summary {
+        meta,
+        stats,
+        warnings,
+        finalized,
+        totals,
+        groups: rows,
+        leaks,
+        by: opts.by,
+        duration_ns,
+        events,
+        comms,
+        stacks: table,
+        coverage: coverage.coverage,
+    })
+}
+
+/// The figure rows are sorted by.
+pub fn sort_value(key: SortKey, s: &Stats) -> f64 {
+    match key {
+        SortKey::Allocs => s.allocs as f64,
+        SortKey::Frees => s.frees as f64,
+        SortKey::Req => s.bytes_req as f64,
+        SortKey::Alloc => s.bytes_alloc as f64,
+        SortKey::Wasted => s.wasted() as f64,
+        SortKey::Frag => s.frag_pct(),
+        SortKey::Live => s.live_bytes_req as f64,
+        SortKey::LiveAllocs => s.live_allocs as f64,
+        SortKey::Peak => s.peak_live_bytes_req as f64,
+        SortKey::P50 => s.lifetimes.quantile(0.5).unwrap_or(0) as f64,
+        SortKey::P99 => s.lifetimes.quantile(0.99).unwrap_or(0) as f64,
+        SortKey::Temp => s.temporary as f64,
+        SortKey::OtherCpu => s.freed_on_other_cpu as f64,
+        SortKey::Unmatched => 0.0,
+    }
+}
+
+/// Largest first; ties by bytes allocated.
+fn sort_rows(rows: &mut [GroupRow], key: SortKey) {
+    rows.sort_by(|a, b| {
+        sort_value(key, &b.stats)
+            .total_cmp(&sort_value(key, &a.stats))
+            .then(b.stats.bytes_alloc.cmp(&a.stats.bytes_alloc))
+    });
+}
+
+/// The live blocks at least `--older-than` old, per stack: oldest first, then largest.
+fn leak_rows(
+    live: &[LiveBlock],
+    infos: &[GroupInfo],
+    table: &mut StackTable,
+    end_ts: u64,
+    opts: &ReportOptions,
+) -> Vec<LeakRow> {
+    let min_age = opts.older_than.map_or(0, |d| d.as_nanos() as u64);
+    let mut by_stack: HashMap<(Domain, u64, u64), LeakRow> = HashMap::new();
+    for b in live {
+        let age = end_ts.saturating_sub(b.ts_ns);
+        if age < min_age {
+            continue;
+        }
+        let info = &infos[b.group as usize];
+        let domain = Domain::of(b.kind);
+        let call_site = if domain == Domain::Kernel { info.call_site } else { 0 };
+        let row = by_stack.entry((domain, b.stack, call_site)).or_insert_with(|| LeakRow {
+            domain,
+            frames: Vec::new(),
+            blocks: 0,
+            bytes_req: 0,
+            bytes_alloc: 0,
+            oldest_age_ns: 0,
+            pids: Vec::new(),
+            stack: b.stack,
+            call_site,
+        });
+        row.blocks += 1;
+        row.bytes_req += b.bytes_req;
+        row.bytes_alloc += b.bytes_alloc;
+        row.oldest_age_ns = row.oldest_age_ns.max(age);
+        if !row.pids.contains(&b.pid) && row.pids.len() < Grouper::MAX_PIDS {
+            row.pids.push(b.pid);
+        }
+    }
+    let mut rows: Vec<LeakRow> = by_stack.into_values().collect();
+    for r in &mut rows {
+        r.frames = table.frames(r.stack, r.call_site);
+    }
+    // Oldest first; among equally old, largest first.
+    rows.sort_by(|a, b| b.oldest_age_ns.cmp(&a.oldest_age_ns).then(b.bytes_req.cmp(&a.bytes_req)));
+    if let Some(n) = opts.top {
+        rows.truncate(n);
+    }
+    rows
+}

@@ -1,0 +1,189 @@
+//! The JSON report (`--format json`), for scripts and the integration tests: totals per
+//! domain, losses, recorder figures, stack coverage, the recording's metadata, every group
+//! with its frames, and the leaks when asked for. Field names and units are stable.
+use std::collections::BTreeMap;
+
+use anyhow::Result;
+use serde::Serialize;
+
+use super::{analyze::Summary, options::ReportOptions};
+use crate::{
+    analysis::{Domain, Totals},
+    grouping::{GroupBy, domain_name},
+    stacks::Frame,
+};
+
+#[derive(Serialize)]
+struct JsonTotals {
+    allocs: u64,
+    frees: u64,
+    bytes_req: u64,
+    bytes_alloc: u64,
+    live_allocs: u64,
+    live_bytes_req: u64,
+    live_bytes_alloc: u64,
+    frag_pct: f64,
+    wasted: u64,
+    peak_live_bytes_req: u64,
+    unmatched_frees: u64,
+    missed_frees: u64,
+    allocator_frees: u64,
+    temporary: u64,
+    freed_on_other_cpu: u64,
+    lifetime_p50_ns: Option<u64>,
+    lifetime_p99_ns: Option<u64>,
+}
+
+impl JsonTotals {
+    fn of(t: &Totals) -> Self {
+        let s = &t.stats;
+        Self {
+            allocs: s.allocs,
+            frees: s.frees,
+            bytes_req: s.bytes_req,
+            bytes_alloc: s.bytes_alloc,
+            live_allocs: s.live_allocs,
+            live_bytes_req: s.live_bytes_req,
+            live_bytes_alloc: s.live_bytes_alloc,
+            frag_pct: round2(s.frag_pct()),
+            wasted: s.wasted(),
+            peak_live_bytes_req: s.peak_live_bytes_req,
+            unmatched_frees: t.unmatched_frees,
+            missed_frees: t.missed_frees,
+            allocator_frees: t.allocator_frees,
+            temporary: s.temporary,
+            freed_on_other_cpu: s.freed_on_other_cpu,
+            lifetime_p50_ns: s.lifetimes.quantile(0.5),
+            lifetime_p99_ns: s.lifetimes.quantile(0.99),
+        }
+    }
+}
+
+fn round2(v: f64) -> f64 {
+    (v * 100.0).round() / 100.0
+}
+
+#[derive(Serialize)]
+struct JsonSite<'a> {
+    domain: Domain,
+    /// The stack in `frames` was cut before its outermost frame.
+    truncated: bool,
+    kinds: Vec<&'static str>,
+    pids: &'a [u32],
+    frames: &'a [Frame],
+    allocs: u64,
+    frees: u64,
+    bytes_req: u64,
+    bytes_alloc: u64,
+    req_per_call: f64,
+    alloc_per_call: f64,
+    frag_pct: f64,
+    wasted: u64,
+    live_allocs: u64,
+    live_bytes_req: u64,
+    live_bytes_alloc: u64,
+    peak_live_bytes_req: u64,
+    lifetime_p50_ns: Option<u64>,
+    lifetime_p99_ns: Option<u64>,
+    temporary: u64,
+    freed_on_other_cpu: u64,
+    leaked_at_exit: u64,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    process: Option<String>,
+}
+
+#[derive(Serialize)]
+struct JsonLeak<'a> {
+    domain: Domain,
+    frames: &'a [Frame],
+    blocks: u64,
+    bytes_req: u64,
+    bytes_alloc: u64,
+    oldest_age_ns: u64,
+    pids: &'a [u32],
+}
+
+pub fn render_json(a: &Summary, opts: &ReportOptions) -> Result<String> {
+    let totals: BTreeMap<&str, JsonTotals> = a
+        .totals
+        .iter()
+        .filter(|(d, _)| opts.filters.domain.admits(**d))
+        .map(|(d, t)| (domain_name(*d), JsonTotals::of(t)))
+        .collect();
+    let sites: Vec<JsonSite<'_>> = a
+        .groups
+        .iter()
+        .map(|g| {
+            let s = &g.stats;
+            let per_call = |v: u64| {
+                if s.allocs == 0 { 0.0 } else { round2(v as f64 / s.allocs as f64) }
+            };
+            JsonSite {
+                domain: g.domain,
+                truncated: g.truncated,
+                kinds: g.kinds.iter().map(|k| k.name()).collect(),
+                pids: &g.pids,
+                frames: &g.frames,
+                allocs: s.allocs,
+                frees: s.frees,
+                bytes_req: s.bytes_req,
+                bytes_alloc: s.bytes_alloc,
+                req_per_call: per_call(s.bytes_req),
+                alloc_per_call: per_call(s.bytes_alloc),
+                frag_pct: round2(s.frag_pct()),
+                wasted: s.wasted(),
+                live_allocs: s.live_allocs,
+                live_bytes_req: s.live_bytes_req,
+                live_bytes_alloc: s.live_bytes_alloc,
+                peak_live_bytes_req: s.peak_live_bytes_req,
+                lifetime_p50_ns: s.lifetimes.quantile(0.5),
+                lifetime_p99_ns: s.lifetimes.quantile(0.99),
+                temporary: s.temporary,
+                freed_on_other_cpu: s.freed_on_other_cpu,
+                leaked_at_exit: s.leaked_at_exit,
+                process: (a.by == GroupBy::Process).then(|| g.label.clone()),
+            }
+        })
+        .collect();
+    let leaks: Vec<JsonLeak<'_>> = a
+        .leaks
+        .iter()
+        .map(|l| JsonLeak {
+            domain: l.domain,
+            frames: &l.frames,
+            blocks: l.blocks,
+            bytes_req: l.bytes_req,
+            bytes_alloc: l.bytes_alloc,
+            oldest_age_ns: l.oldest_age_ns,
+            pids: &l.pids,
+        })
+        .collect();
+    let value = serde_json::json!({
+        "totals": totals,
+        "lost_events": a.stats.lost_events,
+        "lost_events_per_cpu": a.stats.lost_events_per_cpu,
+        "lost_stacks": a.stats.lost_stacks,
+        "lost_inflight": a.stats.lost_inflight,
+        "lost_kernel_live": a.stats.lost_kernel_live,
+        "events": a.events,
+        "duration_ns": a.duration_ns,
+        "finalized": a.finalized,
+        "warnings": a.warnings,
+        "exit_code": a.stats.exit_code,
+        "sampled_from": a.stats.sampled_from,
+        "recorder": {
+            "cpu_ns": a.stats.recorder_cpu_ns,
+            "peak_rss_bytes": a.stats.recorder_peak_rss_bytes,
+            "lost_sampled_live": a.stats.lost_sampled_live,
+            "unwind_copies": a.stats.unwind_copies,
+            "unwind_rules": a.stats.unwind_rules,
+            "unwind_budget_truncated": a.stats.unwind_budget_truncated,
+        },
+        "stacks": a.coverage.iter().map(|(d, c)| (domain_name(*d), c)).collect::<BTreeMap<_, _>>(),
+        "recording": a.meta,
+        "group_by": a.by,
+        "sites": sites,
+        "leaks": if opts.leaks { Some(leaks) } else { None },
+    });
+    Ok(serde_json::to_string_pretty(&value)?)
+}

@@ -1,0 +1,72 @@
+//! Reading a recording for analysis: the definitions (stacks, modules, symbols, stats; a
+//! damaged or unfinished file is read up to the damage, with a warning), then the events,
+//! streamed. `report`, `export` and `dump` read recordings through these.
+use std::{collections::BTreeMap, fs::File, io::BufReader, path::Path};
+
+use anyhow::{Context as _, Result};
+
+use crate::{
+    event::Event,
+    recording::{self, FileStack, FormatError, Meta, Module, Reader, Symbol, SymbolKey},
+    stacks::StackTable,
+};
+
+/// Everything in a recording but its events.
+pub struct Definitions {
+    pub meta: Meta,
+    pub stacks: StackTable,
+    pub stats: recording::Stats,
+    /// The recording ends with its end marker (memtrace stopped cleanly).
+    pub finalized: bool,
+    /// Damage met while reading, for the report to show.
+    pub warnings: Vec<String>,
+}
+
+/// Reads the definitions of a recording (everything but the events).
+pub fn read_definitions(path: &Path) -> Result<Definitions> {
+    let mut reader = Reader::open(path).with_context(|| format!("reading {}", path.display()))?;
+    let meta = reader.meta.clone();
+    let mut stacks: BTreeMap<u32, FileStack> = BTreeMap::new();
+    let mut modules: BTreeMap<u32, Module> = BTreeMap::new();
+    let mut symbols: Vec<(SymbolKey, Vec<Symbol>)> = Vec::new();
+    let mut stats = recording::Stats::default();
+    let mut finalized = false;
+    let mut warnings = Vec::new();
+    loop {
+        match reader.next_chunk() {
+            Ok(None) => break,
+            Ok(Some(chunk)) => match chunk {
+                recording::Chunk::Stacks(s) => stacks.extend(s.into_iter().map(|s| (s.id, s))),
+                recording::Chunk::Modules(m) => modules.extend(m.into_iter().map(|m| (m.id, m))),
+                recording::Chunk::Symbols(s) => symbols.extend(s),
+                recording::Chunk::Stats(s) => stats = s,
+                recording::Chunk::End => finalized = true,
+                recording::Chunk::Events { .. } => {}
+            },
+            Err(e) => {
+                warnings.push(format!("{e}; the report covers the complete part before it"));
+                break;
+            }
+        }
+    }
+    if !finalized && warnings.is_empty() {
+        warnings.push(
+            "the recording was not finalized (memtrace stopped abruptly); the report covers what was written".into(),
+        );
+    }
+    Ok(Definitions { meta, stacks: StackTable::new(stacks, modules, symbols), stats, finalized, warnings })
+}
+
+/// Streams every event of a recording to `sink`; stops quietly at the first damaged chunk
+/// (already reported by `read_definitions`).
+pub fn for_each_event(path: &Path, sink: &mut dyn FnMut(Event)) -> Result<(), FormatError> {
+    let mut reader = Reader::new(BufReader::with_capacity(1 << 20, File::open(path)?))?;
+    while let Ok(Some(chunk)) = reader.next_chunk() {
+        if let recording::Chunk::Events { payload, offset } = chunk
+            && Reader::<BufReader<File>>::decode_events(&payload, offset, sink).is_err()
+        {
+            break;
+        }
+    }
+    Ok(())
+}

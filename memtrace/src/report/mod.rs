@@ -1,0 +1,31 @@
+//! `memtrace report`: reads a recording (definitions first, then the events, streaming),
+//! pairs and aggregates per call site / stack / function / process, and prints the table
+//! users read — or JSON for scripts, or the blocks still live (`--leaks`).
+//!
+//! - [`options`]: what is asked (format, grouping, filters, sort, layout);
+//! - [`load`]: reading a recording;
+//! - [`analyze`]: adding it up into a [`Summary`];
+//! - [`text`] and [`json`]: printing it.
+pub mod analyze;
+pub mod json;
+pub mod load;
+pub mod options;
+#[cfg(test)]
+pub(crate) mod tests;
+pub mod text;
+
+pub use self::{
+    analyze::{GroupRow, LeakRow, StackCoverage, Summary, analyze},
+    json::render_json,
+    load::{Definitions, for_each_event, read_definitions},
+    options::{Format, ReportColumn, ReportOptions, SortKey},
+    text::render_text,
+};
+
+/// The report as `opts.format` asks, ending in a newline.
+pub fn render(summary: &Summary, opts: &ReportOptions) -> anyhow::Result<String> {
+    Ok(match opts.format {
+        Format::Text => render_text(summary, opts),
+        Format::Json => render_json(summary, opts)? + "\n",
+    })
+}

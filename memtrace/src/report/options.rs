@@ -1,0 +1,182 @@
+//! What a report is asked for: output format, grouping and filters, sort order, how many
+//! rows, leaks, and the text layout (terminal width, `--wide`, `--fields`).
+use std::time::Duration;
+
+use clap::ValueEnum;
+
+use crate::{
+    columns::Layout,
+    grouping::{Filters, GroupBy},
+};
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, Default)]
+pub enum Format {
+    #[default]
+    Text,
+    Json,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, Default)]
+pub enum SortKey {
+    Allocs,
+    Frees,
+    /// Bytes requested.
+    Req,
+    /// Bytes allocated.
+    #[default]
+    Alloc,
+    /// Bytes lost to internal fragmentation (allocated − requested).
+    Wasted,
+    /// Fragmentation percentage.
+    Frag,
+    /// Live bytes at the end.
+    Live,
+    LiveAllocs,
+    Peak,
+    /// Median lifetime of freed blocks.
+    P50,
+    P99,
+    /// Temporary allocations.
+    Temp,
+    /// Kernel blocks freed on another CPU.
+    OtherCpu,
+    /// Frees seen without their allocation (counted in the summary only).
+    Unmatched,
+}
+
+impl SortKey {
+    /// The column showing the figure sorted by (none for `unmatched`).
+    pub fn column(self) -> Option<ReportColumn> {
+        Some(match self {
+            Self::Allocs => ReportColumn::Allocs,
+            Self::Frees => ReportColumn::Frees,
+            Self::Req => ReportColumn::Req,
+            Self::Alloc => ReportColumn::Alloc,
+            Self::Wasted => ReportColumn::Wasted,
+            Self::Frag => ReportColumn::Frag,
+            Self::Live => ReportColumn::Live,
+            Self::LiveAllocs => ReportColumn::LiveAllocs,
+            Self::Peak => ReportColumn::Peak,
+            Self::P50 => ReportColumn::P50,
+            Self::P99 => ReportColumn::P99,
+            Self::Temp => ReportColumn::Temp,
+            Self::OtherCpu => ReportColumn::OtherCpu,
+            Self::Unmatched => return None,
+        })
+    }
+}
+
+/// The figures of the text report's table, for `--fields` (named as for `--sort`). The
+/// domain (U/K) comes first and the name of the row last, always.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, ValueEnum)]
+pub enum ReportColumn {
+    /// ALLOCS: allocations.
+    Allocs,
+    /// FREES: frees.
+    Frees,
+    /// REQUESTED: bytes requested.
+    Req,
+    /// ALLOCATED: bytes allocated.
+    Alloc,
+    /// REQ/CALL: bytes requested per allocation.
+    ReqPerCall,
+    /// ALLOC/CALL: bytes allocated per allocation.
+    AllocPerCall,
+    /// FRAG: internal fragmentation, percent.
+    Frag,
+    /// WASTED: bytes allocated but not requested.
+    Wasted,
+    /// LIVE: blocks live at the end.
+    LiveAllocs,
+    /// LIVE BYTES: bytes live at the end.
+    Live,
+    /// PEAK: most bytes live at once.
+    Peak,
+    /// LIFE p50: median lifetime of the blocks freed.
+    P50,
+    /// LIFE p99.
+    P99,
+    /// TEMP: blocks freed before their thread allocated again.
+    Temp,
+    /// OTHER CPU: kernel blocks freed on another CPU.
+    OtherCpu,
+}
+
+impl ReportColumn {
+    /// Every column, in display order.
+    pub const ALL: [Self; 15] = [
+        Self::Allocs,
+        Self::Frees,
+        Self::Req,
+        Self::Alloc,
+        Self::ReqPerCall,
+        Self::AllocPerCall,
+        Self::Frag,
+        Self::Wasted,
+        Self::LiveAllocs,
+        Self::Live,
+        Self::Peak,
+        Self::P50,
+        Self::P99,
+        Self::Temp,
+        Self::OtherCpu,
+    ];
+
+    pub fn header(self) -> &'static str {
+        match self {
+            Self::Allocs => "ALLOCS",
+            Self::Frees => "FREES",
+            Self::Req => "REQUESTED",
+            Self::Alloc => "ALLOCATED",
+            Self::ReqPerCall => "REQ/CALL",
+            Self::AllocPerCall => "ALLOC/CALL",
+            Self::Frag => "FRAG",
+            Self::Wasted => "WASTED",
+            Self::LiveAllocs => "LIVE",
+            Self::Live => "LIVE BYTES",
+            Self::Peak => "PEAK",
+            Self::P50 => "LIFE p50",
+            Self::P99 => "LIFE p99",
+            Self::Temp => "TEMP",
+            Self::OtherCpu => "OTHER CPU",
+        }
+    }
+
+    /// Which columns stay when the terminal is narrow: lower first (after the domain and
+    /// the column sorted by).
+    pub fn rank(self) -> usize {
+        match self {
+            Self::Allocs => 2,
+            Self::Alloc => 3,
+            Self::Req => 4,
+            Self::Live => 5,
+            Self::Wasted => 6,
+            Self::Frag => 7,
+            Self::Frees => 8,
+            Self::Peak => 9,
+            Self::LiveAllocs => 10,
+            Self::AllocPerCall => 11,
+            Self::ReqPerCall => 12,
+            Self::P50 => 13,
+            Self::P99 => 14,
+            Self::Temp => 15,
+            Self::OtherCpu => 16,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Default)]
+pub struct ReportOptions {
+    pub format: Format,
+    pub by: GroupBy,
+    pub filters: Filters,
+    pub sort: SortKey,
+    pub top: Option<usize>,
+    pub leaks: bool,
+    pub older_than: Option<Duration>,
+    /// With `GroupBy::Stack`: keep each process's share of a stack apart (exports put
+    /// the process name at the root of every stack).
+    pub split_processes: bool,
+    /// Width and columns of the text report.
+    pub layout: Layout<ReportColumn>,
+}

@@ -1,0 +1,404 @@
+//! The report on a small recording written here (a user program with a deep stack, a long
+//! C++-style name, an inlined frame, a truncated stack, large blocks, kernel allocations
+//! made on its behalf, an allocation without a stack and a free without its allocation):
+//! what `analyze` adds up, the text at several widths (figures never cut, names
+//! ellipsized), `--fields`, stacks, leaks and JSON. `export`'s tests use the same recording.
+use std::{path::PathBuf, sync::OnceLock};
+
+use memtrace_common::{Kind, TaskEvent};
+
+use super::*;
+use crate::{
+    analysis::Domain,
+    columns::{ColumnChoice, Layout, NAME_MIN_WIDTH, Width},
+    event::{Alloc, Event, Free, Task},
+    grouping::{Filters, GroupBy, KindFilter},
+    recording::{self, FileFrame, FileStack, Meta, Module, Symbol, SymbolKey, Writer},
+};
+
+pub(crate) const PID: u32 = 42;
+const K_ALLOC_PIPE: u64 = 0xffff_ffff_8100_0100;
+const K_CREATE_PIPE: u64 = 0xffff_ffff_8100_0200;
+const K_DO_PIPE2: u64 = 0xffff_ffff_8100_0300;
+
+fn user(offset: u64) -> FileFrame {
+    FileFrame::Module { module: 0, offset }
+}
+
+fn sym(name: &str, file: &str, line: u32) -> Symbol {
+    Symbol { name: name.into(), file: Some(file.into()), line, inlined: false }
+}
+
+fn alloc(ts_ns: u64, kind: Kind, ptr: u64, bytes_req: u64, bytes_alloc: u64, stack: u64) -> Event {
+    Event::Alloc(Alloc {
+        ts_ns,
+        pid: PID,
+        tid: PID,
+        cpu: 0,
+        kind,
+        flags: 0,
+        ptr,
+        bytes_req,
+        bytes_alloc,
+        stack,
+        call_site: if kind.is_kernel() { K_ALLOC_PIPE } else { 0 },
+        gfp_flags: 0,
+        node: -1,
+        order: 0,
+    })
+}
+
+fn free(ts_ns: u64, kind: Kind, ptr: u64, cpu: u16) -> Event {
+    Event::Free(Free { ts_ns, pid: PID, tid: PID, cpu, kind, flags: 0, ptr, arg: 0 })
+}
+
+/// The events, in time order. Stack references are ids + 1.
+fn events() -> Vec<Event> {
+    let mut timed: Vec<Event> = vec![Event::Task(Task {
+        ts_ns: 1_000,
+        event: TaskEvent::Exec,
+        flags: 0,
+        pid: PID,
+        tid: PID,
+        ppid: 1,
+        comm: "app".into(),
+        filename: "/usr/bin/app".into(),
+    })];
+    let t0 = 1_000_000;
+    // parse_request: 100 × 100 bytes, 98 freed after 500 ns + 10 ns each.
+    for i in 0..100u64 {
+        let ts = t0 + i * 1_000;
+        timed.push(alloc(ts, Kind::Malloc, 0x5000_0000 + i * 0x80, 100, 112, 1));
+        if i < 98 {
+            timed.push(free(ts + 500 + i * 10, Kind::Free, 0x5000_0000 + i * 0x80, 0));
+        }
+    }
+    // HashMap insert: 5 × 1 MiB, 4 freed a millisecond later.
+    for i in 0..5u64 {
+        let ts = t0 + 200_000 + i * 10_000;
+        timed.push(alloc(ts, Kind::Malloc, 0x7000_0000 + i * 0x20_0000, 1 << 20, (1 << 20) + 4096, 2));
+        if i < 4 {
+            timed.push(free(ts + 1_000_000, Kind::Free, 0x7000_0000 + i * 0x20_0000, 0));
+        }
+    }
+    // build_index (truncated stack): 10 × 5000 bytes, never freed.
+    for i in 0..10u64 {
+        timed.push(alloc(t0 + 300_000 + i * 1_000, Kind::Calloc, 0x6000_0000 + i * 0x2000, 5000, 5008, 3));
+    }
+    // The kernel, on behalf of main: 50 × 192 bytes (256 allocated), 49 freed, on another CPU
+    // every other time.
+    for i in 0..50u64 {
+        let ts = t0 + 400_000 + i * 1_000;
+        timed.push(alloc(ts, Kind::Kmalloc, 0xffff_8880_0000_0000 + i * 0x100, 192, 256, 4));
+        if i < 49 {
+            timed.push(free(ts + 700, Kind::Kfree, 0xffff_8880_0000_0000 + i * 0x100, (i % 2) as u16));
+        }
+    }
+    timed.push(alloc(t0 + 500_000, Kind::Malloc, 0x9000_0000, 64, 80, 0));
+    timed.push(free(t0 + 500_100, Kind::Free, 0xdead_0000, 0));
+    timed.sort_by_key(Event::ts_ns);
+    timed
+}
+
+fn write_recording(path: &std::path::Path) {
+    let meta = Meta {
+        memtrace_version: "test".into(),
+        hostname: "testhost".into(),
+        kernel_release: "6.1.0-test".into(),
+        mode: "command".into(),
+        target_pids: vec![PID],
+        target_command: vec!["/usr/bin/app".into(), "--serve".into()],
+        start_unix_ns: 1_700_000_000_000_000_000,
+        start_monotonic_ns: 0,
+        page_size: 4096,
+        allocator: Some("/usr/lib/libc.so.6".into()),
+        allocator_is_glibc: true,
+        user: true,
+        kernel: true,
+        sample_bytes: None,
+        call_graph: "dwarf".into(),
+    };
+    let file = std::fs::File::create(path).unwrap();
+    let mut w = Writer::new(std::io::BufWriter::new(file), &meta).unwrap();
+    w.module(&Module { id: 0, build_id: vec![1; 20], path: "/usr/bin/app".into() });
+    let stacks = [
+        (vec![], vec![user(0x100), user(0x200), user(0x300), user(0x400)], false),
+        (vec![], vec![user(0x500), user(0x400)], false),
+        (vec![], vec![user(0x600), user(0x400)], true),
+        (vec![K_ALLOC_PIPE, K_CREATE_PIPE, K_DO_PIPE2], vec![user(0x400)], false),
+    ];
+    for (id, (kernel, user, truncated)) in stacks.into_iter().enumerate() {
+        w.stack(&FileStack { id: id as u32, pid: PID, kernel, user, truncated });
+    }
+    let symbols = [
+        (SymbolKey::User(user(0x100)), vec![sym("parse_request", "/src/app.c", 42)]),
+        (SymbolKey::User(user(0x200)), vec![sym("serve", "/src/app.c", 90)]),
+        (SymbolKey::User(user(0x300)), vec![sym("handle_connection", "/src/app.c", 120)]),
+        (SymbolKey::User(user(0x400)), vec![sym("main", "/src/app.c", 200)]),
+        (
+            SymbolKey::User(user(0x500)),
+            vec![sym("std::collections::hash::map::HashMap<K,V,S>::insert", "/rustc/library/std/map.rs", 1105)],
+        ),
+        (
+            SymbolKey::User(user(0x600)),
+            vec![
+                Symbol { name: "grow".into(), file: Some("/src/vec.h".into()), line: 10, inlined: true },
+                sym("build_index", "/src/app.c", 300),
+            ],
+        ),
+        (
+            SymbolKey::Kernel(K_ALLOC_PIPE),
+            vec![Symbol { name: "alloc_pipe_info".into(), file: None, line: 0, inlined: false }],
+        ),
+        (
+            SymbolKey::Kernel(K_CREATE_PIPE),
+            vec![Symbol { name: "create_pipe_files".into(), file: None, line: 0, inlined: false }],
+        ),
+        (SymbolKey::Kernel(K_DO_PIPE2), vec![Symbol { name: "do_pipe2".into(), file: None, line: 0, inlined: false }]),
+    ];
+    for (key, chain) in symbols {
+        w.symbol(key, &chain);
+    }
+    let events = events();
+    for e in &events {
+        w.event(e).unwrap();
+    }
+    let stats = recording::Stats {
+        events: events.len() as u64,
+        end_monotonic_ns: 2_000_000_000,
+        exit_code: Some(0),
+        end_reason: "target exited".into(),
+        ..Default::default()
+    };
+    w.finish(&stats).unwrap();
+}
+
+/// The recording, written once per test run into the build's directory (always the same
+/// bytes: written aside, then renamed over the previous run's).
+pub(crate) fn recording() -> &'static PathBuf {
+    static PATH: OnceLock<PathBuf> = OnceLock::new();
+    PATH.get_or_init(|| {
+        let dir = PathBuf::from(env!("OUT_DIR"));
+        let path = dir.join("report-tests.data");
+        let aside = dir.join(format!("report-tests.data.{}", std::process::id()));
+        write_recording(&aside);
+        std::fs::rename(&aside, &path).unwrap();
+        path
+    })
+}
+
+pub(crate) fn summary(opts: &ReportOptions) -> Summary {
+    analyze(recording(), opts).unwrap()
+}
+
+fn layout(width: Width) -> Layout<ReportColumn> {
+    Layout { width, columns: if width == Width::Unlimited { ColumnChoice::All } else { ColumnChoice::Fit } }
+}
+
+fn text(opts: &ReportOptions) -> String {
+    render_text(&summary(opts), opts)
+}
+
+fn at(width: Width) -> ReportOptions {
+    ReportOptions { layout: layout(width), ..Default::default() }
+}
+
+#[test]
+fn analyze_adds_up_the_recording() {
+    let s = summary(&ReportOptions::default());
+    assert!(s.finalized && s.warnings.is_empty(), "{:?}", s.warnings);
+    let user = &s.totals[&Domain::User];
+    assert_eq!((user.stats.allocs, user.stats.frees, user.unmatched_frees), (116, 102, 1));
+    assert_eq!(user.stats.live_allocs, 2 + 1 + 10 + 1);
+    let kernel = &s.totals[&Domain::Kernel];
+    assert_eq!((kernel.stats.allocs, kernel.stats.frees, kernel.stats.bytes_alloc), (50, 49, 50 * 256));
+    assert_eq!(kernel.stats.freed_on_other_cpu, 24);
+    let labels: Vec<&str> = s.groups.iter().map(|g| g.label.as_str()).collect();
+    assert_eq!(
+        labels,
+        [
+            "std::collections::hash::map::HashMap<K,V,S>::insert (map.rs:1105) ← main (app.c:200)",
+            "grow (vec.h:10) [inlined] ← build_index (app.c:300) ← main (app.c:200)",
+            "alloc_pipe_info ← create_pipe_files ← do_pipe2",
+            "parse_request (app.c:42) ← serve (app.c:90) ← handle_connection (app.c:120) ← …",
+            "[no stack: malloc]",
+        ],
+        "sorted by bytes allocated"
+    );
+    assert!(s.groups[1].truncated && !s.groups[0].truncated);
+    assert_eq!(
+        s.coverage[&Domain::User],
+        StackCoverage { allocs_with_stack: 115, allocs_truncated: 10, stacks_truncated: 1 }
+    );
+    assert_eq!(s.comms[&PID], "app");
+}
+
+#[test]
+fn filters_select_what_counts() {
+    let opts = ReportOptions {
+        filters: Filters { domain: crate::grouping::DomainFilter::User, min_size: Some(1000), ..Default::default() },
+        ..Default::default()
+    };
+    let s = summary(&opts);
+    assert_eq!(s.groups.len(), 2, "the large blocks only");
+    assert!(s.groups.iter().all(|g| g.domain == Domain::User && g.stats.bytes_req >= 1000 * g.stats.allocs));
+    let opts = ReportOptions {
+        filters: Filters { kinds: vec![KindFilter::Kmalloc], ..Default::default() },
+        ..Default::default()
+    };
+    assert_eq!(summary(&opts).groups.len(), 1);
+    let opts =
+        ReportOptions { filters: Filters { comm: Some("other".into()), ..Default::default() }, ..Default::default() };
+    assert!(summary(&opts).groups.is_empty());
+}
+
+#[test]
+fn a_wide_report_shows_every_column_and_whole_names() {
+    let text = text(&at(Width::Unlimited));
+    let header = text.lines().find(|l| l.contains("SITE")).unwrap();
+    for c in ReportColumn::ALL {
+        assert!(header.contains(c.header()), "{header}");
+    }
+    assert!(text.contains("HashMap<K,V,S>::insert (map.rs:1105) ← main (app.c:200)\n"), "{text}");
+    insta::assert_snapshot!("report_wide", text);
+}
+
+/// The lines of the groups table (header first), and of the totals table.
+fn tables(text: &str) -> (Vec<&str>, Vec<&str>) {
+    let lines: Vec<&str> = text.lines().collect();
+    let groups_at = lines.iter().position(|l| l.ends_with("SITE")).unwrap();
+    let totals_at = lines.iter().position(|l| l.contains("ALLOCS") && !l.ends_with("SITE")).unwrap();
+    let totals_end = lines[totals_at..].iter().position(|l| l.starts_with("lost events")).unwrap() + totals_at;
+    (lines[groups_at..].to_vec(), lines[totals_at..totals_end].to_vec())
+}
+
+/// The cells of a table line: runs separated by two spaces or more.
+fn cells(line: &str) -> Vec<&str> {
+    line.split("  ").map(str::trim).filter(|c| !c.is_empty()).collect()
+}
+
+#[test]
+fn reports_fit_80_120_and_200_columns_without_cutting_figures() {
+    let wide = text(&at(Width::Unlimited));
+    let (wide_groups, wide_totals) = tables(&wide);
+    for width in [80, 120, 200] {
+        let text = text(&at(Width::Columns(width)));
+        let (groups, totals) = tables(&text);
+        for l in groups.iter().chain(&totals) {
+            assert!(l.chars().count() <= width, "{width}: {l:?}\n{text}");
+        }
+        // Every figure shown is the row's figure, whole (the name is the last cell).
+        for (narrow, wide) in groups.iter().zip(&wide_groups).skip(1) {
+            let narrow = cells(narrow);
+            let wide = cells(wide);
+            for c in &narrow[..narrow.len() - 1] {
+                assert!(wide.contains(c), "{width}: {c:?} not in {wide:?}");
+            }
+            let name = narrow[narrow.len() - 1];
+            assert!(name.chars().count() >= NAME_MIN_WIDTH.min(wide[wide.len() - 1].chars().count()), "{name:?}");
+        }
+        for (narrow, wide) in totals.iter().zip(&wide_totals) {
+            for c in cells(narrow) {
+                assert!(cells(wide).contains(&c), "{width}: {c:?} not in {wide:?}");
+            }
+        }
+        // Headers are whole, and the column sorted by stays.
+        let header = groups[0];
+        assert!(header.contains("ALLOCATED"), "{header}");
+        let known: Vec<&str> = ReportColumn::ALL.iter().map(|c| c.header()).collect();
+        for h in cells(header) {
+            assert!(known.contains(&h) || h == "SITE", "{width}: header {h:?} cut in {header:?}");
+        }
+    }
+    insta::assert_snapshot!("report_80", text(&at(Width::Columns(80))));
+    insta::assert_snapshot!("report_120", text(&at(Width::Columns(120))));
+    insta::assert_snapshot!("report_200", text(&at(Width::Columns(200))));
+}
+
+#[test]
+fn listed_fields_are_the_columns() {
+    let opts = ReportOptions {
+        layout: Layout {
+            width: Width::Columns(60),
+            columns: ColumnChoice::Listed(vec![ReportColumn::Live, ReportColumn::Allocs]),
+        },
+        ..Default::default()
+    };
+    let text = text(&opts);
+    let (groups, _) = tables(&text);
+    assert_eq!(
+        groups,
+        [
+            "   LIVE BYTES  ALLOCS  SITE",
+            "U     1.0 MiB       5  std::collections::hash::map::HashMap…",
+            "U    48.8 KiB      10  grow (vec.h:10) [inlined] ← build_in…",
+            "K       192 B      50  alloc_pipe_info ← create_pipe_files …",
+            "U       200 B     100  parse_request (app.c:42) ← serve (ap…",
+            "U        64 B       1  [no stack: malloc]",
+        ]
+    );
+}
+
+#[test]
+fn stacks_follow_their_rows_and_names_fit() {
+    let opts =
+        ReportOptions { by: GroupBy::Stack, top: Some(2), layout: layout(Width::Columns(80)), ..Default::default() };
+    let text = text(&opts);
+    let rows: Vec<&str> = text.lines().skip_while(|l| !l.ends_with("STACK")).collect();
+    assert!(
+        rows[1].ends_with("std::collections::hash::map::HashMap<K,V,S>::insert (map.rs:1105)")
+            || rows[1].ends_with("…"),
+        "{text}"
+    );
+    assert_eq!(rows[2], "      main (app.c:200)", "{text}");
+    assert!(rows[3].ends_with("grow (vec.h:10) [inlined]"), "{text}");
+    assert_eq!(&rows[4..], ["      build_index (app.c:300)", "      main (app.c:200)"], "{text}");
+}
+
+#[test]
+fn functions_and_processes_name_their_rows() {
+    let opts = ReportOptions { by: GroupBy::Function, layout: layout(Width::Unlimited), ..Default::default() };
+    let text = text(&opts);
+    assert!(text.contains("5 functions, by Alloc:"), "{text}");
+    assert!(text.lines().any(|l| l.ends_with("  FUNCTION")), "{text}");
+    assert!(text.lines().any(|l| l.ends_with("  parse_request")), "{text}");
+    let opts = ReportOptions { by: GroupBy::Process, layout: layout(Width::Columns(80)), ..Default::default() };
+    let s = summary(&opts);
+    assert_eq!(s.groups.iter().map(|g| g.label.as_str()).collect::<Vec<_>>(), ["app [42]", "app [42]"]);
+    let json: serde_json::Value = serde_json::from_str(&render_json(&s, &opts).unwrap()).unwrap();
+    assert_eq!(json["sites"][0]["process"], "app [42]");
+}
+
+#[test]
+fn leaks_list_the_blocks_still_live() {
+    let opts = ReportOptions { leaks: true, layout: layout(Width::Columns(80)), ..Default::default() };
+    let text = text(&opts);
+    let leaks = text.split_once("still live at the end").unwrap().1;
+    insta::assert_snapshot!("report_leaks", leaks);
+    let opts = ReportOptions { leaks: true, older_than: Some(std::time::Duration::from_micros(1_998_600)), ..opts };
+    let s = summary(&opts);
+    assert_eq!(
+        s.leaks.iter().map(|l| l.blocks).sum::<u64>(),
+        2 + 1 + 10,
+        "the kernel block and the late ones are younger"
+    );
+}
+
+#[test]
+fn json_carries_every_figure() {
+    let opts = ReportOptions { format: Format::Json, ..Default::default() };
+    let s = summary(&opts);
+    let json: serde_json::Value = serde_json::from_str(&render(&s, &opts).unwrap()).unwrap();
+    assert_eq!(json["totals"]["user"]["allocs"], 116);
+    assert_eq!(json["totals"]["user"]["unmatched_frees"], 1);
+    assert_eq!(json["totals"]["kernel"]["freed_on_other_cpu"], 24);
+    assert_eq!(json["sites"].as_array().unwrap().len(), 5);
+    assert_eq!(json["sites"][0]["frames"][0]["function"], "std::collections::hash::map::HashMap<K,V,S>::insert");
+    assert_eq!(json["sites"][1]["truncated"], true);
+    assert_eq!(json["sites"][1]["kinds"], serde_json::json!(["calloc"]));
+    assert_eq!(json["stacks"]["user"]["allocs_truncated"], 10);
+    assert_eq!(json["group_by"], "site");
+    assert_eq!(json["exit_code"], 0);
+    assert!(json["leaks"].is_null());
+    assert!(json.get("process").is_none() && json["sites"][0].get("process").is_none());
+}

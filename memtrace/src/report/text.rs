@@ -1,0 +1,243 @@
+//! The text report: what was traced, the totals per domain, losses and stack coverage,
+//! then one table row per group (or the blocks still live, with `--leaks`). Tables fit the
+//! width of the layout: figures are dropped by priority, never cut; names are ellipsized.
+use std::fmt::Write as _;
+
+use super::{
+    analyze::{GroupRow, Summary},
+    options::{ReportColumn, ReportOptions},
+};
+use crate::{
+    analysis::Domain,
+    columns::{ColumnChoice, TextColumn, TextTable, Width, ellipsize},
+    grouping::{GroupBy, domain_name, site_frames},
+    units::{bytes, count, duration, percent},
+};
+
+fn describe_target(a: &Summary) -> String {
+    let m = &a.meta;
+    let target = match m.mode.as_str() {
+        "command" => {
+            format!("command `{}` (pid {})", m.target_command.join(" "), m.target_pids.first().copied().unwrap_or(0))
+        }
+        "pid" => {
+            let pid = m.target_pids.first().copied().unwrap_or(0);
+            format!("pid {pid} ({})", a.comms.get(&pid).map(String::as_str).unwrap_or("?"))
+        }
+        _ => "the whole machine".into(),
+    };
+    format!("{target} on {}, kernel {}, {} of events", m.hostname, m.kernel_release, duration(a.duration_ns))
+}
+
+/// A line of a stack under its row, cut to the width.
+fn frame_line(indent: &str, f: &crate::stacks::Frame, width: Width) -> String {
+    let line = format!("{indent}{}{f}", if f.kernel { "[k] " } else { "" });
+    match width {
+        Width::Columns(w) => ellipsize(&line, w),
+        Width::Unlimited => line,
+    }
+}
+
+pub fn render_text(a: &Summary, opts: &ReportOptions) -> String {
+    let mut out = String::new();
+    let _ = writeln!(out, "memtrace report: {}", describe_target(a));
+    if let Some(alloc) = &a.meta.allocator {
+        let how = if a.meta.allocator_is_glibc {
+            "allocated = malloc_usable_size, read from glibc's chunk headers"
+        } else {
+            "allocator unknown to memtrace: allocated = requested"
+        };
+        let _ = writeln!(out, "allocator: {alloc} ({how})");
+    }
+    if let Some((from, n)) = a.stats.sampled_from {
+        let after = duration(from.saturating_sub(a.meta.start_monotonic_ns));
+        let _ = writeln!(
+            out,
+            "warning: the rings overflowed {after} into the recording; from then on user allocations were sampled (each byte with probability 1/{n}): figures are estimates"
+        );
+    }
+    if let Some(n) = a.meta.sample_bytes {
+        let _ = writeln!(
+            out,
+            "sampled: each byte of user allocations with probability 1/{n}; user figures are estimates (kernel figures exact)"
+        );
+    }
+    for w in &a.warnings {
+        let _ = writeln!(out, "warning: {w}");
+    }
+    out.push('\n');
+
+    out.push_str(&totals_table(a, opts).render(opts.layout.width));
+    let s = &a.stats;
+    let _ = writeln!(
+        out,
+        "lost events: {}{}",
+        count(s.lost_events),
+        if s.lost_stacks + s.lost_inflight + s.lost_kernel_live > 0 {
+            format!(
+                " (also: {} stacks, {} untracked calls, {} untracked kernel blocks)",
+                s.lost_stacks, s.lost_inflight, s.lost_kernel_live
+            )
+        } else {
+            String::new()
+        }
+    );
+    for (domain, c) in &a.coverage {
+        if c.allocs_with_stack == 0 {
+            continue;
+        }
+        let _ = writeln!(
+            out,
+            "{} stacks: {} of {} allocations cut short ({}, {} distinct stacks; walked by {})",
+            domain_name(*domain),
+            count(c.allocs_truncated),
+            count(c.allocs_with_stack),
+            percent(100.0 * c.allocs_truncated as f64 / c.allocs_with_stack as f64),
+            count(c.stacks_truncated),
+            if a.meta.call_graph == "dwarf" { "call-frame information" } else { "frame pointers" },
+        );
+    }
+    if let Some(code) = s.exit_code {
+        let _ = writeln!(out, "command exit status: {code}");
+    }
+    out.push('\n');
+
+    if opts.leaks {
+        render_leaks(a, opts.layout.width, &mut out);
+        return out;
+    }
+    let _ = writeln!(out, "{} {}, by {:?}:", a.groups.len(), a.by.plural(), opts.sort);
+    let lines = groups_table(a, opts).lines(opts.layout.width);
+    let mut lines = lines.iter();
+    if let Some(h) = lines.next() {
+        let _ = writeln!(out, "{h}");
+    }
+    for (line, g) in lines.zip(&a.groups) {
+        let _ = writeln!(out, "{line}");
+        if a.by == GroupBy::Stack {
+            // Each row, then its whole stack.
+            for f in g.frames.iter().skip(1) {
+                let _ = writeln!(out, "{}", frame_line("      ", f, opts.layout.width));
+            }
+        }
+    }
+    out
+}
+
+/// One row per domain: what was allocated and freed, and what could not be paired.
+fn totals_table(a: &Summary, opts: &ReportOptions) -> TextTable {
+    let totals: Vec<_> = a.totals.iter().filter(|(d, _)| opts.filters.domain.admits(**d)).collect();
+    let column = |header: &str, rank: usize, cell: &dyn Fn(&crate::analysis::Totals) -> String| {
+        TextColumn::new(header, rank, totals.iter().map(|(_, t)| cell(t)).collect())
+    };
+    TextTable {
+        columns: vec![
+            TextColumn::new("", 0, totals.iter().map(|(d, _)| domain_name(**d).to_string()).collect()),
+            column("ALLOCS", 1, &|t| count(t.stats.allocs)),
+            column("FREES", 2, &|t| count(t.stats.frees)),
+            column("REQUESTED", 3, &|t| bytes(t.stats.bytes_req)),
+            column("ALLOCATED", 4, &|t| bytes(t.stats.bytes_alloc)),
+            column("WASTED", 7, &|t| bytes(t.stats.wasted())),
+            column("FRAG", 8, &|t| percent(t.stats.frag_pct())),
+            column("LIVE", 9, &|t| count(t.stats.live_allocs)),
+            column("LIVE BYTES", 5, &|t| bytes(t.stats.live_bytes_req)),
+            column("PEAK LIVE", 10, &|t| bytes(t.stats.peak_live_bytes_req)),
+            column("FREES W/O ALLOC", 6, &|t| count(t.unmatched_frees)),
+        ],
+        names: None,
+        keep_all: false,
+    }
+}
+
+/// A group's figure in `column`.
+fn cell(column: ReportColumn, g: &GroupRow) -> String {
+    let s = &g.stats;
+    let per_call = |v: u64| v.checked_div(s.allocs).map_or_else(|| "-".into(), bytes);
+    match column {
+        ReportColumn::Allocs => count(s.allocs),
+        ReportColumn::Frees => count(s.frees),
+        ReportColumn::Req => bytes(s.bytes_req),
+        ReportColumn::Alloc => bytes(s.bytes_alloc),
+        ReportColumn::ReqPerCall => per_call(s.bytes_req),
+        ReportColumn::AllocPerCall => per_call(s.bytes_alloc),
+        ReportColumn::Frag => percent(s.frag_pct()),
+        ReportColumn::Wasted => bytes(s.wasted()),
+        ReportColumn::LiveAllocs => count(s.live_allocs),
+        ReportColumn::Live => bytes(s.live_bytes_req),
+        ReportColumn::Peak => bytes(s.peak_live_bytes_req),
+        ReportColumn::P50 => s.lifetimes.quantile(0.5).map_or("-".into(), duration),
+        ReportColumn::P99 => s.lifetimes.quantile(0.99).map_or("-".into(), duration),
+        ReportColumn::Temp => count(s.temporary),
+        ReportColumn::OtherCpu => {
+            if g.domain == Domain::Kernel {
+                count(s.freed_on_other_cpu)
+            } else {
+                "-".into()
+            }
+        }
+    }
+}
+
+/// A group's name in its row: its label, or with `--by stack` the first frame (the whole
+/// stack follows the row).
+fn name(g: &GroupRow, by: GroupBy) -> String {
+    match by {
+        GroupBy::Stack => site_frames(g.domain, &g.frames).first().map(|f| f.to_string()).unwrap_or_default(),
+        _ => g.label.clone(),
+    }
+}
+
+/// Header of the name column.
+fn names_header(by: GroupBy) -> &'static str {
+    match by {
+        GroupBy::Site => "SITE",
+        GroupBy::Stack => "STACK",
+        GroupBy::Function => "FUNCTION",
+        GroupBy::Process => "PROCESS",
+    }
+}
+
+fn groups_table(a: &Summary, opts: &ReportOptions) -> TextTable {
+    let sorted = opts.sort.column();
+    let mut columns = vec![TextColumn::new(
+        "",
+        0,
+        a.groups.iter().map(|g| if g.domain == Domain::User { "U" } else { "K" }.to_string()).collect(),
+    )];
+    for c in opts.layout.candidates(&ReportColumn::ALL) {
+        let rank = if Some(c) == sorted { 1 } else { c.rank() };
+        columns.push(TextColumn::new(c.header(), rank, a.groups.iter().map(|g| cell(c, g)).collect()));
+    }
+    TextTable {
+        columns,
+        names: Some((names_header(a.by).into(), a.groups.iter().map(|g| name(g, a.by)).collect())),
+        keep_all: !matches!(opts.layout.columns, ColumnChoice::Fit),
+    }
+}
+
+fn render_leaks(a: &Summary, width: Width, out: &mut String) {
+    let blocks: u64 = a.leaks.iter().map(|l| l.blocks).sum();
+    let total: u64 = a.leaks.iter().map(|l| l.bytes_req).sum();
+    let _ = writeln!(
+        out,
+        "{} blocks ({}) still live at the end, from {} stacks, oldest first:",
+        count(blocks),
+        bytes(total),
+        a.leaks.len()
+    );
+    for l in &a.leaks {
+        let _ = writeln!(
+            out,
+            "\n{} blocks, {} requested ({} allocated), oldest {} old, {} pid {}",
+            count(l.blocks),
+            bytes(l.bytes_req),
+            bytes(l.bytes_alloc),
+            duration(l.oldest_age_ns),
+            domain_name(l.domain),
+            l.pids.iter().map(|p| p.to_string()).collect::<Vec<_>>().join(",")
+        );
+        for f in &l.frames {
+            let _ = writeln!(out, "{}", frame_line("    ", f, width));
+        }
+    }
+}

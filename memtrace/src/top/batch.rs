@@ -1,0 +1,68 @@
+//! `top -b`: plain-text snapshots on stdout, for scripts and logs, like `top -b`: each one
+//! the summary and the rows, fitted to the terminal's width unless `--wide`.
+use std::{
+    io::{self, Write as _},
+    time::Instant,
+};
+
+use anyhow::Result;
+
+use super::{
+    DRAIN_INTERVAL, TopOptions,
+    model::{Column, LiveView, Snapshot, ViewOptions},
+    table::{summary, text_table},
+    title,
+};
+use crate::{
+    columns::Layout,
+    session::{Tracer, Wake, Waker},
+};
+
+/// One batch snapshot as text: summary, then aligned columns (the first `rows` rows).
+pub fn render_batch(s: &Snapshot, title: &str, view: &ViewOptions, rows: usize, layout: &Layout<Column>) -> String {
+    let mut out = summary(s, title, "", layout.width).join("\n");
+    out.push('\n');
+    let shown = &s.rows[..rows.min(s.rows.len())];
+    out.push_str(&text_table(shown, view.by, view.sort, layout).render(layout.width));
+    out
+}
+
+pub(super) async fn batch(tracer: &mut Tracer, live: &mut LiveView, opts: &TopOptions) -> Result<i32> {
+    let mut waker = Waker::new(tracer, DRAIN_INTERVAL, None)?;
+    let mut last = Instant::now();
+    let mut printed = 0u64;
+    let title = title(tracer);
+    let mut stdout = io::stdout().lock();
+    loop {
+        let wake = waker.wait().await;
+        let finished = match wake {
+            Wake::TargetExited => {
+                tracer.reap_command();
+                true
+            }
+            Wake::Signal(_) => true,
+            _ => false,
+        };
+        tracer.drain(live, finished);
+        tracer.tend();
+        if finished || last.elapsed() >= opts.interval {
+            let lost = tracer.probes.counters().map(|c| c.lost_events).unwrap_or(0);
+            let snap = live.snapshot(&opts.view, last.elapsed(), lost);
+            last = Instant::now();
+            let text = render_batch(
+                &snap,
+                &format!("{title} — snapshot {}", printed + 1),
+                &opts.view,
+                opts.rows,
+                &opts.layout,
+            );
+            if writeln!(stdout, "{text}").and_then(|()| stdout.flush()).is_err() {
+                return Ok(0); // the reader went away
+            }
+            printed += 1;
+        }
+        if finished || opts.iterations.is_some_and(|n| printed >= n) {
+            return Ok(0);
+        }
+    }
+}
