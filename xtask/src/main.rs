@@ -60,6 +60,18 @@ fn is_root() -> bool {
         .unwrap_or(false)
 }
 
+/// Debian packages `setup` installs (once; it checks with dpkg first), and what for. One
+/// line each, so a feature that needs a real component adds it here.
+const DEBIAN_PACKAGES: &[(&str, &str)] =
+    &[("gcc", "the bundled C workloads"), ("libc6-dev", "the bundled C workloads")];
+
+fn dpkg_installed(package: &str) -> bool {
+    Command::new("dpkg-query")
+        .args(["-W", "-f=${Status}", package])
+        .output()
+        .is_ok_and(|o| String::from_utf8_lossy(&o.stdout).contains("install ok installed"))
+}
+
 fn apt_install(packages: &[&str]) -> Result<()> {
     run(Command::new("apt-get").arg("update").arg("-qq"))?;
     run(Command::new("apt-get")
@@ -117,9 +129,11 @@ fn setup() -> Result<()> {
         fs::write(&stamp, &llvm_name)?;
     }
 
-    // A C compiler for the bundled workloads.
-    if !succeeds(Command::new("cc").arg("--version")) {
-        apt_install(&["gcc", "libc6-dev"])?;
+    // Debian packages the build, the tests and the benchmarks use.
+    let missing: Vec<&str> =
+        DEBIAN_PACKAGES.iter().map(|(package, _why)| *package).filter(|package| !dpkg_installed(package)).collect();
+    if !missing.is_empty() {
+        apt_install(&missing)?;
     }
 
     // tracefs, where the tracepoints are described.
@@ -221,7 +235,9 @@ fn main() -> Result<()> {
         "bench" => bench::bench(),
         _ => {
             eprintln!("usage: cargo xtask <setup|test|demo|bench>");
-            eprintln!("  setup  install rust-src, bpf-linker (for the nightly's LLVM), gcc; mount tracefs");
+            eprintln!(
+                "  setup  install rust-src, bpf-linker (for the nightly's LLVM), the Debian packages tests use; mount tracefs"
+            );
             eprintln!("  test   formatting, clippy on both crates, unit and integration tests (root)");
             eprintln!("  demo   trace the bundled workload and print the report (root)");
             eprintln!("  bench  overhead against the peers, pipeline speed, sustained load -> BENCHMARKS.md (root)");
