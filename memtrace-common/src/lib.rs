@@ -7,6 +7,13 @@
 //! place fails the build). Userspace must check a record's length before reading it.
 #![no_std]
 
+pub mod unwind;
+
+pub use unwind::{
+    KERNEL_STACK_SEED, MAX_TABLES, MISS_HASH_MARK, MappingKey, MappingValue, UNWIND_COPY_BYTES, UPROBE_TRAMPOLINE_PAGE,
+    USER_STACK_SEED, UnwindMiss, UnwindRule, stack_hash_step,
+};
+
 /// Deepest stack either side walks; matches the kernel's default `perf_event_max_stack`.
 pub const MAX_STACK_DEPTH: usize = 127;
 /// Size of the outer array that holds one ring buffer per CPU.
@@ -26,6 +33,7 @@ pub enum RecordType {
     Stack = 4,
     Task = 5,
     Mapping = 6,
+    Cache = 7,
 }
 
 impl RecordType {
@@ -37,6 +45,7 @@ impl RecordType {
             4 => Self::Stack,
             5 => Self::Task,
             6 => Self::Mapping,
+            7 => Self::Cache,
             _ => return None,
         })
     }
@@ -183,7 +192,8 @@ pub struct UserAllocRecord {
     pub rtype: u8,
     pub kind: u8,
     pub flags: u8,
-    pub _pad: u8,
+    /// The allocator's index in the session plus one (0: not known).
+    pub allocator: u8,
     pub pid: u32,
     pub tid: u32,
     /// `bytes_alloc - bytes_req` (what the allocator handed out beyond the request).
@@ -211,11 +221,11 @@ pub struct FreeRecord {
     /// For a realloc's old block: when realloc was entered, so the free sorts before any
     /// other thread's reuse of the address.
     pub ts_ns: u64,
-    /// Address freed (page frame number for pages).
+    /// Address freed (the `struct page` for pages).
     pub ptr: u64,
 }
 
-/// A kernel allocation (kmalloc, kmem_cache_alloc, page allocator). 64 bytes.
+/// A kernel allocation (kmalloc, kmem_cache_alloc, page allocator). 72 bytes.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct KernelAllocRecord {
@@ -233,12 +243,14 @@ pub struct KernelAllocRecord {
     pub gfp_flags: u32,
     pub _pad: u32,
     pub ts_ns: u64,
-    /// Object address (page frame number for pages).
+    /// Object address (the `struct page` for pages).
     pub ptr: u64,
     /// The kernel function that asked (`call_site` of the tracepoint; 0 for pages).
     pub call_site: u64,
     /// Hash of the kernel stack joined with the user stack of the task it ran for.
     pub stack: u64,
+    /// kmem_cache_alloc: the cache (its name arrives once in a [`CacheRecord`]); else 0.
+    pub cache: u64,
 }
 
 /// Header of a stack record, followed by `n_kernel` kernel addresses (u64) and `n_user`
@@ -258,6 +270,9 @@ pub struct StackHeader {
     /// Process whose address space the user frames belong to.
     pub pid: u32,
     pub hash: u64,
+    /// That address space (table walks; 0 for frame-pointer walks).
+    pub asid: u32,
+    pub _pad: u32,
 }
 
 /// A user frame as `bpf_get_stack(BPF_F_USER_BUILD_ID)` reports it (`struct
@@ -292,109 +307,59 @@ pub mod stack_flags {
     pub const KERNEL: u8 = 8;
 }
 
-/// How one frame of user code is unwound, learned by userspace from the module's
-/// `.eh_frame` / `.debug_frame` and looked up by the probes per frame. x86-64 only: the
-/// walk tracks the instruction, stack and frame pointers; the return address is always at
-/// CFA − 8 (rules where it is not are [`unwind_kind::STOP`]).
-#[repr(C)]
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
-pub struct UnwindRule {
-    /// Added to the register `kind` names to give the canonical frame address.
-    pub cfa_offset: i32,
-    /// Where the caller's rbp was saved, relative to the CFA; 0: rbp is unchanged.
-    pub rbp_offset: i16,
-    /// `unwind_kind::*`.
-    pub kind: u8,
-    pub _pad: u8,
-}
-
-pub mod unwind_kind {
-    /// CFA = rsp + offset.
-    pub const CFA_SP: u8 = 1;
-    /// CFA = rbp + offset.
-    pub const CFA_BP: u8 = 2;
-    /// CFA = *(rbp + offset): functions that realign their stack (GCC's DRAP in `main`).
-    pub const CFA_BP_DEREF: u8 = 3;
-    /// The outermost frame (`_start`, `clone3`: the return address is undefined).
-    pub const OUTERMOST: u8 = 4;
-    /// Code without usable unwind information: the walk stops, the stack is truncated.
-    pub const STOP: u8 = 5;
-    /// A signal trampoline (`__restore_rt`): rsp points at the `ucontext_t` the kernel
-    /// pushed; the interrupted registers are read from it.
-    pub const SIGNAL: u8 = 6;
-}
-
-/// `ProbeConfig::dwarf_unwind`: how the probes walk user stacks.
+/// `ProbeConfig::unwind_mode`: how the probes walk user stacks.
 pub mod unwind_mode {
     /// The kernel's frame-pointer walk (`bpf_get_stack`), frames named by build id.
     pub const FRAME_POINTERS: u32 = 0;
-    /// The learned `.eh_frame` rules, walked in the probe; misses go to userspace.
-    pub const LEARNED: u32 = 1;
+    /// The per-file tables built from `.eh_frame`/`.debug_frame`, walked in the probe;
+    /// frames whose table is not ready yet go to userspace with a stack copy.
+    pub const TABLES: u32 = 1;
     /// No walk in the probe: every stack is sent as a copy for userspace to unwind (how
     /// `perf --call-graph dwarf` works; kept to measure the two designs side by side).
     pub const COPY_ALWAYS: u32 = 2;
 }
 
-/// Offsets in the x86-64 `ucontext_t` a signal trampoline's rsp points at
-/// (`uc_mcontext.gregs[REG_RBP / REG_RSP / REG_RIP]`).
-pub mod sigframe {
-    pub const RBP: u64 = 40 + 10 * 8;
-    pub const RSP: u64 = 40 + 15 * 8;
-    pub const RIP: u64 = 40 + 16 * 8;
-}
-
-/// Key of a learned rule: the address a frame's rule is looked up at (the return address
-/// minus one for callers, so the lookup falls inside the call instruction; the address
-/// itself for the first frame of a kernel event and for frames a signal interrupted), in
-/// one address space: the tgid and its exec generation.
-#[repr(C)]
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
-pub struct UnwindKey {
-    pub tgid: u32,
-    /// Changes at each fork and exec, so rules of an old image or of an earlier process
-    /// with the same pid are never used.
-    pub generation: u32,
-    pub addr: u64,
-}
-
-/// Registers of the frame where the probes' walk found no rule, and what follows.
-#[repr(C)]
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct UnwindMiss {
-    pub ip: u64,
-    pub sp: u64,
-    pub bp: u64,
-    /// The return address the uprobe trampoline stands for on this stack (0: none known).
-    pub ret_addr: u64,
-    pub generation: u32,
-    /// 1: `ip` is the exact instruction (look the rule up at it), 0: a return address.
-    pub exact: u8,
-    pub _pad: [u8; 3],
-    /// Bytes of user stack copied from `sp` that follow this header.
-    pub copy_len: u32,
-    pub _pad2: u32,
-}
-
-/// Bytes of user stack sent with an [`UnwindMiss`] (what `perf --call-graph dwarf` copies
-/// by default).
-pub const UNWIND_COPY_BYTES: usize = 8192;
-
-/// A file mapped executable by a traced process (`mmap` with `PROT_EXEC` of a file opened
-/// with `openat`: how ld.so and dlopen load libraries), so the unwinder knows which file
-/// an address lies in even when the process is gone before its maps can be read.
+/// Code a traced process mapped: an `mmap` with `PROT_EXEC`, of a file opened with
+/// `openat` (how ld.so and dlopen load libraries) or of anonymous memory (JIT code), so
+/// userspace knows which file an address lies in even when the process is gone before its
+/// maps can be read. (A program and its interpreter, which the kernel maps at exec, come
+/// with the exec's [`TaskRecord`].)
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct MappingRecord {
     pub rtype: u8,
     pub _pad: [u8; 3],
     pub pid: u32,
+    /// The address space the mapping is in.
+    pub asid: u32,
+    /// `mapping_record::*` bits.
+    pub flags: u32,
     pub start: u64,
     pub len: u64,
     /// File offset of `start`.
     pub file_offset: u64,
-    /// The path given to `openat`, NUL-terminated.
+    /// The path the file was opened by, NUL-terminated.
     pub path: [u8; FILENAME_LEN],
 }
+
+/// `MappingRecord::flags`.
+pub mod mapping_record {
+    /// Executable memory without a file (JIT code).
+    pub const ANONYMOUS: u32 = 1;
+}
+
+/// The name of a kernel slab cache (`kmem_cache.name`), sent once per cache.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct CacheRecord {
+    pub rtype: u8,
+    pub _pad: [u8; 7],
+    pub cache: u64,
+    pub name: [u8; CACHE_NAME_LEN],
+}
+
+/// Bytes of a slab cache's name kept.
+pub const CACHE_NAME_LEN: usize = 32;
 
 /// What happened to a task.
 #[repr(u8)]
@@ -439,6 +404,14 @@ pub struct TaskRecord {
     /// Fork/Thread: the parent's tgid; otherwise 0.
     pub ppid: u32,
     pub ts_ns: u64,
+    /// Fork: the child's address space (its parent's); exec: the new program's.
+    pub asid: u32,
+    pub _pad2: u32,
+    /// Exec: where the program's code was mapped (`mm.start_code`, `mm.end_code`) and
+    /// where its interpreter was loaded (`AT_BASE`; 0: none).
+    pub code_start: u64,
+    pub code_end: u64,
+    pub interp_base: u64,
     pub comm: [u8; COMM_LEN],
     /// Exec: the file name passed to exec, NUL-terminated.
     pub filename: [u8; FILENAME_LEN],
@@ -455,6 +428,11 @@ impl Default for TaskRecord {
             tid: 0,
             ppid: 0,
             ts_ns: 0,
+            asid: 0,
+            _pad2: 0,
+            code_start: 0,
+            code_end: 0,
+            interp_base: 0,
             comm: [0; COMM_LEN],
             filename: [0; FILENAME_LEN],
         }
@@ -476,10 +454,19 @@ pub mod counter {
     pub const NO_RING: u32 = 4;
     /// Sampled blocks not remembered because the table was full (their frees go unseen).
     pub const LOST_SAMPLED_LIVE: u32 = 5;
-    /// User stacks left truncated at a frame without a learned rule because the ring had
-    /// no room for a stack copy (code run hot before its rules were learned).
+    /// User stacks left truncated at a frame whose table was not ready because the ring had
+    /// no room for a stack copy.
     pub const UNWIND_BUDGET: u32 = 6;
-    pub const COUNT: u32 = 8;
+    /// Stack walks that met an address in no known mapping of its address space (the
+    /// process was not learned yet): a copy was sent.
+    pub const UNWIND_NO_MAPPING: u32 = 7;
+    /// Stack walks that met a file whose table was not installed yet: a copy was sent.
+    pub const UNWIND_NO_TABLE: u32 = 8;
+    /// Stack frames walked by the probes (their rule looked up).
+    pub const UNWIND_FRAMES: u32 = 9;
+    /// Frames whose rule came from the per-CPU rule cache.
+    pub const UNWIND_CACHE_HITS: u32 = 10;
+    pub const COUNT: u32 = 12;
 }
 
 /// States of a tgid in the `TRACED` map.
@@ -489,74 +476,28 @@ pub mod traced {
     pub const ACTIVE: u32 = 2;
 }
 
-/// Byte offsets of the tracepoint fields the programs read, taken from tracefs `format`
-/// files at load time so the programs do not depend on one kernel's layout. `u32::MAX` marks
-/// a field this kernel does not have.
+/// Byte offsets of the kernel structure fields the programs read, taken from the kernel's
+/// BTF at load time (userspace `probes::btf`), so the programs do not depend on one
+/// kernel's layout.
 #[repr(C)]
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct SlabAllocLayout {
-    pub call_site: u32,
-    pub ptr: u32,
-    pub bytes_req: u32,
-    pub bytes_alloc: u32,
-    pub gfp_flags: u32,
-    pub node: u32,
-}
-
-#[repr(C)]
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct TracepointLayout {
-    pub kmalloc: SlabAllocLayout,
-    pub cache_alloc: SlabAllocLayout,
-    pub kfree_ptr: u32,
-    pub cache_free_ptr: u32,
-    pub page_alloc_pfn: u32,
-    pub page_alloc_order: u32,
-    pub page_alloc_gfp: u32,
-    pub page_alloc_migratetype: u32,
-    pub page_free_pfn: u32,
-    pub page_free_order: u32,
-    pub page_free_batched_pfn: u32,
-    pub exec_filename: u32,
-    pub exit_group_dead: u32,
-    pub newtask_pid: u32,
-    pub newtask_clone_flags: u32,
-    pub rename_newcomm: u32,
-}
-
-/// Size of the head of a tracepoint record the programs copy in one read. Every field
-/// offset in [`TracepointLayout`] must be below this.
-pub const TP_HEAD_BYTES: usize = 64;
-
-impl TracepointLayout {
-    const NONE: SlabAllocLayout = SlabAllocLayout {
-        call_site: u32::MAX,
-        ptr: u32::MAX,
-        bytes_req: u32::MAX,
-        bytes_alloc: u32::MAX,
-        gfp_flags: u32::MAX,
-        node: u32::MAX,
-    };
-    pub const fn zeroed() -> Self {
-        Self {
-            kmalloc: Self::NONE,
-            cache_alloc: Self::NONE,
-            kfree_ptr: u32::MAX,
-            cache_free_ptr: u32::MAX,
-            page_alloc_pfn: u32::MAX,
-            page_alloc_order: u32::MAX,
-            page_alloc_gfp: u32::MAX,
-            page_alloc_migratetype: u32::MAX,
-            page_free_pfn: u32::MAX,
-            page_free_order: u32::MAX,
-            page_free_batched_pfn: u32::MAX,
-            exec_filename: u32::MAX,
-            exit_group_dead: u32::MAX,
-            newtask_pid: u32::MAX,
-            newtask_clone_flags: u32::MAX,
-            rename_newcomm: u32::MAX,
-        }
-    }
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct KernelLayout {
+    pub task_pid: u32,
+    pub task_tgid: u32,
+    /// `task_struct.thread.fsbase`: where a thread's TLS block is.
+    pub task_fsbase: u32,
+    pub task_mm: u32,
+    pub binprm_filename: u32,
+    pub mm_start_code: u32,
+    pub mm_end_code: u32,
+    pub mm_saved_auxv: u32,
+    pub cache_name: u32,
+    pub cache_object_size: u32,
+    pub cache_size: u32,
+    /// 1 when `sched_process_exit` passes `group_dead` (Linux 6.13+); else the group is
+    /// taken as dead when its leader exits.
+    pub exit_has_group_dead: u32,
+    pub _pad: [u32; 2],
 }
 
 /// Written by userspace into the programs' `.rodata` before load; the verifier then treats
@@ -573,7 +514,7 @@ pub struct ProbeConfig {
     /// Walk kernel stacks (and the user stack of the task they ran for) for kernel allocations.
     pub kernel_stacks: u32,
     /// `unwind_mode::*`.
-    pub dwarf_unwind: u32,
+    pub unwind_mode: u32,
     /// Wake the reader once this many bytes wait in a ring (others are submitted quietly;
     /// the reader also polls on a timer).
     pub wakeup_bytes: u32,
@@ -581,7 +522,7 @@ pub struct ProbeConfig {
     pub track_kernel_live: u32,
     /// Add the children of traced processes to the traced set (`-- CMD`, `--follow-forks`).
     pub follow_children: u32,
-    pub tp: TracepointLayout,
+    pub kernel: KernelLayout,
     /// Size-weighted sampling of user allocations: each byte is sampled with probability
     /// 1/sample_bytes (0: every allocation is recorded).
     pub sample_bytes: u64,
@@ -594,11 +535,25 @@ impl ProbeConfig {
             trace_all: 0,
             user_stacks: 0,
             kernel_stacks: 0,
-            dwarf_unwind: 0,
+            unwind_mode: 0,
             wakeup_bytes: 0,
             track_kernel_live: 0,
             follow_children: 0,
-            tp: TracepointLayout::zeroed(),
+            kernel: KernelLayout {
+                task_pid: 0,
+                task_tgid: 0,
+                task_fsbase: 0,
+                task_mm: 0,
+                binprm_filename: 0,
+                mm_start_code: 0,
+                mm_end_code: 0,
+                mm_saved_auxv: 0,
+                cache_name: 0,
+                cache_object_size: 0,
+                cache_size: 0,
+                exit_has_group_dead: 0,
+                _pad: [0; 2],
+            },
             sample_bytes: 0,
         }
     }
@@ -621,10 +576,12 @@ pub mod inflight {
     pub const GLIBC: u8 = 4;
 }
 
-/// Attach cookies of the malloc-family probes: the `Kind` in the low byte, flags above.
+/// Attach cookies of the malloc-family probes: the `Kind` in the low byte, flags above,
+/// and the allocator's index in the session (`UserAllocRecord::allocator`) from bit 16.
 pub mod cookie {
     /// The allocator is glibc's: read `malloc_usable_size` from the chunk header.
     pub const GLIBC: u64 = 1 << 8;
+    pub const ALLOCATOR_SHIFT: u32 = 16;
 }
 
 /// Per-thread state between an allocation function's entry and its return.
@@ -634,7 +591,9 @@ pub struct InFlight {
     pub kind: u8,
     /// `inflight::*` bits.
     pub flags: u8,
-    pub _pad: [u8; 2],
+    /// `UserAllocRecord::allocator`, from the attach cookie.
+    pub allocator: u8,
+    pub _pad: u8,
     /// Allocator calls nested inside this one (realloc calling malloc): ignored.
     pub depth: u32,
     /// Stack pointer at entry; a call is nested only if it runs deeper than this.
@@ -649,23 +608,6 @@ pub struct InFlight {
     pub ret_addr: u64,
 }
 
-/// The page of the uprobe trampoline return probes plant as return addresses
-/// (`[uprobes]`, placed at the top of the x86-64 user address space).
-pub const UPROBE_TRAMPOLINE_PAGE: u64 = 0x7fff_ffff_e000;
-
-/// Mixes one stack word into a running hash (both sides compute it identically).
-#[inline(always)]
-pub const fn stack_hash_step(h: u64, word: u64) -> u64 {
-    (h.rotate_left(5) ^ word).wrapping_mul(0x517c_c1b7_2722_0a95)
-}
-
-/// Mixed into the hash of a stack whose user walk ended at a frame without a rule.
-pub const MISS_HASH_MARK: u64 = 0x6d69_7373;
-
-/// Seeds of the user-only and the kernel+user stack hashes.
-pub const USER_STACK_SEED: u64 = 0x6d65_6d74_7261_6365;
-pub const KERNEL_STACK_SEED: u64 = 0x6b65_726e_656c_2b75;
-
 #[cfg(feature = "user")]
 mod pod {
     use super::*;
@@ -675,25 +617,22 @@ mod pod {
     // SAFETY: as above.
     unsafe impl aya::Pod for InFlight {}
     // SAFETY: as above.
-    unsafe impl aya::Pod for UnwindKey {}
+    unsafe impl aya::Pod for MappingKey {}
     // SAFETY: as above.
-    unsafe impl aya::Pod for UnwindRule {}
+    unsafe impl aya::Pod for MappingValue {}
 }
 
 const _: () = {
     assert!(core::mem::size_of::<UserAllocRecord>() == 48);
     assert!(core::mem::size_of::<FreeRecord>() == 32);
-    assert!(core::mem::size_of::<KernelAllocRecord>() == 64);
-    assert!(core::mem::size_of::<StackHeader>() == 16);
+    assert!(core::mem::size_of::<KernelAllocRecord>() == 72);
+    assert!(core::mem::size_of::<StackHeader>() == 24);
     assert!(core::mem::size_of::<UserFrame>() == 32);
-    assert!(core::mem::size_of::<TaskRecord>() == 24 + COMM_LEN + FILENAME_LEN);
-    assert!(core::mem::size_of::<SlabAllocLayout>() == 24);
-    assert!(core::mem::size_of::<TracepointLayout>() == 48 + 14 * 4);
-    assert!(core::mem::size_of::<ProbeConfig>() == 32 + 48 + 14 * 4 + 8);
+    assert!(core::mem::size_of::<TaskRecord>() == 56 + COMM_LEN + FILENAME_LEN);
+    assert!(core::mem::size_of::<KernelLayout>() == 14 * 4);
+    assert!(core::mem::size_of::<ProbeConfig>() == 32 + 14 * 4 + 8);
+    assert!(core::mem::size_of::<CacheRecord>() == 16 + CACHE_NAME_LEN);
     assert!(core::mem::size_of::<SampledKey>() == 16);
     assert!(core::mem::size_of::<InFlight>() == 48);
-    assert!(core::mem::size_of::<UnwindRule>() == 8);
-    assert!(core::mem::size_of::<UnwindKey>() == 16);
-    assert!(core::mem::size_of::<UnwindMiss>() == 48);
-    assert!(core::mem::size_of::<MappingRecord>() == 32 + FILENAME_LEN);
+    assert!(core::mem::size_of::<MappingRecord>() == 40 + FILENAME_LEN);
 };

@@ -1,6 +1,7 @@
 //! The probes' configuration: [`CONFIG`], written by userspace into `.rodata` before load
 //! (so the verifier treats every field as a constant), and the `config!` macro that reads a
-//! field of it, and the `tracepoint_program!` macro that writes the thin entry points.
+//! field of it, and the `tracepoint_program!` / `raw_tracepoint_program!` macros that write the thin
+//! entry points.
 use core::ptr::read_volatile;
 
 use memtrace_common::ProbeConfig;
@@ -27,6 +28,20 @@ macro_rules! tracepoint_program {
     ($name:ident, |$ctx:ident| $body:expr) => {
         #[aya_ebpf::macros::tracepoint]
         pub fn $name(ctx: aya_ebpf::programs::TracePointContext) -> u32 {
+            let $ctx = &ctx;
+            let _ = $body;
+            0
+        }
+    };
+}
+
+/// A raw tracepoint program: a thin entry point that runs `$body` (a `try_*` call returning
+/// a `Result`, with `$ctx: &RawTracePointContext`, whose arguments are the tracepoint's
+/// `TP_PROTO`) and always returns 0 to the kernel. Userspace attaches it by its name.
+macro_rules! raw_tracepoint_program {
+    ($name:ident, |$ctx:ident| $body:expr) => {
+        #[aya_ebpf::macros::raw_tracepoint]
+        pub fn $name(ctx: aya_ebpf::programs::RawTracePointContext) -> u32 {
             let $ctx = &ctx;
             let _ = $body;
             0

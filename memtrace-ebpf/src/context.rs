@@ -1,15 +1,13 @@
 //! What a program knows of where it runs: the current task's ids, whether its process is
-//! traced, its registers, checked reads of user and kernel memory, and the head of a
-//! tracepoint record.
-use core::{ffi::c_void, ptr::addr_of_mut};
+//! traced, its registers, and checked reads of user and kernel memory.
+use core::{ffi::c_void, mem::size_of, ptr::addr_of_mut};
 
 use aya_ebpf::{
     EbpfContext,
     bindings::pt_regs,
     helpers::{bpf_get_current_pid_tgid, generated},
-    programs::TracePointContext,
 };
-use memtrace_common::{TP_HEAD_BYTES, traced};
+use memtrace_common::traced;
 
 use crate::{
     maps::{SCRATCH, TRACED},
@@ -33,6 +31,17 @@ pub(crate) fn is_traced(tgid: u32) -> bool {
     }
     // SAFETY: the value is a plain u32 copied out at once.
     matches!(unsafe { TRACED.get(tgid) }, Some(&traced::ACTIVE))
+}
+
+/// Whether `tgid` is traced or about to be (a command memtrace forked, before its exec):
+/// what the address-space bookkeeping follows.
+#[inline(always)]
+pub(crate) fn is_traced_or_pending(tgid: u32) -> bool {
+    if tgid == config!(self_tgid) {
+        return false;
+    }
+    // SAFETY: the value is a plain u32 copied out at once.
+    config!(trace_all) != 0 || unsafe { TRACED.get(tgid) }.is_some()
 }
 
 #[inline(always)]
@@ -62,28 +71,28 @@ pub(crate) fn read_user_u64(addr: u64) -> Option<u64> {
     if ret == 0 { Some(v) } else { None }
 }
 
-/// The head of a tracepoint record, copied in one read; fields are picked by offset.
-pub(crate) struct TpHead([u64; TP_HEAD_BYTES / 8]);
+/// Reads a kernel value of type `T` at `base + offset` (an offset from the BTF layout).
+#[inline(always)]
+pub(crate) fn read_kernel_at<T: Copy + Default>(base: u64, offset: u32) -> Option<T> {
+    let mut v = T::default();
+    // SAFETY: checked read of size_of::<T>() bytes into a local.
+    let ret = unsafe {
+        generated::bpf_probe_read_kernel(
+            addr_of_mut!(v) as *mut c_void,
+            size_of::<T>() as u32,
+            (base.wrapping_add(u64::from(offset))) as *const c_void,
+        )
+    };
+    if ret == 0 { Some(v) } else { None }
+}
 
-impl TpHead {
-    #[inline(always)]
-    pub(crate) fn read(ctx: &TracePointContext) -> Option<Self> {
-        // SAFETY: reads the tracepoint's record (or the per-CPU trace buffer behind it)
-        // through the checked helper.
-        unsafe { ctx.read_at::<[u64; TP_HEAD_BYTES / 8]>(0) }.ok().map(Self)
-    }
-
-    /// The 8-byte field at `offset` (which userspace checked is 8-byte aligned).
-    #[inline(always)]
-    pub(crate) fn u64_at(&self, offset: u32) -> u64 {
-        let i = (offset / 8) as usize;
-        if i < self.0.len() { self.0[i] } else { 0 }
-    }
-
-    /// The 4-byte field at `offset` (4-byte aligned).
-    #[inline(always)]
-    pub(crate) fn u32_at(&self, offset: u32) -> u32 {
-        let word = self.u64_at(offset & !7);
-        if offset & 4 != 0 { (word >> 32) as u32 } else { word as u32 }
-    }
+/// Copies a NUL-terminated kernel string into `dst`; returns its length with the NUL (0 on
+/// failure).
+#[inline(always)]
+pub(crate) fn read_kernel_str(src: u64, dst: &mut [u8]) -> usize {
+    // SAFETY: writes at most dst.len() bytes into dst; the source read is checked.
+    let n = unsafe {
+        generated::bpf_probe_read_kernel_str(dst.as_mut_ptr() as *mut c_void, dst.len() as u32, src as *const c_void)
+    };
+    if n > 0 { n as usize } else { 0 }
 }

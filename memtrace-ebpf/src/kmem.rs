@@ -1,18 +1,20 @@
-//! The kernel's allocators: the kmem tracepoints for slab objects (kmalloc, kmem caches)
+//! The kernel's allocators: the kmem raw tracepoints for slab objects (kmalloc, kmem caches)
 //! and pages, with the kernel stack joined to the user stack of the task they ran for, and
-//! the frees of blocks traced tasks allocated, from any context.
-use aya_ebpf::{EbpfContext, bindings::BPF_ANY, helpers::bpf_ktime_get_ns, programs::TracePointContext};
-use memtrace_common::{FreeRecord, KernelAllocRecord, Kind, RecordType, counter, flags};
+//! the frees of blocks traced tasks allocated, from any context. (The bulk slab calls have
+//! no per-object tracepoint; fentry/fexit on them is refused on the machines memtrace runs
+//! on, so their blocks are paired by address reuse in userspace.)
+use aya_ebpf::{EbpfContext, bindings::BPF_ANY, helpers::bpf_ktime_get_ns, programs::RawTracePointContext};
+use memtrace_common::{CACHE_NAME_LEN, CacheRecord, FreeRecord, KernelAllocRecord, Kind, RecordType, counter, flags};
 
 use crate::{
-    context::{TpHead, is_traced, pid_tgid},
-    maps::{KERNEL_LIVE, PAGE_KEY},
+    context::{is_traced, pid_tgid, read_kernel_at, read_kernel_str},
+    maps::{CACHES_SENT, KERNEL_LIVE, PAGE_KEY, Ring},
     ring::{bump, emit, this_ring},
     stack::kernel_stack,
 };
 
 #[inline(always)]
-pub(crate) fn remember_kernel_block(key: u64) {
+fn remember_kernel_block(key: u64) {
     if config!(track_kernel_live) != 0 && KERNEL_LIVE.insert(key, 1u8, BPF_ANY as u64).is_err() {
         bump(counter::LOST_KERNEL_LIVE);
     }
@@ -21,7 +23,7 @@ pub(crate) fn remember_kernel_block(key: u64) {
 /// Whether a kernel free of `key` should be reported, and whether it comes from a context
 /// that is not itself traced.
 #[inline(always)]
-pub(crate) fn kernel_free_wanted(key: u64, tgid: u32) -> Option<bool> {
+fn kernel_free_wanted(key: u64, tgid: u32) -> Option<bool> {
     if config!(track_kernel_live) == 0 {
         return if is_traced(tgid) { Some(false) } else { None };
     }
@@ -31,65 +33,129 @@ pub(crate) fn kernel_free_wanted(key: u64, tgid: u32) -> Option<bool> {
     Some(!is_traced(tgid))
 }
 
+/// Sends the name of slab cache `cache` once.
 #[inline(always)]
-pub(crate) fn slab_alloc(ctx: &TracePointContext, kind: Kind, layout_is_cache: bool) -> Result<(), ()> {
+fn name_cache_once(ring: &Ring, cache: u64) {
+    // SAFETY: plain byte value.
+    if cache == 0 || unsafe { CACHES_SENT.get(cache) }.is_some() {
+        return;
+    }
+    let Some(name) = read_kernel_at::<u64>(cache, config!(kernel.cache_name)) else { return };
+    let _ = CACHES_SENT.insert(cache, 1u8, BPF_ANY as u64);
+    emit::<CacheRecord>(ring, |r| {
+        r.rtype = RecordType::Cache as u8;
+        r.cache = cache;
+        let mut buf = [0u8; CACHE_NAME_LEN];
+        read_kernel_str(name, &mut buf);
+        r.name = buf;
+    });
+}
+
+/// One slab allocation.
+struct SlabAlloc {
+    kind: Kind,
+    call_site: u64,
+    ptr: u64,
+    bytes_req: u64,
+    bytes_alloc: u64,
+    gfp: u64,
+    node: u32,
+    cache: u64,
+}
+
+/// Records a slab allocation by the current task (`stack`: its stack, computed by the
+/// caller once for a bulk call).
+#[inline(always)]
+fn emit_slab_alloc(ring: &Ring, a: &SlabAlloc, stack: Option<u64>) {
     let (_, tgid, tid) = pid_tgid();
-    if !is_traced(tgid) {
-        return Ok(());
-    }
-    let head = TpHead::read(ctx).ok_or(())?;
-    let (call_site, ptr, req, alloc, gfp, node) = if layout_is_cache {
-        (
-            head.u64_at(config!(tp.cache_alloc.call_site)),
-            head.u64_at(config!(tp.cache_alloc.ptr)),
-            head.u64_at(config!(tp.cache_alloc.bytes_req)),
-            head.u64_at(config!(tp.cache_alloc.bytes_alloc)),
-            head.u64_at(config!(tp.cache_alloc.gfp_flags)),
-            head.u32_at(config!(tp.cache_alloc.node)),
-        )
-    } else {
-        (
-            head.u64_at(config!(tp.kmalloc.call_site)),
-            head.u64_at(config!(tp.kmalloc.ptr)),
-            head.u64_at(config!(tp.kmalloc.bytes_req)),
-            head.u64_at(config!(tp.kmalloc.bytes_alloc)),
-            head.u64_at(config!(tp.kmalloc.gfp_flags)),
-            head.u32_at(config!(tp.kmalloc.node)),
-        )
-    };
-    if ptr == 0 {
-        return Ok(()); // failed allocation
-    }
-    let ring = this_ring().ok_or(())?;
-    let stack = kernel_stack(ctx.as_ptr(), ring, tgid);
-    remember_kernel_block(ptr);
+    remember_kernel_block(a.ptr);
     emit::<KernelAllocRecord>(ring, |r| {
         r.rtype = RecordType::KernelAlloc as u8;
-        r.kind = kind as u8;
+        r.kind = a.kind as u8;
         r.flags = if stack.is_some() { flags::HAS_STACK } else { 0 };
         r.pid = tgid;
         r.tid = tid;
-        r.node = node as i32;
-        r.bytes_req = req.min(u32::MAX as u64) as u32;
-        r.bytes_alloc = alloc.min(u32::MAX as u64) as u32;
-        r.gfp_flags = gfp as u32;
+        r.node = a.node as i32;
+        r.bytes_req = a.bytes_req.min(u32::MAX as u64) as u32;
+        r.bytes_alloc = a.bytes_alloc.min(u32::MAX as u64) as u32;
+        r.gfp_flags = a.gfp as u32;
         // SAFETY: no preconditions.
         r.ts_ns = unsafe { bpf_ktime_get_ns() };
-        r.ptr = ptr;
-        r.call_site = call_site;
+        r.ptr = a.ptr;
+        r.call_site = a.call_site;
         r.stack = stack.unwrap_or(0);
+        r.cache = a.cache;
     });
+}
+
+/// The object and allocation sizes of a slab cache (`object_size`, `size`).
+#[inline(always)]
+fn cache_sizes(cache: u64) -> (u64, u64) {
+    let object: u32 = read_kernel_at(cache, config!(kernel.cache_object_size)).unwrap_or(0);
+    let size: u32 = read_kernel_at(cache, config!(kernel.cache_size)).unwrap_or(0);
+    (u64::from(object), u64::from(size))
+}
+
+raw_tracepoint_program!(kmalloc, |ctx| try_kmalloc(ctx));
+
+/// kmalloc(call_site, ptr, bytes_req, bytes_alloc, gfp_flags, node)
+fn try_kmalloc(ctx: &RawTracePointContext) -> Result<(), ()> {
+    let (_, tgid, _) = pid_tgid();
+    let ptr: u64 = ctx.arg(1);
+    if !is_traced(tgid) || ptr == 0 {
+        return Ok(());
+    }
+    let a = SlabAlloc {
+        kind: Kind::Kmalloc,
+        call_site: ctx.arg(0),
+        ptr,
+        bytes_req: ctx.arg(2),
+        bytes_alloc: ctx.arg(3),
+        gfp: ctx.arg(4),
+        node: ctx.arg(5),
+        cache: 0,
+    };
+    let ring = this_ring().ok_or(())?;
+    let stack = kernel_stack(ctx.as_ptr(), ring, tgid);
+    emit_slab_alloc(ring, &a, stack);
+    Ok(())
+}
+
+raw_tracepoint_program!(kmem_cache_alloc, |ctx| try_cache_alloc(ctx));
+
+/// kmem_cache_alloc(call_site, ptr, struct kmem_cache *s, gfp_flags, node)
+fn try_cache_alloc(ctx: &RawTracePointContext) -> Result<(), ()> {
+    let (_, tgid, _) = pid_tgid();
+    let ptr: u64 = ctx.arg(1);
+    if !is_traced(tgid) || ptr == 0 {
+        return Ok(());
+    }
+    let cache: u64 = ctx.arg(2);
+    let (bytes_req, bytes_alloc) = cache_sizes(cache);
+    let a = SlabAlloc {
+        kind: Kind::KmemCacheAlloc,
+        call_site: ctx.arg(0),
+        ptr,
+        bytes_req,
+        bytes_alloc,
+        gfp: ctx.arg(3),
+        node: ctx.arg(4),
+        cache,
+    };
+    let ring = this_ring().ok_or(())?;
+    name_cache_once(ring, cache);
+    let stack = kernel_stack(ctx.as_ptr(), ring, tgid);
+    emit_slab_alloc(ring, &a, stack);
     Ok(())
 }
 
 #[inline(always)]
-pub(crate) fn kernel_free(ctx: &TracePointContext, kind: Kind, ptr: u64, key: u64, arg: u32) -> Result<(), ()> {
+fn kernel_free(kind: Kind, ptr: u64, key: u64, arg: u32) -> Result<(), ()> {
     if ptr == 0 {
         return Ok(());
     }
     let (_, tgid, tid) = pid_tgid();
     let foreign = kernel_free_wanted(key, tgid).ok_or(())?;
-    let _ = ctx;
     let ring = this_ring().ok_or(())?;
     emit::<FreeRecord>(ring, |r| {
         r.rtype = RecordType::Free as u8;
@@ -105,39 +171,31 @@ pub(crate) fn kernel_free(ctx: &TracePointContext, kind: Kind, ptr: u64, key: u6
     Ok(())
 }
 
-tracepoint_program!(kmalloc, |ctx| slab_alloc(ctx, Kind::Kmalloc, false));
+raw_tracepoint_program!(kfree, |ctx| {
+    let ptr: u64 = ctx.arg(1);
+    kernel_free(Kind::Kfree, ptr, ptr, 0)
+});
 
-tracepoint_program!(kmem_cache_alloc, |ctx| slab_alloc(ctx, Kind::KmemCacheAlloc, true));
+raw_tracepoint_program!(kmem_cache_free, |ctx| {
+    let ptr: u64 = ctx.arg(1);
+    kernel_free(Kind::KmemCacheFree, ptr, ptr, 0)
+});
 
-tracepoint_program!(kfree, |ctx| try_slab_free(ctx, Kind::Kfree, config!(tp.kfree_ptr)));
+raw_tracepoint_program!(mm_page_alloc, |ctx| try_page_alloc(ctx));
 
-tracepoint_program!(kmem_cache_free, |ctx| try_slab_free(ctx, Kind::KmemCacheFree, config!(tp.cache_free_ptr)));
-
-#[inline(always)]
-pub(crate) fn try_slab_free(ctx: &TracePointContext, kind: Kind, ptr_offset: u32) -> Result<(), ()> {
-    // SAFETY: checked read of the tracepoint record.
-    let ptr: u64 = unsafe { ctx.read_at(ptr_offset as usize) }.map_err(|_| ())?;
-    kernel_free(ctx, kind, ptr, ptr, 0)
-}
-
-tracepoint_program!(mm_page_alloc, |ctx| try_page_alloc(ctx));
-
-pub(crate) fn try_page_alloc(ctx: &TracePointContext) -> Result<(), ()> {
+/// mm_page_alloc(struct page *page, order, gfp_flags, migratetype)
+fn try_page_alloc(ctx: &RawTracePointContext) -> Result<(), ()> {
     let (_, tgid, tid) = pid_tgid();
-    if !is_traced(tgid) {
+    let page: u64 = ctx.arg(0);
+    if !is_traced(tgid) || page == 0 {
         return Ok(());
     }
-    let head = TpHead::read(ctx).ok_or(())?;
-    let pfn = head.u64_at(config!(tp.page_alloc_pfn));
-    if pfn == u64::MAX {
-        return Ok(()); // failed allocation
-    }
-    let order = head.u32_at(config!(tp.page_alloc_order));
-    let gfp = head.u64_at(config!(tp.page_alloc_gfp));
-    let migratetype = head.u32_at(config!(tp.page_alloc_migratetype));
+    let order: u32 = ctx.arg(1);
+    let gfp: u64 = ctx.arg(2);
+    let migratetype: u32 = ctx.arg(3);
     let ring = this_ring().ok_or(())?;
     let stack = kernel_stack(ctx.as_ptr(), ring, tgid);
-    remember_kernel_block(pfn | PAGE_KEY);
+    remember_kernel_block(page | PAGE_KEY);
     let bytes = 4096u32 << (order & 15);
     emit::<KernelAllocRecord>(ring, |r| {
         r.rtype = RecordType::KernelAlloc as u8;
@@ -152,20 +210,19 @@ pub(crate) fn try_page_alloc(ctx: &TracePointContext) -> Result<(), ()> {
         r.gfp_flags = gfp as u32;
         // SAFETY: no preconditions.
         r.ts_ns = unsafe { bpf_ktime_get_ns() };
-        r.ptr = pfn;
+        r.ptr = page;
         r.stack = stack.unwrap_or(0);
     });
     Ok(())
 }
 
-tracepoint_program!(mm_page_free, |ctx| try_page_free(ctx, config!(tp.page_free_pfn), config!(tp.page_free_order)));
+raw_tracepoint_program!(mm_page_free, |ctx| {
+    let page: u64 = ctx.arg(0);
+    let order: u32 = ctx.arg(1);
+    kernel_free(Kind::PageFree, page, page | PAGE_KEY, order)
+});
 
-tracepoint_program!(mm_page_free_batched, |ctx| try_page_free(ctx, config!(tp.page_free_batched_pfn), u32::MAX));
-
-#[inline(always)]
-pub(crate) fn try_page_free(ctx: &TracePointContext, pfn_offset: u32, order_offset: u32) -> Result<(), ()> {
-    let head = TpHead::read(ctx).ok_or(())?;
-    let pfn = head.u64_at(pfn_offset);
-    let order = if order_offset == u32::MAX { 0 } else { head.u32_at(order_offset) };
-    kernel_free(ctx, Kind::PageFree, pfn, pfn | PAGE_KEY, order)
-}
+raw_tracepoint_program!(mm_page_free_batched, |ctx| {
+    let page: u64 = ctx.arg(0);
+    kernel_free(Kind::PageFree, page, page | PAGE_KEY, 0)
+});

@@ -1,35 +1,36 @@
-//! Executable file mappings of traced processes (`openat` then `mmap` with `PROT_EXEC`: how
-//! ld.so and dlopen load code), so userspace knows which file an address lies in even when
-//! the process is gone before its maps can be read.
+//! Executable mappings of traced processes after their exec (how ld.so and dlopen load
+//! libraries, and where JIT code goes): `openat` names a file descriptor, `mmap` with
+//! `PROT_EXEC` maps it, so userspace knows which file an address lies in, builds its unwind
+//! table and installs the range in the address space, even when the process is gone before
+//! its maps can be read. (The program and its interpreter, which the kernel maps during
+//! exec, come with the exec record; see `task`.)
 use core::ffi::c_void;
 
 use aya_ebpf::{bindings::BPF_ANY, helpers::generated, programs::TracePointContext};
-use memtrace_common::{FILENAME_LEN, MappingRecord, RecordType, unwind_mode};
+use memtrace_common::{FILENAME_LEN, MappingRecord, RecordType, mapping_record, unwind_mode};
 
 use crate::{
-    context::{is_traced, pid_tgid, scratch},
+    context::{is_traced_or_pending, pid_tgid, scratch},
     maps::{FD_PATHS, MMAP_ARGS, MmapArgs, OPENAT_ARGS},
     ring::{emit_waking, this_ring},
+    unwind::asid_of,
 };
-
-// ---------------------------------------------------------------------------------------
-// Executable file mappings (learned-rule call graphs only).
-// ---------------------------------------------------------------------------------------
 
 /// Syscall tracepoints share one layout: the arguments, 8 bytes each, from offset 16 (after
 /// the common header and the syscall number); the return value of `sys_exit_*` at 16.
-pub(crate) const SYSCALL_ARG: usize = 16;
-pub(crate) const SYSCALL_RET: usize = 16;
-pub(crate) const PROT_EXEC: u64 = 4;
+const SYSCALL_ARG: usize = 16;
+const SYSCALL_RET: usize = 16;
+const PROT_EXEC: u64 = 4;
+const MAP_ANONYMOUS: u64 = 0x20;
 
 #[inline(always)]
-pub(crate) fn tracks_mappings(tgid: u32) -> bool {
-    config!(dwarf_unwind) != unwind_mode::FRAME_POINTERS && config!(user_stacks) != 0 && is_traced(tgid)
+fn tracks_mappings(tgid: u32) -> bool {
+    config!(unwind_mode) != unwind_mode::FRAME_POINTERS && config!(user_stacks) != 0 && is_traced_or_pending(tgid)
 }
 
 tracepoint_program!(sys_enter_openat, |ctx| try_enter_openat(ctx));
 
-pub(crate) fn try_enter_openat(ctx: &TracePointContext) -> Result<(), ()> {
+fn try_enter_openat(ctx: &TracePointContext) -> Result<(), ()> {
     let (id, tgid, _) = pid_tgid();
     if !tracks_mappings(tgid) {
         return Ok(());
@@ -41,7 +42,7 @@ pub(crate) fn try_enter_openat(ctx: &TracePointContext) -> Result<(), ()> {
 
 tracepoint_program!(sys_exit_openat, |ctx| try_exit_openat(ctx));
 
-pub(crate) fn try_exit_openat(ctx: &TracePointContext) -> Result<(), ()> {
+fn try_exit_openat(ctx: &TracePointContext) -> Result<(), ()> {
     let (id, tgid, _) = pid_tgid();
     // SAFETY: copied out at once.
     let filename = *unsafe { OPENAT_ARGS.get(id) }.ok_or(())?;
@@ -68,25 +69,28 @@ pub(crate) fn try_exit_openat(ctx: &TracePointContext) -> Result<(), ()> {
 
 tracepoint_program!(sys_enter_mmap, |ctx| try_enter_mmap(ctx));
 
-pub(crate) fn try_enter_mmap(ctx: &TracePointContext) -> Result<(), ()> {
+fn try_enter_mmap(ctx: &TracePointContext) -> Result<(), ()> {
     let (id, tgid, _) = pid_tgid();
     if !tracks_mappings(tgid) {
         return Ok(());
     }
-    // SAFETY (the four reads): checked reads of the tracepoint record: len, prot, fd, off.
+    // SAFETY (the five reads): checked reads of the tracepoint record: len, prot, flags,
+    // fd, off.
     let len: u64 = unsafe { ctx.read_at(SYSCALL_ARG + 8) }.map_err(|_| ())?;
     let prot: u64 = unsafe { ctx.read_at(SYSCALL_ARG + 16) }.map_err(|_| ())?;
+    let flags: u64 = unsafe { ctx.read_at(SYSCALL_ARG + 24) }.map_err(|_| ())?;
     let fd: u64 = unsafe { ctx.read_at(SYSCALL_ARG + 32) }.map_err(|_| ())?;
     let offset: u64 = unsafe { ctx.read_at(SYSCALL_ARG + 40) }.map_err(|_| ())?;
-    if prot & PROT_EXEC == 0 || (fd as i64) < 0 {
+    if prot & PROT_EXEC == 0 {
         return Ok(());
     }
+    let fd = if flags & MAP_ANONYMOUS != 0 { u64::MAX } else { fd };
     MMAP_ARGS.insert(id, MmapArgs { len, offset, fd }, BPF_ANY as u64).map_err(|_| ())
 }
 
 tracepoint_program!(sys_exit_mmap, |ctx| try_exit_mmap(ctx));
 
-pub(crate) fn try_exit_mmap(ctx: &TracePointContext) -> Result<(), ()> {
+fn try_exit_mmap(ctx: &TracePointContext) -> Result<(), ()> {
     let (id, tgid, _) = pid_tgid();
     // SAFETY: copied out at once.
     let args = *unsafe { MMAP_ARGS.get(id) }.ok_or(())?;
@@ -96,16 +100,27 @@ pub(crate) fn try_exit_mmap(ctx: &TracePointContext) -> Result<(), ()> {
     if start >= (-4095i64) as u64 {
         return Ok(()); // an error code
     }
+    let anonymous = args.fd == u64::MAX;
     // SAFETY: copied into the record below before the map can change it.
-    let path = unsafe { FD_PATHS.get((u64::from(tgid) << 32) | (args.fd & 0xffff_ffff)) }.ok_or(())?;
+    let path =
+        if anonymous { None } else { unsafe { FD_PATHS.get((u64::from(tgid) << 32) | (args.fd & 0xffff_ffff)) } };
+    if !anonymous && path.is_none() {
+        return Ok(()); // a file opened before tracing began: known from /proc instead
+    }
     let ring = this_ring().ok_or(())?;
+    let asid = asid_of(tgid).unwrap_or(0);
+    // The reader learns the mapping and builds the file's table at once.
     emit_waking::<MappingRecord>(ring, true, |r| {
         r.rtype = RecordType::Mapping as u8;
         r.pid = tgid;
+        r.asid = asid;
+        r.flags = if anonymous { mapping_record::ANONYMOUS } else { 0 };
         r.start = start;
         r.len = args.len;
         r.file_offset = args.offset;
-        r.path = *path;
+        if let Some(path) = path {
+            r.path = *path;
+        }
     });
     Ok(())
 }

@@ -1,11 +1,12 @@
 //! Every map the programs share, declared once: the per-CPU rings, loss counters, the
 //! traced set, in-flight allocator calls, kernel blocks of traced tasks, sampling state,
-//! the unwinder's tables and the syscall arguments the mapping tracker keeps.
+//! the unwinder's address spaces, per-file tables and rule cache, and what the mapping
+//! tracker remembers between a file's open and its mmap.
 use aya_ebpf::{
-    btf_maps::{Array, ArrayOfMaps, HashMap, LruHashMap, PerCpuArray, RingBuf},
+    btf_maps::{Array, ArrayOfMaps, HashMap, LpmTrie, LruHashMap, PerCpuArray, RingBuf},
     macros::btf_map,
 };
-use memtrace_common::{FILENAME_LEN, InFlight, MAX_CPUS, SampledKey, UnwindKey, UnwindRule, counter};
+use memtrace_common::{FILENAME_LEN, InFlight, MAX_CPUS, MAX_TABLES, MappingKey, MappingValue, SampledKey, counter};
 
 use crate::stack::Scratch;
 
@@ -13,6 +14,8 @@ pub(crate) const RING_TEMPLATE_BYTES: usize = 1 << 20;
 
 #[btf_map]
 pub(crate) static RINGS: ArrayOfMaps<RingBuf<u8, RING_TEMPLATE_BYTES>, { MAX_CPUS as usize }> = ArrayOfMaps::new();
+
+pub(crate) type Ring = RingBuf<u8, RING_TEMPLATE_BYTES>;
 
 #[btf_map]
 pub(crate) static COUNTERS: PerCpuArray<u64, { counter::COUNT as usize }> = PerCpuArray::new();
@@ -26,7 +29,7 @@ pub(crate) static INFLIGHT: HashMap<u64, InFlight, 65536> = HashMap::new();
 pub(crate) static TRACED: HashMap<u32, u32, 16384> = HashMap::new();
 
 /// Kernel blocks allocated by traced tasks (pid mode), so their frees are seen from any
-/// context. Page frame numbers carry [`PAGE_KEY`].
+/// context. Pages (keyed by their `struct page`) carry [`PAGE_KEY`].
 #[btf_map]
 pub(crate) static KERNEL_LIVE: HashMap<u64, u8, 262144> = HashMap::new();
 pub(crate) const PAGE_KEY: u64 = 1 << 63;
@@ -34,6 +37,10 @@ pub(crate) const PAGE_KEY: u64 = 1 << 63;
 /// Stack hashes whose frames were already sent. Forgetting one only costs a resend.
 #[btf_map]
 pub(crate) static STACKS_SENT: LruHashMap<u64, u8, 65536> = LruHashMap::new();
+
+/// Slab caches whose name was already sent.
+#[btf_map]
+pub(crate) static CACHES_SENT: LruHashMap<u64, u8, 4096> = LruHashMap::new();
 
 /// Sampling switched on at run time (index 0: mean bytes, 0 = off) when the rings
 /// overflow; frees are then all still reported.
@@ -51,17 +58,42 @@ pub(crate) static SAMPLED_LIVE: HashMap<SampledKey, u8, 262144> = HashMap::new()
 #[btf_map]
 pub(crate) static SCRATCH: PerCpuArray<Scratch, 1> = PerCpuArray::new();
 
-/// Unwind rules userspace learned from the modules' call-frame information, per address
-/// space and lookup address. Forgetting one only costs a stack copy and a lookup.
+/// tgid → its address-space id: a new one at each exec (given in the kernel), the
+/// parent's at fork; userspace gives one to processes that existed before tracing began.
 #[btf_map]
-pub(crate) static UNWIND: LruHashMap<UnwindKey, UnwindRule, 131072> = LruHashMap::new();
+pub(crate) static ASIDS: HashMap<u32, u32, 65536> = HashMap::new();
 
-/// tgid → generation of its address space, set at fork and exec (absent: 0, a process
-/// that existed before tracing began).
+/// Execs counted per CPU, for new address-space ids.
 #[btf_map]
-pub(crate) static GENERATIONS: LruHashMap<u32, u32, 65536> = LruHashMap::new();
+pub(crate) static NEXT_ASID: PerCpuArray<u32, 1> = PerCpuArray::new();
 
-pub(crate) type Ring = RingBuf<u8, RING_TEMPLATE_BYTES>;
+/// (address space, address) → the file table and bias of the executable mapping there.
+#[btf_map]
+pub(crate) static MAPPINGS: LpmTrie<MappingKey, MappingValue, 262144> = LpmTrie::new();
+
+/// `BPF_F_INNER_MAP | BPF_F_MMAPABLE`: tables differ in size and userspace fills them
+/// through a memory mapping.
+pub(crate) const TABLE_FLAGS: usize = (1 << 12) | (1 << 10);
+
+/// One unwind table per file (`memtrace_common::unwind::table` says how it is laid out),
+/// by slot; a slot with no map: the table is not built yet.
+#[btf_map]
+pub(crate) static TABLES: ArrayOfMaps<Array<u64, 1, TABLE_FLAGS>, { MAX_TABLES as usize }> = ArrayOfMaps::new();
+
+/// A rule found for an address of an address space, cached per CPU (direct-mapped).
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub(crate) struct CachedRule {
+    pub(crate) addr: u64,
+    pub(crate) asid: u32,
+    /// `unwind::encode_rule` of the rule.
+    pub(crate) rule: u32,
+}
+
+pub(crate) const RULE_CACHE_SLOTS: u32 = 8192;
+
+#[btf_map]
+pub(crate) static RULE_CACHE: PerCpuArray<CachedRule, { RULE_CACHE_SLOTS as usize }> = PerCpuArray::new();
 
 /// `openat` in flight: pid_tgid → the user pointer to the file name.
 #[btf_map]
@@ -69,16 +101,17 @@ pub(crate) static OPENAT_ARGS: HashMap<u64, u64, 16384> = HashMap::new();
 
 /// Files traced processes opened: (tgid << 32 | fd) → path.
 #[btf_map]
-pub(crate) static FD_PATHS: LruHashMap<u64, [u8; FILENAME_LEN], 4096> = LruHashMap::new();
+pub(crate) static FD_PATHS: LruHashMap<u64, [u8; FILENAME_LEN], 8192> = LruHashMap::new();
 
 #[repr(C)]
 #[derive(Clone, Copy)]
 pub(crate) struct MmapArgs {
     pub(crate) len: u64,
     pub(crate) offset: u64,
+    /// The file descriptor; u64::MAX for anonymous memory.
     pub(crate) fd: u64,
 }
 
-/// `mmap` of a file with PROT_EXEC in flight: pid_tgid → its arguments.
+/// `mmap` with PROT_EXEC in flight: pid_tgid → its arguments.
 #[btf_map]
 pub(crate) static MMAP_ARGS: HashMap<u64, MmapArgs, 16384> = HashMap::new();

@@ -1,6 +1,6 @@
-//! Stacks: walking the user part (frame pointers or learned rules) and the kernel part,
-//! hashing them, and sending each distinct stack's frames once (with a stack copy when the
-//! user walk missed a rule).
+//! Stacks: walking the user part (frame pointers, or the per-file tables of `unwind`) and
+//! the kernel part, hashing them, and sending each distinct stack's frames once (with a
+//! stack copy when the user walk met a frame whose table is not ready yet).
 use core::{ffi::c_void, mem::size_of};
 
 use aya_ebpf::{
@@ -18,7 +18,7 @@ use crate::{
     context::scratch,
     maps::{Ring, STACKS_SENT},
     ring::{bump, room_for_copy, wakeup_flags},
-    unwind::{UserRegs, walk_user_dwarf},
+    unwind::{UserRegs, walk_user_tables},
 };
 
 pub(crate) const USER_FRAMES_BYTES: usize = MAX_STACK_DEPTH * size_of::<UserFrame>();
@@ -38,12 +38,13 @@ pub(crate) const STACK_RECORD_MAX: usize =
 pub(crate) struct Scratch {
     /// User instruction pointers, hashed to name the stack (zero-terminated when shorter).
     pub(crate) user_ips: [u64; MAX_STACK_DEPTH + 1],
-    /// Where the learned-rule walk stopped for want of a rule.
+    /// Where the table walk stopped for want of a table.
     pub(crate) miss: UnwindMiss,
     /// A stack record being assembled: header, kernel addresses, user frames, miss part.
     pub(crate) record: [u8; STACK_RECORD_MAX],
 }
 
+/// Walks the current task's user stack by frame pointers into `scratch.user_ips`; returns
 /// the frame count.
 #[inline(always)]
 pub(crate) fn walk_user_ips(ctx: *mut c_void, scratch: &mut Scratch) -> usize {
@@ -67,12 +68,14 @@ pub(crate) struct UserPart {
     pub(crate) n: usize,
     pub(crate) flags: u8,
     pub(crate) with_copy: bool,
+    /// The address space of a table walk (0 otherwise).
+    pub(crate) asid: u32,
 }
 
-/// Walks the user stack the configured way: by learned rules from `regs`, or by frame
-/// pointers (`ctx` names the task's registers to `bpf_get_stack`).
+/// Walks the user stack the configured way: by the files' tables from `regs`, or by frame
+/// pointers (`ctx` names the task's registers to `bpf_get_stack`). Returns the user part
+/// and `hash` continued with its frames.
 #[inline(always)]
-/// Returns the user part and `hash` continued with its frames.
 pub(crate) fn walk_user(
     ctx: *mut c_void,
     scratch: &mut Scratch,
@@ -80,18 +83,18 @@ pub(crate) fn walk_user(
     regs: Option<UserRegs>,
     hash: u64,
 ) -> (UserPart, u64) {
-    if config!(dwarf_unwind) != unwind_mode::FRAME_POINTERS {
+    if config!(unwind_mode) != unwind_mode::FRAME_POINTERS {
         match regs {
             Some(regs) => {
-                let (n, flags, hash) = walk_user_dwarf(scratch, tgid, regs, hash);
-                (UserPart { n, flags, with_copy: false }, hash)
+                let (n, flags, hash, asid) = walk_user_tables(scratch, tgid, regs, hash);
+                (UserPart { n, flags, with_copy: false, asid }, hash)
             }
-            None => (UserPart { n: 0, flags: 0, with_copy: false }, hash),
+            None => (UserPart { n: 0, flags: 0, with_copy: false, asid: 0 }, hash),
         }
     } else {
         let n = walk_user_ips(ctx, scratch);
         let hash = if n > 0 { hash_words(hash, scratch.user_ips.as_ptr()) } else { hash };
-        (UserPart { n, flags: 0, with_copy: false }, hash)
+        (UserPart { n, flags: 0, with_copy: false, asid: 0 }, hash)
     }
 }
 
@@ -111,12 +114,12 @@ pub(crate) fn hash_words(mut h: u64, words: *const u64) -> u64 {
     h
 }
 
-/// For a stack whose walk stopped at a frame without a rule: the hash of a copy sent for
-/// userspace to finish the walk (and learn the rules from), unique to this event; or, when
+/// For a stack whose walk stopped at a frame without a table: the hash of a copy sent for
+/// userspace to finish the walk once the table is built, unique to this event; or, when
 /// the ring has no room for it, None: the event keeps the partial stack, marked truncated.
 #[inline(always)]
 pub(crate) fn copy_hash(ring: &Ring, h: u64) -> Option<u64> {
-    if config!(dwarf_unwind) != unwind_mode::COPY_ALWAYS && !room_for_copy(ring) {
+    if config!(unwind_mode) != unwind_mode::COPY_ALWAYS && !room_for_copy(ring) {
         bump(counter::UNWIND_BUDGET);
         return None;
     }
@@ -135,7 +138,12 @@ pub(crate) fn after_miss(ring: &Ring, hash: u64, user: UserPart) -> (u64, UserPa
         Some(unique) => (unique, UserPart { with_copy: true, ..user }),
         None => (
             stack_hash_step(hash, MISS_HASH_MARK),
-            UserPart { n: user.n, flags: (user.flags & !stack_flags::MISS) | stack_flags::TRUNCATED, with_copy: false },
+            UserPart {
+                n: user.n,
+                flags: (user.flags & !stack_flags::MISS) | stack_flags::TRUNCATED,
+                with_copy: false,
+                asid: user.asid,
+            },
         ),
     }
 }
@@ -211,6 +219,8 @@ pub(crate) fn send_stack_once(
         n_user: n_user_frames as u8,
         pid,
         hash,
+        asid: user.asid,
+        _pad: 0,
     };
     // SAFETY: the record buffer starts with room for a header; unaligned-safe write.
     unsafe { core::ptr::write_unaligned(scratch.record.as_mut_ptr() as *mut StackHeader, header) };
@@ -244,7 +254,7 @@ pub(crate) fn append_stack_copy(scratch: &mut Scratch, off: usize) -> usize {
     let sp = scratch.miss.sp;
     let to_page_end = 4096 - (sp & 4095) as u32;
     let mut copied = 0u32;
-    for want in [UNWIND_COPY_BYTES as u32, to_page_end + 4096, to_page_end] {
+    for want in [UNWIND_COPY_BYTES as u32, to_page_end + 8192, to_page_end + 4096, to_page_end] {
         let want = want.min(UNWIND_COPY_BYTES as u32);
         // SAFETY: copy_off + UNWIND_COPY_BYTES <= STACK_RECORD_MAX; `want` is at most that.
         let ret = unsafe {
@@ -308,11 +318,10 @@ pub(crate) fn kernel_stack(ctx: *mut c_void, ring: &Ring, pid: u32) -> Option<u6
     // Separates the kernel part from the user part.
     hash = stack_hash_step(hash, u64::MAX);
     let (user, hash) = if pid != 0 && config!(user_stacks) != 0 {
-        let regs =
-            if config!(dwarf_unwind) != unwind_mode::FRAME_POINTERS { UserRegs::of_current_task() } else { None };
+        let regs = if config!(unwind_mode) != unwind_mode::FRAME_POINTERS { UserRegs::of_current_task() } else { None };
         walk_user(ctx, scratch, pid, regs, hash)
     } else {
-        (UserPart { n: 0, flags: 0, with_copy: false }, hash)
+        (UserPart { n: 0, flags: 0, with_copy: false, asid: 0 }, hash)
     };
     if n_kernel == 0 && user.n == 0 {
         return None;

@@ -1,72 +1,112 @@
-//! Process lifecycle: fork, thread creation, exec, exit and renames, which keep the traced
-//! set and the address-space generations current in the kernel and tell userspace when an
-//! address space begins and ends.
-use core::{ffi::c_void, ptr::addr_of_mut};
-
+//! Process lifecycle: fork, thread creation, exec, exit and renames (raw tracepoints). They
+//! keep the traced set and the address-space ids current in the kernel, at the moment things
+//! happen, and tell userspace when an address space begins (with where exec mapped the
+//! program and its interpreter) and ends.
 use aya_ebpf::{
-    EbpfContext,
-    bindings::{BPF_ANY, BPF_RB_FORCE_WAKEUP},
-    helpers::{bpf_get_current_comm, bpf_ktime_get_ns, generated},
-    programs::TracePointContext,
+    bindings::BPF_ANY,
+    helpers::{bpf_get_current_comm, bpf_ktime_get_ns},
+    programs::RawTracePointContext,
 };
-use memtrace_common::{COMM_LEN, FILENAME_LEN, RecordType, TaskEvent, TaskRecord, counter, flags, traced, unwind_mode};
+use memtrace_common::{COMM_LEN, RecordType, TaskEvent, TaskRecord, flags, traced};
 
 use crate::{
-    context::{TpHead, is_traced, pid_tgid},
-    maps::{GENERATIONS, Ring, TRACED},
-    ring::{bump, emit, emit_waking, this_ring},
-    unwind::new_generation,
+    context::{is_traced, is_traced_or_pending, pid_tgid, read_kernel_at, read_kernel_str},
+    maps::{Ring, TRACED},
+    ring::{emit_waking, this_ring},
+    unwind::{asid_of, begin_address_space, end_address_space, share_address_space},
 };
 
-// ---------------------------------------------------------------------------------------
-// Task lifecycle.
-// ---------------------------------------------------------------------------------------
+/// What a task record says beyond its kind.
+struct TaskFacts {
+    pid: u32,
+    tid: u32,
+    ppid: u32,
+    asid: u32,
+    flags: u8,
+}
 
 #[inline(always)]
-pub(crate) fn emit_task(ring: &Ring, event: TaskEvent, pid: u32, tid: u32, ppid: u32, extra_flags: u8) {
-    emit_waking::<TaskRecord>(ring, event == TaskEvent::Fork, |r| {
+fn emit_task(ring: &Ring, event: TaskEvent, facts: TaskFacts, fill: impl FnOnce(&mut TaskRecord)) {
+    // New processes and programs: the reader handles them at once.
+    let wake = matches!(event, TaskEvent::Fork | TaskEvent::Exec);
+    emit_waking::<TaskRecord>(ring, wake, |r| {
         r.rtype = RecordType::Task as u8;
         r.event = event as u8;
-        r.flags = extra_flags;
-        r.pid = pid;
-        r.tid = tid;
-        r.ppid = ppid;
+        r.flags = facts.flags;
+        r.pid = facts.pid;
+        r.tid = facts.tid;
+        r.ppid = facts.ppid;
+        r.asid = facts.asid;
         // SAFETY: no preconditions.
         r.ts_ns = unsafe { bpf_ktime_get_ns() };
         if let Ok(comm) = bpf_get_current_comm() {
             r.comm = comm;
         }
+        fill(r);
     });
 }
 
-tracepoint_program!(task_newtask, |ctx| try_task_newtask(ctx));
+raw_tracepoint_program!(task_newtask, |ctx| try_task_newtask(ctx));
 
-pub(crate) fn try_task_newtask(ctx: &TracePointContext) -> Result<(), ()> {
+/// task_newtask(struct task_struct *task, u64 clone_flags)
+fn try_task_newtask(ctx: &RawTracePointContext) -> Result<(), ()> {
     const CLONE_THREAD: u64 = 0x0001_0000;
     let (_, parent_tgid, _) = pid_tgid();
-    let head = TpHead::read(ctx).ok_or(())?;
-    let child = head.u32_at(config!(tp.newtask_pid));
-    let clone_flags = head.u64_at(config!(tp.newtask_clone_flags));
-    let is_thread = clone_flags & CLONE_THREAD != 0;
     if !is_traced(parent_tgid) {
         return Ok(());
     }
+    let task: u64 = ctx.arg(0);
+    let clone_flags: u64 = ctx.arg(1);
+    let child_tid: u32 = read_kernel_at(task, config!(kernel.task_pid)).ok_or(())?;
+    let child_tgid: u32 = read_kernel_at(task, config!(kernel.task_tgid)).ok_or(())?;
+    let is_thread = clone_flags & CLONE_THREAD != 0;
     if !is_thread {
-        new_generation(child);
-    }
-    if !is_thread && config!(trace_all) == 0 && config!(follow_children) != 0 {
-        // Children of traced processes are traced (record -- CMD; --follow-forks).
-        let _ = TRACED.insert(child, traced::ACTIVE, BPF_ANY as u64);
+        share_address_space(child_tgid, parent_tgid);
+        if config!(trace_all) == 0 && config!(follow_children) != 0 {
+            // Children of traced processes are traced from their first instruction
+            // (record -- CMD; --follow-forks).
+            let _ = TRACED.insert(child_tgid, traced::ACTIVE, BPF_ANY as u64);
+        }
     }
     let ring = this_ring().ok_or(())?;
-    let (event, pid) = if is_thread { (TaskEvent::Thread, parent_tgid) } else { (TaskEvent::Fork, child) };
-    emit_task(ring, event, pid, child, parent_tgid, 0);
+    let (event, pid) = if is_thread { (TaskEvent::Thread, parent_tgid) } else { (TaskEvent::Fork, child_tgid) };
+    let asid = asid_of(pid).unwrap_or(0);
+    emit_task(ring, event, TaskFacts { pid, tid: child_tid, ppid: parent_tgid, asid, flags: 0 }, |_| {});
     Ok(())
 }
 
-tracepoint_program!(sched_process_exec, |ctx| try_exec(ctx));
+/// `AT_BASE` in the auxiliary vector: where the interpreter was loaded.
+const AT_BASE: u64 = 7;
+/// Pairs of the auxiliary vector looked through.
+const AUXV_PAIRS: u32 = 32;
 
-pub(crate) fn try_exec(ctx: &TracePointContext) -> Result<(), ()> {
+/// Where exec mapped the program's code and its interpreter: (start_code, end_code,
+/// AT_BASE) of the task's new memory.
+#[inline(always)]
+fn exec_layout(task: u64) -> (u64, u64, u64) {
+    let layout = config!(kernel);
+    let Some(mm) = read_kernel_at::<u64>(task, layout.task_mm).filter(|&mm| mm != 0) else { return (0, 0, 0) };
+    let start: u64 = read_kernel_at(mm, layout.mm_start_code).unwrap_or(0);
+    let end: u64 = read_kernel_at(mm, layout.mm_end_code).unwrap_or(0);
+    let mut base = 0;
+    for i in 0..AUXV_PAIRS {
+        let at = layout.mm_saved_auxv + i * 16;
+        let Some(kind) = read_kernel_at::<u64>(mm, at) else { break };
+        if kind == 0 {
+            break;
+        }
+        if kind == AT_BASE {
+            base = read_kernel_at(mm, at + 8).unwrap_or(0);
+            break;
+        }
+    }
+    (start, end, base)
+}
+
+raw_tracepoint_program!(sched_process_exec, |ctx| try_exec(ctx));
+
+/// sched_process_exec(struct task_struct *p, pid_t old_pid, struct linux_binprm *bprm)
+fn try_exec(ctx: &RawTracePointContext) -> Result<(), ()> {
     let (_, tgid, tid) = pid_tgid();
     if tgid == config!(self_tgid) {
         return Ok(());
@@ -81,75 +121,68 @@ pub(crate) fn try_exec(ctx: &TracePointContext) -> Result<(), ()> {
             None => return Ok(()),
         }
     }
-    new_generation(tgid);
-    let head = TpHead::read(ctx).ok_or(())?;
-    let loc = head.u32_at(config!(tp.exec_filename));
+    // A new program, a new address space.
+    if is_traced_or_pending(tgid) {
+        begin_address_space(tgid);
+    }
+    let task: u64 = ctx.arg(0);
+    let bprm: u64 = ctx.arg(2);
+    let filename: u64 = read_kernel_at(bprm, config!(kernel.binprm_filename)).unwrap_or(0);
+    let (code_start, code_end, interp_base) = exec_layout(task);
     let ring = this_ring().ok_or(())?;
-    // The reader re-resolves the allocator of the new program: wake it at once.
-    let flags = BPF_RB_FORCE_WAKEUP as u64;
-    let Some(mut entry) = ring.reserve_untyped::<TaskRecord>(0) else {
-        bump(counter::LOST_EVENTS);
-        return Ok(());
-    };
-    let r = entry.as_mut_ptr();
-    // SAFETY: the reservation holds one TaskRecord; zeroed, then filled field by field.
-    unsafe {
-        core::ptr::write_bytes(r, 0, 1);
-        (*r).rtype = RecordType::Task as u8;
-        (*r).event = TaskEvent::Exec as u8;
-        (*r).pid = tgid;
-        (*r).tid = tid;
-        (*r).ts_ns = bpf_ktime_get_ns();
-        if let Ok(comm) = bpf_get_current_comm() {
-            (*r).comm = comm;
+    let asid = asid_of(tgid).unwrap_or(0);
+    emit_task(ring, TaskEvent::Exec, TaskFacts { pid: tgid, tid, ppid: 0, asid, flags: 0 }, |r| {
+        if filename != 0 {
+            read_kernel_str(filename, &mut r.filename);
         }
-        // __data_loc: offset in the low 16 bits, length in the high 16.
-        let src = (ctx.as_ptr() as *const u8).add((loc & 0xffff) as usize);
-        let dst = addr_of_mut!((*r).filename) as *mut u8;
-        generated::bpf_probe_read_kernel_str(dst as *mut c_void, FILENAME_LEN as u32, src as *const c_void);
-    }
-    entry.submit(flags);
+        r.code_start = code_start;
+        r.code_end = code_end;
+        r.interp_base = interp_base;
+    });
     Ok(())
 }
 
-tracepoint_program!(sched_process_exit, |ctx| try_exit(ctx));
+raw_tracepoint_program!(sched_process_exit, |ctx| try_exit(ctx));
 
-pub(crate) fn try_exit(ctx: &TracePointContext) -> Result<(), ()> {
+/// sched_process_exit(struct task_struct *p[, bool group_dead])
+fn try_exit(ctx: &RawTracePointContext) -> Result<(), ()> {
     let (_, tgid, tid) = pid_tgid();
     if !is_traced(tgid) {
         return Ok(());
     }
-    let head = TpHead::read(ctx).ok_or(())?;
-    let group_dead = head.u64_at(config!(tp.exit_group_dead) & !7) >> ((config!(tp.exit_group_dead) & 7) * 8);
-    let group_dead = group_dead & 0xff != 0;
-    if group_dead && config!(trace_all) == 0 {
-        let _ = TRACED.remove(tgid);
-    }
-    if group_dead && config!(dwarf_unwind) != unwind_mode::FRAME_POINTERS {
-        let _ = GENERATIONS.remove(tgid);
+    let group_dead = if config!(kernel.exit_has_group_dead) != 0 {
+        let arg: u64 = ctx.arg(1);
+        arg & 0xff != 0
+    } else {
+        tid == tgid
+    };
+    if group_dead {
+        if config!(trace_all) == 0 {
+            let _ = TRACED.remove(tgid);
+        }
+        end_address_space(tgid);
     }
     let ring = this_ring().ok_or(())?;
-    emit_task(ring, TaskEvent::Exit, tgid, tid, 0, if group_dead { flags::GROUP_DEAD } else { 0 });
+    let flags = if group_dead { flags::GROUP_DEAD } else { 0 };
+    emit_task(ring, TaskEvent::Exit, TaskFacts { pid: tgid, tid, ppid: 0, asid: 0, flags }, |_| {});
     Ok(())
 }
 
-tracepoint_program!(task_rename, |ctx| try_rename(ctx));
+raw_tracepoint_program!(task_rename, |ctx| try_rename(ctx));
 
-pub(crate) fn try_rename(ctx: &TracePointContext) -> Result<(), ()> {
-    let (_, tgid, tid) = pid_tgid();
+/// task_rename(struct task_struct *task, const char *comm)
+fn try_rename(ctx: &RawTracePointContext) -> Result<(), ()> {
+    let task: u64 = ctx.arg(0);
+    let comm_ptr: u64 = ctx.arg(1);
+    let tgid: u32 = read_kernel_at(task, config!(kernel.task_tgid)).ok_or(())?;
+    let tid: u32 = read_kernel_at(task, config!(kernel.task_pid)).ok_or(())?;
     if !is_traced(tgid) {
         return Ok(());
     }
-    // SAFETY: checked read of the tracepoint record.
-    let comm: [u8; COMM_LEN] = unsafe { ctx.read_at(config!(tp.rename_newcomm) as usize) }.map_err(|_| ())?;
+    let mut comm = [0u8; COMM_LEN];
+    read_kernel_str(comm_ptr, &mut comm);
     let ring = this_ring().ok_or(())?;
-    emit::<TaskRecord>(ring, |r| {
-        r.rtype = RecordType::Task as u8;
-        r.event = TaskEvent::Rename as u8;
-        r.pid = tgid;
-        r.tid = tid;
-        // SAFETY: no preconditions.
-        r.ts_ns = unsafe { bpf_ktime_get_ns() };
+    emit_task(ring, TaskEvent::Rename, TaskFacts { pid: tgid, tid, ppid: 0, asid: 0, flags: 0 }, |r| {
         r.comm = comm;
     });
     Ok(())

@@ -1,24 +1,31 @@
-//! The user-stack walk by learned call-frame rules, one frame per `bpf_loop` step; where a
-//! frame has no rule yet the walk stops with the registers there, for userspace to finish
-//! from a stack copy.
+//! The user-stack walk without frame pointers, one frame per `bpf_loop` step: each
+//! frame's address is found in its process's address space ([`MAPPINGS`], by
+//! address-space id), its rule in the table of the file mapped there ([`TABLES`], built
+//! once per file by userspace) or in the per-CPU rule cache, and the step to the caller is
+//! `memtrace_common::unwind::step`, the code userspace runs too. Where a frame's mapping or
+//! table is not known yet, the walk stops with the registers there, for userspace to finish
+//! from a stack copy once the table is built.
 use core::{
     ffi::c_void,
     ptr::{addr_of, addr_of_mut},
 };
 
 use aya_ebpf::{
-    bindings::{BPF_ANY, pt_regs},
-    helpers::{bpf_ktime_get_ns, generated},
+    bindings::{BPF_ANY, BPF_NOEXIST, pt_regs},
+    helpers::generated,
+    maps::lpm_trie::Key,
     programs::RetProbeContext,
 };
 use memtrace_common::{
-    MAX_STACK_DEPTH, UPROBE_TRAMPOLINE_PAGE, UnwindKey, UnwindMiss, sigframe, stack_flags, stack_hash_step,
-    unwind_kind, unwind_mode,
+    MAX_STACK_DEPTH, MappingKey, UnwindMiss, UnwindRule, counter, stack_flags, stack_hash_step,
+    unwind::{self, Regs, Step, decode_rule, encode_rule, find_row, mapping_flags, table},
+    unwind_mode,
 };
 
 use crate::{
     context::{pid_tgid, read_kernel_u64, read_user_u64, regs, scratch},
-    maps::{GENERATIONS, INFLIGHT, UNWIND},
+    maps::{ASIDS, CachedRule, INFLIGHT, MAPPINGS, NEXT_ASID, RULE_CACHE, RULE_CACHE_SLOTS, TABLES},
+    ring::bump,
     stack::Scratch,
 };
 
@@ -71,25 +78,55 @@ impl UserRegs {
     }
 }
 
-/// The generation of `tgid`'s address space (see [`GENERATIONS`]).
+/// The address space of `tgid` (None: not known yet, a process that existed before
+/// tracing began and that userspace has not learned).
 #[inline(always)]
-pub(crate) fn generation(tgid: u32) -> u32 {
+pub(crate) fn asid_of(tgid: u32) -> Option<u32> {
     // SAFETY: plain u32 copied out at once.
-    unsafe { GENERATIONS.get(tgid) }.copied().unwrap_or(0)
+    unsafe { ASIDS.get(tgid) }.copied()
 }
 
-/// Gives `tgid` a new address-space generation (it forked or exec'd).
+/// A new address-space id: this CPU's count of execs and the CPU, below 2^31 (userspace
+/// hands out ids from 2^31 for processes that existed before tracing began).
 #[inline(always)]
-pub(crate) fn new_generation(tgid: u32) {
-    if config!(dwarf_unwind) == 0 {
+pub(crate) fn new_asid() -> u32 {
+    let Some(count) = NEXT_ASID.get_ptr_mut(0) else { return 0 };
+    // SAFETY: this CPU's slot; programs on one CPU do not run concurrently.
+    let n = unsafe {
+        *count = (*count).wrapping_add(1);
+        *count
+    };
+    // SAFETY: no preconditions.
+    let cpu = unsafe { generated::bpf_get_smp_processor_id() };
+    ((n << 10 | (cpu & 1023)) & 0x7fff_ffff).max(1)
+}
+
+/// `tgid` exec'd: a new address space, whose mappings the mapping tracker reports as the
+/// new program is loaded.
+#[inline(always)]
+pub(crate) fn begin_address_space(tgid: u32) {
+    if config!(unwind_mode) == unwind_mode::FRAME_POINTERS {
         return;
     }
-    // SAFETY: no preconditions. A clock reading differs from the tgid's previous one.
-    let generation = unsafe { bpf_ktime_get_ns() } as u32 | 1;
-    let _ = GENERATIONS.insert(tgid, generation, BPF_ANY as u64);
+    let _ = ASIDS.insert(tgid, new_asid(), BPF_ANY as u64);
 }
 
-/// The state of a learned-rule walk, on the BPF stack between `bpf_loop` steps.
+/// A forked child starts with its parent's address space.
+#[inline(always)]
+pub(crate) fn share_address_space(child: u32, parent: u32) {
+    if config!(unwind_mode) == unwind_mode::FRAME_POINTERS {
+        return;
+    }
+    if let Some(asid) = asid_of(parent) {
+        let _ = ASIDS.insert(child, asid, BPF_NOEXIST as u64);
+    }
+}
+
+pub(crate) fn end_address_space(tgid: u32) {
+    let _ = ASIDS.remove(tgid);
+}
+
+/// The state of a walk, on the BPF stack between `bpf_loop` steps.
 #[repr(C)]
 pub(crate) struct WalkState {
     pub(crate) ip: u64,
@@ -99,19 +136,89 @@ pub(crate) struct WalkState {
     pub(crate) ret_addr: u64,
     /// The stack hash, continued with each frame.
     pub(crate) hash: u64,
-    pub(crate) tgid: u32,
-    pub(crate) generation: u32,
+    /// The mapping the previous frame was in: consecutive frames in one file skip the
+    /// address-space lookup.
+    pub(crate) map_start: u64,
+    pub(crate) map_end: u64,
+    pub(crate) map_bias: u64,
+    pub(crate) map_table: u32,
+    pub(crate) map_flags: u32,
+    pub(crate) asid: u32,
     /// Frames in `scratch.user_ips`.
     pub(crate) n: u32,
     /// `ip` is the exact instruction, not a return address.
     pub(crate) exact: u32,
     /// `stack_flags` the walk ended with.
     pub(crate) result: u32,
-    pub(crate) _pad: u32,
+}
+
+/// Why no rule was found for an address.
+enum NoRule {
+    /// Its mapping or its file's table is not known yet: userspace finishes from a copy.
+    NotYet(u32),
+    /// No rule can exist (no table covers it): the stack is truncated there.
+    Never,
+}
+
+#[inline(always)]
+fn cache_slot(addr: u64, asid: u32) -> u32 {
+    (stack_hash_step(addr, u64::from(asid)) >> 40) as u32 & (RULE_CACHE_SLOTS - 1)
+}
+
+/// The rule for lookup address `addr` of the walk's address space.
+#[inline(always)]
+fn rule_at(st: &mut WalkState, addr: u64) -> Result<UnwindRule, NoRule> {
+    bump(counter::UNWIND_FRAMES);
+    let slot = RULE_CACHE.get_ptr_mut(cache_slot(addr, st.asid));
+    if let Some(entry) = slot {
+        // SAFETY: this CPU's slot; programs on one CPU do not run concurrently.
+        let entry = unsafe { &*entry };
+        if entry.addr == addr && entry.asid == st.asid {
+            bump(counter::UNWIND_CACHE_HITS);
+            return Ok(decode_rule(entry.rule));
+        }
+    }
+    if addr < st.map_start || addr >= st.map_end {
+        let key = Key::new(MappingKey::ASID_BITS + 64, MappingKey::new(st.asid, addr));
+        let Some(m) = MAPPINGS.get(&key).copied() else {
+            return Err(NoRule::NotYet(counter::UNWIND_NO_MAPPING));
+        };
+        st.map_start = m.start;
+        st.map_end = m.end;
+        st.map_bias = m.bias;
+        st.map_table = m.table;
+        st.map_flags = m.flags;
+    }
+    if st.map_flags & (mapping_flags::NO_FILE | mapping_flags::NO_TABLE) != 0 {
+        return Err(NoRule::Never);
+    }
+    let Some(rows) = TABLES.get(st.map_table) else { return Err(NoRule::NotYet(counter::UNWIND_NO_TABLE)) };
+    let get = |i: u32| rows.get(i).copied();
+    let (Some(pc_base), Some(counts)) = (get(table::PC_BASE), get(table::COUNTS)) else {
+        return Err(NoRule::Never);
+    };
+    let pages = counts as u32;
+    let rel = addr.wrapping_sub(st.map_bias).wrapping_sub(pc_base);
+    let page = rel >> table::PAGE_SHIFT;
+    if page >= u64::from(pages) {
+        return Err(NoRule::Never);
+    }
+    let page = page as u32;
+    let (Some(lo), Some(hi)) = (get(table::PAGES + page), get(table::PAGES + page + 1)) else {
+        return Err(NoRule::Never);
+    };
+    let row = find_row(lo as u32, hi as u32, rel as u32, |i| get(table::row_element(pages, i)));
+    let Some(row) = row else { return Err(NoRule::Never) };
+    let rule = unwind::row_rule(row);
+    if let Some(entry) = slot {
+        // SAFETY: as above.
+        unsafe { *entry = CachedRule { addr, asid: st.asid, rule: encode_rule(rule) } };
+    }
+    Ok(rule)
 }
 
 /// One frame of the walk (a `bpf_loop` callback: verified once, whatever the depth).
-/// Records the frame, looks its rule up and steps to the caller; returns 1 to stop.
+/// Records the frame, finds its rule and steps to the caller; returns 1 to stop.
 #[inline(never)]
 pub(crate) extern "C" fn walk_step(index: u64, state: *mut c_void) -> i64 {
     // SAFETY: bpf_loop hands back the pointer to the WalkState on the caller's stack.
@@ -124,106 +231,95 @@ pub(crate) extern "C" fn walk_step(index: u64, state: *mut c_void) -> i64 {
     scratch.user_ips[i] = st.ip;
     st.n = i as u32 + 1;
     st.hash = stack_hash_step(st.hash, st.ip);
-    let (ip, sp, bp) = (st.ip, st.sp, st.bp);
-    let key = UnwindKey { tgid: st.tgid, generation: st.generation, addr: if st.exact != 0 { ip } else { ip - 1 } };
-    // SAFETY: the rule is copied out at once.
-    let rule =
-        if config!(dwarf_unwind) == unwind_mode::COPY_ALWAYS { None } else { unsafe { UNWIND.get(key) }.copied() };
-    let Some(rule) = rule else {
+    let regs = Regs { ip: st.ip, sp: st.sp, bp: st.bp, exact: st.exact != 0 };
+    let rule = match rule_at(st, regs.lookup_addr()) {
+        Ok(rule) => rule,
+        Err(NoRule::NotYet(why)) => {
+            bump(why);
+            scratch.miss = UnwindMiss {
+                ip: regs.ip,
+                sp: regs.sp,
+                bp: regs.bp,
+                ret_addr: st.ret_addr,
+                asid: st.asid,
+                exact: st.exact as u8,
+                _pad: [0; 3],
+                copy_len: 0,
+                _pad2: 0,
+            };
+            st.result = stack_flags::MISS as u32;
+            return 1;
+        }
+        Err(NoRule::Never) => {
+            st.result = stack_flags::TRUNCATED as u32;
+            return 1;
+        }
+    };
+    match unwind::step(regs, rule, st.ret_addr, read_user_u64) {
+        Step::Caller(next) => {
+            st.ip = next.ip;
+            st.sp = next.sp;
+            st.bp = next.bp;
+            st.exact = next.exact as u32;
+            // Past the last step the walk is cut at the depth limit.
+            st.result = stack_flags::TRUNCATED as u32;
+            0
+        }
+        Step::Outermost => {
+            st.result = 0;
+            1
+        }
+        Step::Stop => {
+            st.result = stack_flags::TRUNCATED as u32;
+            1
+        }
+    }
+}
+
+/// Walks the user stack of process `tgid` from `regs` into `scratch.user_ips`,
+/// continuing `hash` with each frame. Returns the frame count, `stack_flags` (TRUNCATED, or
+/// MISS with `scratch.miss` holding the registers of the frame that had no table), the
+/// hash and the address space.
+#[inline(always)]
+pub(crate) fn walk_user_tables(scratch: &mut Scratch, tgid: u32, regs: UserRegs, hash: u64) -> (usize, u8, u64, u32) {
+    let known = asid_of(tgid);
+    let Some(asid) = known.filter(|_| config!(unwind_mode) != unwind_mode::COPY_ALWAYS) else {
+        // A process not learned yet (or every stack sent as a copy, the perf-style design
+        // kept to measure against): the first frame is a miss.
+        if known.is_none() {
+            bump(counter::UNWIND_NO_MAPPING);
+        }
+        scratch.user_ips[0] = regs.ip;
+        scratch.user_ips[1] = 0;
+        scratch.user_ips[MAX_STACK_DEPTH] = 0;
         scratch.miss = UnwindMiss {
-            ip,
-            sp,
-            bp,
-            ret_addr: st.ret_addr,
-            generation: st.generation,
-            exact: st.exact as u8,
+            ip: regs.ip,
+            sp: regs.sp,
+            bp: regs.bp,
+            ret_addr: regs.hidden_return,
+            asid: known.unwrap_or(0),
+            exact: regs.exact as u8,
             _pad: [0; 3],
             copy_len: 0,
             _pad2: 0,
         };
-        st.result = stack_flags::MISS as u32;
-        return 1;
+        return (1, stack_flags::MISS | stack_flags::USER_IPS, stack_hash_step(hash, regs.ip), known.unwrap_or(0));
     };
-    let next = match rule.kind {
-        unwind_kind::OUTERMOST => {
-            st.result = 0;
-            return 1;
-        }
-        unwind_kind::SIGNAL => {
-            match (
-                read_user_u64(sp + sigframe::RIP),
-                read_user_u64(sp + sigframe::RSP),
-                read_user_u64(sp + sigframe::RBP),
-            ) {
-                (Some(i), Some(s), Some(b)) => Some((i, s, b, 1)),
-                _ => None,
-            }
-        }
-        unwind_kind::CFA_SP | unwind_kind::CFA_BP | unwind_kind::CFA_BP_DEREF => {
-            let offset = rule.cfa_offset as i64 as u64;
-            let cfa = match rule.kind {
-                unwind_kind::CFA_SP => Some(sp.wrapping_add(offset)),
-                unwind_kind::CFA_BP => Some(bp.wrapping_add(offset)),
-                _ => read_user_u64(bp.wrapping_add(offset)),
-            };
-            match cfa {
-                Some(cfa) => {
-                    let ra = read_user_u64(cfa.wrapping_sub(8));
-                    let saved_bp = if rule.rbp_offset != 0 {
-                        read_user_u64(cfa.wrapping_add(rule.rbp_offset as i64 as u64))
-                    } else {
-                        Some(bp)
-                    };
-                    match (ra, saved_bp) {
-                        (Some(ra), Some(b)) => Some((ra, cfa, b, 0)),
-                        _ => None,
-                    }
-                }
-                None => None,
-            }
-        }
-        _ => None, // STOP: no usable rule for this code
-    };
-    let Some((next_ip, next_sp, next_bp, next_exact)) = next else {
-        st.result = stack_flags::TRUNCATED as u32;
-        return 1;
-    };
-    if next_ip == 0 {
-        st.result = 0; // a zero return address ends the chain
-        return 1;
-    }
-    let next_ip = if next_ip & !0xfff == UPROBE_TRAMPOLINE_PAGE { st.ret_addr } else { next_ip };
-    if next_ip == 0 {
-        st.result = stack_flags::TRUNCATED as u32; // a trampoline we cannot see through
-        return 1;
-    }
-    st.ip = next_ip;
-    st.sp = next_sp;
-    st.bp = next_bp;
-    st.exact = next_exact;
-    // Past the last step the walk is cut at the depth limit.
-    st.result = stack_flags::TRUNCATED as u32;
-    0
-}
-
-/// Walks the user stack with the rules learned for it into `scratch.user_ips`, from
-/// `regs`, continuing `hash` with each frame. Returns the frame count, `stack_flags`
-/// (TRUNCATED, or MISS with `scratch.miss` holding the registers of the frame that had no
-/// rule) and the hash.
-#[inline(always)]
-pub(crate) fn walk_user_dwarf(scratch: &mut Scratch, tgid: u32, regs: UserRegs, hash: u64) -> (usize, u8, u64) {
     let mut st = WalkState {
         ip: regs.ip,
         sp: regs.sp,
         bp: regs.bp,
         ret_addr: regs.hidden_return,
         hash,
-        tgid,
-        generation: generation(tgid),
+        map_start: 0,
+        map_end: 0,
+        map_bias: 0,
+        map_table: 0,
+        map_flags: 0,
+        asid,
         n: 0,
         exact: regs.exact as u32,
         result: stack_flags::TRUNCATED as u32,
-        _pad: 0,
     };
     // SAFETY: walk_step is a BPF callback taking (index, ctx); ctx is our stack state.
     unsafe {
@@ -234,5 +330,5 @@ pub(crate) fn walk_user_dwarf(scratch: &mut Scratch, tgid: u32, regs: UserRegs, 
         scratch.user_ips[n] = 0;
     }
     scratch.user_ips[MAX_STACK_DEPTH] = 0;
-    (n, st.result as u8 | stack_flags::USER_IPS, st.hash)
+    (n, st.result as u8 | stack_flags::USER_IPS, st.hash, asid)
 }

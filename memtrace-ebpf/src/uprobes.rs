@@ -84,7 +84,8 @@ pub(crate) fn try_alloc_enter(ctx: &ProbeContext) -> Result<(), ()> {
     let state = InFlight {
         kind,
         flags: sampling | glibc,
-        _pad: [0; 2],
+        allocator: (cookie >> memtrace_common::cookie::ALLOCATOR_SHIFT) as u8,
+        _pad: 0,
         depth: 0,
         sp,
         // SAFETY: no preconditions.
@@ -196,6 +197,7 @@ pub(crate) fn try_alloc_return(ctx: &RetProbeContext) -> Result<(), ()> {
     emit::<UserAllocRecord>(ring, |r| {
         r.rtype = RecordType::UserAlloc as u8;
         r.kind = state.kind;
+        r.allocator = state.allocator;
         r.flags = if exact { flags::USABLE_EXACT } else { 0 } | if stack.is_some() { flags::HAS_STACK } else { 0 };
         r.pid = tgid;
         r.tid = tid;

@@ -101,6 +101,18 @@ impl ElfFile {
         Ok((needed, runpath))
     }
 
+    /// The program interpreter (`PT_INTERP`: ld.so) the file asks for, if any.
+    pub fn interpreter(&self) -> Option<String> {
+        let file = self.parse().ok()?;
+        let endian = file.endian();
+        let headers = file.elf_header().program_headers(endian, file.data()).ok()?;
+        headers.iter().find(|ph| ph.p_type(endian) == elf::PT_INTERP).and_then(|ph| {
+            let bytes = ph.data(endian, file.data()).ok()?;
+            let end = bytes.iter().position(|&b| b == 0).unwrap_or(bytes.len());
+            Some(String::from_utf8_lossy(&bytes[..end]).into_owned())
+        })
+    }
+
     /// Whether the file has a `.text` section (a real code object, not a data file).
     pub fn has_text(&self) -> bool {
         self.parse().map(|f| f.section_by_name(".text").is_some()).unwrap_or(false)

@@ -2,8 +2,8 @@
 //! decoding of raw ring records into them. Everything downstream (the recording file,
 //! pairing, aggregation, `top`) works on these types.
 use memtrace_common::{
-    FreeRecord, KernelAllocRecord, Kind, MappingRecord, RecordType, StackHeader, TaskEvent, TaskRecord,
-    UNWIND_COPY_BYTES, UnwindMiss, UserAllocRecord, UserFrame, flags, stack_flags,
+    CacheRecord, FreeRecord, KernelAllocRecord, Kind, MappingRecord, RecordType, StackHeader, TaskEvent, TaskRecord,
+    UNWIND_COPY_BYTES, UnwindMiss, UserAllocRecord, UserFrame, flags, mapping_record, stack_flags,
 };
 use thiserror::Error;
 
@@ -97,8 +97,10 @@ pub struct StackRecord {
     pub truncated: bool,
     /// A kernel stack joined with its task's user stack (even when no kernel frame came).
     pub joined_kernel: bool,
-    /// The probes' walk stopped for want of a rule: where, and a copy of the stack.
+    /// The probes' walk stopped for want of a table: where, and a copy of the stack.
     pub miss: Option<StackMiss>,
+    /// The address space the user frames belong to (table walks; 0 otherwise).
+    pub asid: u32,
 }
 
 /// How a stack's user frames were walked.
@@ -112,7 +114,7 @@ pub enum UserWalk {
     CallFrameInfo,
 }
 
-/// Where the probes' user walk found no rule, and the stack from there.
+/// Where the probes' user walk found no table, and the stack from there.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct StackMiss {
     pub ip: u64,
@@ -120,28 +122,49 @@ pub struct StackMiss {
     pub bp: u64,
     /// What the uprobe trampoline stands for on this stack (0: unknown).
     pub ret_addr: u64,
-    pub generation: u32,
+    /// The address space (0: the process was not known to the probes).
+    pub asid: u32,
     pub exact: bool,
     /// User stack bytes from `sp` up.
     pub copy: Vec<u8>,
 }
 
-/// A file a process mapped executable (see [`memtrace_common::MappingRecord`]).
+/// Code a process mapped (see [`memtrace_common::MappingRecord`]).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct FileMapping {
     pub pid: u32,
+    pub asid: u32,
     pub start: u64,
     pub len: u64,
     pub file_offset: u64,
-    pub path: String,
+    /// The path the process opened the file by; None for memory without a file.
+    pub path: Option<String>,
+}
+
+/// What a task record says beyond the [`Task`]: the address space it concerns (fork: the
+/// child's, exec: the new program's; 0 otherwise) and, for an exec, where the kernel
+/// mapped the program's code and its interpreter.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct TaskSpace {
+    pub asid: u32,
+    pub code_start: u64,
+    pub code_end: u64,
+    pub interp_base: u64,
 }
 
 /// One decoded ring record.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Record {
     Event(Event),
+    /// A task event and the address space it concerns.
+    Task(Task, TaskSpace),
     Stack(StackRecord),
     Mapping(FileMapping),
+    /// The name of a kernel slab cache.
+    Cache {
+        cache: u64,
+        name: String,
+    },
 }
 
 #[derive(Debug, Error, PartialEq, Eq)]
@@ -238,26 +261,36 @@ pub fn decode(bytes: &[u8], cpu: u16) -> Result<Record, DecodeError> {
         RecordType::Task => {
             let r: TaskRecord = read(bytes, rtype)?;
             let event = TaskEvent::from_u8(r.event).ok_or(DecodeError::UnknownTaskEvent(r.event))?;
-            Record::Event(Event::Task(Task {
-                ts_ns: r.ts_ns,
-                event,
-                flags: r.flags,
-                pid: r.pid,
-                tid: r.tid,
-                ppid: r.ppid,
-                comm: c_string(&r.comm),
-                filename: c_string(&r.filename),
-            }))
+            let space =
+                TaskSpace { asid: r.asid, code_start: r.code_start, code_end: r.code_end, interp_base: r.interp_base };
+            Record::Task(
+                Task {
+                    ts_ns: r.ts_ns,
+                    event,
+                    flags: r.flags,
+                    pid: r.pid,
+                    tid: r.tid,
+                    ppid: r.ppid,
+                    comm: c_string(&r.comm),
+                    filename: c_string(&r.filename),
+                },
+                space,
+            )
         }
         RecordType::Mapping => {
             let r: MappingRecord = read(bytes, rtype)?;
             Record::Mapping(FileMapping {
                 pid: r.pid,
+                asid: r.asid,
                 start: r.start,
                 len: r.len,
                 file_offset: r.file_offset,
-                path: c_string(&r.path),
+                path: (r.flags & mapping_record::ANONYMOUS == 0).then(|| c_string(&r.path)),
             })
+        }
+        RecordType::Cache => {
+            let r: CacheRecord = read(bytes, rtype)?;
+            Record::Cache { cache: r.cache, name: c_string(&r.name) }
         }
         RecordType::Stack => {
             let h: StackHeader = read(bytes, rtype)?;
@@ -311,7 +344,7 @@ pub fn decode(bytes: &[u8], cpu: u16) -> Result<Record, DecodeError> {
                     sp: m.sp,
                     bp: m.bp,
                     ret_addr: m.ret_addr,
-                    generation: m.generation,
+                    asid: m.asid,
                     exact: m.exact != 0,
                     copy: rest[size_of::<UnwindMiss>()..copy_need].to_vec(),
                 })
@@ -327,6 +360,7 @@ pub fn decode(bytes: &[u8], cpu: u16) -> Result<Record, DecodeError> {
                 truncated: h.flags & stack_flags::TRUNCATED != 0,
                 joined_kernel: h.flags & stack_flags::KERNEL != 0,
                 miss,
+                asid: h.asid,
             })
         }
     })
@@ -394,7 +428,16 @@ pub(crate) mod tests {
 
     #[test]
     fn decodes_stacks_with_both_parts() {
-        let header = StackHeader { rtype: RecordType::Stack as u8, flags: 0, n_kernel: 2, n_user: 2, pid: 7, hash: 99 };
+        let header = StackHeader {
+            rtype: RecordType::Stack as u8,
+            flags: 0,
+            n_kernel: 2,
+            n_user: 2,
+            pid: 7,
+            hash: 99,
+            asid: 0,
+            _pad: 0,
+        };
         let mut bytes = bytes_of(&header);
         bytes.extend(0xffff_ffff_8100_0000u64.to_ne_bytes());
         bytes.extend(0xffff_ffff_8200_0000u64.to_ne_bytes());
@@ -421,20 +464,15 @@ pub(crate) mod tests {
             n_user: 2,
             pid: 7,
             hash: 99,
+            asid: 5,
+            _pad: 0,
         };
         let mut bytes = bytes_of(&header);
         bytes.extend(0xffff_ffff_8100_0000u64.to_ne_bytes());
         bytes.extend(0x40_1000u64.to_ne_bytes());
         bytes.extend(0x40_2000u64.to_ne_bytes());
-        let miss = UnwindMiss {
-            ip: 0x40_2000,
-            sp: 0x7ffc_0000,
-            bp: 1,
-            generation: 3,
-            exact: 0,
-            copy_len,
-            ..Default::default()
-        };
+        let miss =
+            UnwindMiss { ip: 0x40_2000, sp: 0x7ffc_0000, bp: 1, asid: 3, exact: 0, copy_len, ..Default::default() };
         bytes.extend(bytes_of(&miss));
         bytes.extend(copy);
         bytes
@@ -447,7 +485,7 @@ pub(crate) mod tests {
         assert_eq!(s.user, [RawUserFrame::Ip(0x40_1000), RawUserFrame::Ip(0x40_2000)]);
         assert!(s.joined_kernel && !s.truncated);
         let miss = s.miss.unwrap();
-        assert_eq!((miss.ip, miss.sp, miss.generation, miss.exact), (0x40_2000, 0x7ffc_0000, 3, false));
+        assert_eq!((miss.ip, miss.sp, miss.asid, miss.exact), (0x40_2000, 0x7ffc_0000, 3, false));
         assert_eq!(miss.copy, [1, 2, 3, 4]);
         // Every cut is an error, never a short copy; so is a length past the protocol's.
         for len in 1..bytes.len() {
@@ -462,7 +500,7 @@ pub(crate) mod tests {
         let mut r = TaskRecord { event: TaskEvent::Exec as u8, pid: 5, tid: 5, ts_ns: 9, ..Default::default() };
         r.comm[..4].copy_from_slice(b"prog");
         r.filename[..9].copy_from_slice(b"/bin/prog");
-        let Record::Event(Event::Task(t)) = decode(&bytes_of(&r), 0).unwrap() else { panic!() };
+        let Record::Task(t, _) = decode(&bytes_of(&r), 0).unwrap() else { panic!() };
         assert_eq!((t.event, t.comm.as_str(), t.filename.as_str()), (TaskEvent::Exec, "prog", "/bin/prog"));
     }
 }

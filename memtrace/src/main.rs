@@ -12,6 +12,7 @@ use memtrace::{
     report::{self, Format, ReportColumn, ReportOptions, SortKey},
     session::{self, CommandFailed, RecordOptions, Target, TraceOptions},
     top::model::{Column, ViewOptions},
+    unwind::UnwindOptions,
 };
 
 #[derive(Parser)]
@@ -133,6 +134,7 @@ fn top(args: TopArgs) -> Result<i32> {
             quiet: false,
             sample_bytes: args.sample_bytes,
             call_graph: args.call_graph,
+            unwind: UnwindOptions::default(),
         },
         interval: args.delay.max(Duration::from_millis(100)),
         batch: args.batch,
@@ -305,6 +307,14 @@ struct RecordArgs {
     /// cheapest, but stacks stop at code built without them).
     #[arg(long, value_enum, default_value_t)]
     call_graph: CallGraph,
+    /// Build every unwind table afresh: do not read or fill the cache of tables
+    /// (/var/cache/memtrace/unwind).
+    #[arg(long)]
+    no_unwind_cache: bool,
+    /// Memory the unwind tables may take in the kernel (default 1G); past it, stacks
+    /// through further files are cut short there, with a warning.
+    #[arg(long, value_parser = parse_size)]
+    unwind_memory: Option<u64>,
     /// Prefix of the allocator's functions, for custom allocators (e.g. je_ for jemalloc).
     #[arg(long, default_value = "")]
     symbol_prefix: String,
@@ -396,6 +406,10 @@ fn record(args: RecordArgs) -> Result<i32> {
             quiet: args.quiet,
             sample_bytes: args.sample_bytes,
             call_graph: args.call_graph,
+            unwind: UnwindOptions {
+                disk_cache: !args.no_unwind_cache,
+                max_table_bytes: args.unwind_memory.unwrap_or(memtrace::unwind::store::DEFAULT_MAX_BYTES),
+            },
         },
         output: args.output,
         force: args.force,

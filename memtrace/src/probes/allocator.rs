@@ -240,6 +240,22 @@ fn search_dirs(name: &str, runpath: &[PathBuf]) -> Option<PathBuf> {
         .find(|p| p.is_file())
 }
 
+/// The files a program at `exe` maps when exec'd with our environment: itself, its
+/// interpreter, what it preloads and every library it needs, in lookup order.
+pub fn program_files(exe: &Path) -> Vec<PathBuf> {
+    let preload: Vec<PathBuf> = env::var("LD_PRELOAD")
+        .unwrap_or_default()
+        .split([':', ' '])
+        .filter(|s| !s.is_empty())
+        .filter_map(|s| search_dirs(s, &[]))
+        .collect();
+    let mut files = lookup_order(exe, &preload, &search_dirs);
+    if let Some(interp) = ElfFile::open(exe).ok().and_then(|e| e.interpreter()) {
+        files.push(PathBuf::from(interp));
+    }
+    files
+}
+
 /// The allocator a program at `exe` will use once exec'd with our environment.
 pub fn for_executable(exe: &Path, prefix: &str) -> Result<Allocator> {
     let preload: Vec<PathBuf> = env::var("LD_PRELOAD")

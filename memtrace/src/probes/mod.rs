@@ -1,10 +1,12 @@
 //! Owning the eBPF side: checking privileges, loading the embedded object with its
-//! configuration, creating one ring buffer per CPU (installed before anything attaches, so
-//! no early event is lost), attaching tracepoints and uprobes, and reading the probes'
-//! loss counters. Dropping [`Probes`] detaches everything.
+//! configuration (kernel structure offsets from BTF), creating one ring buffer per CPU
+//! (installed before anything attaches, so no early event is lost), attaching raw
+//! tracepoints, syscall tracepoints and uprobes, keeping the unwinder's maps (address
+//! spaces, per-file tables) and reading the probes' counters. Dropping [`Probes`] detaches
+//! everything.
 pub mod allocator;
+pub mod btf;
 pub mod placement;
-pub mod tracefs;
 pub mod uprobe_multi;
 
 use std::{num::NonZeroU32, os::fd::AsFd as _, thread::JoinHandle};
@@ -12,17 +14,24 @@ use std::{num::NonZeroU32, os::fd::AsFd as _, thread::JoinHandle};
 use anyhow::{Context as _, Result, bail};
 use aya::{
     Ebpf, EbpfLoader,
-    maps::{ArrayOfMaps, HashMap, Map, MapData, PerCpuArray, RingBuf},
+    maps::{
+        ArrayOfMaps, HashMap, Map, MapData, PerCpuArray, RingBuf,
+        lpm_trie::{Key, LpmTrie},
+    },
     programs::{
-        TracePoint, UProbe,
+        RawTracePoint, TracePoint, UProbe,
+        raw_trace_point::RawTracePointLinkId,
         trace_point::TracePointLinkId,
         uprobe::{UProbeAttachLocation, UProbeAttachPoint, UProbeLinkId, UProbeScope},
     },
 };
-use aya_obj::generated::bpf_map_type::BPF_MAP_TYPE_RINGBUF;
+use aya_obj::generated::bpf_map_type::{BPF_MAP_TYPE_ARRAY, BPF_MAP_TYPE_RINGBUF};
 use memtrace_common::{
-    Kind, MAX_CPUS, ProbeConfig, TracepointLayout, UnwindKey, UnwindRule, counter, traced, unwind_mode,
+    KernelLayout, Kind, MAX_CPUS, MappingKey, MappingValue, ProbeConfig, counter, traced, unwind_mode,
 };
+
+use self::btf::Btf;
+use crate::unwind::{spaces::SpaceSink, store::TableSink};
 
 pub use self::allocator::{Allocator, AttachPoint};
 use self::uprobe_multi::{AttachPath, MultiLink, MultiSpec};
@@ -72,7 +81,7 @@ impl CallGraph {
 
     fn mode(self) -> u32 {
         match self {
-            Self::Dwarf => unwind_mode::LEARNED,
+            Self::Dwarf => unwind_mode::TABLES,
             Self::Fp => unwind_mode::FRAME_POINTERS,
             Self::Copy => unwind_mode::COPY_ALWAYS,
         }
@@ -95,14 +104,22 @@ pub struct Counters {
     pub lost_kernel_live: u64,
     pub no_ring: u64,
     pub lost_sampled_live: u64,
-    /// User stacks left truncated at a frame without a rule (copy budget spent).
+    /// User stacks left truncated at a frame without a table (copy budget spent).
     pub unwind_budget: u64,
+    /// Walks that met an address space or mapping not known yet (a copy was sent).
+    pub unwind_no_mapping: u64,
+    /// Walks that met a file whose table was not installed yet (a copy was sent).
+    pub unwind_no_table: u64,
+    /// Frames the probes walked, and how many found their rule in the per-CPU cache.
+    pub unwind_frames: u64,
+    pub unwind_cache_hits: u64,
 }
 
 /// An attachment, so detaching can close them all at once.
 enum Attachment {
     UProbe(&'static str, UProbeLinkId),
     UProbeMulti(MultiLink),
+    RawTracePoint(&'static str, RawTracePointLinkId),
     TracePoint(&'static str, TracePointLinkId),
 }
 
@@ -184,18 +201,18 @@ impl Probes {
     /// Loads the programs and installs the rings. Nothing is attached yet.
     pub fn load(settings: &Settings) -> Result<Self> {
         check_privileges()?;
-        let tracefs_root = tracefs::root()?;
-        let layout: TracepointLayout = tracefs::layout(&tracefs_root)?;
+        let btf = Btf::vmlinux()?;
+        let kernel = kernel_layout(&btf)?;
         let config = ProbeConfig {
             self_tgid: std::process::id(),
             trace_all: u32::from(settings.all_processes),
             user_stacks: u32::from(settings.user_stacks),
             kernel_stacks: u32::from(settings.kernel_stacks),
-            dwarf_unwind: settings.call_graph.mode(),
+            unwind_mode: settings.call_graph.mode(),
             wakeup_bytes: settings.ring_bytes / 4,
             track_kernel_live: u32::from(!settings.all_processes),
             follow_children: u32::from(settings.follow_children),
-            tp: layout,
+            kernel,
             sample_bytes: settings.sample_bytes.unwrap_or(0),
         };
         // Kernels before 5.11 charge BPF memory to RLIMIT_MEMLOCK.
@@ -229,51 +246,49 @@ impl Probes {
         Ok(())
     }
 
-    /// Installs unwind rules for the probes' user-stack walk.
-    pub fn learn_unwind_rules(&mut self, rules: &[(UnwindKey, UnwindRule)]) -> Result<()> {
-        let mut map: HashMap<_, UnwindKey, UnwindRule> =
-            HashMap::try_from(self.ebpf.map_mut("UNWIND").context("UNWIND map")?)?;
-        for (key, rule) in rules {
-            map.insert(key, rule, 0).context("installing an unwind rule")?;
-        }
-        Ok(())
-    }
-
     /// The tgids currently in the traced set (the targets and, with follow, their children).
     pub fn traced_tgids(&self) -> Result<Vec<u32>> {
         let map: HashMap<_, u32, u32> = HashMap::try_from(self.ebpf.map("TRACED").context("TRACED map")?)?;
         Ok(map.keys().filter_map(Result::ok).collect())
     }
 
-    fn attach_tracepoint(&mut self, program: &'static str, category: &str, name: &str) -> Result<()> {
+    fn attach_raw_tracepoint(&mut self, program: &'static str) -> Result<()> {
+        let prog: &mut RawTracePoint =
+            self.ebpf.program_mut(program).with_context(|| format!("program {program} missing"))?.try_into()?;
+        prog.load().with_context(|| format!("verifying {program}"))?;
+        let id = prog.attach(program).with_context(|| format!("attaching to the raw tracepoint {program}"))?;
+        self.attachments.push(Attachment::RawTracePoint(program, id));
+        Ok(())
+    }
+
+    fn attach_tracepoint(&mut self, program: &'static str, category: &str) -> Result<()> {
         let prog: &mut TracePoint =
             self.ebpf.program_mut(program).with_context(|| format!("program {program} missing"))?.try_into()?;
         prog.load().with_context(|| format!("verifying {program}"))?;
-
-        let id = prog.attach(category, name).with_context(|| format!("attaching to tracepoint {category}/{name}"))?;
+        let id =
+            prog.attach(category, program).with_context(|| format!("attaching to tracepoint {category}/{program}"))?;
         self.attachments.push(Attachment::TracePoint(program, id));
         Ok(())
     }
 
-    /// Task lifecycle tracepoints: always on (they drive pairing and process names).
+    /// Task lifecycle: always on (they drive pairing, process names and address spaces).
     pub fn attach_task_tracepoints(&mut self) -> Result<()> {
-        self.attach_tracepoint("task_newtask", "task", "task_newtask")?;
-        self.attach_tracepoint("sched_process_exec", "sched", "sched_process_exec")?;
-        self.attach_tracepoint("sched_process_exit", "sched", "sched_process_exit")?;
-        self.attach_tracepoint("task_rename", "task", "task_rename")?;
-        Ok(())
-    }
-
-    /// `openat` and `mmap`: which files traced processes map executable (DWARF call
-    /// graphs need them when a process is gone before its maps are read).
-    pub fn attach_mapping_tracepoints(&mut self) -> Result<()> {
-        for name in ["sys_enter_openat", "sys_exit_openat", "sys_enter_mmap", "sys_exit_mmap"] {
-            self.attach_tracepoint(name, "syscalls", name)?;
+        for name in ["task_newtask", "sched_process_exec", "sched_process_exit", "task_rename"] {
+            self.attach_raw_tracepoint(name)?;
         }
         Ok(())
     }
 
-    /// The kmem tracepoints.
+    /// What the unwinder learns address spaces from after an exec: `openat` and `mmap`
+    /// with `PROT_EXEC` (how ld.so and dlopen load libraries, and where JIT code goes).
+    pub fn attach_mapping_tracker(&mut self) -> Result<()> {
+        for name in ["sys_enter_openat", "sys_exit_openat", "sys_enter_mmap", "sys_exit_mmap"] {
+            self.attach_tracepoint(name, "syscalls")?;
+        }
+        Ok(())
+    }
+
+    /// The kmem raw tracepoints.
     pub fn attach_kernel(&mut self) -> Result<()> {
         for name in [
             "kmalloc",
@@ -284,7 +299,7 @@ impl Probes {
             "mm_page_free",
             "mm_page_free_batched",
         ] {
-            self.attach_tracepoint(name, "kmem", name)?;
+            self.attach_raw_tracepoint(name)?;
         }
         Ok(())
     }
@@ -420,6 +435,12 @@ impl Probes {
                         links.push(Box::new(move || drop(link)));
                     }
                 }
+                Attachment::RawTracePoint(name, id) => {
+                    let prog: Option<&mut RawTracePoint> = self.ebpf.program_mut(name).and_then(|p| p.try_into().ok());
+                    if let Some(link) = prog.and_then(|p| p.take_link(id).ok()) {
+                        links.push(Box::new(move || drop(link)));
+                    }
+                }
                 Attachment::TracePoint(name, id) => {
                     let prog: Option<&mut TracePoint> = self.ebpf.program_mut(name).and_then(|p| p.try_into().ok());
                     if let Some(link) = prog.and_then(|p| p.take_link(id).ok()) {
@@ -445,7 +466,113 @@ impl Probes {
             no_ring: sum(counter::NO_RING)?,
             lost_sampled_live: sum(counter::LOST_SAMPLED_LIVE)?,
             unwind_budget: sum(counter::UNWIND_BUDGET)?,
+            unwind_no_mapping: sum(counter::UNWIND_NO_MAPPING)?,
+            unwind_no_table: sum(counter::UNWIND_NO_TABLE)?,
+            unwind_frames: sum(counter::UNWIND_FRAMES)?,
+            unwind_cache_hits: sum(counter::UNWIND_CACHE_HITS)?,
         })
+    }
+}
+
+/// The offsets of the kernel fields the probes read, from the kernel's BTF; an error
+/// naming what is missing.
+fn kernel_layout(btf: &Btf) -> Result<KernelLayout> {
+    let f = |strukt: &str, field: &str| -> Result<u32> { Ok(btf.field(strukt, field)?.offset) };
+    for (tp, args) in [("kmalloc", 6), ("kmem_cache_alloc", 5), ("kfree", 2), ("mm_page_alloc", 4), ("task_newtask", 2)]
+    {
+        let found = btf.tracepoint_args(tp);
+        if found.is_some_and(|n| n != args) {
+            bail!(
+                "the kernel's {tp} tracepoint takes {} arguments, not {args}: this kernel is not supported",
+                found.unwrap_or(0)
+            );
+        }
+    }
+    Ok(KernelLayout {
+        task_pid: f("task_struct", "pid")?,
+        task_tgid: f("task_struct", "tgid")?,
+        task_fsbase: f("task_struct", "thread.fsbase")?,
+        task_mm: f("task_struct", "mm")?,
+        binprm_filename: f("linux_binprm", "filename")?,
+        mm_start_code: f("mm_struct", "start_code")?,
+        mm_end_code: f("mm_struct", "end_code")?,
+        mm_saved_auxv: f("mm_struct", "saved_auxv")?,
+        cache_name: f("kmem_cache", "name")?,
+        cache_object_size: f("kmem_cache", "object_size")?,
+        cache_size: f("kmem_cache", "size")?,
+        exit_has_group_dead: u32::from(btf.tracepoint_args("sched_process_exit") == Some(2)),
+        _pad: [0; 2],
+    })
+}
+
+/// `BPF_F_INNER_MAP | BPF_F_MMAPABLE`, as the tables array's template has them.
+const TABLE_FLAGS: u32 = (1 << 12) | (1 << 10);
+/// `BPF_NOEXIST`.
+const NOEXIST: u64 = 1;
+
+impl TableSink for Probes {
+    fn install_table(&mut self, slot: u32, elements: &[u64]) -> Result<()> {
+        let n = u32::try_from(elements.len().max(1)).context("a table too large")?;
+        let obj = aya_obj::Map::new_from_params(BPF_MAP_TYPE_ARRAY as u32, 4, 8, n, TABLE_FLAGS);
+        let data = MapData::create(obj, &format!("memtrace_uw{slot}"), None)
+            .with_context(|| format!("creating an unwind table of {n} entries"))?;
+        write_mmapped(&data, elements).context("filling an unwind table")?;
+        let mut outer: ArrayOfMaps<&mut MapData, MapData> =
+            ArrayOfMaps::try_from(self.ebpf.map_mut("TABLES").context("TABLES map")?)?;
+        outer.set(slot, &data, 0).with_context(|| format!("installing the unwind table in slot {slot}"))?;
+        Ok(())
+    }
+}
+
+/// Writes `elements` into an mmapable array map through a shared mapping.
+fn write_mmapped(map: &MapData, elements: &[u64]) -> Result<()> {
+    use std::os::fd::AsRawFd as _;
+    if elements.is_empty() {
+        return Ok(());
+    }
+    let page = 4096usize;
+    let len = (elements.len() * 8).div_ceil(page) * page;
+    let fd = map.fd().as_fd().as_raw_fd();
+    // SAFETY: maps `len` bytes of the array's memory (the kernel sized it to hold every
+    // element, rounded up to pages); nothing else aliases the mapping.
+    let ptr =
+        unsafe { libc::mmap(std::ptr::null_mut(), len, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_SHARED, fd, 0) };
+    if ptr == libc::MAP_FAILED {
+        return Err(std::io::Error::last_os_error().into());
+    }
+    // SAFETY: the mapping holds at least elements.len() u64s and is page aligned; it is
+    // unmapped right after.
+    unsafe {
+        std::ptr::copy_nonoverlapping(elements.as_ptr(), ptr.cast::<u64>(), elements.len());
+        libc::munmap(ptr, len);
+    }
+    Ok(())
+}
+
+impl SpaceSink for Probes {
+    fn set_asid(&mut self, pid: u32, asid: u32, only_if_absent: bool) -> Result<u32> {
+        let mut map: HashMap<_, u32, u32> = HashMap::try_from(self.ebpf.map_mut("ASIDS").context("ASIDS map")?)?;
+        match map.insert(pid, asid, if only_if_absent { NOEXIST } else { 0 }) {
+            Ok(()) => Ok(asid),
+            Err(e) if only_if_absent => {
+                map.get(&pid, 0).map_err(|_| anyhow::anyhow!("setting the address space of {pid}: {e}"))
+            }
+            Err(e) => Err(e.into()),
+        }
+    }
+
+    fn insert_mapping(&mut self, key: MappingKey, prefix_bits: u32, value: MappingValue) -> Result<()> {
+        let mut trie: LpmTrie<_, MappingKey, MappingValue> =
+            LpmTrie::try_from(self.ebpf.map_mut("MAPPINGS").context("MAPPINGS map")?)?;
+        trie.insert(&Key::new(prefix_bits, key), value, 0).context("adding an address-space mapping")?;
+        Ok(())
+    }
+
+    fn remove_mapping(&mut self, key: MappingKey, prefix_bits: u32) -> Result<()> {
+        let mut trie: LpmTrie<_, MappingKey, MappingValue> =
+            LpmTrie::try_from(self.ebpf.map_mut("MAPPINGS").context("MAPPINGS map")?)?;
+        trie.remove(&Key::new(prefix_bits, key)).context("removing an address-space mapping")?;
+        Ok(())
     }
 }
 

@@ -129,14 +129,53 @@ pub struct Stats {
     /// The rings overflowed and sampling was switched on: (from this timestamp, mean bytes).
     #[serde(default)]
     pub sampled_from: Option<(u64, u64)>,
-    /// DWARF call graphs: stack copies unwound by memtrace, rules it taught the probes,
+    /// DWARF call graphs: stack copies the probes sent (a frame whose table was not ready)
     /// and stacks left truncated because the ring had no room for a copy.
     #[serde(default)]
     pub unwind_copies: u64,
     #[serde(default)]
-    pub unwind_rules: u64,
-    #[serde(default)]
     pub unwind_budget_truncated: u64,
+    /// Copies that waited for a table, and those finished before it was ready.
+    #[serde(default)]
+    pub unwind_copies_waited: u64,
+    #[serde(default)]
+    pub unwind_copies_gave_up: u64,
+    /// Per-file unwind tables: built here, read from the disk cache, files without
+    /// call-frame information, files refused for the memory cap; bytes and rows installed
+    /// in the probes; build time (all files, and the longest).
+    #[serde(default)]
+    pub unwind_tables_built: u64,
+    #[serde(default)]
+    pub unwind_tables_cached: u64,
+    #[serde(default)]
+    pub unwind_tables_without_cfi: u64,
+    #[serde(default)]
+    pub unwind_tables_over_cap: u64,
+    #[serde(default)]
+    pub unwind_table_bytes: u64,
+    #[serde(default)]
+    pub unwind_table_rows: u64,
+    #[serde(default)]
+    pub unwind_build_ms: u64,
+    #[serde(default)]
+    pub unwind_longest_build_ms: u64,
+    /// Frames the probes walked by table, and how many found their rule in the cache.
+    #[serde(default)]
+    pub unwind_frames: u64,
+    #[serde(default)]
+    pub unwind_cache_hits: u64,
+    /// Bytes the probes sent through the rings, by kind of record.
+    #[serde(default)]
+    pub ring_bytes: RingBytes,
+}
+
+/// Bytes read from the rings, by kind of record (what each event costs the transport).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RingBytes {
+    pub events: u64,
+    pub stacks: u64,
+    pub stack_copies: u64,
+    pub other: u64,
 }
 
 /// An object file frames point into, named by build id and path.

@@ -29,10 +29,11 @@ use tokio::{
 pub use self::record::{RecordOptions, RecordSummary, record};
 use self::{reorder::Reorder, spawn::PausedChild};
 use crate::{
-    event::{Event, Record, StackRecord, UserWalk, decode},
+    event::{Event, Record, StackRecord, TaskSpace, decode},
     probes::{self, Allocator, CallGraph, Counters, Detaching, Probes, uprobe_multi::AttachPath},
     procfs,
-    unwind::{UnwindStats, Unwinder},
+    recording::RingBytes,
+    unwind::{UnwindOptions, UnwindStats, Unwinder},
 };
 
 /// What to trace.
@@ -59,6 +60,8 @@ pub struct TraceOptions {
     /// Size-weighted sampling of user allocations (mean bytes between samples).
     pub sample_bytes: Option<u64>,
     pub call_graph: CallGraph,
+    /// How the unwinder keeps its tables (`--no-unwind-cache`, the memory cap).
+    pub unwind: UnwindOptions,
 }
 
 /// Where drained records go.
@@ -73,6 +76,8 @@ pub trait Sink {
     fn fork_seen(&mut self, _child: u32, _parent: u32) {}
     /// User frames will point into this file (by build id) from now on.
     fn file_seen(&mut self, _path: &Path) {}
+    /// The name of a kernel slab cache (kmem_cache_alloc events carry the cache).
+    fn cache_seen(&mut self, _cache: u64, _name: &str) {}
 }
 
 /// Events stamped within this long of "now" may still be on their way from another CPU.
@@ -143,15 +148,17 @@ pub struct Tracer {
     /// Ring records that did not decode.
     pub decode_errors: u64,
     forwarded_signal: Option<(i32, Instant)>,
-    /// Finishes the stacks the probes' walk could not (DWARF call graphs).
+    /// Keeps the address spaces and per-file tables the probes unwind with, and finishes
+    /// the stacks they could not (`--call-graph dwarf`).
     unwinder: Option<Unwinder>,
-    /// Stack hashes of events whose stack was finished here → the finished stack's hash.
-    finished_stacks: HashMap<u64, u64>,
+    /// Bytes read from the rings, by kind of record.
+    pub ring_bytes: RingBytes,
 }
 
-/// Finished stacks whose event has not been seen are forgotten beyond this many (the
-/// event was lost).
-const MAX_PENDING_FINISHED: usize = 1 << 16;
+/// How long `-- CMD` waits for the unwind tables of its program before it starts (its
+/// first allocations are then walked whole); `--pid` waits less (its target runs already).
+const COMMAND_TABLES_WAIT: Duration = Duration::from_secs(30);
+const PID_TABLES_WAIT: Duration = Duration::from_secs(2);
 
 impl Tracer {
     /// Checks the target, loads and attaches the probes. A command is forked but waits for
@@ -182,6 +189,12 @@ impl Tracer {
             _ => Some(probes::allocator::system_libc(prefix)?),
         };
         let is_command = matches!(options.target, Target::Command(_));
+        let mut unwinder = (options.call_graph != CallGraph::Fp && options.user_stacks && options.user)
+            .then(|| Unwinder::new(&options.unwind));
+        if let (Some(u), Some(program)) = (unwinder.as_mut(), &program) {
+            // The program's own files: their tables are built while the probes load.
+            u.prepare_files(&probes::allocator::program_files(program));
+        }
         before_load()?;
         let mut probes = Probes::load(&probes::Settings {
             all_processes: matches!(options.target, Target::All),
@@ -209,8 +222,8 @@ impl Tracer {
         };
         let attached = (|| -> Result<()> {
             probes.attach_task_tracepoints()?;
-            if options.user && options.user_stacks && options.call_graph != CallGraph::Fp {
-                probes.attach_mapping_tracepoints()?;
+            if unwinder.is_some() {
+                probes.attach_mapping_tracker()?;
             }
             if options.kernel {
                 probes.attach_kernel()?;
@@ -227,9 +240,19 @@ impl Tracer {
             return Err(e);
         }
         let attached_to = probe_scope(&probes, options, target_pid).unwrap_or(0);
-        let mut unwinder = (options.call_graph != CallGraph::Fp && options.user_stacks).then(Unwinder::new);
-        if let (Some(u), Target::Pid(pid)) = (unwinder.as_mut(), &options.target) {
-            u.learn_process(*pid);
+        if let Some(u) = unwinder.as_mut() {
+            let wait = match &options.target {
+                Target::Pid(pid) => {
+                    u.learn_process(*pid, &mut probes);
+                    PID_TABLES_WAIT
+                }
+                _ => COMMAND_TABLES_WAIT,
+            };
+            let started = Instant::now();
+            if !u.wait_tables(&mut probes, wait) {
+                log::debug!("unwind tables still building after {wait:?}: early stacks are finished from copies");
+            }
+            log::debug!("unwind tables ready in {} ms: {:?}", started.elapsed().as_millis(), u.stats().tables);
         }
         Ok(Self {
             probes,
@@ -257,7 +280,7 @@ impl Tracer {
             decode_errors: 0,
             forwarded_signal: None,
             unwinder,
-            finished_stacks: HashMap::new(),
+            ring_bytes: RingBytes::default(),
         })
     }
 
@@ -265,37 +288,22 @@ impl Tracer {
         self.unwinder.as_ref().map(Unwinder::stats)
     }
 
-    /// A stack record from the probes: finished here first if their walk stopped for want
-    /// of a rule (the rules learned are installed for their next walks).
-    /// Frames found by the call-frame walk are named by build id and file offset here,
-    /// from the maps the unwinder keeps, so they can be symbolized after the process is
-    /// gone.
+    /// A stack record from the probes: named (and finished, if the probes sent a copy)
+    /// by the unwinder before it reaches the sink, or kept there until the table it needs
+    /// is built.
     fn on_stack(&mut self, stack: StackRecord, sink: &mut dyn Sink) {
         let Some(unwinder) = self.unwinder.as_mut() else {
             sink.stack(stack);
             return;
         };
-        let mut stack = match unwinder.finish(&stack) {
-            Some(finished) => {
-                let learned = unwinder.take_learned();
-                // With copies of every stack the probes never look rules up.
-                if self.options.call_graph == CallGraph::Dwarf && !learned.is_empty() {
-                    // A failure only means more copies later.
-                    let _ = self.probes.learn_unwind_rules(&learned);
-                }
-                if self.finished_stacks.len() >= MAX_PENDING_FINISHED {
-                    self.finished_stacks.clear();
-                }
-                self.finished_stacks.insert(finished.event_hash, finished.whole.hash);
-                finished.whole
-            }
-            None => stack,
-        };
-        if stack.walk == UserWalk::CallFrameInfo {
-            unwinder.name_frames(&mut stack);
-            for path in unwinder.take_new_files() {
-                sink.file_seen(&path);
-            }
+        if let Some(done) = unwinder.accept(stack, &mut self.probes) {
+            Self::deliver(unwinder, done, sink);
+        }
+    }
+
+    fn deliver(unwinder: &mut Unwinder, stack: StackRecord, sink: &mut dyn Sink) {
+        for path in unwinder.take_new_files() {
+            sink.file_seen(&path);
         }
         sink.stack(stack);
     }
@@ -331,43 +339,37 @@ impl Tracer {
             while let Some(record) = {
                 let ring = &mut self.probes.rings_mut()[cpu];
                 let cpu_id = ring.cpu;
-                ring.ring.next().map(|item| decode(&item, cpu_id))
+                ring.ring.next().map(|item| (item.len() as u64, decode(&item, cpu_id)))
             } {
                 n += 1;
+                let (len, record) = record;
+                let bytes = &mut self.ring_bytes;
+                match &record {
+                    Ok(Record::Event(_)) => bytes.events += len,
+                    Ok(Record::Stack(s)) if s.miss.is_some() => bytes.stack_copies += len,
+                    Ok(Record::Stack(_)) => bytes.stacks += len,
+                    _ => bytes.other += len,
+                }
                 match record {
                     Ok(Record::Stack(s)) => stacks.push(s),
                     Ok(Record::Mapping(m)) => {
                         if let Some(u) = self.unwinder.as_mut() {
-                            u.learn_mapping(&m);
+                            u.mapping(&m, &mut self.probes);
                         }
                     }
-                    Ok(Record::Event(e)) if self.cutoff_ns.is_none_or(|c| e.ts_ns() <= c) => {
-                        // New processes are handled at once: the sooner their probes are in
-                        // place, the fewer of their first allocations go unseen.
-                        if let Event::Task(t) = &e
-                            && self.cutoff_ns.is_none()
-                        {
-                            match t.event {
-                                TaskEvent::Exec => {
-                                    // The maps first: a short-lived program may soon be gone.
-                                    if let Some(u) = self.unwinder.as_mut() {
-                                        u.learn_process(t.pid);
-                                    }
-                                    sink.exec_seen(t.pid, Path::new(&t.filename));
-                                    self.on_exec(t.pid);
-                                }
-                                TaskEvent::Fork => {
-                                    if let Some(u) = self.unwinder.as_mut() {
-                                        u.learn_fork(t.pid, t.ppid);
-                                    }
-                                    sink.fork_seen(t.pid, t.ppid);
-                                    self.on_fork(t.pid);
-                                }
-                                _ => {}
-                            }
+                    Ok(Record::Cache { cache, name }) => sink.cache_seen(cache, &name),
+                    Ok(Record::Task(t, space)) => {
+                        // New processes and programs are handled at once: the sooner their
+                        // address spaces and probes are in place, the fewer of their first
+                        // allocations need a stack copy or go unseen.
+                        if self.cutoff_ns.is_none() {
+                            self.on_task(&t, space, sink);
                         }
-                        self.reorder.push(e)
+                        if self.cutoff_ns.is_none_or(|c| t.ts_ns <= c) {
+                            self.reorder.push(Event::Task(t));
+                        }
                     }
+                    Ok(Record::Event(e)) if self.cutoff_ns.is_none_or(|c| e.ts_ns() <= c) => self.reorder.push(e),
                     Ok(Record::Event(_)) => {}
                     Err(_) => self.decode_errors += 1,
                 }
@@ -376,23 +378,44 @@ impl Tracer {
         for s in stacks {
             self.on_stack(s, sink);
         }
-        // An event whose stack was finished here refers to the finished stack.
-        let finished = &mut self.finished_stacks;
-        let mut forward = |mut e: Event| {
-            if !finished.is_empty()
-                && let Event::Alloc(a) = &mut e
-                && let Some(whole) = finished.remove(&a.stack)
-            {
-                a.stack = whole;
+        if let Some(u) = self.unwinder.as_mut() {
+            for done in u.poll(&mut self.probes) {
+                Self::deliver(u, done, sink);
             }
-            sink.event(e);
-        };
+        }
+        let mut forward = |e: Event| sink.event(e);
         if everything {
             self.reorder.release_all(&mut forward);
         } else {
             self.reorder.release(now.saturating_sub(REORDER_LAG_NS), &mut forward);
         }
         n
+    }
+
+    /// A process forked, exec'd or exited: address spaces, probes and the sink follow.
+    fn on_task(&mut self, t: &crate::event::Task, space: TaskSpace, sink: &mut dyn Sink) {
+        match t.event {
+            TaskEvent::Exec => {
+                if let Some(u) = self.unwinder.as_mut() {
+                    u.exec(t.pid, &t.filename, space, &mut self.probes);
+                }
+                sink.exec_seen(t.pid, Path::new(&t.filename));
+                self.on_exec(t.pid);
+            }
+            TaskEvent::Fork => {
+                if let Some(u) = self.unwinder.as_mut() {
+                    u.fork(t.pid, space.asid, &mut self.probes);
+                }
+                sink.fork_seen(t.pid, t.ppid);
+                self.on_fork(t.pid);
+            }
+            TaskEvent::Exit if t.flags & memtrace_common::flags::GROUP_DEAD != 0 => {
+                if let Some(u) = self.unwinder.as_mut() {
+                    u.exit(t.pid, &mut self.probes);
+                }
+            }
+            _ => {}
+        }
     }
 
     fn following(&self) -> bool {
@@ -583,6 +606,11 @@ impl Tracer {
         let teardown = self.probes.detach();
         let counters = self.probes.counters().unwrap_or_default();
         while self.drain(sink, true) > 0 {}
+        if let Some(u) = self.unwinder.as_mut() {
+            for done in u.flush(&mut self.probes) {
+                Self::deliver(u, done, sink);
+            }
+        }
         (teardown, counters)
     }
 }

@@ -383,6 +383,7 @@ fn finish(
             opts.output.display()
         );
     }
+    let unwind = tracer.unwind_stats().unwrap_or_default();
     let stats = Stats {
         lost_events: counters.lost_events,
         lost_events_per_cpu: counters.lost_events_per_cpu.clone(),
@@ -399,9 +400,21 @@ fn finish(
         },
         end_reason: end_reason.clone(),
         sampled_from: tracer.degraded,
-        unwind_copies: tracer.unwind_stats().map_or(0, |u| u.copies),
-        unwind_rules: tracer.unwind_stats().map_or(0, |u| u.rules),
+        unwind_copies: unwind.copies,
         unwind_budget_truncated: counters.unwind_budget,
+        unwind_copies_waited: unwind.waited,
+        unwind_copies_gave_up: unwind.gave_up,
+        unwind_tables_built: unwind.tables.built,
+        unwind_tables_cached: unwind.tables.from_cache,
+        unwind_tables_without_cfi: unwind.tables.without_cfi,
+        unwind_tables_over_cap: unwind.tables.over_cap,
+        unwind_table_bytes: unwind.tables.bytes,
+        unwind_table_rows: unwind.tables.rows,
+        unwind_build_ms: unwind.tables.build_ms,
+        unwind_longest_build_ms: unwind.tables.longest_build_ms,
+        unwind_frames: counters.unwind_frames,
+        unwind_cache_hits: counters.unwind_cache_hits,
+        ring_bytes: tracer.ring_bytes,
         ..Default::default()
     };
     recorder.write_symbols();

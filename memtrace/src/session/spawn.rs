@@ -107,8 +107,9 @@ pub fn spawn_paused(argv: &[OsString]) -> Result<PausedChild, SpawnError> {
 
     let (go_read, go_write) = pipe().map_err(|e| SpawnError::Fork(name.clone(), e))?;
     let (err_read, err_write) = pipe().map_err(|e| SpawnError::Fork(name.clone(), e))?;
-    // SAFETY: the child only calls async-signal-safe functions (read, execve, write,
-    // _exit) on memory prepared before the fork.
+    let go_write_fd = go_write.as_raw_fd();
+    // SAFETY: the child only calls async-signal-safe functions (close, read, execve,
+    // write, _exit) on memory prepared before the fork.
     let pid = unsafe { libc::fork() };
     if pid < 0 {
         return Err(SpawnError::Fork(name, io::Error::last_os_error()));
@@ -116,6 +117,9 @@ pub fn spawn_paused(argv: &[OsString]) -> Result<PausedChild, SpawnError> {
     if pid == 0 {
         // SAFETY: see above; every pointer stays valid in the child's copy of memory.
         unsafe {
+            // Our copy of the write end would keep the pipe open: without it, memtrace
+            // closing its end reads as EOF here.
+            libc::close(go_write_fd);
             let mut byte = 0u8;
             let n = libc::read(go_read.as_raw_fd(), (&raw mut byte).cast(), 1);
             if n != 1 {
@@ -158,12 +162,16 @@ impl PausedChild {
         Ok(())
     }
 
-    /// Kills a child that will not be released (setup failed).
+    /// Ends a child that will not be released (setup failed): it exits on its own once
+    /// the go pipe closes; it is killed anyway, and reaped.
     pub fn abandon(mut self) {
         self.go.take();
         let mut status = 0;
-        // SAFETY: the child exits on its own once the go pipe closes; reap it.
-        unsafe { libc::waitpid(self.pid as i32, &mut status, 0) };
+        // SAFETY: signals and reaps our own child, which has not exec'd.
+        unsafe {
+            libc::kill(self.pid as i32, libc::SIGKILL);
+            libc::waitpid(self.pid as i32, &mut status, 0);
+        }
     }
 }
 

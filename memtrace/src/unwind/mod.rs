@@ -1,54 +1,45 @@
-//! Whole user stacks without frame pointers. The probes walk user stacks with rules this
-//! module learns from each module's call-frame information (`.eh_frame`): when a probe
-//! meets a frame it has no rule for, it sends the registers there and a copy of the stack
-//! ([`StackMiss`], while the ring has room for it; otherwise the event keeps the partial
-//! stack, marked truncated); [`Unwinder::finish`] walks the copy with rules computed from the
-//! module file, and hands back the whole stack plus the rules, which the caller installs in
-//! the probes' map so the next walk through the same code needs no copy.
-//!
-//! Rules are per address space (tgid and its exec generation) and per lookup address, so
-//! they need no translation in the probe; the price is learning once per process.
-pub mod tables;
+//! Whole user stacks without frame pointers, the userspace half. The probes walk user
+//! stacks with per-file unwind tables ([`table`], built once per file from its call-frame
+//! information by [`cfi`], by worker threads of the [`store`], kept in a disk [`cache`])
+//! and per-process address spaces ([`spaces`]: which file each executable range maps).
+//! [`Unwinder`] keeps both current from what the probes report (exec, fork, exit, each
+//! executable mapping) and finishes the stacks the probes could not: when a walk meets a
+//! frame whose file table is not installed yet, the probe sends the registers there and a
+//! copy of the stack; the copy waits here until the table is built, then is walked with
+//! the same table and step ([`walk`]) the probes use. Finally it names frames by build id
+//! and file offset, so they can be symbolized after the processes are gone.
+pub mod cache;
+pub mod cfi;
+pub mod spaces;
+pub mod store;
+pub mod table;
 pub mod walk;
 
 use std::{
     collections::{HashMap, VecDeque},
-    os::unix::fs::MetadataExt as _,
-    path::PathBuf,
-    sync::Arc,
+    path::{Path, PathBuf},
     time::{Duration, Instant},
 };
 
-use gimli::UnwindContext;
-use memtrace_common::{
-    KERNEL_STACK_SEED, MISS_HASH_MARK, USER_STACK_SEED, UnwindKey, UnwindRule, stack_hash_step, unwind_kind,
-};
+use memtrace_common::{KERNEL_STACK_SEED, MISS_HASH_MARK, USER_STACK_SEED, stack_hash_step, unwind::Regs};
 
 use self::{
-    tables::ModuleUnwind,
-    walk::{End, Regs, StackCopy},
+    cache::DiskCache,
+    spaces::{SpaceSink, Spaces},
+    store::{StoreStats, TableState, TableStore},
+    walk::{End, Lookup, StackCopy},
 };
 use crate::{
     elf,
-    event::{FileMapping, RawUserFrame, StackMiss, StackRecord, UserWalk},
-    procfs::{self, Mapping, Maps},
+    event::{FileMapping, RawUserFrame, StackRecord, TaskSpace, UserWalk},
+    procfs,
 };
 
-/// Processes whose maps are kept.
-const MAX_PROCESS_MAPS: usize = 4096;
-/// Module files whose unwind tables are kept.
-const MAX_MODULES: usize = 512;
-/// Rules remembered here (the probes' map is an LRU of its own size).
-const MAX_RULES: usize = 1 << 20;
-/// Modules with at most this many functions have every call site learned at once (a
-/// program's own code, typically); larger ones function by function.
-const WHOLE_MODULE_FUNCTIONS: usize = 512;
-/// Functions remembered as learned whole (forgotten all at once beyond).
-const MAX_LEARNED_FUNCTIONS: usize = 1 << 18;
-/// How often a process's maps may be re-read when an address is not in them.
-const MAPS_REFRESH: Duration = Duration::from_millis(10);
-
-const STOP: UnwindRule = UnwindRule { cfa_offset: 0, rbp_offset: 0, kind: unwind_kind::STOP, _pad: 0 };
+/// Copies waiting for tables are kept up to this many bytes; beyond, the oldest is
+/// finished as far as the tables allow (truncated there).
+const MAX_PENDING_BYTES: usize = 64 << 20;
+/// A copy waits at most this long for a table.
+const MAX_WAIT: Duration = Duration::from_secs(20);
 
 /// The hash the probes give a stack (see memtrace-ebpf `user_stack` / `kernel_stack`); a
 /// stack that ends truncated after a miss is marked so it never equals a whole one.
@@ -69,176 +60,365 @@ pub fn stack_hash(pid: u32, joined_kernel: Option<&[u64]>, user: &[u64], truncat
     if truncated_by_miss { stack_hash_step(h, MISS_HASH_MARK) } else { h }
 }
 
-/// A stack the probes could not finish, finished.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Finished {
-    /// The hash the event that sent the copy refers to.
-    pub event_hash: u64,
-    /// The whole stack, under the hash the probes will give it once they know the rules.
-    pub whole: StackRecord,
-}
-
-/// What the unwinder did, for the status line and the report.
+/// What the unwinder did, for the summary and the report.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct UnwindStats {
-    /// Stack copies finished here.
+    /// Stack copies the probes sent (frames whose table was not ready).
     pub copies: u64,
-    /// Rules computed and handed to the probes.
-    pub rules: u64,
-    /// Module files whose unwind tables were read.
-    pub modules: u64,
-    /// Copies that still ended truncated.
+    /// Copies that had to wait for a table to be built.
+    pub waited: u64,
+    /// Copies that still ended truncated (code without tables, the end of the copy).
     pub truncated: u64,
+    /// Copies finished before their table was ready (the wait bound, the memory bound,
+    /// the end of the session).
+    pub gave_up: u64,
+    pub tables: StoreStats,
 }
 
-struct ProcessMaps {
-    maps: Maps,
-    /// When /proc/PID/maps was last read (None: only mappings reported by the probes).
-    read_at: Option<Instant>,
+/// How the unwinder keeps its tables.
+#[derive(Debug, Clone)]
+pub struct UnwindOptions {
+    /// Read and fill the disk cache of tables.
+    pub disk_cache: bool,
+    /// Cap on the bytes of tables installed in the probes.
+    pub max_table_bytes: u64,
 }
 
-/// Where an address of a process lies.
-enum Place {
-    File {
-        path: PathBuf,
-        inode: u64,
-        offset: u64,
-    },
-    /// Not in file-backed code: JIT-compiled code, data, nothing.
-    NotFileCode,
-    /// The process's maps are gone and were never read.
-    Unknown,
-}
-
-pub struct Unwinder {
-    maps: HashMap<u32, ProcessMaps>,
-    maps_order: VecDeque<u32>,
-    modules: HashMap<(PathBuf, u64), Option<Arc<ModuleUnwind>>>,
-    build_ids: HashMap<(PathBuf, u64), Option<[u8; 20]>>,
-    /// Files frames were named into since the last `take_new_files`.
-    new_files: Vec<PathBuf>,
-    rules: HashMap<UnwindKey, UnwindRule>,
-    /// (tgid, generation, module, function start) whose call sites all have rules: one
-    /// copy teaches every call site of the functions it passes through, so the next stack
-    /// through them (another call site of the same caller) needs none.
-    learned_functions: std::collections::HashSet<(u32, u32, usize, u64)>,
-    ctx: Box<UnwindContext<usize>>,
-    learned: Vec<(UnwindKey, UnwindRule)>,
-    stats: UnwindStats,
-}
-
-impl Default for Unwinder {
+impl Default for UnwindOptions {
     fn default() -> Self {
-        Self::new()
+        Self { disk_cache: true, max_table_bytes: store::DEFAULT_MAX_BYTES }
     }
 }
 
+struct Pending {
+    record: StackRecord,
+    since: Instant,
+    bytes: usize,
+}
+
+pub struct Unwinder {
+    spaces: Spaces,
+    store: TableStore,
+    pending: VecDeque<Pending>,
+    pending_bytes: usize,
+    /// Stacks finished outside a poll (copies dropped for memory), handed out at the next.
+    ready_late: Vec<StackRecord>,
+    build_ids: HashMap<PathBuf, Option<[u8; 20]>>,
+    /// Files frames were named into since the last `take_new_files`.
+    new_files: Vec<PathBuf>,
+    stats: UnwindStats,
+}
+
+/// A path to `path` as process `pid` sees it, from here (the process may be gone, or in
+/// another mount namespace).
+fn readable_path(pid: u32, path: &str) -> Option<PathBuf> {
+    if !path.starts_with('/') {
+        return None;
+    }
+    let inside = procfs::path_in_process(pid, Path::new(path));
+    if inside.exists() {
+        return Some(inside);
+    }
+    Path::new(path).exists().then(|| PathBuf::from(path))
+}
+
 impl Unwinder {
-    pub fn new() -> Self {
+    pub fn new(options: &UnwindOptions) -> Self {
+        let cache = if options.disk_cache { DiskCache::open_default() } else { None };
+        let workers = std::thread::available_parallelism().map_or(1, |n| n.get()).clamp(1, 4);
         Self {
-            maps: HashMap::new(),
-            maps_order: VecDeque::new(),
-            modules: HashMap::new(),
+            spaces: Spaces::new(),
+            store: TableStore::new(cache, workers, options.max_table_bytes),
+            pending: VecDeque::new(),
+            pending_bytes: 0,
+            ready_late: Vec::new(),
             build_ids: HashMap::new(),
             new_files: Vec::new(),
-            rules: HashMap::new(),
-            learned_functions: std::collections::HashSet::new(),
-            ctx: Box::new(UnwindContext::new()),
-            learned: Vec::new(),
             stats: UnwindStats::default(),
         }
     }
 
     pub fn stats(&self) -> UnwindStats {
-        self.stats
+        UnwindStats { tables: self.store.stats(), ..self.stats }
     }
 
-    /// Reads the maps of `pid` now, while it lives (at exec: a short-lived process may be
-    /// gone by the time its first stack copy is read).
-    pub fn learn_process(&mut self, pid: u32) -> bool {
-        let Ok(maps) = Maps::read(pid) else { return false };
-        // Read the unwind tables of its code now, not when its first stacks wait on them.
-        for m in maps.file_mappings().filter(|m| m.executable) {
-            self.module(pid, m.path.clone(), m.inode);
-        }
-        self.keep_maps(pid, maps, Some(Instant::now()));
-        true
-    }
-
-    /// A forked child starts with its parent's address space.
-    pub fn learn_fork(&mut self, child: u32, parent: u32) {
-        if let Some(maps) = self.maps.get(&parent).map(|p| p.maps.clone()) {
-            // Not read for the child itself: an address missing from them is re-read.
-            self.keep_maps(child, maps, None);
-        }
-    }
-
-    /// A file the probes saw the process map executable (how ld.so and dlopen load code).
-    pub fn learn_mapping(&mut self, m: &FileMapping) {
-        let path = PathBuf::from(&m.path);
-        if !path.is_absolute() {
+    /// `pid` exec'd `filename` into a new address space, where the kernel mapped the
+    /// program's code and its interpreter as `space` says.
+    pub fn exec(&mut self, pid: u32, filename: &str, space: TaskSpace, sink: &mut dyn SpaceSink) {
+        if space.asid == 0 {
             return;
         }
-        let inode = std::fs::metadata(procfs::path_in_process(m.pid, &path)).map_or(0, |md| md.ino());
-        self.module(m.pid, path.clone(), inode.max(1));
-        let mapping = Mapping {
-            start: m.start,
-            end: m.start.saturating_add(m.len.max(1)),
-            executable: true,
-            offset: m.file_offset,
-            inode: inode.max(1),
-            path,
-            deleted: false,
+        self.spaces.learn_exec(pid, space.asid, sink);
+        // The program: /proc while the process lives, else the name it was exec'd by.
+        let exe = procfs::exe(pid)
+            .ok()
+            .map(|p| procfs::path_in_process(pid, &p))
+            .filter(|p| p.exists())
+            .or_else(|| filename.starts_with('/').then(|| PathBuf::from(filename)).filter(|p| p.exists()));
+        let Some(exe) = exe else {
+            log::debug!("pid {pid}: its program {filename:?} cannot be read: its frames end stacks");
+            return;
         };
-        match self.maps.get_mut(&m.pid) {
-            Some(p) => {
-                let maps = &mut p.maps.mappings;
-                maps.retain(|x| x.end <= mapping.start || x.start >= mapping.end);
-                let at = maps.partition_point(|x| x.start < mapping.start);
-                maps.insert(at, mapping);
-            }
-            None => self.keep_maps(m.pid, Maps { mappings: vec![mapping] }, None),
+        if space.code_end > space.code_start
+            && let Some((_, segments)) = self.store.identify(&exe)
+            && let Some(text) = segments.iter().filter(|s| s.executable).min_by_key(|s| s.vaddr)
+        {
+            let text_offset = text.file_offset;
+            self.spaces.add_mapping(
+                space.asid,
+                space.code_start,
+                space.code_end - space.code_start,
+                text_offset,
+                Some(&exe),
+                &mut self.store,
+                sink,
+            );
         }
-    }
-
-    fn keep_maps(&mut self, pid: u32, maps: Maps, read_at: Option<Instant>) {
-        if self.maps.insert(pid, ProcessMaps { maps, read_at }).is_none() {
-            self.maps_order.push_back(pid);
-            while self.maps_order.len() > MAX_PROCESS_MAPS {
-                if let Some(old) = self.maps_order.pop_front() {
-                    self.maps.remove(&old);
+        if space.interp_base != 0
+            && let Some(interp) = crate::elf::ElfFile::open(&exe).ok().and_then(|e| e.interpreter())
+        {
+            let inside = procfs::path_in_process(pid, Path::new(&interp));
+            let interp = if inside.exists() { inside } else { PathBuf::from(interp) };
+            if let Some((_, segments)) = self.store.identify(&interp) {
+                for s in segments.iter().filter(|s| s.executable && s.file_size > 0) {
+                    let start = space.interp_base + s.vaddr;
+                    self.spaces.add_mapping(
+                        space.asid,
+                        start,
+                        s.file_size,
+                        s.file_offset,
+                        Some(&interp),
+                        &mut self.store,
+                        sink,
+                    );
                 }
             }
         }
     }
 
-    /// Names the user frames of a call-frame walk by build id and file offset, where the
-    /// maps of the process say which file an address lies in.
-    pub fn name_frames(&mut self, stack: &mut StackRecord) {
-        for i in 0..stack.user.len() {
-            let RawUserFrame::Ip(ip) = stack.user[i] else { continue };
-            if let Place::File { path, inode, offset } = self.place(stack.pid, ip)
-                && let Some(build_id) = self.build_id(stack.pid, path, inode)
-            {
-                stack.user[i] = RawUserFrame::BuildId { build_id, offset };
+    /// `child` was forked into address space `asid`.
+    pub fn fork(&mut self, child: u32, asid: u32, sink: &mut dyn SpaceSink) {
+        self.spaces.learn_fork(child, asid, sink);
+    }
+
+    pub fn exit(&mut self, pid: u32, sink: &mut dyn SpaceSink) {
+        self.spaces.learn_exit(pid, sink);
+    }
+
+    /// Code a traced process mapped after its exec.
+    pub fn mapping(&mut self, m: &FileMapping, sink: &mut dyn SpaceSink) {
+        let path = m.path.as_deref().and_then(|opened| {
+            // The kernel's own view of the mapping while the process lives (whatever the
+            // path it was opened by), else that path.
+            let mapped = PathBuf::from(format!("/proc/{}/map_files/{:x}-{:x}", m.pid, m.start, m.start + m.len));
+            if let Ok(real) = std::fs::read_link(&mapped) {
+                let inside = procfs::path_in_process(m.pid, &real);
+                if inside.exists() {
+                    return Some(inside);
+                }
+            }
+            readable_path(m.pid, opened)
+        });
+        if m.path.is_some() && path.is_none() {
+            log::debug!(
+                "pid {}: cannot read the file mapped at {:#x} ({:?}): its frames end stacks",
+                m.pid,
+                m.start,
+                m.path
+            );
+        }
+        let asid = if m.asid != 0 { m.asid } else { self.spaces.asid_of(m.pid).unwrap_or(0) };
+        self.spaces.add_mapping(asid, m.start, m.len, m.file_offset, path.as_deref(), &mut self.store, sink);
+    }
+
+    /// Learns a process that existed before tracing began, from its maps.
+    pub fn learn_process(&mut self, pid: u32, sink: &mut dyn SpaceSink) -> Option<u32> {
+        self.spaces.learn_process(pid, &mut self.store, sink)
+    }
+
+    /// Starts building the tables of files a program about to run will map.
+    pub fn prepare_files(&mut self, paths: &[PathBuf]) {
+        for path in paths {
+            self.store.request(path);
+        }
+    }
+
+    /// Waits (at most `timeout`) until every table asked for is installed.
+    pub fn wait_tables(&mut self, sink: &mut dyn SpaceSink, timeout: Duration) -> bool {
+        self.store.wait_idle(sink, timeout)
+    }
+
+    /// A stack record from the probes: returned named, finished if it carries a copy (its
+    /// hash stays the one the event refers to); None when it waits for a table (it comes
+    /// back from [`Self::poll`] or [`Self::flush`]).
+    pub fn accept(&mut self, record: StackRecord, sink: &mut dyn SpaceSink) -> Option<StackRecord> {
+        if record.miss.is_none() {
+            return Some(self.named(record));
+        }
+        self.stats.copies += 1;
+        match self.finish(&record, sink, false) {
+            Some(done) => Some(self.named(done)),
+            None => {
+                self.stats.waited += 1;
+                let bytes = record.miss.as_ref().map_or(0, |m| m.copy.len()) + 64 + record.user.len() * 40;
+                self.pending_bytes += bytes;
+                self.pending.push_back(Pending { record, since: Instant::now(), bytes });
+                let mut out = Vec::new();
+                while self.pending_bytes > MAX_PENDING_BYTES {
+                    let Some(p) = self.pending.pop_front() else { break };
+                    self.pending_bytes -= p.bytes;
+                    self.stats.gave_up += 1;
+                    if let Some(done) = self.finish(&p.record, sink, true) {
+                        out.push(done);
+                    }
+                }
+                // Dropped copies are finished now: hand back one, keep any others named
+                // for the next poll.
+                for done in out {
+                    let named = self.named(done);
+                    self.ready_late.push(named);
+                }
+                None
             }
         }
     }
 
-    fn build_id(&mut self, pid: u32, path: PathBuf, inode: u64) -> Option<[u8; 20]> {
-        let key = (path, inode);
-        if let Some(id) = self.build_ids.get(&key) {
+    /// Installs the tables built since the last call, and returns the stacks that were
+    /// waiting for them, finished and named.
+    pub fn poll(&mut self, sink: &mut dyn SpaceSink) -> Vec<StackRecord> {
+        let installed = self.store.poll(sink);
+        let mut out = std::mem::take(&mut self.ready_late);
+        if self.pending.is_empty() {
+            return out;
+        }
+        let timed_out = self.pending.front().is_some_and(|p| p.since.elapsed() > MAX_WAIT);
+        if installed == 0 && !timed_out {
+            return out;
+        }
+        for p in std::mem::take(&mut self.pending) {
+            let give_up = p.since.elapsed() > MAX_WAIT;
+            match self.finish(&p.record, sink, give_up) {
+                Some(done) => {
+                    if give_up {
+                        self.stats.gave_up += 1;
+                    }
+                    self.pending_bytes -= p.bytes;
+                    out.push(self.named(done));
+                }
+                None => self.pending.push_back(p),
+            }
+        }
+        out
+    }
+
+    /// Finishes every waiting stack now (tracing is over): as far as the tables built so
+    /// far allow, after giving the builds under way a little time.
+    pub fn flush(&mut self, sink: &mut dyn SpaceSink) -> Vec<StackRecord> {
+        if !self.pending.is_empty() {
+            self.store.wait_idle(sink, Duration::from_secs(10));
+        }
+        let mut out = self.poll(sink);
+        for p in std::mem::take(&mut self.pending) {
+            self.stats.gave_up += 1;
+            if let Some(done) = self.finish(&p.record, sink, true) {
+                out.push(self.named(done));
+            }
+        }
+        self.pending_bytes = 0;
+        out
+    }
+
+    /// Walks the copy of `record` on; None if a table it needs is not ready (unless
+    /// `give_up`: then the walk ends there, truncated).
+    fn finish(&mut self, record: &StackRecord, sink: &mut dyn SpaceSink, give_up: bool) -> Option<StackRecord> {
+        let miss = record.miss.as_ref()?;
+        let asid = match miss.asid {
+            0 => {
+                self.spaces.asid_of(record.pid).or_else(|| self.spaces.learn_process(record.pid, &mut self.store, sink))
+            }
+            asid => Some(asid),
+        };
+        let mut ips: Vec<u64> = record
+            .user
+            .iter()
+            .map(|f| match *f {
+                RawUserFrame::Ip(ip) => ip,
+                RawUserFrame::BuildId { offset, .. } => offset,
+            })
+            .collect();
+        if ips.last() != Some(&miss.ip) {
+            ips.push(miss.ip);
+        }
+        let end = match asid {
+            Some(asid) => {
+                let regs = Regs { ip: miss.ip, sp: miss.sp, bp: miss.bp, exact: miss.exact };
+                let memory = StackCopy { base: miss.sp, bytes: &miss.copy };
+                let (spaces, store) = (&self.spaces, &self.store);
+                walk::walk(regs, &memory, &mut ips, miss.ret_addr, |addr| {
+                    let Some(m) = spaces.find(asid, addr) else {
+                        return Lookup::Rule(memtrace_common::UnwindRule::STOP);
+                    };
+                    match m.slot.and_then(|slot| store.state(slot)) {
+                        Some(TableState::Ready(t)) => Lookup::Rule(t.rule_at(addr.wrapping_sub(m.bias))),
+                        Some(TableState::Building) if !give_up => Lookup::Wait,
+                        _ => Lookup::Rule(memtrace_common::UnwindRule::STOP),
+                    }
+                })
+            }
+            None => End::Truncated,
+        };
+        if end == End::Wait {
+            return None;
+        }
+        let truncated = end != End::Outermost;
+        if truncated {
+            self.stats.truncated += 1;
+        }
+        Some(StackRecord {
+            hash: record.hash,
+            pid: record.pid,
+            kernel: record.kernel.clone(),
+            user: ips.into_iter().map(RawUserFrame::Ip).collect(),
+            walk: UserWalk::CallFrameInfo,
+            truncated,
+            joined_kernel: record.joined_kernel,
+            miss: None,
+            asid: asid.unwrap_or(0),
+        })
+    }
+
+    /// Names the user frames of a table walk by build id and file offset, where the
+    /// address space says which file an address lies in.
+    fn named(&mut self, mut stack: StackRecord) -> StackRecord {
+        if stack.walk != UserWalk::CallFrameInfo {
+            return stack;
+        }
+        let asid = if stack.asid != 0 { Some(stack.asid) } else { self.spaces.asid_of(stack.pid) };
+        let Some(asid) = asid else { return stack };
+        for i in 0..stack.user.len() {
+            let RawUserFrame::Ip(ip) = stack.user[i] else { continue };
+            let Some(m) = self.spaces.find(asid, ip) else { continue };
+            let Some(path) = m.path.clone() else { continue };
+            let offset = m.file_offset_of(ip);
+            if let Some(build_id) = self.build_id(&path) {
+                stack.user[i] = RawUserFrame::BuildId { build_id, offset };
+            }
+        }
+        stack
+    }
+
+    fn build_id(&mut self, path: &Path) -> Option<[u8; 20]> {
+        if let Some(id) = self.build_ids.get(path) {
             return *id;
         }
-        if self.build_ids.len() >= MAX_MODULES {
+        if self.build_ids.len() >= 16_384 {
             self.build_ids.clear();
         }
-        let file = procfs::path_in_process(pid, &key.0);
-        let id = elf::build_id(&file).and_then(|b| <[u8; 20]>::try_from(b).ok());
+        let id = elf::build_id(path).and_then(|b| <[u8; 20]>::try_from(b).ok());
         if id.is_some() {
-            self.new_files.push(file);
+            self.new_files.push(path.to_path_buf());
         }
-        self.build_ids.insert(key, id);
+        self.build_ids.insert(path.to_path_buf(), id);
         id
     }
 
@@ -248,151 +428,16 @@ impl Unwinder {
         std::mem::take(&mut self.new_files)
     }
 
-    /// Rules computed since the last call, for the probes' map.
-    pub fn take_learned(&mut self) -> Vec<(UnwindKey, UnwindRule)> {
-        std::mem::take(&mut self.learned)
-    }
-
-    /// Finishes the walk of a stack record that carries a copy; None for any other record.
-    pub fn finish(&mut self, record: &StackRecord) -> Option<Finished> {
-        let miss = record.miss.as_ref()?;
-        self.stats.copies += 1;
-        let mut ips: Vec<u64> = record
-            .user
-            .iter()
-            .map(|f| match *f {
-                RawUserFrame::Ip(ip) => ip,
-                RawUserFrame::BuildId { offset, .. } => offset,
-            })
-            .collect();
-        let regs = Regs { ip: miss.ip, sp: miss.sp, bp: miss.bp, exact: miss.exact };
-        if ips.last() != Some(&miss.ip) {
-            ips.push(miss.ip);
-        }
-        let memory = StackCopy { base: miss.sp, bytes: &miss.copy };
-        let end = walk::walk(regs, &memory, &mut ips, miss.ret_addr, |addr| self.rule(record.pid, miss, addr));
-        let truncated = end == End::Truncated;
-        if truncated {
-            self.stats.truncated += 1;
-        }
-        let joined = record.joined_kernel.then_some(&record.kernel[..]);
-        let whole = StackRecord {
-            hash: stack_hash(record.pid, joined, &ips, truncated),
-            pid: record.pid,
-            kernel: record.kernel.clone(),
-            user: ips.into_iter().map(RawUserFrame::Ip).collect(),
-            walk: UserWalk::CallFrameInfo,
-            truncated,
-            joined_kernel: record.joined_kernel,
-            miss: None,
-        };
-        Some(Finished { event_hash: record.hash, whole })
-    }
-
-    /// The rule at lookup address `addr` of the address space the miss came from; None
-    /// when nothing can be known of it (the process is gone), so nothing is learned.
-    fn rule(&mut self, pid: u32, miss: &StackMiss, addr: u64) -> Option<UnwindRule> {
-        let key = UnwindKey { tgid: pid, generation: miss.generation, addr };
-        if let Some(rule) = self.rules.get(&key) {
-            return Some(*rule);
-        }
-        let rule = match self.place(pid, addr) {
-            Place::File { path, inode, offset } => {
-                let Some(module) = self.module(pid, path, inode) else { return Some(self.remember(key, STOP)) };
-                let Some(vaddr) = module.vaddr_of_file_offset(offset) else { return Some(self.remember(key, STOP)) };
-                let rule = module.rule_at(vaddr, &mut self.ctx);
-                self.learn_call_sites(key, &module, vaddr);
-                rule
-            }
-            Place::NotFileCode => STOP,
-            Place::Unknown => return None,
-        };
-        Some(self.remember(key, rule))
-    }
-
-    fn remember(&mut self, key: UnwindKey, rule: UnwindRule) -> UnwindRule {
-        if self.rules.len() >= MAX_RULES {
-            self.rules.clear();
-            self.learned_functions.clear();
-        }
-        if self.rules.insert(key, rule).is_none() {
-            self.learned.push((key, rule));
-            self.stats.rules += 1;
-        }
-        rule
-    }
-
-    /// Learns the rules at every call site of the function containing `vaddr` (of the
-    /// whole module when it is small), in the address space of `key`.
-    fn learn_call_sites(&mut self, key: UnwindKey, module: &Arc<ModuleUnwind>, vaddr: u64) {
-        let bias = key.addr.wrapping_sub(vaddr);
-        let id = Arc::as_ptr(module) as usize;
-        let functions: Vec<(u64, u64)> = if module.fde_count() <= WHOLE_MODULE_FUNCTIONS {
-            if !self.learned_functions.insert((key.tgid, key.generation, id, u64::MAX)) {
-                return;
-            }
-            module.functions().collect()
-        } else {
-            match module.function_at(vaddr) {
-                Some(f) if self.learned_functions.insert((key.tgid, key.generation, id, f.0)) => vec![f],
-                _ => return,
-            }
-        };
-        if self.learned_functions.len() >= MAX_LEARNED_FUNCTIONS {
-            self.learned_functions.clear();
-        }
-        for (start, end) in functions {
-            for ret in module.return_addresses(start, end) {
-                let site = UnwindKey { addr: (ret - 1).wrapping_add(bias), ..key };
-                if !self.rules.contains_key(&site) {
-                    let rule = module.rule_at(ret - 1, &mut self.ctx);
-                    self.remember(site, rule);
-                }
-            }
-        }
-    }
-
-    /// The unwind tables of a file (by the path process `pid` sees), read once.
-    fn module(&mut self, pid: u32, path: PathBuf, inode: u64) -> Option<Arc<ModuleUnwind>> {
-        let key = (path, inode);
-        if let Some(module) = self.modules.get(&key) {
-            return module.clone();
-        }
-        if self.modules.len() >= MAX_MODULES {
-            self.modules.clear();
-        }
-        let module = ModuleUnwind::open(&procfs::path_in_process(pid, &key.0)).ok().map(Arc::new);
-        self.stats.modules += 1;
-        self.modules.insert(key, module.clone());
-        module
-    }
-
-    fn place(&mut self, pid: u32, addr: u64) -> Place {
-        // Some(place) when the maps say; None when the address is in no mapping.
-        let lookup = |maps: &Maps| match maps.find(addr) {
-            Some(m) if m.executable && m.is_file() => {
-                Some(Place::File { path: m.path.clone(), inode: m.inode, offset: m.file_offset(addr) })
-            }
-            Some(_) => Some(Place::NotFileCode),
-            None => None,
-        };
-        if let Some(place) = self.maps.get(&pid).and_then(|p| lookup(&p.maps)) {
-            return place;
-        }
-        // In no mapping read so far: maybe mapped since (dlopen, exec). Re-read, at a
-        // bounded rate; only a fresh read may conclude that the address is not file code
-        // (the conclusion becomes a rule).
-        let fresh = self.maps.get(&pid).and_then(|p| p.read_at).is_some_and(|t| t.elapsed() < MAPS_REFRESH);
-        if fresh || !self.learn_process(pid) {
-            return Place::Unknown;
-        }
-        self.maps.get(&pid).and_then(|p| lookup(&p.maps)).unwrap_or(Place::NotFileCode)
+    /// Copies waiting for a table.
+    pub fn waiting(&self) -> usize {
+        self.pending.len()
     }
 }
 
 #[cfg(test)]
 mod tests {
-    use super::*;
+    use super::{spaces::tests::FakeProbes, *};
+    use crate::{event::StackMiss, procfs::Maps};
 
     #[test]
     fn hashes_match_the_probes_construction() {
@@ -409,10 +454,10 @@ mod tests {
     }
 
     /// Unwinds this very thread from a copy of its own stack, as the probes' miss path
-    /// would: the test harness's frames up to the thread start must be found.
+    /// would: it waits for the executable's table, then reaches the thread's start.
     #[test]
     #[inline(never)]
-    fn finishes_a_real_stack_from_a_copy() {
+    fn finishes_a_real_stack_from_a_copy_once_its_table_is_built() {
         let (ip, sp, bp): (u64, u64, u64);
         // SAFETY: reads three registers; no memory is touched.
         unsafe {
@@ -423,6 +468,8 @@ mod tests {
         // SAFETY: [sp, sp + len) lies in this thread's mapped stack, above our own frame.
         let copy = unsafe { std::slice::from_raw_parts(sp as *const u8, len) }.to_vec();
         let pid = std::process::id();
+        let mut probes = FakeProbes::default();
+        let mut unwinder = Unwinder::new(&UnwindOptions { disk_cache: false, ..Default::default() });
         let record = StackRecord {
             hash: 1,
             pid,
@@ -431,21 +478,26 @@ mod tests {
             walk: UserWalk::CallFrameInfo,
             truncated: false,
             joined_kernel: false,
-            miss: Some(StackMiss { ip, sp, bp, ret_addr: 0, generation: 0, exact: true, copy }),
+            miss: Some(StackMiss { ip, sp, bp, ret_addr: 0, asid: 0, exact: true, copy }),
+            asid: 0,
         };
-        let mut unwinder = Unwinder::new();
-        let finished = unwinder.finish(&record).unwrap();
-        assert!(!finished.whole.truncated, "{:?}", finished.whole);
-        assert!(finished.whole.user.len() > 3);
-        assert_eq!(finished.whole.hash, stack_hash(pid, None, &ips(&finished.whole), false));
-        assert!(!unwinder.take_learned().is_empty());
-        // The second time, every rule is known.
-        let again = unwinder.finish(&record).unwrap();
-        assert_eq!(again.whole, finished.whole);
-        assert!(unwinder.take_learned().is_empty());
-    }
-
-    fn ips(s: &StackRecord) -> Vec<u64> {
-        s.user.iter().map(|f| if let RawUserFrame::Ip(ip) = f { *ip } else { 0 }).collect()
+        // The process is learned on the spot; its tables are being built: the copy waits.
+        assert!(unwinder.accept(record.clone(), &mut probes).is_none());
+        assert_eq!(unwinder.waiting(), 1);
+        let mut finished = Vec::new();
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while finished.is_empty() && Instant::now() < deadline {
+            finished = unwinder.poll(&mut probes);
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        let whole = finished.pop().expect("finished once the tables were built");
+        assert!(!whole.truncated, "{whole:?}");
+        assert_eq!(whole.hash, 1, "the event's hash names the finished stack");
+        assert!(whole.user.len() > 3);
+        assert!(matches!(whole.user[0], RawUserFrame::BuildId { .. }), "named by build id");
+        assert!(!probes.tables.is_empty(), "the tables went to the probes too");
+        // The second time every table is there: finished at once.
+        let again = unwinder.accept(record, &mut probes).expect("no wait");
+        assert_eq!(again.user, whole.user);
     }
 }

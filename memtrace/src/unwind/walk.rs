@@ -1,26 +1,11 @@
-//! The user-stack walk over a copy of the stack: the same steps the probes take over live
-//! memory (memtrace-ebpf `walk_user_dwarf`), so a stack finished here is the one the probes
-//! will produce once they know the rules.
-use memtrace_common::{MAX_STACK_DEPTH, UPROBE_TRAMPOLINE_PAGE, UnwindRule, sigframe, unwind_kind};
-
-/// Registers of one frame.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Regs {
-    pub ip: u64,
-    pub sp: u64,
-    pub bp: u64,
-    /// `ip` is the exact instruction (first frame of a kernel event, a frame a signal
-    /// interrupted), not a return address.
-    pub exact: bool,
-}
-
-impl Regs {
-    /// Where this frame's rule is looked up: inside the call instruction for a return
-    /// address (the instruction after a call may belong to another function).
-    pub fn lookup_addr(&self) -> u64 {
-        if self.exact { self.ip } else { self.ip.wrapping_sub(1) }
-    }
-}
+//! The user-stack walk over a copy of the stack, for the frames the probes could not walk
+//! because a file's table was not ready: the same step the probes take over live memory
+//! (`memtrace_common::unwind::step`), so a stack finished here is the one the probes
+//! produce once the table is installed.
+use memtrace_common::{
+    MAX_STACK_DEPTH, UnwindRule,
+    unwind::{Regs, Step, step},
+};
 
 /// Bytes of a user stack copied from `base` upwards.
 pub struct StackCopy<'a> {
@@ -36,6 +21,14 @@ impl StackCopy<'_> {
     }
 }
 
+/// What the rule lookup of one frame found.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Lookup {
+    Rule(UnwindRule),
+    /// The frame's file table is still being built: try again later.
+    Wait,
+}
+
 /// How a walk ended.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum End {
@@ -44,73 +37,45 @@ pub enum End {
     /// At code without usable unwind information, at the end of the copy, or at the depth
     /// limit.
     Truncated,
-}
-
-/// One step: the caller's registers, or None where the walk cannot go on.
-pub fn step(regs: Regs, rule: UnwindRule, memory: &StackCopy) -> Option<Regs> {
-    match rule.kind {
-        unwind_kind::SIGNAL => Some(Regs {
-            ip: memory.read_u64(regs.sp.wrapping_add(sigframe::RIP))?,
-            sp: memory.read_u64(regs.sp.wrapping_add(sigframe::RSP))?,
-            bp: memory.read_u64(regs.sp.wrapping_add(sigframe::RBP))?,
-            exact: true,
-        }),
-        unwind_kind::CFA_SP | unwind_kind::CFA_BP | unwind_kind::CFA_BP_DEREF => {
-            let offset = i64::from(rule.cfa_offset) as u64;
-            let cfa = match rule.kind {
-                unwind_kind::CFA_SP => regs.sp.wrapping_add(offset),
-                unwind_kind::CFA_BP => regs.bp.wrapping_add(offset),
-                _ => memory.read_u64(regs.bp.wrapping_add(offset))?,
-            };
-            let ip = memory.read_u64(cfa.wrapping_sub(8))?;
-            let bp = if rule.rbp_offset != 0 {
-                memory.read_u64(cfa.wrapping_add(i64::from(rule.rbp_offset) as u64))?
-            } else {
-                regs.bp
-            };
-            Some(Regs { ip, sp: cfa, bp, exact: false })
-        }
-        _ => None,
-    }
+    /// At a frame whose table is not ready.
+    Wait,
 }
 
 /// Walks on from `regs`, whose instruction pointer is already the last of `ips`, appending
 /// the callers' up to [`MAX_STACK_DEPTH`] frames in all. `rule_at` gives the rule for a
-/// lookup address (None: unknown, the walk stops). A return address replaced by the uprobe
-/// trampoline is put back as `trampoline_stands_for` (0: unknown, the walk stops).
+/// lookup address. A return address replaced by the uprobe trampoline is put back as
+/// `trampoline_for` (0: unknown, the walk stops).
 pub fn walk(
     mut regs: Regs,
     memory: &StackCopy,
     ips: &mut Vec<u64>,
-    trampoline_stands_for: u64,
-    mut rule_at: impl FnMut(u64) -> Option<UnwindRule>,
+    trampoline_for: u64,
+    mut rule_at: impl FnMut(u64) -> Lookup,
 ) -> End {
     loop {
-        let Some(rule) = rule_at(regs.lookup_addr()) else { return End::Truncated };
-        if rule.kind == unwind_kind::OUTERMOST {
-            return End::Outermost;
-        }
-        let Some(mut next) = step(regs, rule, memory) else { return End::Truncated };
-        if next.ip == 0 {
-            return End::Outermost;
-        }
-        if next.ip & !0xfff == UPROBE_TRAMPOLINE_PAGE {
-            if trampoline_stands_for == 0 {
-                return End::Truncated;
+        let rule = match rule_at(regs.lookup_addr()) {
+            Lookup::Rule(rule) => rule,
+            Lookup::Wait => return End::Wait,
+        };
+        match step(regs, rule, trampoline_for, |a| memory.read_u64(a)) {
+            Step::Caller(next) => {
+                if ips.len() >= MAX_STACK_DEPTH {
+                    return End::Truncated;
+                }
+                ips.push(next.ip);
+                regs = next;
             }
-            next.ip = trampoline_stands_for;
+            Step::Outermost => return End::Outermost,
+            Step::Stop => return End::Truncated,
         }
-        if ips.len() >= MAX_STACK_DEPTH {
-            return End::Truncated;
-        }
-        ips.push(next.ip);
-        regs = next;
     }
 }
 
 #[cfg(test)]
 mod tests {
     use std::collections::HashMap;
+
+    use memtrace_common::unwind::{UPROBE_TRAMPOLINE_PAGE, kind, sigframe};
 
     use super::*;
 
@@ -130,88 +95,70 @@ mod tests {
         bytes
     }
 
+    fn lookup(rules: &HashMap<u64, UnwindRule>) -> impl FnMut(u64) -> Lookup + '_ {
+        |a| Lookup::Rule(rules.get(&a).copied().unwrap_or(UnwindRule::STOP))
+    }
+
     #[test]
     fn walks_frames_with_and_without_frame_pointers_through_a_signal_frame() {
-        // leaf (no frame pointer, 0x20 bytes of frame) → signal trampoline → interrupted
-        // function (frame pointer) → outermost.
         let signal_sp = BASE + 0x28;
         let interrupted_bp = BASE + 0x400;
         let bytes = stack(&[
-            (BASE + 0x20, 0x5000), // leaf's return address: into the trampoline
+            (BASE + 0x20, 0x5000),
             (signal_sp + sigframe::RIP, 0x6000),
             (signal_sp + sigframe::RSP, BASE + 0x300),
             (signal_sp + sigframe::RBP, interrupted_bp),
-            (interrupted_bp, BASE + 0x800), // the caller's saved rbp
-            (interrupted_bp + 8, 0x7000),   // return address
+            (interrupted_bp, BASE + 0x800),
+            (interrupted_bp + 8, 0x7000),
         ]);
         let rules: HashMap<u64, UnwindRule> = [
-            (0x40ff, rule(unwind_kind::CFA_SP, 0x28, 0)),
-            // The trampoline's lookup address is its return address − 1.
-            (0x5000 - 1, rule(unwind_kind::SIGNAL, 0, 0)),
-            // The interrupted instruction is looked up exactly.
-            (0x6000, rule(unwind_kind::CFA_BP, 16, -16)),
-            (0x7000 - 1, rule(unwind_kind::OUTERMOST, 0, 0)),
+            (0x40ff, rule(kind::CFA_SP, 0x28, 0)),
+            (0x5000 - 1, UnwindRule::SIGNAL),
+            (0x6000, rule(kind::CFA_BP, 16, -16)),
+            (0x7000 - 1, UnwindRule::OUTERMOST),
         ]
         .into();
         let memory = StackCopy { base: BASE, bytes: &bytes };
         let mut ips = vec![0x4100];
         let regs = Regs { ip: 0x4100, sp: BASE, bp: 0, exact: false };
-        let end = walk(regs, &memory, &mut ips, 0, |a| rules.get(&a).copied());
-        assert_eq!(end, End::Outermost);
+        assert_eq!(walk(regs, &memory, &mut ips, 0, lookup(&rules)), End::Outermost);
         assert_eq!(ips, vec![0x4100, 0x5000, 0x6000, 0x7000]);
     }
 
     #[test]
-    fn unknown_code_and_the_end_of_the_copy_truncate() {
+    fn unknown_code_the_end_of_the_copy_and_a_pending_table() {
         let bytes = stack(&[(BASE + 8, 0x2000)]);
         let memory = StackCopy { base: BASE, bytes: &bytes[..16] };
         let regs = Regs { ip: 0x1000, sp: BASE, bp: 0, exact: true };
         let mut ips = vec![0x1000];
-        // Unknown code.
-        assert_eq!(walk(regs, &memory, &mut ips, 0, |_| None), End::Truncated);
+        assert_eq!(walk(regs, &memory, &mut ips, 0, |_| Lookup::Rule(UnwindRule::STOP)), End::Truncated);
         assert_eq!(ips, vec![0x1000]);
-        // One frame, then a read past the copy.
-        let r = rule(unwind_kind::CFA_SP, 16, 0);
-        assert_eq!(walk(regs, &memory, &mut ips, 0, |_| Some(r)), End::Truncated);
+        let r = rule(kind::CFA_SP, 16, 0);
+        assert_eq!(walk(regs, &memory, &mut ips, 0, |_| Lookup::Rule(r)), End::Truncated);
         assert_eq!(ips, vec![0x1000, 0x2000]);
+        let mut ips = vec![0x1000];
+        assert_eq!(walk(regs, &memory, &mut ips, 0, |_| Lookup::Wait), End::Wait);
     }
 
     #[test]
-    fn a_zero_return_address_ends_the_stack_and_depth_is_bounded() {
-        let memory = StackCopy { base: BASE, bytes: &[0u8; 64] };
-        let regs = Regs { ip: 0x1000, sp: BASE, bp: 0, exact: true };
-        let mut ips = vec![0x1000];
-        assert_eq!(walk(regs, &memory, &mut ips, 0, |_| Some(rule(unwind_kind::CFA_SP, 8, 0))), End::Outermost);
-        assert_eq!(ips.len(), 1);
-
-        // A frame that returns to itself with the same stack: every step is valid, so only
-        // the depth limit stops it.
+    fn depth_is_bounded_and_the_trampoline_seen_through() {
         let bytes = stack(&[(BASE, BASE), (BASE + 8, 0x1000)]);
         let memory = StackCopy { base: BASE, bytes: &bytes };
         let regs = Regs { ip: 0x1000, sp: BASE, bp: BASE, exact: false };
         let mut ips = vec![0x1000];
-        let r = rule(unwind_kind::CFA_BP, 16, -16);
-        assert_eq!(walk(regs, &memory, &mut ips, 0, |_| Some(r)), End::Truncated);
+        let r = rule(kind::CFA_BP, 16, -16);
+        assert_eq!(walk(regs, &memory, &mut ips, 0, |_| Lookup::Rule(r)), End::Truncated);
         assert_eq!(ips.len(), MAX_STACK_DEPTH);
-    }
 
-    #[test]
-    fn the_uprobe_trampoline_is_seen_through() {
         let bytes = stack(&[(BASE + 8, UPROBE_TRAMPOLINE_PAGE), (BASE + 24, 0x3000)]);
         let memory = StackCopy { base: BASE, bytes: &bytes };
         let regs = Regs { ip: 0x1000, sp: BASE, bp: 0, exact: true };
-        let rules: HashMap<u64, UnwindRule> = [
-            (0x1000, rule(unwind_kind::CFA_SP, 16, 0)),
-            (0x1fff, rule(unwind_kind::CFA_SP, 16, 0)),
-            (0x2fff, rule(unwind_kind::OUTERMOST, 0, 0)),
-        ]
-        .into();
+        let rules: HashMap<u64, UnwindRule> =
+            [(0x1000, rule(kind::CFA_SP, 16, 0)), (0x1fff, rule(kind::CFA_SP, 16, 0)), (0x2fff, UnwindRule::OUTERMOST)]
+                .into();
         let mut ips = vec![0x1000];
-        assert_eq!(walk(regs, &memory, &mut ips, 0x2000, |a| rules.get(&a).copied()), End::Outermost);
+        assert_eq!(walk(regs, &memory, &mut ips, 0x2000, lookup(&rules)), End::Outermost);
         assert_eq!(ips, vec![0x1000, 0x2000, 0x3000]);
-        let mut ips = vec![0x1000];
-        assert_eq!(walk(regs, &memory, &mut ips, 0, |a| rules.get(&a).copied()), End::Truncated);
-        assert_eq!(ips, vec![0x1000]);
     }
 
     #[test]

@@ -1,0 +1,456 @@
+//! The disk cache of built unwind tables (`/var/cache/memtrace/unwind` by default): one file
+//! per binary, keyed by its build id (else device, inode, size and modification time), so
+//! a second `record` of the same program starts with every table ready. An entry is
+//! versioned and checksummed, and trusted only if it is a regular file owned by root (or by
+//! memtrace's own user) that no one else may write; anything else — corrupt, truncated,
+//! another version, another key, a foreign owner — is rebuilt, never read, with the reason
+//! logged at debug level. The cache is bounded in bytes; the least recently used entries go
+//! first. Writes go to a temporary file renamed into place, so a crash leaves no half entry.
+use std::{
+    fmt,
+    fs::{self, OpenOptions},
+    io::{self, Read as _, Write as _},
+    os::unix::fs::{DirBuilderExt as _, MetadataExt as _, OpenOptionsExt as _},
+    path::{Path, PathBuf},
+    time::SystemTime,
+};
+
+use super::{cfi::Segment, table::Table};
+
+/// Bumped whenever the table format or how tables are built changes: older entries are
+/// rebuilt.
+pub const FORMAT_VERSION: u32 = 1;
+const MAGIC: &[u8; 8] = b"MTUNWTB\0";
+/// Default bound of the cache's size.
+pub const DEFAULT_MAX_BYTES: u64 = 512 << 20;
+pub const DEFAULT_DIR: &str = "/var/cache/memtrace/unwind";
+
+/// What identifies a file's contents.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub enum FileKey {
+    /// The GNU build id and the file's size.
+    BuildId { build_id: Vec<u8>, size: u64 },
+    /// No build id: where the file is and when it last changed.
+    Inode { dev: u64, ino: u64, size: u64, mtime_ns: i128 },
+}
+
+impl FileKey {
+    /// The key of the file at `path` (its build id is read from its notes).
+    pub fn of(path: &Path) -> io::Result<Self> {
+        let md = fs::metadata(path)?;
+        Ok(match crate::elf::build_id(path) {
+            Some(build_id) if !build_id.is_empty() => Self::BuildId { build_id, size: md.size() },
+            _ => Self::Inode {
+                dev: md.dev(),
+                ino: md.ino(),
+                size: md.size(),
+                mtime_ns: i128::from(md.mtime()) * 1_000_000_000 + i128::from(md.mtime_nsec()),
+            },
+        })
+    }
+
+    /// The key's bytes, written into the entry and compared on load.
+    fn bytes(&self) -> Vec<u8> {
+        match self {
+            Self::BuildId { build_id, size } => {
+                let mut b = vec![1];
+                b.extend_from_slice(build_id);
+                b.extend_from_slice(&size.to_le_bytes());
+                b
+            }
+            Self::Inode { dev, ino, size, mtime_ns } => {
+                let mut b = vec![2];
+                for v in [*dev, *ino, *size] {
+                    b.extend_from_slice(&v.to_le_bytes());
+                }
+                b.extend_from_slice(&mtime_ns.to_le_bytes());
+                b
+            }
+        }
+    }
+
+    /// The entry's file name.
+    fn file_name(&self) -> String {
+        let mut h = crc32fast::Hasher::new();
+        h.update(&self.bytes());
+        let lo = h.finalize();
+        let mut h2 = crc32fast::Hasher::new_with_initial(0x6d74_7563);
+        h2.update(&self.bytes());
+        format!("{}-{:08x}{:08x}.tbl", FORMAT_VERSION, lo, h2.finalize())
+    }
+}
+
+impl fmt::Display for FileKey {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::BuildId { build_id, .. } => {
+                f.write_str("build id ")?;
+                build_id.iter().try_for_each(|b| write!(f, "{b:02x}"))
+            }
+            Self::Inode { dev, ino, .. } => write!(f, "inode {dev}:{ino}"),
+        }
+    }
+}
+
+/// Why an entry was not used.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Rejected {
+    Missing,
+    NotAFile,
+    ForeignOwner(u32),
+    WritableByOthers(u32),
+    Truncated,
+    BadMagic,
+    WrongVersion(u32),
+    OtherKey,
+    Checksum,
+    Io(String),
+}
+
+impl fmt::Display for Rejected {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::Missing => f.write_str("not in the cache"),
+            Self::NotAFile => f.write_str("the entry is not a regular file"),
+            Self::ForeignOwner(uid) => write!(f, "the entry is owned by uid {uid}, not root"),
+            Self::WritableByOthers(mode) => write!(f, "the entry is writable by others (mode {mode:o})"),
+            Self::Truncated => f.write_str("the entry is truncated"),
+            Self::BadMagic => f.write_str("the entry is not a memtrace unwind table"),
+            Self::WrongVersion(v) => write!(f, "the entry has format version {v}, not {FORMAT_VERSION}"),
+            Self::OtherKey => f.write_str("the entry is for another file"),
+            Self::Checksum => f.write_str("the entry's checksum does not match"),
+            Self::Io(e) => write!(f, "reading the entry failed: {e}"),
+        }
+    }
+}
+
+pub struct DiskCache {
+    dir: PathBuf,
+    max_bytes: u64,
+}
+
+/// Fixed part of an entry: magic, version, key length, pc_base, segments, pages, rows,
+/// checksum (of everything after this header).
+const HEADER_BYTES: usize = 8 + 4 + 4 + 8 + 4 + 4 + 4 + 4;
+
+impl DiskCache {
+    /// The cache in `dir` (created 0700 if missing), bounded to `max_bytes`. Fails if `dir`
+    /// is a symlink, not a directory, or writable by others.
+    pub fn open(dir: &Path, max_bytes: u64) -> io::Result<Self> {
+        if let Some(parent) = dir.parent() {
+            fs::DirBuilder::new().recursive(true).mode(0o755).create(parent)?;
+        }
+        match fs::DirBuilder::new().mode(0o700).create(dir) {
+            Ok(()) => {}
+            Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {}
+            Err(e) => return Err(e),
+        }
+        let md = fs::symlink_metadata(dir)?;
+        if !md.is_dir() {
+            return Err(io::Error::other(format!("{} is not a directory", dir.display())));
+        }
+        // SAFETY: geteuid has no preconditions.
+        let euid = unsafe { libc::geteuid() };
+        if md.uid() != 0 && md.uid() != euid {
+            return Err(io::Error::other(format!("{} is owned by uid {}", dir.display(), md.uid())));
+        }
+        if md.mode() & 0o022 != 0 {
+            return Err(io::Error::other(format!("{} is writable by others", dir.display())));
+        }
+        Ok(Self { dir: dir.to_path_buf(), max_bytes })
+    }
+
+    /// The cache at the default place (or `MEMTRACE_CACHE_DIR`), if it can be used.
+    pub fn open_default() -> Option<Self> {
+        let dir = std::env::var_os("MEMTRACE_CACHE_DIR").map_or_else(|| PathBuf::from(DEFAULT_DIR), PathBuf::from);
+        match Self::open(&dir, DEFAULT_MAX_BYTES) {
+            Ok(cache) => Some(cache),
+            Err(e) => {
+                log::debug!("unwind cache {}: {e}; tables are built afresh", dir.display());
+                None
+            }
+        }
+    }
+
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    fn path_of(&self, key: &FileKey) -> PathBuf {
+        self.dir.join(key.file_name())
+    }
+
+    /// The table cached for `key`, or why there is none to trust.
+    pub fn load(&self, key: &FileKey) -> Result<Table, Rejected> {
+        let path = self.path_of(key);
+        let mut file = match OpenOptions::new().read(true).custom_flags(libc::O_NOFOLLOW).open(&path) {
+            Ok(f) => f,
+            Err(e) if e.kind() == io::ErrorKind::NotFound => return Err(Rejected::Missing),
+            Err(e) if e.raw_os_error() == Some(libc::ELOOP) => return Err(Rejected::NotAFile),
+            Err(e) => return Err(Rejected::Io(e.to_string())),
+        };
+        let md = file.metadata().map_err(|e| Rejected::Io(e.to_string()))?;
+        if !md.is_file() {
+            return Err(Rejected::NotAFile);
+        }
+        // SAFETY: geteuid has no preconditions.
+        let euid = unsafe { libc::geteuid() };
+        if md.uid() != 0 && md.uid() != euid {
+            return Err(Rejected::ForeignOwner(md.uid()));
+        }
+        if md.mode() & 0o022 != 0 {
+            return Err(Rejected::WritableByOthers(md.mode() & 0o7777));
+        }
+        let mut data = Vec::with_capacity(md.len() as usize);
+        file.read_to_end(&mut data).map_err(|e| Rejected::Io(e.to_string()))?;
+        let table = decode(&data, key)?;
+        // Recently used: the eviction keeps it.
+        let _ = file.set_modified(SystemTime::now());
+        Ok(table)
+    }
+
+    /// Stores the table of `key`, then evicts the least recently used entries beyond the
+    /// size bound.
+    pub fn store(&self, key: &FileKey, table: &Table) -> io::Result<()> {
+        let path = self.path_of(key);
+        let tmp = self.dir.join(format!(".{}.{}.tmp", key.file_name(), std::process::id()));
+        let result = (|| {
+            let mut f = OpenOptions::new()
+                .write(true)
+                .create_new(true)
+                .mode(0o600)
+                .custom_flags(libc::O_NOFOLLOW)
+                .open(&tmp)?;
+            f.write_all(&encode(key, table))?;
+            f.sync_data()?;
+            fs::rename(&tmp, &path)
+        })();
+        if result.is_err() {
+            let _ = fs::remove_file(&tmp);
+        }
+        result?;
+        self.evict();
+        Ok(())
+    }
+
+    /// Deletes the oldest entries until the cache fits its bound.
+    fn evict(&self) {
+        let Ok(entries) = fs::read_dir(&self.dir) else { return };
+        let mut files: Vec<(SystemTime, u64, PathBuf)> = entries
+            .filter_map(|e| {
+                let e = e.ok()?;
+                let md = e.metadata().ok()?;
+                (md.is_file() && e.file_name().to_string_lossy().ends_with(".tbl"))
+                    .then(|| (md.modified().unwrap_or(SystemTime::UNIX_EPOCH), md.len(), e.path()))
+            })
+            .collect();
+        let mut total: u64 = files.iter().map(|f| f.1).sum();
+        files.sort();
+        for (_, len, path) in files {
+            if total <= self.max_bytes {
+                break;
+            }
+            if fs::remove_file(&path).is_ok() {
+                log::debug!("unwind cache: evicted {}", path.display());
+                total -= len;
+            }
+        }
+    }
+}
+
+fn encode(key: &FileKey, table: &Table) -> Vec<u8> {
+    let key = key.bytes();
+    let mut body = Vec::with_capacity(key.len() + table.byte_size() + table.segments.len() * 24);
+    body.extend_from_slice(&key);
+    for s in &table.segments {
+        for v in [s.file_offset, s.vaddr, s.file_size, u64::from(s.executable)] {
+            body.extend_from_slice(&v.to_le_bytes());
+        }
+    }
+    for p in &table.pages {
+        body.extend_from_slice(&p.to_le_bytes());
+    }
+    for r in &table.rows {
+        body.extend_from_slice(&r.to_le_bytes());
+    }
+    let mut out = Vec::with_capacity(HEADER_BYTES + body.len());
+    out.extend_from_slice(MAGIC);
+    out.extend_from_slice(&FORMAT_VERSION.to_le_bytes());
+    out.extend_from_slice(&(key.len() as u32).to_le_bytes());
+    out.extend_from_slice(&table.pc_base.to_le_bytes());
+    out.extend_from_slice(&(table.segments.len() as u32).to_le_bytes());
+    out.extend_from_slice(&(table.pages.len() as u32).to_le_bytes());
+    out.extend_from_slice(&(table.rows.len() as u32).to_le_bytes());
+    out.extend_from_slice(&crc32fast::hash(&body).to_le_bytes());
+    out.extend_from_slice(&body);
+    out
+}
+
+fn decode(data: &[u8], key: &FileKey) -> Result<Table, Rejected> {
+    let u32_at = |at: usize| -> Result<u32, Rejected> {
+        Ok(u32::from_le_bytes(data.get(at..at + 4).ok_or(Rejected::Truncated)?.try_into().expect("4 bytes")))
+    };
+    let u64_at = |at: usize| -> Result<u64, Rejected> {
+        Ok(u64::from_le_bytes(data.get(at..at + 8).ok_or(Rejected::Truncated)?.try_into().expect("8 bytes")))
+    };
+    if data.len() < 8 {
+        return Err(Rejected::Truncated);
+    }
+    if &data[..8] != MAGIC {
+        return Err(Rejected::BadMagic);
+    }
+    let version = u32_at(8)?;
+    if version != FORMAT_VERSION {
+        return Err(Rejected::WrongVersion(version));
+    }
+    let key_len = u32_at(12)? as usize;
+    let pc_base = u64_at(16)?;
+    let (n_segments, n_pages, n_rows) = (u32_at(24)? as usize, u32_at(28)? as usize, u32_at(32)? as usize);
+    let checksum = u32_at(36)?;
+    let body = &data[HEADER_BYTES.min(data.len())..];
+    let need = key_len
+        .checked_add(n_segments.checked_mul(32).ok_or(Rejected::Truncated)?)
+        .and_then(|n| n.checked_add(n_pages.checked_mul(4)?))
+        .and_then(|n| n.checked_add(n_rows.checked_mul(8)?))
+        .ok_or(Rejected::Truncated)?;
+    if body.len() != need {
+        return Err(Rejected::Truncated);
+    }
+    if crc32fast::hash(body) != checksum {
+        return Err(Rejected::Checksum);
+    }
+    if body[..key_len] != key.bytes()[..] {
+        return Err(Rejected::OtherKey);
+    }
+    let mut at = key_len;
+    let mut word = |n: usize| {
+        let v = &body[at..at + n];
+        at += n;
+        v
+    };
+    let segments = (0..n_segments)
+        .map(|_| {
+            let mut v = [0u64; 4];
+            for x in &mut v {
+                *x = u64::from_le_bytes(word(8).try_into().expect("8 bytes"));
+            }
+            Segment { file_offset: v[0], vaddr: v[1], file_size: v[2], executable: v[3] != 0 }
+        })
+        .collect();
+    let pages = (0..n_pages).map(|_| u32::from_le_bytes(word(4).try_into().expect("4 bytes"))).collect();
+    let rows = (0..n_rows).map(|_| u64::from_le_bytes(word(8).try_into().expect("8 bytes"))).collect();
+    if n_pages == 0 {
+        return Err(Rejected::Truncated);
+    }
+    Ok(Table { pc_base, pages, rows, segments })
+}
+
+#[cfg(test)]
+mod tests {
+    use std::os::unix::fs::PermissionsExt as _;
+
+    use super::*;
+
+    fn table() -> Table {
+        Table {
+            pc_base: 0x1000,
+            pages: vec![0, 1, 2],
+            rows: vec![1, 2, 3, 4],
+            segments: vec![Segment { file_offset: 0, vaddr: 0, file_size: 0x3000, executable: true }],
+        }
+    }
+
+    fn key() -> FileKey {
+        FileKey::BuildId { build_id: vec![7; 20], size: 1234 }
+    }
+
+    fn cache(name: &str) -> DiskCache {
+        let dir = std::env::temp_dir().join(format!("memtrace-cache-test-{name}-{}", std::process::id()));
+        let _ = fs::remove_dir_all(&dir);
+        DiskCache::open(&dir, 1 << 20).unwrap()
+    }
+
+    #[test]
+    fn a_stored_table_loads_back() {
+        let c = cache("roundtrip");
+        assert_eq!(c.load(&key()), Err(Rejected::Missing));
+        c.store(&key(), &table()).unwrap();
+        assert_eq!(c.load(&key()).unwrap(), table());
+        let other = FileKey::Inode { dev: 1, ino: 2, size: 3, mtime_ns: 4 };
+        assert_eq!(c.load(&other), Err(Rejected::Missing));
+        let mode = fs::metadata(c.path_of(&key())).unwrap().permissions().mode();
+        assert_eq!(mode & 0o777, 0o600);
+    }
+
+    #[test]
+    fn damaged_or_untrusted_entries_are_rejected() {
+        let c = cache("damaged");
+        c.store(&key(), &table()).unwrap();
+        let path = c.path_of(&key());
+        let good = fs::read(&path).unwrap();
+        let write = |bytes: &[u8]| {
+            fs::remove_file(&path).unwrap();
+            let mut f = OpenOptions::new().write(true).create(true).mode(0o600).open(&path).unwrap();
+            f.write_all(bytes).unwrap();
+        };
+        let mut bad = good.clone();
+        *bad.last_mut().unwrap() ^= 1;
+        write(&bad);
+        assert_eq!(c.load(&key()), Err(Rejected::Checksum));
+        write(&good[..good.len() - 3]);
+        assert_eq!(c.load(&key()), Err(Rejected::Truncated));
+        let mut old = good.clone();
+        old[8..12].copy_from_slice(&0u32.to_le_bytes());
+        write(&old);
+        assert_eq!(c.load(&key()), Err(Rejected::WrongVersion(0)));
+        write(b"something else entirely, long enough");
+        assert_eq!(c.load(&key()), Err(Rejected::BadMagic));
+        write(&good);
+        fs::set_permissions(&path, fs::Permissions::from_mode(0o666)).unwrap();
+        assert!(matches!(c.load(&key()), Err(Rejected::WritableByOthers(_))));
+        fs::set_permissions(&path, fs::Permissions::from_mode(0o600)).unwrap();
+        // SAFETY: chown of a file this test created.
+        let rc = unsafe {
+            libc::chown(std::ffi::CString::new(path.as_os_str().as_encoded_bytes()).unwrap().as_ptr(), 65534, 65534)
+        };
+        if rc == 0 {
+            assert_eq!(c.load(&key()), Err(Rejected::ForeignOwner(65534)));
+        }
+        fs::remove_file(&path).unwrap();
+        std::os::unix::fs::symlink("/etc/hostname", &path).unwrap();
+        assert_eq!(c.load(&key()), Err(Rejected::NotAFile));
+        // A damaged entry is replaced by a good one.
+        fs::remove_file(&path).unwrap();
+        c.store(&key(), &table()).unwrap();
+        assert_eq!(c.load(&key()).unwrap(), table());
+    }
+
+    #[test]
+    fn the_least_recently_used_entries_are_evicted() {
+        let dir = std::env::temp_dir().join(format!("memtrace-cache-test-evict-{}", std::process::id()));
+        let _ = fs::remove_dir_all(&dir);
+        let one = encode(&key(), &table()).len() as u64;
+        let c = DiskCache::open(&dir, one * 2).unwrap();
+        let keys: Vec<FileKey> = (0..3).map(|i| FileKey::BuildId { build_id: vec![i; 20], size: 1 }).collect();
+        c.store(&keys[0], &table()).unwrap();
+        std::thread::sleep(std::time::Duration::from_millis(20));
+        c.store(&keys[1], &table()).unwrap();
+        std::thread::sleep(std::time::Duration::from_millis(20));
+        // Using the first makes the second the least recent.
+        c.load(&keys[0]).unwrap();
+        std::thread::sleep(std::time::Duration::from_millis(20));
+        c.store(&keys[2], &table()).unwrap();
+        assert!(c.load(&keys[0]).is_ok());
+        assert_eq!(c.load(&keys[1]), Err(Rejected::Missing));
+        assert!(c.load(&keys[2]).is_ok());
+    }
+
+    #[test]
+    fn a_cache_directory_writable_by_others_is_refused() {
+        let dir = std::env::temp_dir().join(format!("memtrace-cache-test-perm-{}", std::process::id()));
+        let _ = fs::remove_dir_all(&dir);
+        fs::create_dir_all(&dir).unwrap();
+        fs::set_permissions(&dir, fs::Permissions::from_mode(0o777)).unwrap();
+        assert!(DiskCache::open(&dir, 1).is_err());
+    }
+}

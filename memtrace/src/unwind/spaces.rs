@@ -1,0 +1,392 @@
+//! Address spaces, as the unwinder needs them: which file each executable range of a
+//! process maps, at which bias, and that file's table slot. Learned from what the probes
+//! report (a new address space at each exec, shared by a forked child; each executable
+//! mapping as the kernel makes it) and, for processes that existed before tracing began,
+//! from `/proc/PID/maps`. Every range is mirrored in the probes' LPM trie (split into
+//! aligned prefixes) so the probes find a frame's file with one lookup; the ranges of an
+//! address space no process uses any more leave the trie but stay here a while, to name the
+//! frames of events still on their way.
+use std::{
+    collections::{HashMap, VecDeque},
+    path::{Path, PathBuf},
+    sync::Arc,
+};
+
+use memtrace_common::{MappingKey, MappingValue, unwind::mapping_flags};
+
+use super::{
+    cfi::{Segment, vaddr_of_file_offset},
+    store::{Slot, TableSink, TableStore},
+};
+use crate::procfs::{self, Maps};
+
+/// Where the probes' address-space state goes (the session's `Probes`; a fake in tests).
+pub trait SpaceSink: TableSink {
+    /// Sets the address space of `pid`; with `only_if_absent`, keeps one the kernel
+    /// already gave it and returns that. Returns the id in force.
+    fn set_asid(&mut self, pid: u32, asid: u32, only_if_absent: bool) -> anyhow::Result<u32>;
+    fn insert_mapping(&mut self, key: MappingKey, prefix_bits: u32, value: MappingValue) -> anyhow::Result<()>;
+    fn remove_mapping(&mut self, key: MappingKey, prefix_bits: u32) -> anyhow::Result<()>;
+}
+
+/// One executable range of an address space.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Mapping {
+    pub start: u64,
+    pub end: u64,
+    /// The file (a path this process can open), None for code without a file.
+    pub path: Option<PathBuf>,
+    /// File offset of `start`.
+    pub file_offset: u64,
+    /// `vaddr = addr - bias`, for the file's table.
+    pub bias: u64,
+    pub slot: Option<Slot>,
+}
+
+impl Mapping {
+    /// The file offset of an address in this mapping.
+    pub fn file_offset_of(&self, addr: u64) -> u64 {
+        addr - self.start + self.file_offset
+    }
+}
+
+#[derive(Default)]
+struct Space {
+    /// Sorted by start, not overlapping.
+    mappings: Vec<Mapping>,
+    /// Processes in it.
+    pids: u32,
+}
+
+/// Address spaces of exited processes kept for naming late events.
+const DEAD_SPACES_KEPT: usize = 1024;
+/// Userspace's address-space ids (for processes that existed before tracing began).
+const USER_ASID_BASE: u32 = 1 << 31;
+
+#[derive(Default)]
+pub struct Spaces {
+    asid_of: HashMap<u32, u32>,
+    spaces: HashMap<u32, Space>,
+    dead: VecDeque<u32>,
+    next_user_asid: u32,
+}
+
+/// The aligned prefixes that cover `[start, end)`: (first address, bits of the address
+/// that are fixed).
+pub fn prefixes(start: u64, end: u64) -> Vec<(u64, u32)> {
+    let mut out = Vec::new();
+    let mut at = start;
+    while at < end {
+        let mut size_log = at.trailing_zeros().min(63);
+        while size_log > 0 && at.checked_add(1 << size_log).is_none_or(|e| e > end) {
+            size_log -= 1;
+        }
+        out.push((at, 64 - size_log));
+        match at.checked_add(1 << size_log) {
+            Some(next) => at = next,
+            None => break,
+        }
+    }
+    out
+}
+
+impl Spaces {
+    pub fn new() -> Self {
+        Self { next_user_asid: USER_ASID_BASE, ..Default::default() }
+    }
+
+    pub fn asid_of(&self, pid: u32) -> Option<u32> {
+        self.asid_of.get(&pid).copied()
+    }
+
+    fn join(&mut self, pid: u32, asid: u32, sink: &mut dyn SpaceSink) {
+        if let Some(old) = self.asid_of.insert(pid, asid) {
+            if old == asid {
+                return;
+            }
+            self.leave(old, sink);
+        }
+        self.spaces.entry(asid).or_default().pids += 1;
+    }
+
+    fn leave(&mut self, asid: u32, sink: &mut dyn SpaceSink) {
+        let Some(space) = self.spaces.get_mut(&asid) else { return };
+        space.pids = space.pids.saturating_sub(1);
+        if space.pids > 0 {
+            return;
+        }
+        // Nobody runs in it any more: the probes forget it; its ranges stay here a while.
+        for m in &space.mappings {
+            remove_entries(asid, m, sink);
+        }
+        self.dead.push_back(asid);
+        while self.dead.len() > DEAD_SPACES_KEPT {
+            if let Some(old) = self.dead.pop_front()
+                && self.spaces.get(&old).is_some_and(|s| s.pids == 0)
+            {
+                self.spaces.remove(&old);
+            }
+        }
+    }
+
+    /// `pid` exec'd into address space `asid` (given by the kernel).
+    pub fn learn_exec(&mut self, pid: u32, asid: u32, sink: &mut dyn SpaceSink) {
+        if asid != 0 {
+            self.join(pid, asid, sink);
+        }
+    }
+
+    /// `child` was forked into its parent's address space `asid`.
+    pub fn learn_fork(&mut self, child: u32, asid: u32, sink: &mut dyn SpaceSink) {
+        if asid != 0 {
+            self.join(child, asid, sink);
+        }
+    }
+
+    /// `pid` exited.
+    pub fn learn_exit(&mut self, pid: u32, sink: &mut dyn SpaceSink) {
+        if let Some(asid) = self.asid_of.remove(&pid) {
+            self.leave(asid, sink);
+        }
+    }
+
+    /// An executable mapping the kernel made in `asid` (`path` readable from here, None
+    /// for code without a file).
+    #[allow(clippy::too_many_arguments)]
+    pub fn add_mapping(
+        &mut self,
+        asid: u32,
+        start: u64,
+        len: u64,
+        file_offset: u64,
+        path: Option<&Path>,
+        store: &mut TableStore,
+        sink: &mut dyn SpaceSink,
+    ) {
+        if asid == 0 || len == 0 {
+            return;
+        }
+        let file = path.and_then(|p| store.request(p).map(|(slot, segments)| (p.to_path_buf(), slot, segments)));
+        let (path, slot, bias) = match file {
+            Some((path, slot, segments)) => {
+                let bias = bias_of(&segments, start, file_offset);
+                (Some(path), Some(slot), bias)
+            }
+            None => (None, None, 0),
+        };
+        let mapping = Mapping { start, end: start.saturating_add(len), path, file_offset, bias, slot };
+        let space = self.spaces.entry(asid).or_default();
+        // What the new range covers is unmapped (the kernel replaced it).
+        let mut kept = Vec::with_capacity(space.mappings.len() + 1);
+        for m in space.mappings.drain(..) {
+            if m.end <= mapping.start || m.start >= mapping.end {
+                kept.push(m);
+            } else if space.pids > 0 {
+                remove_entries(asid, &m, sink);
+            }
+        }
+        let at = kept.partition_point(|m| m.start < mapping.start);
+        if space.pids > 0 || !self.dead.contains(&asid) {
+            insert_entries(asid, &mapping, sink);
+        }
+        kept.insert(at, mapping);
+        space.mappings = kept;
+    }
+
+    /// Learns a process that existed before tracing began (or whose address space was
+    /// not seen being made) from `/proc/PID/maps`. Returns its address space.
+    pub fn learn_process(&mut self, pid: u32, store: &mut TableStore, sink: &mut dyn SpaceSink) -> Option<u32> {
+        if let Some(asid) = self.asid_of(pid)
+            && self.spaces.get(&asid).is_some_and(|s| !s.mappings.is_empty())
+        {
+            return Some(asid);
+        }
+        let maps = Maps::read(pid).ok()?;
+        let proposed = self.next_user_asid;
+        let asid = sink.set_asid(pid, proposed, true).ok()?;
+        if asid == proposed {
+            self.next_user_asid = self.next_user_asid.wrapping_add(1) | USER_ASID_BASE;
+        }
+        self.join(pid, asid, sink);
+        for m in maps.mappings.iter().filter(|m| m.executable) {
+            let path = m.is_file().then(|| procfs::path_in_process(pid, &m.path));
+            self.add_mapping(asid, m.start, m.end - m.start, m.offset, path.as_deref(), store, sink);
+        }
+        Some(asid)
+    }
+
+    /// The mapping of `addr` in `asid`.
+    pub fn find(&self, asid: u32, addr: u64) -> Option<&Mapping> {
+        let space = self.spaces.get(&asid)?;
+        let at = space.mappings.partition_point(|m| m.start <= addr);
+        space.mappings[..at].last().filter(|m| addr < m.end)
+    }
+
+    /// Processes (by address space) currently known.
+    pub fn live_spaces(&self) -> usize {
+        self.spaces.values().filter(|s| s.pids > 0).count()
+    }
+}
+
+/// `vaddr = addr - bias` for a mapping at `start` of the file offset `file_offset`.
+fn bias_of(segments: &Arc<[Segment]>, start: u64, file_offset: u64) -> u64 {
+    match vaddr_of_file_offset(segments, file_offset) {
+        Some(vaddr) => start.wrapping_sub(vaddr),
+        // An offset in no loadable segment: take the file as mapped from 0.
+        None => start.wrapping_sub(file_offset),
+    }
+}
+
+fn value_of(m: &Mapping) -> MappingValue {
+    let flags = match (&m.path, m.slot) {
+        (None, _) => mapping_flags::NO_FILE,
+        (Some(_), None) => mapping_flags::NO_TABLE,
+        _ => 0,
+    };
+    MappingValue { table: m.slot.unwrap_or(0), flags, start: m.start, end: m.end, bias: m.bias }
+}
+
+fn insert_entries(asid: u32, m: &Mapping, sink: &mut dyn SpaceSink) {
+    let value = value_of(m);
+    for (addr, bits) in prefixes(m.start, m.end) {
+        if let Err(e) = sink.insert_mapping(MappingKey::new(asid, addr), MappingKey::ASID_BITS + bits, value) {
+            log::debug!("installing a mapping of address space {asid}: {e:#}");
+            return;
+        }
+    }
+}
+
+fn remove_entries(asid: u32, m: &Mapping, sink: &mut dyn SpaceSink) {
+    for (addr, bits) in prefixes(m.start, m.end) {
+        let _ = sink.remove_mapping(MappingKey::new(asid, addr), MappingKey::ASID_BITS + bits);
+    }
+}
+
+#[cfg(test)]
+pub(crate) mod tests {
+    use std::collections::BTreeMap;
+
+    use proptest::prelude::*;
+
+    use super::*;
+
+    /// The probes' side, in memory: the LPM trie answered by longest prefix.
+    #[derive(Default)]
+    pub(crate) struct FakeProbes {
+        pub asids: HashMap<u32, u32>,
+        pub trie: BTreeMap<(u32, u64, u32), MappingValue>,
+        pub tables: Vec<(Slot, usize)>,
+    }
+
+    impl TableSink for FakeProbes {
+        fn install_table(&mut self, slot: Slot, elements: &[u64]) -> anyhow::Result<()> {
+            self.tables.push((slot, elements.len()));
+            Ok(())
+        }
+    }
+
+    impl SpaceSink for FakeProbes {
+        fn set_asid(&mut self, pid: u32, asid: u32, only_if_absent: bool) -> anyhow::Result<u32> {
+            if only_if_absent && let Some(&a) = self.asids.get(&pid) {
+                return Ok(a);
+            }
+            self.asids.insert(pid, asid);
+            Ok(asid)
+        }
+        fn insert_mapping(&mut self, key: MappingKey, bits: u32, value: MappingValue) -> anyhow::Result<()> {
+            let asid = u32::from_be_bytes(key.asid);
+            self.trie.insert((asid, u64::from_be_bytes(key.addr), bits), value);
+            Ok(())
+        }
+        fn remove_mapping(&mut self, key: MappingKey, bits: u32) -> anyhow::Result<()> {
+            let asid = u32::from_be_bytes(key.asid);
+            self.trie.remove(&(asid, u64::from_be_bytes(key.addr), bits));
+            Ok(())
+        }
+    }
+
+    impl FakeProbes {
+        /// Longest-prefix match, as the kernel's trie answers.
+        pub fn lookup(&self, asid: u32, addr: u64) -> Option<MappingValue> {
+            self.trie
+                .iter()
+                .filter(|((a, start, bits), _)| {
+                    let addr_bits = bits - MappingKey::ASID_BITS;
+                    let mask = if addr_bits == 0 { 0 } else { u64::MAX << (64 - addr_bits) };
+                    *a == asid && addr & mask == *start
+                })
+                .max_by_key(|((_, _, bits), _)| *bits)
+                .map(|(_, v)| *v)
+        }
+    }
+
+    proptest! {
+        #[test]
+        fn prefixes_cover_a_range_exactly(start in 0u64..(1 << 47), len in 1u64..(1 << 36)) {
+            let end = start + len;
+            let ps = prefixes(start, end);
+            prop_assert!(ps.len() <= 128);
+            let mut at = start;
+            for (addr, bits) in ps {
+                prop_assert_eq!(addr, at);
+                let size = 1u64 << (64 - bits);
+                prop_assert_eq!(addr % size, 0, "aligned");
+                at += size;
+            }
+            prop_assert_eq!(at, end);
+        }
+    }
+
+    #[test]
+    fn a_process_is_learned_from_its_maps_and_its_code_found_by_prefix() {
+        let pid = std::process::id();
+        let mut spaces = Spaces::new();
+        let mut store = TableStore::new(None, 1, super::super::store::DEFAULT_MAX_BYTES);
+        let mut probes = FakeProbes::default();
+        let asid = spaces.learn_process(pid, &mut store, &mut probes).unwrap();
+        assert!(asid >= USER_ASID_BASE);
+        assert_eq!(probes.asids[&pid], asid);
+        let here = a_function as *const () as u64;
+        let m = spaces.find(asid, here).unwrap().clone();
+        let v = probes.lookup(asid, here).unwrap();
+        assert_eq!((v.start, v.end, v.bias, v.flags), (m.start, m.end, m.bias, 0));
+        // The mapping's bias turns the address into the executable's own virtual address.
+        let table_vaddr = here - m.bias;
+        let exe_vaddr = store.identify(m.path.as_deref().unwrap()).unwrap().1.iter().find_map(|s| {
+            let fo = m.file_offset_of(here);
+            (s.file_offset <= fo && fo < s.file_offset + s.file_size).then(|| fo - s.file_offset + s.vaddr)
+        });
+        assert_eq!(Some(table_vaddr), exe_vaddr);
+        // Another address space sees nothing there.
+        assert!(probes.lookup(asid + 1, here).is_none());
+        // Leaving empties the trie but keeps the ranges for naming.
+        spaces.learn_exit(pid, &mut probes);
+        assert!(probes.trie.is_empty());
+        assert!(spaces.find(asid, here).is_some());
+    }
+
+    #[inline(never)]
+    fn a_function() -> u64 {
+        std::hint::black_box(7)
+    }
+
+    #[test]
+    fn a_new_mapping_replaces_what_it_covers() {
+        let mut spaces = Spaces::new();
+        let mut store = TableStore::new(None, 1, super::super::store::DEFAULT_MAX_BYTES);
+        let mut probes = FakeProbes::default();
+        spaces.learn_exec(1, 5, &mut probes);
+        spaces.add_mapping(5, 0x10000, 0x10000, 0, None, &mut store, &mut probes);
+        assert_eq!(probes.lookup(5, 0x18000).unwrap().flags, mapping_flags::NO_FILE);
+        spaces.add_mapping(5, 0x18000, 0x1000, 0, None, &mut store, &mut probes);
+        assert_eq!(spaces.find(5, 0x18000).unwrap().start, 0x18000);
+        assert!(spaces.find(5, 0x10000).is_none(), "the old range is gone");
+        assert!(probes.lookup(5, 0x10000).is_none());
+        // A forked child shares the space: it stays in the trie until both are gone.
+        spaces.learn_fork(2, 5, &mut probes);
+        spaces.learn_exit(1, &mut probes);
+        assert!(probes.lookup(5, 0x18000).is_some());
+        spaces.learn_exit(2, &mut probes);
+        assert!(probes.lookup(5, 0x18000).is_none());
+    }
+}

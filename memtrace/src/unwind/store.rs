@@ -1,0 +1,359 @@
+//! The unwind tables of a session, one per file whatever the number of processes mapping
+//! it: a slot per file (its index in the probes' tables array), built off the event path
+//! by worker threads (or read from the disk cache), then installed in the probes by the
+//! thread that owns them ([`TableStore::poll`]). Userspace finishes stack copies with the
+//! same tables. Memory is bounded: past the cap a file gets an empty table (its frames end
+//! stacks, counted) and a warning names it.
+use std::{
+    collections::HashMap,
+    path::{Path, PathBuf},
+    sync::{
+        Arc,
+        mpsc::{self, Receiver, Sender},
+    },
+    thread::JoinHandle,
+    time::{Duration, Instant},
+};
+
+use memtrace_common::MAX_TABLES;
+
+use super::{
+    cache::{DiskCache, FileKey},
+    cfi::{Cfi, Segment},
+    table::Table,
+};
+
+/// A table's place in the probes' tables array.
+pub type Slot = u32;
+
+/// What the store knows of a file's table.
+#[derive(Clone)]
+pub enum TableState {
+    Building,
+    Ready(Arc<Table>),
+}
+
+/// Figures for the summary and the report.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct StoreStats {
+    /// Tables built from call-frame information in this session.
+    pub built: u64,
+    /// Tables read from the disk cache.
+    pub from_cache: u64,
+    /// Files without usable call-frame information (their frames end stacks).
+    pub without_cfi: u64,
+    /// Files refused a table because the memory cap was reached.
+    pub over_cap: u64,
+    /// Bytes of tables installed in the probes.
+    pub bytes: u64,
+    /// Rows installed.
+    pub rows: u64,
+    /// Time spent building (worker threads, all files), and the longest single build.
+    pub build_ms: u64,
+    pub longest_build_ms: u64,
+}
+
+struct Job {
+    slot: Slot,
+    key: FileKey,
+    path: PathBuf,
+}
+
+struct Done {
+    slot: Slot,
+    table: Option<Table>,
+    from_cache: bool,
+    elapsed: Duration,
+    path: PathBuf,
+}
+
+/// Where tables go once built: the probes' array (the session's `Probes`).
+pub trait TableSink {
+    /// Installs `elements` (a table laid out as the probes read it) in `slot`.
+    fn install_table(&mut self, slot: Slot, elements: &[u64]) -> anyhow::Result<()>;
+}
+
+pub struct TableStore {
+    slots: HashMap<FileKey, Slot>,
+    states: Vec<TableState>,
+    /// Files (by path as opened) → their key, so a file seen again is not re-read.
+    keys: HashMap<PathBuf, (FileKey, Arc<[Segment]>)>,
+    jobs: Option<Sender<Job>>,
+    results: Receiver<Done>,
+    workers: Vec<JoinHandle<()>>,
+    /// Tables built but not installed yet.
+    ready: Vec<(Slot, Arc<Table>)>,
+    pending_builds: usize,
+    stats: StoreStats,
+    max_bytes: u64,
+    warned_cap: bool,
+}
+
+/// Default cap on the bytes of tables installed in the probes.
+pub const DEFAULT_MAX_BYTES: u64 = 1 << 30;
+
+impl TableStore {
+    /// A store with `workers` build threads, reading and filling `cache` if given.
+    pub fn new(cache: Option<DiskCache>, workers: usize, max_bytes: u64) -> Self {
+        let (job_tx, job_rx) = mpsc::channel::<Job>();
+        let (done_tx, done_rx) = mpsc::channel::<Done>();
+        let job_rx = Arc::new(std::sync::Mutex::new(job_rx));
+        let cache = cache.map(Arc::new);
+        let workers = (0..workers.max(1))
+            .map(|i| {
+                let jobs = Arc::clone(&job_rx);
+                let done = done_tx.clone();
+                let cache = cache.clone();
+                std::thread::Builder::new()
+                    .name(format!("memtrace-unwind-{i}"))
+                    .spawn(move || {
+                        loop {
+                            let job = match jobs.lock() {
+                                Ok(rx) => rx.recv(),
+                                Err(_) => return,
+                            };
+                            let Ok(job) = job else { return };
+                            let started = Instant::now();
+                            let (table, from_cache) = build_or_load(&job, cache.as_deref());
+                            let _ = done.send(Done {
+                                slot: job.slot,
+                                table,
+                                from_cache,
+                                elapsed: started.elapsed(),
+                                path: job.path,
+                            });
+                        }
+                    })
+                    .expect("spawning an unwind-table worker")
+            })
+            .collect();
+        Self {
+            slots: HashMap::new(),
+            states: Vec::new(),
+            keys: HashMap::new(),
+            jobs: Some(job_tx),
+            results: done_rx,
+            workers,
+            ready: Vec::new(),
+            pending_builds: 0,
+            stats: StoreStats::default(),
+            max_bytes,
+            warned_cap: false,
+        }
+    }
+
+    pub fn stats(&self) -> StoreStats {
+        self.stats
+    }
+
+    /// The key and segments of the file at `path` (read once per path).
+    pub fn identify(&mut self, path: &Path) -> Option<(FileKey, Arc<[Segment]>)> {
+        if let Some(known) = self.keys.get(path) {
+            return Some(known.clone());
+        }
+        let key = FileKey::of(path).ok()?;
+        let segments: Arc<[Segment]> = read_segments(path).ok()?.into();
+        if self.keys.len() > 16_384 {
+            self.keys.clear();
+        }
+        self.keys.insert(path.to_path_buf(), (key.clone(), Arc::clone(&segments)));
+        Some((key, segments))
+    }
+
+    /// The slot of the file at `path` (readable from here), building its table if it is
+    /// new; None when the file cannot be read or every slot is taken.
+    pub fn request(&mut self, path: &Path) -> Option<(Slot, Arc<[Segment]>)> {
+        let (key, segments) = self.identify(path)?;
+        if let Some(&slot) = self.slots.get(&key) {
+            return Some((slot, segments));
+        }
+        if self.states.len() >= MAX_TABLES as usize {
+            return None;
+        }
+        let slot = self.states.len() as Slot;
+        self.states.push(TableState::Building);
+        self.slots.insert(key.clone(), slot);
+        self.pending_builds += 1;
+        if let Some(jobs) = &self.jobs {
+            let _ = jobs.send(Job { slot, key, path: path.to_path_buf() });
+        }
+        Some((slot, segments))
+    }
+
+    pub fn state(&self, slot: Slot) -> Option<&TableState> {
+        self.states.get(slot as usize)
+    }
+
+    /// Whether every table asked for is built.
+    pub fn idle(&self) -> bool {
+        self.pending_builds == 0 && self.ready.is_empty()
+    }
+
+    /// Takes the builds that finished and installs them through `sink`. Returns how many
+    /// tables became ready.
+    pub fn poll(&mut self, sink: &mut dyn TableSink) -> usize {
+        while let Ok(done) = self.results.try_recv() {
+            self.pending_builds = self.pending_builds.saturating_sub(1);
+            let ms = done.elapsed.as_millis() as u64;
+            let table = match done.table {
+                Some(t) => {
+                    if done.from_cache {
+                        self.stats.from_cache += 1;
+                    } else {
+                        self.stats.built += 1;
+                        self.stats.build_ms += ms;
+                        self.stats.longest_build_ms = self.stats.longest_build_ms.max(ms);
+                    }
+                    log::debug!(
+                        "unwind table of {}: {} rows, {} KiB, {} in {ms} ms",
+                        done.path.display(),
+                        t.rows.len(),
+                        t.byte_size() >> 10,
+                        if done.from_cache { "from the cache" } else { "built" }
+                    );
+                    t
+                }
+                None => {
+                    self.stats.without_cfi += 1;
+                    log::debug!("{} has no usable call-frame information: its frames end stacks", done.path.display());
+                    Table::from_rows(&[], Vec::new())
+                }
+            };
+            let table = if self.stats.bytes + table.byte_size() as u64 > self.max_bytes {
+                self.stats.over_cap += 1;
+                if !self.warned_cap {
+                    self.warned_cap = true;
+                    eprintln!(
+                        "memtrace: warning: unwind tables reached {} MiB: stacks through {} and later files are cut short there",
+                        self.max_bytes >> 20,
+                        done.path.display()
+                    );
+                }
+                Table::from_rows(&[], Vec::new())
+            } else {
+                table
+            };
+            self.ready.push((done.slot, Arc::new(table)));
+        }
+        let mut installed = 0;
+        for (slot, table) in std::mem::take(&mut self.ready) {
+            let elements = table.elements();
+            match sink.install_table(slot, &elements) {
+                Ok(()) => {
+                    self.stats.bytes += table.byte_size() as u64;
+                    self.stats.rows += table.rows.len() as u64;
+                }
+                Err(e) => log::warn!("installing the unwind table in slot {slot}: {e:#}"),
+            }
+            // Userspace finishes copies with it either way.
+            if let Some(state) = self.states.get_mut(slot as usize) {
+                *state = TableState::Ready(table);
+            }
+            installed += 1;
+        }
+        installed
+    }
+
+    /// Waits until every requested table is installed, or `timeout` passes.
+    pub fn wait_idle(&mut self, sink: &mut dyn TableSink, timeout: Duration) -> bool {
+        let deadline = Instant::now() + timeout;
+        loop {
+            self.poll(sink);
+            if self.idle() {
+                return true;
+            }
+            if Instant::now() >= deadline {
+                return false;
+            }
+            std::thread::sleep(Duration::from_millis(2));
+        }
+    }
+}
+
+impl Drop for TableStore {
+    fn drop(&mut self) {
+        // Closing the channel ends the workers once their current build is done; they are
+        // not joined (a huge build must not delay the exit).
+        self.jobs = None;
+        self.workers.clear();
+    }
+}
+
+/// The loadable segments of an ELF file (program headers only: cheap).
+pub fn read_segments(path: &Path) -> anyhow::Result<Vec<Segment>> {
+    let file = std::fs::File::open(path)?;
+    // SAFETY: read-only private mapping while the headers are parsed.
+    let map = unsafe { memmap2::Mmap::map(&file) }?;
+    let elf = object::File::parse(&*map)?;
+    Ok(super::cfi::segments_of(&elf))
+}
+
+fn build_or_load(job: &Job, cache: Option<&DiskCache>) -> (Option<Table>, bool) {
+    if let Some(cache) = cache {
+        match cache.load(&job.key) {
+            Ok(table) => return (Some(table), true),
+            Err(why) => {
+                if why != super::cache::Rejected::Missing {
+                    log::debug!("unwind cache entry for {} ({}): {why}; rebuilding", job.path.display(), job.key);
+                }
+            }
+        }
+    }
+    let Ok(cfi) = Cfi::open(&job.path) else { return (None, false) };
+    let rows = cfi.rows();
+    if rows.is_empty() {
+        return (None, false);
+    }
+    let table = Table::from_rows(&rows, cfi.segments);
+    if let Some(cache) = cache
+        && let Err(e) = cache.store(&job.key, &table)
+    {
+        log::debug!("storing the unwind table of {} in the cache: {e}", job.path.display());
+    }
+    (Some(table), false)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[derive(Default)]
+    struct Installed(Vec<(Slot, usize)>);
+    impl TableSink for Installed {
+        fn install_table(&mut self, slot: Slot, elements: &[u64]) -> anyhow::Result<()> {
+            self.0.push((slot, elements.len()));
+            Ok(())
+        }
+    }
+
+    #[test]
+    fn a_file_gets_one_slot_and_one_build() {
+        let exe = std::env::current_exe().unwrap();
+        let mut store = TableStore::new(None, 2, DEFAULT_MAX_BYTES);
+        let (slot, segments) = store.request(&exe).unwrap();
+        assert!(!segments.is_empty());
+        assert_eq!(store.request(&exe).unwrap().0, slot, "the same file, the same slot");
+        let mut sink = Installed::default();
+        assert!(store.wait_idle(&mut sink, Duration::from_secs(60)));
+        assert_eq!(sink.0.len(), 1);
+        assert_eq!(store.stats().built, 1);
+        let Some(TableState::Ready(table)) = store.state(slot) else { panic!("not ready") };
+        assert!(table.rows.len() > 1000);
+        assert_eq!(store.stats().bytes, table.byte_size() as u64);
+    }
+
+    #[test]
+    fn the_cap_gives_an_empty_table_and_files_without_cfi_too() {
+        let exe = std::env::current_exe().unwrap();
+        let mut store = TableStore::new(None, 1, 1024);
+        let (slot, _) = store.request(&exe).unwrap();
+        let not_elf = std::env::temp_dir().join(format!("memtrace-not-elf-{}", std::process::id()));
+        std::fs::write(&not_elf, b"not an ELF file").unwrap();
+        assert!(store.request(&not_elf).is_none(), "a file that is not ELF has no segments");
+        let mut sink = Installed::default();
+        assert!(store.wait_idle(&mut sink, Duration::from_secs(60)));
+        assert_eq!(store.stats().over_cap, 1);
+        let Some(TableState::Ready(table)) = store.state(slot) else { panic!() };
+        assert!(table.rows.is_empty());
+    }
+}
