@@ -10,8 +10,8 @@
 pub mod unwind;
 
 pub use unwind::{
-    KERNEL_STACK_SEED, MAX_TABLES, MISS_HASH_MARK, MappingKey, MappingValue, UNWIND_COPY_BYTES, UPROBE_TRAMPOLINE_PAGE,
-    USER_STACK_SEED, UnwindMiss, UnwindRule, stack_hash_step,
+    FileId, FileTable, KERNEL_STACK_SEED, MAX_TABLES, MISS_HASH_MARK, MappingKey, MappingValue, UNWIND_COPY_BYTES,
+    UPROBE_TRAMPOLINE_PAGE, USER_STACK_SEED, UnwindMiss, UnwindRule, stack_hash_step,
 };
 
 /// Deepest stack either side walks; matches the kernel's default `perf_event_max_stack`.
@@ -466,6 +466,9 @@ pub mod counter {
     pub const UNWIND_FRAMES: u32 = 9;
     /// Frames whose rule came from the per-CPU rule cache.
     pub const UNWIND_CACHE_HITS: u32 = 10;
+    /// Ranges the probes added to an address space themselves (exec, mmap of a file whose
+    /// table was registered).
+    pub const RANGES_INSTALLED: u32 = 11;
     pub const COUNT: u32 = 12;
 }
 
@@ -497,6 +500,16 @@ pub struct KernelLayout {
     /// 1 when `sched_process_exit` passes `group_dead` (Linux 6.13+); else the group is
     /// taken as dead when its leader exits.
     pub exit_has_group_dead: u32,
+    /// From a file descriptor to the file's identity (`task.files->fdt->fd[n]->f_inode`,
+    /// `i_ino`, `i_sb->s_dev`), and the file an exec runs (`linux_binprm.file`).
+    pub task_files: u32,
+    pub files_fdt: u32,
+    pub fdtable_fd: u32,
+    pub file_inode: u32,
+    pub inode_ino: u32,
+    pub inode_sb: u32,
+    pub sb_dev: u32,
+    pub binprm_file: u32,
     pub _pad: [u32; 2],
 }
 
@@ -552,6 +565,14 @@ impl ProbeConfig {
                 cache_object_size: 0,
                 cache_size: 0,
                 exit_has_group_dead: 0,
+                task_files: 0,
+                files_fdt: 0,
+                fdtable_fd: 0,
+                file_inode: 0,
+                inode_ino: 0,
+                inode_sb: 0,
+                sb_dev: 0,
+                binprm_file: 0,
                 _pad: [0; 2],
             },
             sample_bytes: 0,
@@ -620,6 +641,10 @@ mod pod {
     unsafe impl aya::Pod for MappingKey {}
     // SAFETY: as above.
     unsafe impl aya::Pod for MappingValue {}
+    // SAFETY: as above.
+    unsafe impl aya::Pod for FileId {}
+    // SAFETY: as above.
+    unsafe impl aya::Pod for FileTable {}
 }
 
 const _: () = {
@@ -629,8 +654,8 @@ const _: () = {
     assert!(core::mem::size_of::<StackHeader>() == 24);
     assert!(core::mem::size_of::<UserFrame>() == 32);
     assert!(core::mem::size_of::<TaskRecord>() == 56 + COMM_LEN + FILENAME_LEN);
-    assert!(core::mem::size_of::<KernelLayout>() == 14 * 4);
-    assert!(core::mem::size_of::<ProbeConfig>() == 32 + 14 * 4 + 8);
+    assert!(core::mem::size_of::<KernelLayout>() == 22 * 4);
+    assert!(core::mem::size_of::<ProbeConfig>() == 32 + 22 * 4 + 8);
     assert!(core::mem::size_of::<CacheRecord>() == 16 + CACHE_NAME_LEN);
     assert!(core::mem::size_of::<SampledKey>() == 16);
     assert!(core::mem::size_of::<InFlight>() == 48);

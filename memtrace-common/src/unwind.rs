@@ -287,6 +287,37 @@ pub mod mapping_flags {
     pub const NO_TABLE: u32 = 2;
 }
 
+/// A file, as the kernel names it: its device (`s_dev`, the kernel's encoding: major << 20
+/// | minor) and inode.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct FileId {
+    pub dev: u32,
+    pub _pad: u32,
+    pub ino: u64,
+}
+
+/// A file whose table is installed, so the probes can add its mappings to an address
+/// space themselves, the moment the kernel makes them (exec, mmap), before userspace hears
+/// of them: its table's slot and where its code lies in it.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct FileTable {
+    pub slot: u32,
+    /// The slot of the interpreter (ld.so) this program asks for; `NO_SLOT` if none.
+    pub interp_slot: u32,
+    /// The executable segment's virtual address minus its file offset: a mapping of file
+    /// offset `o` at address `a` has bias `a - o - delta`.
+    pub delta: u64,
+    /// The executable segment (its virtual address and size), and the interpreter's.
+    pub exec_vaddr: u64,
+    pub exec_size: u64,
+    pub interp_exec_vaddr: u64,
+    pub interp_exec_size: u64,
+}
+
+pub const NO_SLOT: u32 = u32::MAX;
+
 /// Tables the tables array holds at most.
 pub const MAX_TABLES: u32 = 4096;
 
@@ -331,6 +362,8 @@ const _: () = {
     assert!(core::mem::size_of::<MappingKey>() == 16);
     assert!(core::mem::size_of::<MappingValue>() == 32);
     assert!(core::mem::size_of::<UnwindMiss>() == 48);
+    assert!(core::mem::size_of::<FileId>() == 16);
+    assert!(core::mem::size_of::<FileTable>() == 48);
 };
 
 #[cfg(test)]

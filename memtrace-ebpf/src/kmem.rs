@@ -11,6 +11,7 @@ use crate::{
     maps::{CACHES_SENT, KERNEL_LIVE, PAGE_KEY, Ring},
     ring::{bump, emit, this_ring},
     stack::kernel_stack,
+    unwind::probe_busy,
 };
 
 #[inline(always)]
@@ -102,7 +103,7 @@ raw_tracepoint_program!(kmalloc, |ctx| try_kmalloc(ctx));
 fn try_kmalloc(ctx: &RawTracePointContext) -> Result<(), ()> {
     let (_, tgid, _) = pid_tgid();
     let ptr: u64 = ctx.arg(1);
-    if !is_traced(tgid) || ptr == 0 {
+    if !is_traced(tgid) || ptr == 0 || probe_busy() {
         return Ok(());
     }
     let a = SlabAlloc {
@@ -127,7 +128,7 @@ raw_tracepoint_program!(kmem_cache_alloc, |ctx| try_cache_alloc(ctx));
 fn try_cache_alloc(ctx: &RawTracePointContext) -> Result<(), ()> {
     let (_, tgid, _) = pid_tgid();
     let ptr: u64 = ctx.arg(1);
-    if !is_traced(tgid) || ptr == 0 {
+    if !is_traced(tgid) || ptr == 0 || probe_busy() {
         return Ok(());
     }
     let cache: u64 = ctx.arg(2);
@@ -187,7 +188,7 @@ raw_tracepoint_program!(mm_page_alloc, |ctx| try_page_alloc(ctx));
 fn try_page_alloc(ctx: &RawTracePointContext) -> Result<(), ()> {
     let (_, tgid, tid) = pid_tgid();
     let page: u64 = ctx.arg(0);
-    if !is_traced(tgid) || page == 0 {
+    if !is_traced(tgid) || page == 0 || probe_busy() {
         return Ok(());
     }
     let order: u32 = ctx.arg(1);

@@ -10,11 +10,23 @@ use aya_ebpf::{bindings::BPF_ANY, helpers::generated, programs::TracePointContex
 use memtrace_common::{FILENAME_LEN, MappingRecord, RecordType, mapping_record, unwind_mode};
 
 use crate::{
-    context::{is_traced_or_pending, pid_tgid, scratch},
+    context::{is_traced_or_pending, pid_tgid, read_kernel_at, scratch},
     maps::{FD_PATHS, MMAP_ARGS, MmapArgs, OPENAT_ARGS},
     ring::{emit_waking, this_ring},
-    unwind::asid_of,
+    unwind::{asid_of, file_table, install_range},
 };
+
+/// The `struct file` behind file descriptor `fd` of the current task.
+#[inline(always)]
+fn fd_file(fd: u32) -> Option<u64> {
+    let layout = config!(kernel);
+    // SAFETY: no preconditions; the task stays valid while this program runs.
+    let task = unsafe { aya_ebpf::helpers::generated::bpf_get_current_task() };
+    let files: u64 = read_kernel_at(task, layout.task_files).filter(|&f| f != 0)?;
+    let fdt: u64 = read_kernel_at(files, layout.files_fdt).filter(|&f| f != 0)?;
+    let fds: u64 = read_kernel_at(fdt, layout.fdtable_fd).filter(|&f| f != 0)?;
+    read_kernel_at::<u64>(fds, fd.wrapping_mul(8)).filter(|&f| f != 0)
+}
 
 /// Syscall tracepoints share one layout: the arguments, 8 bytes each, from offset 16 (after
 /// the common header and the syscall number); the return value of `sys_exit_*` at 16.
@@ -101,6 +113,17 @@ fn try_exit_mmap(ctx: &TracePointContext) -> Result<(), ()> {
         return Ok(()); // an error code
     }
     let anonymous = args.fd == u64::MAX;
+    let asid = asid_of(tgid).unwrap_or(0);
+    // A file whose table userspace registered: the probes add the range themselves, so
+    // the code is walkable before userspace hears of it.
+    if !anonymous
+        && asid != 0
+        && let Some(file) = fd_file(args.fd as u32)
+        && let Some(t) = file_table(file)
+    {
+        let bias = start.wrapping_sub(args.offset).wrapping_sub(t.delta);
+        install_range(asid, start, start.wrapping_add(args.len), t.slot, bias);
+    }
     // SAFETY: copied into the record below before the map can change it.
     let path =
         if anonymous { None } else { unsafe { FD_PATHS.get((u64::from(tgid) << 32) | (args.fd & 0xffff_ffff)) } };
@@ -108,7 +131,6 @@ fn try_exit_mmap(ctx: &TracePointContext) -> Result<(), ()> {
         return Ok(()); // a file opened before tracing began: known from /proc instead
     }
     let ring = this_ring().ok_or(())?;
-    let asid = asid_of(tgid).unwrap_or(0);
     // The reader learns the mapping and builds the file's table at once.
     emit_waking::<MappingRecord>(ring, true, |r| {
         r.rtype = RecordType::Mapping as u8;

@@ -6,7 +6,9 @@ use aya_ebpf::{
     btf_maps::{Array, ArrayOfMaps, HashMap, LpmTrie, LruHashMap, PerCpuArray, RingBuf},
     macros::btf_map,
 };
-use memtrace_common::{FILENAME_LEN, InFlight, MAX_CPUS, MAX_TABLES, MappingKey, MappingValue, SampledKey, counter};
+use memtrace_common::{
+    FILENAME_LEN, FileId, FileTable, InFlight, MAX_CPUS, MAX_TABLES, MappingKey, MappingValue, SampledKey, counter,
+};
 
 use crate::stack::Scratch;
 
@@ -79,6 +81,17 @@ pub(crate) const TABLE_FLAGS: usize = (1 << 12) | (1 << 10);
 /// by slot; a slot with no map: the table is not built yet.
 #[btf_map]
 pub(crate) static TABLES: ArrayOfMaps<Array<u64, 1, TABLE_FLAGS>, { MAX_TABLES as usize }> = ArrayOfMaps::new();
+
+/// Files whose table is installed: the probes add their mappings to an address space at
+/// exec and mmap, before userspace hears of them.
+#[btf_map]
+pub(crate) static FILE_TABLES: HashMap<FileId, FileTable, 16384> = HashMap::new();
+
+/// Set while a program of ours updates a map that allocates kernel memory (the address
+/// spaces' trie): the kmem programs that run nested on this CPU ignore those allocations,
+/// which are memtrace's own, not the traced program's.
+#[btf_map]
+pub(crate) static PROBE_BUSY: PerCpuArray<u32, 1> = PerCpuArray::new();
 
 /// A rule found for an address of an address space, cached per CPU (direct-mapped).
 #[repr(C)]

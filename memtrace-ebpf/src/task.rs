@@ -13,7 +13,7 @@ use crate::{
     context::{is_traced, is_traced_or_pending, pid_tgid, read_kernel_at, read_kernel_str},
     maps::{Ring, TRACED},
     ring::{emit_waking, this_ring},
-    unwind::{asid_of, begin_address_space, end_address_space, share_address_space},
+    unwind::{asid_of, begin_address_space, end_address_space, file_table, install_range, share_address_space},
 };
 
 /// What a task record says beyond its kind.
@@ -129,8 +129,20 @@ fn try_exec(ctx: &RawTracePointContext) -> Result<(), ()> {
     let bprm: u64 = ctx.arg(2);
     let filename: u64 = read_kernel_at(bprm, config!(kernel.binprm_filename)).unwrap_or(0);
     let (code_start, code_end, interp_base) = exec_layout(task);
-    let ring = this_ring().ok_or(())?;
     let asid = asid_of(tgid).unwrap_or(0);
+    // A program whose table (and its interpreter's) userspace registered gets its code
+    // into the new address space now, before its first instruction.
+    if asid != 0
+        && let Some(file) = read_kernel_at::<u64>(bprm, config!(kernel.binprm_file))
+        && let Some(t) = file_table(file)
+    {
+        install_range(asid, code_start, code_end, t.slot, code_start.wrapping_sub(t.exec_vaddr));
+        if interp_base != 0 {
+            let start = interp_base + t.interp_exec_vaddr;
+            install_range(asid, start, start + t.interp_exec_size, t.interp_slot, interp_base);
+        }
+    }
+    let ring = this_ring().ok_or(())?;
     emit_task(ring, TaskEvent::Exec, TaskFacts { pid: tgid, tid, ppid: 0, asid, flags: 0 }, |r| {
         if filename != 0 {
             read_kernel_str(filename, &mut r.filename);

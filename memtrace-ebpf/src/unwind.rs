@@ -17,14 +17,17 @@ use aya_ebpf::{
     programs::RetProbeContext,
 };
 use memtrace_common::{
-    MAX_STACK_DEPTH, MappingKey, UnwindMiss, UnwindRule, counter, stack_flags, stack_hash_step,
-    unwind::{self, Regs, Step, decode_rule, encode_rule, find_row, mapping_flags, table},
+    FileId, FileTable, MAX_STACK_DEPTH, MappingKey, MappingValue, UPROBE_TRAMPOLINE_PAGE, UnwindMiss, UnwindRule,
+    counter, stack_flags, stack_hash_step,
+    unwind::{self, NO_SLOT, Regs, Step, decode_rule, encode_rule, mapping_flags, table},
     unwind_mode,
 };
 
 use crate::{
-    context::{pid_tgid, read_kernel_u64, read_user_u64, regs, scratch},
-    maps::{ASIDS, CachedRule, INFLIGHT, MAPPINGS, NEXT_ASID, RULE_CACHE, RULE_CACHE_SLOTS, TABLES},
+    context::{pid_tgid, read_kernel_at, read_kernel_u64, read_user_u64, regs, scratch},
+    maps::{
+        ASIDS, CachedRule, FILE_TABLES, INFLIGHT, MAPPINGS, NEXT_ASID, PROBE_BUSY, RULE_CACHE, RULE_CACHE_SLOTS, TABLES,
+    },
     ring::bump,
     stack::Scratch,
 };
@@ -126,6 +129,86 @@ pub(crate) fn end_address_space(tgid: u32) {
     let _ = ASIDS.remove(tgid);
 }
 
+/// The identity of a `struct file`.
+#[inline(always)]
+pub(crate) fn file_id(file: u64) -> Option<FileId> {
+    let layout = config!(kernel);
+    let inode: u64 = read_kernel_at(file, layout.file_inode).filter(|&i| i != 0)?;
+    let ino: u64 = read_kernel_at(inode, layout.inode_ino)?;
+    let sb: u64 = read_kernel_at(inode, layout.inode_sb).filter(|&s| s != 0)?;
+    let dev: u32 = read_kernel_at(sb, layout.sb_dev)?;
+    Some(FileId { dev, _pad: 0, ino })
+}
+
+/// The table userspace registered for a file, if any.
+#[inline(always)]
+pub(crate) fn file_table(file: u64) -> Option<FileTable> {
+    let id = file_id(file)?;
+    // SAFETY: copied out at once.
+    unsafe { FILE_TABLES.get(id) }.copied()
+}
+
+/// A range to add to an address space, prefix by prefix (a `bpf_loop` callback).
+#[repr(C)]
+struct Install {
+    at: u64,
+    end: u64,
+    asid: u32,
+    _pad: u32,
+    value: MappingValue,
+}
+
+#[inline(never)]
+extern "C" fn install_prefix(_index: u64, state: *mut c_void) -> i64 {
+    // SAFETY: bpf_loop hands back the pointer to the Install on the caller's stack.
+    let st = unsafe { &mut *(state as *mut Install) };
+    if st.at >= st.end {
+        return 1;
+    }
+    // The largest aligned block at `at` that ends within the range: no larger than the
+    // alignment of `at`, nor than the length left (no loop: the verifier checks it once).
+    let align_log = if st.at == 0 { 63 } else { st.at.trailing_zeros().min(63) };
+    let span_log = 63 - (st.end - st.at).leading_zeros();
+    let size_log = align_log.min(span_log);
+    let key = Key::new(MappingKey::ASID_BITS + 64 - size_log, MappingKey::new(st.asid, st.at));
+    if MAPPINGS.insert(&key, st.value, BPF_ANY as u64).is_err() {
+        return 1;
+    }
+    st.at = st.at.wrapping_add(1 << size_log);
+    0
+}
+
+/// Adds `[start, end)` of address space `asid`, mapping the table in `slot` at `bias`, as
+/// userspace would (it adds it again when it hears of the mapping: the same entries).
+#[inline(always)]
+pub(crate) fn install_range(asid: u32, start: u64, end: u64, slot: u32, bias: u64) {
+    if slot == NO_SLOT || start >= end {
+        return;
+    }
+    let mut st =
+        Install { at: start, end, asid, _pad: 0, value: MappingValue { table: slot, flags: 0, start, end, bias } };
+    set_busy(1);
+    // SAFETY: install_prefix is a BPF callback taking (index, ctx); ctx is our stack state.
+    unsafe { generated::bpf_loop(128, install_prefix as *mut c_void, addr_of_mut!(st) as *mut c_void, 0) };
+    set_busy(0);
+    bump(counter::RANGES_INSTALLED);
+}
+
+#[inline(always)]
+fn set_busy(value: u32) {
+    if let Some(slot) = PROBE_BUSY.get_ptr_mut(0) {
+        // SAFETY: this CPU's slot.
+        unsafe { *slot = value };
+    }
+}
+
+/// Whether the kernel is allocating on behalf of one of our own programs (see
+/// [`PROBE_BUSY`]).
+#[inline(always)]
+pub(crate) fn probe_busy() -> bool {
+    PROBE_BUSY.get(0).is_some_and(|&v| v != 0)
+}
+
 /// The state of a walk, on the BPF stack between `bpf_loop` steps.
 #[repr(C)]
 pub(crate) struct WalkState {
@@ -178,6 +261,10 @@ fn rule_at(st: &mut WalkState, addr: u64) -> Result<UnwindRule, NoRule> {
             return Ok(decode_rule(entry.rule));
         }
     }
+    if addr & !0xfff == UPROBE_TRAMPOLINE_PAGE {
+        // The uprobe machinery's own code ([uprobes]): no file, no table.
+        return Err(NoRule::Never);
+    }
     if addr < st.map_start || addr >= st.map_end {
         let key = Key::new(MappingKey::ASID_BITS + 64, MappingKey::new(st.asid, addr));
         let Some(m) = MAPPINGS.get(&key).copied() else {
@@ -207,14 +294,63 @@ fn rule_at(st: &mut WalkState, addr: u64) -> Result<UnwindRule, NoRule> {
     let (Some(lo), Some(hi)) = (get(table::PAGES + page), get(table::PAGES + page + 1)) else {
         return Err(NoRule::Never);
     };
-    let row = find_row(lo as u32, hi as u32, rel as u32, |i| get(table::row_element(pages, i)));
-    let Some(row) = row else { return Err(NoRule::Never) };
-    let rule = unwind::row_rule(row);
+    let Some(first) = get(table::row_element(pages, lo as u32)) else { return Err(NoRule::Never) };
+    if unwind::row_pc(first) > rel as u32 {
+        return Err(NoRule::Never);
+    }
+    // The search of `memtrace_common::unwind::find_row`, one step per `bpf_loop`
+    // iteration, so the verifier checks the step once instead of every unrolled one.
+    let mut search =
+        Search { slot: st.map_table, pages, lo: lo as u32, hi: hi as u32, pc: rel as u32, failed: 0, best: first };
+    // SAFETY: search_step is a BPF callback taking (index, ctx); ctx is our stack state.
+    unsafe {
+        generated::bpf_loop(table::SEARCH_STEPS, search_step as *mut c_void, addr_of_mut!(search) as *mut c_void, 0)
+    };
+    if search.failed != 0 || search.lo < search.hi {
+        return Err(NoRule::Never);
+    }
+    let rule = unwind::row_rule(search.best);
     if let Some(entry) = slot {
         // SAFETY: as above.
         unsafe { *entry = CachedRule { addr, asid: st.asid, rule: encode_rule(rule) } };
     }
     Ok(rule)
+}
+
+/// A binary search among the rows of one page of a table, on the BPF stack between
+/// `bpf_loop` steps: the answer is the last row with pc ≤ `pc`, in `lo..=hi`.
+#[repr(C)]
+struct Search {
+    slot: u32,
+    pages: u32,
+    lo: u32,
+    hi: u32,
+    pc: u32,
+    failed: u32,
+    /// The last row found with pc ≤ `pc`.
+    best: u64,
+}
+
+#[inline(never)]
+extern "C" fn search_step(_index: u64, state: *mut c_void) -> i64 {
+    // SAFETY: bpf_loop hands back the pointer to the Search on the caller's stack.
+    let s = unsafe { &mut *(state as *mut Search) };
+    if s.lo >= s.hi {
+        return 1;
+    }
+    let mid = s.lo + (s.hi - s.lo).div_ceil(2);
+    let row = TABLES.get(s.slot).and_then(|rows| rows.get(table::row_element(s.pages, mid)).copied());
+    let Some(row) = row else {
+        s.failed = 1;
+        return 1;
+    };
+    if unwind::row_pc(row) <= s.pc {
+        s.lo = mid;
+        s.best = row;
+    } else {
+        s.hi = mid - 1;
+    }
+    0
 }
 
 /// One frame of the walk (a `bpf_loop` callback: verified once, whatever the depth).

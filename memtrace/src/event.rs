@@ -380,7 +380,7 @@ pub(crate) mod tests {
             rtype: RecordType::UserAlloc as u8,
             kind: Kind::Calloc as u8,
             flags: flags::HAS_STACK | flags::USABLE_EXACT,
-            _pad: 0,
+            allocator: 0,
             pid: 10,
             tid: 11,
             bytes_extra: 8,

@@ -196,7 +196,13 @@ impl StackTable {
                     None => &s.kernel[..],
                 };
                 for &addr in kernel {
-                    out.extend(self.name(SymbolKey::Kernel(addr)));
+                    let named = self.name(SymbolKey::Kernel(addr));
+                    // The probe itself and the tracepoint's call into it are not the
+                    // kernel's code: the stack starts at the function that allocated.
+                    if out.is_empty() && named.iter().all(|f| is_probe_frame(&f.function)) {
+                        continue;
+                    }
+                    out.extend(named);
                 }
                 for frame in &s.user {
                     out.extend(self.name(SymbolKey::User(*frame)));
@@ -219,6 +225,14 @@ impl StackTable {
     pub fn truncated_stacks(&self) -> HashSet<u64> {
         self.stacks.values().filter(|s| s.truncated).map(|s| u64::from(s.id) + 1).collect()
     }
+}
+
+/// Kernel frames of the probe that took the stack (a raw tracepoint runs its programs from
+/// `bpf_trace_runN`).
+fn is_probe_frame(function: &str) -> bool {
+    ["bpf_prog_", "bpf_trace_run", "__bpf_trace_", "__traceiter_", "bpf_get_stack"]
+        .iter()
+        .any(|p| function.starts_with(p))
 }
 
 fn hex(bytes: &[u8]) -> String {
@@ -273,6 +287,19 @@ mod tests {
         let frames = t.frames(1, 0);
         assert_eq!(frames[3].function, "prog+0x10");
         assert!(frames[3].unknown);
+    }
+
+    #[test]
+    fn the_probes_own_frames_are_left_out() {
+        let mut t = table();
+        t.symbols.insert(
+            SymbolKey::Kernel(0xffff_0001),
+            vec![Symbol { name: "bpf_prog_1234_kmalloc".into(), ..Default::default() }],
+        );
+        t.symbols
+            .insert(SymbolKey::Kernel(0xffff_0003), vec![Symbol { name: "alloc_pages".into(), ..Default::default() }]);
+        let names: Vec<String> = t.frames(1, 0).iter().map(|f| f.function.clone()).collect();
+        assert_eq!(&names[..2], ["do_thing", "alloc_pages"]);
     }
 
     #[test]

@@ -403,6 +403,11 @@ mod tests {
             ("kmem_cache", "size"),
             ("mm_struct", "start_code"),
             ("task_struct", "thread.fsbase"),
+            ("task_struct", "files"),
+            ("files_struct", "fdt"),
+            ("fdtable", "fd"),
+            ("linux_binprm", "file"),
+            ("linux_binprm", "interpreter"),
         ] {
             println!("{s}.{f}: {:?}", btf.field(s, f));
         }

@@ -27,7 +27,8 @@ use aya::{
 };
 use aya_obj::generated::bpf_map_type::{BPF_MAP_TYPE_ARRAY, BPF_MAP_TYPE_RINGBUF};
 use memtrace_common::{
-    KernelLayout, Kind, MAX_CPUS, MappingKey, MappingValue, ProbeConfig, counter, traced, unwind_mode,
+    FileId, FileTable, KernelLayout, Kind, MAX_CPUS, MappingKey, MappingValue, ProbeConfig, counter, traced,
+    unwind_mode,
 };
 
 use self::btf::Btf;
@@ -113,6 +114,8 @@ pub struct Counters {
     /// Frames the probes walked, and how many found their rule in the per-CPU cache.
     pub unwind_frames: u64,
     pub unwind_cache_hits: u64,
+    /// Ranges the probes added to address spaces themselves.
+    pub ranges_installed: u64,
 }
 
 /// An attachment, so detaching can close them all at once.
@@ -255,7 +258,9 @@ impl Probes {
     fn attach_raw_tracepoint(&mut self, program: &'static str) -> Result<()> {
         let prog: &mut RawTracePoint =
             self.ebpf.program_mut(program).with_context(|| format!("program {program} missing"))?.try_into()?;
+        let started = std::time::Instant::now();
         prog.load().with_context(|| format!("verifying {program}"))?;
+        log_verified(program, prog.info().ok().and_then(|i| i.verified_instruction_count()), started);
         let id = prog.attach(program).with_context(|| format!("attaching to the raw tracepoint {program}"))?;
         self.attachments.push(Attachment::RawTracePoint(program, id));
         Ok(())
@@ -309,12 +314,14 @@ impl Probes {
         let prog: &mut UProbe =
             self.ebpf.program_mut(name).with_context(|| format!("program {name} missing"))?.try_into()?;
         if prog.fd().is_err() {
+            let started = std::time::Instant::now();
             if multi {
                 prog.load_with_expected_attach_type(aya_obj::generated::bpf_attach_type::BPF_TRACE_UPROBE_MULTI)
             } else {
                 prog.load()
             }
             .with_context(|| format!("verifying {name}"))?;
+            log_verified(name, prog.info().ok().and_then(|i| i.verified_instruction_count()), started);
         }
         Ok(prog)
     }
@@ -470,8 +477,17 @@ impl Probes {
             unwind_no_table: sum(counter::UNWIND_NO_TABLE)?,
             unwind_frames: sum(counter::UNWIND_FRAMES)?,
             unwind_cache_hits: sum(counter::UNWIND_CACHE_HITS)?,
+            ranges_installed: sum(counter::RANGES_INSTALLED)?,
         })
     }
+}
+
+fn log_verified(program: &str, instructions: Option<u32>, started: std::time::Instant) {
+    log::debug!(
+        "{program}: {} instructions verified in {} ms",
+        instructions.map_or_else(|| "?".into(), |n| n.to_string()),
+        started.elapsed().as_millis()
+    );
 }
 
 /// The offsets of the kernel fields the probes read, from the kernel's BTF; an error
@@ -501,6 +517,14 @@ fn kernel_layout(btf: &Btf) -> Result<KernelLayout> {
         cache_object_size: f("kmem_cache", "object_size")?,
         cache_size: f("kmem_cache", "size")?,
         exit_has_group_dead: u32::from(btf.tracepoint_args("sched_process_exit") == Some(2)),
+        task_files: f("task_struct", "files")?,
+        files_fdt: f("files_struct", "fdt")?,
+        fdtable_fd: f("fdtable", "fd")?,
+        file_inode: f("file", "f_inode")?,
+        inode_ino: f("inode", "i_ino")?,
+        inode_sb: f("inode", "i_sb")?,
+        sb_dev: f("super_block", "s_dev")?,
+        binprm_file: f("linux_binprm", "file")?,
         _pad: [0; 2],
     })
 }
@@ -520,6 +544,13 @@ impl TableSink for Probes {
         let mut outer: ArrayOfMaps<&mut MapData, MapData> =
             ArrayOfMaps::try_from(self.ebpf.map_mut("TABLES").context("TABLES map")?)?;
         outer.set(slot, &data, 0).with_context(|| format!("installing the unwind table in slot {slot}"))?;
+        Ok(())
+    }
+
+    fn register_file(&mut self, id: FileId, table: FileTable) -> Result<()> {
+        let mut map: HashMap<_, FileId, FileTable> =
+            HashMap::try_from(self.ebpf.map_mut("FILE_TABLES").context("FILE_TABLES map")?)?;
+        map.insert(id, table, 0).context("registering a file's unwind table")?;
         Ok(())
     }
 }
@@ -566,6 +597,11 @@ impl SpaceSink for Probes {
             LpmTrie::try_from(self.ebpf.map_mut("MAPPINGS").context("MAPPINGS map")?)?;
         trie.insert(&Key::new(prefix_bits, key), value, 0).context("adding an address-space mapping")?;
         Ok(())
+    }
+
+    fn lookup_mapping(&self, asid: u32, addr: u64) -> Option<MappingValue> {
+        let trie: LpmTrie<_, MappingKey, MappingValue> = LpmTrie::try_from(self.ebpf.map("MAPPINGS")?).ok()?;
+        trie.get(&Key::new(MappingKey::ASID_BITS + 64, MappingKey::new(asid, addr)), 0).ok()
     }
 
     fn remove_mapping(&mut self, key: MappingKey, prefix_bits: u32) -> Result<()> {

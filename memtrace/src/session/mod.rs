@@ -82,6 +82,12 @@ pub trait Sink {
 
 /// Events stamped within this long of "now" may still be on their way from another CPU.
 const REORDER_LAG_NS: u64 = 100_000_000;
+/// Records read from one ring per drain: what one drain holds in memory is bounded,
+/// whatever the rings' size (a ring that has more is read again at once).
+pub const RING_BATCH: usize = 1 << 15;
+/// Events waiting to be put in time order, at most (beyond, the oldest are released before
+/// their time: memory stays bounded under any load).
+const MAX_HELD_EVENTS: usize = 1 << 21;
 /// After forwarding Ctrl-C to the command, how long to wait for it to exit.
 const CHILD_GRACE: Duration = Duration::from_secs(2);
 
@@ -336,12 +342,16 @@ impl Tracer {
         // Stacks wait until every ring is read: the mappings they need may be in another.
         let mut stacks = Vec::new();
         for cpu in 0..self.probes.rings_mut().len() {
-            while let Some(record) = {
-                let ring = &mut self.probes.rings_mut()[cpu];
-                let cpu_id = ring.cpu;
-                ring.ring.next().map(|item| (item.len() as u64, decode(&item, cpu_id)))
-            } {
+            let mut taken = 0;
+            while taken < RING_BATCH
+                && let Some(record) = {
+                    let ring = &mut self.probes.rings_mut()[cpu];
+                    let cpu_id = ring.cpu;
+                    ring.ring.next().map(|item| (item.len() as u64, decode(&item, cpu_id)))
+                }
+            {
                 n += 1;
+                taken += 1;
                 let (len, record) = record;
                 let bytes = &mut self.ring_bytes;
                 match &record {
@@ -388,6 +398,10 @@ impl Tracer {
             self.reorder.release_all(&mut forward);
         } else {
             self.reorder.release(now.saturating_sub(REORDER_LAG_NS), &mut forward);
+            if self.reorder.len() > MAX_HELD_EVENTS {
+                // Memory stays bounded whatever the event rate: the oldest go out early.
+                self.reorder.release_oldest(self.reorder.len() - MAX_HELD_EVENTS / 2, &mut forward);
+            }
         }
         n
     }

@@ -260,7 +260,12 @@ async fn run(tracer: &mut Tracer, recorder: &mut Recorder, opts: &RecordOptions)
     let mut last_flush = Instant::now();
     let reason = loop {
         let wake = waker.wait().await;
-        tracer.drain(recorder, false);
+        // A ring with more than one batch waiting is read again at once (a few times).
+        for _ in 0..8 {
+            if tracer.drain(recorder, false) < super::RING_BATCH {
+                break;
+            }
+        }
         tracer.tend();
         if recorder.write_error.is_some() {
             break StopReason::WriteFailed;
@@ -369,6 +374,7 @@ fn finish(
     started: Instant,
 ) -> Result<RecordSummary> {
     let (teardown, counters) = tracer.stop(&mut recorder);
+    log::debug!("probe counters: {counters:?}");
     let end_reason = match &reason {
         StopReason::TargetExited(Some(code)) => format!("the command exited with status {code}"),
         StopReason::TargetExited(None) => "the target process exited".into(),

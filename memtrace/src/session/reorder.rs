@@ -71,6 +71,15 @@ impl Reorder {
         }
     }
 
+    /// Releases the `count` oldest events, whatever their time (the buffer is full).
+    pub fn release_oldest(&mut self, count: usize, sink: &mut dyn FnMut(Event)) {
+        for _ in 0..count {
+            let Some(Reverse(p)) = self.heap.pop() else { break };
+            self.released_up_to = self.released_up_to.max(p.ts);
+            sink(p.event);
+        }
+    }
+
     pub fn release_all(&mut self, sink: &mut dyn FnMut(Event)) {
         self.release(u64::MAX, sink);
     }

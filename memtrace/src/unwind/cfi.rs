@@ -107,12 +107,17 @@ pub fn segments_of(elf: &object::File<'_>) -> Vec<Segment> {
         .collect()
 }
 
-/// The virtual address (as in the ELF file) of a file offset in a loadable segment.
+/// The virtual address (as in the ELF file) of a file offset in a loadable segment. The
+/// offset may lie in the page the segment starts in (mappings start at page boundaries, a
+/// segment need not); where two segments share that page, the executable one is meant.
 pub fn vaddr_of_file_offset(segments: &[Segment], offset: u64) -> Option<u64> {
+    let holds =
+        |s: &&Segment| s.file_size > 0 && (s.file_offset & !0xfff..s.file_offset + s.file_size).contains(&offset);
     segments
         .iter()
-        .find(|s| s.file_size > 0 && (s.file_offset..s.file_offset + s.file_size).contains(&offset))
-        .map(|s| offset - s.file_offset + s.vaddr)
+        .filter(holds)
+        .max_by_key(|s| (s.executable, s.file_offset))
+        .map(|s| (offset + s.vaddr).wrapping_sub(s.file_offset))
 }
 
 /// Code this far past the ELF entry point, without call-frame information, is the entry

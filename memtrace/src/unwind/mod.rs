@@ -149,6 +149,15 @@ impl Unwinder {
             return;
         }
         self.spaces.learn_exec(pid, space.asid, sink);
+        log::trace!(
+            "exec of {filename} in pid {pid}: asid {} code {:#x}..{:#x} interpreter at {:#x}; the probes have {:?} and {:?}",
+            space.asid,
+            space.code_start,
+            space.code_end,
+            space.interp_base,
+            sink.lookup_mapping(space.asid, space.code_start),
+            sink.lookup_mapping(space.asid, space.interp_base + 0x1b70),
+        );
         // The program: /proc while the process lives, else the name it was exec'd by.
         let exe = procfs::exe(pid)
             .ok()
@@ -256,6 +265,21 @@ impl Unwinder {
             return Some(self.named(record));
         }
         self.stats.copies += 1;
+        if log::log_enabled!(log::Level::Trace)
+            && let Some(m) = &record.miss
+        {
+            let found = self.spaces.find(m.asid, m.ip).map(|m| m.path.clone());
+            let probes = sink.lookup_mapping(m.asid, if m.exact { m.ip } else { m.ip - 1 });
+            log::trace!(
+                "copy from pid {} asid {} at {:#x} (exact {}, {} user frames before, kernel {}): {found:?}; the probes have {probes:?}",
+                record.pid,
+                m.asid,
+                m.ip,
+                m.exact,
+                record.user.len(),
+                record.joined_kernel
+            );
+        }
         match self.finish(&record, sink, false) {
             Some(done) => Some(self.named(done)),
             None => {

@@ -27,6 +27,10 @@ pub trait SpaceSink: TableSink {
     fn set_asid(&mut self, pid: u32, asid: u32, only_if_absent: bool) -> anyhow::Result<u32>;
     fn insert_mapping(&mut self, key: MappingKey, prefix_bits: u32, value: MappingValue) -> anyhow::Result<()>;
     fn remove_mapping(&mut self, key: MappingKey, prefix_bits: u32) -> anyhow::Result<()>;
+    /// What the probes find at `addr` of `asid` (for diagnostics).
+    fn lookup_mapping(&self, _asid: u32, _addr: u64) -> Option<MappingValue> {
+        None
+    }
 }
 
 /// One executable range of an address space.

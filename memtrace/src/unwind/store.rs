@@ -15,7 +15,7 @@ use std::{
     time::{Duration, Instant},
 };
 
-use memtrace_common::MAX_TABLES;
+use memtrace_common::{FileId, FileTable, MAX_TABLES, unwind::NO_SLOT};
 
 use super::{
     cache::{DiskCache, FileKey},
@@ -71,6 +71,10 @@ struct Done {
 pub trait TableSink {
     /// Installs `elements` (a table laid out as the probes read it) in `slot`.
     fn install_table(&mut self, slot: Slot, elements: &[u64]) -> anyhow::Result<()>;
+    /// Tells the probes a file's table is installed, so they add its mappings themselves.
+    fn register_file(&mut self, _id: FileId, _table: FileTable) -> anyhow::Result<()> {
+        Ok(())
+    }
 }
 
 pub struct TableStore {
@@ -83,6 +87,11 @@ pub struct TableStore {
     workers: Vec<JoinHandle<()>>,
     /// Tables built but not installed yet.
     ready: Vec<(Slot, Arc<Table>)>,
+    /// A path each slot's file was asked for by.
+    paths: Vec<PathBuf>,
+    /// Installed files not registered with the probes yet (their interpreter's table is
+    /// not ready).
+    unregistered: Vec<Slot>,
     pending_builds: usize,
     stats: StoreStats,
     max_bytes: u64,
@@ -135,6 +144,8 @@ impl TableStore {
             results: done_rx,
             workers,
             ready: Vec::new(),
+            paths: Vec::new(),
+            unregistered: Vec::new(),
             pending_builds: 0,
             stats: StoreStats::default(),
             max_bytes,
@@ -172,6 +183,7 @@ impl TableStore {
         }
         let slot = self.states.len() as Slot;
         self.states.push(TableState::Building);
+        self.paths.push(path.to_path_buf());
         self.slots.insert(key.clone(), slot);
         self.pending_builds += 1;
         if let Some(jobs) = &self.jobs {
@@ -249,9 +261,61 @@ impl TableStore {
             if let Some(state) = self.states.get_mut(slot as usize) {
                 *state = TableState::Ready(table);
             }
+            self.unregistered.push(slot);
             installed += 1;
         }
+        if !self.unregistered.is_empty() {
+            for slot in std::mem::take(&mut self.unregistered) {
+                if !self.register(slot, sink) {
+                    self.unregistered.push(slot);
+                }
+            }
+        }
         installed
+    }
+
+    /// Registers the file of `slot` with the probes: its identity, where its code lies,
+    /// and its interpreter's table. False when that table is not ready yet.
+    fn register(&mut self, slot: Slot, sink: &mut dyn TableSink) -> bool {
+        let Some(path) = self.paths.get(slot as usize).cloned() else { return true };
+        let Some(TableState::Ready(table)) = self.state(slot).cloned() else { return true };
+        let Some(id) = kernel_file_id(&path) else { return true };
+        let Some(text) = table.segments.iter().filter(|s| s.executable).min_by_key(|s| s.vaddr).copied() else {
+            return true; // an empty table (no call-frame information): nothing to walk
+        };
+        let mut entry = FileTable {
+            slot,
+            interp_slot: NO_SLOT,
+            delta: text.vaddr.wrapping_sub(text.file_offset),
+            exec_vaddr: text.vaddr,
+            exec_size: text.file_size,
+            interp_exec_vaddr: 0,
+            interp_exec_size: 0,
+        };
+        if let Some(interp) = crate::elf::ElfFile::open(&path).ok().and_then(|e| e.interpreter()) {
+            // The interpreter as the program will see it: under the same root.
+            let interp = match path.to_str().and_then(|p| p.strip_prefix("/proc/")).and_then(|p| p.split_once("/root/"))
+            {
+                Some((pid, _)) => PathBuf::from(format!("/proc/{pid}/root{interp}")),
+                None => PathBuf::from(interp),
+            };
+            if let Some((interp_slot, _)) = self.request(&interp) {
+                match self.state(interp_slot) {
+                    Some(TableState::Ready(t)) => {
+                        if let Some(text) = t.segments.iter().filter(|s| s.executable).min_by_key(|s| s.vaddr) {
+                            entry.interp_slot = interp_slot;
+                            entry.interp_exec_vaddr = text.vaddr;
+                            entry.interp_exec_size = text.file_size;
+                        }
+                    }
+                    _ => return false,
+                }
+            }
+        }
+        if let Err(e) = sink.register_file(id, entry) {
+            log::debug!("registering the unwind table of {}: {e:#}", path.display());
+        }
+        true
     }
 
     /// Waits until every requested table is installed, or `timeout` passes.
@@ -277,6 +341,15 @@ impl Drop for TableStore {
         self.jobs = None;
         self.workers.clear();
     }
+}
+
+/// A file's identity as the kernel gives it (`s_dev` in the kernel's encoding, inode).
+pub fn kernel_file_id(path: &Path) -> Option<FileId> {
+    use std::os::unix::fs::MetadataExt as _;
+    let md = std::fs::metadata(path).ok()?;
+    let dev = md.dev();
+    let (major, minor) = (libc::major(dev), libc::minor(dev));
+    Some(FileId { dev: (major << 20) | (minor & 0xf_ffff), _pad: 0, ino: md.ino() })
 }
 
 /// The loadable segments of an ELF file (program headers only: cheap).

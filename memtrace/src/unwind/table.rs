@@ -137,10 +137,12 @@ mod tests {
         #[test]
         fn random_tables_agree_with_a_scan(gaps in proptest::collection::vec(1u64..6000, 1..60), probes in proptest::collection::vec(0u64..200_000, 50)) {
             let mut pc = 0x40_0000u64;
-            let rows: Vec<Row> = gaps.iter().enumerate().map(|(i, g)| {
+            let mut rows: Vec<Row> = gaps.iter().enumerate().map(|(i, g)| {
                 pc += g;
                 Row { pc, rule: if i % 3 == 2 { UnwindRule::STOP } else { rule(8 * (i as i32 + 1)) } }
             }).collect();
+            // Tables end with a stop, as every FDE does.
+            rows.push(Row { pc: pc + 1, rule: UnwindRule::STOP });
             let t = Table::from_rows(&rows, vec![]);
             for p in probes {
                 let vaddr = 0x40_0000 + p;
