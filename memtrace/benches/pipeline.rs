@@ -35,7 +35,7 @@ fn stream() -> Vec<Vec<u8>> {
                 rtype: RecordType::UserAlloc as u8,
                 kind: Kind::Malloc as u8,
                 flags: flags::HAS_STACK | flags::USABLE_EXACT,
-                _pad: 0,
+                allocator: 0,
                 pid: 100,
                 tid,
                 bytes_extra: 8,

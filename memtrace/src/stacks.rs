@@ -71,6 +71,23 @@ impl StackTable {
         Self { stacks, modules, symbols: symbols.into_iter().collect(), cache: HashMap::new() }
     }
 
+    /// Stacks recorded under more than one id with the same frames (a stack finished from a
+    /// copy is defined under the event's own id) → the first such id, as events refer to
+    /// stacks (id + 1). A stack is one row, however many ids it was recorded under.
+    pub fn duplicates(&self) -> HashMap<u64, u64> {
+        type Content<'a> = (u32, &'a [u64], &'a [FileFrame], bool);
+        let mut first: HashMap<Content<'_>, u64> = HashMap::new();
+        let mut out = HashMap::new();
+        for s in self.stacks.values() {
+            let reference = u64::from(s.id) + 1;
+            let canonical = *first.entry((s.pid, &s.kernel[..], &s.user[..], s.truncated)).or_insert(reference);
+            if canonical != reference {
+                out.insert(reference, canonical);
+            }
+        }
+        out
+    }
+
     /// Symbolizes locally every frame the recording has no symbol for. Returns how many
     /// addresses were named that way.
     pub fn fill_missing_symbols(&mut self) -> usize {

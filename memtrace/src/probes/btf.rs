@@ -269,7 +269,7 @@ impl Btf {
             size = self.size_of(ty);
             id = self.resolve(ty);
         }
-        if offset_bits % 8 != 0 {
+        if !offset_bits.is_multiple_of(8) {
             return Err(not_found()); // a bitfield: not a whole field the probes can read
         }
         Ok(Field { offset: offset_bits / 8, size })

@@ -20,7 +20,7 @@ pub enum Chunk {
     Stacks(Vec<FileStack>),
     Modules(Vec<Module>),
     Symbols(Vec<(SymbolKey, Vec<Symbol>)>),
-    Stats(Stats),
+    Stats(Box<Stats>),
     End,
 }
 
@@ -129,10 +129,10 @@ impl<R: Read> Reader<R> {
             ChunkKind::Stacks => Chunk::Stacks(parse_stacks(&payload, offset)?),
             ChunkKind::Modules => Chunk::Modules(parse_modules(&payload, offset)?),
             ChunkKind::Symbols => Chunk::Symbols(parse_symbols(&payload, offset)?),
-            ChunkKind::Stats => Chunk::Stats(
+            ChunkKind::Stats => Chunk::Stats(Box::new(
                 serde_json::from_slice(&payload)
                     .map_err(|e| FormatError::Corrupt { offset, reason: format!("stats: {e}") })?,
-            ),
+            )),
             ChunkKind::End => Chunk::End,
         }))
     }
@@ -237,7 +237,7 @@ pub fn read_all(input: impl Read) -> Result<Recording, FormatError> {
             Chunk::Stacks(stacks) => rec.stacks.extend(stacks.into_iter().map(|s| (s.id, s))),
             Chunk::Modules(modules) => rec.modules.extend(modules.into_iter().map(|m| (m.id, m))),
             Chunk::Symbols(symbols) => rec.symbols.extend(symbols),
-            Chunk::Stats(stats) => rec.stats = stats,
+            Chunk::Stats(stats) => rec.stats = *stats,
             Chunk::End => rec.finalized = true,
         }
     }

@@ -174,6 +174,7 @@ pub fn analyze(path: &Path, opts: &ReportOptions) -> Result<Summary> {
     }
 
     let filters = &opts.filters;
+    let duplicates = table.duplicates();
     let mut comms: HashMap<u32, String> = HashMap::new();
     let mut coverage =
         CoverageCounter { truncated_ids: table.truncated_stacks(), seen: HashSet::new(), coverage: BTreeMap::new() };
@@ -189,7 +190,12 @@ pub fn analyze(path: &Path, opts: &ReportOptions) -> Result<Summary> {
     let mut analyzer = Analyzer::new(|o: &Origin| grouper.group_of(o));
     analyzer.sample_bytes = meta.sample_bytes;
     analyzer.sample_from = stats.sampled_from;
-    for_each_event(path, &mut |event| {
+    for_each_event(path, &mut |mut event| {
+        if let Event::Alloc(a) = &mut event
+            && let Some(&canonical) = duplicates.get(&a.stack)
+        {
+            a.stack = canonical;
+        }
         if let Event::Task(t) = &event
             && matches!(t.event, TaskEvent::Exec | TaskEvent::Rename | TaskEvent::Fork)
             && t.tid == t.pid

@@ -39,7 +39,7 @@ pub fn read_definitions(path: &Path) -> Result<Definitions> {
                 recording::Chunk::Stacks(s) => stacks.extend(s.into_iter().map(|s| (s.id, s))),
                 recording::Chunk::Modules(m) => modules.extend(m.into_iter().map(|m| (m.id, m))),
                 recording::Chunk::Symbols(s) => symbols.extend(s),
-                recording::Chunk::Stats(s) => stats = s,
+                recording::Chunk::Stats(s) => stats = *s,
                 recording::Chunk::End => finalized = true,
                 recording::Chunk::Events { .. } => {}
             },

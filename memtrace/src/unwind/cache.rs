@@ -390,7 +390,7 @@ mod tests {
         let good = fs::read(&path).unwrap();
         let write = |bytes: &[u8]| {
             fs::remove_file(&path).unwrap();
-            let mut f = OpenOptions::new().write(true).create(true).mode(0o600).open(&path).unwrap();
+            let mut f = OpenOptions::new().write(true).create(true).truncate(true).mode(0o600).open(&path).unwrap();
             f.write_all(bytes).unwrap();
         };
         let mut bad = good.clone();

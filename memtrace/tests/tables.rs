@@ -1,0 +1,346 @@
+//! Whole stacks from per-file unwind tables (issue #12), for real: programs built here
+//! without frame pointers — a library of thousands of functions loaded with dlopen in the
+//! middle of the run, frames larger than any stack copy — recorded and checked frame by
+//! frame; tables built once per file and shared by processes; the disk cache used, and
+//! rebuilt when an entry is damaged, of another version or not root's; memory bounded
+//! under a flood; a short-lived process under `record -a` on a busy machine unwound whole.
+mod common;
+
+use std::{
+    fmt::Write as _,
+    fs,
+    os::unix::fs::PermissionsExt as _,
+    path::{Path, PathBuf},
+    process::{Child, Command, Stdio},
+    thread,
+    time::Duration,
+};
+
+use common::*;
+use serde_json::Value;
+
+/// Compiles C `source` into `out` with `flags` (no frame pointers, as distributions build).
+fn cc(dir: &Path, name: &str, source: &str, flags: &[&str]) -> PathBuf {
+    let src = dir.join(format!("{name}.c"));
+    fs::write(&src, source).unwrap();
+    let out = dir.join(name);
+    let status = Command::new("cc")
+        .args(["-O2", "-g", "-fomit-frame-pointer", "-fno-builtin", "-Wall", "-o"])
+        .arg(&out)
+        .arg(&src)
+        .args(flags)
+        .status()
+        .expect("running cc");
+    assert!(status.success(), "compiling {name}");
+    out
+}
+
+/// A library of `n` functions (big enough to matter); two chains of ten through it end in
+/// `big_leaf_a` (malloc(100)) and `big_leaf_b` (malloc(200)); `big_run(rounds)` runs both
+/// `rounds` times and frees the blocks of chain a.
+fn big_library(dir: &Path, n: usize) -> PathBuf {
+    let mut c = String::from(
+        "#include <stdlib.h>\n#define NOIPA __attribute__((noipa))\nvolatile unsigned long big_sink;\n\
+         NOIPA void *big_leaf_a(void) { void *p = malloc(100); big_sink += (unsigned long)p; return p; }\n\
+         NOIPA void *big_leaf_b(void) { void *p = malloc(200); big_sink += (unsigned long)p; return p; }\n",
+    );
+    for i in (0..n).rev() {
+        // Each function has its own frame size; chain a is big_f0..big_f9, chain b
+        // big_f100..big_f109; the rest are there to make the file large.
+        let next = match i {
+            9 => "big_leaf_a()".to_string(),
+            109 => "big_leaf_b()".to_string(),
+            _ if i < 9 || (100..109).contains(&i) => format!("big_f{}(d + 1)", i + 1),
+            _ => "0".to_string(),
+        };
+        writeln!(
+            c,
+            "NOIPA void *big_f{i}(int d) {{ volatile char pad[{}]; pad[d % sizeof pad] = (char)d; void *p = {next}; \
+             big_sink += pad[0] + (unsigned long)p; return p; }}",
+            16 + (i % 13) * 8
+        )
+        .unwrap();
+    }
+    c.push_str(
+        "NOIPA void big_run(int rounds) { for (int r = 0; r < rounds; r++) { free(big_f0(0)); \
+         big_sink += (unsigned long)big_f100(0); } }\n",
+    );
+    cc(dir, "libbig.so", &c, &["-shared", "-fPIC"])
+}
+
+const HOST: &str = r#"
+#include <dlfcn.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <unistd.h>
+int main(int argc, char **argv) {
+    usleep(150 * 1000); /* running well before the library is loaded */
+    void *lib = dlopen(argv[1], RTLD_NOW);
+    if (!lib) { fprintf(stderr, "%s\n", dlerror()); return 2; }
+    void (*run)(int) = (void (*)(int))dlsym(lib, "big_run");
+    run(atoi(argv[2]));
+    return 0;
+}
+"#;
+
+/// `main` with 9.6 KiB of locals allocates 50 × 32 bytes itself and, through
+/// `deep_frame` (64 KiB of locals), 100 × 64 bytes in `alloc_site`.
+const FRAMES: &str = r#"
+#include <stdlib.h>
+#define NOIPA __attribute__((noipa))
+volatile unsigned long sink;
+NOIPA void *alloc_site(void) { void *p = malloc(64); sink += (unsigned long)p; return p; }
+NOIPA void deep_frame(int n) {
+    volatile char huge[65536];
+    huge[n % sizeof huge] = (char)n;
+    for (int i = 0; i < n; i++) { void *p = alloc_site(); sink += (unsigned long)p + huge[i]; free(p); }
+}
+int main(void) {
+    volatile char big[9600];
+    big[sizeof big - 1] = 1;
+    for (int i = 0; i < 50; i++) { void *p = malloc(32); sink += (unsigned long)p + big[i]; free(p); }
+    deep_frame(100);
+    return big[sizeof big - 1] - 1;
+}
+"#;
+
+/// A program as most are: modest frames (the window before a new program's table is
+/// ready is covered by stack copies, which reach 16 KiB up the stack).
+fn small_frames() -> String {
+    FRAMES.replace("huge[65536]", "huge[2048]").replace("big[9600]", "big[1024]")
+}
+
+fn functions(site: &Value) -> Vec<String> {
+    site["frames"].as_array().unwrap().iter().map(|f| f["function"].as_str().unwrap_or("").to_string()).collect()
+}
+
+/// The user sites of `report` (grouped by stack) whose innermost frame is `name`.
+fn sites_of<'a>(report: &'a Value, name: &str) -> Vec<&'a Value> {
+    report["sites"].as_array().unwrap().iter().filter(|s| s["frames"][0]["function"] == name).collect()
+}
+
+fn record(data: &Path, env: &[(&str, &str)], args: &[&str], cmd: &[&Path]) -> String {
+    let mut c = memtrace();
+    for (k, v) in env {
+        c.env(k, v);
+    }
+    let out =
+        run(c.args(["record", "--no-kernel", "-o"]).arg(data).args(args).arg("--").args(cmd).stdout(Stdio::null()));
+    String::from_utf8_lossy(&out.stderr).into_owned()
+}
+
+#[test]
+fn a_big_library_loaded_mid_run_has_whole_stacks() {
+    require_root();
+    let _sharing = sharing_the_machine();
+    let dir = scratch("big-library");
+    let lib = big_library(&dir, 3000);
+    let host = cc(&dir, "host", HOST, &["-ldl"]);
+    let data = dir.join("big.data");
+    let cache = dir.join("cache");
+    run(memtrace()
+        .env("MEMTRACE_CACHE_DIR", &cache)
+        .args(["record", "-q", "--no-kernel", "-o"])
+        .arg(&data)
+        .arg("--")
+        .arg(&host)
+        .arg(&lib)
+        .arg("300"));
+    let report = report_json(&data, &["--by", "stack", "--domain", "user"]);
+    for (leaf, size, chain) in [("big_leaf_a", 100, 0), ("big_leaf_b", 200, 100)] {
+        let sites = sites_of(&report, leaf);
+        assert_eq!(sites.len(), 1, "{leaf}: one stack, one row: {sites:#?}");
+        let site = sites[0];
+        assert_eq!(site["allocs"], 300, "{leaf}");
+        assert_eq!(site["bytes_req"], 300 * size, "{leaf}");
+        assert_eq!(site["truncated"], false, "{leaf}: no stack cut short");
+        let mut want = vec![leaf.to_string()];
+        want.extend((chain..chain + 10).rev().map(|i| format!("big_f{i}")));
+        want.extend(["big_run", "main"].map(String::from));
+        let got = functions(site);
+        assert_eq!(&got[..want.len()], &want[..], "{leaf}: {got:?}");
+        assert!(got.iter().any(|f| f.contains("__libc_start")), "{leaf}: reaches the start: {got:?}");
+    }
+    assert_eq!(report["stacks"]["user"]["allocs_truncated"], 0, "{:#}", report["stacks"]);
+}
+
+#[test]
+fn frames_larger_than_any_copy_unwind_whole() {
+    require_root();
+    let _sharing = sharing_the_machine();
+    let dir = scratch("big-frames");
+    let prog = cc(&dir, "frames", FRAMES, &[]);
+    let data = dir.join("frames.data");
+    record(&data, &[("MEMTRACE_CACHE_DIR", dir.join("cache").to_str().unwrap())], &["-q"], &[&prog]);
+    let report = report_json(&data, &["--by", "stack", "--domain", "user"]);
+    let deep = sites_of(&report, "alloc_site");
+    assert_eq!(deep.len(), 1, "one row for the site: {deep:#?}");
+    assert_eq!(deep[0]["allocs"], 100);
+    assert_eq!(deep[0]["truncated"], false);
+    assert_eq!(&functions(deep[0])[..3], ["alloc_site", "deep_frame", "main"]);
+    let main_sites: Vec<&Value> = sites_of(&report, "main").into_iter().filter(|s| s["bytes_req"] == 50 * 32).collect();
+    assert_eq!(main_sites.len(), 1, "one row for main's own site");
+    assert_eq!(main_sites[0]["allocs"], 50);
+    assert_eq!(main_sites[0]["truncated"], false);
+}
+
+#[test]
+fn processes_of_one_program_share_its_table_and_the_cache_serves_the_next_run() {
+    require_root();
+    let _sharing = sharing_the_machine();
+    let dir = scratch("shared-tables");
+    let prog = cc(&dir, "frames", &small_frames(), &[]);
+    let cache = dir.join("cache");
+    let cache_env = cache.to_str().unwrap();
+    let script = format!("{0}; {0}", prog.display());
+    let sh = Path::new("/bin/sh");
+    let data = dir.join("twice.data");
+    let mut c = memtrace();
+    let out = run(c
+        .env("MEMTRACE_CACHE_DIR", cache_env)
+        .env("MEMTRACE_LOG", "debug")
+        .args(["record", "-q", "--no-kernel", "-o"])
+        .arg(&data)
+        .args(["--", "sh", "-c", &script])
+        .stdout(Stdio::null()));
+    let log = String::from_utf8_lossy(&out.stderr);
+    let builds = log.lines().filter(|l| l.contains("unwind table of") && l.contains("/frames:")).count();
+    assert_eq!(builds, 1, "the program's table is built once for both processes:\n{log}");
+    let report = report_json(&data, &["--by", "stack", "--domain", "user"]);
+    let deep = sites_of(&report, "alloc_site");
+    assert_eq!(deep.len(), 2, "a row per process (two pids)");
+    for site in deep {
+        assert_eq!((site["allocs"].as_u64(), site["truncated"].as_bool()), (Some(100), Some(false)));
+    }
+    let _ = sh;
+
+    // A second run finds every table in the cache.
+    let data2 = dir.join("again.data");
+    record(&data2, &[("MEMTRACE_CACHE_DIR", cache_env)], &["-q"], &[&prog]);
+    let tables = &report_json(&data2, &[])["recorder"]["unwind_tables"];
+    assert_eq!(tables["built"], 0, "{tables:#}");
+    assert!(tables["from_cache"].as_u64().unwrap() >= 3, "{tables:#}");
+}
+
+/// Damages every entry of the cache three ways, one each: a flipped byte, another format
+/// version, another owner.
+fn damage_cache(cache: &Path) -> usize {
+    let mut entries: Vec<PathBuf> = fs::read_dir(cache)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.extension().is_some_and(|x| x == "tbl"))
+        .collect();
+    entries.sort();
+    assert!(entries.len() >= 3, "{entries:?}");
+    for (i, path) in entries.iter().take(3).enumerate() {
+        let mut bytes = fs::read(path).unwrap();
+        match i {
+            0 => {
+                let last = bytes.len() - 1;
+                bytes[last] ^= 0x55;
+                fs::write(path, &bytes).unwrap();
+            }
+            1 => {
+                bytes[8..12].copy_from_slice(&999u32.to_le_bytes());
+                fs::write(path, &bytes).unwrap();
+            }
+            _ => {
+                let c = std::ffi::CString::new(path.as_os_str().as_encoded_bytes()).unwrap();
+                // SAFETY: chown of a file this test owns.
+                assert_eq!(unsafe { libc::chown(c.as_ptr(), 65534, 65534) }, 0);
+                fs::set_permissions(path, fs::Permissions::from_mode(0o600)).unwrap();
+            }
+        }
+    }
+    3
+}
+
+#[test]
+fn damaged_stale_or_foreign_cache_entries_are_rebuilt() {
+    require_root();
+    let _sharing = sharing_the_machine();
+    let dir = scratch("cache-damage");
+    let prog = cc(&dir, "frames", FRAMES, &[]);
+    let cache = dir.join("cache");
+    let env = [("MEMTRACE_CACHE_DIR", cache.to_str().unwrap()), ("MEMTRACE_LOG", "debug")];
+    record(&dir.join("first.data"), &env, &["-q"], &[&prog]);
+    let damaged = damage_cache(&cache);
+    let data = dir.join("second.data");
+    let log = record(&data, &env, &["-q"], &[&prog]);
+    for reason in ["checksum does not match", "format version 999", "owned by uid 65534"] {
+        assert!(log.contains(reason), "the log names why an entry is rebuilt ({reason}):\n{log}");
+    }
+    let report = report_json(&data, &["--by", "stack", "--domain", "user"]);
+    assert_eq!(report["recorder"]["unwind_tables"]["built"], damaged as u64, "{:#}", report["recorder"]);
+    assert_eq!(sites_of(&report, "alloc_site")[0]["truncated"], false);
+    // Rebuilt entries are good again.
+    let log = record(&dir.join("third.data"), &env, &["-q"], &[&prog]);
+    assert!(!log.contains("rebuilding"), "{log}");
+}
+
+#[test]
+fn a_flood_through_tiny_rings_stays_bounded_and_readable() {
+    require_root();
+    let _sharing = sharing_the_machine();
+    let dir = scratch("flood");
+    let data = dir.join("flood.data");
+    run(memtrace()
+        .args(["record", "-q", "--ring-size", "16K", "-o"])
+        .arg(&data)
+        .arg("--")
+        .arg(workload())
+        .args(["--loop-seconds", "2", "--loop-threads", "2"])
+        .stdout(Stdio::null()));
+    let report = report_json(&data, &[]);
+    assert!(report["lost_events"].as_u64().unwrap() > 0, "the flood overflowed the rings: {:#}", report["lost_events"]);
+    let rss = report["recorder"]["peak_rss_bytes"].as_u64().unwrap();
+    assert!(rss < 256 << 20, "memtrace's memory stayed bounded: {rss} bytes");
+    assert!(report["totals"]["user"]["allocs"].as_u64().unwrap() > 0);
+}
+
+/// A busy loop on every core, until dropped.
+struct Hogs(Vec<Child>);
+
+impl Hogs {
+    fn start() -> Self {
+        let n = thread::available_parallelism().map_or(2, |n| n.get());
+        Self((0..n).map(|_| Command::new("sh").args(["-c", "while :; do :; done"]).spawn().unwrap()).collect())
+    }
+}
+
+impl Drop for Hogs {
+    fn drop(&mut self) {
+        for c in &mut self.0 {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+#[test]
+fn a_short_lived_process_under_record_all_on_a_busy_machine_unwinds_whole() {
+    require_root();
+    let _alone = alone_on_the_machine();
+    let dir = scratch("busy-all");
+    let prog = cc(&dir, "frames", &small_frames(), &[]);
+    let data = dir.join("all.data");
+    let _hogs = Hogs::start();
+    let mut recorder = memtrace()
+        .args(["record", "-a", "--no-kernel", "-d", "4s", "-o"])
+        .arg(&data)
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let stderr = wait_until_tracing(&mut recorder);
+    thread::sleep(Duration::from_millis(300));
+    let child = Command::new(&prog).status().unwrap();
+    assert!(child.success());
+    assert!(recorder.wait().unwrap().success(), "{}", stderr.join().unwrap());
+    let report = report_json(&data, &["--by", "stack", "--domain", "user", "--comm", "frames"]);
+    let deep = sites_of(&report, "alloc_site");
+    assert_eq!(deep.len(), 1, "{:#}", report["sites"]);
+    assert_eq!(deep[0]["allocs"], 100);
+    assert_eq!(deep[0]["truncated"], false, "whole, though the process lived for milliseconds");
+    assert_eq!(&functions(deep[0])[..3], ["alloc_site", "deep_frame", "main"], "and symbolized");
+}
