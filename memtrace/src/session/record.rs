@@ -198,7 +198,9 @@ fn status_line(
 
 async fn run(tracer: &mut Tracer, recorder: &mut Recorder, opts: &RecordOptions) -> Result<StopReason> {
     let mut waker = Waker::new(tracer, DRAIN_INTERVAL, opts.duration)?;
-    let show_status = !opts.trace.quiet && io::stderr().is_terminal();
+    // Only on a terminal, and not when a command we run writes to it too: its output would
+    // land after the status line (`0.3 MBbye`).
+    let show_status = !opts.trace.quiet && io::stderr().is_terminal() && !tracer.is_command;
     let started = Instant::now();
     let mut last_status = Instant::now();
     let mut events_at_status = 0u64;
@@ -216,9 +218,6 @@ async fn run(tracer: &mut Tracer, recorder: &mut Recorder, opts: &RecordOptions)
             Wake::TargetExited => break StopReason::TargetExited(tracer.reap_command()),
             Wake::Signal(sig) if tracer.on_signal(sig) => break StopReason::Signal(sig),
             Wake::Signal(_) => {}
-        }
-        if let Some(sig) = tracer.signal_grace_expired() {
-            break StopReason::Signal(sig);
         }
         if last_flush.elapsed() >= FLUSH_INTERVAL {
             if let Err(e) = recorder.writer.flush() {
@@ -310,10 +309,19 @@ fn finish(
     started: Instant,
 ) -> Result<RecordSummary> {
     let (teardown, counters) = tracer.stop(&mut recorder);
+    let left_running = match reason {
+        StopReason::Signal(_) => tracer.command_left_running(),
+        _ => None,
+    };
     let end_reason = match &reason {
         StopReason::TargetExited(Some(code)) => format!("the command exited with status {code}"),
         StopReason::TargetExited(None) => "the target process exited".into(),
-        StopReason::Signal(sig) => format!("interrupted by signal {sig}"),
+        StopReason::Signal(sig) => match left_running {
+            Some(pid) => {
+                format!("interrupted by signal {sig}; the command (pid {pid}) was left running, no longer traced")
+            }
+            None => format!("interrupted by signal {sig}"),
+        },
         StopReason::Duration => "the duration elapsed".into(),
         StopReason::WriteFailed => "writing the recording failed".into(),
     };
@@ -369,6 +377,10 @@ fn finish(
             stats.recorder_cpu_ns as f64 / 1e9,
             stats.recorder_peak_rss_bytes as f64 / 1e6,
         );
+        // What the report will warn of (the probes detach meanwhile).
+        for w in crate::report::warnings::of_recording(&opts.output) {
+            let _ = writeln!(err, "memtrace: warning: {w}");
+        }
     }
     teardown.join();
     Ok(RecordSummary { exit_code, events, lost_events: counters.lost_events, bytes, end_reason })
