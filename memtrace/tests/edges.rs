@@ -158,6 +158,7 @@ fn under_sudo_files_belong_to_the_user_who_ran_it() {
     run(record
         .args(["record", "-q", "--no-kernel", "-o"])
         .arg(&data)
+        .arg("--")
         .arg(workload())
         .args(["--threads", "1", "--iterations", "20"])
         .stdout(Stdio::null()));
@@ -228,7 +229,7 @@ fn a_program_without_malloc_is_told_about_no_user() {
     let dir = scratch("nomalloc");
     let data = dir.join("x.data");
     fails(
-        memtrace().args(["record", "-o"]).arg(&data).arg(workload_dir().join("no_malloc")),
+        memtrace().args(["record", "-o"]).arg(&data).arg("--").arg(workload_dir().join("no_malloc")),
         1,
         &["no_malloc", "no malloc", "Go program", "--no-user"],
     );
@@ -323,7 +324,7 @@ fn ctrl_c_at_a_terminal_reaches_the_command_once() {
     let program = compile(&dir, "count_sigint", COUNT_SIGINT);
     let data = dir.join("c.data");
     let command =
-        format!("{} record --no-kernel -o {} {}", env!("CARGO_BIN_EXE_memtrace"), data.display(), program.display());
+        format!("{} record --no-kernel -o {} -- {}", env!("CARGO_BIN_EXE_memtrace"), data.display(), program.display());
     let (screen, code) = at_a_terminal(&command, "memtrace: tracing", b"\x03");
     assert!(screen.contains("sigint:1"), "the command saw Ctrl-C once:\n{screen}");
     assert!(screen.contains("SIGINT passed to the command"), "{screen}");
@@ -338,7 +339,7 @@ fn the_status_line_never_glues_onto_the_commands_output() {
     let bin = env!("CARGO_BIN_EXE_memtrace");
     // A command writing to the terminal: no status line at all.
     let data = dir.join("s.data");
-    let command = format!("{bin} record --no-kernel -o {} sh -c 'sleep 1.6; printf bye'", data.display());
+    let command = format!("{bin} record --no-kernel -o {} -- sh -c 'sleep 1.6; printf bye'", data.display());
     let (screen, code) = at_a_terminal(&command, "", b"");
     assert_eq!(code, Some(0), "{screen}");
     assert!(screen.contains("bye") && !screen.contains("events/s"), "{screen:?}");
@@ -416,6 +417,7 @@ fn reserved_memory_is_counted_apart_from_the_programs() {
     run(memtrace()
         .args(["record", "-q", "--no-kernel", "-o"])
         .arg(&data)
+        .arg("--")
         .arg(workload())
         .args(["--threads", "4", "--iterations", "50", "--manifest"])
         .arg(&manifest_path)
@@ -451,6 +453,7 @@ fn kernel_sites_start_at_the_caller_and_never_print_the_same_name() {
     run(memtrace()
         .args(["record", "-q", "-o"])
         .arg(&data)
+        .arg("--")
         .arg(workload())
         .args(["--threads", "2", "--iterations", "50", "--pipes", "50"])
         .stdout(Stdio::null()));
