@@ -209,7 +209,8 @@ fn pprof_profile_decodes_with_heap_sample_types() {
     assert_eq!(name(profile.default_sample_type), "alloc_space");
     let report = report_json(data, &[]);
     let total_allocs: i64 = profile.sample.iter().map(|s| s.value[0]).sum();
-    let want = ["user", "reserved", "kernel"].iter().map(|d| report["totals"][d]["allocs"].as_i64().unwrap()).sum::<i64>();
+    let want =
+        ["user", "reserved", "kernel"].iter().map(|d| report["totals"][d]["allocs"].as_i64().unwrap()).sum::<i64>();
     assert_eq!(total_allocs, want);
     // The samples whose leaf is wl_leak hold exactly the leaked blocks, still in use.
     let function_name = |id: u64| name(profile.function.iter().find(|f| f.id == id).unwrap().name).to_string();

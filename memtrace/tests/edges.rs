@@ -44,8 +44,7 @@ fn signal(pid: u32, sig: i32) {
 fn alive(pid: u32) -> bool {
     // SAFETY: signal 0 only checks that the process exists.
     let exists = unsafe { libc::kill(pid as i32, 0) } == 0;
-    exists
-        && fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|s| !s.contains(") Z "))
+    exists && fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|s| !s.contains(") Z "))
 }
 
 /// Builds a small C program for one test.
@@ -212,11 +211,12 @@ fn record_runs_a_command_given_without_dashes() {
     let dir = scratch("nodash");
     let data = dir.join("n.data");
     // Like `perf record ./prog args`: the command's own options are its own.
-    let out = run(memtrace()
-        .args(["record", "-q", "--no-kernel", "-o"])
-        .arg(&data)
-        .arg(workload())
-        .args(["--threads", "1", "--iterations", "7"]));
+    let out = run(memtrace().args(["record", "-q", "--no-kernel", "-o"]).arg(&data).arg(workload()).args([
+        "--threads",
+        "1",
+        "--iterations",
+        "7",
+    ]));
     assert!(String::from_utf8_lossy(&out.stdout).contains("1 threads x 7 iterations"));
     let report = report_json(&data, &[]);
     assert_eq!(report["exit_code"], 0);
@@ -281,7 +281,8 @@ fn a_second_ctrl_c_stops_tracing_and_leaves_the_command_running() {
         .unwrap();
     let mut lines = BufReader::new(rec.stderr.take().unwrap()).lines();
     let tracing = lines.next().unwrap().unwrap();
-    let pid: u32 = tracing.split("(pid ").nth(1).unwrap().trim_end_matches(|c: char| !c.is_ascii_digit()).parse().unwrap();
+    let pid: u32 =
+        tracing.split("(pid ").nth(1).unwrap().trim_end_matches(|c: char| !c.is_ascii_digit()).parse().unwrap();
     thread::sleep(Duration::from_millis(300));
     signal(rec.id(), libc::SIGINT);
     thread::sleep(Duration::from_millis(300));
@@ -372,9 +373,8 @@ fn dump_prints_stacks_old_pointers_and_parents() {
         .arg(&data)
         .args(["--", "sh", "-c", &script])
         .stdout(Stdio::null()));
-    let dump = |extra: &[&str]| {
-        String::from_utf8(run(memtrace().args(["dump", "-i"]).arg(&data).args(extra)).stdout).unwrap()
-    };
+    let dump =
+        |extra: &[&str]| String::from_utf8(run(memtrace().args(["dump", "-i"]).arg(&data).args(extra)).stdout).unwrap();
     let plain = dump(&[]);
     let report = report_json(&data, &[]);
     let shell = report["recording"]["target_pids"][0].as_u64().unwrap();
@@ -463,7 +463,8 @@ fn kernel_sites_start_at_the_caller_and_never_print_the_same_name() {
     assert!(!pages.is_empty(), "the workload's page faults allocate pages");
     for s in pages {
         let first = s["frames"][0]["function"].as_str().unwrap_or("");
-        for inside in ["__alloc_pages", "__alloc_frozen_pages", "alloc_pages", "folio_alloc", "get_page_from_freelist"] {
+        for inside in ["__alloc_pages", "__alloc_frozen_pages", "alloc_pages", "folio_alloc", "get_page_from_freelist"]
+        {
             assert!(!first.starts_with(inside), "a page site starts inside the page allocator: {s:#}");
         }
     }
