@@ -1,34 +1,56 @@
 //! `memtrace dump`: every event of a recording, one line each, in time order (like
-//! `perf script`): timestamp, pid/tid, CPU, kind, address and sizes, the stack id and, for
-//! kernel events, call site, GFP flags and node.
-use std::{io::Write, path::Path};
+//! `perf script`): timestamp, pid/tid, CPU, kind, address and sizes, the stack reference
+//! and, for kernel events, call site, GFP flags and node. With `-g` each allocation's stack
+//! follows it, symbolized, one frame a line; `--stacks` lists every stack a `stack=N`
+//! refers to. A realloc names the block it replaced (`old=`), an exec its parent process.
+use std::{collections::HashMap, io::Write, path::Path};
 
 use anyhow::{Result, anyhow, bail};
-use memtrace_common::flags;
+use memtrace_common::{Kind, TaskEvent, flags};
 
-use crate::{event::Event, report::for_each_event};
+use crate::{
+    event::{Event, Task},
+    report::{for_each_event, read_definitions},
+    stacks::{Frame, StackTable},
+};
 
-/// One event as a line of text: what `memtrace dump` prints.
-pub struct Line<'a>(pub &'a Event);
+/// What `dump` prints besides the events.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct DumpOptions {
+    /// Each allocation's stack under it (`-g`).
+    pub call_graph: bool,
+    /// The stack definitions instead of the events (`--stacks`).
+    pub stacks: bool,
+}
+
+/// One event as a line of text: what `memtrace dump` prints. `old` is the block a realloc
+/// replaced; `parent`, the parent process of an exec when known.
+pub struct Line<'a> {
+    pub event: &'a Event,
+    pub old: Option<u64>,
+    pub parent: Option<u32>,
+}
+
+impl<'a> Line<'a> {
+    pub fn new(event: &'a Event) -> Self {
+        Self { event, old: None, parent: None }
+    }
+}
 
 impl std::fmt::Display for Line<'_> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let ts = self.0.ts_ns();
+        let ts = self.event.ts_ns();
         write!(f, "{:>6}.{:09} ", ts / 1_000_000_000, ts % 1_000_000_000)?;
-        match self.0 {
+        match self.event {
             Event::Alloc(a) => {
-                write!(
-                    f,
-                    "{}/{} cpu{} {} 0x{:x} req={} alloc={} stack={}",
-                    a.pid,
-                    a.tid,
-                    a.cpu,
-                    a.kind.name(),
-                    a.ptr,
-                    a.bytes_req,
-                    a.bytes_alloc,
-                    a.stack
-                )?;
+                write!(f, "{}/{} cpu{} {} 0x{:x}", a.pid, a.tid, a.cpu, a.kind.name(), a.ptr)?;
+                if matches!(a.kind, Kind::Realloc | Kind::ReallocArray) {
+                    write!(f, " old=0x{:x}", self.old.unwrap_or(0))?;
+                }
+                write!(f, " req={} alloc={}", a.bytes_req, a.bytes_alloc)?;
+                if a.stack != 0 {
+                    write!(f, " stack={}", a.stack)?;
+                }
                 if a.kind.is_kernel() {
                     write!(f, " call_site=0x{:x} gfp=0x{:x} node={}", a.call_site, a.gfp_flags, a.node)?;
                 }
@@ -45,28 +67,135 @@ impl std::fmt::Display for Line<'_> {
                 Ok(())
             }
             Event::Task(t) => {
-                write!(f, "{}/{} {:?} comm={} ppid={} {}", t.pid, t.tid, t.event, t.comm, t.ppid, t.filename)
+                write!(f, "{}/{} {:?} comm={}", t.pid, t.tid, t.event, t.comm)?;
+                match t.event {
+                    TaskEvent::Fork => write!(f, " ppid={}", t.ppid)?,
+                    TaskEvent::Exec => match self.parent {
+                        Some(p) => write!(f, " ppid={p}")?,
+                        None => f.write_str(" ppid=?")?,
+                    },
+                    _ => {}
+                }
+                if !t.filename.is_empty() {
+                    write!(f, " {}", t.filename)?;
+                }
+                Ok(())
             }
         }
     }
 }
 
-/// Writes every event of the recording at `path` to `out`; a reader that went away (broken
-/// pipe) ends the dump quietly.
-pub fn dump(path: &Path, out: &mut dyn Write) -> Result<()> {
+/// One frame of a stack as `-g` and `--stacks` print it, like `perf script`: address (a
+/// file offset for user code), function with source location, module.
+fn frame_line(f: &Frame) -> String {
+    format!("\t{:>16x} {f} ({})", f.address, f.module)
+}
+
+/// What a dump remembers between events: the pending old block of each thread's realloc,
+/// and each process's parent.
+#[derive(Default)]
+struct State {
+    realloc_old: HashMap<u32, u64>,
+    parents: HashMap<u32, u32>,
+}
+
+impl State {
+    fn line<'a>(&mut self, e: &'a Event) -> Line<'a> {
+        let mut line = Line::new(e);
+        match e {
+            // The old block's free is stamped when realloc was entered: before the new block.
+            Event::Free(x) if x.flags & flags::BY_REALLOC != 0 => {
+                self.realloc_old.insert(x.tid, x.ptr);
+            }
+            Event::Alloc(a) => {
+                let old = self.realloc_old.remove(&a.tid);
+                if matches!(a.kind, Kind::Realloc | Kind::ReallocArray) {
+                    line.old = old;
+                }
+            }
+            Event::Task(t) => self.task(t, &mut line),
+            Event::Free(_) => {}
+        }
+        line
+    }
+
+    fn task(&mut self, t: &Task, line: &mut Line<'_>) {
+        match t.event {
+            TaskEvent::Fork => {
+                self.parents.insert(t.pid, t.ppid);
+            }
+            // The probes do not report an exec's parent; the fork that made the process
+            // does, when it was traced.
+            TaskEvent::Exec => {
+                line.parent = (t.ppid != 0).then_some(t.ppid).or_else(|| self.parents.get(&t.pid).copied())
+            }
+            TaskEvent::Exit if t.pid == t.tid => {
+                self.parents.remove(&t.pid);
+            }
+            _ => {}
+        }
+    }
+}
+
+/// Writes the recording at `path` to `out` as `opts` asks; a reader that went away
+/// (broken pipe) ends the dump quietly.
+pub fn dump(path: &Path, opts: DumpOptions, out: &mut dyn Write) -> Result<()> {
+    let mut table = (opts.call_graph || opts.stacks)
+        .then(|| -> Result<StackTable> {
+            let defs = read_definitions(path)?;
+            let mut table = defs.stacks;
+            if !defs.finalized {
+                table.fill_missing_symbols();
+            }
+            Ok(table)
+        })
+        .transpose()?;
+    let result = if opts.stacks {
+        write_stacks(table.as_mut().expect("read above"), out)
+    } else {
+        write_events(path, table.as_mut(), out)?
+    };
+    match result.and_then(|()| out.flush()) {
+        Err(e) if e.kind() != std::io::ErrorKind::BrokenPipe => bail!("writing: {e}"),
+        _ => Ok(()),
+    }
+}
+
+fn write_events(path: &Path, mut table: Option<&mut StackTable>, out: &mut dyn Write) -> Result<std::io::Result<()>> {
     let mut failed = None;
+    let mut state = State::default();
     for_each_event(path, &mut |e| {
-        if failed.is_none()
-            && let Err(err) = writeln!(out, "{}", Line(&e))
-        {
+        if failed.is_some() {
+            return;
+        }
+        let mut text = format!("{}\n", state.line(&e));
+        if let (Some(table), Event::Alloc(a)) = (table.as_deref_mut(), &e) {
+            for f in table.frames(a.stack, a.call_site) {
+                text.push_str(&frame_line(&f));
+                text.push('\n');
+            }
+            text.push('\n');
+        }
+        if let Err(err) = out.write_all(text.as_bytes()) {
             failed = Some(err);
         }
     })
     .map_err(|e| anyhow!("{}: {e}", path.display()))?;
-    match failed.map_or_else(|| out.flush(), Err) {
-        Err(e) if e.kind() != std::io::ErrorKind::BrokenPipe => bail!("writing: {e}"),
-        _ => Ok(()),
+    Ok(failed.map_or(Ok(()), Err))
+}
+
+/// Every stack of the recording, numbered as events refer to them (`stack=N`).
+fn write_stacks(table: &mut StackTable, out: &mut dyn Write) -> std::io::Result<()> {
+    let ids: Vec<(u32, u32, bool)> = table.stacks.values().map(|s| (s.id, s.pid, s.truncated)).collect();
+    for (id, pid, truncated) in ids {
+        let reference = u64::from(id) + 1;
+        writeln!(out, "stack={reference} pid={pid}{}", if truncated { " (cut short)" } else { "" })?;
+        for f in table.frames(reference, 0) {
+            writeln!(out, "{}", frame_line(&f))?;
+        }
+        writeln!(out)?;
     }
+    Ok(())
 }
 
 #[cfg(test)]
@@ -76,49 +205,103 @@ mod tests {
     use super::*;
     use crate::event::{Alloc, Free, Task};
 
-    #[test]
-    fn events_read_as_one_line_each() {
-        let alloc = Event::Alloc(Alloc {
+    fn alloc(kind: Kind, ptr: u64, stack: u64) -> Event {
+        Event::Alloc(Alloc {
             ts_ns: 1_500_000_123,
             pid: 42,
             tid: 43,
             cpu: 1,
-            kind: Kind::Kmalloc,
+            kind,
             flags: 0,
-            ptr: 0xffff_8880_0000_1000,
+            ptr,
             bytes_req: 64,
             bytes_alloc: 96,
-            stack: 3,
-            call_site: 0xffff_ffff_8123_4567,
-            gfp_flags: 0xcc0,
+            stack,
+            call_site: if kind.is_kernel() { 0xffff_ffff_8123_4567 } else { 0 },
+            gfp_flags: if kind.is_kernel() { 0xcc0 } else { 0 },
             node: -1,
             order: 0,
-        });
+        })
+    }
+
+    fn task(event: TaskEvent, pid: u32, ppid: u32) -> Event {
+        Event::Task(Task {
+            ts_ns: 0,
+            event,
+            flags: 0,
+            pid,
+            tid: pid,
+            ppid,
+            comm: "prog".into(),
+            filename: if event == TaskEvent::Exec { "/bin/prog".into() } else { String::new() },
+        })
+    }
+
+    #[test]
+    fn events_read_as_one_line_each() {
+        let kmalloc = alloc(Kind::Kmalloc, 0xffff_8880_0000_1000, 3);
         assert_eq!(
-            Line(&alloc).to_string(),
+            Line::new(&kmalloc).to_string(),
             "     1.500000123 42/43 cpu1 kmalloc 0xffff888000001000 req=64 alloc=96 stack=3 call_site=0xffffffff81234567 gfp=0xcc0 node=-1"
         );
         let free = Event::Free(Free {
             ts_ns: 7,
             pid: 42,
-            tid: 44,
+            tid: 43,
             cpu: 0,
             kind: Kind::Free,
             flags: flags::BY_REALLOC,
             ptr: 0x10,
             arg: 0,
         });
-        assert_eq!(Line(&free).to_string(), "     0.000000007 42/44 cpu0 free 0x10 (realloc)");
-        let exec = Event::Task(Task {
-            ts_ns: 0,
-            event: TaskEvent::Exec,
-            flags: 0,
-            pid: 5,
-            tid: 5,
-            ppid: 1,
-            comm: "prog".into(),
-            filename: "/bin/prog".into(),
-        });
-        assert_eq!(Line(&exec).to_string(), "     0.000000000 5/5 Exec comm=prog ppid=1 /bin/prog");
+        assert_eq!(Line::new(&free).to_string(), "     0.000000007 42/43 cpu0 free 0x10 (realloc)");
+        // A realloc names the block it replaced; an allocation without a stack says none.
+        let mut state = State::default();
+        let _ = state.line(&free);
+        let realloc = alloc(Kind::Realloc, 0x20, 0);
+        assert_eq!(
+            state.line(&realloc).to_string(),
+            "     1.500000123 42/43 cpu1 realloc 0x20 old=0x10 req=64 alloc=96"
+        );
+        assert!(state.line(&realloc).to_string().contains(" old=0x0 "), "realloc(NULL, n)");
+    }
+
+    #[test]
+    fn an_exec_names_its_real_parent_when_the_fork_was_seen() {
+        let mut state = State::default();
+        assert_eq!(
+            state.line(&task(TaskEvent::Exec, 5, 0)).to_string(),
+            "     0.000000000 5/5 Exec comm=prog ppid=? /bin/prog"
+        );
+        assert_eq!(state.line(&task(TaskEvent::Fork, 6, 5)).to_string(), "     0.000000000 6/6 Fork comm=prog ppid=5");
+        assert_eq!(
+            state.line(&task(TaskEvent::Exec, 6, 0)).to_string(),
+            "     0.000000000 6/6 Exec comm=prog ppid=5 /bin/prog"
+        );
+        assert_eq!(state.line(&task(TaskEvent::Exit, 6, 0)).to_string(), "     0.000000000 6/6 Exit comm=prog");
+    }
+
+    #[test]
+    fn call_graphs_and_stack_definitions_resolve_every_reference() {
+        let path = crate::report::tests::recording();
+        let mut out = Vec::new();
+        dump(path, DumpOptions { call_graph: true, stacks: false }, &mut out).unwrap();
+        let text = String::from_utf8(out).unwrap();
+        let lines: Vec<&str> = text.lines().skip_while(|l| !l.contains(" malloc ") || !l.contains("stack=1")).collect();
+        assert_eq!(lines[1], "\t             100 parse_request (app.c:42) (app)", "{text}");
+        assert_eq!(lines[4], "\t             400 main (app.c:200) (app)", "{text}");
+        assert_eq!(lines[5], "", "a blank line after each stack, like perf script");
+        let kernel = text.split("\n\n").find(|b| b.contains(" kmalloc ")).unwrap();
+        assert!(kernel.lines().nth(1).unwrap().contains("alloc_pipe_info ([kernel])"), "{kernel}");
+
+        let mut out = Vec::new();
+        dump(path, DumpOptions { call_graph: false, stacks: true }, &mut out).unwrap();
+        let stacks = String::from_utf8(out).unwrap();
+        let mut events = Vec::new();
+        dump(path, DumpOptions::default(), &mut events).unwrap();
+        for reference in String::from_utf8(events).unwrap().split_whitespace().filter(|w| w.starts_with("stack=")) {
+            assert!(stacks.lines().any(|l| l.split_whitespace().next() == Some(reference)), "{reference}:\n{stacks}");
+        }
+        assert!(stacks.contains("stack=3 pid=42 (cut short)"), "{stacks}");
     }
 }

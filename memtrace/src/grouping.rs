@@ -37,19 +37,61 @@ impl GroupBy {
             Self::Process => "processes",
         }
     }
+
+    /// `n` rows: "1 call site", "3 processes".
+    pub fn count(self, n: usize) -> String {
+        let one = match self {
+            Self::Site => "call site",
+            Self::Stack => "stack",
+            Self::Function => "function",
+            Self::Process => "process",
+        };
+        crate::units::counted(n as u64, one, self.plural())
+    }
+
+    /// The header of the column that names the rows.
+    pub fn header(self) -> &'static str {
+        match self {
+            Self::Site => "SITE",
+            Self::Stack => "STACK",
+            Self::Function => "FUNCTION",
+            Self::Process => "PROCESS",
+        }
+    }
 }
 
 /// A domain as reports and exports name it: `user` or `kernel`.
 pub fn domain_name(d: Domain) -> &'static str {
     match d {
         Domain::User => "user",
+        Domain::Reserved => "reserved",
         Domain::Kernel => "kernel",
+    }
+}
+
+/// A domain in one letter, as table rows mark it: `U`, `R`, `K`.
+pub fn domain_letter(d: Domain) -> &'static str {
+    match d {
+        Domain::User => "U",
+        Domain::Reserved => "R",
+        Domain::Kernel => "K",
+    }
+}
+
+/// The domain of an allocation from `origin`: its kind's, except an mmap the allocator
+/// made for itself ([`StackTable::is_reserved_mmap`]), which is reserved memory.
+pub fn domain_of(origin: &Origin, stacks: &mut StackTable) -> Domain {
+    if origin.kind == Kind::Mmap && stacks.is_reserved_mmap(origin.stack) {
+        Domain::Reserved
+    } else {
+        Domain::of(origin.kind)
     }
 }
 
 /// User space, kernel, or both.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, Default)]
 pub enum DomainFilter {
+    /// User space: the program's allocations and the memory its allocator reserved.
     User,
     Kernel,
     #[default]
@@ -58,7 +100,10 @@ pub enum DomainFilter {
 
 impl DomainFilter {
     pub fn admits(self, d: Domain) -> bool {
-        matches!((self, d), (Self::Both, _) | (Self::User, Domain::User) | (Self::Kernel, Domain::Kernel))
+        matches!(
+            (self, d),
+            (Self::Both, _) | (Self::User, Domain::User | Domain::Reserved) | (Self::Kernel, Domain::Kernel)
+        )
     }
 }
 
@@ -75,11 +120,24 @@ pub enum KindFilter {
     /// kmem_cache_alloc.
     Cache,
     Page,
+    /// User allocations: heap blocks and the program's own mmaps.
     User,
+    /// Memory the C library and its allocator reserved for themselves: thread stacks,
+    /// malloc arenas (mmaps made from inside the allocator's code).
+    Reserved,
     Kernel,
 }
 
 impl KindFilter {
+    /// Whether allocations of kind `k`, in domain `d`, are of this kind.
+    pub fn admits_in(self, k: Kind, d: Domain) -> bool {
+        match self {
+            Self::User => d == Domain::User,
+            Self::Reserved => d == Domain::Reserved,
+            _ => self.admits(k),
+        }
+    }
+
     pub fn admits(self, k: Kind) -> bool {
         match self {
             Self::Malloc => k.space() == Space::Heap,
@@ -93,6 +151,7 @@ impl KindFilter {
             Self::Cache => k == Kind::KmemCacheAlloc,
             Self::Page => k == Kind::PageAlloc,
             Self::User => !k.is_kernel(),
+            Self::Reserved => k == Kind::Mmap,
             Self::Kernel => k.is_kernel(),
         }
     }
@@ -115,7 +174,12 @@ pub struct Filters {
 impl Filters {
     /// Whether allocations of this kind count (domain and kinds).
     pub fn admits_kind(&self, kind: Kind) -> bool {
-        self.domain.admits(Domain::of(kind)) && (self.kinds.is_empty() || self.kinds.iter().any(|k| k.admits(kind)))
+        self.admits_in(kind, Domain::of(kind))
+    }
+
+    /// Whether allocations of this kind, in domain `domain`, count.
+    pub fn admits_in(&self, kind: Kind, domain: Domain) -> bool {
+        self.domain.admits(domain) && (self.kinds.is_empty() || self.kinds.iter().any(|k| k.admits_in(kind, domain)))
     }
 
     /// Whether the events of process `pid` count, its command name being in `comms`.
@@ -146,7 +210,7 @@ pub enum GroupKey {
 impl GroupKey {
     /// The row of an allocation from `origin`, grouped `by`; `stacks` names its frames.
     pub fn of(origin: &Origin, by: GroupBy, stacks: &mut StackTable) -> Self {
-        let domain = Domain::of(origin.kind);
+        let domain = domain_of(origin, stacks);
         match by {
             GroupBy::Stack => Self::Stack(domain, origin.stack, origin.call_site, 0),
             GroupBy::Process => Self::Process(domain, origin.pid),
@@ -185,7 +249,7 @@ pub fn first_frame(domain: Domain, frames: &[Frame]) -> Option<&Frame> {
 
 fn first_frame_index(domain: Domain, frames: &[Frame]) -> Option<usize> {
     match domain {
-        Domain::User => frames.iter().position(|f| !f.kernel),
+        Domain::User | Domain::Reserved => frames.iter().position(|f| !f.kernel),
         Domain::Kernel => (!frames.is_empty()).then_some(0),
     }
 }
@@ -203,18 +267,28 @@ pub const LABEL_FRAMES: usize = 3;
 /// with ` ← …` when a user stack goes on).
 pub fn label(key: &GroupKey, frames: &[Frame], comms: &HashMap<u32, String>) -> String {
     match key {
-        GroupKey::Process(_, pid) => format!("{} [{pid}]", comms.get(pid).map(String::as_str).unwrap_or("?")),
+        GroupKey::Process(_, pid) => format!("{} [{pid}]", process_name(*pid, comms)),
         GroupKey::Function(_, name) => name.clone(),
         GroupKey::Site(_, module, _) if frames.is_empty() => module.clone(),
         _ => {
             let domain = key.domain();
             let frames = site_frames(domain, frames);
             let mut s = frames.iter().take(LABEL_FRAMES).map(|f| f.to_string()).collect::<Vec<_>>().join(" ← ");
-            if domain == Domain::User && frames.len() > LABEL_FRAMES {
+            if domain != Domain::Kernel && frames.len() > LABEL_FRAMES {
                 s.push_str(" ← …");
             }
             s
         }
+    }
+}
+
+/// A process's name: its command name; the idle task's (`swapper`, whose context kernel
+/// allocations in interrupts run in) for pid 0; else `pid N`.
+pub fn process_name(pid: u32, comms: &HashMap<u32, String>) -> String {
+    match comms.get(&pid) {
+        Some(comm) => comm.clone(),
+        None if pid == 0 => "swapper".into(),
+        None => format!("pid {pid}"),
     }
 }
 
@@ -254,7 +328,8 @@ mod tests {
         let kernel = GroupKey::Stack(Domain::Kernel, 1, 0, 0);
         assert_eq!(label(&kernel, &frames, &comms), "sys_brk ← a (app.c:7) ← b (app.c:7)");
         assert_eq!(label(&GroupKey::Process(Domain::User, 42), &frames, &comms), "prog [42]");
-        assert_eq!(label(&GroupKey::Process(Domain::User, 7), &frames, &comms), "? [7]");
+        assert_eq!(label(&GroupKey::Process(Domain::User, 7), &frames, &comms), "pid 7 [7]");
+        assert_eq!(label(&GroupKey::Process(Domain::Kernel, 0), &frames, &comms), "swapper [0]");
         assert_eq!(label(&GroupKey::Function(Domain::User, "a".into()), &frames, &comms), "a");
         let none = GroupKey::Site(Domain::User, "[no stack: malloc]".into(), 0);
         assert_eq!(label(&none, &[], &comms), "[no stack: malloc]");

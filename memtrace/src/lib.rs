@@ -19,6 +19,7 @@ pub mod export;
 pub mod grouping;
 pub mod logging;
 pub mod modules;
+pub mod naming;
 pub mod probes;
 pub mod procfs;
 pub mod recording;

@@ -1,6 +1,12 @@
 //! The `memtrace` command line: parses arguments, runs a subcommand, and turns every error
 //! into one line on stderr and a non-zero exit code.
-use std::{ffi::OsString, io::Write as _, path::PathBuf, process::ExitCode, time::Duration};
+use std::{
+    ffi::OsString,
+    io::Write as _,
+    path::{Path, PathBuf},
+    process::ExitCode,
+    time::Duration,
+};
 
 use anyhow::{Result, bail};
 use clap::{Args, Parser, Subcommand};
@@ -110,8 +116,8 @@ struct TopArgs {
     /// pointers) or fp (frame pointers only, cheapest).
     #[arg(long, value_enum, default_value_t)]
     call_graph: CallGraph,
-    /// The command to run and watch, after `--`.
-    #[arg(last = true, value_name = "CMD")]
+    /// The command to run and watch, with its arguments (`--` before it is optional).
+    #[arg(trailing_var_arg = true, value_name = "CMD")]
     command: Vec<OsString>,
 }
 
@@ -149,11 +155,15 @@ fn top(args: TopArgs) -> Result<i32> {
 #[derive(Args)]
 struct ExportArgs {
     /// The recording to read.
-    #[arg(short, long, default_value = "memtrace.data")]
+    #[arg(short, long, default_value = DEFAULT_RECORDING)]
     input: PathBuf,
-    /// Where to write (default: standard output).
+    /// Where to write (default: standard output). An existing file is replaced only if it
+    /// is an earlier export of the same format; never the recording itself.
     #[arg(short, long)]
     output: Option<PathBuf>,
+    /// Replace the output file even if it is not an earlier export of this format.
+    #[arg(long)]
+    force: bool,
     #[arg(long, value_enum, default_value_t)]
     format: ExportFormat,
     /// What the width of a frame stands for (folded and svg; pprof carries them all).
@@ -189,7 +199,11 @@ impl From<FilterArgs> for Filters {
     }
 }
 
+/// Where `record` writes and `report`, `dump` and `export` read by default.
+const DEFAULT_RECORDING: &str = "memtrace.data";
+
 fn export(args: ExportArgs) -> Result<i32> {
+    readable_recording(&args.input)?;
     let opts =
         ReportOptions { by: GroupBy::Stack, filters: args.filters.into(), split_processes: true, ..Default::default() };
     let summary = report::analyze(&args.input, &opts)?;
@@ -197,9 +211,13 @@ fn export(args: ExportArgs) -> Result<i32> {
         eprintln!("memtrace: warning: {w}");
     }
     let mut out: Box<dyn std::io::Write> = match &args.output {
-        Some(path) => Box::new(std::io::BufWriter::new(
-            std::fs::File::create(path).map_err(|e| anyhow::anyhow!("creating {}: {e}", path.display()))?,
-        )),
+        Some(path) => {
+            let format = args.format;
+            let file = session::output::create_export(path, &args.input, args.force, format.noun(), &|p| {
+                format.recognizes(p)
+            })?;
+            Box::new(std::io::BufWriter::new(file))
+        }
         None => Box::new(std::io::BufWriter::new(std::io::stdout().lock())),
     };
     let result = match args.format {
@@ -208,11 +226,18 @@ fn export(args: ExportArgs) -> Result<i32> {
         ExportFormat::Pprof => export::write_pprof(&summary, &mut out),
     }
     .and_then(|()| Ok(out.flush()?));
+    drop(out);
     match result {
         Err(e) if e.downcast_ref::<std::io::Error>().is_some_and(|e| e.kind() == std::io::ErrorKind::BrokenPipe) => {
             Ok(0)
         }
-        Err(e) => Err(e),
+        Err(e) => {
+            if let Some(path) = &args.output {
+                // Nothing usable was written: leave no file behind.
+                let _ = std::fs::remove_file(path);
+            }
+            Err(e)
+        }
         Ok(()) => Ok(0),
     }
 }
@@ -220,13 +245,22 @@ fn export(args: ExportArgs) -> Result<i32> {
 #[derive(Args)]
 struct DumpArgs {
     /// The recording to read.
-    #[arg(short, long, default_value = "memtrace.data")]
+    #[arg(short, long, default_value = DEFAULT_RECORDING)]
     input: PathBuf,
+    /// Print each allocation's stack under it, symbolized (like `perf script` with -g
+    /// recordings).
+    #[arg(short = 'g', long)]
+    call_graph: bool,
+    /// Print the stacks events refer to (`stack=N`) instead of the events.
+    #[arg(long)]
+    stacks: bool,
 }
 
 fn dump(args: DumpArgs) -> Result<i32> {
+    readable_recording(&args.input)?;
     let mut out = std::io::BufWriter::new(std::io::stdout().lock());
-    memtrace::dump::dump(&args.input, &mut out)?;
+    let opts = memtrace::dump::DumpOptions { call_graph: args.call_graph, stacks: args.stacks };
+    memtrace::dump::dump(&args.input, opts, &mut out)?;
     Ok(0)
 }
 
@@ -282,7 +316,7 @@ struct RecordArgs {
     #[arg(short = 'a', long, conflicts_with = "command")]
     all: bool,
     /// Where to write the recording.
-    #[arg(short, long, default_value = "memtrace.data")]
+    #[arg(short, long, default_value = DEFAULT_RECORDING)]
     output: PathBuf,
     /// Replace the output file even if it is not a memtrace recording.
     #[arg(long)]
@@ -333,15 +367,16 @@ struct RecordArgs {
     /// No status line or summary on stderr.
     #[arg(short, long)]
     quiet: bool,
-    /// The command to run and trace, after `--`.
-    #[arg(last = true, value_name = "CMD")]
+    /// The command to run and trace, with its arguments (like `perf record ./prog args`;
+    /// everything from the command on is its own; `--` before it is optional).
+    #[arg(trailing_var_arg = true, value_name = "CMD")]
     command: Vec<OsString>,
 }
 
 #[derive(Args)]
 struct ReportArgs {
     /// The recording to read.
-    #[arg(short, long, default_value = "memtrace.data")]
+    #[arg(short, long, default_value = DEFAULT_RECORDING)]
     input: PathBuf,
     #[arg(long, value_enum, default_value_t)]
     format: Format,
@@ -350,7 +385,8 @@ struct ReportArgs {
     by: GroupBy,
     #[command(flatten)]
     filters: FilterArgs,
-    /// Column to sort by (largest first).
+    /// Column to sort by (largest first; with --leaks: blocks, bytes or age, largest bytes
+    /// allocated first by default).
     #[arg(long, value_enum, default_value_t)]
     sort: SortKey,
     /// Show only the first N rows.
@@ -364,7 +400,8 @@ struct ReportArgs {
     /// last.
     #[arg(long, value_enum, value_delimiter = ',')]
     fields: Vec<ReportColumn>,
-    /// List the blocks still live at the end, grouped by stack, oldest and largest first.
+    /// List the blocks still live at the end, grouped by stack, largest first (--sort age:
+    /// oldest first).
     #[arg(long)]
     leaks: bool,
     /// With --leaks: only blocks at least this old at the end (e.g. 5s).
@@ -383,7 +420,7 @@ fn record(args: RecordArgs) -> Result<i32> {
         (Some(pid), _, _) => Target::Pid(pid),
         (None, true, _) => Target::All,
         (None, false, false) => Target::Command(args.command),
-        (None, false, true) => bail!("say what to trace: --pid PID, -a, or -- CMD [ARGS...]"),
+        (None, false, true) => bail!("say what to trace: a command (CMD [ARGS...]), --pid PID, or -a"),
     };
     let ring_size = args.ring_size.unwrap_or_else(default_ring_bytes);
     let ring_bytes = u32::try_from(ring_size).ok().filter(|b| b.is_power_of_two() && *b >= 4096);
@@ -419,6 +456,10 @@ fn record(args: RecordArgs) -> Result<i32> {
 }
 
 fn report(args: ReportArgs) -> Result<i32> {
+    if args.sort == SortKey::Age && !args.leaks {
+        bail!("--sort age goes with --leaks (rows of allocations sort by lifetime: --sort p50 or p99)");
+    }
+    readable_recording(&args.input)?;
     let opts = ReportOptions {
         format: args.format,
         by: args.by,
@@ -455,9 +496,73 @@ fn main() -> ExitCode {
     match result {
         Ok(code) => ExitCode::from(code.clamp(0, 255) as u8),
         Err(e) => {
-            eprintln!("memtrace: {e:#}");
+            eprintln!("memtrace: {}", explain(e.as_ref()).unwrap_or_else(|| message(&e)));
             let code = e.downcast_ref::<CommandFailed>().map_or(1, |c| c.0.exit_code());
             ExitCode::from(code as u8)
         }
+    }
+}
+
+/// An error and its causes on one line, each said once: a cause whose text its wrapper
+/// already quotes (`reading the recording: No such file…`) is not repeated.
+fn message<E: AsRef<dyn std::error::Error + 'static>>(e: &E) -> String {
+    let mut out = String::new();
+    let mut cause: Option<&(dyn std::error::Error + 'static)> = Some(e.as_ref());
+    while let Some(c) = cause {
+        let text = c.to_string();
+        if !out.contains(&text) {
+            if !out.is_empty() {
+                out.push_str(": ");
+            }
+            out.push_str(&text);
+        }
+        cause = c.source();
+    }
+    out
+}
+
+/// What to do about an error users can fix, when the error itself does not say: a
+/// program without a malloc memtrace can probe.
+fn explain(e: &(dyn std::error::Error + 'static)) -> Option<String> {
+    let mut root = e;
+    while let Some(next) = root.source() {
+        root = next;
+    }
+    let root = root.to_string();
+    if !(root.starts_with("no ") && root.contains("malloc and ") && root.contains("free found in")) {
+        return None;
+    }
+    // The outermost context names the program or the pid.
+    let what = e.to_string();
+    let what = if what == root { String::new() } else { format!("{what}: ") };
+    Some(format!(
+        "{what}no malloc to probe: the program does not allocate through a C allocator memtrace can see (a Go program, or one statically linked without symbols); trace its kernel allocations with --no-user, or name a custom allocator's functions with --symbol-prefix"
+    ))
+}
+
+/// Fails with one line saying what to do when the recording at `path` cannot be opened.
+fn readable_recording(path: &Path) -> Result<()> {
+    let Err(e) = std::fs::File::open(path) else { return Ok(()) };
+    match e.kind() {
+        std::io::ErrorKind::NotFound if path == Path::new(DEFAULT_RECORDING) => {
+            bail!("no {DEFAULT_RECORDING} here; record one with `sudo memtrace record -- CMD`")
+        }
+        std::io::ErrorKind::NotFound => {
+            bail!("no {} here; record one with `sudo memtrace record -o {} -- CMD`", path.display(), path.display())
+        }
+        std::io::ErrorKind::PermissionDenied => {
+            use std::os::unix::fs::MetadataExt as _;
+            let owner = match std::fs::metadata(path).map(|m| m.uid()) {
+                Ok(0) => "root".to_string(),
+                Ok(uid) => format!("uid {uid}"),
+                Err(_) => "another user".to_string(),
+            };
+            bail!(
+                "{}: permission denied (it belongs to {owner}); read it with sudo, or make it yours with `sudo chown $USER {}`",
+                path.display(),
+                path.display()
+            )
+        }
+        _ => bail!("{}: {e}", path.display()),
     }
 }

@@ -26,7 +26,9 @@ pub struct Frame {
     pub line: Option<u32>,
     /// Object file (path or name) for user frames, "[kernel]" for kernel frames.
     pub module: String,
-    /// Offset in the module (user) or address (kernel).
+    /// Offset in the module (user) or address (kernel). In JSON a `"0x…"` string: as a
+    /// number, a kernel address (above 2^53) would lose bits in jq and JavaScript.
+    #[serde(serialize_with = "hex_address")]
     pub address: u64,
     pub kernel: bool,
     /// Inlined into the frame that follows.
@@ -49,6 +51,11 @@ impl fmt::Display for Frame {
     }
 }
 
+/// An address as JSON shows it: `"0xffffffff81a0c2d4"`.
+pub fn hex_address<S: serde::Serializer>(address: &u64, s: S) -> Result<S::Ok, S::Error> {
+    s.serialize_str(&format!("0x{address:x}"))
+}
+
 fn module_name(path: &str) -> String {
     Path::new(path).file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_else(|| path.to_string())
 }
@@ -60,7 +67,54 @@ pub struct StackTable {
     pub symbols: HashMap<SymbolKey, Vec<Symbol>>,
     /// Names computed for (stack id, call site).
     cache: HashMap<(u64, u64), Vec<Frame>>,
+    /// The allocator's object, whose own mmaps are reserved memory ([`Self::set_allocator`]).
+    allocator: Option<String>,
 }
+
+/// Functions of the page allocator: a page allocation's site is the first frame outside
+/// them, as a user allocation's is the caller of malloc.
+const PAGE_ALLOCATOR: &[&str] = &[
+    "__alloc_pages",
+    "__alloc_frozen_pages",
+    "alloc_pages",
+    "alloc_frozen_pages",
+    "__folio_alloc",
+    "folio_alloc",
+    "vma_alloc_folio",
+    "__get_free_pages",
+    "get_free_pages",
+    "get_zeroed_page",
+    "alloc_pages_exact",
+    "get_page_from_freelist",
+    "rmqueue",
+    "__rmqueue",
+    "post_alloc_hook",
+    "prep_new_page",
+];
+
+/// Whether a kernel function belongs to the page allocator (`alloc_pages_mpol`,
+/// `__alloc_frozen_pages_noprof`, `folio_alloc_mpol_noprof.isra.0`).
+pub fn is_page_allocator(function: &str) -> bool {
+    let base = function.split('.').next().unwrap_or(function);
+    PAGE_ALLOCATOR.iter().any(|p| base == *p || base.strip_prefix(p).is_some_and(|rest| rest.starts_with('_')))
+}
+
+/// Functions of a C library or allocator linked into a program (no library to tell them
+/// by) that map memory for themselves: thread stacks, malloc's heaps and arenas.
+const ALLOCATOR_MAPPERS: &[&str] = &[
+    "allocate_stack",
+    "__pthread_create_2_1",
+    "pthread_create",
+    "new_heap",
+    "alloc_new_heap",
+    "sysmalloc",
+    "sysmalloc_mmap",
+    "sysmalloc_mmap_fallback",
+    "_int_new_arena",
+    "arena_get2",
+    "__spawni",
+    "__spawnix",
+];
 
 impl StackTable {
     pub fn new(
@@ -68,7 +122,34 @@ impl StackTable {
         modules: BTreeMap<u32, Module>,
         symbols: impl IntoIterator<Item = (SymbolKey, Vec<Symbol>)>,
     ) -> Self {
-        Self { stacks, modules, symbols: symbols.into_iter().collect(), cache: HashMap::new() }
+        Self { stacks, modules, symbols: symbols.into_iter().collect(), cache: HashMap::new(), allocator: None }
+    }
+
+    /// The object the recording's allocator was found in (its `allocator`), to tell the
+    /// mmaps it makes for itself ([`Self::is_reserved_mmap`]).
+    pub fn set_allocator(&mut self, object: Option<&str>) {
+        self.allocator = object.map(module_name);
+    }
+
+    /// Whether an mmap with this stack is memory the C library or allocator reserved for
+    /// itself (a thread stack, a malloc arena), not the program's own mapping: its first
+    /// user frame is inside the allocator's library, or, for an allocator linked into the
+    /// program, in one of the functions known to map for themselves.
+    pub fn is_reserved_mmap(&mut self, stack: u64) -> bool {
+        let Some(allocator) = self.allocator.clone() else { return false };
+        let frames = self.frames(stack, 0);
+        let Some(first) = frames.iter().find(|f| !f.kernel) else { return false };
+        if allocator.contains(".so") {
+            first.module == allocator
+        } else {
+            first.module == allocator && ALLOCATOR_MAPPERS.contains(&first.function.as_str())
+        }
+    }
+
+    /// Every stack (id + 1) whose mmaps are reserved memory.
+    pub fn reserved_stacks(&mut self) -> HashSet<u64> {
+        let ids: Vec<u64> = self.stacks.keys().map(|&id| u64::from(id) + 1).collect();
+        ids.into_iter().filter(|&s| self.is_reserved_mmap(s)).collect()
     }
 
     /// Stacks recorded under more than one id with the same frames (a stack finished from a
@@ -212,15 +293,24 @@ impl StackTable {
                     }
                     None => &s.kernel[..],
                 };
-                for &addr in kernel {
-                    let named = self.name(SymbolKey::Kernel(addr));
+                let mut named: Vec<Vec<Frame>> = kernel
+                    .iter()
+                    .map(|&a| self.name(SymbolKey::Kernel(a)))
                     // The probe itself and the tracepoint's call into it are not the
                     // kernel's code: the stack starts at the function that allocated.
-                    if out.is_empty() && named.iter().all(|f| is_probe_frame(&f.function)) {
-                        continue;
+                    .skip_while(|chain| chain.iter().all(|f| is_probe_frame(&f.function)))
+                    .collect();
+                // No call site (page allocations): start at the page allocator's caller.
+                if call_site == 0 {
+                    let inside = named
+                        .iter()
+                        .take_while(|chain| chain.last().is_some_and(|f| is_page_allocator(&f.function)))
+                        .count();
+                    if inside < named.len() {
+                        named.drain(..inside);
                     }
-                    out.extend(named);
                 }
+                out.extend(named.into_iter().flatten());
                 for frame in &s.user {
                     out.extend(self.name(SymbolKey::User(*frame)));
                 }
@@ -317,6 +407,57 @@ mod tests {
             .insert(SymbolKey::Kernel(0xffff_0003), vec![Symbol { name: "alloc_pages".into(), ..Default::default() }]);
         let names: Vec<String> = t.frames(1, 0).iter().map(|f| f.function.clone()).collect();
         assert_eq!(&names[..2], ["do_thing", "alloc_pages"]);
+    }
+
+    #[test]
+    fn page_allocations_start_at_the_page_allocators_caller() {
+        for f in ["__alloc_frozen_pages_noprof", "alloc_pages_mpol", "folio_alloc_mpol_noprof.isra.0", "__alloc_pages"]
+        {
+            assert!(is_page_allocator(f), "{f}");
+        }
+        for f in ["alloc_anon_folio", "alloc_pipe_info", "alloc_slab_page", "do_anonymous_page", "pte_alloc_one"] {
+            assert!(!is_page_allocator(f), "{f}");
+        }
+        let mut t = table();
+        let names = [(0xffff_0001u64, "__alloc_frozen_pages_noprof"), (0xffff_0002, "alloc_pages_mpol")];
+        for (addr, name) in names {
+            t.symbols.insert(SymbolKey::Kernel(addr), vec![Symbol { name: name.into(), ..Default::default() }]);
+        }
+        let frames: Vec<String> = t.frames(1, 0).iter().map(|f| f.function.clone()).collect();
+        assert_eq!(frames[0], "0xffff0003", "{frames:?}");
+    }
+
+    #[test]
+    fn mmaps_from_inside_the_allocators_library_are_reserved() {
+        let mut t = table();
+        t.modules.insert(1, Module { id: 1, build_id: vec![], path: "/usr/lib/x86_64-linux-gnu/libc.so.6".into() });
+        t.stacks.insert(
+            1,
+            FileStack {
+                id: 1,
+                pid: 1,
+                kernel: vec![],
+                user: vec![
+                    FileFrame::Module { module: 1, offset: 0x90 },
+                    FileFrame::Module { module: 0, offset: 0x10 },
+                ],
+                truncated: false,
+            },
+        );
+        assert!(!t.is_reserved_mmap(2), "no allocator known");
+        t.set_allocator(Some("/lib/x86_64-linux-gnu/libc.so.6"));
+        assert!(t.is_reserved_mmap(2), "pthread_create's stack, from libc");
+        assert!(!t.is_reserved_mmap(1), "the program's own mmap");
+        assert_eq!(t.reserved_stacks(), HashSet::from([2]));
+        // An allocator linked into the program: known functions only.
+        t.set_allocator(Some("/usr/bin/prog"));
+        assert!(!t.is_reserved_mmap(1));
+        t.symbols.insert(
+            SymbolKey::User(FileFrame::Module { module: 0, offset: 0x10 }),
+            vec![Symbol { name: "allocate_stack".into(), ..Default::default() }],
+        );
+        t.cache.clear();
+        assert!(t.is_reserved_mmap(1));
     }
 
     #[test]

@@ -37,6 +37,11 @@ pub fn count(n: u64) -> String {
     out
 }
 
+/// A count and what is counted, singular or plural: `1 block`, `1,024 blocks`.
+pub fn counted(n: u64, one: &str, many: &str) -> String {
+    format!("{} {}", count(n), if n == 1 { one } else { many })
+}
+
 /// Events per second, short: `950`, `1.5k`, `2.0M`.
 pub fn rate(v: f64) -> String {
     if v >= 1e6 {
@@ -85,6 +90,9 @@ mod tests {
         assert_eq!(count(999), "999");
         assert_eq!(count(1000), "1,000");
         assert_eq!(count(1_234_567), "1,234,567");
+        assert_eq!(counted(1, "block", "blocks"), "1 block");
+        assert_eq!(counted(0, "block", "blocks"), "0 blocks");
+        assert_eq!(counted(1200, "process", "processes"), "1,200 processes");
         assert_eq!(rate(950.4), "950");
         assert_eq!(rate(1500.0), "1.5k");
         assert_eq!(rate(2_000_000.0), "2.0M");

@@ -98,7 +98,9 @@ fn folded_totals_are_exact_for_every_weight() {
     let (data, manifest) = recording();
     let report = report_json(data, &[]);
     let totals = &report["totals"];
-    let both = |f: &str| totals["user"][f].as_u64().unwrap() + totals["kernel"][f].as_u64().unwrap();
+    // Every row is in one of the domains: the user's, the allocator's reserved memory, the
+    // kernel's.
+    let both = |f: &str| ["user", "reserved", "kernel"].iter().map(|d| totals[d][f].as_u64().unwrap()).sum::<u64>();
     for (weight, figure) in [
         ("allocs", "allocs"),
         ("bytes", "bytes_req"),
@@ -208,7 +210,7 @@ fn pprof_profile_decodes_with_heap_sample_types() {
     let report = report_json(data, &[]);
     let total_allocs: i64 = profile.sample.iter().map(|s| s.value[0]).sum();
     let want =
-        report["totals"]["user"]["allocs"].as_i64().unwrap() + report["totals"]["kernel"]["allocs"].as_i64().unwrap();
+        ["user", "reserved", "kernel"].iter().map(|d| report["totals"][d]["allocs"].as_i64().unwrap()).sum::<i64>();
     assert_eq!(total_allocs, want);
     // The samples whose leaf is wl_leak hold exactly the leaked blocks, still in use.
     let function_name = |id: u64| name(profile.function.iter().find(|f| f.id == id).unwrap().name).to_string();
@@ -228,7 +230,11 @@ fn leaks_are_listed_by_stack_with_their_age() {
     let ours: Vec<&Value> = leaks.iter().filter(|l| l["frames"][0]["function"] == "wl_leak").collect();
     let blocks: u64 = ours.iter().map(|l| l["blocks"].as_u64().unwrap()).sum();
     assert_eq!(Some(blocks), expected(manifest, "wl_leak")["live_allocs"].as_u64());
-    let ages: Vec<u64> = leaks.iter().map(|l| l["oldest_age_ns"].as_u64().unwrap()).collect();
+    let bytes: Vec<u64> = leaks.iter().map(|l| l["bytes_alloc"].as_u64().unwrap()).collect();
+    assert!(bytes.windows(2).all(|w| w[0] >= w[1]), "largest first: {bytes:?}");
+    let by_age = report_json(data, &["--leaks", "--sort", "age"]);
+    let ages: Vec<u64> =
+        by_age["leaks"].as_array().unwrap().iter().map(|l| l["oldest_age_ns"].as_u64().unwrap()).collect();
     assert!(ages.windows(2).all(|w| w[0] >= w[1]), "oldest first: {ages:?}");
     // Nothing the workload leaked is a minute old.
     let old = report_json(data, &["--leaks", "--older-than", "60s"]);

@@ -5,7 +5,7 @@
 //! machine.
 pub mod histogram;
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, HashSet};
 
 use memtrace_common::{Kind, Space, TaskEvent, flags};
 use serde::Serialize;
@@ -13,15 +13,19 @@ use serde::Serialize;
 pub use self::histogram::Histogram;
 use crate::event::{Alloc, Event, Free};
 
-/// User or kernel.
+/// User or kernel; and, apart from the user's, the memory the C library and its allocator
+/// reserve for themselves (thread stacks, arenas: mmaps made from inside the allocator's
+/// own code), which is not what the program asked for.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Domain {
     User,
+    Reserved,
     Kernel,
 }
 
 impl Domain {
+    /// User or kernel, by kind (reserved mmaps are told apart by their stack).
     pub fn of(kind: Kind) -> Self {
         if kind.is_kernel() { Self::Kernel } else { Self::User }
     }
@@ -226,8 +230,11 @@ pub struct Analyzer<G: FnMut(&Origin) -> u32> {
     orphans: Vec<LiveBlock>,
     /// Per process instance: addresses freed lately.
     recent_frees: HashMap<u32, RecentFrees>,
-    /// tid → unmatched heap frees since its last allocation.
-    pending_unmatched: HashMap<u32, u64>,
+    /// tid → (pid, unmatched heap frees since its last allocation).
+    pending_unmatched: HashMap<u32, (u32, u64)>,
+    /// pid → frees of heap blocks whose allocation was not seen (per process, for the
+    /// report's warnings).
+    pub unmatched_by_pid: HashMap<u32, u64>,
     /// pid → current address-space instance.
     instances: HashMap<u32, u32>,
     next_instance: u32,
@@ -252,6 +259,9 @@ pub struct Analyzer<G: FnMut(&Origin) -> u32> {
     /// Sampling switched on during the recording (rings overflowing): (from, mean bytes).
     /// From then on frees of blocks not sampled are reported too: unknown ones are ignored.
     pub sample_from: Option<(u64, u64)>,
+    /// Stacks (id + 1) whose mmaps are reserved memory ([`Domain::Reserved`]), not the
+    /// program's own.
+    pub reserved_stacks: HashSet<u64>,
 }
 
 impl<G: FnMut(&Origin) -> u32> Analyzer<G> {
@@ -267,6 +277,7 @@ impl<G: FnMut(&Origin) -> u32> Analyzer<G> {
             orphans: Vec::new(),
             recent_frees: HashMap::new(),
             pending_unmatched: HashMap::new(),
+            unmatched_by_pid: HashMap::new(),
             instances: HashMap::new(),
             next_instance: 1,
             last_alloc: HashMap::new(),
@@ -279,6 +290,7 @@ impl<G: FnMut(&Origin) -> u32> Analyzer<G> {
             untracked: 0,
             sample_bytes: None,
             sample_from: None,
+            reserved_stacks: Default::default(),
         }
     }
 
@@ -321,7 +333,7 @@ impl<G: FnMut(&Origin) -> u32> Analyzer<G> {
             Event::Free(f) => self.free(f),
             Event::Task(t) => {
                 if t.event == TaskEvent::Exit
-                    && let Some(n) = self.pending_unmatched.remove(&t.tid)
+                    && let Some((_, n)) = self.pending_unmatched.remove(&t.tid)
                 {
                     self.totals.entry(Domain::User).or_default().allocator_frees += n;
                 }
@@ -337,8 +349,14 @@ impl<G: FnMut(&Origin) -> u32> Analyzer<G> {
         }
     }
 
-    fn totals(&mut self, kind: Kind) -> &mut Totals {
-        self.totals.entry(Domain::of(kind)).or_default()
+    /// The domain a block of this kind and stack counts in.
+    pub fn domain(&self, kind: Kind, stack: u64) -> Domain {
+        if kind == Kind::Mmap && self.reserved_stacks.contains(&stack) { Domain::Reserved } else { Domain::of(kind) }
+    }
+
+    fn totals(&mut self, kind: Kind, stack: u64) -> &mut Totals {
+        let domain = self.domain(kind, stack);
+        self.totals.entry(domain).or_default()
     }
 
     fn alloc(&mut self, a: &Alloc) {
@@ -353,9 +371,10 @@ impl<G: FnMut(&Origin) -> u32> Analyzer<G> {
 
     fn alloc_in(&mut self, a: &Alloc, forced_group: Option<u32>) {
         if a.kind.space() == Space::Heap
-            && let Some(n) = self.pending_unmatched.remove(&a.tid)
+            && let Some((pid, n)) = self.pending_unmatched.remove(&a.tid)
         {
             self.totals.entry(Domain::User).or_default().unmatched_frees += n;
+            *self.unmatched_by_pid.entry(pid).or_default() += n;
         }
         let space = self.space(a.kind, a.pid);
         let mean = match (self.sample_bytes, self.sample_from) {
@@ -387,7 +406,7 @@ impl<G: FnMut(&Origin) -> u32> Analyzer<G> {
         if self.live_count >= self.live_limit && group != EXCLUDED {
             self.untracked += 1;
             self.groups[group as usize].on_untracked_alloc(a.bytes_req, a.bytes_alloc, count);
-            self.totals(a.kind).stats.on_untracked_alloc(a.bytes_req, a.bytes_alloc, count);
+            self.totals(a.kind, a.stack).stats.on_untracked_alloc(a.bytes_req, a.bytes_alloc, count);
             return;
         }
         let replaced = match space.0 {
@@ -408,15 +427,15 @@ impl<G: FnMut(&Origin) -> u32> Analyzer<G> {
         {
             // The old block's free was never seen: retire it silently as freed.
             self.groups[old.group as usize].on_free(&old);
-            self.totals(old.kind).stats.on_free(&old);
-            self.totals(a.kind).missed_frees += 1;
+            self.totals(old.kind, old.stack).stats.on_free(&old);
+            self.totals(a.kind, a.stack).missed_frees += 1;
         }
         self.last_alloc.insert(a.tid, (space, a.ptr));
         if group == EXCLUDED {
             return;
         }
         self.groups[group as usize].on_alloc(a.bytes_req, a.bytes_alloc, count);
-        self.totals(a.kind).stats.on_alloc(a.bytes_req, a.bytes_alloc, count);
+        self.totals(a.kind, a.stack).stats.on_alloc(a.bytes_req, a.bytes_alloc, count);
     }
 
     fn retire(&mut self, block: LiveBlock, f: &Free, temporary: bool) {
@@ -434,7 +453,7 @@ impl<G: FnMut(&Origin) -> u32> Analyzer<G> {
         if other_cpu {
             g.freed_on_other_cpu += 1;
         }
-        let t = self.totals(block.kind);
+        let t = self.totals(block.kind, block.stack);
         t.stats.on_free(&block);
         t.stats.lifetimes.record_n(f.ts_ns.saturating_sub(block.ts_ns), block.count);
         if temporary {
@@ -477,12 +496,12 @@ impl<G: FnMut(&Origin) -> u32> Analyzer<G> {
             // After sampling was switched on, frees of blocks never sampled arrive too.
             None if self.sample_from.is_some_and(|(from, _)| f.ts_ns >= from) && !f.kind.is_kernel() => {}
             None if space.0 == Space::Heap && self.recent_frees.get(&space.1).is_some_and(|r| r.contains(f.ptr)) => {
-                self.totals(f.kind).allocator_frees += 1;
+                self.totals(f.kind, 0).allocator_frees += 1;
             }
             // Decided later: at thread exit glibc frees its per-thread cache, chunks the
             // program never saw included; such frees come after the thread's last allocation.
-            None if space.0 == Space::Heap => *self.pending_unmatched.entry(f.tid).or_default() += 1,
-            None => self.totals(f.kind).unmatched_frees += 1,
+            None if space.0 == Space::Heap => self.pending_unmatched.entry(f.tid).or_insert((f.pid, 0)).1 += 1,
+            None => self.totals(f.kind, 0).unmatched_frees += 1,
         }
     }
 
@@ -510,7 +529,11 @@ impl<G: FnMut(&Origin) -> u32> Analyzer<G> {
 
     /// Settles what is still undecided; call once after the last event.
     pub fn finish(&mut self) {
-        let pending: u64 = self.pending_unmatched.drain().map(|(_, n)| n).sum();
+        let mut pending = 0;
+        for (_, (pid, n)) in self.pending_unmatched.drain() {
+            pending += n;
+            *self.unmatched_by_pid.entry(pid).or_default() += n;
+        }
         if pending > 0 {
             self.totals.entry(Domain::User).or_default().unmatched_frees += pending;
         }

@@ -6,6 +6,7 @@
 //!
 //! The rows come from [`crate::report::analyze`] grouped by stack, each process apart;
 //! [`pprof`] encodes the profile.
+pub mod existing;
 pub mod pprof;
 #[cfg(test)]
 mod tests;

@@ -14,11 +14,13 @@ use serde::Serialize;
 use super::{
     load::{Definitions, for_each_event, read_definitions},
     options::{ReportOptions, SortKey},
+    sites,
+    warnings::{ProcessTally, under_counting},
 };
 use crate::{
     analysis::{Analyzer, Domain, EXCLUDED, LiveBlock, Origin, Stats, Totals},
     event::Event,
-    grouping::{Filters, GroupBy, GroupKey, label},
+    grouping::{Filters, GroupBy, GroupKey, domain_of, label},
     recording::{self, Meta},
     stacks::{Frame, StackTable},
 };
@@ -39,6 +41,19 @@ pub struct Summary {
     pub stacks: StackTable,
     /// Per domain: allocations traced with a stack, and how many of those stacks were cut.
     pub coverage: BTreeMap<Domain, StackCoverage>,
+    /// The warnings about under-counting (also in `warnings`): what `record` repeats when
+    /// it ends.
+    pub under_counting: Vec<String>,
+    /// All the blocks still live (`--leaks`), before `--top` keeps the first rows.
+    pub leak_totals: LeakTotals,
+}
+
+/// What `--leaks` found in all: blocks, bytes and stacks.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct LeakTotals {
+    pub blocks: u64,
+    pub bytes_req: u64,
+    pub stacks: usize,
 }
 
 /// How whole the stacks of a domain's allocations are.
@@ -106,7 +121,7 @@ impl Grouper<'_> {
     const MAX_PIDS: usize = 64;
 
     fn group_of(&mut self, o: &Origin) -> u32 {
-        if !self.filters.admits_kind(o.kind) {
+        if !self.filters.admits_in(o.kind, domain_of(o, self.stacks)) {
             return EXCLUDED;
         }
         let mut key = GroupKey::of(o, self.by, self.stacks);
@@ -172,6 +187,8 @@ pub fn analyze(path: &Path, opts: &ReportOptions) -> Result<Summary> {
             warnings.push(format!("{named} addresses were symbolized from this machine's files, not the recording"));
         }
     }
+    table.set_allocator(meta.allocator.as_deref());
+    let reserved_stacks = table.reserved_stacks();
 
     let filters = &opts.filters;
     let duplicates = table.duplicates();
@@ -187,9 +204,12 @@ pub fn analyze(path: &Path, opts: &ReportOptions) -> Result<Summary> {
         index: HashMap::new(),
     };
 
+    let mut tallies: BTreeMap<u32, ProcessTally> = BTreeMap::new();
+    let mut user_allocs_seen = false;
     let mut analyzer = Analyzer::new(|o: &Origin| grouper.group_of(o));
     analyzer.sample_bytes = meta.sample_bytes;
     analyzer.sample_from = stats.sampled_from;
+    analyzer.reserved_stacks = reserved_stacks;
     for_each_event(path, &mut |mut event| {
         if let Event::Alloc(a) = &mut event
             && let Some(&canonical) = duplicates.get(&a.stack)
@@ -197,10 +217,21 @@ pub fn analyze(path: &Path, opts: &ReportOptions) -> Result<Summary> {
             a.stack = canonical;
         }
         if let Event::Task(t) = &event
-            && matches!(t.event, TaskEvent::Exec | TaskEvent::Rename | TaskEvent::Fork)
             && t.tid == t.pid
         {
-            comms.insert(t.pid, t.comm.clone());
+            match t.event {
+                TaskEvent::Exec | TaskEvent::Rename | TaskEvent::Fork => {
+                    comms.insert(t.pid, t.comm.clone());
+                }
+                // A process that was never named otherwise: its name as it exits.
+                TaskEvent::Exit => {
+                    comms.entry(t.pid).or_insert_with(|| t.comm.clone());
+                }
+                _ => {}
+            }
+            if matches!(t.event, TaskEvent::Exec | TaskEvent::Fork) {
+                tallies.entry(t.pid).or_default().started_traced = true;
+            }
         }
         let pid = match &event {
             Event::Alloc(a) => a.pid,
@@ -208,12 +239,26 @@ pub fn analyze(path: &Path, opts: &ReportOptions) -> Result<Summary> {
             Event::Task(t) => t.pid,
         };
         let process_ok = filters.admits_process(pid, &comms);
+        if let Event::Alloc(a) = &event {
+            user_allocs_seen |= !a.kind.is_kernel();
+        }
         if let Event::Alloc(a) = &event
             && a.stack != 0
             && process_ok
             && filters.domain.admits(Domain::of(a.kind))
         {
             coverage.count(Domain::of(a.kind), a.stack);
+            if !a.kind.is_kernel() {
+                let t = tallies.entry(a.pid).or_default();
+                t.with_stack += 1;
+                t.truncated += u64::from(coverage.truncated_ids.contains(&a.stack));
+            }
+        }
+        if let Event::Free(f) = &event
+            && process_ok
+            && f.kind.space() == memtrace_common::Space::Heap
+        {
+            tallies.entry(f.pid).or_default().frees += 1;
         }
         match &event {
             Event::Alloc(a) if !process_ok || !filters.admits_size(a.bytes_req) => analyzer.push_excluded(a),
@@ -226,6 +271,9 @@ pub fn analyze(path: &Path, opts: &ReportOptions) -> Result<Summary> {
         }
     })?;
     analyzer.finish();
+    for (pid, n) in &analyzer.unmatched_by_pid {
+        tallies.entry(*pid).or_default().unmatched_frees = *n;
+    }
     let live: Vec<LiveBlock> = analyzer.live_blocks().copied().collect();
     let (groups, totals, first_ts, last_ts, events) =
         (analyzer.groups, analyzer.totals, analyzer.first_ts, analyzer.last_ts, analyzer.events);
@@ -249,14 +297,21 @@ pub fn analyze(path: &Path, opts: &ReportOptions) -> Result<Summary> {
             call_site: info.call_site,
         });
     }
+    sites::disambiguate(&mut rows, opts.by);
     sort_rows(&mut rows, opts.sort);
     if let Some(n) = opts.top {
         rows.truncate(n);
     }
 
     let end_ts = last_ts.max(stats.end_monotonic_ns);
-    let leaks = if opts.leaks { leak_rows(&live, &infos, &mut table, end_ts, opts) } else { Vec::new() };
+    let (leaks, leak_totals) =
+        if opts.leaks { leak_rows(&live, &infos, &mut table, end_ts, opts) } else { Default::default() };
     let duration_ns = first_ts.map_or(0, |f| end_ts.saturating_sub(f));
+    let mut under_counting = under_counting(&tallies, &comms, &meta, &stats);
+    if meta.user && meta.mode == "command" && !user_allocs_seen && finalized {
+        under_counting.push(super::warnings::nothing_seen(&meta));
+    }
+    warnings.extend(under_counting.iter().cloned());
     Ok(Summary {
         meta,
         stats,
@@ -271,6 +326,8 @@ pub fn analyze(path: &Path, opts: &ReportOptions) -> Result<Summary> {
         comms,
         stacks: table,
         coverage: coverage.coverage,
+        under_counting,
+        leak_totals,
     })
 }
 
@@ -290,7 +347,7 @@ pub fn sort_value(key: SortKey, s: &Stats) -> f64 {
         SortKey::P99 => s.lifetimes.quantile(0.99).unwrap_or(0) as f64,
         SortKey::Temp => s.temporary as f64,
         SortKey::OtherCpu => s.freed_on_other_cpu as f64,
-        SortKey::Unmatched => 0.0,
+        SortKey::Unmatched | SortKey::Age => 0.0,
     }
 }
 
@@ -303,14 +360,29 @@ fn sort_rows(rows: &mut [GroupRow], key: SortKey) {
     });
 }
 
-/// The live blocks at least `--older-than` old, per stack: oldest first, then largest.
+/// The figure leak rows are sorted by, as `--sort` names it for groups: blocks, bytes
+/// requested or allocated, or age.
+fn leak_value(key: SortKey, l: &LeakRow) -> f64 {
+    match key {
+        SortKey::Allocs | SortKey::LiveAllocs | SortKey::Frees | SortKey::Temp => l.blocks as f64,
+        SortKey::Req | SortKey::Live | SortKey::Peak => l.bytes_req as f64,
+        SortKey::Wasted => l.bytes_alloc.saturating_sub(l.bytes_req) as f64,
+        SortKey::Frag if l.bytes_alloc > 0 => 100.0 - 100.0 * l.bytes_req as f64 / l.bytes_alloc as f64,
+        SortKey::Frag => 0.0,
+        SortKey::Age | SortKey::P50 | SortKey::P99 => l.oldest_age_ns as f64,
+        SortKey::Alloc | SortKey::OtherCpu | SortKey::Unmatched => l.bytes_alloc as f64,
+    }
+}
+
+/// The live blocks at least `--older-than` old, per stack, sorted as `--sort` says
+/// (largest first by default), and what they add up to before `--top`.
 fn leak_rows(
     live: &[LiveBlock],
     infos: &[GroupInfo],
     table: &mut StackTable,
     end_ts: u64,
     opts: &ReportOptions,
-) -> Vec<LeakRow> {
+) -> (Vec<LeakRow>, LeakTotals) {
     let min_age = opts.older_than.map_or(0, |d| d.as_nanos() as u64);
     let mut by_stack: HashMap<(Domain, u64, u64), LeakRow> = HashMap::new();
     for b in live {
@@ -319,7 +391,7 @@ fn leak_rows(
             continue;
         }
         let info = &infos[b.group as usize];
-        let domain = Domain::of(b.kind);
+        let domain = info.key.domain();
         let call_site = if domain == Domain::Kernel { info.call_site } else { 0 };
         let row = by_stack.entry((domain, b.stack, call_site)).or_insert_with(|| LeakRow {
             domain,
@@ -332,9 +404,9 @@ fn leak_rows(
             stack: b.stack,
             call_site,
         });
-        row.blocks += 1;
-        row.bytes_req += b.bytes_req;
-        row.bytes_alloc += b.bytes_alloc;
+        row.blocks += b.count;
+        row.bytes_req += b.bytes_req * b.count;
+        row.bytes_alloc += b.bytes_alloc * b.count;
         row.oldest_age_ns = row.oldest_age_ns.max(age);
         if !row.pids.contains(&b.pid) && row.pids.len() < Grouper::MAX_PIDS {
             row.pids.push(b.pid);
@@ -344,10 +416,19 @@ fn leak_rows(
     for r in &mut rows {
         r.frames = table.frames(r.stack, r.call_site);
     }
-    // Oldest first; among equally old, largest first.
-    rows.sort_by(|a, b| b.oldest_age_ns.cmp(&a.oldest_age_ns).then(b.bytes_req.cmp(&a.bytes_req)));
+    let totals = LeakTotals {
+        blocks: rows.iter().map(|r| r.blocks).sum(),
+        bytes_req: rows.iter().map(|r| r.bytes_req).sum(),
+        stacks: rows.len(),
+    };
+    rows.sort_by(|a, b| {
+        leak_value(opts.sort, b)
+            .total_cmp(&leak_value(opts.sort, a))
+            .then(b.bytes_req.cmp(&a.bytes_req))
+            .then(b.oldest_age_ns.cmp(&a.oldest_age_ns))
+    });
     if let Some(n) = opts.top {
         rows.truncate(n);
     }
-    rows
+    (rows, totals)
 }

@@ -104,12 +104,16 @@ struct JsonLeak<'a> {
 }
 
 pub fn render_json(a: &Summary, opts: &ReportOptions) -> Result<String> {
-    let totals: BTreeMap<&str, JsonTotals> = a
+    let mut totals: BTreeMap<&str, JsonTotals> = a
         .totals
         .iter()
         .filter(|(d, _)| opts.filters.domain.admits(**d))
         .map(|(d, t)| (domain_name(*d), JsonTotals::of(t)))
         .collect();
+    // Wherever user figures are, the reserved ones are too (zero when nothing was).
+    if totals.contains_key("user") {
+        totals.entry(domain_name(Domain::Reserved)).or_insert_with(|| JsonTotals::of(&Totals::default()));
+    }
     let sites: Vec<JsonSite<'_>> = a
         .groups
         .iter()

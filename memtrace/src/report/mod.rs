@@ -10,12 +10,14 @@ pub mod analyze;
 pub mod json;
 pub mod load;
 pub mod options;
+pub mod sites;
 #[cfg(test)]
 pub(crate) mod tests;
 pub mod text;
+pub mod warnings;
 
 pub use self::{
-    analyze::{GroupRow, LeakRow, StackCoverage, Summary, analyze},
+    analyze::{GroupRow, LeakRow, LeakTotals, StackCoverage, Summary, analyze},
     json::render_json,
     load::{Definitions, for_each_event, read_definitions},
     options::{Format, ReportColumn, ReportOptions, SortKey},

@@ -42,6 +42,8 @@ pub enum SortKey {
     OtherCpu,
     /// Frees seen without their allocation (counted in the summary only).
     Unmatched,
+    /// With --leaks: the oldest block first.
+    Age,
 }
 
 impl SortKey {
@@ -61,8 +63,41 @@ impl SortKey {
             Self::P99 => ReportColumn::P99,
             Self::Temp => ReportColumn::Temp,
             Self::OtherCpu => ReportColumn::OtherCpu,
-            Self::Unmatched => return None,
+            Self::Unmatched | Self::Age => return None,
         })
+    }
+
+    /// What rows sorted by this key are sorted by, in words.
+    pub fn describe(self) -> &'static str {
+        match self {
+            Self::Allocs => "allocations",
+            Self::Frees => "frees",
+            Self::Req => "bytes requested",
+            Self::Alloc | Self::Unmatched => "bytes allocated",
+            Self::Wasted => "bytes wasted",
+            Self::Frag => "fragmentation",
+            Self::Live => "live bytes",
+            Self::LiveAllocs => "live blocks",
+            Self::Peak => "peak live bytes",
+            Self::P50 => "median lifetime",
+            Self::P99 => "99th-percentile lifetime",
+            Self::Temp => "temporary allocations",
+            Self::OtherCpu => "frees on another CPU",
+            Self::Age => "age",
+        }
+    }
+
+    /// What leak rows sorted by this key are sorted by (`--leaks` has blocks, bytes and
+    /// ages).
+    pub fn describe_leaks(self) -> &'static str {
+        match self {
+            Self::Allocs | Self::LiveAllocs | Self::Frees | Self::Temp => "blocks",
+            Self::Req | Self::Live | Self::Peak => "bytes requested",
+            Self::Wasted => "bytes wasted",
+            Self::Frag => "fragmentation",
+            Self::Age | Self::P50 | Self::P99 => "age, oldest first",
+            Self::Alloc | Self::OtherCpu | Self::Unmatched => "bytes allocated",
+        }
     }
 }
 

@@ -10,8 +10,8 @@ use super::{
 use crate::{
     analysis::Domain,
     columns::{ColumnChoice, TextColumn, TextTable, Width, ellipsize},
-    grouping::{GroupBy, domain_name, site_frames},
-    units::{bytes, count, duration, percent},
+    grouping::{GroupBy, domain_letter, domain_name, process_name, site_frames},
+    units::{bytes, count, counted, duration, percent},
 };
 
 fn describe_target(a: &Summary) -> String {
@@ -22,7 +22,7 @@ fn describe_target(a: &Summary) -> String {
         }
         "pid" => {
             let pid = m.target_pids.first().copied().unwrap_or(0);
-            format!("pid {pid} ({})", a.comms.get(&pid).map(String::as_str).unwrap_or("?"))
+            format!("pid {pid} ({})", process_name(pid, &a.comms))
         }
         _ => "the whole machine".into(),
     };
@@ -86,15 +86,24 @@ pub fn render_text(a: &Summary, opts: &ReportOptions) -> String {
         if c.allocs_with_stack == 0 {
             continue;
         }
+        let share = format!(
+            "{}, {}",
+            percent(100.0 * c.allocs_truncated as f64 / c.allocs_with_stack as f64),
+            counted(c.stacks_truncated, "distinct stack", "distinct stacks")
+        );
+        let (cut, walk) = match domain {
+            // The user part of a kernel allocation's stack (the code that made the system
+            // call) is what can be cut; how it was walked is said on the user line.
+            Domain::Kernel => ("cut short in user space", String::new()),
+            _ if a.meta.call_graph == "dwarf" => ("cut short", "; walked by call-frame information".to_string()),
+            _ => ("cut short", "; walked by frame pointers".to_string()),
+        };
         let _ = writeln!(
             out,
-            "{} stacks: {} of {} allocations cut short ({}, {} distinct stacks; walked by {})",
+            "{} stacks: {} of {} allocations {cut} ({share}{walk})",
             domain_name(*domain),
             count(c.allocs_truncated),
             count(c.allocs_with_stack),
-            percent(100.0 * c.allocs_truncated as f64 / c.allocs_with_stack as f64),
-            count(c.stacks_truncated),
-            if a.meta.call_graph == "dwarf" { "call-frame information" } else { "frame pointers" },
         );
     }
     if let Some(code) = s.exit_code {
@@ -103,10 +112,10 @@ pub fn render_text(a: &Summary, opts: &ReportOptions) -> String {
     out.push('\n');
 
     if opts.leaks {
-        render_leaks(a, opts.layout.width, &mut out);
+        render_leaks(a, opts, &mut out);
         return out;
     }
-    let _ = writeln!(out, "{} {}, by {:?}:", a.groups.len(), a.by.plural(), opts.sort);
+    let _ = writeln!(out, "{}, sorted by {}:", a.by.count(a.groups.len()), opts.sort.describe());
     let lines = groups_table(a, opts).lines(opts.layout.width);
     let mut lines = lines.iter();
     if let Some(h) = lines.next() {
@@ -187,49 +196,37 @@ fn name(g: &GroupRow, by: GroupBy) -> String {
     }
 }
 
-/// Header of the name column.
-fn names_header(by: GroupBy) -> &'static str {
-    match by {
-        GroupBy::Site => "SITE",
-        GroupBy::Stack => "STACK",
-        GroupBy::Function => "FUNCTION",
-        GroupBy::Process => "PROCESS",
-    }
-}
-
 fn groups_table(a: &Summary, opts: &ReportOptions) -> TextTable {
     let sorted = opts.sort.column();
-    let mut columns = vec![TextColumn::new(
-        "",
-        0,
-        a.groups.iter().map(|g| if g.domain == Domain::User { "U" } else { "K" }.to_string()).collect(),
-    )];
+    let mut columns =
+        vec![TextColumn::new("", 0, a.groups.iter().map(|g| domain_letter(g.domain).to_string()).collect())];
     for c in opts.layout.candidates(&ReportColumn::ALL) {
         let rank = if Some(c) == sorted { 1 } else { c.rank() };
         columns.push(TextColumn::new(c.header(), rank, a.groups.iter().map(|g| cell(c, g)).collect()));
     }
     TextTable {
         columns,
-        names: Some((names_header(a.by).into(), a.groups.iter().map(|g| name(g, a.by)).collect())),
+        names: Some((a.by.header().into(), a.groups.iter().map(|g| name(g, a.by)).collect())),
         keep_all: !matches!(opts.layout.columns, ColumnChoice::Fit),
     }
 }
 
-fn render_leaks(a: &Summary, width: Width, out: &mut String) {
-    let blocks: u64 = a.leaks.iter().map(|l| l.blocks).sum();
-    let total: u64 = a.leaks.iter().map(|l| l.bytes_req).sum();
+fn render_leaks(a: &Summary, opts: &ReportOptions, out: &mut String) {
+    let t = &a.leak_totals;
     let _ = writeln!(
         out,
-        "{} blocks ({}) still live at the end, from {} stacks, oldest first:",
-        count(blocks),
-        bytes(total),
-        a.leaks.len()
+        "{} ({}) still live at the end, from {}, sorted by {}{}:",
+        counted(t.blocks, "block", "blocks"),
+        bytes(t.bytes_req),
+        counted(t.stacks as u64, "stack", "stacks"),
+        opts.sort.describe_leaks(),
+        if a.leaks.len() < t.stacks { format!("; the first {}", a.leaks.len()) } else { String::new() },
     );
     for l in &a.leaks {
         let _ = writeln!(
             out,
-            "\n{} blocks, {} requested ({} allocated), oldest {} old, {} pid {}",
-            count(l.blocks),
+            "\n{}, {} requested ({} allocated), oldest {} old, {} pid {}",
+            counted(l.blocks, "block", "blocks"),
             bytes(l.bytes_req),
             bytes(l.bytes_alloc),
             duration(l.oldest_age_ns),
@@ -237,7 +234,7 @@ fn render_leaks(a: &Summary, width: Width, out: &mut String) {
             l.pids.iter().map(|p| p.to_string()).collect::<Vec<_>>().join(",")
         );
         for f in &l.frames {
-            let _ = writeln!(out, "{}", frame_line("    ", f, width));
+            let _ = writeln!(out, "{}", frame_line("    ", f, opts.layout.width));
         }
     }
 }

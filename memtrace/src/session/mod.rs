@@ -88,8 +88,6 @@ pub const RING_BATCH: usize = 1 << 15;
 /// Events waiting to be put in time order, at most (beyond, the oldest are released before
 /// their time: memory stays bounded under any load).
 const MAX_HELD_EVENTS: usize = 1 << 21;
-/// After forwarding Ctrl-C to the command, how long to wait for it to exit.
-const CHILD_GRACE: Duration = Duration::from_secs(2);
 
 pub fn monotonic_ns() -> u64 {
     let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
@@ -558,23 +556,40 @@ impl Tracer {
         }
     }
 
-    /// Decides what a signal does: a command gets the first one (it decides how to stop),
-    /// anything else stops the session. Returns whether to stop now.
+    /// Decides what a signal does, like perf: a command gets the first one and tracing
+    /// goes on until it exits (it decides how to stop, or whether to); a second one stops
+    /// tracing and leaves the command running. Anything else stops the session at once.
+    /// Ctrl-C at a terminal already reached the command (the terminal signals the whole
+    /// foreground process group), so it is passed on only when it came from elsewhere
+    /// (`kill`): the command sees each Ctrl-C once. Returns whether to stop now.
     pub fn on_signal(&mut self, sig: i32) -> bool {
         match (self.is_command, self.forwarded_signal, self.target_pid) {
             (true, None, Some(pid)) => {
-                // SAFETY: sends a signal to our own child.
-                unsafe { libc::kill(pid as i32, sig) };
+                if !(sig == libc::SIGINT && from_the_terminal_to(pid)) {
+                    // SAFETY: sends a signal to our own child.
+                    unsafe { libc::kill(pid as i32, sig) };
+                }
                 self.forwarded_signal = Some((sig, Instant::now()));
+                if !self.options.quiet {
+                    eprintln!(
+                        "memtrace: {} passed to the command; tracing until it exits (Ctrl-C again to stop tracing and leave it running)",
+                        signal_name(sig)
+                    );
+                }
                 false
             }
             _ => true,
         }
     }
 
-    /// A signal forwarded to the command that did not make it exit in time.
-    pub fn signal_grace_expired(&self) -> Option<i32> {
-        self.forwarded_signal.filter(|(_, at)| at.elapsed() > CHILD_GRACE).map(|(sig, _)| sig)
+    /// After tracing stopped on a second signal: the pid of the command if it still runs
+    /// (it is left running, no longer traced).
+    pub fn command_left_running(&mut self) -> Option<u32> {
+        let pid = self.target_pid.filter(|_| self.is_command && self.forwarded_signal.is_some())?;
+        let mut status = 0;
+        // SAFETY: polls our own child; WNOHANG never blocks.
+        let r = unsafe { libc::waitpid(pid as i32, &mut status, libc::WNOHANG) };
+        (r == 0).then_some(pid)
     }
 
     /// The command's exit code once it exited (None when tracing a pid we did not start).
@@ -638,6 +653,27 @@ fn probe_scope(probes: &Probes, options: &TraceOptions, pid: Option<u32>) -> Opt
         Target::All => None,
         _ if following && probes.attach_path() == AttachPath::Multi => None,
         _ => pid,
+    }
+}
+
+/// Whether a SIGINT just received came from our terminal and reached `child` too: we are
+/// in the terminal's foreground process group, and so is the child.
+fn from_the_terminal_to(child: u32) -> bool {
+    // SAFETY: plain queries about processes and descriptors; no memory is passed.
+    unsafe {
+        let group = libc::getpgrp();
+        libc::getpgid(child as i32) == group
+            && [0, 1, 2].iter().any(|&fd| libc::isatty(fd) == 1 && libc::tcgetpgrp(fd) == group)
+    }
+}
+
+/// `SIGINT`, `SIGTERM`, `SIGHUP`.
+fn signal_name(sig: i32) -> String {
+    match sig {
+        libc::SIGINT => "SIGINT".into(),
+        libc::SIGTERM => "SIGTERM".into(),
+        libc::SIGHUP => "SIGHUP".into(),
+        n => format!("signal {n}"),
     }
 }
 

@@ -1,10 +1,15 @@
-//! Creating the recording file safely: mode 0600 (it names other users' code and
-//! addresses), never through a symlink, and overwriting only a previous recording unless
-//! `--force`.
+//! Creating the files memtrace writes (recordings, exports) safely: mode 0600 (they name
+//! other users' code and addresses), never through a symlink, overwriting only a file of
+//! the same kind (a previous recording, an earlier export of the same format) unless
+//! `--force`, and under `sudo` handed to the user who ran sudo, so that the commands that
+//! read them next need no sudo.
 use std::{
     fs::{self, File, OpenOptions},
     io::{self, Read},
-    os::unix::fs::{FileTypeExt, OpenOptionsExt},
+    os::{
+        fd::AsRawFd as _,
+        unix::fs::{FileTypeExt, MetadataExt as _, OpenOptionsExt},
+    },
     path::Path,
 };
 
@@ -24,22 +29,67 @@ fn is_recording(path: &Path) -> bool {
 
 /// Creates `path` for writing a recording.
 pub fn create(path: &Path, force: bool) -> Result<File> {
+    create_replacing(path, force, "a memtrace recording", &is_recording)
+}
+
+/// Whether `a` and `b` name the same file (following symlinks).
+pub fn same_file(a: &Path, b: &Path) -> bool {
+    match (fs::metadata(a), fs::metadata(b)) {
+        (Ok(a), Ok(b)) => a.dev() == b.dev() && a.ino() == b.ino(),
+        _ => false,
+    }
+}
+
+/// Creates `path` for writing an export of the recording `input`: never the recording
+/// itself (not even with `--force`), and an existing file only if `is_same_kind` says it
+/// is an earlier export of the same format (`what` names that kind), or with `--force`.
+pub fn create_export(
+    path: &Path,
+    input: &Path,
+    force: bool,
+    what: &str,
+    is_same_kind: &dyn Fn(&Path) -> bool,
+) -> Result<File> {
+    if same_file(path, input) {
+        bail!("{} is the recording being exported; write the export to another file", path.display());
+    }
+    create_replacing(path, force, what, is_same_kind)
+}
+
+/// Under `sudo`, hands a file memtrace created to the user who ran sudo (`SUDO_UID`,
+/// `SUDO_GID`); otherwise leaves it to its creator. Best effort: a file that cannot be
+/// handed over stays root's.
+pub fn hand_to_invoking_user(file: &File) {
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } != 0 {
+        return;
+    }
+    let id = |name: &str| std::env::var(name).ok().and_then(|v| v.trim().parse::<u32>().ok());
+    let (Some(uid), Some(gid)) = (id("SUDO_UID"), id("SUDO_GID")) else { return };
+    // SAFETY: fchown on a descriptor we own.
+    unsafe { libc::fchown(file.as_raw_fd(), uid, gid) };
+}
+
+/// Creates `path` (mode 0600, never through a symlink); an existing file is replaced only
+/// if `replaceable` says it is `what`, or with `force`.
+fn create_replacing(path: &Path, force: bool, what: &str, replaceable: &dyn Fn(&Path) -> bool) -> Result<File> {
+    let noun = what;
     match fs::symlink_metadata(path) {
         Ok(meta) => {
             let kind = meta.file_type();
             if kind.is_dir() {
                 bail!("{} is a directory", path.display());
             }
-            let replaceable = force || (kind.is_file() && is_recording(path));
+            let replaceable = force || (kind.is_file() && replaceable(path));
             if !replaceable {
                 let what = if kind.is_symlink() {
-                    "is a symbolic link"
+                    "is a symbolic link".to_string()
                 } else if kind.is_file() {
-                    "exists and is not a memtrace recording"
+                    format!("exists and is not {noun}")
                 } else if kind.is_fifo() || kind.is_socket() || kind.is_char_device() || kind.is_block_device() {
-                    "is not a regular file"
+                    "is not a regular file".to_string()
                 } else {
-                    "exists"
+                    "exists".to_string()
                 };
                 bail!("{} {what}; use --force to replace it", path.display());
             }
@@ -50,13 +100,15 @@ pub fn create(path: &Path, force: bool) -> Result<File> {
         Err(e) => return Err(e).with_context(|| format!("checking {}", path.display())),
     }
     // O_EXCL fails if anything (a symlink included) appeared in the meantime.
-    OpenOptions::new()
+    let file = OpenOptions::new()
         .write(true)
         .create_new(true)
         .mode(0o600)
         .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
         .open(path)
-        .with_context(|| format!("creating {}", path.display()))
+        .with_context(|| format!("creating {}", path.display()))?;
+    hand_to_invoking_user(&file);
+    Ok(file)
 }
 
 #[cfg(test)]
@@ -89,6 +141,35 @@ mod tests {
         fs::write(&out, b"precious").unwrap();
         drop(create(&out, true).unwrap());
         assert_eq!(fs::read(&out).unwrap(), b"");
+        fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn exports_never_replace_their_recording_nor_foreign_files() {
+        let dir = tempdir();
+        let input = dir.join("in.data");
+        fs::write(&input, b"MEMTRACE\x01\x00").unwrap();
+        let folded = |p: &Path| fs::read(p).is_ok_and(|b| b.ends_with(b" 1\n"));
+        // The recording itself, even with --force, and through another name.
+        for force in [false, true] {
+            let err = create_export(&input, &input, force, "a folded export", &folded).unwrap_err().to_string();
+            assert!(err.contains("is the recording being exported"), "{err}");
+        }
+        let alias = dir.join("alias.data");
+        std::os::unix::fs::symlink(&input, &alias).unwrap();
+        assert!(create_export(&alias, &input, true, "a folded export", &folded).is_err());
+        assert_eq!(fs::read(&input).unwrap(), b"MEMTRACE\x01\x00");
+        // A file of another kind only with --force; an earlier export of the same kind.
+        let source = dir.join("prog.c");
+        fs::write(&source, b"int main(void) { return 0; }\n").unwrap();
+        let err = create_export(&source, &input, false, "a folded export", &folded).unwrap_err().to_string();
+        assert_eq!(err, format!("{} exists and is not a folded export; use --force to replace it", source.display()));
+        assert_eq!(fs::read(&source).unwrap(), b"int main(void) { return 0; }\n");
+        drop(create_export(&source, &input, true, "a folded export", &folded).unwrap());
+        let earlier = dir.join("out.folded");
+        fs::write(&earlier, b"app;main 1\n").unwrap();
+        drop(create_export(&earlier, &input, false, "a folded export", &folded).unwrap());
+        assert_eq!(fs::read(&earlier).unwrap(), b"");
         fs::remove_dir_all(&dir).unwrap();
     }
 

@@ -12,14 +12,12 @@ use std::{
 };
 
 use anyhow::{Context as _, Result, bail};
-use memtrace_common::{TaskEvent, flags};
 
 use super::{Sink, TraceOptions, Tracer, Wake, Waker, block_on, monotonic_ns, output};
 use crate::{
-    event::{Event, StackRecord, Task},
-    modules::ModuleTable,
-    procfs,
-    recording::{FileFrame, FileStack, Meta, Stats, SymbolKey, Writer},
+    event::{Event, StackRecord},
+    naming::Namer,
+    recording::{FileFrame, Meta, Stats, SymbolKey, Writer},
     symbolize::Symbolizer,
 };
 
@@ -66,44 +64,14 @@ fn read_trimmed(path: &str) -> String {
 /// The sink of a recording.
 struct Recorder {
     writer: Writer<BufWriter<File>>,
-    modules: ModuleTable,
-    /// Probe stack hash → file stack id.
-    stack_ids: HashMap<u64, u32>,
-    defined: HashSet<u32>,
+    /// Stacks, modules and process names, as `top` names them too.
+    namer: Namer,
     user_frames: HashSet<FileFrame>,
     kernel_addrs: HashSet<u64>,
-    pids_seen: HashSet<u32>,
-    /// Processes whose name the recording already holds.
-    named: HashSet<u32>,
     write_error: Option<io::Error>,
 }
 
 impl Recorder {
-    fn stack_id(&mut self, hash: u64) -> u32 {
-        let next = self.stack_ids.len() as u32;
-        *self.stack_ids.entry(hash).or_insert(next)
-    }
-
-    /// Records the name of a process met for the first time (one already running when
-    /// tracing began has no exec event to name it).
-    fn name_process(&mut self, pid: u32, ts_ns: u64) {
-        if pid == 0 || !self.named.insert(pid) {
-            return;
-        }
-        if let Some(comm) = procfs::comm(pid, pid) {
-            self.write(&Event::Task(Task {
-                ts_ns,
-                event: TaskEvent::Rename,
-                flags: 0,
-                pid,
-                tid: pid,
-                ppid: 0,
-                comm,
-                filename: String::new(),
-            }));
-        }
-    }
-
     fn write(&mut self, event: &Event) {
         if self.write_error.is_none()
             && let Err(e) = self.writer.event(event)
@@ -114,8 +82,8 @@ impl Recorder {
 
     /// Symbolizes every frame the recording refers to, while the files are at hand.
     fn write_symbols(&mut self) {
-        self.modules.find_missing_files();
-        for m in self.modules.take_new() {
+        self.namer.modules.find_missing_files();
+        for m in self.namer.modules.take_new() {
             self.writer.module(&m);
         }
         let symbolizer = Symbolizer::new();
@@ -125,7 +93,7 @@ impl Recorder {
                 by_module.entry(module).or_default().push(offset);
             }
         }
-        let modules = self.modules.modules().to_vec();
+        let modules = self.namer.modules.modules().to_vec();
         for (module, mut offsets) in by_module {
             let Some(m) = modules.get(module as usize) else { continue };
             if m.path.is_empty() {
@@ -154,60 +122,37 @@ impl Recorder {
 
 impl Sink for Recorder {
     fn stack(&mut self, s: StackRecord) {
-        let id = self.stack_id(s.hash);
-        if !self.defined.insert(id) {
-            return;
-        }
-        if self.pids_seen.insert(s.pid) {
-            self.modules.learn_process(s.pid);
-        }
-        let (user, cut) = self.modules.resolve_stack(s.pid, &s.user, s.walk);
-        let truncated = s.truncated || cut;
-        self.user_frames.extend(user.iter().copied());
-        self.kernel_addrs.extend(s.kernel.iter().copied());
-        for m in self.modules.take_new() {
+        let Some(stack) = self.namer.stack(s) else { return };
+        self.user_frames.extend(stack.user.iter().copied());
+        self.kernel_addrs.extend(stack.kernel.iter().copied());
+        for m in self.namer.modules.take_new() {
             self.writer.module(&m);
         }
-        self.writer.stack(&FileStack { id, pid: s.pid, kernel: s.kernel, user, truncated });
+        self.writer.stack(&stack);
     }
 
     fn event(&mut self, mut event: Event) {
-        match &event {
-            Event::Alloc(a) => self.name_process(a.pid, a.ts_ns),
-            Event::Free(f) => self.name_process(f.pid, f.ts_ns),
-            Event::Task(t) if t.tid == t.pid && t.event != TaskEvent::Exit => {
-                self.named.insert(t.pid);
-            }
-            Event::Task(_) => {}
+        if let Some(name) = self.namer.event(&mut event) {
+            self.write(&name);
         }
-        match &mut event {
-            Event::Alloc(a) => {
-                if a.stack != 0 {
-                    a.stack = u64::from(self.stack_id(a.stack)) + 1;
-                }
-                a.flags &= !flags::HAS_STACK;
-                if a.call_site != 0 {
-                    self.kernel_addrs.insert(a.call_site);
-                }
-            }
-            Event::Task(t) if t.event == TaskEvent::Exec => {
-                self.pids_seen.remove(&t.pid);
-            }
-            _ => {}
+        if let Event::Alloc(a) = &event
+            && a.call_site != 0
+        {
+            self.kernel_addrs.insert(a.call_site);
         }
         self.write(&event);
     }
 
     fn exec_seen(&mut self, pid: u32, filename: &Path) {
-        self.modules.learn_exec(pid, filename);
+        self.namer.exec_seen(pid, filename);
     }
 
     fn fork_seen(&mut self, child: u32, parent: u32) {
-        self.modules.learn_fork(child, parent);
+        self.namer.fork_seen(child, parent);
     }
 
     fn file_seen(&mut self, path: &Path) {
-        self.modules.learn_file(path);
+        self.namer.file_seen(path);
     }
 }
 
@@ -253,7 +198,9 @@ fn status_line(
 
 async fn run(tracer: &mut Tracer, recorder: &mut Recorder, opts: &RecordOptions) -> Result<StopReason> {
     let mut waker = Waker::new(tracer, DRAIN_INTERVAL, opts.duration)?;
-    let show_status = !opts.trace.quiet && io::stderr().is_terminal();
+    // Only on a terminal, and not when a command we run writes to it too: its output would
+    // land after the status line (`0.3 MBbye`).
+    let show_status = !opts.trace.quiet && io::stderr().is_terminal() && !tracer.is_command;
     let started = Instant::now();
     let mut last_status = Instant::now();
     let mut events_at_status = 0u64;
@@ -276,9 +223,6 @@ async fn run(tracer: &mut Tracer, recorder: &mut Recorder, opts: &RecordOptions)
             Wake::TargetExited => break StopReason::TargetExited(tracer.reap_command()),
             Wake::Signal(sig) if tracer.on_signal(sig) => break StopReason::Signal(sig),
             Wake::Signal(_) => {}
-        }
-        if let Some(sig) = tracer.signal_grace_expired() {
-            break StopReason::Signal(sig);
         }
         if last_flush.elapsed() >= FLUSH_INTERVAL {
             if let Err(e) = recorder.writer.flush() {
@@ -348,13 +292,9 @@ pub fn record(opts: RecordOptions) -> Result<RecordSummary> {
         .with_context(|| format!("writing {}", opts.output.display()))?;
     let mut recorder = Recorder {
         writer,
-        modules: ModuleTable::new(),
-        stack_ids: HashMap::new(),
-        defined: HashSet::new(),
+        namer: Namer::new(),
         user_frames: HashSet::new(),
         kernel_addrs: HashSet::new(),
-        pids_seen: HashSet::new(),
-        named: HashSet::new(),
         write_error: None,
     };
     if let Err(e) = tracer.release() {
@@ -375,10 +315,19 @@ fn finish(
 ) -> Result<RecordSummary> {
     let (teardown, counters) = tracer.stop(&mut recorder);
     log::debug!("probe counters: {counters:?}");
+    let left_running = match reason {
+        StopReason::Signal(_) => tracer.command_left_running(),
+        _ => None,
+    };
     let end_reason = match &reason {
         StopReason::TargetExited(Some(code)) => format!("the command exited with status {code}"),
         StopReason::TargetExited(None) => "the target process exited".into(),
-        StopReason::Signal(sig) => format!("interrupted by signal {sig}"),
+        StopReason::Signal(sig) => match left_running {
+            Some(pid) => {
+                format!("interrupted by signal {sig}; the command (pid {pid}) was left running, no longer traced")
+            }
+            None => format!("interrupted by signal {sig}"),
+        },
         StopReason::Duration => "the duration elapsed".into(),
         StopReason::WriteFailed => "writing the recording failed".into(),
     };
@@ -447,6 +396,10 @@ fn finish(
             stats.recorder_cpu_ns as f64 / 1e9,
             stats.recorder_peak_rss_bytes as f64 / 1e6,
         );
+        // What the report will warn of (the probes detach meanwhile).
+        for w in crate::report::warnings::of_recording(&opts.output) {
+            let _ = writeln!(err, "memtrace: warning: {w}");
+        }
     }
     teardown.join();
     Ok(RecordSummary { exit_code, events, lost_events: counters.lost_events, bytes, end_reason })

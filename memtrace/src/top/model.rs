@@ -13,36 +13,34 @@ use crate::{
     analysis::{Analyzer, Domain, Origin, Stats},
     event::{Event, StackRecord},
     grouping::{DomainFilter, GroupBy, GroupKey, label, matches_text},
-    modules::ModuleTable,
-    recording::FileStack,
+    naming::Namer,
     session::Sink,
     stacks::{Frame, StackTable},
 };
-use memtrace_common::{TaskEvent, flags};
+use memtrace_common::TaskEvent;
 
 type Grouping = Box<dyn FnMut(&Origin) -> u32>;
 
+/// Allocations, frees and bytes requested.
+type Activity = (u64, u64, u64);
+
 pub struct LiveView {
     analyzer: Analyzer<Grouping>,
-    modules: ModuleTable,
-    stack_ids: HashMap<u64, u32>,
+    /// Stacks, modules and process names, as `record` names them.
+    namer: Namer,
     table: StackTable,
     /// New stacks since the last naming pass.
     unnamed: bool,
-    /// Processes whose maps were read.
-    learned: std::collections::HashSet<u32>,
     pub comms: HashMap<u32, String>,
     pub events: u64,
-    /// Per display key: allocations and bytes at the previous snapshot, and live bytes when
-    /// the row first appeared.
-    previous: HashMap<GroupKey, (u64, u64)>,
+    /// Per origin (the analyzer's group): allocations, frees and bytes requested at the
+    /// previous snapshot. Rates are the growth of these, whatever the grouping, so rows
+    /// add up to the summary's rates even when a row's name changes (its stack arrived).
+    previous: HashMap<u32, Activity>,
+    /// Per display key: live bytes when the row first appeared.
     first_live: HashMap<GroupKey, u64>,
-    last_totals: (u64, u64, u64),
     /// Sampling switched on while running (rings overflowing): (from, mean bytes).
     pub sample_from: Option<(u64, u64)>,
-    /// Rows first seen after a reset start from their current figures (no rate spike);
-    /// otherwise a new row's activity all happened during the last interval.
-    just_reset: bool,
 }
 
 /// One row of the view.
@@ -153,31 +151,22 @@ impl LiveView {
         analyzer.sample_bytes = sample_bytes;
         Self {
             analyzer,
-            modules: ModuleTable::new(),
-            stack_ids: HashMap::new(),
+            namer: Namer::new(),
             table: StackTable::default(),
             unnamed: false,
-            learned: Default::default(),
             comms: HashMap::new(),
             events: 0,
             previous: HashMap::new(),
             first_live: HashMap::new(),
-            last_totals: (0, 0, 0),
-            just_reset: false,
             sample_from: None,
         }
-    }
-
-    fn stack_id(&mut self, hash: u64) -> u32 {
-        let next = self.stack_ids.len() as u32;
-        *self.stack_ids.entry(hash).or_insert(next)
     }
 
     /// Computes what to show; `interval` is the time since the previous snapshot.
     pub fn snapshot(&mut self, view: &ViewOptions, interval: Duration, lost_events: u64) -> Snapshot {
         if self.unnamed {
-            self.modules.find_missing_files();
-            for m in self.modules.take_new() {
+            self.namer.modules.find_missing_files();
+            for m in self.namer.modules.take_new() {
                 self.table.modules.insert(m.id, m);
             }
             self.table.fill_missing_symbols();
@@ -185,40 +174,44 @@ impl LiveView {
         }
         let secs = interval.as_secs_f64().max(1e-3);
         let origins: Vec<(Origin, u32)> = self.analyzer.origins().map(|(o, g)| (*o, g)).collect();
-        let mut groups: HashMap<GroupKey, (Stats, Origin)> = HashMap::new();
+        // Per key: figures, an origin to name it by, and what happened since the last
+        // snapshot (allocations, frees, bytes requested).
+        let mut groups: HashMap<GroupKey, (Stats, Origin, Activity)> = HashMap::new();
+        let mut since: Activity = (0, 0, 0);
         for (origin, g) in origins {
+            let stats = &self.analyzer.groups[g as usize];
+            let now = (stats.allocs, stats.frees, stats.bytes_req);
+            // An origin met since the last snapshot: all it did is new.
+            let before = self.previous.insert(g, now).unwrap_or_default();
+            let delta = (now.0 - before.0.min(now.0), now.1 - before.1.min(now.1), now.2 - before.2.min(now.2));
             if !view.domain.admits(Domain::of(origin.kind)) {
                 continue;
             }
+            since = (since.0 + delta.0, since.1 + delta.1, since.2 + delta.2);
             let key = GroupKey::of(&origin, view.by, &mut self.table);
-            let stats = &self.analyzer.groups[g as usize];
-            let entry = groups.entry(key).or_insert_with(|| (Stats::default(), origin));
+            let entry = groups.entry(key).or_insert_with(|| (Stats::default(), origin, (0, 0, 0)));
             entry.0.merge(stats);
+            entry.2 = (entry.2.0 + delta.0, entry.2.1 + delta.1, entry.2.2 + delta.2);
         }
         let filter = view.filter.to_lowercase();
         let mut rows = Vec::with_capacity(groups.len());
-        for (key, (stats, origin)) in groups {
+        for (key, (stats, origin, delta)) in groups {
             let frames = self.table.frames(origin.stack, origin.call_site);
             let label = label(&key, &frames, &self.comms);
             if !matches_text(&filter, &label, &frames) {
                 continue;
             }
-            let baseline = if self.just_reset { (stats.allocs, stats.bytes_req) } else { (0, 0) };
-            let (prev_allocs, prev_bytes) = self.previous.get(&key).copied().unwrap_or(baseline);
             let first_live = *self.first_live.entry(key.clone()).or_insert(stats.live_bytes_req);
             rows.push(Row {
-                domain: Domain::of(origin.kind),
+                domain: key.domain(),
                 label,
                 frames,
-                allocs_per_sec: (stats.allocs - prev_allocs.min(stats.allocs)) as f64 / secs,
-                bytes_per_sec: (stats.bytes_req - prev_bytes.min(stats.bytes_req)) as f64 / secs,
+                allocs_per_sec: delta.0 as f64 / secs,
+                bytes_per_sec: delta.2 as f64 / secs,
                 growth: stats.live_bytes_req as i64 - first_live as i64,
                 stats,
                 key,
             });
-        }
-        for r in &rows {
-            self.previous.insert(r.key.clone(), (r.stats.allocs, r.stats.bytes_req));
         }
         rows.sort_by(|a, b| {
             view.sort.value(b).total_cmp(&view.sort.value(a)).then(b.stats.bytes_req.cmp(&a.stats.bytes_req))
@@ -230,16 +223,11 @@ impl LiveView {
                 totals.insert(*domain, DomainTotals { stats: t.stats.clone(), unmatched_frees: t.unmatched_frees });
             }
         }
-        let sum = |f: fn(&Stats) -> u64| -> u64 { totals.values().map(|t| f(&t.stats)).sum() };
-        let now = (sum(|s| s.allocs), sum(|s| s.frees), sum(|s| s.bytes_req));
-        let (a0, f0, b0) = if self.just_reset { now } else { self.last_totals };
-        self.last_totals = now;
-        self.just_reset = false;
         Snapshot {
             interval,
-            allocs_per_sec: now.0.saturating_sub(a0) as f64 / secs,
-            frees_per_sec: now.1.saturating_sub(f0) as f64 / secs,
-            bytes_per_sec: now.2.saturating_sub(b0) as f64 / secs,
+            allocs_per_sec: since.0 as f64 / secs,
+            frees_per_sec: since.1 as f64 / secs,
+            bytes_per_sec: since.2 as f64 / secs,
             totals,
             lost_events,
             untracked: self.analyzer.untracked,
@@ -248,65 +236,54 @@ impl LiveView {
         }
     }
 
-    /// Forgets the rates' and growth's reference points (after the grouping changes).
+    /// Forgets the growth's reference points (after the grouping changes: the rows are
+    /// new ones).
     pub fn reset_reference(&mut self) {
-        self.previous.clear();
         self.first_live.clear();
-        self.just_reset = true;
     }
 }
 
 impl Sink for LiveView {
     fn stack(&mut self, s: StackRecord) {
-        let id = self.stack_id(s.hash);
-        if self.table.stacks.contains_key(&id) {
-            return;
-        }
-        if self.learned.insert(s.pid) {
-            self.modules.learn_process(s.pid);
-        }
-        let (user, cut) = self.modules.resolve_stack(s.pid, &s.user, s.walk);
-        let truncated = s.truncated || cut;
-        for m in self.modules.take_new() {
+        let Some(stack) = self.namer.stack(s) else { return };
+        for m in self.namer.modules.take_new() {
             self.table.modules.insert(m.id, m);
         }
-        self.table.stacks.insert(id, FileStack { id, pid: s.pid, kernel: s.kernel, user, truncated });
+        self.table.stacks.insert(stack.id, stack);
         self.unnamed = true;
     }
 
     fn event(&mut self, mut event: Event) {
         self.events += 1;
-        match &mut event {
-            Event::Alloc(a) => {
-                if a.stack != 0 {
-                    a.stack = u64::from(self.stack_id(a.stack)) + 1;
+        if let Some(Event::Task(t)) = self.namer.event(&mut event) {
+            self.comms.insert(t.pid, t.comm);
+        }
+        if let Event::Task(t) = &event
+            && t.tid == t.pid
+        {
+            match t.event {
+                TaskEvent::Exit => {
+                    // A process never named otherwise: its name as it exits.
+                    self.comms.entry(t.pid).or_insert_with(|| t.comm.clone());
                 }
-                a.flags &= !flags::HAS_STACK;
-                if !self.comms.contains_key(&a.pid)
-                    && let Some(comm) = crate::procfs::comm(a.pid, a.pid)
-                {
-                    self.comms.insert(a.pid, comm);
+                _ => {
+                    self.comms.insert(t.pid, t.comm.clone());
                 }
             }
-            Event::Task(t) if t.tid == t.pid && t.event != TaskEvent::Exit => {
-                self.comms.insert(t.pid, t.comm.clone());
-            }
-            _ => {}
         }
         self.analyzer.sample_from = self.sample_from;
         self.analyzer.push(&event);
     }
 
     fn exec_seen(&mut self, pid: u32, filename: &Path) {
-        self.learned.insert(pid);
-        self.modules.learn_exec(pid, filename);
+        self.namer.exec_seen(pid, filename);
     }
 
     fn fork_seen(&mut self, child: u32, parent: u32) {
-        self.modules.learn_fork(child, parent);
+        self.namer.fork_seen(child, parent);
     }
 
     fn file_seen(&mut self, path: &Path) {
-        self.modules.learn_file(path);
+        self.namer.file_seen(path);
     }
 }

@@ -2,11 +2,10 @@
 //! minimum width, priority when the width is short) and their cells, and which columns fit.
 use super::model::{Column, Row, Snapshot};
 use crate::{
-    analysis::Domain,
     columns::{
         ColumnChoice, Layout, NAME_FIT_WIDTH, NAME_MIN_WIDTH, TextColumn, TextTable, Width, fit, flow, width_of, wrap,
     },
-    grouping::GroupBy,
+    grouping::{GroupBy, domain_letter},
     units::{bytes, bytes_per_sec, count, percent, rate, signed_bytes},
 };
 
@@ -68,19 +67,14 @@ impl Column {
     }
 }
 
-/// `U` or `K`.
+/// `U`, `R` or `K`.
 pub fn domain_cell(r: &Row) -> String {
-    if r.domain == Domain::User { "U" } else { "K" }.into()
+    domain_letter(r.domain).into()
 }
 
 /// Header of the name column.
 pub fn names_header(by: GroupBy) -> &'static str {
-    match by {
-        GroupBy::Site => "SITE",
-        GroupBy::Stack => "STACK",
-        GroupBy::Function => "FUNCTION",
-        GroupBy::Process => "PROCESS",
-    }
+    by.header()
 }
 
 /// The summary lines shared by both views, flowed to `width`: the title, the figures, and

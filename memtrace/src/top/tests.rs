@@ -460,3 +460,65 @@ fn the_model_groups_by_site_and_filters() {
     assert_eq!(snap.rows.len(), 2);
     assert!(snap.rows.iter().all(|r| r.label == "db [20]"));
 }
+
+#[test]
+fn rows_rates_add_up_to_the_summarys_even_when_names_change() {
+    use crate::event::{RawUserFrame, StackRecord, UserWalk};
+    let mut view = fed_view();
+    let opts = options(GroupBy::Site, Column::BytesPerSec);
+    let _ = view.snapshot(&opts, Duration::from_secs(1), 0);
+    // Allocations whose stack arrives after them: their row is "[no stack: …]" at first,
+    // then named after the stack; their rate is still what they did in the interval.
+    let hash = 0x5eed;
+    for i in 0..10 {
+        let mut e = alloc(1000 + i, 10, Kind::Malloc, 0x40_0000 + i * 0x100, 100);
+        if let Event::Alloc(a) = &mut e {
+            a.stack = hash;
+        }
+        view.event(e);
+    }
+    let first = view.snapshot(&opts, Duration::from_secs(1), 0);
+    let sum = |s: &Snapshot| s.rows.iter().map(|r| r.bytes_per_sec).sum::<f64>();
+    assert_eq!((first.bytes_per_sec, sum(&first)), (1000.0, 1000.0));
+    view.stack(StackRecord {
+        hash,
+        pid: 10,
+        kernel: vec![],
+        user: vec![RawUserFrame::Ip(0x1234)],
+        walk: UserWalk::FramePointers,
+        truncated: false,
+        joined_kernel: false,
+        miss: None,
+    });
+    view.event(alloc(2000, 10, Kind::Malloc, 0x50_0000, 100));
+    let second = view.snapshot(&opts, Duration::from_secs(1), 0);
+    assert_eq!(second.bytes_per_sec, 100.0);
+    assert_eq!(sum(&second), 100.0, "{:#?}", second.rows);
+    // Regrouping does not make rates jump either.
+    view.reset_reference();
+    view.event(alloc(3000, 20, Kind::Malloc, 0x60_0000, 50));
+    let third = view.snapshot(&options(GroupBy::Process, Column::BytesPerSec), Duration::from_secs(1), 0);
+    assert_eq!((third.bytes_per_sec, sum(&third)), (50.0, 50.0));
+}
+
+#[test]
+fn processes_are_named_even_when_gone_before_they_were_asked() {
+    let mut view = LiveView::new(1000, None);
+    // A process not running any more (no /proc entry): named at its exit.
+    let pid = 4_194_000;
+    view.event(alloc(10, pid, Kind::Malloc, 0x10, 8));
+    view.event(Event::Task(Task {
+        ts_ns: 20,
+        event: TaskEvent::Exit,
+        flags: 0,
+        pid,
+        tid: pid,
+        ppid: 0,
+        comm: "git".into(),
+        filename: String::new(),
+    }));
+    view.event(alloc(30, 0, Kind::Kmalloc, 0xffff_0000, 8));
+    let snap = view.snapshot(&options(GroupBy::Process, Column::Allocs), Duration::from_secs(1), 0);
+    let labels: Vec<&str> = snap.rows.iter().map(|r| r.label.as_str()).collect();
+    assert!(labels.contains(&"git [4194000]") && labels.contains(&"swapper [0]"), "{labels:?}");
+}

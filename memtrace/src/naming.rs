@@ -1,0 +1,169 @@
+//! Naming what the probes report while the processes live, one way for every consumer:
+//! `record` writes what this finds into the recording, `top` shows it at once, so both
+//! name the same frames the same. Stack hashes become stack ids; user frames become
+//! (module, file offset) through the [`ModuleTable`], whose maps of a process are read
+//! when its first stack arrives and read again after it execs; a process met for the
+//! first time is named from /proc while it still runs.
+use std::{
+    collections::{HashMap, HashSet},
+    path::Path,
+};
+
+use memtrace_common::{TaskEvent, flags};
+
+use crate::{
+    event::{Event, StackRecord, Task},
+    modules::ModuleTable,
+    procfs,
+    recording::FileStack,
+};
+
+#[derive(Default)]
+pub struct Namer {
+    pub modules: ModuleTable,
+    /// Probe stack hash → stack id.
+    stack_ids: HashMap<u64, u32>,
+    /// Stacks already defined.
+    defined: HashSet<u32>,
+    /// Processes whose maps were read since their last exec.
+    maps_read: HashSet<u32>,
+    /// Processes already named.
+    named: HashSet<u32>,
+}
+
+impl Namer {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    fn stack_id(&mut self, hash: u64) -> u32 {
+        let next = self.stack_ids.len() as u32;
+        *self.stack_ids.entry(hash).or_insert(next)
+    }
+
+    /// The definition of a stack met for the first time (None: already defined). Modules
+    /// it made known wait in `modules.take_new()`.
+    pub fn stack(&mut self, s: StackRecord) -> Option<FileStack> {
+        let id = self.stack_id(s.hash);
+        if !self.defined.insert(id) {
+            return None;
+        }
+        if self.maps_read.insert(s.pid) {
+            self.modules.learn_process(s.pid);
+        }
+        let (user, cut) = self.modules.resolve_stack(s.pid, &s.user, s.walk);
+        Some(FileStack { id, pid: s.pid, kernel: s.kernel, user, truncated: s.truncated || cut })
+    }
+
+    /// Readies an event for its consumer: its stack hash becomes the stack id + 1 (0: none).
+    /// Returns the name of a process met for the first time (one already running when
+    /// tracing began has no exec event to name it), as a rename event to take before it.
+    pub fn event(&mut self, event: &mut Event) -> Option<Event> {
+        let named = match &*event {
+            Event::Alloc(a) => self.name_process(a.pid, a.ts_ns),
+            Event::Free(f) => self.name_process(f.pid, f.ts_ns),
+            Event::Task(t) if t.tid == t.pid && t.event != TaskEvent::Exit => {
+                self.named.insert(t.pid);
+                None
+            }
+            Event::Task(_) => None,
+        };
+        match event {
+            Event::Alloc(a) => {
+                if a.stack != 0 {
+                    a.stack = u64::from(self.stack_id(a.stack)) + 1;
+                }
+                a.flags &= !flags::HAS_STACK;
+            }
+            // A new program: its maps are read again at its next stack.
+            Event::Task(t) if t.event == TaskEvent::Exec => {
+                self.maps_read.remove(&t.pid);
+            }
+            _ => {}
+        }
+        named
+    }
+
+    fn name_process(&mut self, pid: u32, ts_ns: u64) -> Option<Event> {
+        if pid == 0 || !self.named.insert(pid) {
+            return None;
+        }
+        let comm = procfs::comm(pid, pid)?;
+        Some(Event::Task(Task {
+            ts_ns,
+            event: TaskEvent::Rename,
+            flags: 0,
+            pid,
+            tid: pid,
+            ppid: 0,
+            comm,
+            filename: String::new(),
+        }))
+    }
+
+    pub fn exec_seen(&mut self, pid: u32, filename: &Path) {
+        self.modules.learn_exec(pid, filename);
+    }
+
+    pub fn fork_seen(&mut self, child: u32, parent: u32) {
+        self.modules.learn_fork(child, parent);
+    }
+
+    pub fn file_seen(&mut self, path: &Path) {
+        self.modules.learn_file(path);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use memtrace_common::Kind;
+
+    use super::*;
+    use crate::event::{Alloc, RawUserFrame, UserWalk};
+
+    fn alloc(pid: u32, stack: u64) -> Event {
+        Event::Alloc(Alloc {
+            ts_ns: 1,
+            pid,
+            tid: pid,
+            cpu: 0,
+            kind: Kind::Malloc,
+            flags: flags::HAS_STACK,
+            ptr: 0x10,
+            bytes_req: 1,
+            bytes_alloc: 1,
+            stack,
+            call_site: 0,
+            gfp_flags: 0,
+            node: 0,
+            order: 0,
+        })
+    }
+
+    #[test]
+    fn stacks_get_ids_and_processes_names_once() {
+        let mut namer = Namer::new();
+        let me = std::process::id();
+        let ip = stacks_get_ids_and_processes_names_once as *const () as u64;
+        let record = StackRecord {
+            hash: 0xabc,
+            pid: me,
+            kernel: vec![],
+            user: vec![RawUserFrame::Ip(ip)],
+            walk: UserWalk::FramePointers,
+            truncated: false,
+            joined_kernel: false,
+            miss: None,
+        };
+        let stack = namer.stack(record.clone()).unwrap();
+        assert_eq!(stack.id, 0);
+        assert!(matches!(stack.user[0], crate::recording::FileFrame::Module { .. }), "{stack:?}");
+        assert!(namer.stack(record).is_none(), "defined once");
+        let mut e = alloc(me, 0xabc);
+        let Some(Event::Task(t)) = namer.event(&mut e) else { panic!("a running process is named") };
+        assert_eq!((t.event, t.pid), (TaskEvent::Rename, me));
+        let Event::Alloc(a) = e else { unreachable!() };
+        assert_eq!((a.stack, a.flags & flags::HAS_STACK), (1, 0));
+        assert!(namer.event(&mut alloc(me, 0)).is_none(), "named once");
+    }
+}

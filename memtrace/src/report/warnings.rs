@@ -1,0 +1,143 @@
+//! Under-counting said out loud: per process, when a good share of its frees had no
+//! allocation (it was traced mid-run, or its allocator was probed after it started) or of
+//! its allocations have a stack cut short (code without unwind information, frame pointers
+//! missing, no room for stack copies), a warning names the process and the likely cause.
+//! `report` (text and JSON `warnings`) and the end of `record` print the same lines.
+use std::{
+    collections::{BTreeMap, HashMap},
+    path::Path,
+};
+
+use crate::{
+    recording::{Meta, Stats},
+    units::percent,
+};
+
+/// Recordings larger than this are not analyzed again when `record` ends (it would take
+/// long); `report` says the same.
+const RECORD_END_ANALYSIS_LIMIT: u64 = 1 << 30;
+
+/// The under-counting warnings of the recording at `path`, for `record` to repeat as it
+/// ends (none when it cannot be read, or is too large to read again quickly).
+pub fn of_recording(path: &Path) -> Vec<String> {
+    if std::fs::metadata(path).map_or(true, |m| m.len() > RECORD_END_ANALYSIS_LIMIT) {
+        return Vec::new();
+    }
+    super::analyze(path, &Default::default()).map(|s| s.under_counting).unwrap_or_default()
+}
+
+/// A command traced for its user allocations that made none memtrace could see.
+pub fn nothing_seen(meta: &Meta) -> String {
+    let program = meta.target_command.first().map_or("the command", String::as_str);
+    let allocator = meta.allocator.as_deref().unwrap_or("the C allocator");
+    format!(
+        "no user-space allocation was recorded: {program} does not allocate through {allocator}'s malloc (a Go \
+         program manages its own heap, memtrace cannot see into it); record with --no-user to trace its kernel \
+         allocations alone"
+    )
+}
+
+/// Below this share, losses are noise (the C library freeing what it allocated before
+/// `main`, a stack or two in hand-written assembly).
+const SHARE: f64 = 0.05;
+/// Fewer events than this are not enough to judge a share.
+const MIN_EVENTS: u64 = 20;
+
+/// What one process's user-space events say about how completely it was seen.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct ProcessTally {
+    /// User allocations recorded with a stack, and of those, stacks cut short.
+    pub with_stack: u64,
+    pub truncated: u64,
+    /// User heap frees, and of those, frees of blocks whose allocation was not seen.
+    pub frees: u64,
+    pub unmatched_frees: u64,
+    /// Its fork or exec was recorded: it started while traced.
+    pub started_traced: bool,
+}
+
+/// The warnings for these processes (pid → tally), named with `comms`.
+pub fn under_counting(
+    tallies: &BTreeMap<u32, ProcessTally>,
+    comms: &HashMap<u32, String>,
+    meta: &Meta,
+    stats: &Stats,
+) -> Vec<String> {
+    let mut out = Vec::new();
+    for (&pid, t) in tallies {
+        let name = match comms.get(&pid) {
+            Some(comm) => format!("process {comm} [{pid}]"),
+            None => format!("process {pid}"),
+        };
+        if t.frees >= MIN_EVENTS && t.unmatched_frees as f64 >= SHARE * t.frees as f64 {
+            let cause = if t.started_traced || (meta.target_pids.contains(&pid) && meta.mode == "command") {
+                "its allocator was probed after it started (a child or an exec'd program with its own allocator is \
+                 probed milliseconds after it appears, an allocator loaded with dlopen within 2 s): its first \
+                 allocations were missed"
+            } else {
+                "it was already running when tracing began (attached mid-run): blocks allocated before are freed \
+                 without their allocation, and live figures miss them"
+            };
+            out.push(format!(
+                "{name}: {} of its frees ({} of {}) had no allocation: {cause}",
+                percent(100.0 * t.unmatched_frees as f64 / t.frees as f64),
+                t.unmatched_frees,
+                t.frees
+            ));
+        }
+        if t.with_stack >= MIN_EVENTS && t.truncated as f64 >= SHARE * t.with_stack as f64 {
+            let cause = if meta.call_graph != "dwarf" {
+                "code built without frame pointers stops a frame-pointer walk: record with --call-graph dwarf"
+            } else if stats.unwind_budget_truncated > 0 {
+                "the rings had no room for stack copies while unwind rules were learned: record with a larger \
+                 --ring-size"
+            } else {
+                "code without unwind information (JIT-compiled or hand-written assembly), or stacks deeper than \
+                 127 frames"
+            };
+            out.push(format!(
+                "{name}: {} of its allocations ({} of {}) have a stack cut short: {cause}",
+                percent(100.0 * t.truncated as f64 / t.with_stack as f64),
+                t.truncated,
+                t.with_stack
+            ));
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn warnings_name_the_process_and_the_cause_past_a_few_percent() {
+        let meta = Meta { mode: "all".into(), call_graph: "dwarf".into(), ..Default::default() };
+        let comms = HashMap::from([(7, "server".to_string())]);
+        let mut tallies = BTreeMap::new();
+        tallies.insert(
+            7,
+            ProcessTally { frees: 1000, unmatched_frees: 200, with_stack: 1000, truncated: 10, ..Default::default() },
+        );
+        tallies.insert(
+            8,
+            ProcessTally { frees: 1000, unmatched_frees: 20, with_stack: 1000, truncated: 400, started_traced: true },
+        );
+        tallies.insert(9, ProcessTally { frees: 10, unmatched_frees: 10, ..Default::default() });
+        let w = under_counting(&tallies, &comms, &meta, &Stats::default());
+        assert_eq!(w.len(), 2, "{w:#?}");
+        assert!(w[0].starts_with("process server [7]: 20.0% of its frees (200 of 1000) had no allocation"), "{}", w[0]);
+        assert!(w[0].contains("attached mid-run"), "{}", w[0]);
+        assert!(
+            w[1].starts_with("process 8: 40.0% of its allocations (400 of 1000) have a stack cut short"),
+            "{}",
+            w[1]
+        );
+        assert!(w[1].contains("without unwind information"), "{}", w[1]);
+        let fp = Meta { call_graph: "fp".into(), ..meta.clone() };
+        assert!(under_counting(&tallies, &comms, &fp, &Stats::default())[1].contains("--call-graph dwarf"));
+        tallies
+            .insert(7, ProcessTally { frees: 1000, unmatched_frees: 200, started_traced: true, ..Default::default() });
+        assert!(under_counting(&tallies, &comms, &meta, &Stats::default())[0].contains("probed after it started"));
+    }
+}

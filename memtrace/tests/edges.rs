@@ -1,0 +1,531 @@
+//! The rough edges a new user meets (issue #18), for real: files never destroyed and handed
+//! to the user who ran sudo, errors said once with what to do, `record ./prog` without
+//! `--`, signals like perf, the status line apart from the command's output (through a
+//! pseudo-terminal), `dump -g`, reserved memory apart from the program's, kernel sites that
+//! name where they are, and warnings when figures under-count.
+mod common;
+
+use std::{
+    fs,
+    io::{BufRead as _, BufReader, Read as _, Write as _},
+    os::unix::fs::{MetadataExt as _, PermissionsExt as _},
+    path::{Path, PathBuf},
+    process::{Child, Command, Output, Stdio},
+    thread,
+    time::{Duration, Instant},
+};
+
+use common::*;
+use serde_json::Value;
+
+fn workload_dir() -> PathBuf {
+    workload().parent().unwrap().to_path_buf()
+}
+
+/// Runs memtrace and expects it to fail with `code` and one line on stderr containing
+/// every piece of `needles`.
+fn fails(cmd: &mut Command, code: i32, needles: &[&str]) -> String {
+    let out: Output = cmd.output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert_eq!(out.status.code(), Some(code), "{cmd:?}\nstderr: {stderr}");
+    let lines: Vec<&str> = stderr.lines().filter(|l| !l.trim().is_empty()).collect();
+    assert_eq!(lines.len(), 1, "one line expected, got: {stderr}");
+    for needle in needles {
+        assert!(lines[0].contains(needle), "{needle:?} not in {:?}", lines[0]);
+    }
+    lines[0].to_string()
+}
+
+fn signal(pid: u32, sig: i32) {
+    // SAFETY: plain kill(2).
+    unsafe { libc::kill(pid as i32, sig) };
+}
+
+fn alive(pid: u32) -> bool {
+    // SAFETY: signal 0 only checks that the process exists.
+    let exists = unsafe { libc::kill(pid as i32, 0) } == 0;
+    exists && fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|s| !s.contains(") Z "))
+}
+
+/// Builds a small C program for one test.
+fn compile(dir: &Path, name: &str, source: &str) -> PathBuf {
+    let src = dir.join(format!("{name}.c"));
+    fs::write(&src, source).unwrap();
+    let out = dir.join(name);
+    let cc = std::env::var("CC").unwrap_or_else(|_| "cc".into());
+    let status = Command::new(cc).args(["-O1", "-g", "-fno-builtin", "-o"]).arg(&out).arg(&src).status().unwrap();
+    assert!(status.success(), "compiling {name}");
+    out
+}
+
+/// A quick recording of the bundled workload, user space only, as root (not handed to a
+/// sudo user).
+fn quick_recording(data: &Path) {
+    run(memtrace()
+        .env_remove("SUDO_UID")
+        .env_remove("SUDO_GID")
+        .args(["record", "-q", "--no-kernel", "-o"])
+        .arg(data)
+        .arg("--")
+        .arg(workload())
+        .args(["--threads", "1", "--iterations", "20"])
+        .stdout(Stdio::null()));
+}
+
+/// Runs `command` under `script` (a pseudo-terminal, as a user at a terminal would), with
+/// `input` typed once the output contains `after`; returns everything the terminal showed
+/// and the exit code.
+fn at_a_terminal(command: &str, after: &str, input: &[u8]) -> (String, Option<i32>) {
+    let mut child: Child = Command::new("script")
+        .args(["-qefc", command, "/dev/null"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .expect("script(1) from util-linux");
+    let mut stdout = child.stdout.take().unwrap();
+    let mut seen = Vec::new();
+    let mut buf = [0u8; 4096];
+    let mut typed = input.is_empty();
+    let mut stdin = child.stdin.take();
+    loop {
+        let n = stdout.read(&mut buf).unwrap_or(0);
+        if n == 0 {
+            break;
+        }
+        seen.extend_from_slice(&buf[..n]);
+        if !typed && String::from_utf8_lossy(&seen).contains(after) {
+            thread::sleep(Duration::from_millis(300));
+            stdin.as_mut().unwrap().write_all(input).unwrap();
+            stdin.as_mut().unwrap().flush().unwrap();
+            typed = true;
+        }
+    }
+    drop(stdin);
+    let status = child.wait().unwrap();
+    (String::from_utf8_lossy(&seen).into_owned(), status.code())
+}
+
+// ---------------------------------------------------------------------------------------
+// Files.
+// ---------------------------------------------------------------------------------------
+
+#[test]
+fn export_never_replaces_its_recording_or_a_file_of_another_kind() {
+    require_root();
+    let _sharing = sharing_the_machine();
+    let dir = scratch("export-safety");
+    let data = dir.join("w.data");
+    quick_recording(&data);
+    let recording = fs::read(&data).unwrap();
+    let export = |format: &str, output: &Path| {
+        let mut cmd = memtrace();
+        cmd.args(["export", "--format", format, "-i"]).arg(&data).arg("-o").arg(output);
+        cmd
+    };
+    // Its own input: never, not even with --force.
+    fails(&mut export("svg", &data), 1, &["is the recording being exported"]);
+    fails(export("svg", &data).arg("--force"), 1, &["is the recording being exported"]);
+    assert_eq!(fs::read(&data).unwrap(), recording);
+    assert_eq!(report_json(&data, &[])["finalized"], true);
+    // A source file: only with --force.
+    let source = dir.join("prog.c");
+    fs::write(&source, "int main(void) { return 0; }\n").unwrap();
+    fails(&mut export("folded", &source), 1, &["prog.c exists and is not a folded-stacks export", "--force"]);
+    assert_eq!(fs::read_to_string(&source).unwrap(), "int main(void) { return 0; }\n");
+    // An earlier export of the same format is replaced; one of another format is not.
+    let svg = dir.join("flame.svg");
+    run(&mut export("svg", &svg));
+    run(&mut export("svg", &svg));
+    fails(&mut export("pprof", &svg), 1, &["flame.svg exists and is not a pprof profile"]);
+    run(export("folded", &source).arg("--force"));
+    assert!(fs::read_to_string(&source).unwrap().contains("alloc_workload;"));
+}
+
+#[test]
+fn under_sudo_files_belong_to_the_user_who_ran_it() {
+    require_root();
+    let _sharing = sharing_the_machine();
+    let dir = scratch("sudo");
+    fs::set_permissions(&dir, fs::Permissions::from_mode(0o777)).unwrap();
+    let data = dir.join("s.data");
+    let folded = dir.join("s.folded");
+    let as_sudo = |cmd: &mut Command| {
+        cmd.env("SUDO_UID", "65534").env("SUDO_GID", "65534");
+    };
+    let mut record = memtrace();
+    as_sudo(&mut record);
+    run(record
+        .args(["record", "-q", "--no-kernel", "-o"])
+        .arg(&data)
+        .arg("--")
+        .arg(workload())
+        .args(["--threads", "1", "--iterations", "20"])
+        .stdout(Stdio::null()));
+    let mut export = memtrace();
+    as_sudo(&mut export);
+    run(export.args(["export", "-i"]).arg(&data).arg("-o").arg(&folded));
+    for file in [&data, &folded] {
+        let meta = fs::metadata(file).unwrap();
+        assert_eq!((meta.uid(), meta.gid(), meta.mode() & 0o777), (65534, 65534, 0o600), "{}", file.display());
+    }
+    // The README's next command, as that user, without sudo.
+    let out = Command::new("setpriv")
+        .args(["--reuid=65534", "--regid=65534", "--clear-groups", env!("CARGO_BIN_EXE_memtrace"), "report", "-i"])
+        .arg(&data)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+}
+
+// ---------------------------------------------------------------------------------------
+// Errors and habits.
+// ---------------------------------------------------------------------------------------
+
+#[test]
+fn errors_say_the_thing_once_and_what_to_do() {
+    require_root();
+    let _sharing = sharing_the_machine();
+    let dir = scratch("errors");
+    fs::set_permissions(&dir, fs::Permissions::from_mode(0o777)).unwrap();
+    for sub in [&["report"][..], &["dump"], &["export"]] {
+        let line = fails(memtrace().args(sub).current_dir(&dir), 1, &[]);
+        assert_eq!(line, "memtrace: no memtrace.data here; record one with `sudo memtrace record -- CMD`");
+    }
+    // A recording root made (before files were handed to the sudo user), read by a user.
+    let data = dir.join("root.data");
+    quick_recording(&data);
+    let line = fails(
+        Command::new("setpriv")
+            .args(["--reuid=65534", "--regid=65534", "--clear-groups", env!("CARGO_BIN_EXE_memtrace"), "report", "-i"])
+            .arg(&data),
+        1,
+        &["permission denied", "belongs to root", "sudo chown"],
+    );
+    assert!(!line.contains("os error"), "{line}");
+}
+
+#[test]
+fn record_runs_a_command_given_without_dashes() {
+    require_root();
+    let _sharing = sharing_the_machine();
+    let dir = scratch("nodash");
+    let data = dir.join("n.data");
+    // Like `perf record ./prog args`: the command's own options are its own.
+    let out = run(memtrace().args(["record", "-q", "--no-kernel", "-o"]).arg(&data).arg(workload()).args([
+        "--threads",
+        "1",
+        "--iterations",
+        "7",
+    ]));
+    assert!(String::from_utf8_lossy(&out.stdout).contains("1 threads x 7 iterations"));
+    let report = report_json(&data, &[]);
+    assert_eq!(report["exit_code"], 0);
+    assert_eq!(report["recording"]["target_command"][2], "1");
+}
+
+#[test]
+fn a_program_without_malloc_is_told_about_no_user() {
+    require_root();
+    let dir = scratch("nomalloc");
+    let data = dir.join("x.data");
+    fails(
+        memtrace().args(["record", "-o"]).arg(&data).arg("--").arg(workload_dir().join("no_malloc")),
+        1,
+        &["no_malloc", "no malloc", "Go program", "--no-user"],
+    );
+    assert!(!data.exists());
+}
+
+// ---------------------------------------------------------------------------------------
+// Signals and the terminal.
+// ---------------------------------------------------------------------------------------
+
+#[test]
+fn ctrl_c_is_passed_on_and_tracing_goes_on_until_the_command_exits() {
+    require_root();
+    let _sharing = sharing_the_machine();
+    let dir = scratch("sigint-ignored");
+    let data = dir.join("i.data");
+    let mut rec = memtrace()
+        .args(["record", "--no-kernel", "-o"])
+        .arg(&data)
+        .args(["--", "sh", "-c", "trap '' INT; sleep 3; exit 7"])
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let stderr = wait_until_tracing(&mut rec);
+    thread::sleep(Duration::from_millis(300));
+    let sent = Instant::now();
+    signal(rec.id(), libc::SIGINT);
+    let status = rec.wait().unwrap();
+    let stderr = stderr.join().unwrap();
+    assert_eq!(status.code(), Some(7), "the command's status, once it exited: {stderr}");
+    assert!(sent.elapsed() > Duration::from_secs(2), "traced until the command exited");
+    assert!(stderr.contains("SIGINT passed to the command; tracing until it exits"), "{stderr}");
+    let report = report_json(&data, &[]);
+    assert_eq!((report["exit_code"].as_i64(), report["finalized"].as_bool()), (Some(7), Some(true)));
+}
+
+#[test]
+fn a_second_ctrl_c_stops_tracing_and_leaves_the_command_running() {
+    require_root();
+    let _sharing = sharing_the_machine();
+    let dir = scratch("sigint-twice");
+    let data = dir.join("t.data");
+    let mut rec = memtrace()
+        .args(["record", "--no-kernel", "-o"])
+        .arg(&data)
+        .args(["--", "sh", "-c", "trap '' INT; exec sleep 30"])
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut lines = BufReader::new(rec.stderr.take().unwrap()).lines();
+    let tracing = lines.next().unwrap().unwrap();
+    let pid: u32 =
+        tracing.split("(pid ").nth(1).unwrap().trim_end_matches(|c: char| !c.is_ascii_digit()).parse().unwrap();
+    thread::sleep(Duration::from_millis(300));
+    signal(rec.id(), libc::SIGINT);
+    thread::sleep(Duration::from_millis(300));
+    signal(rec.id(), libc::SIGINT);
+    let started = Instant::now();
+    let status = rec.wait().unwrap();
+    let still_running = alive(pid);
+    // The command holds memtrace's stderr too: end it before reading to the end.
+    signal(pid, libc::SIGKILL);
+    let rest: String = lines.map_while(Result::ok).collect::<Vec<_>>().join("\n");
+    assert_eq!(status.code(), Some(130), "{rest}");
+    assert!(started.elapsed() < Duration::from_secs(10));
+    assert!(rest.contains(&format!("the command (pid {pid}) was left running")), "{rest}");
+    assert!(still_running, "the command was left running");
+    assert_eq!(report_json(&data, &[])["finalized"], true);
+}
+
+const COUNT_SIGINT: &str = r#"
+#include <signal.h>
+#include <stdio.h>
+#include <time.h>
+static volatile sig_atomic_t count;
+static void on_int(int sig) { (void)sig; count++; }
+int main(void) {
+    struct sigaction sa = {0};
+    sa.sa_handler = on_int;
+    sigaction(SIGINT, &sa, 0);
+    struct timespec left = {2, 0};
+    while (nanosleep(&left, &left) != 0) {}
+    printf("sigint:%d\n", (int)count);
+    return 0;
+}
+"#;
+
+#[test]
+fn ctrl_c_at_a_terminal_reaches_the_command_once() {
+    require_root();
+    let _sharing = sharing_the_machine();
+    let dir = scratch("tty-sigint");
+    let program = compile(&dir, "count_sigint", COUNT_SIGINT);
+    let data = dir.join("c.data");
+    let command =
+        format!("{} record --no-kernel -o {} -- {}", env!("CARGO_BIN_EXE_memtrace"), data.display(), program.display());
+    let (screen, code) = at_a_terminal(&command, "memtrace: tracing", b"\x03");
+    assert!(screen.contains("sigint:1"), "the command saw Ctrl-C once:\n{screen}");
+    assert!(screen.contains("SIGINT passed to the command"), "{screen}");
+    assert_eq!(code, Some(0), "{screen}");
+}
+
+#[test]
+fn the_status_line_never_glues_onto_the_commands_output() {
+    require_root();
+    let _sharing = sharing_the_machine();
+    let dir = scratch("tty-status");
+    let bin = env!("CARGO_BIN_EXE_memtrace");
+    // A command writing to the terminal: no status line at all.
+    let data = dir.join("s.data");
+    let command = format!("{bin} record --no-kernel -o {} -- sh -c 'sleep 1.6; printf bye'", data.display());
+    let (screen, code) = at_a_terminal(&command, "", b"");
+    assert_eq!(code, Some(0), "{screen}");
+    assert!(screen.contains("bye") && !screen.contains("events/s"), "{screen:?}");
+    // A process elsewhere: the status line, cleared before the summary.
+    let mut sleeper = Command::new("sleep").arg("30").spawn().unwrap();
+    let data = dir.join("p.data");
+    let command = format!("{bin} record --no-kernel --pid {} -d 1.7s -o {}", sleeper.id(), data.display());
+    let (screen, code) = at_a_terminal(&command, "", b"");
+    sleeper.kill().unwrap();
+    sleeper.wait().unwrap();
+    assert_eq!(code, Some(0), "{screen}");
+    let status = screen.rfind("events/s").unwrap_or_else(|| panic!("no status line: {screen:?}"));
+    let summary = screen.find("memtrace: the duration elapsed").unwrap();
+    assert!(screen[status..summary].contains("\r\x1b[K"), "cleared before the summary: {screen:?}");
+}
+
+// ---------------------------------------------------------------------------------------
+// What reports and dumps show.
+// ---------------------------------------------------------------------------------------
+
+#[test]
+fn dump_prints_stacks_old_pointers_and_parents() {
+    require_root();
+    let _sharing = sharing_the_machine();
+    let dir = scratch("dump");
+    let data = dir.join("d.data");
+    let script = format!("{} --threads 1 --iterations 20; true", workload().display());
+    run(memtrace()
+        .args(["record", "-q", "--no-kernel", "-o"])
+        .arg(&data)
+        .args(["--", "sh", "-c", &script])
+        .stdout(Stdio::null()));
+    let dump =
+        |extra: &[&str]| String::from_utf8(run(memtrace().args(["dump", "-i"]).arg(&data).args(extra)).stdout).unwrap();
+    let plain = dump(&[]);
+    let report = report_json(&data, &[]);
+    let shell = report["recording"]["target_pids"][0].as_u64().unwrap();
+    // The workload, forked by the traced shell: its exec names the shell.
+    let exec = plain.lines().find(|l| l.contains(" Exec ") && l.contains("alloc_workload")).unwrap();
+    assert!(exec.contains(&format!(" ppid={shell} ")), "{exec}");
+    let realloc = plain.lines().find(|l| l.contains(" realloc ") && !l.contains(" old=0x0 ")).unwrap();
+    assert!(realloc.contains(" old=0x"), "{realloc}");
+    // Every stack an event refers to is defined by `dump --stacks`.
+    let stacks = dump(&["--stacks"]);
+    let defined: std::collections::HashSet<&str> =
+        stacks.lines().filter(|l| l.starts_with("stack=")).filter_map(|l| l.split_whitespace().next()).collect();
+    for reference in plain.split_whitespace().filter(|w| w.starts_with("stack=")) {
+        assert!(defined.contains(reference), "{reference} is not in dump --stacks");
+    }
+    // -g: each allocation's stack under it, innermost first, like perf script.
+    let with_stacks = dump(&["-g"]);
+    let lines: Vec<&str> = with_stacks.lines().collect();
+    let stacks_of_mallocs: Vec<Vec<&str>> = lines
+        .iter()
+        .enumerate()
+        .filter(|(_, l)| l.contains(" malloc ") && l.contains(" stack="))
+        .map(|(i, _)| lines[i + 1..].iter().take_while(|l| l.starts_with('\t')).copied().collect())
+        .collect();
+    assert!(stacks_of_mallocs.iter().all(|frames| !frames.is_empty()), "every stack=N is printed");
+    assert!(
+        stacks_of_mallocs.iter().any(|frames| frames[0].contains(" wl_malloc (alloc_workload.c:")
+            && frames.iter().any(|f| f.contains(" exercise (alloc_workload.c:"))),
+        "{with_stacks}"
+    );
+}
+
+#[test]
+fn reserved_memory_is_counted_apart_from_the_programs() {
+    require_root();
+    let _sharing = sharing_the_machine();
+    let dir = scratch("reserved");
+    let data = dir.join("r.data");
+    let manifest_path = dir.join("manifest.json");
+    run(memtrace()
+        .args(["record", "-q", "--no-kernel", "-o"])
+        .arg(&data)
+        .arg("--")
+        .arg(workload())
+        .args(["--threads", "4", "--iterations", "50", "--manifest"])
+        .arg(&manifest_path)
+        .stdout(Stdio::null()));
+    let report = report_json(&data, &[]);
+    let reserved = &report["totals"]["reserved"];
+    // The four thread stacks glibc maps for pthread_create: 8 MiB each, or what the
+    // limit says, never the program's request.
+    assert_eq!(reserved["allocs"], 4, "{:#}", report["totals"]);
+    assert!(reserved["bytes_req"].as_u64().unwrap() >= 4 * 64 * 1024, "{reserved:#}");
+    let only = report_json(&data, &["--kind", "reserved"]);
+    let sites = only["sites"].as_array().unwrap();
+    assert!(!sites.is_empty());
+    for s in sites {
+        assert_eq!(s["domain"], "reserved");
+        assert!(s["frames"].as_array().unwrap().iter().any(|f| f["function"] == "allocate_stack"), "{s:#}");
+    }
+    // The user figures are the program's: its own sites add up to them.
+    let user = report_json(&data, &["--kind", "user", "--domain", "user"]);
+    let sum: u64 = user["sites"].as_array().unwrap().iter().map(|s| s["bytes_req"].as_u64().unwrap()).sum();
+    assert_eq!(sum, report["totals"]["user"]["bytes_req"].as_u64().unwrap());
+    assert_matches_manifest(&report_json(&data, &["--by", "function"]), &manifest(&manifest_path));
+    let text = String::from_utf8(run(memtrace().args(["report", "-i"]).arg(&data)).stdout).unwrap();
+    assert!(text.lines().any(|l| l.trim_start().starts_with("reserved ")), "{text}");
+}
+
+#[test]
+fn kernel_sites_start_at_the_caller_and_never_print_the_same_name() {
+    require_root();
+    let _sharing = sharing_the_machine();
+    let dir = scratch("ksites");
+    let data = dir.join("k.data");
+    run(memtrace()
+        .args(["record", "-q", "-o"])
+        .arg(&data)
+        .arg("--")
+        .arg(workload())
+        .args(["--threads", "2", "--iterations", "50", "--pipes", "50"])
+        .stdout(Stdio::null()));
+    let report = report_json(&data, &["--domain", "kernel"]);
+    let sites = report["sites"].as_array().unwrap();
+    let pages: Vec<&Value> = sites.iter().filter(|s| s["kinds"] == serde_json::json!(["page"])).collect();
+    assert!(!pages.is_empty(), "the workload's page faults allocate pages");
+    for s in pages {
+        let first = s["frames"][0]["function"].as_str().unwrap_or("");
+        for inside in ["__alloc_pages", "__alloc_frozen_pages", "alloc_pages", "folio_alloc", "get_page_from_freelist"]
+        {
+            assert!(!first.starts_with(inside), "a page site starts inside the page allocator: {s:#}");
+        }
+    }
+    let out = run(memtrace().args(["report", "--wide", "--domain", "kernel", "-i"]).arg(&data));
+    let text = String::from_utf8(out.stdout).unwrap();
+    let header = text.lines().position(|l| l.ends_with("  SITE")).unwrap();
+    let site_at = text.lines().nth(header).unwrap().rfind("SITE").unwrap();
+    let names: Vec<&str> = text.lines().skip(header + 1).map(|l| &l[site_at..]).collect();
+    let mut seen = std::collections::HashSet::new();
+    for name in &names {
+        assert!(seen.insert(*name), "two rows named {name:?}:\n{text}");
+    }
+}
+
+const RING: &str = r#"
+#include <stdio.h>
+#include <stdlib.h>
+#include <time.h>
+int main(void) {
+    enum { N = 4096 };
+    static void *ring[N];
+    for (int i = 0; i < N; i++)
+        ring[i] = malloc(64);
+    printf("ready\n");
+    fflush(stdout);
+    struct timespec pause = {0, 1000000};
+    for (long i = 0;; i++) {
+        free(ring[i % N]);
+        ring[i % N] = malloc(64);
+        if (i % 16 == 0)
+            nanosleep(&pause, 0);
+    }
+}
+"#;
+
+#[test]
+fn attaching_mid_run_is_said_out_loud() {
+    require_root();
+    let _sharing = sharing_the_machine();
+    let dir = scratch("midrun");
+    let ring = compile(&dir, "ring", RING);
+    let mut target = Command::new(&ring).stdout(Stdio::piped()).spawn().unwrap();
+    let mut line = String::new();
+    BufReader::new(target.stdout.take().unwrap()).read_line(&mut line).unwrap();
+    let pid = target.id();
+    let data = dir.join("m.data");
+    let out = memtrace()
+        .args(["record", "--no-kernel", "-d", "1.5s", "--pid", &pid.to_string(), "-o"])
+        .arg(&data)
+        .output()
+        .unwrap();
+    target.kill().unwrap();
+    target.wait().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stderr}");
+    let warning = stderr
+        .lines()
+        .find(|l| l.starts_with(&format!("memtrace: warning: process ring [{pid}]: ")))
+        .unwrap_or_else(|| panic!("no warning at the end of record:\n{stderr}"));
+    assert!(warning.contains("of its frees") && warning.contains("attached mid-run"), "{warning}");
+    let report = report_json(&data, &[]);
+    let warnings: Vec<&str> = report["warnings"].as_array().unwrap().iter().filter_map(Value::as_str).collect();
+    assert!(warnings.iter().any(|w| warning.ends_with(w)), "{warnings:#?}");
+}
