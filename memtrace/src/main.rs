@@ -360,6 +360,19 @@ struct ReportArgs {
     /// With --leaks: only blocks at least this old at the end (e.g. 5s).
     #[arg(long, value_parser = parse_duration, requires = "leaks")]
     older_than: Option<Duration>,
+    /// Memory over time: a sparkline per domain and per top row (JSON: each top site's
+    /// series; the domains' are always in `timeline`).
+    #[arg(long)]
+    timeline: bool,
+    /// Requested sizes in power-of-two buckets, per domain and per top row.
+    #[arg(long)]
+    histogram: bool,
+    /// Where to write (default: standard output); the HTML report goes here.
+    #[arg(short, long)]
+    output: Option<PathBuf>,
+    /// With -o: replace the file even if it is not an earlier memtrace report.
+    #[arg(long, requires = "output")]
+    force: bool,
 }
 
 /// Per-CPU ring size: 32 MiB shared among the CPUs, between 4 and 16 MiB each.
@@ -415,9 +428,17 @@ fn report(args: ReportArgs) -> Result<i32> {
         older_than: args.older_than,
         split_processes: false,
         layout: Layout::from_flags(args.wide, args.fields),
+        timeline: args.timeline || args.format == Format::Html,
+        histogram: args.histogram,
     };
-    let summary = report::analyze(&args.input, &opts)?;
-    let text = report::render(&summary, &opts)?;
+    let text = match opts.format {
+        Format::Html => report::html::render_html(&args.input, &opts)?,
+        _ => report::render(&report::analyze(&args.input, &opts)?, &opts)?,
+    };
+    if let Some(path) = &args.output {
+        report::output::write_file(path, &[&args.input], text.as_bytes(), args.force)?;
+        return Ok(0);
+    }
     let mut stdout = std::io::stdout().lock();
     if let Err(e) = stdout.write_all(text.as_bytes()).and_then(|()| stdout.flush())
         && e.kind() != std::io::ErrorKind::BrokenPipe

@@ -13,10 +13,11 @@ use serde::Serialize;
 
 use super::{
     load::{Definitions, for_each_event, read_definitions},
+    memory::{MAX_ROW_SERIES, MemoryView},
     options::{ReportOptions, SortKey},
 };
 use crate::{
-    analysis::{Analyzer, Domain, EXCLUDED, LiveBlock, Origin, Stats, Totals},
+    analysis::{Analyzer, Domain, EXCLUDED, LiveBlock, Origin, Stats, Timeline, Totals},
     event::Event,
     grouping::{Filters, GroupBy, GroupKey, label},
     recording::{self, Meta},
@@ -39,6 +40,8 @@ pub struct Summary {
     pub stacks: StackTable,
     /// Per domain: allocations traced with a stack, and how many of those stacks were cut.
     pub coverage: BTreeMap<Domain, StackCoverage>,
+    /// Live bytes over time and each domain's peak.
+    pub memory: MemoryView,
 }
 
 /// How whole the stacks of a domain's allocations are.
@@ -65,6 +68,10 @@ pub struct GroupRow {
     pub stats: Stats,
     pub stack: u64,
     pub call_site: u64,
+    /// The analyzer's group.
+    pub group: u32,
+    /// Live bytes over time (the first rows, with [`ReportOptions::timeline`]).
+    pub timeline: Vec<u64>,
 }
 
 /// Blocks still live at the end, from one stack.
@@ -189,6 +196,8 @@ pub fn analyze(path: &Path, opts: &ReportOptions) -> Result<Summary> {
     let mut analyzer = Analyzer::new(|o: &Origin| grouper.group_of(o));
     analyzer.sample_bytes = meta.sample_bytes;
     analyzer.sample_from = stats.sampled_from;
+    let expected_ns = stats.end_monotonic_ns.saturating_sub(meta.start_monotonic_ns);
+    analyzer.timeline = Some(Timeline::new(meta.start_monotonic_ns, expected_ns, opts.timeline));
     for_each_event(path, &mut |event| {
         if let Event::Task(t) = &event
             && matches!(t.event, TaskEvent::Exec | TaskEvent::Rename | TaskEvent::Fork)
@@ -221,12 +230,14 @@ pub fn analyze(path: &Path, opts: &ReportOptions) -> Result<Summary> {
     })?;
     analyzer.finish();
     let live: Vec<LiveBlock> = analyzer.live_blocks().copied().collect();
+    let peaks = analyzer.peak.peaks();
+    let mut timeline = analyzer.timeline.take().expect("set above");
     let (groups, totals, first_ts, last_ts, events) =
         (analyzer.groups, analyzer.totals, analyzer.first_ts, analyzer.last_ts, analyzer.events);
     let infos = grouper.infos;
 
     let mut rows: Vec<GroupRow> = Vec::with_capacity(infos.len());
-    for (info, stats) in infos.iter().zip(groups) {
+    for (group, (info, stats)) in infos.iter().zip(groups).enumerate() {
         if stats.allocs == 0 {
             continue;
         }
@@ -241,6 +252,8 @@ pub fn analyze(path: &Path, opts: &ReportOptions) -> Result<Summary> {
             stats,
             stack: info.stack,
             call_site: info.call_site,
+            group: group as u32,
+            timeline: Vec::new(),
         });
     }
     sort_rows(&mut rows, opts.sort);
@@ -249,6 +262,12 @@ pub fn analyze(path: &Path, opts: &ReportOptions) -> Result<Summary> {
     }
 
     let end_ts = last_ts.max(stats.end_monotonic_ns);
+    let memory = MemoryView::new(&mut timeline, end_ts, peaks);
+    for row in rows.iter_mut().take(MAX_ROW_SERIES) {
+        if let Some(series) = timeline.group(row.group) {
+            row.timeline = series.dense(memory.intervals());
+        }
+    }
     let leaks = if opts.leaks { leak_rows(&live, &infos, &mut table, end_ts, opts) } else { Vec::new() };
     let duration_ns = first_ts.map_or(0, |f| end_ts.saturating_sub(f));
     Ok(Summary {
@@ -265,6 +284,7 @@ pub fn analyze(path: &Path, opts: &ReportOptions) -> Result<Summary> {
         comms,
         stacks: table,
         coverage: coverage.coverage,
+        memory,
     })
 }
 
@@ -279,7 +299,8 @@ pub fn sort_value(key: SortKey, s: &Stats) -> f64 {
         SortKey::Frag => s.frag_pct(),
         SortKey::Live => s.live_bytes_req as f64,
         SortKey::LiveAllocs => s.live_allocs as f64,
-        SortKey::Peak => s.peak_live_bytes_req as f64,
+        SortKey::Peak => s.live_bytes_req_at_peak as f64,
+        SortKey::MaxLive => s.peak_live_bytes_req as f64,
         SortKey::P50 => s.lifetimes.quantile(0.5).unwrap_or(0) as f64,
         SortKey::P99 => s.lifetimes.quantile(0.99).unwrap_or(0) as f64,
         SortKey::Temp => s.temporary as f64,

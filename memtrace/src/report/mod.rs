@@ -7,11 +7,19 @@
 //! - [`analyze`]: adding it up into a [`Summary`];
 //! - [`text`] and [`json`]: printing it.
 pub mod analyze;
+pub mod html;
 pub mod json;
+pub mod json_memory;
 pub mod load;
+pub mod memory;
 pub mod options;
+pub mod output;
+pub mod sizes;
+pub mod sparkline;
 #[cfg(test)]
 pub(crate) mod tests;
+#[cfg(test)]
+mod tests_memory;
 pub mod text;
 
 pub use self::{
@@ -27,5 +35,6 @@ pub fn render(summary: &Summary, opts: &ReportOptions) -> anyhow::Result<String>
     Ok(match opts.format {
         Format::Text => render_text(summary, opts),
         Format::Json => render_json(summary, opts)? + "\n",
+        Format::Html => anyhow::bail!("the HTML report is written to a file: --format html -o report.html"),
     })
 }
