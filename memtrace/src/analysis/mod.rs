@@ -3,6 +3,7 @@
 //! group that allocated the block. User blocks live in a per-process address space that
 //! ends at exec or exit (so a reused pid is a new space); kernel blocks in one space per
 //! machine.
+pub mod diff;
 pub mod histogram;
 pub mod peak;
 mod recent;

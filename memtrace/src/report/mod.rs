@@ -7,6 +7,8 @@
 //! - [`analyze`]: adding it up into a [`Summary`];
 //! - [`text`] and [`json`]: printing it.
 pub mod analyze;
+pub mod diff;
+pub mod diff_render;
 pub mod html;
 pub mod json;
 pub mod json_memory;
@@ -18,6 +20,8 @@ pub mod sizes;
 pub mod sparkline;
 #[cfg(test)]
 pub(crate) mod tests;
+#[cfg(test)]
+mod tests_diff;
 #[cfg(test)]
 mod tests_memory;
 pub mod text;
