@@ -234,7 +234,7 @@ struct DiffArgs {
     /// The change rows are sorted by, largest growth first.
     #[arg(long, value_enum, default_value_t)]
     sort: report::diff::DiffSort,
-    /// Show only the first N rows.
+    /// Show only the first N rows that changed.
     #[arg(long)]
     top: Option<usize>,
     /// Lines as long as their names (default: fit the terminal).

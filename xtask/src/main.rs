@@ -66,7 +66,7 @@ const DEBIAN_PACKAGES: &[(&str, &str)] = &[
     ("gcc", "the bundled C workloads"),
     ("libc6-dev", "the bundled C workloads"),
     ("chromium", "the HTML report's test loads it in a real (headless) browser"),
-]
+];
 
 fn dpkg_installed(package: &str) -> bool {
     Command::new("dpkg-query")

@@ -110,8 +110,10 @@ pub struct DiffSummary {
     pub new: Summary,
     pub by: GroupBy,
     pub sort: DiffSort,
-    /// Every row of either run, sorted; `--top` keeps the first.
+    /// Every row of either run, sorted.
     pub rows: Vec<DiffRow>,
+    /// `--top`: how many of the rows that changed to show.
+    pub top: Option<usize>,
     /// Per domain: (old, new) totals.
     pub totals: BTreeMap<Domain, (Stats, Stats)>,
 }
@@ -146,6 +148,13 @@ fn keyed(a: &Summary, by: GroupBy) -> Vec<(String, Stats, Shown)> {
         .collect()
 }
 
+impl DiffSummary {
+    /// The rows that changed, the first `--top` of them.
+    pub fn changed(&self) -> impl Iterator<Item = &DiffRow> {
+        self.rows.iter().filter(|r| r.status != Status::Unchanged).take(self.top.unwrap_or(usize::MAX))
+    }
+}
+
 /// Compares the recordings at `old` and `new`.
 pub fn diff(old: &Path, new: &Path, opts: &DiffOptions) -> Result<DiffSummary> {
     let (old, new) = (read(old, opts)?, read(new, opts)?);
@@ -171,9 +180,6 @@ pub fn diff(old: &Path, new: &Path, opts: &DiffOptions) -> Result<DiffSummary> {
             .then(b.delta.bytes_req.cmp(&a.delta.bytes_req))
             .then(a.label.cmp(&b.label))
     });
-    if let Some(n) = opts.top {
-        rows.truncate(n);
-    }
     let mut totals: BTreeMap<Domain, (Stats, Stats)> = BTreeMap::new();
     for (domain, t) in &old.totals {
         totals.entry(*domain).or_default().0 = t.stats.clone();
@@ -182,5 +188,5 @@ pub fn diff(old: &Path, new: &Path, opts: &DiffOptions) -> Result<DiffSummary> {
         totals.entry(*domain).or_default().1 = t.stats.clone();
     }
     totals.retain(|d, _| opts.filters.domain.admits(*d));
-    Ok(DiffSummary { old, new, by: opts.by, sort: opts.sort, rows, totals })
+    Ok(DiffSummary { old, new, by: opts.by, sort: opts.sort, rows, top: opts.top, totals })
 }

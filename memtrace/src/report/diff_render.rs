@@ -72,10 +72,16 @@ pub fn render_diff_text(d: &DiffSummary, width: Width) -> String {
     out.push_str(&table(&deltas, TextColumn::new("", 0, domains), None).render(width));
     out.push('\n');
 
-    let shown: Vec<&DiffRow> = d.rows.iter().filter(|r| r.status != Status::Unchanged).collect();
-    let unchanged = d.rows.len() - shown.len();
-    let _ =
-        writeln!(out, "{} {} changed ({unchanged} unchanged), by {}:", shown.len(), d.by.plural(), d.sort.describe());
+    let changed = d.rows.iter().filter(|r| r.status != Status::Unchanged).count();
+    let shown: Vec<&DiffRow> = d.changed().collect();
+    let first = if shown.len() < changed { format!("the first {} of ", shown.len()) } else { String::new() };
+    let _ = writeln!(
+        out,
+        "{first}{changed} {} changed ({} unchanged), by {}:",
+        d.by.plural(),
+        d.rows.len() - changed,
+        d.sort.describe()
+    );
     if shown.is_empty() {
         return out;
     }
@@ -169,9 +175,10 @@ struct JsonRow<'a> {
 pub fn render_diff_json(d: &DiffSummary) -> Result<String> {
     let totals: BTreeMap<&str, Deltas> =
         d.totals.iter().map(|(k, (o, n))| (domain_name(*k), Deltas::of(o, n))).collect();
-    let sites: Vec<JsonRow<'_>> = d
-        .rows
-        .iter()
+    // Every row, unchanged ones included; with --top, the first rows that changed.
+    let rows: Vec<&DiffRow> = if d.top.is_some() { d.changed().collect() } else { d.rows.iter().collect() };
+    let sites: Vec<JsonRow<'_>> = rows
+        .into_iter()
         .map(|r| JsonRow {
             domain: r.domain,
             status: r.status,
