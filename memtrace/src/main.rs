@@ -38,6 +38,8 @@ enum Command {
     Dump(DumpArgs),
     /// Write folded stacks, an SVG flame graph or a pprof profile.
     Export(ExportArgs),
+    /// Compare two recordings site by site: what grew and what shrank, largest growth first.
+    Diff(DiffArgs),
     /// A live view of allocations, like top (whole machine unless --pid or -- CMD).
     Top(TopArgs),
     /// Benchmark baseline: run a command with empty probes at malloc entry/return and
@@ -169,6 +171,10 @@ struct ExportArgs {
     /// What the width of a frame stands for (folded and svg; pprof carries them all).
     #[arg(long, value_enum, default_value_t)]
     weight: Weight,
+    /// Export the change since this earlier recording: a differential flame graph (folded
+    /// `stack old new`, svg) or a pprof profile with the base subtracted.
+    #[arg(long, value_name = "OLD")]
+    diff_base: Option<PathBuf>,
     #[command(flatten)]
     filters: FilterArgs,
 }
@@ -207,7 +213,8 @@ fn export(args: ExportArgs) -> Result<i32> {
     let opts =
         ReportOptions { by: GroupBy::Stack, filters: args.filters.into(), split_processes: true, ..Default::default() };
     let summary = report::analyze(&args.input, &opts)?;
-    for w in &summary.warnings {
+    let base = args.diff_base.as_ref().map(|p| report::analyze(p, &opts)).transpose()?;
+    for w in summary.warnings.iter().chain(base.iter().flat_map(|b| &b.warnings)) {
         eprintln!("memtrace: warning: {w}");
     }
     let mut out: Box<dyn std::io::Write> = match &args.output {
@@ -220,12 +227,8 @@ fn export(args: ExportArgs) -> Result<i32> {
         }
         None => Box::new(std::io::BufWriter::new(std::io::stdout().lock())),
     };
-    let result = match args.format {
-        ExportFormat::Folded => export::write_folded(&summary, args.weight, &mut out),
-        ExportFormat::Svg => export::write_svg(&summary, args.weight, &mut out),
-        ExportFormat::Pprof => export::write_pprof(&summary, &mut out),
-    }
-    .and_then(|()| Ok(out.flush()?));
+    let result =
+        export::write(args.format, &summary, base.as_ref(), args.weight, &mut out).and_then(|()| Ok(out.flush()?));
     drop(out);
     match result {
         Err(e) if e.downcast_ref::<std::io::Error>().is_some_and(|e| e.kind() == std::io::ErrorKind::BrokenPipe) => {
@@ -240,6 +243,64 @@ fn export(args: ExportArgs) -> Result<i32> {
         }
         Ok(()) => Ok(0),
     }
+}
+
+#[derive(Args)]
+struct DiffArgs {
+    /// The earlier recording (the base).
+    old: PathBuf,
+    /// The later recording.
+    new: PathBuf,
+    #[arg(long, value_enum, default_value_t)]
+    format: report::diff::DiffFormat,
+    /// What a row stands for; rows are matched by their symbolized frames.
+    #[arg(long, value_enum, default_value_t)]
+    by: GroupBy,
+    #[command(flatten)]
+    filters: FilterArgs,
+    /// The change rows are sorted by, largest growth first.
+    #[arg(long, value_enum, default_value_t)]
+    sort: report::diff::DiffSort,
+    /// Show only the first N rows that changed.
+    #[arg(long)]
+    top: Option<usize>,
+    /// Lines as long as their names (default: fit the terminal).
+    #[arg(short, long)]
+    wide: bool,
+    /// Where to write (default: standard output).
+    #[arg(short, long)]
+    output: Option<PathBuf>,
+    /// With -o: replace the file even if it is not an earlier memtrace report.
+    #[arg(long, requires = "output")]
+    force: bool,
+}
+
+fn diff(args: DiffArgs) -> Result<i32> {
+    use report::diff::{DiffFormat, DiffOptions};
+    let opts = DiffOptions {
+        format: args.format,
+        by: args.by,
+        filters: args.filters.into(),
+        sort: args.sort,
+        top: args.top,
+        width: Layout::<ReportColumn>::from_flags(args.wide, Vec::new()).width,
+    };
+    let d = report::diff::diff(&args.old, &args.new, &opts)?;
+    let text = match opts.format {
+        DiffFormat::Text => report::diff_render::render_diff_text(&d, opts.width),
+        DiffFormat::Json => report::diff_render::render_diff_json(&d)?,
+    };
+    if let Some(path) = &args.output {
+        report::output::write_file(path, &[&args.old, &args.new], text.as_bytes(), args.force)?;
+        return Ok(0);
+    }
+    let mut stdout = std::io::stdout().lock();
+    if let Err(e) = stdout.write_all(text.as_bytes()).and_then(|()| stdout.flush())
+        && e.kind() != std::io::ErrorKind::BrokenPipe
+    {
+        bail!("writing the comparison: {e}");
+    }
+    Ok(0)
 }
 
 #[derive(Args)]
@@ -407,6 +468,19 @@ struct ReportArgs {
     /// With --leaks: only blocks at least this old at the end (e.g. 5s).
     #[arg(long, value_parser = parse_duration, requires = "leaks")]
     older_than: Option<Duration>,
+    /// Memory over time: a sparkline per domain and per top row (JSON: each top site's
+    /// series; the domains' are always in `timeline`).
+    #[arg(long)]
+    timeline: bool,
+    /// Requested sizes in power-of-two buckets, per domain and per top row.
+    #[arg(long)]
+    histogram: bool,
+    /// Where to write (default: standard output); the HTML report goes here.
+    #[arg(short, long)]
+    output: Option<PathBuf>,
+    /// With -o: replace the file even if it is not an earlier memtrace report.
+    #[arg(long, requires = "output")]
+    force: bool,
 }
 
 /// Per-CPU ring size: 32 MiB shared among the CPUs, between 4 and 16 MiB each.
@@ -470,9 +544,17 @@ fn report(args: ReportArgs) -> Result<i32> {
         older_than: args.older_than,
         split_processes: false,
         layout: Layout::from_flags(args.wide, args.fields),
+        timeline: args.timeline || args.format == Format::Html,
+        histogram: args.histogram,
     };
-    let summary = report::analyze(&args.input, &opts)?;
-    let text = report::render(&summary, &opts)?;
+    let text = match opts.format {
+        Format::Html => report::html::render_html(&args.input, &opts)?,
+        _ => report::render(&report::analyze(&args.input, &opts)?, &opts)?,
+    };
+    if let Some(path) = &args.output {
+        report::output::write_file(path, &[&args.input], text.as_bytes(), args.force)?;
+        return Ok(0);
+    }
     let mut stdout = std::io::stdout().lock();
     if let Err(e) = stdout.write_all(text.as_bytes()).and_then(|()| stdout.flush())
         && e.kind() != std::io::ErrorKind::BrokenPipe
@@ -490,6 +572,7 @@ fn main() -> ExitCode {
         Command::Report(args) => report(args),
         Command::Dump(args) => dump(args),
         Command::Export(args) => export(args),
+        Command::Diff(args) => diff(args),
         Command::Top(args) => top(args),
         Command::BenchBaseline(args) => session::run_baseline(&args.command, args.placed, !args.no_return),
     };

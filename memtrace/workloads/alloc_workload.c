@@ -16,6 +16,8 @@
  * qsort comparator called back from libc, one 100 and one 200 calls deep),
  * --fork-children N (fork N children that each make 10 malloc(77) from wl_child_alloc at once
  * and exit: a tracer must see a child from its first instruction),
+ * --peak (memory over time with a known peak, one thread; with --manifest FILE it writes
+ * each site's figures, its bytes live at the peak and the peak's moment: see wl_peak_run),
  * --sleep-ms MS (pause before starting), --wait-stdin (start once a line is read from
  * stdin), so a recorder can attach with --pid first.
  *
@@ -479,6 +481,113 @@ static void fork_children(long n) {
     printf("fork-children: %ld children x 10 allocations\n", n);
 }
 
+/* --peak: four sites whose blocks (below the mmap threshold: from the heap) rise and fall
+ * at known moments. wl_peak_early grows to 800,000 bytes and frees them all; 30 ms later
+ * wl_peak_base (16 x 24,000) and wl_peak_top (50 x 16,000) make the peak, 1,184,000 bytes;
+ * 50 ms later wl_peak_top frees its blocks and wl_peak_late allocates 30 x 20,000 (984,000
+ * live: below the peak); then half of wl_peak_base is freed and the rest left live. Nothing
+ * allocates between the peak and the first free after it, so the peak lies in between. */
+enum peak_site { P_EARLY, P_BASE, P_TOP, P_LATE, P_COUNT };
+
+static const char *peak_names[P_COUNT] = {"wl_peak_early", "wl_peak_base", "wl_peak_top", "wl_peak_late"};
+
+/* Indexed by peak_site (the first entries of a tally). */
+static struct tally peak_tally;
+static unsigned long peak_live_bytes[P_COUNT], peak_live_allocs[P_COUNT];
+
+NOINLINE static void *wl_peak_early(size_t n) {
+    void *p = malloc(n);
+    count_alloc(&peak_tally, (enum site)P_EARLY, p, n);
+    touch(p, n);
+    return p;
+}
+
+NOINLINE static void *wl_peak_base(size_t n) {
+    void *p = malloc(n);
+    count_alloc(&peak_tally, (enum site)P_BASE, p, n);
+    touch(p, n);
+    return p;
+}
+
+NOINLINE static void *wl_peak_top(size_t n) {
+    void *p = malloc(n);
+    count_alloc(&peak_tally, (enum site)P_TOP, p, n);
+    touch(p, n);
+    return p;
+}
+
+NOINLINE static void *wl_peak_late(size_t n) {
+    void *p = malloc(n);
+    count_alloc(&peak_tally, (enum site)P_LATE, p, n);
+    touch(p, n);
+    return p;
+}
+
+static void peak_free(enum peak_site s, void *p, size_t n) {
+    free(p);
+    count_free(&peak_tally, (enum site)s, n);
+}
+
+static void pause_ms(long ms) {
+    struct timespec ts = {ms / 1000, (ms % 1000) * 1000000L};
+    while (nanosleep(&ts, &ts) != 0 && errno == EINTR) {
+    }
+}
+
+static double now_ns(void);
+
+static void wl_peak_run(const char *manifest) {
+    static void *early[40], *base[16], *top[50], *late[30];
+    for (int i = 0; i < 40; i++)
+        early[i] = wl_peak_early(20000);
+    for (int i = 0; i < 40; i++)
+        peak_free(P_EARLY, early[i], 20000);
+    pause_ms(30);
+    for (int i = 0; i < 16; i++)
+        base[i] = wl_peak_base(24000);
+    for (int i = 0; i < 50; i++)
+        top[i] = wl_peak_top(16000);
+    double reached = now_ns();
+    for (int s = 0; s < P_COUNT; s++) {
+        peak_live_bytes[s] = peak_tally.f[s].live_bytes_req;
+        peak_live_allocs[s] = peak_tally.f[s].live_allocs;
+    }
+    pause_ms(50);
+    double left = now_ns();
+    for (int i = 0; i < 50; i++)
+        peak_free(P_TOP, top[i], 16000);
+    for (int i = 0; i < 30; i++)
+        late[i] = wl_peak_late(20000);
+    pause_ms(30);
+    for (int i = 0; i < 8; i++)
+        peak_free(P_BASE, base[i], 24000);
+    sink ^= (uintptr_t)late[0];
+    if (!manifest)
+        return;
+    FILE *out = fopen(manifest, "w");
+    if (!out) {
+        perror(manifest);
+        exit(2);
+    }
+    unsigned long total = 0;
+    for (int s = 0; s < P_COUNT; s++)
+        total += peak_live_bytes[s];
+    fprintf(out, "{\"pid\": %d, \"peak_reached_ns\": %.0f, \"peak_left_ns\": %.0f, \"peak_live_bytes_req\": %lu,\n",
+            (int)getpid(), reached, left, total);
+    fprintf(out, " \"sites\": [\n");
+    for (int s = 0; s < P_COUNT; s++) {
+        const struct figures *f = &peak_tally.f[s];
+        fprintf(out,
+                "  {\"function\": \"%s\", \"allocs\": %lu, \"frees\": %lu, \"bytes_req\": %lu, "
+                "\"bytes_alloc\": %lu, \"live_allocs\": %lu, \"live_bytes_req\": %lu, "
+                "\"live_allocs_at_peak\": %lu, \"live_bytes_req_at_peak\": %lu}%s\n",
+                peak_names[s], f->allocs, f->frees, f->bytes_req, f->bytes_alloc, f->live_allocs,
+                f->live_bytes_req, peak_live_allocs[s], peak_live_bytes[s], s + 1 < P_COUNT ? "," : "");
+    }
+    fprintf(out, " ]}\n");
+    fclose(out);
+}
+
 static long arg_value(int argc, char **argv, const char *name, long fallback) {
     for (int i = 1; i + 1 < argc; i++)
         if (strcmp(argv[i], name) == 0)
@@ -510,6 +619,11 @@ int main(int argc, char **argv) {
     for (int i = 1; i < argc; i++) {
         if (strcmp(argv[i], "--stacks") == 0) {
             wl_stack_tests();
+            return 0;
+        }
+        if (strcmp(argv[i], "--peak") == 0) {
+            wl_peak_run(arg_string(argc, argv, "--manifest"));
+            printf("peak: 1184000 bytes live at the peak\n");
             return 0;
         }
     }

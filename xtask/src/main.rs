@@ -62,8 +62,11 @@ fn is_root() -> bool {
 
 /// Debian packages `setup` installs (once; it checks with dpkg first), and what for. One
 /// line each, so a feature that needs a real component adds it here.
-const DEBIAN_PACKAGES: &[(&str, &str)] =
-    &[("gcc", "the bundled C workloads"), ("libc6-dev", "the bundled C workloads")];
+const DEBIAN_PACKAGES: &[(&str, &str)] = &[
+    ("gcc", "the bundled C workloads"),
+    ("libc6-dev", "the bundled C workloads"),
+    ("chromium", "the HTML report's test loads it in a real (headless) browser"),
+];
 
 fn dpkg_installed(package: &str) -> bool {
     Command::new("dpkg-query")

@@ -3,14 +3,27 @@
 //! group that allocated the block. User blocks live in a per-process address space that
 //! ends at exec or exit (so a reused pid is a new space); kernel blocks in one space per
 //! machine.
+pub mod diff;
 pub mod histogram;
+pub mod peak;
+mod recent;
+mod sampling;
+pub mod sizes;
+pub mod timeline;
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 
 use memtrace_common::{Kind, Space, TaskEvent, flags};
 use serde::Serialize;
 
-pub use self::histogram::Histogram;
+use self::recent::RecentFrees;
+pub use self::{
+    histogram::Histogram,
+    peak::{Peak, PeakTracker},
+    sampling::sample_multiplicity,
+    sizes::SizeHistogram,
+    timeline::Timeline,
+};
 use crate::event::{Alloc, Event, Free};
 
 /// User or kernel; and, apart from the user's, the memory the C library and its allocator
@@ -67,6 +80,11 @@ pub struct Stats {
     pub freed_on_other_cpu: u64,
     /// Blocks still live when their process exec'd or exited.
     pub leaked_at_exit: u64,
+    /// Bytes requested and blocks live at the moment of the domain's peak ([`peak`]).
+    pub live_bytes_req_at_peak: u64,
+    pub live_allocs_at_peak: u64,
+    /// Requested sizes.
+    pub sizes: SizeHistogram,
 }
 
 impl Stats {
@@ -80,6 +98,7 @@ impl Stats {
         self.live_bytes_req += req * count;
         self.live_bytes_alloc += alloc * count;
         self.peak_live_bytes_req = self.peak_live_bytes_req.max(self.live_bytes_req);
+        self.sizes.record(req, alloc, count);
     }
 
     /// Allocations counted but not followed (the live table is full).
@@ -87,6 +106,7 @@ impl Stats {
         self.allocs += count;
         self.bytes_req += req * count;
         self.bytes_alloc += alloc * count;
+        self.sizes.record(req, alloc, count);
     }
 
     fn on_free(&mut self, block: &LiveBlock) {
@@ -110,6 +130,10 @@ impl Stats {
         self.temporary += o.temporary;
         self.freed_on_other_cpu += o.freed_on_other_cpu;
         self.leaked_at_exit += o.leaked_at_exit;
+        // Values at the same moment add up exactly.
+        self.live_bytes_req_at_peak += o.live_bytes_req_at_peak;
+        self.live_allocs_at_peak += o.live_allocs_at_peak;
+        self.sizes.merge(&o.sizes);
     }
 
     /// Internal fragmentation: the share of allocated bytes not asked for.
@@ -135,43 +159,6 @@ pub struct Totals {
     pub allocator_frees: u64,
 }
 
-/// Addresses a process freed recently (bounded), to recognise the allocator freeing the
-/// blocks it cached for reuse.
-#[derive(Default)]
-struct RecentFrees {
-    /// Address → sequence number of its latest insertion.
-    set: HashMap<u64, u64>,
-    order: std::collections::VecDeque<(u64, u64)>,
-    seq: u64,
-}
-
-impl RecentFrees {
-    const CAPACITY: usize = 4096;
-
-    fn insert(&mut self, addr: u64) {
-        self.seq += 1;
-        self.set.insert(addr, self.seq);
-        self.order.push_back((addr, self.seq));
-        while self.order.len() > Self::CAPACITY {
-            let Some((old, seq)) = self.order.pop_front() else {
-                break;
-            };
-            // Only the latest insertion of an address evicts it.
-            if self.set.get(&old) == Some(&seq) {
-                self.set.remove(&old);
-            }
-        }
-    }
-
-    fn remove(&mut self, addr: u64) {
-        self.set.remove(&addr);
-    }
-
-    fn contains(&self, addr: u64) -> bool {
-        self.set.contains_key(&addr)
-    }
-}
-
 /// A block not yet freed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct LiveBlock {
@@ -188,23 +175,6 @@ pub struct LiveBlock {
     pub orphaned: bool,
     /// How many allocations the block stands for (1 unless sampled).
     pub count: u64,
-}
-
-/// How many allocations one sampled allocation of `size` bytes stands for, when each byte
-/// was sampled with probability 1/`mean`: 1/P(sampled) = 1/(1 − e^(−size/mean)), rounded
-/// up or down at random (seeded by `seed`, so reports are reproducible) so that the sum
-/// stays an unbiased estimate.
-pub fn sample_multiplicity(size: u64, mean: u64, seed: u64) -> u64 {
-    let p = -(-(size.max(1) as f64) / mean.max(1) as f64).exp_m1();
-    let w = 1.0 / p;
-    let whole = w.floor();
-    // splitmix64 of the seed, as a uniform number in [0, 1).
-    let mut z = seed.wrapping_add(0x9e37_79b9_7f4a_7c15);
-    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-    z ^= z >> 31;
-    let u = (z >> 11) as f64 / (1u64 << 53) as f64;
-    whole as u64 + u64::from(u < w - whole)
 }
 
 /// Address space of a block: the space kind and, for user spaces, the process instance.
@@ -262,6 +232,10 @@ pub struct Analyzer<G: FnMut(&Origin) -> u32> {
     /// Stacks (id + 1) whose mmaps are reserved memory ([`Domain::Reserved`]), not the
     /// program's own.
     pub reserved_stacks: HashSet<u64>,
+    /// Each domain's peak and each group's share of it.
+    pub peak: PeakTracker,
+    /// Live bytes over time, when asked for.
+    pub timeline: Option<Timeline>,
 }
 
 impl<G: FnMut(&Origin) -> u32> Analyzer<G> {
@@ -291,6 +265,17 @@ impl<G: FnMut(&Origin) -> u32> Analyzer<G> {
             sample_bytes: None,
             sample_from: None,
             reserved_stacks: Default::default(),
+            peak: PeakTracker::default(),
+            timeline: None,
+        }
+    }
+
+    /// A block of a counted group became live (`added`) or stopped being live at `ts_ns`.
+    fn live_changed(&mut self, b: &LiveBlock, added: bool, ts_ns: u64) {
+        let (domain, bytes) = (Domain::of(b.kind), b.bytes_req * b.count);
+        self.peak.change(b.group, domain, bytes, b.count, added, ts_ns);
+        if let Some(t) = &mut self.timeline {
+            t.change(b.group, domain, b.pid, bytes, added, ts_ns);
         }
     }
 
@@ -343,7 +328,7 @@ impl<G: FnMut(&Origin) -> u32> Analyzer<G> {
                     _ => false,
                 };
                 if ends_space {
-                    self.end_process(t.pid);
+                    self.end_process(t.pid, ts);
                 }
             }
         }
@@ -429,6 +414,7 @@ impl<G: FnMut(&Origin) -> u32> Analyzer<G> {
             self.groups[old.group as usize].on_free(&old);
             self.totals(old.kind, old.stack).stats.on_free(&old);
             self.totals(a.kind, a.stack).missed_frees += 1;
+            self.live_changed(&old, false, a.ts_ns);
         }
         self.last_alloc.insert(a.tid, (space, a.ptr));
         if group == EXCLUDED {
@@ -436,6 +422,7 @@ impl<G: FnMut(&Origin) -> u32> Analyzer<G> {
         }
         self.groups[group as usize].on_alloc(a.bytes_req, a.bytes_alloc, count);
         self.totals(a.kind, a.stack).stats.on_alloc(a.bytes_req, a.bytes_alloc, count);
+        self.live_changed(&block, true, a.ts_ns);
     }
 
     fn retire(&mut self, block: LiveBlock, f: &Free, temporary: bool) {
@@ -443,6 +430,7 @@ impl<G: FnMut(&Origin) -> u32> Analyzer<G> {
         if block.group == EXCLUDED {
             return;
         }
+        self.live_changed(&block, false, f.ts_ns);
         let g = &mut self.groups[block.group as usize];
         g.on_free(&block);
         g.lifetimes.record_n(f.ts_ns.saturating_sub(block.ts_ns), block.count);
@@ -507,7 +495,7 @@ impl<G: FnMut(&Origin) -> u32> Analyzer<G> {
 
     /// The process's address space is gone: its live blocks stay counted as live (leaked at
     /// exit) but can no longer be freed; later events of the pid start a new space.
-    fn end_process(&mut self, pid: u32) {
+    fn end_process(&mut self, pid: u32, ts_ns: u64) {
         let Some(instance) = self.instances.remove(&pid) else {
             return;
         };
@@ -522,6 +510,7 @@ impl<G: FnMut(&Origin) -> u32> Analyzer<G> {
                 continue;
             }
             block.orphaned = true;
+            self.live_changed(&block, false, ts_ns);
             self.groups[block.group as usize].leaked_at_exit += block.count;
             self.orphans.push(block);
         }
@@ -537,6 +526,7 @@ impl<G: FnMut(&Origin) -> u32> Analyzer<G> {
         if pending > 0 {
             self.totals.entry(Domain::User).or_default().unmatched_frees += pending;
         }
+        self.peak.settle(&mut self.groups, &mut self.totals);
     }
 
     /// Each origin met so far and its group.

@@ -246,3 +246,38 @@ fn sampled_allocations_stand_for_the_ones_not_sampled() {
     a.push(&free(2, 1, 1, Kind::Free, 0x1000));
     assert_eq!((a.groups[1].frees, a.groups[1].live_allocs, a.groups[1].live_bytes_req), (count, 0, 0));
 }
+
+#[test]
+fn each_group_is_read_at_its_domains_peak() {
+    let mut a = by_stack();
+    a.timeline = Some(Timeline::new(0, 30, true));
+    for e in [
+        alloc(1, 1, 1, Kind::Malloc, 0x1000, 800, 816, 1), // group 1: 800, freed before the peak
+        free(2, 1, 1, Kind::Free, 0x1000),
+        alloc(3, 1, 1, Kind::Malloc, 0x2000, 300, 304, 2),
+        alloc(4, 1, 1, Kind::Calloc, 0x3000, 700, 704, 3), // the peak: 1000 at 4
+        free(5, 1, 1, Kind::Free, 0x3000),
+        alloc(6, 1, 1, Kind::Malloc, 0x4000, 600, 608, 4), // 900: below
+        alloc(7, 0, 0, Kind::Kmalloc, 0xffff_0000, 64, 64, 5),
+        exit(8, 1), // the process's blocks stop counting for the peak (not for the leaks)
+        alloc(9, 2, 2, Kind::Malloc, 0x1000, 950, 960, 6), // another process: 950 < 1000
+    ] {
+        a.push(&e);
+    }
+    a.finish();
+    let at_peak: Vec<u64> = (1..=6).map(|g| a.groups[g].live_bytes_req_at_peak).collect();
+    assert_eq!(at_peak, [0, 300, 700, 0, 64, 0]);
+    assert_eq!((a.groups[2].live_allocs_at_peak, a.groups[1].peak_live_bytes_req), (1, 800));
+    let user = &a.totals[&Domain::User].stats;
+    assert_eq!((user.peak_live_bytes_req, user.live_bytes_req_at_peak, user.live_allocs_at_peak), (1000, 1000, 2));
+    assert_eq!(user.live_bytes_req, 300 + 600 + 950, "still live (leaked) at the end");
+    assert_eq!(a.peak.peaks()[&Domain::User].ts_ns, 4);
+    let sizes: Vec<(u64, u64)> = user.sizes.bins().map(|b| (b.max_size, b.allocs)).collect();
+    assert_eq!(sizes, [(512, 1), (1024, 4)]);
+    let t = a.timeline.as_mut().unwrap();
+    assert_eq!(t.interval_ns, 1);
+    let n = t.intervals_until(9);
+    assert_eq!(t.domains[&Domain::User].dense(n), [0, 800, 800, 300, 1000, 1000, 900, 900, 900, 950]);
+    assert_eq!(t.processes[&1].dense(n)[8..], [900, 0], "gone at exit");
+    assert_eq!(t.group(3).unwrap().dense(n), [0, 0, 0, 0, 700, 700, 0, 0, 0, 0]);
+}

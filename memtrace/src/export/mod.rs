@@ -5,7 +5,8 @@
 //! on the process's behalf.
 //!
 //! The rows come from [`crate::report::analyze`] grouped by stack, each process apart;
-//! [`pprof`] encodes the profile.
+//! [`pprof`] encodes the profile; [`diff`] compares with a base recording (`--diff-base`).
+pub mod diff;
 pub mod existing;
 pub mod pprof;
 #[cfg(test)]
@@ -46,6 +47,8 @@ pub enum Weight {
     Wasted,
     /// Bytes requested still live at the end.
     Live,
+    /// Bytes requested live at the moment of the domain's peak.
+    Peak,
 }
 
 impl Weight {
@@ -56,16 +59,18 @@ impl Weight {
             Self::BytesAlloc => s.bytes_alloc,
             Self::Wasted => s.wasted(),
             Self::Live => s.live_bytes_req,
+            Self::Peak => s.live_bytes_req_at_peak,
         }
     }
 
-    fn describe(self) -> (&'static str, &'static str) {
+    pub fn describe(self) -> (&'static str, &'static str) {
         match self {
             Self::Allocs => ("allocations", "allocations"),
             Self::Bytes => ("bytes requested", "bytes"),
             Self::BytesAlloc => ("bytes allocated", "bytes"),
             Self::Wasted => ("bytes wasted to internal fragmentation", "bytes"),
             Self::Live => ("bytes still live at the end", "bytes"),
+            Self::Peak => ("bytes live at the peak", "bytes"),
         }
     }
 }
@@ -89,8 +94,13 @@ pub(crate) fn process_name(a: &Summary, row: &GroupRow) -> String {
 
 /// Folded stacks and their weights, merged when they name the same frames.
 pub fn folded(a: &Summary, weight: Weight) -> BTreeMap<String, u64> {
+    folded_rows(a, weight, |_| true)
+}
+
+/// [`folded`] of the rows `keep` accepts.
+pub fn folded_rows(a: &Summary, weight: Weight, keep: impl Fn(&GroupRow) -> bool) -> BTreeMap<String, u64> {
     let mut out = BTreeMap::new();
-    for row in &a.groups {
+    for row in a.groups.iter().filter(|r| keep(r)) {
         let value = weight.of(&row.stats);
         if value == 0 {
             continue;
@@ -113,22 +123,53 @@ pub fn write_folded(a: &Summary, weight: Weight, out: &mut dyn Write) -> Result<
 }
 
 pub fn write_svg(a: &Summary, weight: Weight, out: &mut dyn Write) -> Result<()> {
+    let lines: Vec<String> = folded(a, weight).into_iter().map(|(s, v)| format!("{s} {v}")).collect();
+    let (what, _) = weight.describe();
+    if lines.is_empty() {
+        anyhow::bail!("nothing to draw: no stack has any {what}");
+    }
+    draw_svg(&lines, weight, &format!("memtrace: {what}"), None, out)
+}
+
+/// An inferno flame graph of folded `lines` (`stack value`, or `stack old new` for a
+/// differential one); fluid width, the memory palette.
+pub fn draw_svg(
+    lines: &[String],
+    weight: Weight,
+    title: &str,
+    subtitle: Option<String>,
+    out: &mut dyn Write,
+) -> Result<()> {
     use inferno::flamegraph::{
         Options,
         color::{BasicPalette, Palette},
         from_lines,
     };
-    let lines: Vec<String> = folded(a, weight).into_iter().map(|(s, v)| format!("{s} {v}")).collect();
-    let (what, unit) = weight.describe();
     let mut opts = Options::default();
-    opts.title = format!("memtrace: {what}");
-    opts.count_name = unit.into();
+    opts.title = title.into();
+    opts.subtitle = subtitle;
+    opts.count_name = weight.describe().1.into();
     opts.colors = Palette::Basic(BasicPalette::Mem);
-    if lines.is_empty() {
-        anyhow::bail!("nothing to draw: no stack has any {what}");
-    }
     from_lines(&mut opts, lines.iter().map(String::as_str), out)?;
     Ok(())
+}
+
+/// Writes the export `format` asks for; with a `base`, the change from it.
+pub fn write(
+    format: ExportFormat,
+    a: &Summary,
+    base: Option<&Summary>,
+    weight: Weight,
+    out: &mut dyn Write,
+) -> Result<()> {
+    match (format, base) {
+        (ExportFormat::Folded, None) => write_folded(a, weight, out),
+        (ExportFormat::Svg, None) => write_svg(a, weight, out),
+        (ExportFormat::Pprof, None) => write_pprof(a, out),
+        (ExportFormat::Folded, Some(b)) => diff::write_folded_diff(b, a, weight, out),
+        (ExportFormat::Svg, Some(b)) => diff::write_svg_diff(b, a, weight, out),
+        (ExportFormat::Pprof, Some(b)) => diff::write_pprof_diff(b, a, out),
+    }
 }
 
 pub use self::pprof::{pprof_bytes, write_pprof};

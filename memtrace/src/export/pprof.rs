@@ -1,7 +1,9 @@
 //! The pprof profile (profile.proto), encoded by hand: a handful of messages, gzipped.
-//! Samples carry alloc_objects/alloc_space/inuse_objects/inuse_space and the requested and
-//! wasted bytes, labelled with domain, process and pid; inlined frames become the lines of
-//! one location.
+//! Samples carry alloc_objects/alloc_space/inuse_objects/inuse_space, the requested and
+//! wasted bytes, and the blocks and bytes live at the domain's peak, labelled with domain,
+//! process and pid; inlined frames become the lines of one location. A differential profile
+//! holds a base recording's samples negated and labelled `pprof::base`, as `pprof
+//! -diff_base` builds it.
 use std::{collections::HashMap, io::Write};
 
 use anyhow::Result;
@@ -64,6 +66,11 @@ impl Strings {
 
 /// The profile, before compression.
 pub fn pprof_bytes(a: &Summary) -> Vec<u8> {
+    pprof_bytes_of(a, None)
+}
+
+/// The profile of `a`, less `base` if given (its samples negated), before compression.
+pub fn pprof_bytes_of(a: &Summary, base: Option<&Summary>) -> Vec<u8> {
     let mut strings = Strings::new();
     let mut profile = Vec::new();
     let sample_types = [
@@ -73,6 +80,8 @@ pub fn pprof_bytes(a: &Summary) -> Vec<u8> {
         ("inuse_space", "bytes"),
         ("requested_space", "bytes"),
         ("wasted_space", "bytes"),
+        ("peak_inuse_objects", "count"),
+        ("peak_requested_space", "bytes"),
     ];
     for (kind, unit) in sample_types {
         let mut vt = Vec::new();
@@ -88,7 +97,9 @@ pub fn pprof_bytes(a: &Summary) -> Vec<u8> {
     let mut locations: HashMap<(String, u64, bool), u64> = HashMap::new();
     let mut location_msgs = Vec::new();
 
-    for row in &a.groups {
+    let sides = std::iter::once((a, false)).chain(base.map(|b| (b, true)));
+    for (side, row) in sides.flat_map(|(side, negate)| side.groups.iter().map(move |row| ((side, negate), row))) {
+        let (side, negate) = side;
         let s = &row.stats;
         // One location per address: an inline chain (inlined frames, then the frame they
         // were inlined into) becomes the lines of one location, innermost first.
@@ -141,15 +152,25 @@ pub fn pprof_bytes(a: &Summary) -> Vec<u8> {
         }
         let mut sample = Vec::new();
         field_packed(&mut sample, 1, location_ids);
-        field_packed(
-            &mut sample,
-            2,
-            [s.allocs, s.bytes_alloc, s.live_allocs, s.live_bytes_alloc, s.bytes_req, s.wasted()],
-        );
+        let values = [
+            s.allocs,
+            s.bytes_alloc,
+            s.live_allocs,
+            s.live_bytes_alloc,
+            s.bytes_req,
+            s.wasted(),
+            s.live_allocs_at_peak,
+            s.live_bytes_req_at_peak,
+        ];
+        // int64 values: a negated one is its two's complement.
+        field_packed(&mut sample, 2, values.map(|v| if negate { (v as i64).wrapping_neg() as u64 } else { v }));
         let mut labels: Vec<(u64, Option<u64>, u64)> = vec![
             (strings.id("domain"), Some(strings.id(domain_name(row.domain))), 0),
-            (strings.id("process"), Some(strings.id(&process_name(a, row))), 0),
+            (strings.id("process"), Some(strings.id(&process_name(side, row))), 0),
         ];
+        if negate {
+            labels.push((strings.id("pprof::base"), Some(strings.id("true")), 0));
+        }
         if let Some(&pid) = row.pids.first() {
             labels.push((strings.id("pid"), None, u64::from(pid)));
         }
@@ -193,8 +214,12 @@ pub fn pprof_bytes(a: &Summary) -> Vec<u8> {
 }
 
 pub fn write_pprof(a: &Summary, out: &mut dyn Write) -> Result<()> {
+    write_gzipped(&pprof_bytes(a), out)
+}
+
+pub fn write_gzipped(profile: &[u8], out: &mut dyn Write) -> Result<()> {
     let mut gz = flate2::write::GzEncoder::new(out, flate2::Compression::default());
-    gz.write_all(&pprof_bytes(a))?;
+    gz.write_all(profile)?;
     gz.finish()?;
     Ok(())
 }

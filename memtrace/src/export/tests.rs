@@ -180,6 +180,8 @@ fn pprof_profiles_decode_with_every_sample_type() {
             ("inuse_space", "bytes"),
             ("requested_space", "bytes"),
             ("wasted_space", "bytes"),
+            ("peak_inuse_objects", "count"),
+            ("peak_requested_space", "bytes"),
         ]
     );
     assert_eq!(s(p.default_sample_type), "alloc_space");
@@ -199,7 +201,7 @@ fn pprof_profiles_decode_with_every_sample_type() {
     };
     let parse = p.sample.iter().find(|x| names(x).first() == Some(&"parse_request")).expect("the parse_request sample");
     assert_eq!(names(parse), ["parse_request", "serve", "handle_connection", "main"]);
-    assert_eq!(parse.value, [100, 100 * 112, 2, 2 * 112, 100 * 100, 100 * 12]);
+    assert_eq!(parse.value, [100, 100 * 112, 2, 2 * 112, 100 * 100, 100 * 12, 2, 200]);
     let labels: Vec<(&str, String)> = parse
         .label
         .iter()
@@ -224,4 +226,50 @@ fn pprof_profiles_decode_with_every_sample_type() {
     assert_eq!(mapping(kernel.location_id[0]), "[kernel]");
     assert_eq!(mapping(*kernel.location_id.last().unwrap()), "app");
     assert!(p.mapping.iter().all(|m| m.has_functions));
+}
+
+#[test]
+fn the_peak_is_a_weight() {
+    let peak = super::folded(&stacks(), Weight::Peak);
+    assert_eq!(peak["app;main;std::collections::hash::map::HashMap<K,V,S>::insert"], 5 << 20);
+    assert_eq!(peak["app;main;do_pipe2_[k];create_pipe_files_[k];alloc_pipe_info_[k]"], 192);
+    // Each domain's stacks add up to its peak.
+    assert_eq!(peak.values().sum::<u64>(), (5 << 20) + 50_000 + 200 + 64 + 192);
+}
+
+fn filtered(min_size: u64) -> Summary {
+    summary(&ReportOptions {
+        by: crate::grouping::GroupBy::Stack,
+        split_processes: true,
+        filters: crate::grouping::Filters { min_size: Some(min_size), ..Default::default() },
+        ..Default::default()
+    })
+}
+
+#[test]
+fn differential_exports_hold_both_recordings() {
+    // The base: only the blocks of 1000 bytes and more; this recording: everything.
+    let (base, now) = (filtered(1000), stacks());
+    let mut out = Vec::new();
+    write(ExportFormat::Folded, &now, Some(&base), Weight::Allocs, &mut out).unwrap();
+    let text = String::from_utf8(out).unwrap();
+    assert!(text.lines().any(|l| l == "app;main;handle_connection;serve;parse_request 0 100"), "{text}");
+    assert!(text.lines().any(|l| l == "app;main;build_index;grow 10 10"), "{text}");
+    let mut svg = Vec::new();
+    write(ExportFormat::Svg, &now, Some(&base), Weight::Bytes, &mut svg).unwrap();
+    let svg = String::from_utf8(svg).unwrap();
+    assert!(svg.contains("memtrace: change in bytes requested") && svg.contains("parse_request"), "{svg}");
+
+    // pprof: the base's samples negated and labelled, so the sums are the change.
+    let mut gz = Vec::new();
+    write(ExportFormat::Pprof, &now, Some(&base), Weight::Bytes, &mut gz).unwrap();
+    let mut raw = Vec::new();
+    flate2::read::GzDecoder::new(&gz[..]).read_to_end(&mut raw).unwrap();
+    let p = Profile::decode(&raw[..]).unwrap();
+    let s = |i: i64| p.string_table[i as usize].as_str();
+    let is_base = |x: &Sample| x.label.iter().any(|l| s(l.key) == "pprof::base" && s(l.str) == "true");
+    assert_eq!(p.sample.iter().filter(|x| is_base(x)).count(), 2, "the base's two stacks");
+    assert!(p.sample.iter().filter(|x| is_base(x)).all(|x| x.value.iter().all(|&v| v <= 0)));
+    let allocs: i64 = p.sample.iter().map(|x| x.value[0]).sum();
+    assert_eq!(allocs, 100 + 50 + 1, "the allocations below 1000 bytes are the change");
 }

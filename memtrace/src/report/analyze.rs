@@ -13,12 +13,13 @@ use serde::Serialize;
 
 use super::{
     load::{Definitions, for_each_event, read_definitions},
+    memory::{MAX_ROW_SERIES, MemoryView},
     options::{ReportOptions, SortKey},
     sites,
     warnings::{ProcessTally, under_counting},
 };
 use crate::{
-    analysis::{Analyzer, Domain, EXCLUDED, LiveBlock, Origin, Stats, Totals},
+    analysis::{Analyzer, Domain, EXCLUDED, LiveBlock, Origin, Stats, Timeline, Totals},
     event::Event,
     grouping::{Filters, GroupBy, GroupKey, domain_of, label},
     recording::{self, Meta},
@@ -46,6 +47,8 @@ pub struct Summary {
     pub under_counting: Vec<String>,
     /// All the blocks still live (`--leaks`), before `--top` keeps the first rows.
     pub leak_totals: LeakTotals,
+    /// Live bytes over time and each domain's peak.
+    pub memory: MemoryView,
 }
 
 /// What `--leaks` found in all: blocks, bytes and stacks.
@@ -80,6 +83,10 @@ pub struct GroupRow {
     pub stats: Stats,
     pub stack: u64,
     pub call_site: u64,
+    /// The analyzer's group.
+    pub group: u32,
+    /// Live bytes over time (the first rows, with [`ReportOptions::timeline`]).
+    pub timeline: Vec<u64>,
 }
 
 /// Blocks still live at the end, from one stack.
@@ -209,6 +216,8 @@ pub fn analyze(path: &Path, opts: &ReportOptions) -> Result<Summary> {
     let mut analyzer = Analyzer::new(|o: &Origin| grouper.group_of(o));
     analyzer.sample_bytes = meta.sample_bytes;
     analyzer.sample_from = stats.sampled_from;
+    let expected_ns = stats.end_monotonic_ns.saturating_sub(meta.start_monotonic_ns);
+    analyzer.timeline = Some(Timeline::new(meta.start_monotonic_ns, expected_ns, opts.timeline));
     analyzer.reserved_stacks = reserved_stacks;
     for_each_event(path, &mut |mut event| {
         if let Event::Alloc(a) = &mut event
@@ -275,12 +284,14 @@ pub fn analyze(path: &Path, opts: &ReportOptions) -> Result<Summary> {
         tallies.entry(*pid).or_default().unmatched_frees = *n;
     }
     let live: Vec<LiveBlock> = analyzer.live_blocks().copied().collect();
+    let peaks = analyzer.peak.peaks();
+    let mut timeline = analyzer.timeline.take().expect("set above");
     let (groups, totals, first_ts, last_ts, events) =
         (analyzer.groups, analyzer.totals, analyzer.first_ts, analyzer.last_ts, analyzer.events);
     let infos = grouper.infos;
 
     let mut rows: Vec<GroupRow> = Vec::with_capacity(infos.len());
-    for (info, stats) in infos.iter().zip(groups) {
+    for (group, (info, stats)) in infos.iter().zip(groups).enumerate() {
         if stats.allocs == 0 {
             continue;
         }
@@ -295,6 +306,8 @@ pub fn analyze(path: &Path, opts: &ReportOptions) -> Result<Summary> {
             stats,
             stack: info.stack,
             call_site: info.call_site,
+            group: group as u32,
+            timeline: Vec::new(),
         });
     }
     sites::disambiguate(&mut rows, opts.by);
@@ -304,6 +317,12 @@ pub fn analyze(path: &Path, opts: &ReportOptions) -> Result<Summary> {
     }
 
     let end_ts = last_ts.max(stats.end_monotonic_ns);
+    let memory = MemoryView::new(&mut timeline, end_ts, peaks);
+    for row in rows.iter_mut().take(MAX_ROW_SERIES) {
+        if let Some(series) = timeline.group(row.group) {
+            row.timeline = series.dense(memory.intervals());
+        }
+    }
     let (leaks, leak_totals) =
         if opts.leaks { leak_rows(&live, &infos, &mut table, end_ts, opts) } else { Default::default() };
     let duration_ns = first_ts.map_or(0, |f| end_ts.saturating_sub(f));
@@ -328,6 +347,7 @@ pub fn analyze(path: &Path, opts: &ReportOptions) -> Result<Summary> {
         coverage: coverage.coverage,
         under_counting,
         leak_totals,
+        memory,
     })
 }
 
@@ -342,7 +362,8 @@ pub fn sort_value(key: SortKey, s: &Stats) -> f64 {
         SortKey::Frag => s.frag_pct(),
         SortKey::Live => s.live_bytes_req as f64,
         SortKey::LiveAllocs => s.live_allocs as f64,
-        SortKey::Peak => s.peak_live_bytes_req as f64,
+        SortKey::Peak => s.live_bytes_req_at_peak as f64,
+        SortKey::MaxLive => s.peak_live_bytes_req as f64,
         SortKey::P50 => s.lifetimes.quantile(0.5).unwrap_or(0) as f64,
         SortKey::P99 => s.lifetimes.quantile(0.99).unwrap_or(0) as f64,
         SortKey::Temp => s.temporary as f64,

@@ -6,7 +6,11 @@ use std::collections::BTreeMap;
 use anyhow::Result;
 use serde::Serialize;
 
-use super::{analyze::Summary, options::ReportOptions};
+use super::{
+    analyze::Summary,
+    json_memory::{self, JsonBin},
+    options::ReportOptions,
+};
 use crate::{
     analysis::{Domain, Totals},
     grouping::{GroupBy, domain_name},
@@ -32,6 +36,7 @@ struct JsonTotals {
     freed_on_other_cpu: u64,
     lifetime_p50_ns: Option<u64>,
     lifetime_p99_ns: Option<u64>,
+    size_histogram: Vec<JsonBin>,
 }
 
 impl JsonTotals {
@@ -55,6 +60,7 @@ impl JsonTotals {
             freed_on_other_cpu: s.freed_on_other_cpu,
             lifetime_p50_ns: s.lifetimes.quantile(0.5),
             lifetime_p99_ns: s.lifetimes.quantile(0.99),
+            size_histogram: json_memory::size_histogram(&s.sizes),
         }
     }
 }
@@ -90,6 +96,13 @@ struct JsonSite<'a> {
     leaked_at_exit: u64,
     #[serde(skip_serializing_if = "Option::is_none")]
     process: Option<String>,
+    /// Live at the moment of the domain's peak.
+    live_bytes_req_at_peak: u64,
+    live_allocs_at_peak: u64,
+    size_histogram: Vec<JsonBin>,
+    /// Live bytes per interval of `timeline` (the first sites, with `--timeline`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    timeline: Option<&'a [u64]>,
 }
 
 #[derive(Serialize)]
@@ -146,6 +159,10 @@ pub fn render_json(a: &Summary, opts: &ReportOptions) -> Result<String> {
                 freed_on_other_cpu: s.freed_on_other_cpu,
                 leaked_at_exit: s.leaked_at_exit,
                 process: (a.by == GroupBy::Process).then(|| g.label.clone()),
+                live_bytes_req_at_peak: s.live_bytes_req_at_peak,
+                live_allocs_at_peak: s.live_allocs_at_peak,
+                size_histogram: json_memory::size_histogram(&s.sizes),
+                timeline: (!g.timeline.is_empty()).then_some(&g.timeline[..]),
             }
         })
         .collect();
@@ -202,6 +219,9 @@ pub fn render_json(a: &Summary, opts: &ReportOptions) -> Result<String> {
         "group_by": a.by,
         "sites": sites,
         "leaks": if opts.leaks { Some(leaks) } else { None },
+        "peak": json_memory::peaks(a, opts.filters.domain),
+        "timeline_interval_ns": a.memory.interval_ns,
+        "timeline": json_memory::timeline(a, opts.filters.domain),
     });
     Ok(serde_json::to_string_pretty(&value)?)
 }

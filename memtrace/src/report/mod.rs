@@ -7,12 +7,24 @@
 //! - [`analyze`]: adding it up into a [`Summary`];
 //! - [`text`] and [`json`]: printing it.
 pub mod analyze;
+pub mod diff;
+pub mod diff_render;
+pub mod html;
 pub mod json;
+pub mod json_memory;
 pub mod load;
+pub mod memory;
 pub mod options;
+pub mod output;
 pub mod sites;
+pub mod sizes;
+pub mod sparkline;
 #[cfg(test)]
 pub(crate) mod tests;
+#[cfg(test)]
+mod tests_diff;
+#[cfg(test)]
+mod tests_memory;
 pub mod text;
 pub mod warnings;
 
@@ -29,5 +41,6 @@ pub fn render(summary: &Summary, opts: &ReportOptions) -> anyhow::Result<String>
     Ok(match opts.format {
         Format::Text => render_text(summary, opts),
         Format::Json => render_json(summary, opts)? + "\n",
+        Format::Html => anyhow::bail!("the HTML report is written to a file: --format html -o report.html"),
     })
 }

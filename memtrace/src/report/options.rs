@@ -14,6 +14,8 @@ pub enum Format {
     #[default]
     Text,
     Json,
+    /// One self-contained page (charts, flame graphs, tables); with `-o FILE`.
+    Html,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, Default)]
@@ -32,7 +34,10 @@ pub enum SortKey {
     /// Live bytes at the end.
     Live,
     LiveAllocs,
+    /// Bytes live at the moment of the domain's peak (heaptrack's "peak").
     Peak,
+    /// Most bytes the row had live at once (at any moment, its own high).
+    MaxLive,
     /// Median lifetime of freed blocks.
     P50,
     P99,
@@ -59,6 +64,7 @@ impl SortKey {
             Self::Live => ReportColumn::Live,
             Self::LiveAllocs => ReportColumn::LiveAllocs,
             Self::Peak => ReportColumn::Peak,
+            Self::MaxLive => ReportColumn::MaxLive,
             Self::P50 => ReportColumn::P50,
             Self::P99 => ReportColumn::P99,
             Self::Temp => ReportColumn::Temp,
@@ -125,8 +131,10 @@ pub enum ReportColumn {
     LiveAllocs,
     /// LIVE BYTES: bytes live at the end.
     Live,
-    /// PEAK: most bytes live at once.
+    /// PEAK: bytes live at the moment of the domain's peak.
     Peak,
+    /// MAX LIVE: most bytes live at once (the row's own high).
+    MaxLive,
     /// LIFE p50: median lifetime of the blocks freed.
     P50,
     /// LIFE p99.
@@ -139,7 +147,7 @@ pub enum ReportColumn {
 
 impl ReportColumn {
     /// Every column, in display order.
-    pub const ALL: [Self; 15] = [
+    pub const ALL: [Self; 16] = [
         Self::Allocs,
         Self::Frees,
         Self::Req,
@@ -151,6 +159,7 @@ impl ReportColumn {
         Self::LiveAllocs,
         Self::Live,
         Self::Peak,
+        Self::MaxLive,
         Self::P50,
         Self::P99,
         Self::Temp,
@@ -170,6 +179,7 @@ impl ReportColumn {
             Self::LiveAllocs => "LIVE",
             Self::Live => "LIVE BYTES",
             Self::Peak => "PEAK",
+            Self::MaxLive => "MAX LIVE",
             Self::P50 => "LIFE p50",
             Self::P99 => "LIFE p99",
             Self::Temp => "TEMP",
@@ -196,6 +206,7 @@ impl ReportColumn {
             Self::P99 => 14,
             Self::Temp => 15,
             Self::OtherCpu => 16,
+            Self::MaxLive => 17,
         }
     }
 }
@@ -214,4 +225,8 @@ pub struct ReportOptions {
     pub split_processes: bool,
     /// Width and columns of the text report.
     pub layout: Layout<ReportColumn>,
+    /// Follow each row's live bytes over time (`--timeline`; the text report then draws them).
+    pub timeline: bool,
+    /// The text report shows the size histograms (`--histogram`).
+    pub histogram: bool,
 }

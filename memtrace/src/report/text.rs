@@ -110,6 +110,12 @@ pub fn render_text(a: &Summary, opts: &ReportOptions) -> String {
         let _ = writeln!(out, "command exit status: {code}");
     }
     out.push('\n');
+    if opts.timeline {
+        out.push_str(&super::sparkline::render_timeline(a, opts));
+    }
+    if opts.histogram {
+        out.push_str(&super::sizes::render_histogram(a, opts));
+    }
 
     if opts.leaks {
         render_leaks(a, opts, &mut out);
@@ -173,7 +179,8 @@ fn cell(column: ReportColumn, g: &GroupRow) -> String {
         ReportColumn::Wasted => bytes(s.wasted()),
         ReportColumn::LiveAllocs => count(s.live_allocs),
         ReportColumn::Live => bytes(s.live_bytes_req),
-        ReportColumn::Peak => bytes(s.peak_live_bytes_req),
+        ReportColumn::Peak => bytes(s.live_bytes_req_at_peak),
+        ReportColumn::MaxLive => bytes(s.peak_live_bytes_req),
         ReportColumn::P50 => s.lifetimes.quantile(0.5).map_or("-".into(), duration),
         ReportColumn::P99 => s.lifetimes.quantile(0.99).map_or("-".into(), duration),
         ReportColumn::Temp => count(s.temporary),

@@ -1,0 +1,192 @@
+//! `memtrace diff OLD NEW` (heaptrack_print -d, pprof -diff_base): both recordings added up
+//! with the same grouping and filters, their rows matched by what their symbolized frames
+//! say (never by address: addresses move between builds and boots), and the change in each
+//! figure, largest growth first. Printing is in [`super::diff_render`].
+use std::{collections::BTreeMap, path::Path};
+
+use anyhow::{Context as _, Result};
+use clap::ValueEnum;
+
+use super::{
+    analyze::{GroupRow, Summary, analyze},
+    options::ReportOptions,
+};
+use crate::{
+    analysis::{
+        Domain, Stats,
+        diff::{Delta, match_rows},
+    },
+    columns::Width,
+    grouping::{Filters, GroupBy, domain_name, first_frame},
+    stacks::Frame,
+};
+
+/// The change rows are sorted by (largest growth first).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, Default)]
+pub enum DiffSort {
+    /// Bytes live at the end (what leaks).
+    #[default]
+    Live,
+    /// Blocks live at the end.
+    LiveAllocs,
+    Allocs,
+    /// Bytes requested.
+    Req,
+    /// Bytes allocated.
+    Alloc,
+    /// Bytes live at the domain's peak.
+    Peak,
+}
+
+impl DiffSort {
+    pub fn of(self, d: &Delta) -> i64 {
+        match self {
+            Self::Live => d.live_bytes_req,
+            Self::LiveAllocs => d.live_allocs,
+            Self::Allocs => d.allocs,
+            Self::Req => d.bytes_req,
+            Self::Alloc => d.bytes_alloc,
+            Self::Peak => d.live_bytes_req_at_peak,
+        }
+    }
+
+    /// How the order is described.
+    pub fn describe(self) -> &'static str {
+        match self {
+            Self::Live => "growth of live bytes",
+            Self::LiveAllocs => "growth of live blocks",
+            Self::Allocs => "growth of allocations",
+            Self::Req => "growth of bytes requested",
+            Self::Alloc => "growth of bytes allocated",
+            Self::Peak => "growth of bytes live at the peak",
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, Default)]
+pub enum DiffFormat {
+    #[default]
+    Text,
+    Json,
+}
+
+#[derive(Debug, Clone)]
+pub struct DiffOptions {
+    pub format: DiffFormat,
+    pub by: GroupBy,
+    pub filters: Filters,
+    pub sort: DiffSort,
+    pub top: Option<usize>,
+    pub width: Width,
+}
+
+/// Whether a row is in both runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Status {
+    Changed,
+    Unchanged,
+    /// Only in the new run.
+    New,
+    /// Only in the old run.
+    Gone,
+}
+
+/// One row of the comparison.
+#[derive(Debug, Clone)]
+pub struct DiffRow {
+    pub domain: Domain,
+    pub label: String,
+    pub frames: Vec<Frame>,
+    pub status: Status,
+    pub old: Stats,
+    pub new: Stats,
+    pub delta: Delta,
+}
+
+/// Both runs and their rows compared.
+pub struct DiffSummary {
+    pub old: Summary,
+    pub new: Summary,
+    pub by: GroupBy,
+    pub sort: DiffSort,
+    /// Every row of either run, sorted.
+    pub rows: Vec<DiffRow>,
+    /// `--top`: how many of the rows that changed to show.
+    pub top: Option<usize>,
+    /// Per domain: (old, new) totals.
+    pub totals: BTreeMap<Domain, (Stats, Stats)>,
+}
+
+/// What a frame says, without its address.
+fn frame_name(f: &Frame) -> String {
+    if f.kernel { format!("{f} [k]") } else { f.to_string() }
+}
+
+/// The key two runs' rows are matched by: the domain and the names that identify the row.
+pub fn row_key(g: &GroupRow, by: GroupBy, a: &Summary) -> String {
+    let name = match by {
+        GroupBy::Site => first_frame(g.domain, &g.frames).map_or_else(|| g.label.clone(), frame_name),
+        GroupBy::Function => g.label.clone(),
+        GroupBy::Process => g.pids.first().and_then(|p| a.comms.get(p)).cloned().unwrap_or_else(|| g.label.clone()),
+        GroupBy::Stack => g.frames.iter().map(frame_name).collect::<Vec<_>>().join(";"),
+    };
+    format!("{}:{name}", domain_name(g.domain))
+}
+
+fn read(path: &Path, opts: &DiffOptions) -> Result<Summary> {
+    let report = ReportOptions { by: opts.by, filters: opts.filters.clone(), ..Default::default() };
+    analyze(path, &report).with_context(|| format!("reading {}", path.display()))
+}
+
+type Shown = (Domain, String, Vec<Frame>);
+
+fn keyed(a: &Summary, by: GroupBy) -> Vec<(String, Stats, Shown)> {
+    a.groups
+        .iter()
+        .map(|g| (row_key(g, by, a), g.stats.clone(), (g.domain, g.label.clone(), g.frames.clone())))
+        .collect()
+}
+
+impl DiffSummary {
+    /// The rows that changed, the first `--top` of them.
+    pub fn changed(&self) -> impl Iterator<Item = &DiffRow> {
+        self.rows.iter().filter(|r| r.status != Status::Unchanged).take(self.top.unwrap_or(usize::MAX))
+    }
+}
+
+/// Compares the recordings at `old` and `new`.
+pub fn diff(old: &Path, new: &Path, opts: &DiffOptions) -> Result<DiffSummary> {
+    let (old, new) = (read(old, opts)?, read(new, opts)?);
+    let mut rows: Vec<DiffRow> = match_rows(keyed(&old, opts.by), keyed(&new, opts.by))
+        .into_iter()
+        .map(|m| {
+            let delta = m.delta();
+            let (domain, label, frames) = m.shown().clone();
+            let status = match (&m.old, &m.new) {
+                (None, _) => Status::New,
+                (_, None) => Status::Gone,
+                _ if delta.is_zero() => Status::Unchanged,
+                _ => Status::Changed,
+            };
+            let (old, new) = (m.old.map(|o| o.0).unwrap_or_default(), m.new.map(|n| n.0).unwrap_or_default());
+            DiffRow { domain, label, frames, status, old, new, delta }
+        })
+        .collect();
+    rows.sort_by(|a, b| {
+        opts.sort
+            .of(&b.delta)
+            .cmp(&opts.sort.of(&a.delta))
+            .then(b.delta.bytes_req.cmp(&a.delta.bytes_req))
+            .then(a.label.cmp(&b.label))
+    });
+    let mut totals: BTreeMap<Domain, (Stats, Stats)> = BTreeMap::new();
+    for (domain, t) in &old.totals {
+        totals.entry(*domain).or_default().0 = t.stats.clone();
+    }
+    for (domain, t) in &new.totals {
+        totals.entry(*domain).or_default().1 = t.stats.clone();
+    }
+    totals.retain(|d, _| opts.filters.domain.admits(*d));
+    Ok(DiffSummary { old, new, by: opts.by, sort: opts.sort, rows, top: opts.top, totals })
+}

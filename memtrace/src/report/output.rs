@@ -1,0 +1,92 @@
+//! Writing a report to a file (`report -o`, `diff -o`) without destroying anything: never
+//! over the recording it was made from, never through a symbolic link, and over an existing
+//! file only if it is an earlier memtrace report, unless `--force`.
+use std::{
+    fs::{self, OpenOptions},
+    io::{self, Read as _, Write as _},
+    os::unix::fs::{MetadataExt as _, OpenOptionsExt as _},
+    path::Path,
+};
+
+use anyhow::{Context as _, Result, bail};
+
+/// How every memtrace report starts: text, JSON, HTML.
+const REPORT_STARTS: [&[u8]; 4] =
+    [b"memtrace report:", b"memtrace diff:", b"{\n  \"", b"<!DOCTYPE html>\n<!-- memtrace"];
+
+fn is_report(path: &Path) -> bool {
+    let mut head = [0u8; 64];
+    let Ok(mut f) = OpenOptions::new().read(true).custom_flags(libc::O_NOFOLLOW).open(path) else {
+        return false;
+    };
+    let n = f.read(&mut head).unwrap_or(0);
+    REPORT_STARTS.iter().any(|start| head[..n].starts_with(start))
+}
+
+/// Writes `contents` to `path`, the report of the recordings `inputs`.
+pub fn write_file(path: &Path, inputs: &[&Path], contents: &[u8], force: bool) -> Result<()> {
+    match fs::symlink_metadata(path) {
+        Ok(meta) => {
+            for input in inputs {
+                if fs::metadata(input).is_ok_and(|i| i.dev() == meta.dev() && i.ino() == meta.ino()) {
+                    bail!("{} is the recording being read; write the report elsewhere", path.display());
+                }
+            }
+            let kind = meta.file_type();
+            if kind.is_dir() {
+                bail!("{} is a directory", path.display());
+            }
+            if !(force || (kind.is_file() && is_report(path))) {
+                let what = if kind.is_symlink() {
+                    "is a symbolic link"
+                } else if kind.is_file() {
+                    "exists and is not a memtrace report"
+                } else {
+                    "is not a regular file"
+                };
+                bail!("{} {what}; use --force to replace it", path.display());
+            }
+            // Unlinking removes a symlink itself, never its target.
+            fs::remove_file(path).with_context(|| format!("replacing {}", path.display()))?;
+        }
+        Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+        Err(e) => return Err(e).with_context(|| format!("checking {}", path.display())),
+    }
+    let mut file = OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
+        .open(path)
+        .with_context(|| format!("creating {}", path.display()))?;
+    file.write_all(contents).and_then(|()| file.flush()).with_context(|| format!("writing {}", path.display()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn replaces_only_earlier_reports_and_never_the_recording() {
+        let dir = std::env::temp_dir().join(format!("memtrace-report-output-{}", std::process::id()));
+        let _ = fs::remove_dir_all(&dir);
+        fs::create_dir_all(&dir).unwrap();
+        let data = dir.join("memtrace.data");
+        fs::write(&data, b"MEMTRACE\x01").unwrap();
+        let out = dir.join("report.html");
+        write_file(&out, &[&data], b"<!DOCTYPE html>\n<!-- memtrace report -->", false).unwrap();
+        write_file(&out, &[&data], b"<!DOCTYPE html>\n<!-- memtrace again -->", false).unwrap();
+        assert_eq!(fs::read(&out).unwrap(), b"<!DOCTYPE html>\n<!-- memtrace again -->");
+        let err = write_file(&data, &[&data], b"x", true).unwrap_err().to_string();
+        assert!(err.contains("is the recording being read"), "{err}");
+        assert_eq!(fs::read(&data).unwrap(), b"MEMTRACE\x01");
+        let source = dir.join("prog.c");
+        fs::write(&source, b"int main;").unwrap();
+        let err = write_file(&source, &[&data], b"x", false).unwrap_err().to_string();
+        assert!(err.contains("not a memtrace report; use --force"), "{err}");
+        write_file(&source, &[&data], b"memtrace report: x", true).unwrap();
+        let link = dir.join("link.html");
+        std::os::unix::fs::symlink(&out, &link).unwrap();
+        assert!(write_file(&link, &[&data], b"x", false).unwrap_err().to_string().contains("symbolic link"));
+        fs::remove_dir_all(&dir).unwrap();
+    }
+}
