@@ -59,6 +59,7 @@ impl Server {
                     slots: Arc::new(Semaphore::new(config.max_connections)),
                     builders: Semaphore::new(BUILDERS),
                     config,
+                    stop: stop.clone(),
                 });
                 runtime.block_on(accept(listener, ctx, stop));
                 // Responses still being built are abandoned.
@@ -87,6 +88,8 @@ struct Context {
     config: HttpConfig,
     slots: Arc<Semaphore>,
     builders: Semaphore,
+    /// Becomes true when the server stops (delta profiles stop waiting).
+    stop: watch::Receiver<bool>,
 }
 
 async fn accept(listener: std::net::TcpListener, ctx: Arc<Context>, mut stop: watch::Receiver<bool>) {
@@ -318,7 +321,13 @@ async fn profile(ctx: &Context, kind: ProfileKind, query: &str) -> Reply {
                 Ok(b) => b,
                 Err(r) => return r,
             };
-            tokio::time::sleep(Duration::from_secs(seconds)).await;
+            let mut stop = ctx.stop.clone();
+            tokio::select! {
+                _ = tokio::time::sleep(Duration::from_secs(seconds)) => {}
+                _ = stop.wait_for(|&stopping| stopping) => {
+                    return text(StatusCode::SERVICE_UNAVAILABLE, "memtrace is stopping: the delta profile was cut short");
+                }
+            }
             Some(base)
         }
     };
