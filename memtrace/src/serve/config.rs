@@ -76,7 +76,8 @@ pub struct ServeArgs {
     /// Prefix of the allocator's functions, for custom allocators.
     #[arg(long, default_value = "", value_name = "PREFIX")]
     pub symbol_prefix: String,
-    /// Ring buffer size per CPU (a power of two; default as `record`).
+    /// Ring buffer size per CPU (a power of two). Default: 16M shared among the CPUs, 1M to
+    /// 8M each (sampling keeps the traffic low; the rings are most of the agent's memory).
     #[arg(long, value_parser = parse_size, value_name = "SIZE")]
     pub ring_size: Option<u64>,
     /// The command to run and trace, after `--`; memtrace exits with it.
@@ -182,10 +183,11 @@ pub fn read_token(path: &std::path::Path) -> Result<String> {
     Ok(token.to_string())
 }
 
-/// Per-CPU ring size: 32 MiB shared among the CPUs, between 4 and 16 MiB each (`record`'s).
+/// Per-CPU ring size: 16 MiB shared among the CPUs, between 1 and 8 MiB each (half of
+/// `record`'s: sampled user events are few).
 fn default_ring_bytes() -> u64 {
     let cpus = std::thread::available_parallelism().map_or(1, |n| n.get() as u64);
-    (32u64 << 20).div_ceil(cpus).next_power_of_two().clamp(4 << 20, 16 << 20)
+    (16u64 << 20).div_ceil(cpus).next_power_of_two().clamp(1 << 20, 8 << 20)
 }
 
 impl Config {

@@ -35,7 +35,7 @@ use crate::{analysis::Domain, grouping::domain_name};
 /// cgroup), in one domain.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct Group {
-    pub comm: String,
+    pub comm: Arc<str>,
     pub cgroup: Arc<Cgroup>,
     pub pid: Option<u32>,
     pub domain: Domain,
@@ -78,7 +78,7 @@ pub struct Row {
     pub instance: u32,
     pub key: SiteKey,
     pub group: Group,
-    pub site: String,
+    pub site: Arc<str>,
     pub stats: SiteStats,
 }
 
@@ -105,8 +105,8 @@ pub const OTHER: &str = "other";
 pub struct MetricsState {
     /// Per (instance, site): the totals at the previous scrape.
     last: HashMap<(u32, SiteKey), Totals>,
-    /// Per series: the counters' values.
-    sites: HashMap<(Group, String), Totals>,
+    /// Per series (group, then site): the counters' values.
+    sites: HashMap<Group, HashMap<Arc<str>, Totals>>,
     other: HashMap<Group, Totals>,
 }
 
@@ -115,7 +115,7 @@ impl MetricsState {
     pub fn update(&mut self, rows: &[Row], top: usize) -> SiteSeries {
         let mut live: HashMap<&Group, HashMap<&str, (u64, u64)>> = HashMap::new();
         for r in rows {
-            let e = live.entry(&r.group).or_default().entry(&r.site).or_default();
+            let e = live.entry(&r.group).or_default().entry(&*r.site).or_default();
             e.0 += r.stats.live_bytes_alloc;
             e.1 += r.stats.live_allocs;
         }
@@ -132,15 +132,30 @@ impl MetricsState {
             let before = self.last.get(&(r.instance, r.key)).copied().unwrap_or_default();
             last.insert((r.instance, r.key), now);
             let delta = now.since(before);
-            if exposed[&r.group].contains(r.site.as_str()) {
-                self.sites.entry((r.group.clone(), r.site.clone())).or_default().add(delta);
+            // Entries are made once per series; later scrapes only look them up.
+            if exposed[&r.group].contains(&*r.site) {
+                let sites = match self.sites.get_mut(&r.group) {
+                    Some(sites) => sites,
+                    None => self.sites.entry(r.group.clone()).or_default(),
+                };
+                match sites.get_mut(&r.site) {
+                    Some(t) => t.add(delta),
+                    None => {
+                        sites.insert(Arc::clone(&r.site), delta);
+                    }
+                }
             } else {
-                self.other.entry(r.group.clone()).or_default().add(delta);
+                match self.other.get_mut(&r.group) {
+                    Some(t) => t.add(delta),
+                    None => {
+                        self.other.insert(r.group.clone(), delta);
+                    }
+                }
             }
         }
         self.last = last;
         // Groups gone take their series with them.
-        self.sites.retain(|(g, _), _| live.contains_key(g));
+        self.sites.retain(|g, _| live.contains_key(g));
         self.other.retain(|g, _| live.contains_key(g));
 
         let mut out = SiteSeries::default();
@@ -151,7 +166,7 @@ impl MetricsState {
                 Figures { totals: self.other.get(*group).copied().unwrap_or_default(), ..Default::default() };
             for (site, (bytes, blocks)) in sites {
                 if shown.contains(site) {
-                    let totals = self.sites.get(&((*group).clone(), site.to_string())).copied().unwrap_or_default();
+                    let totals = self.sites.get(*group).and_then(|s| s.get(*site)).copied().unwrap_or_default();
                     series.insert(site.to_string(), Figures { live_bytes: *bytes, live_blocks: *blocks, totals });
                 } else {
                     other.live_bytes += bytes;
@@ -166,28 +181,26 @@ impl MetricsState {
 
 /// Names the sites of a snapshot for the series.
 pub fn rows(snap: &Snapshot, names: &mut Names, pid_label: bool) -> Vec<Row> {
-    let mut labels: HashMap<SiteKey, String> = HashMap::new();
+    let mut labels: HashMap<SiteKey, Arc<str>> = HashMap::new();
+    let comms: Vec<Arc<str>> = snap.processes.iter().map(|p| Arc::from(p.comm.as_str())).collect();
     snap.sites
         .iter()
         .map(|s| {
             let p = &snap.processes[s.process];
-            let site = labels
-                .entry(s.key)
-                .or_insert_with(|| {
-                    let frames = names.frames(s.key.stack, s.key.call_site);
-                    site_label(s.key.domain(), s.key.kind, s.key.stack, &frames)
-                })
-                .clone();
+            let site = labels.entry(s.key).or_insert_with(|| {
+                let frames = names.frames(s.key.stack, s.key.call_site);
+                Arc::from(site_label(s.key.domain(), s.key.kind, s.key.stack, &frames))
+            });
             Row {
                 instance: p.instance,
                 key: s.key,
                 group: Group {
-                    comm: p.comm.clone(),
+                    comm: Arc::clone(&comms[s.process]),
                     cgroup: Arc::clone(&p.cgroup),
                     pid: pid_label.then_some(p.pid),
                     domain: s.key.domain(),
                 },
-                site,
+                site: Arc::clone(site),
                 stats: s.stats,
             }
         })
@@ -241,7 +254,8 @@ impl Value {
     }
 }
 
-type Labels = Vec<(&'static str, String)>;
+/// A label set, shared by the families showing one series (one allocation each).
+type Labels = Arc<Vec<(&'static str, String)>>;
 
 #[derive(Debug)]
 struct Family {
@@ -264,7 +278,7 @@ impl Families {
 
     fn one(&mut self, name: &'static str, help: &'static str, unit: Option<Unit>, value: Value) {
         let counter = matches!(value, Value::Count(_) | Value::RealCount(_));
-        self.family(name, help, unit, counter).samples.push((Vec::new(), value));
+        self.family(name, help, unit, counter).samples.push((Labels::default(), value));
     }
 }
 
@@ -278,7 +292,7 @@ impl Collector for Families {
                 [(labels, value)] if labels.is_empty() => value.encode(metric)?,
                 samples => {
                     for (labels, value) in samples {
-                        value.encode(metric.encode_family(labels)?)?;
+                        value.encode(metric.encode_family(labels.as_ref())?)?;
                     }
                 }
             }
@@ -291,7 +305,7 @@ fn labels(group: &Group, site: &str) -> Labels {
     let mut l = vec![
         ("site", site.to_string()),
         ("domain", domain_name(group.domain).to_string()),
-        ("comm", group.comm.clone()),
+        ("comm", group.comm.to_string()),
         ("cgroup", group.cgroup.path.clone()),
     ];
     if let Some(uid) = &group.cgroup.pod_uid {
@@ -303,7 +317,7 @@ fn labels(group: &Group, site: &str) -> Labels {
     if let Some(pid) = group.pid {
         l.push(("pid", pid.to_string()));
     }
-    l
+    Arc::new(l)
 }
 
 fn site_families(series: &SiteSeries, f: &mut Families) {
@@ -334,20 +348,20 @@ fn site_families(series: &SiteSeries, f: &mut Families) {
             |x| Value::Count(x.totals.wasted),
         ),
     ];
+    let mut rows: Vec<(Labels, &Figures)> = Vec::new();
+    for (group, (sites, other)) in &series.groups {
+        rows.extend(sites.iter().map(|(site, figures)| (labels(group, site), figures)));
+        rows.push((labels(group, OTHER), other));
+    }
     for (name, help, unit, counter, pick) in metrics {
         let family = f.family(name, help, unit, counter);
-        for (group, (sites, other)) in &series.groups {
-            for (site, figures) in sites {
-                family.samples.push((labels(group, site), pick(figures)));
-            }
-            family.samples.push((labels(group, OTHER), pick(other)));
-        }
+        family.samples.extend(rows.iter().map(|(labels, figures)| (Arc::clone(labels), pick(figures))));
     }
 }
 
 fn self_families(s: &SelfFigures, f: &mut Families) {
     let build = f.family("memtrace_build_info", "memtrace's version.", None, false);
-    build.samples.push((vec![("version", env!("CARGO_PKG_VERSION").to_string())], Value::Gauge(1)));
+    build.samples.push((Arc::new(vec![("version", env!("CARGO_PKG_VERSION").to_string())]), Value::Gauge(1)));
     f.one(
         "memtrace_events",
         "Events the probes delivered (allocations, frees, process events).",
@@ -414,8 +428,8 @@ fn self_families(s: &SelfFigures, f: &mut Families) {
     f.one("memtrace_symbols", "Addresses named so far.", None, Value::Gauge(s.symbols as i64));
     let processes =
         f.family("memtrace_processes", "Processes with figures, running or exited and not yet dropped.", None, false);
-    processes.samples.push((vec![("state", "running".into())], Value::Gauge(s.processes_running as i64)));
-    processes.samples.push((vec![("state", "exited".into())], Value::Gauge(s.processes_exited as i64)));
+    processes.samples.push((Arc::new(vec![("state", "running".into())]), Value::Gauge(s.processes_running as i64)));
+    processes.samples.push((Arc::new(vec![("state", "exited".into())]), Value::Gauge(s.processes_exited as i64)));
     f.one(
         "memtrace_processes_dropped",
         "Exited processes dropped after their last scrape.",
@@ -424,11 +438,11 @@ fn self_families(s: &SelfFigures, f: &mut Families) {
     );
     let scrapes = f.family("memtrace_scrapes", "Snapshots served, per endpoint.", None, true);
     for (endpoint, n) in &s.scrapes {
-        scrapes.samples.push((vec![("endpoint", endpoint.to_string())], Value::Count(*n)));
+        scrapes.samples.push((Arc::new(vec![("endpoint", endpoint.to_string())]), Value::Count(*n)));
     }
     let responses = f.family("memtrace_http_responses", "HTTP responses, per status code.", None, true);
     for (code, n) in &s.responses {
-        responses.samples.push((vec![("code", code.to_string())], Value::Count(*n)));
+        responses.samples.push((Arc::new(vec![("code", code.to_string())]), Value::Count(*n)));
     }
     f.one(
         "process_resident_memory",

@@ -34,7 +34,6 @@ use std::{
     sync::{
         Arc, Mutex,
         atomic::{AtomicU64, Ordering},
-        mpsc,
     },
     time::{Duration, Instant},
 };
@@ -57,7 +56,6 @@ use crate::{
 
 const DRAIN_INTERVAL: Duration = Duration::from_millis(20);
 const HOUSEKEEPING_INTERVAL: Duration = Duration::from_millis(500);
-const NAMING_INTERVAL: Duration = Duration::from_secs(1);
 
 /// What the tracer reports besides the model, refreshed twice a second.
 #[derive(Debug, Clone, Copy, Default)]
@@ -102,7 +100,7 @@ impl Shared {
 
     /// A snapshot for `scraper`, every stack in it named.
     pub fn snapshot(&self, scraper: Scraper) -> Snapshot {
-        self.namer.pass(&self.model);
+        self.namer.sync(&self.model);
         let snap = lock(&self.model).snapshot(scraper);
         self.scrapes[Self::scraper_index(scraper)].fetch_add(1, Ordering::Relaxed);
         snap
@@ -267,15 +265,9 @@ async fn trace(tracer: &mut Tracer, shared: &Shared, ring_fill: &RingFill, pids:
     }
 }
 
-/// Symbolizes new stacks in the background until told to stop.
-fn spawn_namer(shared: Arc<Shared>) -> Result<(mpsc::Sender<()>, std::thread::JoinHandle<()>)> {
-    let (tx, rx) = mpsc::channel::<()>();
-    let handle = std::thread::Builder::new().name("memtrace-namer".into()).spawn(move || {
-        while let Err(mpsc::RecvTimeoutError::Timeout) = rx.recv_timeout(NAMING_INTERVAL) {
-            shared.namer.pass(&shared.model);
-        }
-    })?;
-    Ok((tx, handle))
+/// Symbolizes new stacks in the background until the namer is stopped.
+fn spawn_namer(shared: Arc<Shared>) -> Result<std::thread::JoinHandle<()>> {
+    Ok(std::thread::Builder::new().name("memtrace-namer".into()).spawn(move || shared.namer.run(&shared.model))?)
 }
 
 pub fn run(args: ServeArgs) -> Result<i32> {
@@ -297,7 +289,7 @@ pub fn run(args: ServeArgs) -> Result<i32> {
     }));
     let ring_fill = RingFill::new(tracer.probes.rings_mut(), config.trace.ring_bytes);
     let server = http::Server::start(listener, Arc::clone(&shared), config.http.clone())?;
-    let (namer_stop, namer) = spawn_namer(Arc::clone(&shared))?;
+    let namer = spawn_namer(Arc::clone(&shared))?;
     let sampling = match config.trace.sample_bytes {
         Some(n) => format!("sampling one allocation per {} KiB on average", n >> 10),
         None => "every allocation".into(),
@@ -305,6 +297,8 @@ pub fn run(args: ServeArgs) -> Result<i32> {
     eprintln!("memtrace: serving on http://{addr}: /metrics, /debug/pprof/heap, /debug/pprof/allocs ({sampling})");
     if let Err(e) = tracer.release() {
         server.shutdown(Duration::ZERO);
+        shared.namer.stop();
+        let _ = namer.join();
         return Err(e);
     }
     let pids: Vec<u32> = match &config.trace.target {
@@ -325,7 +319,7 @@ pub fn run(args: ServeArgs) -> Result<i32> {
     teardown.join();
     drop(ring_fill);
     server.shutdown(Duration::from_secs(2));
-    drop(namer_stop);
+    shared.namer.stop();
     let _ = namer.join();
     eprintln!("memtrace: stopped; every probe removed");
     Ok(match stop {

@@ -47,6 +47,8 @@ pub const MAX_EXITED: usize = 4096;
 const SCRAPER_MEMORY: Duration = Duration::from_secs(600);
 /// Stacks no site refers to are evicted once this old (their event may still come).
 const UNREFERENCED_STACK_AGE: Duration = Duration::from_secs(30);
+/// How long the kernel's allocations for a process that exited are taken for its teardown.
+const EXIT_TEARDOWN: Duration = Duration::from_secs(10);
 /// How often unreferenced stacks are looked for, and processes checked for being alive.
 const SWEEP_INTERVAL: Duration = Duration::from_secs(30);
 
@@ -324,6 +326,9 @@ pub struct Model {
     processes: HashMap<u32, Process>,
     /// pid → its live instance.
     current: HashMap<u32, u32>,
+    /// Processes that exited lately: the kernel still allocates on their behalf while
+    /// tearing them down; that is not a new process (a new one with the pid forks first).
+    exited: HashMap<u32, Instant>,
     next_instance: u32,
     /// Kernel blocks, one space for the machine: (instance that allocated, block).
     kernel: HashMap<(Space, u64), (u32, Block)>,
@@ -349,6 +354,7 @@ impl Model {
             limits,
             processes: HashMap::new(),
             current: HashMap::new(),
+            exited: HashMap::new(),
             next_instance: 1,
             kernel: HashMap::new(),
             live_blocks: 0,
@@ -436,6 +442,9 @@ impl Model {
 
     fn alloc(&mut self, a: &Alloc) {
         self.counters.allocations += 1;
+        if self.exited.contains_key(&a.pid) {
+            return; // its teardown
+        }
         let instance = self.instance_of(a.pid);
         let stack = match a.stack {
             0 => StackRef::NONE,
@@ -526,9 +535,15 @@ impl Model {
         match t.event {
             // A new address space: the old program's blocks are gone with it.
             TaskEvent::Exec => self.end(t.pid),
-            TaskEvent::Exit if t.flags & flags::GROUP_DEAD != 0 => self.end(t.pid),
+            TaskEvent::Exit if t.flags & flags::GROUP_DEAD != 0 => {
+                self.end(t.pid);
+                self.exited.insert(t.pid, Instant::now());
+            }
             // A reused pid: whatever had it is gone.
-            TaskEvent::Fork => self.end(t.pid),
+            TaskEvent::Fork => {
+                self.end(t.pid);
+                self.exited.remove(&t.pid);
+            }
             TaskEvent::Rename if t.tid == t.pid => {
                 if let Some(p) = self.current.get(&t.pid).and_then(|i| self.processes.get_mut(i)) {
                     p.comm.clone_from(&t.comm);
@@ -580,6 +595,7 @@ impl Model {
         if !gone.is_empty() {
             self.drop_instances(&gone);
         }
+        self.exited.retain(|_, at| now.duration_since(*at) < EXIT_TEARDOWN);
         if now.duration_since(self.last_sweep) >= SWEEP_INTERVAL {
             self.last_sweep = now;
             self.sweep(now);
@@ -667,11 +683,14 @@ impl Sink for Model {
             return;
         }
         entry.defined = true;
-        let instance = self.instance_of(s.pid);
-        let p = self.processes.get_mut(&instance).expect("instance just looked up");
-        if !p.maps_read {
-            p.maps_read = true;
-            self.modules.learn_process(s.pid);
+        // The stack's process, named and its maps read, unless it is being torn down.
+        if !self.exited.contains_key(&s.pid) {
+            let instance = self.instance_of(s.pid);
+            let p = self.processes.get_mut(&instance).expect("instance just looked up");
+            if !p.maps_read {
+                p.maps_read = true;
+                self.modules.learn_process(s.pid);
+            }
         }
         let (user, cut) = self.modules.resolve_stack(s.pid, &s.user, s.walk);
         self.pending.modules.extend(self.modules.take_new());

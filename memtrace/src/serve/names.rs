@@ -3,14 +3,15 @@
 //! (blazesym, while holding no lock the tracer or the endpoints wait on), and keeps the
 //! [`StackTable`] the endpoints turn sites into frames and one-line labels with.
 //!
-//! A pass runs every second in the background (so short-lived processes' files are read
+//! A pass runs every second on the namer thread (so short-lived processes' files are read
 //! while they are still there) and before each scrape (so a scrape never shows an address
 //! a moment before its name). Bounded: evicted stacks leave the table, and the symbols are
 //! forgotten all at once beyond [`MAX_SYMBOLS`] (then looked up again as needed).
 use std::{
     collections::{HashMap, HashSet},
     path::{Path, PathBuf},
-    sync::{Mutex, MutexGuard},
+    sync::{Condvar, Mutex, MutexGuard},
+    time::{Duration, Instant},
 };
 
 use memtrace_common::Kind;
@@ -174,8 +175,7 @@ impl Work {
         self.objects.is_empty() && self.kernel.is_empty()
     }
 
-    fn run(self) -> Vec<(SymbolKey, Vec<Symbol>)> {
-        let symbolizer = Symbolizer::new();
+    fn run(self, symbolizer: &Symbolizer) -> Vec<(SymbolKey, Vec<Symbol>)> {
         let mut found = Vec::new();
         for (module, path, offsets) in self.objects {
             // Return addresses point after the call: name the call instruction.
@@ -196,17 +196,37 @@ impl Work {
     }
 }
 
-/// The names and the passes that fill them.
+/// How long one symbolizer (and the files it parsed and cached) is kept.
+const SYMBOLIZER_LIFETIME: Duration = Duration::from_secs(600);
+/// How often the namer thread looks for new stacks on its own.
+const NAMING_INTERVAL: Duration = Duration::from_secs(1);
+/// How long a scrape waits for the namer before it goes on with the names there are.
+const SYNC_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Passes asked of the namer thread, and done.
+#[derive(Default)]
+struct Progress {
+    running: bool,
+    stop: bool,
+    asked: u64,
+    done: u64,
+}
+
+/// The names and the passes that fill them. The symbolizer (blazesym's, which keeps what
+/// it parsed: a module, the kernel's symbols) lives on the namer thread, replaced now and
+/// then so its caches stay bounded; scrapes ask that thread for a pass and wait for it.
 #[derive(Default)]
 pub struct Namer {
     names: Mutex<Names>,
     /// One pass at a time.
     pass: Mutex<()>,
+    progress: Mutex<Progress>,
+    wake: Condvar,
 }
 
 impl Namer {
     /// Names what the model collected since the last pass.
-    pub fn pass(&self, model: &Mutex<Model>) {
+    fn pass(&self, model: &Mutex<Model>, symbolizer: &mut Option<(Symbolizer, Instant)>) {
         let _one_at_a_time = lock(&self.pass);
         let pending = {
             let mut m = lock(model);
@@ -221,8 +241,65 @@ impl Namer {
             }
             n.work()
         };
-        let found = if work.is_empty() { Vec::new() } else { work.run() };
+        let found = if work.is_empty() {
+            Vec::new()
+        } else {
+            if symbolizer.as_ref().is_none_or(|(_, born)| born.elapsed() >= SYMBOLIZER_LIFETIME) {
+                *symbolizer = Some((Symbolizer::new(), Instant::now()));
+            }
+            work.run(&symbolizer.as_ref().expect("just made").0)
+        };
         lock(&self.names).insert(found);
+    }
+
+    /// The namer thread: a pass every second, and whenever a scrape asks, until stopped.
+    pub fn run(&self, model: &Mutex<Model>) {
+        let mut symbolizer = None;
+        lock(&self.progress).running = true;
+        loop {
+            let asked = {
+                let progress = lock(&self.progress);
+                let (progress, _) = self
+                    .wake
+                    .wait_timeout_while(progress, NAMING_INTERVAL, |p| !p.stop && p.asked == p.done)
+                    .unwrap_or_else(|e| e.into_inner());
+                if progress.stop {
+                    break;
+                }
+                progress.asked
+            };
+            self.pass(model, &mut symbolizer);
+            lock(&self.progress).done = asked;
+            self.wake.notify_all();
+        }
+        let mut progress = lock(&self.progress);
+        progress.running = false;
+        progress.done = progress.asked;
+        self.wake.notify_all();
+    }
+
+    /// Stops the namer thread.
+    pub fn stop(&self) {
+        lock(&self.progress).stop = true;
+        self.wake.notify_all();
+    }
+
+    /// Names everything collected so far before a scrape: by the namer thread, or here
+    /// when none runs.
+    pub fn sync(&self, model: &Mutex<Model>) {
+        let mut progress = lock(&self.progress);
+        if !progress.running {
+            drop(progress);
+            self.pass(model, &mut None);
+            return;
+        }
+        progress.asked += 1;
+        let want = progress.asked;
+        self.wake.notify_all();
+        let _ = self
+            .wake
+            .wait_timeout_while(progress, SYNC_TIMEOUT, |p| p.running && p.done < want)
+            .unwrap_or_else(|e| e.into_inner());
     }
 
     pub fn names(&self) -> MutexGuard<'_, Names> {

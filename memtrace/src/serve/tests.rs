@@ -239,7 +239,7 @@ fn a_pid_reused_or_renamed_is_followed() {
 }
 
 fn group(comm: &str, domain: Domain) -> Group {
-    Group { comm: comm.into(), cgroup: Arc::new(Cgroup::from_path("/a")), pid: None, domain }
+    Group { comm: Arc::from(comm), cgroup: Arc::new(Cgroup::from_path("/a")), pid: None, domain }
 }
 
 fn row(instance: u32, stack: u32, site: &str, live: u64, allocs: u64) -> Row {
@@ -247,7 +247,7 @@ fn row(instance: u32, stack: u32, site: &str, live: u64, allocs: u64) -> Row {
         instance,
         key: SiteKey { stack: StackRef(stack), call_site: 0, kind: Kind::Malloc },
         group: group("app", Domain::User),
-        site: site.into(),
+        site: Arc::from(site),
         stats: SiteStats {
             allocs,
             bytes_req: allocs * 10,
