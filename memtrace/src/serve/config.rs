@@ -198,8 +198,12 @@ impl Config {
             (None, false, false) => Target::Command(args.command.clone()),
             (None, false, true) => bail!("say what to trace: --pid PID, -a, or -- CMD [ARGS...]"),
         };
-        let mut pids = args.pids.clone();
-        pids.dedup();
+        let mut pids: Vec<u32> = Vec::with_capacity(args.pids.len());
+        for &pid in &args.pids {
+            if !pids.contains(&pid) {
+                pids.push(pid);
+            }
+        }
         if args.top_sites == 0 {
             bail!("--top-sites must be at least 1");
         }

@@ -130,7 +130,7 @@ impl Shared {
         let own = SelfFigures {
             events: counters.events,
             lost_events,
-            sampled_allocations: if snap.sample_bytes.is_some() { counters.allocations } else { 0 },
+            sampled_allocations: if snap.sample_bytes.is_some() { counters.user_allocations } else { 0 },
             sample_period_bytes: snap.sample_bytes.unwrap_or(0),
             ring_fill_ratio: selfstats::take_peak(&self.ring_fill),
             probes,

@@ -268,8 +268,10 @@ pub enum Scraper {
 pub struct Counters {
     /// Events received (allocations, frees, task events).
     pub events: u64,
-    /// Allocation events received (the sampled ones, when sampling).
+    /// Allocation events received.
     pub allocations: u64,
+    /// User allocation events received (the sampled ones, when sampling).
+    pub user_allocations: u64,
     /// Allocations counted but not followed: the live-block table was full.
     pub untracked: u64,
     /// Frees of blocks not followed (allocated before tracing, or not followed).
@@ -442,6 +444,9 @@ impl Model {
 
     fn alloc(&mut self, a: &Alloc) {
         self.counters.allocations += 1;
+        if !a.kind.is_kernel() {
+            self.counters.user_allocations += 1;
+        }
         if self.exited.contains_key(&a.pid) {
             return; // its teardown
         }
@@ -603,9 +608,13 @@ impl Model {
     }
 
     fn drop_instances(&mut self, gone: &HashSet<u32>) {
+        let mut pids = HashSet::new();
         for instance in gone {
             let Some(p) = self.processes.remove(instance) else { continue };
             self.counters.processes_dropped += 1;
+            if !self.current.contains_key(&p.pid) {
+                pids.insert(p.pid);
+            }
             for (key, _) in &p.sites {
                 if let Some(id) = key.stack.id() {
                     self.stacks.release(id);
@@ -616,6 +625,7 @@ impl Model {
         let before = self.kernel.len();
         self.kernel.retain(|_, (owner, _)| !gone.contains(owner));
         self.live_blocks -= before - self.kernel.len();
+        self.modules.forget_processes(&pids);
     }
 
     fn sweep(&mut self, now: Instant) {

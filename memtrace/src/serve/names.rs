@@ -196,8 +196,10 @@ impl Work {
     }
 }
 
-/// How long one symbolizer (and the files it parsed and cached) is kept.
+/// How long one symbolizer (and the files it parsed and cached) is kept at most, and how
+/// long it is kept once no pass needs it.
 const SYMBOLIZER_LIFETIME: Duration = Duration::from_secs(600);
+const SYMBOLIZER_IDLE: Duration = Duration::from_secs(60);
 /// How often the namer thread looks for new stacks on its own.
 const NAMING_INTERVAL: Duration = Duration::from_secs(1);
 /// How long a scrape waits for the namer before it goes on with the names there are.
@@ -225,9 +227,17 @@ pub struct Namer {
 }
 
 impl Namer {
-    /// Names what the model collected since the last pass.
-    fn pass(&self, model: &Mutex<Model>, symbolizer: &mut Option<(Symbolizer, Instant)>) {
+    /// Names what the model collected since the last pass. `symbolizer` is the one kept
+    /// between passes (with when it was last used): made when needed, dropped once idle
+    /// or old (what it parsed goes with it).
+    fn pass(&self, model: &Mutex<Model>, symbolizer: &mut Option<(Symbolizer, Instant, Instant)>) {
         let _one_at_a_time = lock(&self.pass);
+        if symbolizer
+            .as_ref()
+            .is_some_and(|(_, born, used)| born.elapsed() >= SYMBOLIZER_LIFETIME || used.elapsed() >= SYMBOLIZER_IDLE)
+        {
+            *symbolizer = None;
+        }
         let pending = {
             let mut m = lock(model);
             m.has_pending().then(|| m.take_pending())
@@ -244,10 +254,9 @@ impl Namer {
         let found = if work.is_empty() {
             Vec::new()
         } else {
-            if symbolizer.as_ref().is_none_or(|(_, born)| born.elapsed() >= SYMBOLIZER_LIFETIME) {
-                *symbolizer = Some((Symbolizer::new(), Instant::now()));
-            }
-            work.run(&symbolizer.as_ref().expect("just made").0)
+            let (s, _, used) = symbolizer.get_or_insert_with(|| (Symbolizer::new(), Instant::now(), Instant::now()));
+            *used = Instant::now();
+            work.run(s)
         };
         lock(&self.names).insert(found);
     }
