@@ -416,6 +416,7 @@ fn go_tool_pprof_reads_the_profiles_over_http() {
         assert!(out.status.success(), "{text}");
         assert!(text.contains(&format!("Type: {want_type}")), "the default sample type of {path}: {text}");
         assert!(text.contains("wl_steady_leak"), "{text}");
+        assert!(text.contains("File: alloc_workload"), "named after the program: {text}");
     }
     drop(agent);
 }

@@ -264,6 +264,11 @@ fn soak(memtrace: &Path, workload: &Path, seconds: u64) -> Result<String> {
     let first = after.first().map_or(0.0, |p| p.1);
     let last = after.last().map_or(0.0, |p| p.1);
     let peak = samples.iter().map(|p| p.1).fold(0.0, f64::max);
+    let low = after.iter().map(|p| p.1).fold(f64::MAX, f64::min);
+    let high = after.iter().map(|p| p.1).fold(0.0, f64::max);
+    // The whole trajectory, for a closer look.
+    let csv: String = samples.iter().map(|(t, b)| format!("{t:.0},{}\n", *b as u64)).collect();
+    let _ = fs::write(target_dir().join("bench").join("serve-soak-rss.csv"), format!("seconds,rss_bytes\n{csv}"));
     let mut out = String::new();
     let _ = writeln!(out, "| soak figure | value |\n| --- | ---: |");
     let _ = writeln!(out, "| duration | {seconds} s ({} RSS samples, warm-up {warmup:.0} s) |", samples.len());
@@ -276,6 +281,7 @@ fn soak(memtrace: &Path, workload: &Path, seconds: u64) -> Result<String> {
         mb(first),
         mb(last)
     );
+    let _ = writeln!(out, "| RSS range over the second half | {:.1} – {:.1} MiB |", mb(low), mb(high));
     let _ = writeln!(out, "| peak RSS | {:.1} MiB |", mb(peak));
     let _ = writeln!(out, "| scrapes (failed) | {scrapes} ({failed_scrapes}) |");
     for (name, what) in [
@@ -296,7 +302,8 @@ fn soak(memtrace: &Path, workload: &Path, seconds: u64) -> Result<String> {
          allocates steadily and a shell starts a short-lived `alloc_workload --threads 2 --iterations 200` every \
          0.2 s (tens of new processes a second, counting the shell's); /metrics scraped every second, both \
          profiles every 10 s. The slope is a least-squares fit of the agent's VmRSS, sampled every 5 s, over the \
-         second half (warm-up: the first half, while the bounded tables fill)."
+         second half (warm-up: the first half, while the bounded tables fill); every sample is in \
+         `target/bench/serve-soak-rss.csv`."
     );
     Ok(out)
 }

@@ -311,6 +311,8 @@ pub fn run(args: ServeArgs) -> Result<i32> {
         Stop::Command(code) => eprintln!("memtrace: the command exited (status {code}): stopping"),
         Stop::Pids => eprintln!("memtrace: every traced process exited: stopping"),
     }
+    // A command still running (a second Ctrl-C, or it ignored the first) ends with us.
+    tracer.end_command();
     // The probes go first; clients in flight get their answer from what was gathered.
     let (teardown, _) = {
         let mut model = lock(&shared.model);

@@ -200,7 +200,10 @@ pub fn build(
         .unwrap_or_default();
     let mut builder = ProfileBuilder::new(&SAMPLE_TYPES);
     let mut frames_of: HashMap<SiteKey, Vec<Frame>> = HashMap::new();
-    for s in &snap.sites {
+    // User sites first: the first mapping is the one readers name the profile after
+    // (go tool pprof's "File:"), the module of the first user frame.
+    let user_first = snap.sites.iter().filter(|s| s.key.domain() == Domain::User);
+    for s in user_first.chain(snap.sites.iter().filter(|s| s.key.domain() == Domain::Kernel)) {
         let p = &snap.processes[s.process];
         let domain = s.key.domain();
         if q.domain.is_some_and(|d| d != domain) || (!q.pids.is_empty() && !q.pids.contains(&p.pid)) {
