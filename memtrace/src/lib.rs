@@ -8,7 +8,8 @@
 //!
 //! What users read: [`report`] (analysis of a recording, then text or JSON), [`export`]
 //! (folded stacks, SVG, pprof), [`top`] (live model, full-screen and batch views) and
-//! [`dump`], sharing [`grouping`] (what a row stands for, filters, labels), [`units`] (how
+//! [`dump`], and [`serve`] (the always-on agent: Prometheus metrics and pprof over HTTP),
+//! sharing [`grouping`] (what a row stands for, filters, labels), [`units`] (how
 //! figures read) and [`columns`] (tables that fit the terminal).
 pub mod analysis;
 pub mod columns;
@@ -24,6 +25,7 @@ pub mod probes;
 pub mod procfs;
 pub mod recording;
 pub mod report;
+pub mod serve;
 pub mod session;
 pub mod stacks;
 pub mod symbolize;

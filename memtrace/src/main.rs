@@ -42,6 +42,9 @@ enum Command {
     Diff(DiffArgs),
     /// A live view of allocations, like top (whole machine unless --pid or -- CMD).
     Top(TopArgs),
+    /// An always-on agent: Prometheus /metrics and Go-style /debug/pprof/heap and allocs
+    /// over HTTP, sampled by default.
+    Serve(memtrace::serve::ServeArgs),
     /// Benchmark baseline: run a command with empty probes at malloc entry/return and
     /// free entry (what any uprobe tracer pays at least).
     #[command(hide = true)]
@@ -574,6 +577,7 @@ fn main() -> ExitCode {
         Command::Export(args) => export(args),
         Command::Diff(args) => diff(args),
         Command::Top(args) => top(args),
+        Command::Serve(args) => memtrace::serve::run(args),
         Command::BenchBaseline(args) => session::run_baseline(&args.command, args.placed, !args.no_return),
     };
     match result {

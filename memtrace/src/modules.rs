@@ -118,6 +118,16 @@ impl ModuleTable {
         }
     }
 
+    /// Forgets the maps of processes that are gone, so a long-running tracer (`serve`)
+    /// keeps only those of the processes it still follows.
+    pub fn forget_processes(&mut self, pids: &std::collections::HashSet<u32>) {
+        if pids.is_empty() {
+            return;
+        }
+        self.maps.retain(|pid, _| !pids.contains(pid));
+        self.maps_order.retain(|pid| !pids.contains(pid));
+    }
+
     /// Learns the build id of the program a process just exec'd (from /proc while it
     /// lives, else from the exec'd file name).
     pub fn learn_exec(&mut self, pid: u32, filename: &Path) {
@@ -327,6 +337,18 @@ mod tests {
         assert_eq!(by_build_id, by_ip);
         assert_eq!(table.take_new().len(), 1);
         assert!(table.take_new().is_empty());
+    }
+
+    #[test]
+    fn maps_of_processes_gone_are_forgotten() {
+        let pid = std::process::id();
+        let mut table = ModuleTable::new();
+        assert!(table.learn_process(pid));
+        table.learn_fork(pid + 1, pid);
+        assert_eq!(table.maps.len(), 2);
+        table.forget_processes(&[pid + 1].into_iter().collect());
+        assert_eq!((table.maps.len(), table.maps_order.len()), (1, 1));
+        assert!(table.maps.contains_key(&pid));
     }
 
     #[test]

@@ -20,6 +20,14 @@
  * each site's figures, its bytes live at the peak and the peak's moment: see wl_peak_run),
  * --sleep-ms MS (pause before starting), --wait-stdin (start once a line is read from
  * stdin), so a recorder can attach with --pid first.
+ * --steady-leak (a service that leaks, for `memtrace serve`): a startup burst kept live
+ * (wl_startup: 8 blocks of 200000 bytes), then one step every --step-ms MS (default 50) of
+ * --leak-per-step K blocks of --leak-block BYTES (default 8 of 65536) never freed
+ * (wl_steady_leak) and short-lived churn (wl_churn: 32 blocks of 1000 bytes, freed at
+ * once); it prints one JSON line once the startup burst is done and, after --leak-steps N
+ * steps (0, the default: forever), one with what it leaked, then waits for a line or EOF
+ * on stdin before exiting. Blocks are touched only in their first bytes: leaking costs
+ * little resident memory.
  *
  * build.rs builds it twice: with frame pointers (alloc_workload) and without
  * (alloc_workload_nofp, -fomit-frame-pointer), so stack walks can be compared.
@@ -588,6 +596,66 @@ static void wl_peak_run(const char *manifest) {
     fclose(out);
 }
 
+/* --steady-leak: what a leaking service allocates, per site; exact (malloc_usable_size). */
+struct leak_figures {
+    unsigned long blocks, bytes_req, bytes_alloc;
+};
+
+static struct leak_figures startup_figures, leak_figures;
+
+NOIPA static void wl_startup(void) {
+    for (int i = 0; i < 8; i++) {
+        void *p = malloc(200000);
+        touch(p, 200000);
+        startup_figures.blocks++;
+        startup_figures.bytes_req += 200000;
+        startup_figures.bytes_alloc += malloc_usable_size(p);
+    }
+}
+
+NOIPA static void wl_steady_leak(long blocks, size_t size) {
+    for (long i = 0; i < blocks; i++) {
+        void *p = malloc(size);
+        touch(p, size);
+        leak_figures.blocks++;
+        leak_figures.bytes_req += size;
+        leak_figures.bytes_alloc += malloc_usable_size(p);
+    }
+}
+
+NOIPA static void wl_churn(void) {
+    void *p[32];
+    for (int i = 0; i < 32; i++) {
+        p[i] = malloc(1000);
+        touch(p[i], 1000);
+    }
+    for (int i = 0; i < 32; i++)
+        free(p[i]);
+}
+
+static void print_leak_figures(const char *event) {
+    printf("{\"event\": \"%s\", \"pid\": %d, \"startup_blocks\": %lu, \"startup_bytes_req\": %lu, "
+           "\"startup_bytes_alloc\": %lu, \"leak_blocks\": %lu, \"leak_bytes_req\": %lu, "
+           "\"leak_bytes_alloc\": %lu}\n",
+           event, (int)getpid(), startup_figures.blocks, startup_figures.bytes_req, startup_figures.bytes_alloc,
+           leak_figures.blocks, leak_figures.bytes_req, leak_figures.bytes_alloc);
+    fflush(stdout);
+}
+
+static void steady_leak(long steps, long per_step, size_t block, long step_ms) {
+    wl_startup();
+    print_leak_figures("started");
+    for (long i = 0; steps == 0 || i < steps; i++) {
+        wl_steady_leak(per_step, block);
+        wl_churn();
+        usleep((useconds_t)step_ms * 1000);
+    }
+    print_leak_figures("done");
+    char line[16];
+    if (read(0, line, sizeof line) < 0)
+        abort();
+}
+
 static long arg_value(int argc, char **argv, const char *name, long fallback) {
     for (int i = 1; i + 1 < argc; i++)
         if (strcmp(argv[i], name) == 0)
@@ -671,6 +739,13 @@ int main(int argc, char **argv) {
         wl_dlopen_alloc(dl_malloc, n);
         printf("dlopen: %ld allocations\n", n);
         return 0;
+    }
+    for (int i = 1; i < argc; i++) {
+        if (strcmp(argv[i], "--steady-leak") == 0) {
+            steady_leak(arg_value(argc, argv, "--leak-steps", 0), arg_value(argc, argv, "--leak-per-step", 8),
+                        (size_t)arg_value(argc, argv, "--leak-block", 65536), arg_value(argc, argv, "--step-ms", 50));
+            return 0;
+        }
     }
     long children = arg_value(argc, argv, "--fork-children", 0);
     if (children > 0) {

@@ -16,9 +16,9 @@ use anyhow::{Context as _, Result, bail};
 
 use crate::{apt_install, build_release, cargo, output, succeeds, target_dir, workspace_root};
 
-const RUNS: usize = 5;
-const TRACED_PAIRS: &str = "300000";
-const BARE_PAIRS: &str = "3000000";
+pub(crate) const RUNS: usize = 5;
+pub(crate) const TRACED_PAIRS: &str = "300000";
+pub(crate) const BARE_PAIRS: &str = "3000000";
 const LIBC: &str = "/lib/x86_64-linux-gnu/libc.so.6";
 
 /// The "X ns/pair" (or ns/pipe) figure a workload printed.
@@ -29,25 +29,25 @@ fn per_op(stdout: &str) -> Option<f64> {
     })
 }
 
-fn run_for_figure(cmd: &mut Command) -> Result<f64> {
+pub(crate) fn run_for_figure(cmd: &mut Command) -> Result<f64> {
     let out = cmd.stderr(Stdio::null()).output().with_context(|| format!("running {cmd:?}"))?;
     let stdout = String::from_utf8_lossy(&out.stdout);
     per_op(&stdout).with_context(|| format!("{cmd:?} printed no ns/op figure:\n{stdout}"))
 }
 
-fn min_median(mut v: Vec<f64>) -> (f64, f64) {
+pub(crate) fn min_median(mut v: Vec<f64>) -> (f64, f64) {
     v.sort_by(f64::total_cmp);
     (v[0], v[v.len() / 2])
 }
 
-struct Config {
-    name: &'static str,
+pub(crate) struct Config {
+    pub(crate) name: &'static str,
     note: &'static str,
-    min: f64,
-    median: f64,
+    pub(crate) min: f64,
+    pub(crate) median: f64,
 }
 
-fn measure(name: &'static str, note: &'static str, mut make: impl FnMut() -> Command) -> Result<Config> {
+pub(crate) fn measure(name: &'static str, note: &'static str, mut make: impl FnMut() -> Command) -> Result<Config> {
     let mut values = Vec::with_capacity(RUNS);
     for _ in 0..RUNS {
         values.push(run_for_figure(&mut make())?);
@@ -166,7 +166,7 @@ fn stack_reach(memtrace: &Path, data: &Path) -> Result<(f64, f64, u64)> {
     Ok((reaching as f64 / allocs.max(1) as f64, stacks_reaching as f64 / stacks.max(1) as f64, allocs))
 }
 
-const PYTHON_SCRIPT: &str = "import json, re, collections\n\
+pub(crate) const PYTHON_SCRIPT: &str = "import json, re, collections\n\
 data = [{'k': i, 'v': str(i) * 10, 'l': list(range(i % 50))} for i in range(20000)]\n\
 s = json.dumps(data)\n\
 back = json.loads(s)\n\
@@ -358,6 +358,9 @@ pub fn bench() -> Result<()> {
     eprintln!("xtask bench: userspace pipeline (criterion)");
     let pipeline = pipeline_throughput()?;
 
+    eprintln!("xtask bench: the always-on agent (memtrace serve)");
+    let serve = crate::serve_bench::section(&memtrace, &workloads)?;
+
     let seconds: u64 = std::env::var("MEMTRACE_BENCH_SECONDS").ok().and_then(|s| s.parse().ok()).unwrap_or(60);
     eprintln!("xtask bench: sustained load, {seconds} s, one allocating thread per core");
     let sustained = dir.join("sustained.data");
@@ -464,7 +467,7 @@ pub fn bench() -> Result<()> {
         record_wall.as_secs_f64(),
         ok(report_wall.as_secs_f64() * 3.0 < record_wall.as_secs_f64()),
     );
-    println!("\n{table}\n{designs}\n{python}\n{other}\n{targets}");
+    println!("\n{table}\n{designs}\n{python}\n{other}\n{serve}\n{targets}");
 
     let machine = format!(
         "- kernel: {}\n- CPU: {} ({} cores)\n- glibc: {}\n- rustc: {}\n- bpftrace: {}\n- heaptrack: {}\n- memtrace: {}",
@@ -494,8 +497,9 @@ pub fn bench() -> Result<()> {
          ## Machine\n\n{machine}\n\n## Per malloc+free pair\n\nThe bundled workload's loop (`alloc_workload --loop N`: \
          malloc(32) then free, {TRACED_PAIRS} pairs traced, {BARE_PAIRS} bare); {RUNS} runs each; the added cost \
          is the median minus the bare median.\n\n{table}\n## Two designs for whole stacks without frame pointers\n\n\
-         {designs}\n## Stacks of a distribution binary\n\n{python}\n## Other figures\n\n{other}\n## Targets\n\n\
-         {targets}\n{notes}"
+         {designs}\n## Stacks of a distribution binary\n\n{python}\n## Other figures\n\n{other}\n{}\n## Targets\n\n\
+         {targets}\n{notes}",
+        crate::serve_bench::wrapped(&serve)
     );
     fs::write(workspace_root().join("BENCHMARKS.md"), doc)?;
     eprintln!("xtask bench: wrote BENCHMARKS.md");

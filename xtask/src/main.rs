@@ -12,6 +12,7 @@ use std::{
 use anyhow::{Context as _, Result, bail};
 
 mod bench;
+mod serve_bench;
 
 fn workspace_root() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).parent().expect("xtask lives in the workspace").to_path_buf()
@@ -66,6 +67,7 @@ const DEBIAN_PACKAGES: &[(&str, &str)] = &[
     ("gcc", "the bundled C workloads"),
     ("libc6-dev", "the bundled C workloads"),
     ("chromium", "the HTML report's test loads it in a real (headless) browser"),
+    ("prometheus", "serve's tests: promtool checks /metrics, a real Prometheus scrapes it"),
 ];
 
 fn dpkg_installed(package: &str) -> bool {
@@ -235,6 +237,7 @@ fn main() -> Result<()> {
         "setup" => setup(),
         "test" => test(),
         "demo" => demo(),
+        "bench" if env::args().nth(2).as_deref() == Some("serve") => serve_bench::run_alone(),
         "bench" => bench::bench(),
         _ => {
             eprintln!("usage: cargo xtask <setup|test|demo|bench>");
@@ -244,6 +247,7 @@ fn main() -> Result<()> {
             eprintln!("  test   formatting, clippy on both crates, unit and integration tests (root)");
             eprintln!("  demo   trace the bundled workload and print the report (root)");
             eprintln!("  bench  overhead against the peers, pipeline speed, sustained load -> BENCHMARKS.md (root)");
+            eprintln!("  bench serve  only the always-on agent's figures and soak (its BENCHMARKS.md section)");
             std::process::exit(2);
         }
     }

@@ -223,3 +223,190 @@ pub fn write_gzipped(profile: &[u8], out: &mut dyn Write) -> Result<()> {
     gz.finish()?;
     Ok(())
 }
+
+/// A sample label's value.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LabelValue<'a> {
+    Str(&'a str),
+    Num(i64),
+}
+
+/// What a profile says of itself besides its samples.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ProfileHeader<'a> {
+    pub time_nanos: u64,
+    pub duration_nanos: u64,
+    /// (type, unit) of the sampling period.
+    pub period_type: (&'a str, &'a str),
+    pub period: i64,
+    /// None leaves it unset: consumers then show the last sample type (Go's heap profile).
+    pub default_sample_type: Option<&'a str>,
+}
+
+/// A profile built sample by sample, with any sample types (`serve`'s Go-style heap and
+/// allocs profiles): frames become locations and functions as in [`pprof_bytes`].
+pub struct ProfileBuilder {
+    strings: Strings,
+    sample_types: Vec<Vec<u8>>,
+    mappings: HashMap<String, u64>,
+    mapping_msgs: Vec<Vec<u8>>,
+    functions: HashMap<(String, String), u64>,
+    function_msgs: Vec<Vec<u8>>,
+    locations: HashMap<(String, u64, bool), u64>,
+    location_msgs: Vec<Vec<u8>>,
+    samples: Vec<Vec<u8>>,
+}
+
+impl ProfileBuilder {
+    pub fn new(sample_types: &[(&str, &str)]) -> Self {
+        let mut strings = Strings::new();
+        let sample_types = sample_types
+            .iter()
+            .map(|(kind, unit)| {
+                let mut vt = Vec::new();
+                field_varint(&mut vt, 1, strings.id(kind));
+                field_varint(&mut vt, 2, strings.id(unit));
+                vt
+            })
+            .collect();
+        Self {
+            strings,
+            sample_types,
+            mappings: HashMap::new(),
+            mapping_msgs: Vec::new(),
+            functions: HashMap::new(),
+            function_msgs: Vec::new(),
+            locations: HashMap::new(),
+            location_msgs: Vec::new(),
+            samples: Vec::new(),
+        }
+    }
+
+    fn location(&mut self, chain: &[&Frame]) -> u64 {
+        let f = chain[chain.len() - 1];
+        let key = (f.module.clone(), f.address, f.kernel);
+        if let Some(&id) = self.locations.get(&key) {
+            return id;
+        }
+        let id = self.locations.len() as u64 + 1;
+        let mapping_id = match self.mappings.get(&f.module) {
+            Some(&m) => m,
+            None => {
+                let m_id = self.mapping_msgs.len() as u64 + 1;
+                let mut m = Vec::new();
+                field_varint(&mut m, 1, m_id);
+                field_varint(&mut m, 5, self.strings.id(&f.module));
+                field_varint(&mut m, 7, 1); // has_functions
+                self.mapping_msgs.push(m);
+                self.mappings.insert(f.module.clone(), m_id);
+                m_id
+            }
+        };
+        let mut loc = Vec::new();
+        field_varint(&mut loc, 1, id);
+        field_varint(&mut loc, 2, mapping_id);
+        field_varint(&mut loc, 3, f.address);
+        for c in chain {
+            let file = c.file.clone().unwrap_or_default();
+            let fkey = (c.function.clone(), file.clone());
+            let function_id = match self.functions.get(&fkey) {
+                Some(&id) => id,
+                None => {
+                    let fn_id = self.function_msgs.len() as u64 + 1;
+                    let mut func = Vec::new();
+                    field_varint(&mut func, 1, fn_id);
+                    field_varint(&mut func, 2, self.strings.id(&c.function));
+                    field_varint(&mut func, 3, self.strings.id(&c.function));
+                    field_varint(&mut func, 4, self.strings.id(&file));
+                    self.function_msgs.push(func);
+                    self.functions.insert(fkey, fn_id);
+                    fn_id
+                }
+            };
+            let mut line = Vec::new();
+            field_varint(&mut line, 1, function_id);
+            field_varint(&mut line, 2, u64::from(c.line.unwrap_or(0)));
+            field_bytes(&mut loc, 4, &line);
+        }
+        self.location_msgs.push(loc);
+        self.locations.insert(key, id);
+        id
+    }
+
+    /// One sample: its frames innermost first (an inline chain becomes the lines of one
+    /// location), one value per sample type, and its labels.
+    pub fn add_sample(&mut self, frames: &[Frame], values: &[i64], labels: &[(&str, LabelValue<'_>)]) {
+        let mut location_ids = Vec::new();
+        let mut chain: Vec<&Frame> = Vec::new();
+        for f in frames {
+            chain.push(f);
+            if f.inlined {
+                continue;
+            }
+            location_ids.push(self.location(&chain));
+            chain.clear();
+        }
+        if !chain.is_empty() {
+            location_ids.push(self.location(&chain));
+        }
+        let mut sample = Vec::new();
+        field_packed(&mut sample, 1, location_ids);
+        field_packed(&mut sample, 2, values.iter().map(|&v| v as u64));
+        for (key, value) in labels {
+            let mut label = Vec::new();
+            field_varint(&mut label, 1, self.strings.id(key));
+            match value {
+                LabelValue::Str(s) => field_varint(&mut label, 2, self.strings.id(s)),
+                LabelValue::Num(n) => field_varint(&mut label, 3, *n as u64),
+            }
+            field_bytes(&mut sample, 3, &label);
+        }
+        self.samples.push(sample);
+    }
+
+    /// The profile, before compression.
+    pub fn finish(mut self, header: &ProfileHeader<'_>) -> Vec<u8> {
+        let mut profile = Vec::new();
+        for vt in &self.sample_types {
+            field_bytes(&mut profile, 1, vt);
+        }
+        for s in &self.samples {
+            field_bytes(&mut profile, 2, s);
+        }
+        for m in &self.mapping_msgs {
+            field_bytes(&mut profile, 3, m);
+        }
+        for l in &self.location_msgs {
+            field_bytes(&mut profile, 4, l);
+        }
+        for f in &self.function_msgs {
+            field_bytes(&mut profile, 5, f);
+        }
+        let period_type = {
+            let mut vt = Vec::new();
+            field_varint(&mut vt, 1, self.strings.id(header.period_type.0));
+            field_varint(&mut vt, 2, self.strings.id(header.period_type.1));
+            vt
+        };
+        let default_type = header.default_sample_type.map(|t| self.strings.id(t));
+        for s in &self.strings.table {
+            field_bytes(&mut profile, 6, s.as_bytes());
+        }
+        field_varint(&mut profile, 9, header.time_nanos);
+        field_varint(&mut profile, 10, header.duration_nanos);
+        field_bytes(&mut profile, 11, &period_type);
+        field_varint(&mut profile, 12, header.period as u64);
+        if let Some(t) = default_type {
+            field_varint(&mut profile, 14, t);
+        }
+        profile
+    }
+
+    /// The profile, gzipped (what pprof endpoints serve).
+    pub fn finish_gzipped(self, header: &ProfileHeader<'_>) -> Vec<u8> {
+        let bytes = self.finish(header);
+        let mut gz = flate2::write::GzEncoder::new(Vec::with_capacity(bytes.len() / 4), flate2::Compression::fast());
+        gz.write_all(&bytes).expect("writing to memory");
+        gz.finish().expect("writing to memory")
+    }
+}

@@ -1,0 +1,349 @@
+//! The HTTP side of `serve`, on its own thread and runtime so no client can stall the
+//! tracer: HTTP/1.1 (hyper), GET and HEAD only, an optional bearer token, at most
+//! `--max-connections` clients at once (others wait a second for a slot, then get 503), a
+//! deadline for a request's head (idle connections close with it), for building a response,
+//! and for a connection's whole life. Building responses (naming, encoding) runs on the
+//! blocking pool, two at a time. Errors are one line of text, as Go's net/http/pprof
+//! writes them.
+use std::{convert::Infallible, net::SocketAddr, sync::Arc, thread::JoinHandle, time::Duration};
+
+use anyhow::{Context as _, Result};
+use http_body_util::Full;
+use hyper::{
+    Method, Request, Response, StatusCode,
+    body::{Bytes, Incoming},
+    header::{self, HeaderValue},
+    server::conn::http1,
+    service::service_fn,
+};
+use hyper_util::rt::{TokioIo, TokioTimer};
+use tokio::{
+    net::TcpListener,
+    sync::{Semaphore, watch},
+};
+
+use super::{
+    Shared,
+    config::HttpConfig,
+    metrics::{OPENMETRICS_TYPE, TEXT_TYPE, wants_openmetrics},
+    model::Scraper,
+    profile::{ProfileKind, parse_query},
+};
+
+/// Responses built at once (the rest wait, within their deadline).
+const BUILDERS: usize = 2;
+/// How long a client waits for a free slot before a 503.
+const SLOT_WAIT: Duration = Duration::from_secs(1);
+
+/// The running server.
+pub struct Server {
+    shutdown: watch::Sender<bool>,
+    thread: JoinHandle<()>,
+}
+
+impl Server {
+    /// Serves on `listener` (already bound) from a thread of its own.
+    pub fn start(listener: std::net::TcpListener, shared: Arc<Shared>, config: HttpConfig) -> Result<Self> {
+        listener.set_nonblocking(true).context("configuring the listening socket")?;
+        let (shutdown, stop) = watch::channel(false);
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .max_blocking_threads(BUILDERS + 2)
+            .build()
+            .context("starting the HTTP runtime")?;
+        let thread = std::thread::Builder::new()
+            .name("memtrace-http".into())
+            .spawn(move || {
+                let ctx = Arc::new(Context {
+                    shared,
+                    slots: Arc::new(Semaphore::new(config.max_connections)),
+                    builders: Semaphore::new(BUILDERS),
+                    config,
+                    stop: stop.clone(),
+                });
+                runtime.block_on(accept(listener, ctx, stop));
+                // Responses still being built are abandoned.
+                runtime.shutdown_timeout(Duration::from_millis(100));
+            })
+            .context("starting the HTTP thread")?;
+        Ok(Self { shutdown, thread })
+    }
+
+    /// Stops accepting, lets requests in flight finish within `grace`, and returns once
+    /// the server is gone.
+    pub fn shutdown(self, grace: Duration) {
+        let _ = self.shutdown.send(true);
+        let deadline = std::time::Instant::now() + grace + Duration::from_millis(500);
+        while !self.thread.is_finished() && std::time::Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        if self.thread.is_finished() {
+            let _ = self.thread.join();
+        }
+    }
+}
+
+struct Context {
+    shared: Arc<Shared>,
+    config: HttpConfig,
+    slots: Arc<Semaphore>,
+    builders: Semaphore,
+    /// Becomes true when the server stops (delta profiles stop waiting).
+    stop: watch::Receiver<bool>,
+}
+
+async fn accept(listener: std::net::TcpListener, ctx: Arc<Context>, mut stop: watch::Receiver<bool>) {
+    let listener = match TcpListener::from_std(listener) {
+        Ok(l) => l,
+        Err(e) => {
+            eprintln!("memtrace: the HTTP server cannot run: {e}");
+            return;
+        }
+    };
+    let mut connections = tokio::task::JoinSet::new();
+    loop {
+        tokio::select! {
+            _ = stop.changed() => break,
+            accepted = listener.accept() => match accepted {
+                Ok((stream, peer)) => {
+                    connections.spawn(connection(stream, peer, Arc::clone(&ctx), stop.clone()));
+                }
+                // Out of descriptors, or a connection reset before it was accepted.
+                Err(_) => tokio::time::sleep(Duration::from_millis(20)).await,
+            },
+            Some(_) = connections.join_next(), if !connections.is_empty() => {}
+        }
+    }
+    drop(listener);
+    let grace = Duration::from_secs(2);
+    let _ = tokio::time::timeout(grace, async { while connections.join_next().await.is_some() {} }).await;
+    connections.abort_all();
+}
+
+/// One client: waits for a slot, then serves its requests until it goes, idles past the
+/// head deadline, outlives its lifetime, or the server stops.
+async fn connection(
+    stream: tokio::net::TcpStream,
+    _peer: SocketAddr,
+    ctx: Arc<Context>,
+    mut stop: watch::Receiver<bool>,
+) {
+    let _ = stream.set_nodelay(true);
+    let permit = match tokio::time::timeout(SLOT_WAIT, Arc::clone(&ctx.slots).acquire_owned()).await {
+        Ok(Ok(permit)) => permit,
+        _ => {
+            ctx.shared.count_response(503);
+            busy(stream).await;
+            return;
+        }
+    };
+    let lifetime = ctx.config.request_timeout * 2 + Duration::from_secs(ctx.config.max_profile_seconds);
+    let service_ctx = Arc::clone(&ctx);
+    let service = service_fn(move |req| {
+        let ctx = Arc::clone(&service_ctx);
+        async move {
+            let response = respond(req, &ctx).await;
+            ctx.shared.count_response(response.status().as_u16());
+            Ok::<_, Infallible>(response)
+        }
+    });
+    let mut builder = http1::Builder::new();
+    builder.timer(TokioTimer::new()).header_read_timeout(ctx.config.header_timeout).max_buf_size(64 << 10);
+    let conn = builder.serve_connection(TokioIo::new(stream), service);
+    tokio::pin!(conn);
+    let deadline = tokio::time::sleep(lifetime);
+    tokio::pin!(deadline);
+    let mut stopping = *stop.borrow();
+    if stopping {
+        conn.as_mut().graceful_shutdown();
+    }
+    loop {
+        tokio::select! {
+            _ = conn.as_mut() => break,
+            _ = &mut deadline => break,
+            changed = stop.changed(), if !stopping => {
+                stopping = true;
+                if changed.is_ok() {
+                    conn.as_mut().graceful_shutdown();
+                }
+            }
+        }
+    }
+    drop(permit);
+}
+
+/// A 503 to a client that found no free slot, without reading its request.
+async fn busy(stream: tokio::net::TcpStream) {
+    let body = "memtrace: too many clients at once (--max-connections); retry later\n";
+    let response = format!(
+        "HTTP/1.1 503 Service Unavailable\r\nContent-Type: text/plain; charset=utf-8\r\nRetry-After: 1\r\nConnection: close\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    );
+    // One small write: it fits the socket buffer, or the client is not worth waiting for.
+    if let Ok(Ok(())) = tokio::time::timeout(Duration::from_secs(1), stream.writable()).await {
+        let _ = stream.try_write(response.as_bytes());
+    }
+    // Half-close and read what the client sent: closing with its request unread would
+    // reset the connection, and the client might lose the answer.
+    // SAFETY: shutdown(2) on a socket this function owns.
+    unsafe { libc::shutdown(std::os::fd::AsRawFd::as_raw_fd(&stream), libc::SHUT_WR) };
+    let drain = async {
+        let mut buf = [0u8; 4096];
+        loop {
+            if stream.readable().await.is_err() {
+                return;
+            }
+            match stream.try_read(&mut buf) {
+                Ok(0) => return,
+                Ok(_) => {}
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
+                Err(_) => return,
+            }
+        }
+    };
+    let _ = tokio::time::timeout(Duration::from_millis(500), drain).await;
+}
+
+type Reply = Response<Full<Bytes>>;
+
+/// A one-line text answer (errors, as net/http/pprof writes them).
+fn text(status: StatusCode, line: &str) -> Reply {
+    let mut r = Response::new(Full::new(Bytes::from(format!("{line}\n"))));
+    *r.status_mut() = status;
+    let h = r.headers_mut();
+    h.insert(header::CONTENT_TYPE, HeaderValue::from_static("text/plain; charset=utf-8"));
+    h.insert("x-content-type-options", HeaderValue::from_static("nosniff"));
+    r
+}
+
+fn body(content_type: &'static str, bytes: Vec<u8>) -> Reply {
+    let mut r = Response::new(Full::new(Bytes::from(bytes)));
+    let h = r.headers_mut();
+    h.insert(header::CONTENT_TYPE, HeaderValue::from_static(content_type));
+    h.insert("x-content-type-options", HeaderValue::from_static("nosniff"));
+    r
+}
+
+/// Compares without stopping at the first difference (the time says nothing of the token).
+fn same_secret(a: &[u8], b: &[u8]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
+fn authorized(req: &Request<Incoming>, token: &str) -> bool {
+    let Some(value) = req.headers().get(header::AUTHORIZATION).and_then(|v| v.to_str().ok()) else {
+        return false;
+    };
+    let Some((scheme, credentials)) = value.trim().split_once(' ') else { return false };
+    scheme.eq_ignore_ascii_case("bearer") && same_secret(credentials.trim().as_bytes(), token.as_bytes())
+}
+
+const INDEX: &str = "memtrace serve\n\n/metrics              Prometheus exposition (OpenMetrics when asked)\n/debug/pprof/heap     live memory, Go's heap profile (?seconds=N for a delta, ?pid=, ?domain=user|kernel)\n/debug/pprof/allocs   the same, allocations first\n/healthz              ok while serving\n";
+
+async fn respond(req: Request<Incoming>, ctx: &Context) -> Reply {
+    if req.method() != Method::GET && req.method() != Method::HEAD {
+        let mut r = text(StatusCode::METHOD_NOT_ALLOWED, &format!("method {} not allowed: GET or HEAD", req.method()));
+        r.headers_mut().insert(header::ALLOW, HeaderValue::from_static("GET, HEAD"));
+        return r;
+    }
+    let path = req.uri().path().to_string();
+    let query = req.uri().query().unwrap_or("").to_string();
+    if path == "/healthz" {
+        return text(StatusCode::OK, "ok");
+    }
+    if let Some(token) = &ctx.config.auth_token
+        && !authorized(&req, token)
+    {
+        let mut r =
+            text(StatusCode::UNAUTHORIZED, "unauthorized: send Authorization: Bearer <the token of --auth-token-file>");
+        r.headers_mut().insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer realm=\"memtrace\""));
+        return r;
+    }
+    match path.as_str() {
+        "/metrics" => {
+            if !query.is_empty() {
+                return text(StatusCode::BAD_REQUEST, &format!("/metrics takes no parameters (got {query:?})"));
+            }
+            let accept = req.headers().get(header::ACCEPT).and_then(|v| v.to_str().ok()).unwrap_or("");
+            let openmetrics = wants_openmetrics(accept);
+            let shared = Arc::clone(&ctx.shared);
+            let config = ctx.config.clone();
+            match build(ctx, move || shared.metrics_text(&config, openmetrics)).await {
+                Ok(text) => body(if openmetrics { OPENMETRICS_TYPE } else { TEXT_TYPE }, text.into_bytes()),
+                Err(r) => r,
+            }
+        }
+        "/debug/pprof/heap" | "/debug/pprof/allocs" => {
+            let kind = if path.ends_with("heap") { ProfileKind::Heap } else { ProfileKind::Allocs };
+            profile(ctx, kind, &query).await
+        }
+        "/" | "/debug/pprof" | "/debug/pprof/" => text(StatusCode::OK, INDEX.trim_end()),
+        p => match p.strip_prefix("/debug/pprof/") {
+            Some(name) => {
+                text(StatusCode::NOT_FOUND, &format!("unknown profile {name:?}: memtrace serves heap and allocs"))
+            }
+            None => text(
+                StatusCode::NOT_FOUND,
+                &format!("no such endpoint {p:?}: memtrace serves /metrics, /debug/pprof/heap and /debug/pprof/allocs"),
+            ),
+        },
+    }
+}
+
+/// Runs `work` on the blocking pool, within the request deadline, two at a time.
+async fn build<T: Send + 'static>(ctx: &Context, work: impl FnOnce() -> T + Send + 'static) -> Result<T, Reply> {
+    let timeout = ctx.config.request_timeout;
+    let run = async {
+        let _permit = ctx.builders.acquire().await.map_err(|_| text(StatusCode::SERVICE_UNAVAILABLE, "stopping"))?;
+        tokio::task::spawn_blocking(work)
+            .await
+            .map_err(|_| text(StatusCode::INTERNAL_SERVER_ERROR, "memtrace: building the response failed"))
+    };
+    match tokio::time::timeout(timeout, run).await {
+        Ok(result) => result,
+        Err(_) => Err(text(
+            StatusCode::SERVICE_UNAVAILABLE,
+            &format!("memtrace: the response was not ready within {} s; retry later", timeout.as_secs()),
+        )),
+    }
+}
+
+async fn profile(ctx: &Context, kind: ProfileKind, query: &str) -> Reply {
+    let q = match parse_query(query, ctx.config.max_profile_seconds) {
+        Ok(q) => q,
+        Err(e) => return text(StatusCode::BAD_REQUEST, &e.0),
+    };
+    let base = match q.seconds {
+        None => None,
+        Some(seconds) => {
+            let shared = Arc::clone(&ctx.shared);
+            let scraper = if kind == ProfileKind::Heap { Scraper::Heap } else { Scraper::Allocs };
+            let base = match build(ctx, move || shared.snapshot(scraper)).await {
+                Ok(b) => b,
+                Err(r) => return r,
+            };
+            let mut stop = ctx.stop.clone();
+            tokio::select! {
+                _ = tokio::time::sleep(Duration::from_secs(seconds)) => {}
+                _ = stop.wait_for(|&stopping| stopping) => {
+                    return text(StatusCode::SERVICE_UNAVAILABLE, "memtrace is stopping: the delta profile was cut short");
+                }
+            }
+            Some(base)
+        }
+    };
+    let shared = Arc::clone(&ctx.shared);
+    let q2 = q.clone();
+    let built = build(ctx, move || shared.profile(kind, &q2, base.as_ref())).await;
+    match built {
+        Ok(Ok(bytes)) => {
+            let mut r = body("application/octet-stream", bytes);
+            let name = if q.seconds.is_some() { format!("{}-delta", kind.name()) } else { kind.name().to_string() };
+            if let Ok(v) = HeaderValue::from_str(&format!("attachment; filename=\"{name}\"")) {
+                r.headers_mut().insert(header::CONTENT_DISPOSITION, v);
+            }
+            r
+        }
+        Ok(Err(bad)) => text(StatusCode::BAD_REQUEST, &bad.0),
+        Err(r) => r,
+    }
+}

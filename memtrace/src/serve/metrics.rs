@@ -1,0 +1,509 @@
+//! `/metrics`: the Prometheus exposition of a snapshot, through the `prometheus-client`
+//! crate — per-site gauges (live bytes, live blocks) and counters (allocations, bytes
+//! allocated, requested and wasted), labelled with site, domain, comm and cgroup (pod UID and
+//! container id when the cgroup path has them, pid when asked), and memtrace's own figures.
+//!
+//! **Bounded cardinality.** Per process (its comm and cgroup, or its pid with
+//! `--pid-label`) and domain, the top N sites by live bytes have their own series and the
+//! rest are summed under `site="other"`. Counters stay monotonic while sites move in and
+//! out of the top N: each scrape adds what a site allocated since the previous one to the
+//! series it belongs to now, so a site's series counts from when it entered (what `rate()`
+//! needs) and `other` never goes down. Series of processes gone end with them.
+//!
+//! OpenMetrics is served to clients that ask for it (Prometheus does); others get the
+//! classic text format (0.0.4) that `promtool check metrics` reads.
+use std::{
+    collections::{BTreeMap, HashMap, HashSet},
+    sync::Arc,
+};
+
+use prometheus_client::{
+    collector::Collector,
+    encoding::{DescriptorEncoder, EncodeMetric},
+    metrics::{MetricType, counter::ConstCounter, gauge::ConstGauge},
+    registry::{Registry, Unit},
+};
+
+use super::{
+    cgroup::Cgroup,
+    model::{SiteKey, SiteStats, Snapshot},
+    names::{Names, site_label},
+};
+use crate::{analysis::Domain, grouping::domain_name};
+
+/// What a series set stands for: one process (or all those sharing a command name and
+/// cgroup), in one domain.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct Group {
+    pub comm: Arc<str>,
+    pub cgroup: Arc<Cgroup>,
+    pub pid: Option<u32>,
+    pub domain: Domain,
+}
+
+/// Cumulative figures a counter shows.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Totals {
+    pub allocs: u64,
+    pub bytes_alloc: u64,
+    pub bytes_req: u64,
+    pub wasted: u64,
+}
+
+impl Totals {
+    fn of(s: &SiteStats) -> Self {
+        Self { allocs: s.allocs, bytes_alloc: s.bytes_alloc, bytes_req: s.bytes_req, wasted: s.wasted() }
+    }
+
+    fn since(self, before: Self) -> Self {
+        Self {
+            allocs: self.allocs.saturating_sub(before.allocs),
+            bytes_alloc: self.bytes_alloc.saturating_sub(before.bytes_alloc),
+            bytes_req: self.bytes_req.saturating_sub(before.bytes_req),
+            wasted: self.wasted.saturating_sub(before.wasted),
+        }
+    }
+
+    fn add(&mut self, d: Self) {
+        self.allocs += d.allocs;
+        self.bytes_alloc += d.bytes_alloc;
+        self.bytes_req += d.bytes_req;
+        self.wasted += d.wasted;
+    }
+}
+
+/// One site of one process instance, named.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Row {
+    pub instance: u32,
+    pub key: SiteKey,
+    pub group: Group,
+    pub site: Arc<str>,
+    pub stats: SiteStats,
+}
+
+/// A series' figures.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Figures {
+    pub live_bytes: u64,
+    pub live_blocks: u64,
+    pub totals: Totals,
+}
+
+/// What one scrape shows of the sites: per group, the series of its top sites by name,
+/// and "other".
+#[derive(Debug, Default, PartialEq, Eq)]
+pub struct SiteSeries {
+    pub groups: BTreeMap<Group, (BTreeMap<String, Figures>, Figures)>,
+}
+
+/// The label value of the series that sums the sites beyond the top N.
+pub const OTHER: &str = "other";
+
+/// What counters need between scrapes.
+#[derive(Debug, Default)]
+pub struct MetricsState {
+    /// Per (instance, site): the totals at the previous scrape.
+    last: HashMap<(u32, SiteKey), Totals>,
+    /// Per series (group, then site): the counters' values.
+    sites: HashMap<Group, HashMap<Arc<str>, Totals>>,
+    other: HashMap<Group, Totals>,
+}
+
+impl MetricsState {
+    /// The series of this scrape, `top` sites per group.
+    pub fn update(&mut self, rows: &[Row], top: usize) -> SiteSeries {
+        let mut live: HashMap<&Group, HashMap<&str, (u64, u64)>> = HashMap::new();
+        for r in rows {
+            let e = live.entry(&r.group).or_default().entry(&*r.site).or_default();
+            e.0 += r.stats.live_bytes_alloc;
+            e.1 += r.stats.live_allocs;
+        }
+        let mut exposed: HashMap<&Group, HashSet<&str>> = HashMap::new();
+        for (group, sites) in &live {
+            let mut ranked: Vec<(&str, u64)> = sites.iter().map(|(s, (b, _))| (*s, *b)).collect();
+            ranked.sort_by(|a, b| b.1.cmp(&a.1).then(a.0.cmp(b.0)));
+            exposed.insert(*group, ranked.into_iter().take(top).map(|(s, _)| s).collect());
+        }
+        // Counters: what each site did since the previous scrape goes to its series now.
+        let mut last = HashMap::with_capacity(rows.len());
+        for r in rows {
+            let now = Totals::of(&r.stats);
+            let before = self.last.get(&(r.instance, r.key)).copied().unwrap_or_default();
+            last.insert((r.instance, r.key), now);
+            let delta = now.since(before);
+            // Entries are made once per series; later scrapes only look them up.
+            if exposed[&r.group].contains(&*r.site) {
+                let sites = match self.sites.get_mut(&r.group) {
+                    Some(sites) => sites,
+                    None => self.sites.entry(r.group.clone()).or_default(),
+                };
+                match sites.get_mut(&r.site) {
+                    Some(t) => t.add(delta),
+                    None => {
+                        sites.insert(Arc::clone(&r.site), delta);
+                    }
+                }
+            } else {
+                match self.other.get_mut(&r.group) {
+                    Some(t) => t.add(delta),
+                    None => {
+                        self.other.insert(r.group.clone(), delta);
+                    }
+                }
+            }
+        }
+        self.last = last;
+        // Groups gone take their series with them.
+        self.sites.retain(|g, _| live.contains_key(g));
+        self.other.retain(|g, _| live.contains_key(g));
+
+        let mut out = SiteSeries::default();
+        for (group, sites) in &live {
+            let shown = &exposed[group];
+            let mut series = BTreeMap::new();
+            let mut other =
+                Figures { totals: self.other.get(*group).copied().unwrap_or_default(), ..Default::default() };
+            for (site, (bytes, blocks)) in sites {
+                if shown.contains(site) {
+                    let totals = self.sites.get(*group).and_then(|s| s.get(*site)).copied().unwrap_or_default();
+                    series.insert(site.to_string(), Figures { live_bytes: *bytes, live_blocks: *blocks, totals });
+                } else {
+                    other.live_bytes += bytes;
+                    other.live_blocks += blocks;
+                }
+            }
+            out.groups.insert((*group).clone(), (series, other));
+        }
+        out
+    }
+}
+
+/// Names the sites of a snapshot for the series.
+pub fn rows(snap: &Snapshot, names: &mut Names, pid_label: bool) -> Vec<Row> {
+    let mut labels: HashMap<SiteKey, Arc<str>> = HashMap::new();
+    let comms: Vec<Arc<str>> = snap.processes.iter().map(|p| Arc::from(p.comm.as_str())).collect();
+    snap.sites
+        .iter()
+        .map(|s| {
+            let p = &snap.processes[s.process];
+            let site = labels.entry(s.key).or_insert_with(|| {
+                let frames = names.frames(s.key.stack, s.key.call_site);
+                Arc::from(site_label(s.key.domain(), s.key.kind, s.key.stack, &frames))
+            });
+            Row {
+                instance: p.instance,
+                key: s.key,
+                group: Group {
+                    comm: Arc::clone(&comms[s.process]),
+                    cgroup: Arc::clone(&p.cgroup),
+                    pid: pid_label.then_some(p.pid),
+                    domain: s.key.domain(),
+                },
+                site: Arc::clone(site),
+                stats: s.stats,
+            }
+        })
+        .collect()
+}
+
+/// memtrace's own figures at a scrape.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct SelfFigures {
+    pub events: u64,
+    pub lost_events: u64,
+    pub sampled_allocations: u64,
+    pub sample_period_bytes: u64,
+    pub ring_fill_ratio: f64,
+    pub probes: u64,
+    pub live_blocks: u64,
+    pub live_blocks_limit: u64,
+    pub untracked_allocations: u64,
+    pub unmatched_frees: u64,
+    pub stacks: u64,
+    pub stacks_limit: u64,
+    pub stack_table_full: u64,
+    pub symbols: u64,
+    pub processes_running: u64,
+    pub processes_exited: u64,
+    pub processes_dropped: u64,
+    pub scrapes: Vec<(&'static str, u64)>,
+    pub responses: Vec<(u16, u64)>,
+    pub resident_bytes: u64,
+    pub cpu_seconds: f64,
+    pub open_fds: u64,
+    pub start_time_seconds: f64,
+}
+
+#[derive(Debug, Clone, Copy)]
+enum Value {
+    Count(u64),
+    RealCount(f64),
+    Gauge(i64),
+    Real(f64),
+}
+
+impl Value {
+    fn encode(self, m: prometheus_client::encoding::MetricEncoder<'_>) -> Result<(), std::fmt::Error> {
+        match self {
+            Self::Count(v) => ConstCounter::new(v).encode(m),
+            Self::RealCount(v) => ConstCounter::new(v).encode(m),
+            Self::Gauge(v) => ConstGauge::new(v).encode(m),
+            Self::Real(v) => ConstGauge::new(v).encode(m),
+        }
+    }
+}
+
+/// A label set, shared by the families showing one series (one allocation each).
+type Labels = Arc<Vec<(&'static str, String)>>;
+
+#[derive(Debug)]
+struct Family {
+    name: &'static str,
+    help: &'static str,
+    unit: Option<Unit>,
+    counter: bool,
+    samples: Vec<(Labels, Value)>,
+}
+
+/// The families of one scrape, encoded by prometheus-client as a collector.
+#[derive(Debug, Default)]
+struct Families(Vec<Family>);
+
+impl Families {
+    fn family(&mut self, name: &'static str, help: &'static str, unit: Option<Unit>, counter: bool) -> &mut Family {
+        self.0.push(Family { name, help, unit, counter, samples: Vec::new() });
+        self.0.last_mut().expect("just pushed")
+    }
+
+    fn one(&mut self, name: &'static str, help: &'static str, unit: Option<Unit>, value: Value) {
+        let counter = matches!(value, Value::Count(_) | Value::RealCount(_));
+        self.family(name, help, unit, counter).samples.push((Labels::default(), value));
+    }
+}
+
+impl Collector for Families {
+    fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
+        for f in &self.0 {
+            let kind = if f.counter { MetricType::Counter } else { MetricType::Gauge };
+            let mut metric = encoder.encode_descriptor(f.name, f.help, f.unit.as_ref(), kind)?;
+            match f.samples.as_slice() {
+                // A lone sample without labels is written without braces.
+                [(labels, value)] if labels.is_empty() => value.encode(metric)?,
+                samples => {
+                    for (labels, value) in samples {
+                        value.encode(metric.encode_family(labels.as_ref())?)?;
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+fn labels(group: &Group, site: &str) -> Labels {
+    let mut l = vec![
+        ("site", site.to_string()),
+        ("domain", domain_name(group.domain).to_string()),
+        ("comm", group.comm.to_string()),
+        ("cgroup", group.cgroup.path.clone()),
+    ];
+    if let Some(uid) = &group.cgroup.pod_uid {
+        l.push(("pod_uid", uid.clone()));
+    }
+    if let Some(id) = &group.cgroup.container_id {
+        l.push(("container_id", id.clone()));
+    }
+    if let Some(pid) = group.pid {
+        l.push(("pid", pid.to_string()));
+    }
+    Arc::new(l)
+}
+
+fn site_families(series: &SiteSeries, f: &mut Families) {
+    type Pick = fn(&Figures) -> Value;
+    let metrics: [(&'static str, &'static str, Option<Unit>, bool, Pick); 6] = [
+        (
+            "memtrace_live",
+            "Bytes allocated and not freed yet (what the allocator holds for the program), per allocating site.",
+            Some(Unit::Bytes),
+            false,
+            |x| Value::Gauge(x.live_bytes as i64),
+        ),
+        ("memtrace_live_blocks", "Blocks allocated and not freed yet, per allocating site.", None, false, |x| {
+            Value::Gauge(x.live_blocks as i64)
+        }),
+        ("memtrace_allocations", "Allocations, per allocating site.", None, true, |x| Value::Count(x.totals.allocs)),
+        ("memtrace_allocated", "Bytes the allocator handed out, per allocating site.", Some(Unit::Bytes), true, |x| {
+            Value::Count(x.totals.bytes_alloc)
+        }),
+        ("memtrace_requested", "Bytes the program asked for, per allocating site.", Some(Unit::Bytes), true, |x| {
+            Value::Count(x.totals.bytes_req)
+        }),
+        (
+            "memtrace_wasted",
+            "Bytes allocated beyond the requests (internal fragmentation), per allocating site.",
+            Some(Unit::Bytes),
+            true,
+            |x| Value::Count(x.totals.wasted),
+        ),
+    ];
+    let mut rows: Vec<(Labels, &Figures)> = Vec::new();
+    for (group, (sites, other)) in &series.groups {
+        rows.extend(sites.iter().map(|(site, figures)| (labels(group, site), figures)));
+        rows.push((labels(group, OTHER), other));
+    }
+    for (name, help, unit, counter, pick) in metrics {
+        let family = f.family(name, help, unit, counter);
+        family.samples.extend(rows.iter().map(|(labels, figures)| (Arc::clone(labels), pick(figures))));
+    }
+}
+
+fn self_families(s: &SelfFigures, f: &mut Families) {
+    let build = f.family("memtrace_build_info", "memtrace's version.", None, false);
+    build.samples.push((Arc::new(vec![("version", env!("CARGO_PKG_VERSION").to_string())]), Value::Gauge(1)));
+    f.one(
+        "memtrace_events",
+        "Events the probes delivered (allocations, frees, process events).",
+        None,
+        Value::Count(s.events),
+    );
+    f.one(
+        "memtrace_events_lost",
+        "Events the probes could not deliver (rings full): figures miss them.",
+        None,
+        Value::Count(s.lost_events),
+    );
+    f.one(
+        "memtrace_sampled_allocations",
+        "User allocations the probes sampled and delivered (each stands for several when sampling).",
+        None,
+        Value::Count(s.sampled_allocations),
+    );
+    f.one(
+        "memtrace_sample_period",
+        "Mean bytes allocated between two sampled user allocations (0: every allocation is traced).",
+        Some(Unit::Bytes),
+        Value::Gauge(s.sample_period_bytes as i64),
+    );
+    f.one(
+        "memtrace_ring_fill",
+        "Fullest a ring buffer was seen since the previous scrape (1: events are being lost).",
+        Some(Unit::Ratios),
+        Value::Real(s.ring_fill_ratio),
+    );
+    f.one("memtrace_probes", "Probe links attached (uprobes, tracepoints).", None, Value::Gauge(s.probes as i64));
+    f.one("memtrace_tracked_blocks", "Live blocks followed now.", None, Value::Gauge(s.live_blocks as i64));
+    f.one(
+        "memtrace_tracked_blocks_limit",
+        "Live blocks followed at most (--max-live-blocks).",
+        None,
+        Value::Gauge(s.live_blocks_limit as i64),
+    );
+    f.one(
+        "memtrace_untracked_allocations",
+        "Allocations counted but not followed to their free: the live-block table was full.",
+        None,
+        Value::Count(s.untracked_allocations),
+    );
+    f.one(
+        "memtrace_unmatched_frees",
+        "Frees of blocks not followed (allocated before tracing began, or not followed).",
+        None,
+        Value::Count(s.unmatched_frees),
+    );
+    f.one("memtrace_stacks", "Distinct stacks kept.", None, Value::Gauge(s.stacks as i64));
+    f.one(
+        "memtrace_stacks_limit",
+        "Distinct stacks kept at most (--max-stacks).",
+        None,
+        Value::Gauge(s.stacks_limit as i64),
+    );
+    f.one(
+        "memtrace_stack_table_full",
+        "Allocations whose stack was not kept: the stack table was full.",
+        None,
+        Value::Count(s.stack_table_full),
+    );
+    f.one("memtrace_symbols", "Addresses named so far.", None, Value::Gauge(s.symbols as i64));
+    let processes =
+        f.family("memtrace_processes", "Processes with figures, running or exited and not yet dropped.", None, false);
+    processes.samples.push((Arc::new(vec![("state", "running".into())]), Value::Gauge(s.processes_running as i64)));
+    processes.samples.push((Arc::new(vec![("state", "exited".into())]), Value::Gauge(s.processes_exited as i64)));
+    f.one(
+        "memtrace_processes_dropped",
+        "Exited processes dropped after their last scrape.",
+        None,
+        Value::Count(s.processes_dropped),
+    );
+    let scrapes = f.family("memtrace_scrapes", "Snapshots served, per endpoint.", None, true);
+    for (endpoint, n) in &s.scrapes {
+        scrapes.samples.push((Arc::new(vec![("endpoint", endpoint.to_string())]), Value::Count(*n)));
+    }
+    let responses = f.family("memtrace_http_responses", "HTTP responses, per status code.", None, true);
+    for (code, n) in &s.responses {
+        responses.samples.push((Arc::new(vec![("code", code.to_string())]), Value::Count(*n)));
+    }
+    f.one(
+        "process_resident_memory",
+        "memtrace's resident memory.",
+        Some(Unit::Bytes),
+        Value::Gauge(s.resident_bytes as i64),
+    );
+    f.one("process_cpu", "memtrace's CPU time, user and system.", Some(Unit::Seconds), Value::RealCount(s.cpu_seconds));
+    f.one("process_open_fds", "memtrace's open file descriptors.", None, Value::Gauge(s.open_fds as i64));
+    f.one(
+        "process_start_time",
+        "When memtrace started, since the epoch.",
+        Some(Unit::Seconds),
+        Value::Real(s.start_time_seconds),
+    );
+}
+
+/// The exposition of a scrape: OpenMetrics text, or the classic text format.
+pub fn encode(series: &SiteSeries, own: &SelfFigures, openmetrics: bool) -> String {
+    let mut families = Families::default();
+    site_families(series, &mut families);
+    self_families(own, &mut families);
+    let mut registry = Registry::default();
+    registry.register_collector(Box::new(families));
+    let mut out = String::new();
+    prometheus_client::encoding::text::encode(&mut out, &registry).expect("writing to a String");
+    if openmetrics { out } else { openmetrics_to_text(&out) }
+}
+
+/// OpenMetrics text as the classic text format (0.0.4): counters are declared under their
+/// sample name (`x_total`), and the `# UNIT` and `# EOF` lines go.
+pub fn openmetrics_to_text(om: &str) -> String {
+    let counters: HashSet<&str> =
+        om.lines().filter_map(|l| l.strip_prefix("# TYPE ")?.strip_suffix(" counter")).collect();
+    let mut out = String::with_capacity(om.len());
+    for line in om.lines() {
+        if line == "# EOF" || line.starts_with("# UNIT ") {
+            continue;
+        }
+        let renamed = ["# HELP ", "# TYPE "].iter().find_map(|prefix| {
+            let rest = line.strip_prefix(prefix)?;
+            let (name, tail) = rest.split_once(' ').unwrap_or((rest, ""));
+            counters.contains(name).then(|| format!("{prefix}{name}_total {tail}"))
+        });
+        match renamed {
+            Some(l) => out.push_str(l.trim_end()),
+            None => out.push_str(line),
+        }
+        out.push('\n');
+    }
+    out
+}
+
+/// Content types of the two formats.
+pub const OPENMETRICS_TYPE: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
+pub const TEXT_TYPE: &str = "text/plain; version=0.0.4; charset=utf-8";
+
+/// Whether an Accept header asks for OpenMetrics.
+pub fn wants_openmetrics(accept: &str) -> bool {
+    accept.split(',').any(|part| {
+        let mut params = part.split(';').map(str::trim);
+        params.next() == Some("application/openmetrics-text") && !params.any(|p| p.replace(' ', "") == "q=0")
+    })
+}
