@@ -148,6 +148,7 @@ mod tests {
         let record = StackRecord {
             hash: 0xabc,
             pid: me,
+            asid: 0,
             kernel: vec![],
             user: vec![RawUserFrame::Ip(ip)],
             walk: UserWalk::FramePointers,

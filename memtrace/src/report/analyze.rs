@@ -386,7 +386,7 @@ fn sort_rows(rows: &mut [GroupRow], key: SortKey) {
 fn leak_value(key: SortKey, l: &LeakRow) -> f64 {
     match key {
         SortKey::Allocs | SortKey::LiveAllocs | SortKey::Frees | SortKey::Temp => l.blocks as f64,
-        SortKey::Req | SortKey::Live | SortKey::Peak => l.bytes_req as f64,
+        SortKey::Req | SortKey::Live | SortKey::Peak | SortKey::MaxLive => l.bytes_req as f64,
         SortKey::Wasted => l.bytes_alloc.saturating_sub(l.bytes_req) as f64,
         SortKey::Frag if l.bytes_alloc > 0 => 100.0 - 100.0 * l.bytes_req as f64 / l.bytes_alloc as f64,
         SortKey::Frag => 0.0,

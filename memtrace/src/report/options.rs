@@ -84,7 +84,8 @@ impl SortKey {
             Self::Frag => "fragmentation",
             Self::Live => "live bytes",
             Self::LiveAllocs => "live blocks",
-            Self::Peak => "peak live bytes",
+            Self::Peak => "bytes live at the peak",
+            Self::MaxLive => "most live bytes at once",
             Self::P50 => "median lifetime",
             Self::P99 => "99th-percentile lifetime",
             Self::Temp => "temporary allocations",
@@ -98,7 +99,7 @@ impl SortKey {
     pub fn describe_leaks(self) -> &'static str {
         match self {
             Self::Allocs | Self::LiveAllocs | Self::Frees | Self::Temp => "blocks",
-            Self::Req | Self::Live | Self::Peak => "bytes requested",
+            Self::Req | Self::Live | Self::Peak | Self::MaxLive => "bytes requested",
             Self::Wasted => "bytes wasted",
             Self::Frag => "fragmentation",
             Self::Age | Self::P50 | Self::P99 => "age, oldest first",

@@ -107,6 +107,8 @@ mod tests {
             stats: Stats::default(),
             stack: 0,
             call_site: 0,
+            group: 0,
+            timeline: vec![],
         }
     }
 

@@ -229,6 +229,7 @@ impl Config {
                 quiet: false,
                 sample_bytes: (args.sample_bytes > 0).then_some(args.sample_bytes),
                 call_graph: args.call_graph,
+                unwind: Default::default(),
             },
             pids,
             http: HttpConfig {

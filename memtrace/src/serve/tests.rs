@@ -170,6 +170,7 @@ fn exited_processes_stay_until_scraped_then_go_with_their_stacks() {
     m.stack(StackRecord {
         hash: 0xaaa,
         pid: GONE,
+        asid: 0,
         kernel: vec![],
         user: vec![RawUserFrame::Ip(0x1234)],
         walk: UserWalk::FramePointers,

@@ -88,6 +88,8 @@ pub const RING_BATCH: usize = 1 << 15;
 /// Events waiting to be put in time order, at most (beyond, the oldest are released before
 /// their time: memory stays bounded under any load).
 const MAX_HELD_EVENTS: usize = 1 << 21;
+/// After a signal was passed to the command, how long an agent waits for it to exit.
+const CHILD_GRACE: Duration = Duration::from_secs(2);
 
 pub fn monotonic_ns() -> u64 {
     let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
@@ -580,6 +582,12 @@ impl Tracer {
             }
             _ => true,
         }
+    }
+
+    /// A signal passed to the command that did not make it exit within [`CHILD_GRACE`]
+    /// (`serve` then ends the command itself).
+    pub fn signal_grace_expired(&self) -> Option<i32> {
+        self.forwarded_signal.filter(|(_, at)| at.elapsed() > CHILD_GRACE).map(|(sig, _)| sig)
     }
 
     /// After tracing stopped on a second signal: the pid of the command if it still runs

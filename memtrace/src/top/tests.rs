@@ -483,6 +483,7 @@ fn rows_rates_add_up_to_the_summarys_even_when_names_change() {
     view.stack(StackRecord {
         hash,
         pid: 10,
+        asid: 0,
         kernel: vec![],
         user: vec![RawUserFrame::Ip(0x1234)],
         walk: UserWalk::FramePointers,

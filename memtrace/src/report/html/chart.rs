@@ -24,6 +24,7 @@ pub fn color(domain: Domain) -> RGBColor {
     match domain {
         Domain::User => RGBColor(0x2f, 0x6f, 0xb7),
         Domain::Kernel => RGBColor(0xd9, 0x6c, 0x23),
+        Domain::Reserved => RGBColor(0x7a, 0x7a, 0x8c),
     }
 }
 
