@@ -51,7 +51,7 @@ use self::{
 };
 use crate::{
     probes,
-    session::{Target, Tracer, Wake, Waker, block_on, check_pid},
+    session::{Target, Tracer, Wake, WakeLoop, block_on, check_pid},
 };
 
 const DRAIN_INTERVAL: Duration = Duration::from_millis(20);
@@ -220,7 +220,7 @@ fn add_pid(tracer: &mut Tracer, pid: u32) -> Result<()> {
 }
 
 async fn trace(tracer: &mut Tracer, shared: &Shared, ring_fill: &RingFill, pids: &[u32]) -> Result<Stop> {
-    let mut waker = Waker::new(tracer, DRAIN_INTERVAL, None)?;
+    let mut waker = WakeLoop::new(tracer, DRAIN_INTERVAL, None)?;
     let mut last_housekeeping = Instant::now();
     let mut running: Vec<u32> = pids.to_vec();
     loop {
@@ -240,7 +240,7 @@ async fn trace(tracer: &mut Tracer, shared: &Shared, ring_fill: &RingFill, pids:
             tracer.drain(&mut *model, false);
             model.sample_from = tracer.degraded;
         }
-        tracer.tend();
+        tracer.housekeeping();
         let housekeeping = last_housekeeping.elapsed() >= HOUSEKEEPING_INTERVAL;
         if housekeeping || wake == Wake::TargetExited {
             last_housekeeping = Instant::now();

@@ -1,11 +1,18 @@
-//! A tracing session, shared by `record` and `top`: checks the target, finds its allocator,
-//! loads and attaches the probes (starting `-- CMD` paused until they are in place), then
-//! drains the per-CPU rings into a [`Sink`] — stack records at once, events in time order —
-//! on a tokio loop woken by a timer, the rings, signals, the target's exit and a deadline.
+//! A tracing session, shared by `record`, `top` and `serve`: checks the target, finds its
+//! allocator, loads and attaches the probes (starting `-- CMD` paused until they are in
+//! place), then drains the per-CPU rings into a [`Sink`] — stack records at once, events in
+//! time order. This file owns the tracer's core (start, drain, stop); beside it:
+//! [`follow`] (forks, execs, dlopens, sampling on loss), [`command`] (signals, reaping),
+//! [`wake`] (the loop it runs on), [`spawn`] (the paused command), [`reorder`] (time
+//! order), [`output`] (files written safely), [`record`] (the `record` subcommand).
+mod baseline;
+mod command;
+mod follow;
 pub mod output;
 pub mod record;
 pub mod reorder;
 pub mod spawn;
+mod wake;
 
 use std::{
     collections::{HashMap, HashSet},
@@ -26,7 +33,11 @@ use tokio::{
     task::JoinHandle as TaskHandle,
 };
 
-pub use self::record::{RecordOptions, RecordSummary, record};
+pub use self::{
+    baseline::run_baseline,
+    record::{RecordOptions, RecordSummary, record},
+    wake::{Wake, WakeLoop, block_on},
+};
 use self::{reorder::Reorder, spawn::PausedChild};
 use crate::{
     event::{Event, Record, StackRecord, TaskSpace, decode},
@@ -88,9 +99,6 @@ pub const RING_BATCH: usize = 1 << 15;
 /// Events waiting to be put in time order, at most (beyond, the oldest are released before
 /// their time: memory stays bounded under any load).
 const MAX_HELD_EVENTS: usize = 1 << 21;
-/// After a signal was passed to the command, how long an agent waits for it to exit.
-const CHILD_GRACE: Duration = Duration::from_secs(2);
-
 pub fn monotonic_ns() -> u64 {
     let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
     // SAFETY: ts is a valid timespec to fill.
@@ -406,235 +414,6 @@ impl Tracer {
         n
     }
 
-    /// A process forked, exec'd or exited: address spaces, probes and the sink follow.
-    fn on_task(&mut self, t: &crate::event::Task, space: TaskSpace, sink: &mut dyn Sink) {
-        match t.event {
-            TaskEvent::Exec => {
-                if let Some(u) = self.unwinder.as_mut() {
-                    u.exec(t.pid, &t.filename, space, &mut self.probes);
-                }
-                sink.exec_seen(t.pid, Path::new(&t.filename));
-                self.on_exec(t.pid);
-            }
-            TaskEvent::Fork => {
-                if let Some(u) = self.unwinder.as_mut() {
-                    u.fork(t.pid, space.asid, &mut self.probes);
-                }
-                sink.fork_seen(t.pid, t.ppid);
-                self.on_fork(t.pid);
-            }
-            TaskEvent::Exit if t.flags & memtrace_common::flags::GROUP_DEAD != 0 => {
-                if let Some(u) = self.unwinder.as_mut() {
-                    u.exit(t.pid, &mut self.probes);
-                }
-            }
-            _ => {}
-        }
-    }
-
-    fn following(&self) -> bool {
-        (self.is_command || self.options.follow_forks)
-            && self.options.user
-            && !matches!(self.options.target, Target::All)
-    }
-
-    fn attach(&mut self, pid: u32, allocator: &Allocator) {
-        if !self.attached.insert((pid, allocator.file_id)) {
-            return;
-        }
-        if let Err(e) = self.probes.attach_allocator(allocator, (pid != 0).then_some(pid))
-            && !self.options.quiet
-        {
-            eprintln!("memtrace: not tracing {} in pid {pid}: {e:#}", allocator.object.display());
-        }
-    }
-
-    /// A child of a followed process: the allocators its parent has are its own. With
-    /// multi links the probes already cover it (the kernel added it to the traced set at
-    /// its fork), from its first instruction.
-    fn on_fork(&mut self, pid: u32) {
-        if !self.following() {
-            return;
-        }
-        self.followed.insert(pid);
-        if probe_scope(&self.probes, &self.options, Some(pid)).is_none() {
-            return;
-        }
-        for allocator in self.allocators.clone() {
-            self.attach(pid, &allocator);
-        }
-    }
-
-    /// A traced process exec'd: its new program may bring another allocator (a static
-    /// binary, another libc); probes already attached stay (they fire if the new program
-    /// maps the same files).
-    fn on_exec(&mut self, pid: u32) {
-        if !self.options.user || (!self.followed.contains(&pid) && !matches!(self.options.target, Target::All)) {
-            return;
-        }
-        let Ok(exe) = procfs::exe(pid) else { return };
-        let exe = procfs::path_in_process(pid, &exe);
-        if matches!(self.options.target, Target::All) && !self.checked_objects.insert(exe.clone()) {
-            return; // a program seen before: its allocator is attached for everyone
-        }
-        let canonical = std::fs::canonicalize(&exe).unwrap_or_else(|_| exe.clone());
-        let prefix = &self.options.symbol_prefix;
-        let resolved = self
-            .resolved_programs
-            .entry(canonical)
-            .or_insert_with(|| probes::allocator::for_executable(&exe, prefix).ok())
-            .clone();
-        let Some(allocator) = resolved else { return };
-        let scope = probe_scope(&self.probes, &self.options, Some(pid)).unwrap_or(0);
-        if !self.allocators.iter().any(|a| a.file_id == allocator.file_id) {
-            self.allocators.push(allocator.clone());
-        }
-        self.attach(scope, &allocator);
-    }
-
-    /// Housekeeping between drains: allocators loaded with dlopen by followed processes
-    /// (every 2 s), and the rings' losses (every 100 ms): when they overflow, sampling is
-    /// switched on rather than letting events drop.
-    pub fn tend(&mut self) {
-        if self.options.user
-            && !matches!(self.options.target, Target::All)
-            && self.last_scan.elapsed() >= Duration::from_secs(2)
-        {
-            self.last_scan = Instant::now();
-            self.scan_for_dlopened_allocators();
-        }
-        if self.last_loss_check.elapsed() >= Duration::from_millis(100) {
-            self.last_loss_check = Instant::now();
-            let lost = self.probes.counters().map(|c| c.lost_events).unwrap_or(0);
-            if lost > self.lost_seen
-                && self.degraded.is_none()
-                && self.options.sample_bytes.is_none()
-                && self.options.user
-            {
-                const MEAN: u64 = 64 << 10;
-                if self.probes.set_sampling(MEAN).is_ok() {
-                    self.degraded = Some((monotonic_ns(), MEAN));
-                    if !self.options.quiet {
-                        eprintln!(
-                            "memtrace: the rings overflowed ({} events lost): sampling user allocations from now on (each byte with probability 1/{MEAN}); figures become estimates",
-                            lost - self.lost_seen
-                        );
-                    }
-                }
-            }
-            self.lost_seen = lost;
-        }
-    }
-
-    fn scan_for_dlopened_allocators(&mut self) {
-        let prefix = self.options.symbol_prefix.clone();
-        for pid in self.followed.clone() {
-            let Ok(maps) = procfs::Maps::read(pid) else {
-                self.followed.remove(&pid);
-                continue;
-            };
-            let objects: Vec<PathBuf> = maps
-                .file_mappings()
-                .filter(|m| m.executable)
-                .map(|m| procfs::path_in_process(pid, &m.path))
-                .filter(|p| !self.checked_objects.contains(p))
-                .collect();
-            for object in objects {
-                self.checked_objects.insert(object.clone());
-                let id = probes::allocator::file_id(&object);
-                if self.allocators.iter().any(|a| a.file_id == id) {
-                    continue;
-                }
-                // Another object defining the allocator's entry points: probe it too.
-                if let Ok(found) = probes::allocator::resolve(std::slice::from_ref(&object), &prefix)
-                    && found.file_id == id
-                {
-                    self.allocators.push(found.clone());
-                    for p in self.followed.clone() {
-                        self.attach(p, &found);
-                    }
-                }
-            }
-        }
-    }
-
-    /// Decides what a signal does, like perf: a command gets the first one and tracing
-    /// goes on until it exits (it decides how to stop, or whether to); a second one stops
-    /// tracing and leaves the command running. Anything else stops the session at once.
-    /// Ctrl-C at a terminal already reached the command (the terminal signals the whole
-    /// foreground process group), so it is passed on only when it came from elsewhere
-    /// (`kill`): the command sees each Ctrl-C once. Returns whether to stop now.
-    pub fn on_signal(&mut self, sig: i32) -> bool {
-        match (self.is_command, self.forwarded_signal, self.target_pid) {
-            (true, None, Some(pid)) => {
-                if !(sig == libc::SIGINT && from_the_terminal_to(pid)) {
-                    // SAFETY: sends a signal to our own child.
-                    unsafe { libc::kill(pid as i32, sig) };
-                }
-                self.forwarded_signal = Some((sig, Instant::now()));
-                if !self.options.quiet {
-                    eprintln!(
-                        "memtrace: {} passed to the command; tracing until it exits (Ctrl-C again to stop tracing and leave it running)",
-                        signal_name(sig)
-                    );
-                }
-                false
-            }
-            _ => true,
-        }
-    }
-
-    /// A signal passed to the command that did not make it exit within [`CHILD_GRACE`]
-    /// (`serve` then ends the command itself).
-    pub fn signal_grace_expired(&self) -> Option<i32> {
-        self.forwarded_signal.filter(|(_, at)| at.elapsed() > CHILD_GRACE).map(|(sig, _)| sig)
-    }
-
-    /// After tracing stopped on a second signal: the pid of the command if it still runs
-    /// (it is left running, no longer traced).
-    pub fn command_left_running(&mut self) -> Option<u32> {
-        let pid = self.target_pid.filter(|_| self.is_command && self.forwarded_signal.is_some())?;
-        let mut status = 0;
-        // SAFETY: polls our own child; WNOHANG never blocks.
-        let r = unsafe { libc::waitpid(pid as i32, &mut status, libc::WNOHANG) };
-        (r == 0).then_some(pid)
-    }
-
-    /// The command's exit code once it exited (None when tracing a pid we did not start).
-    pub fn reap_command(&mut self) -> Option<i32> {
-        if !self.is_command {
-            return None;
-        }
-        let pid = self.target_pid?;
-        let mut status = 0;
-        // SAFETY: waits for our own child, which the pidfd reported as exited.
-        let r = unsafe { libc::waitpid(pid as i32, &mut status, 0) };
-        (r == pid as i32).then(|| spawn::exit_code(status))
-    }
-
-    /// Ends a command that is still running (the view it was started for is closing):
-    /// SIGTERM, then SIGKILL if it has not exited within a second.
-    pub fn end_command(&mut self) {
-        let (true, Some(pid)) = (self.is_command, self.target_pid) else { return };
-        let pid = pid as i32;
-        let mut status = 0;
-        // SAFETY: signals and reaps our own child; WNOHANG never blocks.
-        unsafe {
-            if libc::waitpid(pid, &mut status, libc::WNOHANG) != 0 {
-                return; // already reaped, or exited just now
-            }
-            libc::kill(pid, libc::SIGTERM);
-            for _ in 0..100 {
-                if libc::waitpid(pid, &mut status, libc::WNOHANG) != 0 {
-                    return;
-                }
-                std::thread::sleep(Duration::from_millis(10));
-            }
-            libc::kill(pid, libc::SIGKILL);
-            libc::waitpid(pid, &mut status, 0);
-        }
-    }
-
     /// Stops tracing: events from now on are dropped, the probes detach on a background
     /// thread (join it before exiting), and everything already produced reaches `sink`.
     /// Returns the loss counters.
@@ -664,183 +443,3 @@ fn probe_scope(probes: &Probes, options: &TraceOptions, pid: Option<u32>) -> Opt
     }
 }
 
-/// Whether a SIGINT just received came from our terminal and reached `child` too: we are
-/// in the terminal's foreground process group, and so is the child.
-fn from_the_terminal_to(child: u32) -> bool {
-    // SAFETY: plain queries about processes and descriptors; no memory is passed.
-    unsafe {
-        let group = libc::getpgrp();
-        libc::getpgid(child as i32) == group
-            && [0, 1, 2].iter().any(|&fd| libc::isatty(fd) == 1 && libc::tcgetpgrp(fd) == group)
-    }
-}
-
-/// `SIGINT`, `SIGTERM`, `SIGHUP`.
-fn signal_name(sig: i32) -> String {
-    match sig {
-        libc::SIGINT => "SIGINT".into(),
-        libc::SIGTERM => "SIGTERM".into(),
-        libc::SIGHUP => "SIGHUP".into(),
-        n => format!("signal {n}"),
-    }
-}
-
-/// A raw fd polled for readiness, owned elsewhere (the ring).
-struct BorrowedFd(RawFd);
-impl AsRawFd for BorrowedFd {
-    fn as_raw_fd(&self) -> RawFd {
-        self.0
-    }
-}
-
-fn pidfd_open(pid: u32) -> io::Result<OwnedFd> {
-    // SAFETY: plain syscall; returns a new descriptor or -1.
-    let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid as libc::pid_t, 0) };
-    if fd < 0 {
-        return Err(io::Error::last_os_error());
-    }
-    // SAFETY: the syscall returned a descriptor we now own.
-    Ok(unsafe { OwnedFd::from_raw_fd(fd as RawFd) })
-}
-
-/// Why the loop woke.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Wake {
-    /// The timer, or a ring with a batch waiting.
-    Tick,
-    Signal(i32),
-    TargetExited,
-    Deadline,
-}
-
-/// Everything a session waits on. Create it inside the tokio runtime, and drop it (with
-/// the runtime) before the tracer: its watchers borrow the rings' descriptors.
-pub struct Waker {
-    notify: Arc<Notify>,
-    watchers: Vec<TaskHandle<()>>,
-    target: Option<AsyncFd<OwnedFd>>,
-    target_exited: bool,
-    sigint: Signal,
-    sigterm: Signal,
-    sighup: Signal,
-    tick: tokio::time::Interval,
-    deadline: Option<tokio::time::Instant>,
-}
-
-impl Waker {
-    pub fn new(tracer: &mut Tracer, interval: Duration, duration: Option<Duration>) -> Result<Self> {
-        let notify = Arc::new(Notify::new());
-        let mut watchers = Vec::new();
-        for ring in tracer.probes.rings_mut() {
-            // SAFETY: the ring outlives this watcher: the Waker, which aborts it, is dropped
-            // with the runtime before the tracer and its rings.
-            let fd = unsafe { AsyncFd::register_with_interest(BorrowedFd(ring.ring.as_raw_fd()), Interest::READABLE) }
-                .map_err(|e| anyhow!("polling a ring buffer: {e}"))?;
-            let notify = Arc::clone(&notify);
-            watchers.push(tokio::spawn(async move {
-                while let Ok(mut guard) = fd.readable().await {
-                    guard.clear_ready();
-                    notify.notify_one();
-                }
-            }));
-        }
-        let target = match tracer.target_pid {
-            Some(pid) => {
-                let pidfd = pidfd_open(pid).with_context(|| format!("watching process {pid}"))?;
-                // SAFETY: the AsyncFd owns the pidfd, which stays open as long as it does.
-                Some(
-                    unsafe { AsyncFd::register_with_interest(pidfd, Interest::READABLE) }
-                        .map_err(|e| anyhow!("{e}"))?,
-                )
-            }
-            None => None,
-        };
-        let mut tick = tokio::time::interval(interval);
-        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        Ok(Self {
-            notify,
-            watchers,
-            target,
-            target_exited: false,
-            sigint: signal(SignalKind::interrupt())?,
-            sigterm: signal(SignalKind::terminate())?,
-            sighup: signal(SignalKind::hangup())?,
-            tick,
-            deadline: duration.map(|d| tokio::time::Instant::now() + d),
-        })
-    }
-
-    pub async fn wait(&mut self) -> Wake {
-        let target = self.target.as_ref().filter(|_| !self.target_exited);
-        let target_exit = async {
-            match target {
-                Some(fd) => {
-                    let _ = fd.readable().await;
-                }
-                None => std::future::pending::<()>().await,
-            }
-        };
-        let deadline = self.deadline;
-        let until_deadline = async {
-            match deadline {
-                Some(d) => tokio::time::sleep_until(d).await,
-                None => std::future::pending::<()>().await,
-            }
-        };
-        tokio::select! {
-            _ = self.tick.tick() => Wake::Tick,
-            _ = self.notify.notified() => Wake::Tick,
-            _ = self.sigint.recv() => Wake::Signal(libc::SIGINT),
-            _ = self.sigterm.recv() => Wake::Signal(libc::SIGTERM),
-            _ = self.sighup.recv() => Wake::Signal(libc::SIGHUP),
-            _ = target_exit => {
-                self.target_exited = true;
-                Wake::TargetExited
-            }
-            _ = until_deadline => Wake::Deadline,
-        }
-    }
-}
-
-impl Drop for Waker {
-    fn drop(&mut self) {
-        for w in &self.watchers {
-            w.abort();
-        }
-    }
-}
-
-/// Runs `body` on a single-threaded tokio runtime that ends (with every task on it) when
-/// `body` returns.
-pub fn block_on<T>(body: impl std::future::Future<Output = T>) -> Result<T> {
-    let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
-    Ok(runtime.block_on(body))
-}
-
-/// Runs `argv` with empty probes at the naive attach points (the benchmark's floor) and
-/// returns its exit code.
-pub fn run_baseline(argv: &[OsString], placed: bool, with_return: bool) -> Result<i32> {
-    probes::check_privileges()?;
-    let program = spawn::resolve_program(&argv[0]).map_err(|e| anyhow!(CommandFailed(e)))?;
-    let allocator = probes::allocator::for_executable(&program, "")?;
-    let mut probes = Probes::load(&probes::Settings {
-        all_processes: false,
-        user_stacks: false,
-        kernel_stacks: false,
-        ring_bytes: 4096,
-        follow_children: false,
-        sample_bytes: None,
-        call_graph: CallGraph::Fp,
-    })?;
-    let mut child = spawn::spawn_paused(argv).map_err(|e| anyhow!(CommandFailed(e)))?;
-    if let Err(e) = probes.attach_empty(&allocator, child.pid, placed, with_return) {
-        child.abandon();
-        return Err(e);
-    }
-    child.release().map_err(|e| anyhow!(CommandFailed(e)))?;
-    let mut status = 0;
-    // SAFETY: waits for our own child.
-    unsafe { libc::waitpid(child.pid as i32, &mut status, 0) };
-    probes.detach().join();
-    Ok(spawn::exit_code(status))
-}

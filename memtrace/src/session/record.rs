@@ -13,7 +13,7 @@ use std::{
 
 use anyhow::{Context as _, Result, bail};
 
-use super::{Sink, TraceOptions, Tracer, Wake, Waker, block_on, monotonic_ns, output};
+use super::{Sink, TraceOptions, Tracer, Wake, WakeLoop, block_on, monotonic_ns, output};
 use crate::{
     event::{Event, StackRecord},
     naming::Namer,
@@ -197,7 +197,7 @@ fn status_line(
 }
 
 async fn run(tracer: &mut Tracer, recorder: &mut Recorder, opts: &RecordOptions) -> Result<StopReason> {
-    let mut waker = Waker::new(tracer, DRAIN_INTERVAL, opts.duration)?;
+    let mut waker = WakeLoop::new(tracer, DRAIN_INTERVAL, opts.duration)?;
     // Only on a terminal, and not when a command we run writes to it too: its output would
     // land after the status line (`0.3 MBbye`).
     let show_status = !opts.trace.quiet && io::stderr().is_terminal() && !tracer.is_command;
@@ -213,7 +213,7 @@ async fn run(tracer: &mut Tracer, recorder: &mut Recorder, opts: &RecordOptions)
                 break;
             }
         }
-        tracer.tend();
+        tracer.housekeeping();
         if recorder.write_error.is_some() {
             break StopReason::WriteFailed;
         }

@@ -15,7 +15,7 @@ use super::{
 };
 use crate::{
     columns::Layout,
-    session::{Tracer, Wake, Waker},
+    session::{Tracer, Wake, WakeLoop},
 };
 
 /// One batch snapshot as text: summary, then aligned columns (the first `rows` rows).
@@ -28,7 +28,7 @@ pub fn render_batch(s: &Snapshot, title: &str, view: &ViewOptions, rows: usize, 
 }
 
 pub(super) async fn batch(tracer: &mut Tracer, live: &mut LiveView, opts: &TopOptions) -> Result<i32> {
-    let mut waker = Waker::new(tracer, DRAIN_INTERVAL, None)?;
+    let mut waker = WakeLoop::new(tracer, DRAIN_INTERVAL, None)?;
     let mut last = Instant::now();
     let mut printed = 0u64;
     let title = title(tracer);
@@ -44,7 +44,7 @@ pub(super) async fn batch(tracer: &mut Tracer, live: &mut LiveView, opts: &TopOp
             _ => false,
         };
         tracer.drain(live, finished);
-        tracer.tend();
+        tracer.housekeeping();
         if finished || last.elapsed() >= opts.interval {
             let lost = tracer.probes.counters().map(|c| c.lost_events).unwrap_or(0);
             let snap = live.snapshot(&opts.view, last.elapsed(), lost);

@@ -22,7 +22,7 @@ use super::{
 use crate::{
     columns::{ColumnChoice, Width, ellipsize, flow},
     grouping::{DomainFilter, GroupBy},
-    session::{Tracer, Wake, Waker},
+    session::{Tracer, Wake, WakeLoop},
 };
 
 /// Interactive state of the full-screen view.
@@ -203,7 +203,7 @@ impl Drop for TerminalGuard {
 pub(super) async fn interactive(tracer: &mut Tracer, live: &mut LiveView, opts: &TopOptions) -> Result<i32> {
     let mut terminal = ratatui::try_init()?;
     let _guard = TerminalGuard;
-    let mut waker = Waker::new(tracer, DRAIN_INTERVAL, None)?;
+    let mut waker = WakeLoop::new(tracer, DRAIN_INTERVAL, None)?;
     let mut state = ViewState {
         options: opts.view.clone(),
         columns: opts.layout.columns.clone(),
@@ -232,7 +232,7 @@ pub(super) async fn interactive(tracer: &mut Tracer, live: &mut LiveView, opts: 
             _ => {}
         }
         tracer.drain(live, false);
-        tracer.tend();
+        tracer.housekeeping();
         if let Some((_, mean)) = tracer.degraded
             && live.sample_from.is_none()
         {

@@ -1,0 +1,109 @@
+//! The command's lifecycle once it runs: signals passed on like perf does, reaping its
+//! exit status, ending it when the view it was started for closes.
+use std::time::{Duration, Instant};
+
+use super::{Tracer, spawn};
+
+/// After a signal was passed to the command, how long an agent waits for it to exit.
+const CHILD_GRACE: Duration = Duration::from_secs(2);
+
+impl Tracer {
+    /// Decides what a signal does, like perf: a command gets the first one and tracing
+    /// goes on until it exits (it decides how to stop, or whether to); a second one stops
+    /// tracing and leaves the command running. Anything else stops the session at once.
+    /// Ctrl-C at a terminal already reached the command (the terminal signals the whole
+    /// foreground process group), so it is passed on only when it came from elsewhere
+    /// (`kill`): the command sees each Ctrl-C once. Returns whether to stop now.
+    pub fn on_signal(&mut self, sig: i32) -> bool {
+        match (self.is_command, self.forwarded_signal, self.target_pid) {
+            (true, None, Some(pid)) => {
+                if !(sig == libc::SIGINT && from_the_terminal_to(pid)) {
+                    // SAFETY: sends a signal to our own child.
+                    unsafe { libc::kill(pid as i32, sig) };
+                }
+                self.forwarded_signal = Some((sig, Instant::now()));
+                if !self.options.quiet {
+                    eprintln!(
+                        "memtrace: {} passed to the command; tracing until it exits (Ctrl-C again to stop tracing and leave it running)",
+                        signal_name(sig)
+                    );
+                }
+                false
+            }
+            _ => true,
+        }
+    }
+
+    /// A signal passed to the command that did not make it exit within [`CHILD_GRACE`]
+    /// (`serve` then ends the command itself).
+    pub fn signal_grace_expired(&self) -> Option<i32> {
+        self.forwarded_signal.filter(|(_, at)| at.elapsed() > CHILD_GRACE).map(|(sig, _)| sig)
+    }
+
+    /// After tracing stopped on a second signal: the pid of the command if it still runs
+    /// (it is left running, no longer traced).
+    pub fn command_left_running(&mut self) -> Option<u32> {
+        let pid = self.target_pid.filter(|_| self.is_command && self.forwarded_signal.is_some())?;
+        let mut status = 0;
+        // SAFETY: polls our own child; WNOHANG never blocks.
+        let r = unsafe { libc::waitpid(pid as i32, &mut status, libc::WNOHANG) };
+        (r == 0).then_some(pid)
+    }
+
+    /// The command's exit code once it exited (None when tracing a pid we did not start).
+    pub fn reap_command(&mut self) -> Option<i32> {
+        if !self.is_command {
+            return None;
+        }
+        let pid = self.target_pid?;
+        let mut status = 0;
+        // SAFETY: waits for our own child, which the pidfd reported as exited.
+        let r = unsafe { libc::waitpid(pid as i32, &mut status, 0) };
+        (r == pid as i32).then(|| spawn::exit_code(status))
+    }
+
+    /// Ends a command that is still running (the view it was started for is closing):
+    /// SIGTERM, then SIGKILL if it has not exited within a second.
+    pub fn end_command(&mut self) {
+        let (true, Some(pid)) = (self.is_command, self.target_pid) else { return };
+        let pid = pid as i32;
+        let mut status = 0;
+        // SAFETY: signals and reaps our own child; WNOHANG never blocks.
+        unsafe {
+            if libc::waitpid(pid, &mut status, libc::WNOHANG) != 0 {
+                return; // already reaped, or exited just now
+            }
+            libc::kill(pid, libc::SIGTERM);
+            for _ in 0..100 {
+                if libc::waitpid(pid, &mut status, libc::WNOHANG) != 0 {
+                    return;
+                }
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            libc::kill(pid, libc::SIGKILL);
+            libc::waitpid(pid, &mut status, 0);
+        }
+    }
+}
+
+/// Whether a SIGINT just received came from our terminal and reached `child` too: we are
+/// in the terminal's foreground process group, and so is the child.
+fn from_the_terminal_to(child: u32) -> bool {
+    // SAFETY: plain queries about processes and descriptors; no memory is passed.
+    unsafe {
+        let group = libc::getpgrp();
+        libc::getpgid(child as i32) == group
+            && [0, 1, 2].iter().any(|&fd| libc::isatty(fd) == 1 && libc::tcgetpgrp(fd) == group)
+    }
+}
+
+/// `SIGINT`, `SIGTERM`, `SIGHUP`.
+fn signal_name(sig: i32) -> String {
+    match sig {
+        libc::SIGINT => "SIGINT".into(),
+        libc::SIGTERM => "SIGTERM".into(),
+        libc::SIGHUP => "SIGHUP".into(),
+        n => format!("signal {n}"),
+    }
+}
+

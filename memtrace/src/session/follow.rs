@@ -1,0 +1,170 @@
+//! Following the traced processes: forks, execs and exits reach the unwinder's address
+//! spaces and the sink, a followed child inherits its parent's allocator probes, an exec or
+//! a dlopen brings its allocator in, and the rings' losses switch sampling on.
+use std::{
+    path::{Path, PathBuf},
+    time::{Duration, Instant},
+};
+
+use memtrace_common::TaskEvent;
+
+use super::{Sink, Target, Tracer, monotonic_ns, probe_scope};
+use crate::{
+    event::TaskSpace,
+    probes::{self, Allocator},
+    procfs,
+};
+
+impl Tracer {
+    /// A process forked, exec'd or exited: address spaces, probes and the sink follow.
+    pub(super) fn on_task(&mut self, t: &crate::event::Task, space: TaskSpace, sink: &mut dyn Sink) {
+        match t.event {
+            TaskEvent::Exec => {
+                if let Some(u) = self.unwinder.as_mut() {
+                    u.exec(t.pid, &t.filename, space, &mut self.probes);
+                }
+                sink.exec_seen(t.pid, Path::new(&t.filename));
+                self.on_exec(t.pid);
+            }
+            TaskEvent::Fork => {
+                if let Some(u) = self.unwinder.as_mut() {
+                    u.fork(t.pid, space.asid, &mut self.probes);
+                }
+                sink.fork_seen(t.pid, t.ppid);
+                self.on_fork(t.pid);
+            }
+            TaskEvent::Exit if t.flags & memtrace_common::flags::GROUP_DEAD != 0 => {
+                if let Some(u) = self.unwinder.as_mut() {
+                    u.exit(t.pid, &mut self.probes);
+                }
+            }
+            _ => {}
+        }
+    }
+
+    pub(super) fn following(&self) -> bool {
+        (self.is_command || self.options.follow_forks)
+            && self.options.user
+            && !matches!(self.options.target, Target::All)
+    }
+
+    pub(super) fn attach(&mut self, pid: u32, allocator: &Allocator) {
+        if !self.attached.insert((pid, allocator.file_id)) {
+            return;
+        }
+        if let Err(e) = self.probes.attach_allocator(allocator, (pid != 0).then_some(pid))
+            && !self.options.quiet
+        {
+            eprintln!("memtrace: not tracing {} in pid {pid}: {e:#}", allocator.object.display());
+        }
+    }
+
+    /// A child of a followed process: the allocators its parent has are its own. With
+    /// multi links the probes already cover it (the kernel added it to the traced set at
+    /// its fork), from its first instruction.
+    pub(super) fn on_fork(&mut self, pid: u32) {
+        if !self.following() {
+            return;
+        }
+        self.followed.insert(pid);
+        if probe_scope(&self.probes, &self.options, Some(pid)).is_none() {
+            return;
+        }
+        for allocator in self.allocators.clone() {
+            self.attach(pid, &allocator);
+        }
+    }
+
+    /// A traced process exec'd: its new program may bring another allocator (a static
+    /// binary, another libc); probes already attached stay (they fire if the new program
+    /// maps the same files).
+    pub(super) fn on_exec(&mut self, pid: u32) {
+        if !self.options.user || (!self.followed.contains(&pid) && !matches!(self.options.target, Target::All)) {
+            return;
+        }
+        let Ok(exe) = procfs::exe(pid) else { return };
+        let exe = procfs::path_in_process(pid, &exe);
+        if matches!(self.options.target, Target::All) && !self.checked_objects.insert(exe.clone()) {
+            return; // a program seen before: its allocator is attached for everyone
+        }
+        let canonical = std::fs::canonicalize(&exe).unwrap_or_else(|_| exe.clone());
+        let prefix = &self.options.symbol_prefix;
+        let resolved = self
+            .resolved_programs
+            .entry(canonical)
+            .or_insert_with(|| probes::allocator::for_executable(&exe, prefix).ok())
+            .clone();
+        let Some(allocator) = resolved else { return };
+        let scope = probe_scope(&self.probes, &self.options, Some(pid)).unwrap_or(0);
+        if !self.allocators.iter().any(|a| a.file_id == allocator.file_id) {
+            self.allocators.push(allocator.clone());
+        }
+        self.attach(scope, &allocator);
+    }
+
+    /// Housekeeping between drains: allocators loaded with dlopen by followed processes
+    /// (every 2 s), and the rings' losses (every 100 ms): when they overflow, sampling is
+    /// switched on rather than letting events drop.
+    pub fn housekeeping(&mut self) {
+        if self.options.user
+            && !matches!(self.options.target, Target::All)
+            && self.last_scan.elapsed() >= Duration::from_secs(2)
+        {
+            self.last_scan = Instant::now();
+            self.scan_for_dlopened_allocators();
+        }
+        if self.last_loss_check.elapsed() >= Duration::from_millis(100) {
+            self.last_loss_check = Instant::now();
+            let lost = self.probes.counters().map(|c| c.lost_events).unwrap_or(0);
+            if lost > self.lost_seen
+                && self.degraded.is_none()
+                && self.options.sample_bytes.is_none()
+                && self.options.user
+            {
+                const MEAN: u64 = 64 << 10;
+                if self.probes.set_sampling(MEAN).is_ok() {
+                    self.degraded = Some((monotonic_ns(), MEAN));
+                    if !self.options.quiet {
+                        eprintln!(
+                            "memtrace: the rings overflowed ({} events lost): sampling user allocations from now on (each byte with probability 1/{MEAN}); figures become estimates",
+                            lost - self.lost_seen
+                        );
+                    }
+                }
+            }
+            self.lost_seen = lost;
+        }
+    }
+
+    pub(super) fn scan_for_dlopened_allocators(&mut self) {
+        let prefix = self.options.symbol_prefix.clone();
+        for pid in self.followed.clone() {
+            let Ok(maps) = procfs::Maps::read(pid) else {
+                self.followed.remove(&pid);
+                continue;
+            };
+            let objects: Vec<PathBuf> = maps
+                .file_mappings()
+                .filter(|m| m.executable)
+                .map(|m| procfs::path_in_process(pid, &m.path))
+                .filter(|p| !self.checked_objects.contains(p))
+                .collect();
+            for object in objects {
+                self.checked_objects.insert(object.clone());
+                let id = probes::allocator::file_id(&object);
+                if self.allocators.iter().any(|a| a.file_id == id) {
+                    continue;
+                }
+                // Another object defining the allocator's entry points: probe it too.
+                if let Ok(found) = probes::allocator::resolve(std::slice::from_ref(&object), &prefix)
+                    && found.file_id == id
+                {
+                    self.allocators.push(found.clone());
+                    for p in self.followed.clone() {
+                        self.attach(p, &found);
+                    }
+                }
+            }
+        }
+    }
+}
