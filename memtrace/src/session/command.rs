@@ -106,4 +106,3 @@ fn signal_name(sig: i32) -> String {
         n => format!("signal {n}"),
     }
 }
-

@@ -18,20 +18,11 @@ use std::{
     collections::{HashMap, HashSet},
     ffi::OsString,
     io,
-    os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd},
     path::{Path, PathBuf},
-    sync::Arc,
     time::{Duration, Instant},
 };
 
 use anyhow::{Context as _, Result, anyhow, bail};
-use memtrace_common::TaskEvent;
-use tokio::{
-    io::{Interest, unix::AsyncFd},
-    signal::unix::{Signal, SignalKind, signal},
-    sync::Notify,
-    task::JoinHandle as TaskHandle,
-};
 
 pub use self::{
     baseline::run_baseline,
@@ -40,7 +31,7 @@ pub use self::{
 };
 use self::{reorder::Reorder, spawn::PausedChild};
 use crate::{
-    event::{Event, Record, StackRecord, TaskSpace, decode},
+    event::{Event, Record, StackRecord, decode},
     probes::{self, Allocator, CallGraph, Counters, Detaching, Probes, uprobe_multi::AttachPath},
     procfs,
     recording::RingBytes,
@@ -442,4 +433,3 @@ fn probe_scope(probes: &Probes, options: &TraceOptions, pid: Option<u32>) -> Opt
         _ => pid,
     }
 }
-

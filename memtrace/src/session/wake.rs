@@ -148,4 +148,3 @@ pub fn block_on<T>(body: impl std::future::Future<Output = T>) -> Result<T> {
     let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
     Ok(runtime.block_on(body))
 }
-
