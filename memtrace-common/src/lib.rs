@@ -14,8 +14,10 @@ pub use unwind::{
     UPROBE_TRAMPOLINE_PAGE, USER_STACK_SEED, UnwindMiss, UnwindRule, stack_hash_step,
 };
 
-/// Deepest stack either side walks; matches the kernel's default `perf_event_max_stack`.
-pub const MAX_STACK_DEPTH: usize = 127;
+/// Deepest stack either side walks. The kernel part and frame-pointer walks are bounded
+/// by `perf_event_max_stack` (127 by default) as well; the table walk is not: Python
+/// programs commonly run 150–250 native frames deep.
+pub const MAX_STACK_DEPTH: usize = 255;
 /// Size of the outer array that holds one ring buffer per CPU.
 pub const MAX_CPUS: u32 = 1024;
 /// Length of `task->comm`.

@@ -1,5 +1,11 @@
 //! The `memtrace` command line: parses arguments, runs a subcommand, and turns every error
 //! into one line on stderr and a non-zero exit code.
+/// memtrace's own allocations go to the mimalloc built into it, never through the C
+/// library's malloc: its probes trap on every call of every process using that library,
+/// memtrace included, and memtrace allocates for each stack it reads.
+#[global_allocator]
+static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 use std::{
     ffi::OsString,
     io::Write as _,

@@ -2,7 +2,8 @@
 //! without frame pointers — a library of thousands of functions loaded with dlopen in the
 //! middle of the run, frames larger than any stack copy — recorded and checked frame by
 //! frame; tables built once per file and shared by processes; the disk cache used, and
-//! rebuilt when an entry is damaged, of another version or not root's; memory bounded
+//! rebuilt when an entry is damaged, of another version or not root's; the files a program
+//! used loaded before it runs again; memory bounded
 //! under a flood; a short-lived process under `record -a` on a busy machine unwound whole.
 mod common;
 
@@ -162,6 +163,33 @@ fn a_big_library_loaded_mid_run_has_whole_stacks() {
         assert!(got.iter().any(|f| f.contains("__libc_start")), "{leaf}: reaches the start: {got:?}");
     }
     assert_eq!(report["stacks"]["user"]["allocs_truncated"], 0, "{:#}", report["stacks"]);
+}
+
+#[test]
+fn a_library_a_program_loaded_last_time_is_ready_before_it_loads_it_again() {
+    require_root();
+    let _sharing = sharing_the_machine();
+    let dir = scratch("companions");
+    let lib = big_library(&dir, 2000);
+    let host = cc(&dir, "host", HOST, &["-ldl"]);
+    let cache = dir.join("cache");
+    let env = [("MEMTRACE_CACHE_DIR", cache.to_str().unwrap()), ("MEMTRACE_LOG", "debug")];
+    let first = dir.join("first.data");
+    record(&first, &env, &["-q"], &[&host, &lib, Path::new("200")]);
+    // The second run loads the library's table before the program starts, so the probes
+    // install its mapping themselves at the dlopen: not one stack waits for a table.
+    let second = dir.join("second.data");
+    let log = record(&second, &env, &["-q"], &[&host, &lib, Path::new("200")]);
+    assert!(log.contains("loading the tables of"), "{log}");
+    let report = report_json(&second, &["--by", "stack", "--domain", "user"]);
+    assert_eq!(report["recorder"]["unwind_copies"], 0, "{:#}", report["recorder"]);
+    assert_eq!(report["recorder"]["unwind_tables"]["built"], 0, "{:#}", report["recorder"]);
+    for leaf in ["big_leaf_a", "big_leaf_b"] {
+        let sites = sites_of(&report, leaf);
+        assert_eq!(sites.len(), 1, "{leaf}: {sites:#?}");
+        assert_eq!((sites[0]["allocs"].as_u64(), sites[0]["truncated"].as_bool()), (Some(200), Some(false)));
+        assert!(functions(sites[0]).iter().any(|f| f.contains("__libc_start")), "{leaf}");
+    }
 }
 
 #[test]

@@ -170,7 +170,7 @@ fn deep_stacks_are_whole_up_to_the_limit_and_marked_truncated_beyond() {
             &["wl_stack_tests".to_string()].into_iter().chain(FROM_MAIN.map(String::from)).collect::<Vec<_>>()
         )
     );
-    // 200: cut at 127 frames, and said so.
+    // 300: cut at MAX_STACK_DEPTH (255) frames, and said so.
     let (names, truncated) = stack_of_size(444);
     assert!(truncated, "{names:?}");
     assert_eq!(names.len(), memtrace_common::MAX_STACK_DEPTH);

@@ -13,7 +13,7 @@
  * --custom N (N allocations from a tiny allocator of its own, mt_malloc/mt_free: what
  * `record --symbol-prefix mt_` must find in the executable),
  * --stacks (allocations whose stacks test an unwinder: one in a signal handler, one in a
- * qsort comparator called back from libc, one 100 and one 200 calls deep),
+ * qsort comparator called back from libc, one 100 and one 300 calls deep),
  * --fork-children N (fork N children that each make 10 malloc(77) from wl_child_alloc at once
  * and exit: a tracer must see a child from its first instruction),
  * --peak (memory over time with a known peak, one thread; with --manifest FILE it writes
@@ -458,7 +458,7 @@ NOIPA static void wl_stack_tests(void) {
     wl_raise_site();
     wl_sort_site();
     stack_blocks[2] = wl_recurse(100, 333);
-    stack_blocks[3] = wl_recurse(200, 444);
+    stack_blocks[3] = wl_recurse(300, 444);
     for (int i = 0; i < 4; i++)
         free(stack_blocks[i]);
     printf("stacks: 4 allocations\n");

@@ -86,14 +86,18 @@ pub fn under_counting(
             ));
         }
         if t.with_stack >= MIN_EVENTS && t.truncated as f64 >= SHARE * t.with_stack as f64 {
+            let no_unwind_info = format!(
+                "code without unwind information (JIT-compiled or hand-written assembly), or stacks deeper than {} \
+                 frames",
+                memtrace_common::MAX_STACK_DEPTH
+            );
             let cause = if meta.call_graph != "dwarf" {
                 "code built without frame pointers stops a frame-pointer walk: record with --call-graph dwarf"
             } else if stats.unwind_budget_truncated > 0 {
                 "the rings had no room for stack copies while unwind rules were learned: record with a larger \
                  --ring-size"
             } else {
-                "code without unwind information (JIT-compiled or hand-written assembly), or stacks deeper than \
-                 127 frames"
+                &no_unwind_info
             };
             out.push(format!(
                 "{name}: {} of its allocations ({} of {}) have a stack cut short: {cause}",

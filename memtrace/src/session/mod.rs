@@ -199,6 +199,7 @@ impl Tracer {
         if let (Some(u), Some(program)) = (unwinder.as_mut(), &program) {
             // The program's own files: their tables are built while the probes load.
             u.prepare_files(&probes::allocator::program_files(program));
+            u.prepare_program(program);
         }
         before_load()?;
         let mut probes = Probes::load(&probes::Settings {
@@ -417,6 +418,7 @@ impl Tracer {
             for done in u.flush(&mut self.probes) {
                 Self::deliver(u, done, sink);
             }
+            u.save_programs_files();
         }
         (teardown, counters)
     }

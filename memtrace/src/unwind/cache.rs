@@ -6,6 +6,11 @@
 //! another version, another key, a foreign owner — is rebuilt, never read, with the reason
 //! logged at debug level. The cache is bounded in bytes; the least recently used entries go
 //! first. Writes go to a temporary file renamed into place, so a crash leaves no half entry.
+//!
+//! Beside the tables, one small list per program ([`DiskCache::companions`]): the files
+//! whose code it ran last time (the libraries it dlopen'd included). When the program
+//! starts again their tables are loaded at once, before it maps them, so the probes
+//! install each mapping themselves and no stack waits for a table.
 use std::{
     fmt,
     fs::{self, OpenOptions},
@@ -71,13 +76,18 @@ impl FileKey {
 
     /// The entry's file name.
     fn file_name(&self) -> String {
-        let mut h = crc32fast::Hasher::new();
-        h.update(&self.bytes());
-        let lo = h.finalize();
-        let mut h2 = crc32fast::Hasher::new_with_initial(0x6d74_7563);
-        h2.update(&self.bytes());
-        format!("{}-{:08x}{:08x}.tbl", FORMAT_VERSION, lo, h2.finalize())
+        key_name(self, "tbl")
     }
+}
+
+/// The name of a cache file about `key`, with extension `ext`.
+fn key_name(key: &FileKey, ext: &str) -> String {
+    let mut h = crc32fast::Hasher::new();
+    h.update(&key.bytes());
+    let lo = h.finalize();
+    let mut h2 = crc32fast::Hasher::new_with_initial(0x6d74_7563);
+    h2.update(&key.bytes());
+    format!("{}-{:08x}{:08x}.{ext}", FORMAT_VERSION, lo, h2.finalize())
 }
 
 impl fmt::Display for FileKey {
@@ -124,6 +134,7 @@ impl fmt::Display for Rejected {
     }
 }
 
+#[derive(Debug, Clone)]
 pub struct DiskCache {
     dir: PathBuf,
     max_bytes: u64,
@@ -182,31 +193,40 @@ impl DiskCache {
 
     /// The table cached for `key`, or why there is none to trust.
     pub fn load(&self, key: &FileKey) -> Result<Table, Rejected> {
-        let path = self.path_of(key);
-        let mut file = match OpenOptions::new().read(true).custom_flags(libc::O_NOFOLLOW).open(&path) {
-            Ok(f) => f,
-            Err(e) if e.kind() == io::ErrorKind::NotFound => return Err(Rejected::Missing),
-            Err(e) if e.raw_os_error() == Some(libc::ELOOP) => return Err(Rejected::NotAFile),
-            Err(e) => return Err(Rejected::Io(e.to_string())),
-        };
-        let md = file.metadata().map_err(|e| Rejected::Io(e.to_string()))?;
-        if !md.is_file() {
-            return Err(Rejected::NotAFile);
-        }
-        // SAFETY: geteuid has no preconditions.
-        let euid = unsafe { libc::geteuid() };
-        if md.uid() != 0 && md.uid() != euid {
-            return Err(Rejected::ForeignOwner(md.uid()));
-        }
-        if md.mode() & 0o022 != 0 {
-            return Err(Rejected::WritableByOthers(md.mode() & 0o7777));
-        }
-        let mut data = Vec::with_capacity(md.len() as usize);
-        file.read_to_end(&mut data).map_err(|e| Rejected::Io(e.to_string()))?;
+        let data = read_trusted(&self.path_of(key))?;
         let table = decode(&data, key)?;
-        // Recently used: the eviction keeps it.
-        let _ = file.set_modified(SystemTime::now());
         Ok(table)
+    }
+
+    fn companions_path(&self, program: &FileKey) -> PathBuf {
+        self.dir.join(key_name(program, "use"))
+    }
+
+    /// The files `program` ran code from last time (empty if unknown or untrusted).
+    pub fn companions(&self, program: &FileKey) -> Vec<PathBuf> {
+        let data = match read_trusted(&self.companions_path(program)) {
+            Ok(data) => data,
+            Err(Rejected::Missing) => return Vec::new(),
+            Err(e) => {
+                log::debug!("unwind cache: the file list of {program}: {e}; ignored");
+                return Vec::new();
+            }
+        };
+        parse_companions(&data, program)
+    }
+
+    /// Remembers the files `program` ran code from: `used` first, then those of earlier
+    /// runs, at most [`MAX_COMPANIONS`].
+    pub fn store_companions(&self, program: &FileKey, used: &[PathBuf]) -> io::Result<()> {
+        let mut all: Vec<PathBuf> = Vec::new();
+        for p in used.iter().cloned().chain(self.companions(program)) {
+            if all.len() < MAX_COMPANIONS && !all.contains(&p) {
+                all.push(p);
+            }
+        }
+        let path = self.companions_path(program);
+        let tmp = self.dir.join(format!(".{}.{}.tmp", key_name(program, "use"), std::process::id()));
+        write_atomically(&tmp, &path, &encode_companions(program, &all))
     }
 
     /// Stores the table of `key`, then evicts the least recently used entries beyond the
@@ -214,21 +234,7 @@ impl DiskCache {
     pub fn store(&self, key: &FileKey, table: &Table) -> io::Result<()> {
         let path = self.path_of(key);
         let tmp = self.dir.join(format!(".{}.{}.tmp", key.file_name(), std::process::id()));
-        let result = (|| {
-            let mut f = OpenOptions::new()
-                .write(true)
-                .create_new(true)
-                .mode(0o600)
-                .custom_flags(libc::O_NOFOLLOW)
-                .open(&tmp)?;
-            f.write_all(&encode(key, table))?;
-            f.sync_data()?;
-            fs::rename(&tmp, &path)
-        })();
-        if result.is_err() {
-            let _ = fs::remove_file(&tmp);
-        }
-        result?;
+        write_atomically(&tmp, &path, &encode(key, table))?;
         self.evict();
         Ok(())
     }
@@ -256,6 +262,78 @@ impl DiskCache {
             }
         }
     }
+}
+
+/// Most files remembered per program.
+pub const MAX_COMPANIONS: usize = 1024;
+const COMPANIONS_MAGIC: &str = "memtrace-unwind-companions";
+
+/// The bytes of a cache file, if it is one to trust: a regular file (not a symlink) owned
+/// by root or by us that no one else may write. Marks it recently used.
+fn read_trusted(path: &Path) -> Result<Vec<u8>, Rejected> {
+    let mut file = match OpenOptions::new().read(true).custom_flags(libc::O_NOFOLLOW).open(path) {
+        Ok(f) => f,
+        Err(e) if e.kind() == io::ErrorKind::NotFound => return Err(Rejected::Missing),
+        Err(e) if e.raw_os_error() == Some(libc::ELOOP) => return Err(Rejected::NotAFile),
+        Err(e) => return Err(Rejected::Io(e.to_string())),
+    };
+    let md = file.metadata().map_err(|e| Rejected::Io(e.to_string()))?;
+    if !md.is_file() {
+        return Err(Rejected::NotAFile);
+    }
+    // SAFETY: geteuid has no preconditions.
+    let euid = unsafe { libc::geteuid() };
+    if md.uid() != 0 && md.uid() != euid {
+        return Err(Rejected::ForeignOwner(md.uid()));
+    }
+    if md.mode() & 0o022 != 0 {
+        return Err(Rejected::WritableByOthers(md.mode() & 0o7777));
+    }
+    let mut data = Vec::with_capacity(md.len() as usize);
+    file.read_to_end(&mut data).map_err(|e| Rejected::Io(e.to_string()))?;
+    // Recently used: the eviction keeps it.
+    let _ = file.set_modified(SystemTime::now());
+    Ok(data)
+}
+
+/// Writes `data` to `tmp` (new, 0600, synced) and renames it to `path`.
+fn write_atomically(tmp: &Path, path: &Path, data: &[u8]) -> io::Result<()> {
+    let result = (|| {
+        let mut f =
+            OpenOptions::new().write(true).create_new(true).mode(0o600).custom_flags(libc::O_NOFOLLOW).open(tmp)?;
+        f.write_all(data)?;
+        f.sync_data()?;
+        fs::rename(tmp, path)
+    })();
+    if result.is_err() {
+        let _ = fs::remove_file(tmp);
+    }
+    result
+}
+
+/// A program's file list: a header line naming the format and the program's key, then one
+/// absolute path per line.
+fn encode_companions(program: &FileKey, paths: &[PathBuf]) -> Vec<u8> {
+    let mut out = format!("{COMPANIONS_MAGIC} {FORMAT_VERSION} {}\n", key_name(program, "use")).into_bytes();
+    for p in paths {
+        if let Some(s) = p.to_str().filter(|s| s.starts_with('/') && !s.contains('\n')) {
+            out.extend_from_slice(s.as_bytes());
+            out.push(b'\n');
+        }
+    }
+    out
+}
+
+/// The paths of a file list written for `program`; nothing if it is for another program,
+/// another version, or not a list.
+fn parse_companions(data: &[u8], program: &FileKey) -> Vec<PathBuf> {
+    let Ok(text) = std::str::from_utf8(data) else { return Vec::new() };
+    let mut lines = text.lines();
+    let header = format!("{COMPANIONS_MAGIC} {FORMAT_VERSION} {}", key_name(program, "use"));
+    if lines.next() != Some(header.as_str()) {
+        return Vec::new();
+    }
+    lines.filter(|l| l.starts_with('/')).take(MAX_COMPANIONS).map(PathBuf::from).collect()
 }
 
 fn encode(key: &FileKey, table: &Table) -> Vec<u8> {
@@ -423,6 +501,36 @@ mod tests {
         fs::remove_file(&path).unwrap();
         c.store(&key(), &table()).unwrap();
         assert_eq!(c.load(&key()).unwrap(), table());
+    }
+
+    #[test]
+    fn a_programs_files_are_remembered_newest_first_and_bounded() {
+        let c = cache("companions");
+        let program = key();
+        assert!(c.companions(&program).is_empty(), "nothing known yet");
+        let a = [PathBuf::from("/usr/lib/liba.so"), PathBuf::from("/usr/lib/libb.so")];
+        c.store_companions(&program, &a).unwrap();
+        assert_eq!(c.companions(&program), a);
+        // A later run: its files first, the earlier ones kept, no duplicates; paths that
+        // are not absolute or span lines are never written.
+        let b = [PathBuf::from("/opt/libc.so"), PathBuf::from("/usr/lib/libb.so"), PathBuf::from("rel.so")];
+        c.store_companions(&program, &b).unwrap();
+        let want: Vec<PathBuf> = ["/opt/libc.so", "/usr/lib/libb.so", "/usr/lib/liba.so"].map(PathBuf::from).into();
+        assert_eq!(c.companions(&program), want);
+        // Another program's list, a damaged one, an untrusted one: nothing.
+        let other = FileKey::BuildId { build_id: vec![9; 20], size: 1 };
+        assert!(c.companions(&other).is_empty());
+        let path = c.companions_path(&program);
+        fs::write(&path, b"garbage\n/usr/lib/liba.so\n").unwrap();
+        assert!(c.companions(&program).is_empty());
+        fs::write(&path, encode_companions(&program, &a)).unwrap();
+        fs::set_permissions(&path, fs::Permissions::from_mode(0o666)).unwrap();
+        assert!(c.companions(&program).is_empty(), "writable by others");
+        // Bounded.
+        let many: Vec<PathBuf> = (0..MAX_COMPANIONS + 10).map(|i| PathBuf::from(format!("/l/{i}.so"))).collect();
+        fs::remove_file(&path).unwrap();
+        c.store_companions(&program, &many).unwrap();
+        assert_eq!(c.companions(&program).len(), MAX_COMPANIONS);
     }
 
     #[test]

@@ -107,6 +107,12 @@ pub struct Unwinder {
     /// Files frames were named into since the last `take_new_files`.
     new_files: Vec<PathBuf>,
     stats: UnwindStats,
+    /// Where each program's list of files is kept between runs.
+    cache: Option<DiskCache>,
+    /// The program each address space runs (from its exec).
+    programs: HashMap<u32, PathBuf>,
+    /// Per program: the files it mapped code from during this session, in order.
+    used: HashMap<PathBuf, Vec<PathBuf>>,
 }
 
 /// A path to `path` as process `pid` sees it, from here (the process may be gone, or in
@@ -128,7 +134,10 @@ impl Unwinder {
         let workers = std::thread::available_parallelism().map_or(1, |n| n.get()).clamp(1, 4);
         Self {
             spaces: Spaces::new(),
-            store: TableStore::new(cache, workers, options.max_table_bytes),
+            store: TableStore::new(cache.clone(), workers, options.max_table_bytes),
+            cache,
+            programs: HashMap::new(),
+            used: HashMap::new(),
             pending: VecDeque::new(),
             pending_bytes: 0,
             ready_late: Vec::new(),
@@ -168,6 +177,8 @@ impl Unwinder {
             log::debug!("pid {pid}: its program {filename:?} cannot be read: its frames end stacks");
             return;
         };
+        self.programs.insert(space.asid, exe.clone());
+        self.prepare_program(&exe);
         if space.code_end > space.code_start
             && let Some((_, segments)) = self.store.identify(&exe)
             && let Some(text) = segments.iter().filter(|s| s.executable).min_by_key(|s| s.vaddr)
@@ -237,6 +248,15 @@ impl Unwinder {
             );
         }
         let asid = if m.asid != 0 { m.asid } else { self.spaces.asid_of(m.pid).unwrap_or(0) };
+        if let (Some(file), Some(program)) = (&path, self.programs.get(&asid))
+            && !file.starts_with("/proc/")
+            && !program.starts_with("/proc/")
+        {
+            let used = self.used.entry(program.clone()).or_default();
+            if used.len() < cache::MAX_COMPANIONS && !used.contains(file) {
+                used.push(file.clone());
+            }
+        }
         self.spaces.add_mapping(asid, m.start, m.len, m.file_offset, path.as_deref(), &mut self.store, sink);
     }
 
@@ -249,6 +269,35 @@ impl Unwinder {
     pub fn prepare_files(&mut self, paths: &[PathBuf]) {
         for path in paths {
             self.store.request(path);
+        }
+    }
+
+    /// Starts loading the tables of the files `program` ran code from last time (the disk
+    /// cache keeps the list): ready before it maps them, they are installed by the probes
+    /// at each mmap, and its first stacks through them need no copy.
+    pub fn prepare_program(&mut self, program: &Path) {
+        let Some(cache) = self.cache.clone() else { return };
+        let Some((key, _)) = self.store.identify(program) else { return };
+        let files = cache.companions(&key);
+        let mut asked = 0;
+        for file in files.iter().filter(|f| f.exists()) {
+            if self.store.request(file).is_some() {
+                asked += 1;
+            }
+        }
+        if asked > 0 {
+            log::debug!("{}: loading the tables of {asked} files it used before", program.display());
+        }
+    }
+
+    /// Keeps, for the next session, the files each program ran code from in this one.
+    pub fn save_programs_files(&mut self) {
+        let Some(cache) = self.cache.clone() else { return };
+        for (program, used) in std::mem::take(&mut self.used) {
+            let Some((key, _)) = self.store.identify(&program) else { continue };
+            if let Err(e) = cache.store_companions(&key, &used) {
+                log::debug!("unwind cache: keeping the file list of {}: {e}", program.display());
+            }
         }
     }
 
