@@ -15,9 +15,15 @@ use crate::{
 
 #[inline(always)]
 pub(crate) fn bump(index: u32) {
+    bump_by(index, 1);
+}
+
+/// Adds `n` to this CPU's counter `index`.
+#[inline(always)]
+pub(crate) fn bump_by(index: u32, n: u64) {
     if let Some(slot) = COUNTERS.get_ptr_mut(index) {
         // SAFETY: per-CPU slot of this CPU; programs on one CPU do not run concurrently.
-        unsafe { *slot += 1 };
+        unsafe { *slot += n };
     }
 }
 

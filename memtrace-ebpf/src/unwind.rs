@@ -28,7 +28,7 @@ use crate::{
     maps::{
         ASIDS, CachedRule, FILE_TABLES, INFLIGHT, MAPPINGS, NEXT_ASID, PROBE_BUSY, RULE_CACHE, RULE_CACHE_SLOTS, TABLES,
     },
-    ring::bump,
+    ring::{bump, bump_by},
     stack::Scratch,
 };
 
@@ -233,6 +233,9 @@ pub(crate) struct WalkState {
     pub(crate) exact: u32,
     /// `stack_flags` the walk ended with.
     pub(crate) result: u32,
+    /// Rules found in the per-CPU rule cache (counted once per walk, not per frame).
+    pub(crate) cache_hits: u32,
+    pub(crate) _pad: u32,
 }
 
 /// Why no rule was found for an address.
@@ -251,13 +254,12 @@ fn cache_slot(addr: u64, asid: u32) -> u32 {
 /// The rule for lookup address `addr` of the walk's address space.
 #[inline(always)]
 fn rule_at(st: &mut WalkState, addr: u64) -> Result<UnwindRule, NoRule> {
-    bump(counter::UNWIND_FRAMES);
     let slot = RULE_CACHE.get_ptr_mut(cache_slot(addr, st.asid));
     if let Some(entry) = slot {
         // SAFETY: this CPU's slot; programs on one CPU do not run concurrently.
         let entry = unsafe { &*entry };
         if entry.addr == addr && entry.asid == st.asid {
-            bump(counter::UNWIND_CACHE_HITS);
+            st.cache_hits += 1;
             return Ok(decode_rule(entry.rule));
         }
     }
@@ -456,12 +458,16 @@ pub(crate) fn walk_user_tables(scratch: &mut Scratch, tgid: u32, regs: UserRegs,
         n: 0,
         exact: regs.exact as u32,
         result: stack_flags::TRUNCATED as u32,
+        cache_hits: 0,
+        _pad: 0,
     };
     // SAFETY: walk_step is a BPF callback taking (index, ctx); ctx is our stack state.
     unsafe {
         generated::bpf_loop(MAX_STACK_DEPTH as u32, walk_step as *mut c_void, addr_of_mut!(st) as *mut c_void, 0)
     };
     let n = (st.n as usize).min(MAX_STACK_DEPTH);
+    bump_by(counter::UNWIND_FRAMES, n as u64);
+    bump_by(counter::UNWIND_CACHE_HITS, u64::from(st.cache_hits));
     if n < MAX_STACK_DEPTH {
         scratch.user_ips[n] = 0;
     }

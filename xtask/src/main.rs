@@ -12,6 +12,7 @@ use std::{
 use anyhow::{Context as _, Result, bail};
 
 mod bench;
+mod heavy_bench;
 mod serve_bench;
 
 fn workspace_root() -> PathBuf {
@@ -238,6 +239,7 @@ fn main() -> Result<()> {
         "test" => test(),
         "demo" => demo(),
         "bench" if env::args().nth(2).as_deref() == Some("serve") => serve_bench::run_alone(),
+        "bench" if env::args().nth(2).as_deref() == Some("heavy") => heavy_bench::run_alone(),
         "bench" => bench::bench(),
         _ => {
             eprintln!("usage: cargo xtask <setup|test|demo|bench>");
@@ -248,6 +250,7 @@ fn main() -> Result<()> {
             eprintln!("  demo   trace the bundled workload and print the report (root)");
             eprintln!("  bench  overhead against the peers, pipeline speed, sustained load -> BENCHMARKS.md (root)");
             eprintln!("  bench serve  only the always-on agent's figures and soak (its BENCHMARKS.md section)");
+            eprintln!("  bench heavy  only the heavy Python program against heaptrack and memray (its section)");
             std::process::exit(2);
         }
     }

@@ -1,0 +1,272 @@
+//! `cargo xtask bench heavy` (and part of `cargo xtask bench`): a heavy real program — a
+//! Python script driving numpy, pandas and pyarrow (wheels of 10–60 MB without frame
+//! pointers, from PyPI into a venv under target/bench) — bare, under heaptrack, under
+//! memray, and under memtrace with a cold and a warm unwind cache and with frame pointers:
+//! wall time, what each counted, how whole memtrace's stacks are, what it lost, its own CPU
+//! and memory. Figures from one session on one machine; nothing here passes or fails.
+use std::{
+    fmt::Write as _,
+    fs,
+    path::{Path, PathBuf},
+    process::{Command, Stdio},
+    time::Instant,
+};
+
+use anyhow::{Context as _, Result, bail};
+
+use crate::{build_release, target_dir, workspace_root};
+
+pub const BEGIN: &str = "<!-- heavy:begin -->";
+pub const END: &str = "<!-- heavy:end -->";
+const HEADING: &str = "## Heavy programs: Python with big native wheels";
+/// The wheels, as pip names them.
+const WHEELS: &[&str] = &["numpy", "pandas", "pyarrow", "memray"];
+
+/// Builds, joins and writes a few hundred thousand allocations' worth of data frames,
+/// Arrow tables, Parquet and JSON.
+pub const SCRIPT: &str = r#"import io, json, collections
+import numpy as np
+import pandas as pd
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pyarrow.compute as pc
+
+rng = np.random.default_rng(7)
+rows = 120_000
+df = pd.DataFrame({
+    "id": np.arange(rows),
+    "x": rng.random(rows),
+    "cat": [f"c{i % 997}" for i in range(rows)],
+    "tag": rng.choice(["a", "b", "c", "d"], rows),
+})
+g = df.groupby(["cat", "tag"]).agg(n=("id", "count"), s=("x", "sum")).reset_index()
+m = df.merge(g, on=["cat", "tag"], how="left")
+t = pa.Table.from_pandas(m)
+buf = io.BytesIO()
+pq.write_table(t, buf, row_group_size=20_000)
+t2 = pq.read_table(io.BytesIO(buf.getvalue()))
+f = t2.filter(pc.greater(t2["x"], 0.5))
+back = f.to_pandas()
+recs = back.head(20_000).to_dict("records")
+s = json.dumps(recs, default=str)
+counts = collections.Counter(r["tag"] for r in json.loads(s))
+print(len(back), len(g), sorted(counts.items())[:2])
+"#;
+
+/// The venv with the wheels (made once; pip is not run again when they import).
+pub fn venv() -> Result<PathBuf> {
+    let dir = target_dir().join("bench").join("venv");
+    let python = dir.join("bin").join("python");
+    let imports = "import numpy, pandas, pyarrow, memray";
+    if python.exists() && Command::new(&python).args(["-c", imports]).status().is_ok_and(|s| s.success()) {
+        return Ok(python);
+    }
+    eprintln!("xtask bench: creating {} with {}", dir.display(), WHEELS.join(", "));
+    let ok = Command::new("python3").args(["-m", "venv"]).arg(&dir).status()?.success()
+        && Command::new(&python).args(["-m", "pip", "install", "-q"]).args(WHEELS).status()?.success();
+    if !ok {
+        bail!("could not create the venv in {} (python3-venv and network access to PyPI are needed)", dir.display());
+    }
+    Ok(python)
+}
+
+struct Row {
+    name: String,
+    wall_s: f64,
+    allocs: Option<u64>,
+    /// memtrace only: its report.
+    report: Option<serde_json::Value>,
+    file_bytes: u64,
+}
+
+fn timed(cmd: &mut Command) -> Result<f64> {
+    let started = Instant::now();
+    let status = cmd.stdout(Stdio::null()).stderr(Stdio::null()).status().with_context(|| format!("{cmd:?}"))?;
+    if !status.success() {
+        bail!("{cmd:?} failed: {status}");
+    }
+    Ok(started.elapsed().as_secs_f64())
+}
+
+/// "calls to allocation functions: N" from heaptrack_print.
+fn heaptrack_allocs(file: &Path) -> Option<u64> {
+    let out = Command::new("heaptrack_print")
+        .arg("-f")
+        .arg(file)
+        .args(["--print-peaks=0", "--print-allocators=0", "--print-temporary=0"])
+        .output();
+    let text = String::from_utf8_lossy(&out.ok()?.stdout).into_owned();
+    text.lines()
+        .find_map(|l| l.strip_prefix("calls to allocation functions: "))
+        .and_then(|rest| rest.split_whitespace().next()?.parse().ok())
+}
+
+fn memtrace_row(
+    memtrace: &Path,
+    name: &str,
+    python: &Path,
+    script: &Path,
+    cache: &Path,
+    extra: &[&str],
+) -> Result<Row> {
+    let data = target_dir().join("bench").join("heavy.data");
+    let wall_s = timed(
+        Command::new(memtrace)
+            .env("MEMTRACE_CACHE_DIR", cache)
+            .args(["record", "-q", "--force", "-o"])
+            .arg(&data)
+            .args(extra)
+            .arg("--")
+            .arg(python)
+            .arg(script),
+    )?;
+    let out = Command::new(memtrace).args(["report", "--format", "json", "--top", "1", "-i"]).arg(&data).output()?;
+    let report: serde_json::Value = serde_json::from_slice(&out.stdout).context("memtrace report --format json")?;
+    let allocs = report["totals"]["user"]["allocs"].as_u64();
+    let file_bytes = fs::metadata(&data).map(|m| m.len()).unwrap_or(0);
+    Ok(Row { name: name.into(), wall_s, allocs, report: Some(report), file_bytes })
+}
+
+/// The section's table and notes.
+pub fn section(memtrace: &Path) -> Result<String> {
+    let python = venv()?;
+    let dir = target_dir().join("bench");
+    let script = dir.join("heavy.py");
+    fs::write(&script, SCRIPT)?;
+    let mut rows = Vec::new();
+    let bare: Vec<f64> = (0..3).map(|_| timed(Command::new(&python).arg(&script))).collect::<Result<_>>()?;
+    let bare_s = {
+        let mut b = bare.clone();
+        b.sort_by(f64::total_cmp);
+        b[1]
+    };
+    eprintln!("xtask bench: heavy: bare {bare_s:.2} s");
+    rows.push(Row { name: "bare".into(), wall_s: bare_s, allocs: None, report: None, file_bytes: 0 });
+
+    let ht = dir.join("heavy-heaptrack");
+    let _ = fs::remove_file(ht.with_extension("zst"));
+    let wall_s = timed(Command::new("heaptrack").arg("-o").arg(&ht).arg(&python).arg(&script))?;
+    let ht_file = ht.with_extension("zst");
+    let allocs = heaptrack_allocs(&ht_file);
+    let file_bytes = fs::metadata(&ht_file).map(|m| m.len()).unwrap_or(0);
+    eprintln!("xtask bench: heavy: heaptrack {wall_s:.2} s, {allocs:?} allocations");
+    rows.push(Row { name: "heaptrack (LD_PRELOAD, libunwind)".into(), wall_s, allocs, report: None, file_bytes });
+
+    let mr = dir.join("heavy-memray.bin");
+    let _ = fs::remove_file(&mr);
+    let wall_s =
+        timed(Command::new(&python).args(["-m", "memray", "run", "--native", "-q", "-f", "-o"]).arg(&mr).arg(&script))?;
+    let file_bytes = fs::metadata(&mr).map(|m| m.len()).unwrap_or(0);
+    eprintln!("xtask bench: heavy: memray --native {wall_s:.2} s");
+    rows.push(Row { name: "memray run --native".into(), wall_s, allocs: None, report: None, file_bytes });
+
+    let cache = dir.join("heavy-unwind-cache");
+    let _ = fs::remove_dir_all(&cache);
+    for (name, extra) in [
+        ("memtrace record, cold cache (first run on the machine)", &[][..]),
+        ("memtrace record, warm cache (any later run)", &[][..]),
+        ("memtrace record --call-graph fp", &["--call-graph", "fp"][..]),
+        ("memtrace record --no-user-stacks", &["--no-user-stacks"][..]),
+    ] {
+        let row = memtrace_row(memtrace, name, &python, &script, &cache, extra)?;
+        eprintln!("xtask bench: heavy: {name} {:.2} s", row.wall_s);
+        rows.push(row);
+    }
+
+    let heaptrack_added = rows[1].wall_s - bare_s;
+    let mut out = String::new();
+    let _ = writeln!(
+        out,
+        "| under | wall s | added / heaptrack's added | allocations counted | user stacks cut short | lost events | copies | tool CPU s | tool peak RSS | file |"
+    );
+    let _ = writeln!(out, "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |");
+    for r in &rows {
+        let ratio =
+            if r.name == "bare" { "—".to_string() } else { format!("{:.2}", (r.wall_s - bare_s) / heaptrack_added) };
+        let allocs = r.allocs.map_or("—".to_string(), |a| a.to_string());
+        let file = if r.file_bytes > 0 { format!("{:.1} MB", r.file_bytes as f64 / 1e6) } else { "—".into() };
+        match &r.report {
+            Some(j) => {
+                let stacks = &j["stacks"]["user"];
+                let with = stacks["allocs_with_stack"].as_u64().unwrap_or(0);
+                let cut = stacks["allocs_truncated"].as_u64().unwrap_or(0);
+                let cut = if with > 0 { format!("{:.1} %", 100.0 * cut as f64 / with as f64) } else { "—".into() };
+                let rec = &j["recorder"];
+                let _ = writeln!(
+                    out,
+                    "| {} | {:.2} | {ratio} | {allocs} | {cut} | {} | {} | {:.1} | {:.0} MB | {file} |",
+                    r.name,
+                    r.wall_s,
+                    j["lost_events"],
+                    rec["unwind_copies"].as_u64().unwrap_or(0),
+                    rec["cpu_ns"].as_u64().unwrap_or(0) as f64 / 1e9,
+                    rec["peak_rss_bytes"].as_u64().unwrap_or(0) as f64 / 1e6,
+                );
+            }
+            None => {
+                let _ =
+                    writeln!(out, "| {} | {:.2} | {ratio} | {allocs} | — | — | — | — | — | {file} |", r.name, r.wall_s);
+            }
+        }
+    }
+    let versions = Command::new(&python)
+        .args(["-c", "import numpy, pandas, pyarrow, memray, sys; print(sys.version.split()[0], numpy.__version__, pandas.__version__, pyarrow.__version__, memray.__version__)"])
+        .output()
+        .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
+        .unwrap_or_default();
+    let _ = writeln!(
+        out,
+        "\nThe script (`xtask/src/heavy_bench.rs`) builds a 120,000-row data frame, groups, joins, \
+         converts it to Arrow, writes and reads Parquet, filters and dumps JSON; Python, numpy, pandas, \
+         pyarrow, memray: {versions}. Bare is the median of 3 runs; each tool ran once. \"Copies\" are stacks \
+         the probes could not walk because a library's unwind table was not ready yet (they are finished in \
+         userspace from a copy of the stack); the cold run builds every table (and fills the cache), later \
+         runs load a program's tables before it maps the libraries. heaptrack counts calls to allocation \
+         functions; memtrace counts allocations of the malloc family; memray's count is not comparable \
+         (it also sees Python's own allocator) and is left out."
+    );
+    Ok(out)
+}
+
+pub fn wrapped(section: &str) -> String {
+    format!("{HEADING}\n\n{BEGIN}\n{}\n{END}\n", section.trim_end())
+}
+
+/// `doc` with this section replaced (or appended).
+pub fn replace_section(doc: &str, section: &str) -> String {
+    match (doc.find(HEADING), doc.find(END)) {
+        (Some(start), Some(end)) if end > start => {
+            format!("{}{}{}", &doc[..start], wrapped(section), &doc[end + END.len()..].trim_start_matches('\n'))
+        }
+        _ => format!("{}\n\n{}", doc.trim_end(), wrapped(section)),
+    }
+}
+
+/// `cargo xtask bench heavy`: this section alone, replaced in BENCHMARKS.md.
+pub fn run_alone() -> Result<()> {
+    crate::require_root("bench")?;
+    crate::setup()?;
+    let (memtrace, _) = build_release()?;
+    fs::create_dir_all(target_dir().join("bench"))?;
+    let section = section(&memtrace)?;
+    println!("\n{section}");
+    let path = workspace_root().join("BENCHMARKS.md");
+    let doc = fs::read_to_string(&path).unwrap_or_default();
+    fs::write(&path, replace_section(&doc, &section))?;
+    eprintln!("xtask bench: updated the heavy-programs section of BENCHMARKS.md");
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_section_is_replaced_in_place_or_appended() {
+        let doc = "# B\n\nintro\n";
+        let once = replace_section(doc, "| a |");
+        assert!(once.starts_with("# B\n\nintro\n\n## Heavy"), "{once}");
+        let twice = replace_section(&format!("{once}\n## Later\n"), "| b |");
+        assert!(twice.contains("| b |") && !twice.contains("| a |") && twice.ends_with("## Later\n"), "{twice}");
+    }
+}
