@@ -57,25 +57,33 @@ pub(crate) fn try_alloc_enter(ctx: &ProbeContext) -> Result<(), ()> {
         // Otherwise the entry is stale (its return was never seen): replace it.
     }
     let arg = |n: usize| -> u64 { ctx.arg::<u64>(n).unwrap_or(0) };
-    let (bytes_req, ptr_arg) = match Kind::from_u8(kind) {
-        Some(Kind::Malloc | Kind::Valloc | Kind::Pvalloc) => (arg(0), 0),
-        Some(Kind::Calloc) => (arg(0).wrapping_mul(arg(1)), 0),
-        Some(Kind::Realloc) => (arg(1), arg(0)),
-        Some(Kind::ReallocArray) => (arg(1).wrapping_mul(arg(2)), arg(0)),
-        Some(Kind::PosixMemalign) => (arg(2), arg(0)),
-        Some(Kind::AlignedAlloc | Kind::Memalign) => (arg(1), 0),
-        Some(Kind::Mmap) => (arg(1), 0),
+    // log2 of an alignment argument (0: none or not a power of two).
+    let lg = |a: u64| -> u8 { if a.is_power_of_two() { a.trailing_zeros() as u8 } else { 0 } };
+    let (bytes_req, ptr_arg, lg_align) = match Kind::from_u8(kind) {
+        Some(Kind::Malloc | Kind::New) => (arg(0), 0, 0),
+        Some(Kind::Valloc | Kind::Pvalloc) => (arg(0), 0, 12),
+        Some(Kind::Calloc) => (arg(0).wrapping_mul(arg(1)), 0, 0),
+        Some(Kind::Realloc) => (arg(1), arg(0), 0),
+        Some(Kind::ReallocArray) => (arg(1).wrapping_mul(arg(2)), arg(0), 0),
+        Some(Kind::PosixMemalign) => (arg(2), arg(0), lg(arg(1))),
+        Some(Kind::AlignedAlloc | Kind::Memalign) => (arg(1), 0, lg(arg(0))),
+        Some(Kind::NewAligned) => (arg(0), 0, lg(arg(1))),
+        // jemalloc's flags: the low six bits are lg(alignment).
+        Some(Kind::Mallocx) => (arg(0), 0, (arg(1) & 63) as u8),
+        Some(Kind::Rallocx) => (arg(1), arg(0), (arg(2) & 63) as u8),
+        Some(Kind::Mmap) => (arg(1), 0, 0),
         _ => return Err(()),
     };
+    let reallocating = matches!(Kind::from_u8(kind), Some(Kind::Realloc | Kind::ReallocArray | Kind::Rallocx));
     let mut sampling = inflight::SAMPLE_NEW | inflight::OLD_SAMPLED;
     let mean = sampling_mean();
     if mean != 0 {
-        let has_old = ptr_arg != 0 && matches!(Kind::from_u8(kind), Some(Kind::Realloc | Kind::ReallocArray));
+        let has_old = ptr_arg != 0 && reallocating;
         // SAFETY: plain byte value.
         let old_sampled = has_old && unsafe { SAMPLED_LIVE.get(sampled_key(tgid, ptr_arg)) }.is_some();
         sampling = if sample_hit(bytes_req, mean) { inflight::SAMPLE_NEW } else { 0 }
             | if old_sampled { inflight::OLD_SAMPLED } else { 0 };
-        if sampling == 0 && !matches!(Kind::from_u8(kind), Some(Kind::Realloc | Kind::ReallocArray)) {
+        if sampling == 0 && !reallocating {
             // Nothing of this call is recorded: its return finds no state. (realloc keeps
             // an empty state, so the malloc it may tail-call does not draw a second chance.)
             return Ok(());
@@ -85,7 +93,7 @@ pub(crate) fn try_alloc_enter(ctx: &ProbeContext) -> Result<(), ()> {
         kind,
         flags: sampling | glibc,
         allocator: (cookie >> memtrace_common::cookie::ALLOCATOR_SHIFT) as u8,
-        _pad: 0,
+        lg_align,
         depth: 0,
         sp,
         // SAFETY: no preconditions.
@@ -157,7 +165,7 @@ pub(crate) fn try_alloc_return(ctx: &RetProbeContext) -> Result<(), ()> {
         _ => ret,
     };
     let ring = this_ring().ok_or(())?;
-    let is_realloc = matches!(kind, Kind::Realloc | Kind::ReallocArray);
+    let is_realloc = matches!(kind, Kind::Realloc | Kind::ReallocArray | Kind::Rallocx);
     let sampling = config!(sample_bytes) != 0;
     if is_realloc && state.ptr_arg != 0 && state.flags & inflight::OLD_SAMPLED != 0 {
         if ptr == 0 && state.bytes_req != 0 {
@@ -192,7 +200,16 @@ pub(crate) fn try_alloc_return(ctx: &RetProbeContext) -> Result<(), ()> {
             _ => (state.bytes_req, false),
         }
     } else {
+        // Another family: user space computes the usable size from its size classes and
+        // the alignment asked (never a glibc header in front of another allocator's block).
         (state.bytes_req, false)
+    };
+    let extra = if exact {
+        (bytes_alloc - state.bytes_req).min(u32::MAX as u64) as u32
+    } else if state.lg_align > 0 {
+        1u32 << state.lg_align.min(31)
+    } else {
+        0
     };
     emit::<UserAllocRecord>(ring, |r| {
         r.rtype = RecordType::UserAlloc as u8;
@@ -201,7 +218,7 @@ pub(crate) fn try_alloc_return(ctx: &RetProbeContext) -> Result<(), ()> {
         r.flags = if exact { flags::USABLE_EXACT } else { 0 } | if stack.is_some() { flags::HAS_STACK } else { 0 };
         r.pid = tgid;
         r.tid = tid;
-        r.bytes_extra = (bytes_alloc - state.bytes_req).min(u32::MAX as u64) as u32;
+        r.bytes_extra = extra;
         r.ts_ns = now;
         r.ptr = ptr;
         r.bytes_req = state.bytes_req;

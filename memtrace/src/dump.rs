@@ -93,6 +93,7 @@ mod tests {
             gfp_flags: 0xcc0,
             node: -1,
             order: 0,
+            allocator: 0,
         });
         assert_eq!(
             Line(&alloc).to_string(),

@@ -24,6 +24,7 @@ pub mod procfs;
 pub mod recording;
 pub mod report;
 pub mod session;
+pub mod sizes;
 pub mod stacks;
 pub mod symbolize;
 pub mod top;

@@ -62,8 +62,17 @@ fn is_root() -> bool {
 
 /// Debian packages `setup` installs (once; it checks with dpkg first), and what for. One
 /// line each, so a feature that needs a real component adds it here.
-const DEBIAN_PACKAGES: &[(&str, &str)] =
-    &[("gcc", "the bundled C workloads"), ("libc6-dev", "the bundled C workloads")];
+const DEBIAN_PACKAGES: &[(&str, &str)] = &[
+    ("gcc", "the bundled C workloads"),
+    ("g++", "the bundled C++ workload (operator new/delete)"),
+    ("libc6-dev", "the bundled C workloads"),
+    ("libjemalloc2", "allocator tests: jemalloc preloaded"),
+    ("libjemalloc-dev", "allocator tests: a prefixed jemalloc shim, nallocx"),
+    ("libmimalloc2.0", "allocator tests: mimalloc preloaded"),
+    ("libmimalloc-dev", "allocator tests: mi_usable_size"),
+    ("libtcmalloc-minimal4", "allocator tests: tcmalloc preloaded"),
+    ("libgoogle-perftools-dev", "allocator tests: tc_malloc_size"),
+];
 
 fn dpkg_installed(package: &str) -> bool {
     Command::new("dpkg-query")

@@ -39,6 +39,28 @@ pub struct Summary {
     pub stacks: StackTable,
     /// Per domain: allocations traced with a stack, and how many of those stacks were cut.
     pub coverage: BTreeMap<Domain, StackCoverage>,
+    /// The allocators of the recording with their figures.
+    pub allocators: Vec<AllocatorRow>,
+}
+
+/// An allocator the recording found, and what went through it (after the filters).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
+pub struct AllocatorRow {
+    pub module: String,
+    pub family: String,
+    pub prefix: String,
+    pub allocs: u64,
+    pub frees: u64,
+    pub bytes_req: u64,
+    pub bytes_alloc: u64,
+}
+
+/// Whether allocator `index` (1-based) of `allocators` is the one `name` names.
+fn allocator_matches(allocators: &[recording::AllocatorMeta], index: u8, name: &str) -> bool {
+    let Some(a) = index.checked_sub(1).and_then(|i| allocators.get(usize::from(i))) else {
+        return name == "unknown";
+    };
+    a.family == name || (!a.prefix.is_empty() && a.prefix == name) || a.module.contains(name)
 }
 
 /// How whole the stacks of a domain's allocations are.
@@ -65,6 +87,8 @@ pub struct GroupRow {
     pub stats: Stats,
     pub stack: u64,
     pub call_site: u64,
+    /// User sites: the family of the allocator that served them (the first allocation's).
+    pub allocator: Option<String>,
 }
 
 /// Blocks still live at the end, from one stack.
@@ -88,6 +112,7 @@ struct GroupInfo {
     call_site: u64,
     kinds: Vec<Kind>,
     pids: Vec<u32>,
+    allocator: u8,
 }
 
 /// Assigns allocations to groups (the analyzer's grouping function) and remembers each
@@ -122,6 +147,7 @@ impl Grouper<'_> {
                 call_site: o.call_site,
                 kinds: Vec::new(),
                 pids: Vec::new(),
+                allocator: o.allocator,
             });
         }
         let info = &mut self.infos[g as usize];
@@ -187,6 +213,19 @@ pub fn analyze(path: &Path, opts: &ReportOptions) -> Result<Summary> {
         index: HashMap::new(),
     };
 
+    let recorded_allocators = stats.allocators.clone();
+    let mut allocators: Vec<AllocatorRow> = recorded_allocators
+        .iter()
+        .map(|a| AllocatorRow {
+            module: a.module.clone(),
+            family: a.family.clone(),
+            prefix: a.prefix.clone(),
+            ..Default::default()
+        })
+        .collect();
+    // Live heap blocks by (pid, address): the allocator that served them, for its frees.
+    let mut served_by: HashMap<(u32, u64), u8> = HashMap::new();
+    let allocator_filter = filters.allocator.clone();
     let mut analyzer = Analyzer::new(|o: &Origin| grouper.group_of(o));
     analyzer.sample_bytes = meta.sample_bytes;
     analyzer.sample_from = stats.sampled_from;
@@ -215,8 +254,36 @@ pub fn analyze(path: &Path, opts: &ReportOptions) -> Result<Summary> {
         {
             coverage.count(Domain::of(a.kind), a.stack);
         }
+        let user_heap = |k: Kind| k.space() == memtrace_common::Space::Heap;
+        if process_ok {
+            match &event {
+                Event::Alloc(a) if user_heap(a.kind) && a.allocator != 0 => {
+                    served_by.insert((a.pid, a.ptr), a.allocator);
+                    if let Some(row) = allocators.get_mut(usize::from(a.allocator - 1)) {
+                        row.allocs += 1;
+                        row.bytes_req += a.bytes_req;
+                        row.bytes_alloc += a.bytes_alloc;
+                    }
+                }
+                Event::Free(f) if user_heap(f.kind) => {
+                    if let Some(i) = served_by.remove(&(f.pid, f.ptr))
+                        && let Some(row) = allocators.get_mut(usize::from(i - 1))
+                    {
+                        row.frees += 1;
+                    }
+                }
+                _ => {}
+            }
+        }
+        let other_allocator = |a: &crate::event::Alloc| {
+            allocator_filter
+                .as_deref()
+                .is_some_and(|name| !user_heap(a.kind) || !allocator_matches(&recorded_allocators, a.allocator, name))
+        };
         match &event {
-            Event::Alloc(a) if !process_ok || !filters.admits_size(a.bytes_req) => analyzer.push_excluded(a),
+            Event::Alloc(a) if !process_ok || !filters.admits_size(a.bytes_req) || other_allocator(a) => {
+                analyzer.push_excluded(a)
+            }
             Event::Free(_) if !process_ok => {
                 analyzer.quiet_unmatched = true;
                 analyzer.push(&event);
@@ -247,6 +314,11 @@ pub fn analyze(path: &Path, opts: &ReportOptions) -> Result<Summary> {
             stats,
             stack: info.stack,
             call_site: info.call_site,
+            allocator: info
+                .allocator
+                .checked_sub(1)
+                .and_then(|i| recorded_allocators.get(usize::from(i)))
+                .map(|a| a.family.clone()),
         });
     }
     sort_rows(&mut rows, opts.sort);
@@ -271,6 +343,7 @@ pub fn analyze(path: &Path, opts: &ReportOptions) -> Result<Summary> {
         comms,
         stacks: table,
         coverage: coverage.coverage,
+        allocators,
     })
 }
 

@@ -90,6 +90,9 @@ struct JsonSite<'a> {
     leaked_at_exit: u64,
     #[serde(skip_serializing_if = "Option::is_none")]
     process: Option<String>,
+    /// User sites: the family of the allocator that served them.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    allocator: Option<&'a str>,
 }
 
 #[derive(Serialize)]
@@ -142,6 +145,7 @@ pub fn render_json(a: &Summary, opts: &ReportOptions) -> Result<String> {
                 freed_on_other_cpu: s.freed_on_other_cpu,
                 leaked_at_exit: s.leaked_at_exit,
                 process: (a.by == GroupBy::Process).then(|| g.label.clone()),
+                allocator: g.allocator.as_deref(),
             }
         })
         .collect();
@@ -196,6 +200,7 @@ pub fn render_json(a: &Summary, opts: &ReportOptions) -> Result<String> {
         "stacks": a.coverage.iter().map(|(d, c)| (domain_name(*d), c)).collect::<BTreeMap<_, _>>(),
         "recording": a.meta,
         "group_by": a.by,
+        "allocators": a.allocators,
         "sites": sites,
         "leaks": if opts.leaks { Some(leaks) } else { None },
     });

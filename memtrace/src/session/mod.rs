@@ -33,6 +33,7 @@ use crate::{
     probes::{self, Allocator, CallGraph, Counters, Detaching, Probes, uprobe_multi::AttachPath},
     procfs,
     recording::RingBytes,
+    sizes::usable::{Model, UsableSizes},
     unwind::{UnwindOptions, UnwindStats, Unwinder},
 };
 
@@ -134,16 +135,19 @@ pub struct Tracer {
     child: Option<PausedChild>,
     reorder: Reorder,
     /// Every allocator found so far: the target's, those of programs exec'd later, those
-    /// loaded with dlopen.
-    allocators: Vec<Allocator>,
-    /// (pid, allocator file) pairs with probes (pid 0: every process).
-    attached: HashSet<(u32, (u64, u64))>,
+    /// loaded with dlopen. An allocator's index is its position plus one.
+    pub allocators: Vec<Allocator>,
+    /// (pid, allocator file, prefix) with probes (pid 0: every process).
+    attached: HashSet<(u32, (u64, u64), String)>,
+    /// Gives user allocations their usable size from their allocator's size classes.
+    usable: UsableSizes,
     /// Processes followed (targets and their children), for the dlopen scan.
     followed: HashSet<u32>,
     /// Objects already checked for an allocator.
     checked_objects: HashSet<PathBuf>,
-    /// Programs whose allocator was resolved (exec'd again and again: resolved once).
-    resolved_programs: HashMap<PathBuf, Option<Allocator>>,
+    /// Programs (and what they preload) whose allocators were resolved (exec'd again and
+    /// again: resolved once).
+    resolved_programs: HashMap<(PathBuf, Vec<PathBuf>), Vec<Allocator>>,
     last_scan: Instant,
     last_loss_check: Instant,
     lost_seen: u64,
@@ -184,16 +188,26 @@ impl Tracer {
         }
         probes::check_privileges()?;
         let prefix = &options.symbol_prefix;
-        let allocator = match (&options.target, &program, options.user) {
-            (_, _, false) => None,
+        let found: Vec<Allocator> = match (&options.target, &program, options.user) {
+            (_, _, false) => Vec::new(),
             (Target::Pid(pid), _, true) => {
-                Some(probes::allocator::for_process(*pid, prefix).with_context(|| format!("pid {pid}"))?)
+                probes::allocator::all_for_process(*pid, prefix).with_context(|| format!("pid {pid}"))?
             }
-            (Target::Command(_), Some(program), true) => Some(
-                probes::allocator::for_executable(program, prefix).with_context(|| program.display().to_string())?,
-            ),
-            _ => Some(probes::allocator::system_libc(prefix)?),
+            (Target::Command(_), Some(program), true) => probes::allocator::all_for_executable(program, None, prefix)
+                .with_context(|| program.display().to_string())?,
+            _ => probes::allocator::all_for_process(std::process::id(), prefix)?,
         };
+        let mut usable = UsableSizes::default();
+        let found: Vec<Allocator> = found
+            .into_iter()
+            .enumerate()
+            .map(|(i, mut a)| {
+                a.index = u8::try_from(i + 1).unwrap_or(0);
+                usable.set_model(a.index, Model::for_family(a.family, None));
+                a
+            })
+            .collect();
+        let allocator = found.first().cloned();
         let is_command = matches!(options.target, Target::Command(_));
         let mut unwinder = (options.call_graph != CallGraph::Fp && options.user_stacks && options.user)
             .then(|| Unwinder::new(&options.unwind));
@@ -234,7 +248,7 @@ impl Tracer {
             if options.kernel {
                 probes.attach_kernel()?;
             }
-            if let Some(allocator) = &allocator {
+            for allocator in &found {
                 probes.attach_allocator(allocator, probe_scope(&probes, options, target_pid))?;
             }
             Ok(())
@@ -262,16 +276,17 @@ impl Tracer {
         }
         Ok(Self {
             probes,
-            allocators: allocator.iter().cloned().collect(),
-            attached: allocator.iter().map(|a| (attached_to, a.file_id)).collect(),
+            attached: found.iter().map(|a| (attached_to, a.file_id, a.prefix.clone())).collect(),
+            usable,
             followed: target_pid.into_iter().collect(),
             checked_objects: HashSet::new(),
             resolved_programs: program
                 .as_ref()
                 .and_then(|p| std::fs::canonicalize(p).ok())
-                .map(|p| (p, allocator.clone()))
+                .map(|p| ((p, Vec::new()), found.clone()))
                 .into_iter()
                 .collect(),
+            allocators: found,
             last_scan: Instant::now(),
             last_loss_check: Instant::now(),
             lost_seen: 0,
@@ -366,6 +381,14 @@ impl Tracer {
                         if let Some(u) = self.unwinder.as_mut() {
                             u.mapping(&m, &mut self.probes);
                         }
+                        // A library mapped executable (dlopen): look for allocators in it now.
+                        if let Some(path) = &m.path
+                            && self.cutoff_ns.is_none()
+                            && self.followed.contains(&m.pid)
+                        {
+                            let object = procfs::path_in_process(m.pid, Path::new(path));
+                            self.check_object(object);
+                        }
                     }
                     Ok(Record::Cache { cache, name }) => sink.cache_seen(cache, &name),
                     Ok(Record::Task(t, space)) => {
@@ -393,7 +416,11 @@ impl Tracer {
                 Self::deliver(u, done, sink);
             }
         }
-        let mut forward = |e: Event| sink.event(e);
+        let usable = &mut self.usable;
+        let mut forward = |mut e: Event| {
+            usable.apply(&mut e);
+            sink.event(e)
+        };
         if everything {
             self.reorder.release_all(&mut forward);
         } else {
@@ -438,8 +465,28 @@ impl Tracer {
             && !matches!(self.options.target, Target::All)
     }
 
+    /// Adds an allocator to the session's list (or finds it there), giving it its index.
+    fn register(&mut self, mut allocator: Allocator) -> Allocator {
+        if let Some(known) =
+            self.allocators.iter().find(|a| a.file_id == allocator.file_id && a.prefix == allocator.prefix)
+        {
+            return known.clone();
+        }
+        let Ok(index) = u8::try_from(self.allocators.len() + 1) else {
+            return allocator; // index 0: counted, sizes unknown
+        };
+        allocator.index = index;
+        let transfer = self.target_pid.and_then(tcmalloc_transfer_num_obj);
+        self.usable.set_model(index, Model::for_family(allocator.family, transfer));
+        if !self.options.quiet {
+            log::info!("allocator found: {}", allocator.describe());
+        }
+        self.allocators.push(allocator.clone());
+        allocator
+    }
+
     fn attach(&mut self, pid: u32, allocator: &Allocator) {
-        if !self.attached.insert((pid, allocator.file_id)) {
+        if !self.attached.insert((pid, allocator.file_id, allocator.prefix.clone())) {
             return;
         }
         if let Err(e) = self.probes.attach_allocator(allocator, (pid != 0).then_some(pid))
@@ -479,17 +526,41 @@ impl Tracer {
         }
         let canonical = std::fs::canonicalize(&exe).unwrap_or_else(|_| exe.clone());
         let prefix = &self.options.symbol_prefix;
+        // What the new program preloads is in its own environment (`env LD_PRELOAD=... prog`).
+        let preload = procfs::ld_preload(pid);
         let resolved = self
             .resolved_programs
-            .entry(canonical)
-            .or_insert_with(|| probes::allocator::for_executable(&exe, prefix).ok())
+            .entry((canonical, preload.clone()))
+            .or_insert_with(|| probes::allocator::all_for_executable(&exe, Some(&preload), prefix).unwrap_or_default())
             .clone();
-        let Some(allocator) = resolved else { return };
         let scope = probe_scope(&self.probes, &self.options, Some(pid)).unwrap_or(0);
-        if !self.allocators.iter().any(|a| a.file_id == allocator.file_id) {
-            self.allocators.push(allocator.clone());
+        for allocator in resolved {
+            let allocator = self.register(allocator);
+            self.attach(scope, &allocator);
         }
-        self.attach(scope, &allocator);
+    }
+
+    /// An object a followed process mapped: its allocators (its malloc family, prefixed
+    /// jemallocs) get probes in every followed process.
+    fn check_object(&mut self, object: PathBuf) {
+        if !self.checked_objects.insert(object.clone()) {
+            return;
+        }
+        let id = probes::allocator::file_id(&object);
+        let mut found = probes::allocator::prefixed(std::slice::from_ref(&object));
+        if !self.allocators.iter().any(|a| a.file_id == id && a.prefix == self.options.symbol_prefix)
+            && let Ok(primary) = probes::allocator::resolve(std::slice::from_ref(&object), &self.options.symbol_prefix)
+            && primary.file_id == id
+        {
+            found.insert(0, primary);
+        }
+        for allocator in found {
+            let allocator = self.register(allocator);
+            for p in self.followed.clone() {
+                let scope = probe_scope(&self.probes, &self.options, Some(p)).unwrap_or(0);
+                self.attach(scope, &allocator);
+            }
+        }
     }
 
     /// Housekeeping between drains: allocators loaded with dlopen by followed processes
@@ -527,7 +598,6 @@ impl Tracer {
     }
 
     fn scan_for_dlopened_allocators(&mut self) {
-        let prefix = self.options.symbol_prefix.clone();
         for pid in self.followed.clone() {
             let Ok(maps) = procfs::Maps::read(pid) else {
                 self.followed.remove(&pid);
@@ -540,20 +610,7 @@ impl Tracer {
                 .filter(|p| !self.checked_objects.contains(p))
                 .collect();
             for object in objects {
-                self.checked_objects.insert(object.clone());
-                let id = probes::allocator::file_id(&object);
-                if self.allocators.iter().any(|a| a.file_id == id) {
-                    continue;
-                }
-                // Another object defining the allocator's entry points: probe it too.
-                if let Ok(found) = probes::allocator::resolve(std::slice::from_ref(&object), &prefix)
-                    && found.file_id == id
-                {
-                    self.allocators.push(found.clone());
-                    for p in self.followed.clone() {
-                        self.attach(p, &found);
-                    }
-                }
+                self.check_object(object);
             }
         }
     }
@@ -767,6 +824,15 @@ impl Drop for Waker {
 }
 
 /// Runs `body` on a single-threaded tokio runtime that ends (with every task on it) when
+/// `TCMALLOC_TRANSFER_NUM_OBJ` in a process's environment (it changes tcmalloc's classes).
+fn tcmalloc_transfer_num_obj(pid: u32) -> Option<i64> {
+    let environ = std::fs::read(format!("/proc/{pid}/environ")).ok()?;
+    environ
+        .split(|&b| b == 0)
+        .find_map(|v| v.strip_prefix(b"TCMALLOC_TRANSFER_NUM_OBJ="))
+        .and_then(|v| std::str::from_utf8(v).ok()?.trim().parse().ok())
+}
+
 /// `body` returns.
 pub fn block_on<T>(body: impl std::future::Future<Output = T>) -> Result<T> {
     let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build()?;

@@ -421,6 +421,15 @@ fn finish(
         unwind_frames: counters.unwind_frames,
         unwind_cache_hits: counters.unwind_cache_hits,
         ring_bytes: tracer.ring_bytes,
+        allocators: tracer
+            .allocators
+            .iter()
+            .map(|a| crate::recording::AllocatorMeta {
+                module: a.object.display().to_string(),
+                family: a.family.name().to_string(),
+                prefix: a.prefix.clone(),
+            })
+            .collect(),
         ..Default::default()
     };
     recorder.write_symbols();

@@ -365,6 +365,7 @@ fn alloc(ts: u64, pid: u32, kind: Kind, ptr: u64, req: u64) -> Event {
         gfp_flags: 0,
         node: -1,
         order: 0,
+        allocator: 0,
     })
 }
 
