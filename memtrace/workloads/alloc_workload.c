@@ -9,7 +9,8 @@
  * Other modes: --loop N (N malloc+free pairs, prints ns/pair: the overhead benchmark),
  * --kernel-loop N (N pipe()+close() pairs: kernel allocations on behalf of the task),
  * --dlopen LIB N (load the allocator library LIB with dlopen, wait 3 s, then make N
- * allocations with its malloc, through dlsym: a second allocator memtrace must find),
+ * allocations with its malloc, through dlsym: a second allocator memtrace must find;
+ * with --dlopen-prefix P, its P##malloc, and each block is freed with its P##free),
  * --custom N (N allocations from a tiny allocator of its own, mt_malloc/mt_free: what
  * `record --symbol-prefix mt_` must find in the executable),
  * --stacks (allocations whose stacks test an unwinder: one in a signal handler, one in a
@@ -149,7 +150,11 @@ NOINLINE static void wl_realloc(struct tally *t, size_t a, size_t b) {
     touch(q, b);
     void *r = realloc(q, 0);
     count_free(t, S_REALLOC, b);
-    sink ^= (uintptr_t)r; /* glibc returns NULL */
+    if (r) { /* mimalloc returns a fresh minimal block (glibc, jemalloc, tcmalloc: NULL) */
+        count_alloc(t, S_REALLOC, r, 0);
+        free(r);
+        count_free(t, S_REALLOC, 0);
+    }
 }
 
 NOINLINE static void *wl_reallocarray(struct tally *t, size_t n1, size_t n2, size_t size) {
@@ -413,9 +418,15 @@ NOINLINE static void wl_custom(long n, const char *manifest) {
     }
 }
 
+static void (*dl_free)(void *);
+
 NOINLINE static void wl_dlopen_alloc(void *(*dl_malloc)(size_t), long n) {
-    for (long i = 0; i < n; i++)
-        sink ^= (uintptr_t)dl_malloc(48);
+    for (long i = 0; i < n; i++) {
+        void *p = dl_malloc(48);
+        sink ^= (uintptr_t)p;
+        if (dl_free)
+            dl_free(p);
+    }
 }
 
 /* --stacks: blocks whose stacks exercise an unwinder; tests know their sizes. */
@@ -571,7 +582,16 @@ int main(int argc, char **argv) {
             fprintf(stderr, "%s\n", dlerror());
             return 2;
         }
-        void *(*dl_malloc)(size_t) = (void *(*)(size_t))dlsym(lib, "malloc");
+        const char *prefix = arg_string(argc, argv, "--dlopen-prefix");
+        char name[128];
+        snprintf(name, sizeof name, "%smalloc", prefix ? prefix : "");
+        void *(*dl_malloc)(size_t) = (void *(*)(size_t))dlsym(lib, name);
+        snprintf(name, sizeof name, "%sfree", prefix ? prefix : "");
+        dl_free = prefix ? (void (*)(void *))dlsym(lib, name) : NULL;
+        if (!dl_malloc) {
+            fprintf(stderr, "no %smalloc in %s\n", prefix ? prefix : "", dl);
+            return 2;
+        }
         sleep(3);
         long n = 0;
         for (int i = 1; i + 2 < argc + 1; i++)
