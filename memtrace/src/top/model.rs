@@ -43,6 +43,8 @@ pub struct LiveView {
     /// Rows first seen after a reset start from their current figures (no rate spike);
     /// otherwise a new row's activity all happened during the last interval.
     just_reset: bool,
+    /// The session's allocators' families, by index - 1 (the tracer's list).
+    pub allocator_families: Vec<&'static str>,
 }
 
 /// One row of the view.
@@ -57,6 +59,8 @@ pub struct Row {
     pub bytes_per_sec: f64,
     /// Live bytes now minus when the row first appeared.
     pub growth: i64,
+    /// User rows: the family of the allocator that served them (shown in the detail view).
+    pub allocator: Option<&'static str>,
 }
 
 /// Figures of one domain.
@@ -165,6 +169,7 @@ impl LiveView {
             last_totals: (0, 0, 0),
             just_reset: false,
             sample_from: None,
+            allocator_families: Vec::new(),
         }
     }
 
@@ -213,6 +218,10 @@ impl LiveView {
                 allocs_per_sec: (stats.allocs - prev_allocs.min(stats.allocs)) as f64 / secs,
                 bytes_per_sec: (stats.bytes_req - prev_bytes.min(stats.bytes_req)) as f64 / secs,
                 growth: stats.live_bytes_req as i64 - first_live as i64,
+                allocator: origin
+                    .allocator
+                    .checked_sub(1)
+                    .and_then(|i| self.allocator_families.get(usize::from(i)).copied()),
                 stats,
                 key,
             });
