@@ -197,6 +197,32 @@ fn an_allocator_preloaded_by_a_wrapper_is_found_at_the_exec() {
     assert_eq!(got["allocator"], "jemalloc");
 }
 
+#[test]
+fn a_static_musl_malloc_is_recognised_and_keeps_the_request() {
+    require_root();
+    let _sharing = sharing_the_machine();
+    let dir = scratch("musl");
+    let exe = dir.join("musl_alloc");
+    let source = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/programs/musl_alloc.c");
+    let status = Command::new("musl-gcc")
+        .args(["-static", "-O2", "-g", "-o"])
+        .arg(&exe)
+        .arg(&source)
+        .status()
+        .expect("musl-gcc (cargo xtask setup installs musl-tools)");
+    assert!(status.success());
+    let data = dir.join("rec.data");
+    run(memtrace().args(["record", "-q", "--no-kernel", "-o"]).arg(&data).arg("--").arg(&exe));
+    let report = report_json(&data, &["--by", "function"]);
+    assert_eq!(report["allocators"][0]["family"], "musl", "{:#}", report["allocators"]);
+    let s = site(&report, "wl_musl_malloc").unwrap_or_else(|| panic!("{report:#}"));
+    assert_eq!(s["allocs"], 300);
+    assert_eq!(s["frees"], 300);
+    let req: u64 = (0..300).map(|i| 10 + i).sum();
+    assert_eq!(s["bytes_req"], req);
+    assert_eq!(s["bytes_alloc"], req, "musl's usable size is the request");
+}
+
 /// Compiles the usable-size program against an allocator and returns its step function.
 fn real_steps(link: &str, define: &str, api: &str, align: u64, dir: &Path) -> Vec<(u64, u64)> {
     let source = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/programs/usable_sizes.c");

@@ -72,6 +72,7 @@ const DEBIAN_PACKAGES: &[(&str, &str)] = &[
     ("libmimalloc-dev", "allocator tests: mi_usable_size"),
     ("libtcmalloc-minimal4", "allocator tests: tcmalloc preloaded"),
     ("libgoogle-perftools-dev", "allocator tests: tc_malloc_size"),
+    ("musl-tools", "allocator tests: a static musl program"),
 ];
 
 fn dpkg_installed(package: &str) -> bool {
