@@ -618,6 +618,9 @@ pub mod inflight {
     pub const OLD_SAMPLED: u8 = 2;
     /// The allocator is glibc's (from the attach cookie).
     pub const GLIBC: u8 = 4;
+    /// The allocator is mimalloc 2.0 (release layout): aligned blocks' usable size is read
+    /// from its segment and page metadata.
+    pub const MIMALLOC: u8 = 8;
 }
 
 /// Attach cookies of the malloc-family probes: the `Kind` in the low byte, flags above,
@@ -625,6 +628,8 @@ pub mod inflight {
 pub mod cookie {
     /// The allocator is glibc's: read `malloc_usable_size` from the chunk header.
     pub const GLIBC: u64 = 1 << 8;
+    /// mimalloc 2.0, release layout: read an aligned block's usable size from its page.
+    pub const MIMALLOC: u64 = 1 << 9;
     pub const ALLOCATOR_SHIFT: u32 = 16;
 }
 

@@ -37,7 +37,8 @@ pub(crate) fn try_alloc_enter(ctx: &ProbeContext) -> Result<(), ()> {
     // SAFETY: the helper only reads the attach cookie of this program's link.
     let cookie = unsafe { generated::bpf_get_attach_cookie(ctx.as_ptr()) };
     let kind = cookie as u8;
-    let glibc = if cookie & memtrace_common::cookie::GLIBC != 0 { inflight::GLIBC } else { 0 };
+    let glibc = if cookie & memtrace_common::cookie::GLIBC != 0 { inflight::GLIBC } else { 0 }
+        | if cookie & memtrace_common::cookie::MIMALLOC != 0 { inflight::MIMALLOC } else { 0 };
     // SAFETY: ctx is this probe's pt_regs.
     let sp = unsafe { (*regs(ctx)).rsp };
     // SAFETY: the value is copied out and written back whole.
@@ -126,6 +127,39 @@ pub(crate) fn glibc_usable_size(ptr: u64) -> Option<u64> {
     chunk.checked_sub(overhead)
 }
 
+/// mimalloc 2.0's `mi_usable_size` (release build, x86_64), from the block's segment
+/// (32 MiB aligned) and page metadata: three reads. The offsets are those of the 2.0.9
+/// layout (`mi_segment_t.slices` at 264, 80-byte `mi_page_t`: `slice_count` at 0,
+/// `slice_offset` at 4, `xblock_size` at 28).
+#[inline(always)]
+pub(crate) fn mimalloc_usable_size(ptr: u64) -> Option<u64> {
+    const SEGMENT: u64 = 32 << 20;
+    const SLICES: u64 = 264;
+    const SLICE_SIZE: u64 = 80;
+    let segment = (ptr - 1) & !(SEGMENT - 1);
+    let slice = segment + SLICES + ((ptr - segment) >> 16) * SLICE_SIZE;
+    // SAFETY: reads user memory through the checked helper.
+    let slice_offset: u32 = unsafe { bpf_probe_read_user((slice + 4) as *const u32) }.ok()?;
+    let page = slice.checked_sub(u64::from(slice_offset))?;
+    // SAFETY: as above.
+    let xblock: u32 = unsafe { bpf_probe_read_user((page + 28) as *const u32) }.ok()?;
+    let start = if (8..=1024).contains(&xblock) { 384 } else { 0 };
+    let bsize = if xblock < (2 << 30) {
+        u64::from(xblock)
+    } else {
+        // SAFETY: as above.
+        let slice_count: u32 = unsafe { bpf_probe_read_user(page as *const u32) }.ok()?;
+        (u64::from(slice_count) << 16).checked_sub(start)?
+    };
+    if bsize == 0 {
+        return None;
+    }
+    let page_index = page.checked_sub(segment + SLICES)? / SLICE_SIZE;
+    let page_start = segment + (page_index << 16) + start;
+    let into = ptr.checked_sub(page_start)?;
+    Some(bsize - into % bsize)
+}
+
 pub(crate) fn try_alloc_return(ctx: &RetProbeContext) -> Result<(), ()> {
     let (id, tgid, tid) = pid_tgid();
     // SAFETY: copied out at once.
@@ -197,6 +231,17 @@ pub(crate) fn try_alloc_return(ctx: &RetProbeContext) -> Result<(), ()> {
     } else if state.flags & inflight::GLIBC != 0 {
         match glibc_usable_size(ptr) {
             Some(usable) if usable >= state.bytes_req => (usable, true),
+            _ => (state.bytes_req, false),
+        }
+    } else if state.flags & inflight::MIMALLOC != 0
+        && matches!(
+            kind,
+            Kind::PosixMemalign | Kind::AlignedAlloc | Kind::Memalign | Kind::Valloc | Kind::Pvalloc | Kind::NewAligned
+        )
+    {
+        // Aligned blocks: their usable size depends on the heap's state, not on the call.
+        match mimalloc_usable_size(ptr) {
+            Some(usable) if usable >= state.bytes_req && usable - state.bytes_req <= u32::MAX as u64 => (usable, true),
             _ => (state.bytes_req, false),
         }
     } else {

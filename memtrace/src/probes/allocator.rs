@@ -66,6 +66,9 @@ pub struct Allocator {
     pub prefix: String,
     /// The index its records carry (`UserAllocRecord::allocator`), set by the session.
     pub index: u8,
+    /// mimalloc 2.0 with the release layout (Debian's `libmimalloc.so.2.0`): the probes
+    /// read aligned blocks' usable size from its page metadata.
+    pub mimalloc_pages: bool,
     pub points: Vec<AttachPoint>,
 }
 
@@ -238,6 +241,7 @@ pub fn resolve(candidates: &[PathBuf], prefix: &str) -> Result<Allocator> {
         );
     };
     points.extend(mapping_points.unwrap_or_default());
+    let mimalloc_pages = family == Family::Mimalloc && is_mimalloc_2_0(&object);
     Ok(Allocator {
         file_id: file_id(&object),
         object,
@@ -245,7 +249,18 @@ pub fn resolve(candidates: &[PathBuf], prefix: &str) -> Result<Allocator> {
         family,
         prefix: prefix.to_string(),
         index: 0,
+        mimalloc_pages,
         points,
+    })
+}
+
+/// Whether `object` is a shared mimalloc of the 2.0 series (its file is named
+/// `libmimalloc.so.2.0`, `libmimalloc.so.2.0.9`, ...; 2.1 changed the page layout).
+fn is_mimalloc_2_0(object: &Path) -> bool {
+    let real = fs::canonicalize(object).unwrap_or_else(|_| object.to_path_buf());
+    real.file_name().is_some_and(|n| {
+        let n = n.to_string_lossy();
+        n == "libmimalloc.so.2.0" || n.starts_with("libmimalloc.so.2.0.")
     })
 }
 
@@ -264,6 +279,7 @@ pub fn prefixed(objects: &[PathBuf]) -> Vec<Allocator> {
                 family: Family::Jemalloc,
                 prefix,
                 index: 0,
+                mimalloc_pages: false,
                 points,
             });
         }
@@ -593,6 +609,7 @@ mod tests {
         if let Some(mi) = library("libmimalloc.so.2") {
             assert_eq!(mi.family, Family::Mimalloc);
             assert!(!mi.glibc);
+            assert!(mi.mimalloc_pages, "Debian's libmimalloc.so.2.0: aligned blocks read from its pages");
             assert!(symbols(&mi, Kind::New).contains(&"_Znwm".to_string()));
             assert!(symbols(&mi, Kind::NewAligned).contains(&"_ZnwmSt11align_val_t".to_string()));
             // every delete is free's address or jumps to mi_free

@@ -484,7 +484,8 @@ impl Probes {
 /// index, which its records carry.
 fn cookie_flags(allocator: &Allocator) -> u64 {
     let glibc = if allocator.glibc { memtrace_common::cookie::GLIBC } else { 0 };
-    glibc | u64::from(allocator.index) << memtrace_common::cookie::ALLOCATOR_SHIFT
+    let mimalloc = if allocator.mimalloc_pages { memtrace_common::cookie::MIMALLOC } else { 0 };
+    glibc | mimalloc | u64::from(allocator.index) << memtrace_common::cookie::ALLOCATOR_SHIFT
 }
 
 fn log_verified(program: &str, instructions: Option<u32>, started: std::time::Instant) {

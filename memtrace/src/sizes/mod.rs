@@ -51,7 +51,7 @@ impl Family {
         match self {
             Self::Glibc => "usable size read from glibc's chunk headers",
             Self::Jemalloc => "usable size from jemalloc's size classes",
-            Self::Mimalloc => "usable size from mimalloc's bins (aligned blocks: unknown)",
+            Self::Mimalloc => "usable size from mimalloc's bins (aligned blocks: from its page metadata)",
             Self::Tcmalloc => "usable size from tcmalloc's class table",
             Self::Musl => "usable size = requested (musl keeps the request)",
             Self::Unknown => "allocator unknown to memtrace: usable size unknown, allocated = requested",
