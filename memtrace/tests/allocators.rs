@@ -6,8 +6,9 @@
 mod common;
 
 use std::{
+    io::{BufRead as _, BufReader, Read as _, Write as _},
     path::{Path, PathBuf},
-    process::Command,
+    process::{Command, Stdio},
 };
 
 use common::*;
@@ -188,6 +189,52 @@ fn an_allocator_preloaded_by_a_wrapper_is_found_at_the_exec() {
         assert_eq!(got[figure], expected[figure], "{figure}");
     }
     assert_eq!(got["allocator"], "jemalloc");
+}
+
+#[test]
+fn a_running_process_with_a_preloaded_allocator_is_traced_by_pid() {
+    require_root();
+    let _sharing = sharing_the_machine();
+    let dir = scratch("pid-tcmalloc");
+    let data = dir.join("rec.data");
+    let manifest_path = dir.join("manifest.json");
+    let mut target = Command::new(workload())
+        .env("LD_PRELOAD", library("libtcmalloc_minimal.so.4"))
+        .args(ARGS)
+        .args(["--wait-stdin", "--manifest"])
+        .arg(&manifest_path)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut target_out = BufReader::new(target.stdout.take().unwrap());
+    let mut ready = String::new();
+    target_out.read_line(&mut ready).unwrap();
+    assert_eq!(ready, "waiting\n");
+    // memtrace itself runs without the preload: the allocator comes from the target's maps.
+    let mut recorder = memtrace()
+        .args(["record", "--no-kernel", "--pid", &target.id().to_string(), "-o"])
+        .arg(&data)
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let stderr = wait_until_tracing(&mut recorder);
+    target.stdin.take().unwrap().write_all(b"go\n").unwrap();
+    let mut rest = String::new();
+    target_out.read_to_string(&mut rest).unwrap();
+    assert!(target.wait().unwrap().success());
+    let status = recorder.wait().unwrap();
+    assert!(status.success(), "{}", stderr.join().unwrap());
+    let report = report_json(&data, &["--by", "function"]);
+    assert_eq!(report["allocators"][0]["family"], "tcmalloc", "{:#}", report["allocators"]);
+    let manifest = manifest(&manifest_path);
+    for name in ["wl_malloc", "wl_calloc", "wl_realloc", "wl_posix_memalign", "wl_memalign", "wl_valloc"] {
+        let expected = expected(&manifest, name);
+        let got = site(&report, name).unwrap_or_else(|| panic!("no site {name}: {report:#}"));
+        for figure in ["allocs", "frees", "bytes_req", "bytes_alloc"] {
+            assert_eq!(got[figure], expected[figure], "{name}: {figure}");
+        }
+    }
 }
 
 #[test]

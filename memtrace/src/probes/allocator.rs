@@ -212,10 +212,11 @@ pub fn resolve(candidates: &[PathBuf], prefix: &str) -> Result<Allocator> {
             continue;
         };
         if allocator.is_none() {
-            let functions = elf.functions()?;
             let malloc = format!("{prefix}malloc");
             let free = format!("{prefix}free");
-            if functions.contains_key(&malloc) && functions.contains_key(&free) {
+            let pair = elf.function_offsets(&[&malloc, &free])?;
+            if pair.contains_key(&malloc) && pair.contains_key(&free) {
+                let functions = elf.functions()?;
                 let family = classify(&|n| functions.contains_key(n), prefix);
                 let points = family_points(&elf, path, &functions, family, prefix);
                 allocator = Some((path.clone(), family, points));
@@ -269,6 +270,11 @@ pub fn prefixed(objects: &[PathBuf]) -> Vec<Allocator> {
     let mut found = Vec::new();
     for path in objects {
         let Ok(elf) = ElfFile::open(path) else { continue };
+        // Most libraries have no `…mallocx`: only those with one are read whole.
+        let Ok(candidates) = elf.function_names_ending_with("mallocx") else { continue };
+        if candidates.iter().all(|n| n == "mallocx") {
+            continue;
+        }
         let Ok(functions) = elf.functions() else { continue };
         for prefix in jemalloc_prefixes(&functions) {
             let points = family_points(&elf, path, &functions, Family::Jemalloc, &prefix);
@@ -468,10 +474,16 @@ pub fn all_for_process(pid: u32, prefix: &str) -> Result<Vec<Allocator>> {
             .collect()
     };
     let exe = procfs::path_in_process(pid, &procfs::exe(pid)?);
-    let preload: Vec<PathBuf> = procfs::ld_preload(pid)
-        .iter()
-        .filter_map(|p| mapped.iter().find(|m| m.file_name() == p.file_name()).cloned())
-        .collect();
+    // LD_PRELOAD names a file as given (often a symlink such as libtcmalloc_minimal.so.4);
+    // the maps show the file it resolved to.
+    let same_file = |given: &Path, m: &Path| {
+        m.file_name() == given.file_name()
+            || search_dirs(&given.to_string_lossy(), &[])
+                .and_then(|g| fs::canonicalize(procfs::path_in_process(pid, &g)).ok())
+                .is_some_and(|g| fs::canonicalize(m).ok().as_ref() == Some(&g))
+    };
+    let preload: Vec<PathBuf> =
+        procfs::ld_preload(pid).iter().filter_map(|p| mapped.iter().find(|m| same_file(p, m)).cloned()).collect();
     let locate = |name: &str, runpath: &[PathBuf]| -> Option<PathBuf> {
         let base = Path::new(name).file_name()?;
         if let Some(m) = mapped.iter().find(|m| m.file_name() == Some(base)) {
