@@ -158,6 +158,8 @@ fn a_prefixed_jemalloc_in_a_library_is_found_without_flags() {
     assert_eq!(shim_row["family"], "jemalloc");
     assert_eq!(shim_row["allocs"], 700);
     assert_eq!(shim_row["frees"], 700);
+    // xyz_je_free calls dallocx, probed in libjemalloc too: one free each, reported once
+    assert_eq!(report["totals"]["user"]["allocator_frees"], 0, "{:#}", report["totals"]);
 }
 
 #[test]

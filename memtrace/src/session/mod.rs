@@ -198,12 +198,17 @@ impl Tracer {
             _ => probes::allocator::all_for_process(std::process::id(), prefix)?,
         };
         let mut usable = UsableSizes::default();
+        // tcmalloc's classes follow TCMALLOC_TRANSFER_NUM_OBJ in the target's environment.
+        let transfer = match &options.target {
+            Target::Pid(pid) => tcmalloc_transfer_num_obj(*pid),
+            _ => std::env::var("TCMALLOC_TRANSFER_NUM_OBJ").ok().and_then(|v| v.trim().parse().ok()),
+        };
         let found: Vec<Allocator> = found
             .into_iter()
             .enumerate()
             .map(|(i, mut a)| {
                 a.index = u8::try_from(i + 1).unwrap_or(0);
-                usable.set_model(a.index, Model::for_family(a.family, None));
+                usable.set_model(a.index, Model::for_family(a.family, transfer));
                 a
             })
             .collect();
@@ -418,8 +423,9 @@ impl Tracer {
         }
         let usable = &mut self.usable;
         let mut forward = |mut e: Event| {
-            usable.apply(&mut e);
-            sink.event(e)
+            if usable.apply(&mut e) {
+                sink.event(e)
+            }
         };
         if everything {
             self.reorder.release_all(&mut forward);

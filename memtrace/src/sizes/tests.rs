@@ -99,3 +99,48 @@ fn reallocs_follow_the_old_block_where_the_family_does() {
     assert_eq!(mi.usable(Kind::PosixMemalign, 100, 64, None), None);
     assert_eq!(mi.usable(Kind::PosixMemalign, 256, 64, None), Some(256));
 }
+
+#[test]
+fn a_free_seen_by_two_probes_is_reported_once_but_a_reused_block_frees_again() {
+    use crate::event::{Alloc, Event, Free};
+    use memtrace_common::flags;
+    let alloc = |ptr: u64, tid: u32| {
+        Event::Alloc(Alloc {
+            ts_ns: 0,
+            pid: 1,
+            tid,
+            cpu: 0,
+            kind: Kind::Malloc,
+            flags: flags::USABLE_EXACT,
+            ptr,
+            bytes_req: 8,
+            bytes_alloc: 8,
+            stack: 0,
+            call_site: 0,
+            gfp_flags: 0,
+            node: -1,
+            order: 0,
+            allocator: 0,
+        })
+    };
+    let free = |ptr: u64, tid: u32| {
+        Event::Free(Free { ts_ns: 0, pid: 1, tid, cpu: 0, kind: Kind::Free, flags: 0, ptr, arg: 0 })
+    };
+    let mut u = super::usable::UsableSizes::default();
+    let mut keep = |e: Event| u.apply(&mut e.clone());
+    assert!(keep(alloc(0x10, 1)));
+    assert!(keep(free(0x10, 1)));
+    assert!(!keep(free(0x10, 1)), "the same free through a second probe");
+    // reallocated (by another thread) and freed again: a new free
+    assert!(keep(alloc(0x10, 2)));
+    assert!(keep(free(0x10, 1)));
+    // another thread's free of the same address is its own
+    assert!(keep(alloc(0x10, 1)));
+    assert!(keep(free(0x10, 2)));
+    // the program's own double free, later: kept
+    let mut later = free(0x10, 2);
+    if let Event::Free(f) = &mut later {
+        f.ts_ns = 1_000_000;
+    }
+    assert!(keep(later));
+}

@@ -97,9 +97,19 @@ impl Model {
     }
 }
 
-/// Fills `bytes_alloc` of user allocations in a time-ordered stream of events.
+/// Two reports of one free by nested probes come this close (a probe hit costs about a µs).
+const NESTED_FREE_NS: u64 = 50_000;
+
+/// Fills `bytes_alloc` of user allocations in a time-ordered stream of events, and drops
+/// the second report of one free (a probed free function calling another: a shim's
+/// `xyz_je_free` calling jemalloc's `dallocx`).
 #[derive(Default)]
 pub struct UsableSizes {
+    /// Per thread: the (pid, block) it freed last, while no allocation returned that block,
+    /// and when.
+    last_free: HashMap<u32, ((u32, u64), u64)>,
+    /// The reverse: which thread's last free a block is.
+    freed_by: HashMap<(u32, u64), u32>,
     /// By allocator index minus one.
     models: Vec<Model>,
     /// Live blocks of tcmalloc and mimalloc, per process: their usable size.
@@ -122,10 +132,31 @@ impl UsableSizes {
         self.models.get(usize::from(index.checked_sub(1)?))
     }
 
-    pub fn apply(&mut self, event: &mut Event) {
+    /// Completes `event`; false when it only repeats a free already reported.
+    pub fn apply(&mut self, event: &mut Event) -> bool {
         match event {
-            Event::Alloc(a) if !a.kind.is_kernel() && a.kind != Kind::Mmap => self.alloc(a),
-            Event::Free(f) if f.kind == Kind::Free => self.free(f),
+            Event::Alloc(a) if !a.kind.is_kernel() && a.kind != Kind::Mmap => {
+                if let Some(tid) = self.freed_by.remove(&(a.pid, a.ptr)) {
+                    self.last_free.remove(&tid);
+                }
+                self.alloc(a);
+            }
+            Event::Free(f) if f.kind == Kind::Free => {
+                // The same thread freeing the same block again at once with no allocation
+                // of it in between: the same call seen by two probes (it could pair with
+                // nothing). Further apart, it is the program's double free: kept.
+                if let Some(&(block, at)) = self.last_free.get(&f.tid)
+                    && block == (f.pid, f.ptr)
+                    && f.ts_ns.saturating_sub(at) < NESTED_FREE_NS
+                {
+                    return false;
+                }
+                if let Some((previous, _)) = self.last_free.insert(f.tid, ((f.pid, f.ptr), f.ts_ns)) {
+                    self.freed_by.remove(&previous);
+                }
+                self.freed_by.insert((f.pid, f.ptr), f.tid);
+                self.free(f);
+            }
             Event::Task(t)
                 if matches!(t.event, memtrace_common::TaskEvent::Exec | memtrace_common::TaskEvent::Exit) =>
             {
@@ -133,9 +164,13 @@ impl UsableSizes {
                     self.live.remove(&t.pid);
                 }
                 self.realloc_old.remove(&t.tid);
+                if let Some((previous, _)) = self.last_free.remove(&t.tid) {
+                    self.freed_by.remove(&previous);
+                }
             }
             _ => {}
         }
+        true
     }
 
     fn free(&mut self, f: &Free) {
