@@ -69,6 +69,9 @@ pub struct Allocator {
     /// mimalloc 2.0 with the release layout (Debian's `libmimalloc.so.2.0`): the probes
     /// read aligned blocks' usable size from its page metadata.
     pub mimalloc_pages: bool,
+    /// Found in (or for) a traced program; false for an installed allocator library probed
+    /// ahead of time, in case a program exec'd later preloads it.
+    pub found: bool,
     pub points: Vec<AttachPoint>,
 }
 
@@ -251,8 +254,30 @@ pub fn resolve(candidates: &[PathBuf], prefix: &str) -> Result<Allocator> {
         prefix: prefix.to_string(),
         index: 0,
         mimalloc_pages,
+        found: true,
         points,
     })
+}
+
+/// The allocator libraries installed on this machine that programs commonly preload
+/// (Debian's jemalloc, mimalloc and tcmalloc packages): probed ahead of time when following
+/// a command, so that `env LD_PRELOAD=... prog` is traced from its first call.
+pub fn installed_libraries() -> Vec<Allocator> {
+    const NAMES: [&str; 4] = ["libjemalloc.so.2", "libmimalloc.so.2", "libtcmalloc_minimal.so.4", "libtcmalloc.so.4"];
+    let dirs = system_library_dirs();
+    let mut found: Vec<Allocator> = Vec::new();
+    for name in NAMES {
+        let Some(path) = dirs.iter().map(|d| d.join(name)).find(|p| p.is_file()) else { continue };
+        if let Ok(mut a) = resolve(std::slice::from_ref(&path), "")
+            && a.family != Family::Unknown
+            && !found.iter().any(|f| f.file_id == a.file_id)
+        {
+            // (tcmalloc's own mmap/munmap stay: a program preloading it calls them)
+            a.found = false;
+            found.push(a);
+        }
+    }
+    found
 }
 
 /// Whether `object` is a shared mimalloc of the 2.0 series (its file is named
@@ -286,6 +311,7 @@ pub fn prefixed(objects: &[PathBuf]) -> Vec<Allocator> {
                 prefix,
                 index: 0,
                 mimalloc_pages: false,
+                found: true,
                 points,
             });
         }

@@ -107,6 +107,13 @@ pub struct AllocatorMeta {
     pub family: String,
     /// The prefix of its function names ("" for the C names).
     pub prefix: String,
+    /// Found in a traced program (false: an installed library probed ahead of time).
+    #[serde(default = "yes")]
+    pub found: bool,
+}
+
+fn yes() -> bool {
+    true
 }
 
 /// Counters of the recording (the `Stats` chunk).

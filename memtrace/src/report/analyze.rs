@@ -214,6 +214,7 @@ pub fn analyze(path: &Path, opts: &ReportOptions) -> Result<Summary> {
     };
 
     let recorded_allocators = stats.allocators.clone();
+    let allocators_found: Vec<bool> = recorded_allocators.iter().map(|a| a.found).collect();
     let mut allocators: Vec<AllocatorRow> = recorded_allocators
         .iter()
         .map(|a| AllocatorRow {
@@ -343,7 +344,13 @@ pub fn analyze(path: &Path, opts: &ReportOptions) -> Result<Summary> {
         comms,
         stacks: table,
         coverage: coverage.coverage,
-        allocators,
+        // Installed libraries probed ahead of time that no traced program used: not shown.
+        allocators: allocators
+            .into_iter()
+            .zip(allocators_found)
+            .filter(|(row, found)| *found || row.allocs > 0 || row.frees > 0)
+            .map(|(row, _)| row)
+            .collect(),
     })
 }
 

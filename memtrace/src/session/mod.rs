@@ -213,6 +213,22 @@ impl Tracer {
             })
             .collect();
         let allocator = found.first().cloned();
+        // A command may exec a program that preloads an installed allocator (`env
+        // LD_PRELOAD=libjemalloc.so.2 prog`, a wrapper script): those libraries are probed
+        // from the start, so its first calls are seen too (probes on a file cost nothing in
+        // processes that do not map it).
+        let mut found = found;
+        if matches!(options.target, Target::Command(_)) && options.user && options.symbol_prefix.is_empty() {
+            for mut extra in probes::allocator::installed_libraries() {
+                if found.iter().any(|a| a.file_id == extra.file_id) {
+                    continue;
+                }
+                let Ok(index) = u8::try_from(found.len() + 1) else { break };
+                extra.index = index;
+                usable.set_model(index, Model::for_family(extra.family, transfer));
+                found.push(extra);
+            }
+        }
         let is_command = matches!(options.target, Target::Command(_));
         let mut unwinder = (options.call_graph != CallGraph::Fp && options.user_stacks && options.user)
             .then(|| Unwinder::new(&options.unwind));
@@ -474,8 +490,9 @@ impl Tracer {
     /// Adds an allocator to the session's list (or finds it there), giving it its index.
     fn register(&mut self, mut allocator: Allocator) -> Allocator {
         if let Some(known) =
-            self.allocators.iter().find(|a| a.file_id == allocator.file_id && a.prefix == allocator.prefix)
+            self.allocators.iter_mut().find(|a| a.file_id == allocator.file_id && a.prefix == allocator.prefix)
         {
+            known.found = true;
             return known.clone();
         }
         let Ok(index) = u8::try_from(self.allocators.len() + 1) else {

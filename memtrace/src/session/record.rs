@@ -428,6 +428,7 @@ fn finish(
                 module: a.object.display().to_string(),
                 family: a.family.name().to_string(),
                 prefix: a.prefix.clone(),
+                found: a.found,
             })
             .collect(),
         ..Default::default()
