@@ -15,6 +15,10 @@ const WORKLOADS: &[(&str, &str, &[&str])] = &[
     ("workloads/no_malloc.c", "no_malloc", &["-nostdlib", "-static", "-ffreestanding", "-fno-stack-protector"]),
     // A second allocator a workload loads with dlopen.
     ("workloads/bump_alloc.c", "libbump_alloc.so", &["-shared", "-fPIC"]),
+    // C++ operator new/delete (built with c++).
+    ("workloads/new_workload.cpp", "new_workload", &["-std=c++17", "-fno-omit-frame-pointer"]),
+    // A prefixed jemalloc API (xyz_je_*) over libjemalloc.
+    ("workloads/je_shim.c", "libxyz_je.so", &["-shared", "-fPIC", "-ljemalloc"]),
 ];
 
 fn main() -> anyhow::Result<()> {
@@ -28,19 +32,22 @@ fn main() -> anyhow::Result<()> {
 
     let out_dir = PathBuf::from(env::var("OUT_DIR")?);
     let cc = env::var("CC").unwrap_or_else(|_| "cc".into());
+    let cxx = env::var("CXX").unwrap_or_else(|_| "c++".into());
     for (source, name, flags) in WORKLOADS {
         println!("cargo:rerun-if-changed={source}");
-        let status = Command::new(&cc)
-            .args(["-O2", "-g", "-fno-builtin", "-Wall", "-Werror"])
+        let compiler = if source.ends_with(".cpp") { cxx.as_str() } else { cc.as_str() };
+        let status = Command::new(compiler)
+            .args(["-O2", "-g", "-Wall", "-Werror"])
+            .args(if source.ends_with(".cpp") { &[][..] } else { &["-fno-builtin"][..] })
             .args(if name.starts_with("alloc_workload") { &["-pthread", "-ldl"][..] } else { &[][..] })
-            .args(*flags)
             .arg("-o")
             .arg(out_dir.join(name))
             .arg(manifest_dir.join(source))
+            .args(*flags)
             .status()
-            .with_context(|| format!("running {cc} for {source} (install gcc: cargo xtask setup)"))?;
+            .with_context(|| format!("running {compiler} for {source} (install gcc: cargo xtask setup)"))?;
         if !status.success() {
-            bail!("{cc} failed to build {source}");
+            bail!("{compiler} failed to build {source}");
         }
     }
     println!("cargo:rustc-env=MEMTRACE_WORKLOAD_DIR={}", out_dir.display());

@@ -68,6 +68,14 @@ pub enum Kind {
     Valloc = 8,
     Pvalloc = 9,
     Mmap = 10,
+    /// C++ `operator new`/`new[]` (plain and nothrow) served by the allocator itself.
+    New = 11,
+    /// C++17 aligned `operator new` (size, alignment).
+    NewAligned = 12,
+    /// jemalloc's `mallocx(size, flags)`.
+    Mallocx = 13,
+    /// jemalloc's `rallocx(ptr, size, flags)`.
+    Rallocx = 14,
     Free = 16,
     Munmap = 17,
     Kmalloc = 32,
@@ -91,6 +99,10 @@ impl Kind {
             8 => Self::Valloc,
             9 => Self::Pvalloc,
             10 => Self::Mmap,
+            11 => Self::New,
+            12 => Self::NewAligned,
+            13 => Self::Mallocx,
+            14 => Self::Rallocx,
             16 => Self::Free,
             17 => Self::Munmap,
             32 => Self::Kmalloc,
@@ -116,6 +128,10 @@ impl Kind {
             | Self::Memalign
             | Self::Valloc
             | Self::Pvalloc
+            | Self::New
+            | Self::NewAligned
+            | Self::Mallocx
+            | Self::Rallocx
             | Self::Free => Space::Heap,
             Self::Mmap | Self::Munmap => Space::Mmap,
             Self::Kmalloc | Self::KmemCacheAlloc | Self::Kfree | Self::KmemCacheFree => Space::Slab,
@@ -143,6 +159,10 @@ impl Kind {
             Self::Valloc => "valloc",
             Self::Pvalloc => "pvalloc",
             Self::Mmap => "mmap",
+            Self::New => "new",
+            Self::NewAligned => "new_aligned",
+            Self::Mallocx => "mallocx",
+            Self::Rallocx => "rallocx",
             Self::Free => "free",
             Self::Munmap => "munmap",
             Self::Kmalloc => "kmalloc",
@@ -171,8 +191,9 @@ pub enum Space {
 
 /// Bits of a record's `flags` byte.
 pub mod flags {
-    /// `bytes_alloc` was read from the allocator's own metadata (glibc chunk header), so it
-    /// equals `malloc_usable_size`; otherwise it is a copy of `bytes_req`.
+    /// `bytes_alloc` is the allocator's usable size (`malloc_usable_size`): read from its
+    /// own metadata (glibc chunk header) by the probes, or computed from the family's size
+    /// classes in user space; otherwise it is a copy of `bytes_req` ("unknown").
     pub const USABLE_EXACT: u8 = 1 << 0;
     /// The free is the old block of a successful `realloc`/`reallocarray`.
     pub const BY_REALLOC: u8 = 1 << 1;
@@ -198,7 +219,9 @@ pub struct UserAllocRecord {
     pub allocator: u8,
     pub pid: u32,
     pub tid: u32,
-    /// `bytes_alloc - bytes_req` (what the allocator handed out beyond the request).
+    /// With `flags::USABLE_EXACT`: `bytes_alloc - bytes_req` (what the allocator handed out
+    /// beyond the request). Without it: the alignment the call asked for (0: none), from
+    /// which user space computes the usable size of the allocator's family.
     pub bytes_extra: u32,
     /// `bpf_ktime_get_ns()` (CLOCK_MONOTONIC) when the call returned.
     pub ts_ns: u64,
@@ -597,6 +620,9 @@ pub mod inflight {
     pub const OLD_SAMPLED: u8 = 2;
     /// The allocator is glibc's (from the attach cookie).
     pub const GLIBC: u8 = 4;
+    /// The allocator is mimalloc 2.0 (release layout): aligned blocks' usable size is read
+    /// from its segment and page metadata.
+    pub const MIMALLOC: u8 = 8;
 }
 
 /// Attach cookies of the malloc-family probes: the `Kind` in the low byte, flags above,
@@ -604,6 +630,8 @@ pub mod inflight {
 pub mod cookie {
     /// The allocator is glibc's: read `malloc_usable_size` from the chunk header.
     pub const GLIBC: u64 = 1 << 8;
+    /// mimalloc 2.0, release layout: read an aligned block's usable size from its page.
+    pub const MIMALLOC: u64 = 1 << 9;
     pub const ALLOCATOR_SHIFT: u32 = 16;
 }
 
@@ -616,7 +644,8 @@ pub struct InFlight {
     pub flags: u8,
     /// `UserAllocRecord::allocator`, from the attach cookie.
     pub allocator: u8,
-    pub _pad: u8,
+    /// log2 of the alignment the call asked for (0: none).
+    pub lg_align: u8,
     /// Allocator calls nested inside this one (realloc calling malloc): ignored.
     pub depth: u32,
     /// Stack pointer at entry; a call is nested only if it runs deeper than this.

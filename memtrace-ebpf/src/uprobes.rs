@@ -37,7 +37,8 @@ pub(crate) fn try_alloc_enter(ctx: &ProbeContext) -> Result<(), ()> {
     // SAFETY: the helper only reads the attach cookie of this program's link.
     let cookie = unsafe { generated::bpf_get_attach_cookie(ctx.as_ptr()) };
     let kind = cookie as u8;
-    let glibc = if cookie & memtrace_common::cookie::GLIBC != 0 { inflight::GLIBC } else { 0 };
+    let glibc = if cookie & memtrace_common::cookie::GLIBC != 0 { inflight::GLIBC } else { 0 }
+        | if cookie & memtrace_common::cookie::MIMALLOC != 0 { inflight::MIMALLOC } else { 0 };
     // SAFETY: ctx is this probe's pt_regs.
     let sp = unsafe { (*regs(ctx)).rsp };
     // SAFETY: the value is copied out and written back whole.
@@ -57,25 +58,33 @@ pub(crate) fn try_alloc_enter(ctx: &ProbeContext) -> Result<(), ()> {
         // Otherwise the entry is stale (its return was never seen): replace it.
     }
     let arg = |n: usize| -> u64 { ctx.arg::<u64>(n).unwrap_or(0) };
-    let (bytes_req, ptr_arg) = match Kind::from_u8(kind) {
-        Some(Kind::Malloc | Kind::Valloc | Kind::Pvalloc) => (arg(0), 0),
-        Some(Kind::Calloc) => (arg(0).wrapping_mul(arg(1)), 0),
-        Some(Kind::Realloc) => (arg(1), arg(0)),
-        Some(Kind::ReallocArray) => (arg(1).wrapping_mul(arg(2)), arg(0)),
-        Some(Kind::PosixMemalign) => (arg(2), arg(0)),
-        Some(Kind::AlignedAlloc | Kind::Memalign) => (arg(1), 0),
-        Some(Kind::Mmap) => (arg(1), 0),
+    // log2 of an alignment argument (0: none or not a power of two).
+    let lg = |a: u64| -> u8 { if a.is_power_of_two() { a.trailing_zeros() as u8 } else { 0 } };
+    let (bytes_req, ptr_arg, lg_align) = match Kind::from_u8(kind) {
+        Some(Kind::Malloc | Kind::New) => (arg(0), 0, 0),
+        Some(Kind::Valloc | Kind::Pvalloc) => (arg(0), 0, 12),
+        Some(Kind::Calloc) => (arg(0).wrapping_mul(arg(1)), 0, 0),
+        Some(Kind::Realloc) => (arg(1), arg(0), 0),
+        Some(Kind::ReallocArray) => (arg(1).wrapping_mul(arg(2)), arg(0), 0),
+        Some(Kind::PosixMemalign) => (arg(2), arg(0), lg(arg(1))),
+        Some(Kind::AlignedAlloc | Kind::Memalign) => (arg(1), 0, lg(arg(0))),
+        Some(Kind::NewAligned) => (arg(0), 0, lg(arg(1))),
+        // jemalloc's flags: the low six bits are lg(alignment).
+        Some(Kind::Mallocx) => (arg(0), 0, (arg(1) & 63) as u8),
+        Some(Kind::Rallocx) => (arg(1), arg(0), (arg(2) & 63) as u8),
+        Some(Kind::Mmap) => (arg(1), 0, 0),
         _ => return Err(()),
     };
+    let reallocating = matches!(Kind::from_u8(kind), Some(Kind::Realloc | Kind::ReallocArray | Kind::Rallocx));
     let mut sampling = inflight::SAMPLE_NEW | inflight::OLD_SAMPLED;
     let mean = sampling_mean();
     if mean != 0 {
-        let has_old = ptr_arg != 0 && matches!(Kind::from_u8(kind), Some(Kind::Realloc | Kind::ReallocArray));
+        let has_old = ptr_arg != 0 && reallocating;
         // SAFETY: plain byte value.
         let old_sampled = has_old && unsafe { SAMPLED_LIVE.get(sampled_key(tgid, ptr_arg)) }.is_some();
         sampling = if sample_hit(bytes_req, mean) { inflight::SAMPLE_NEW } else { 0 }
             | if old_sampled { inflight::OLD_SAMPLED } else { 0 };
-        if sampling == 0 && !matches!(Kind::from_u8(kind), Some(Kind::Realloc | Kind::ReallocArray)) {
+        if sampling == 0 && !reallocating {
             // Nothing of this call is recorded: its return finds no state. (realloc keeps
             // an empty state, so the malloc it may tail-call does not draw a second chance.)
             return Ok(());
@@ -85,7 +94,7 @@ pub(crate) fn try_alloc_enter(ctx: &ProbeContext) -> Result<(), ()> {
         kind,
         flags: sampling | glibc,
         allocator: (cookie >> memtrace_common::cookie::ALLOCATOR_SHIFT) as u8,
-        _pad: 0,
+        lg_align,
         depth: 0,
         sp,
         // SAFETY: no preconditions.
@@ -116,6 +125,39 @@ pub(crate) fn glibc_usable_size(ptr: u64) -> Option<u64> {
     let is_mmapped = size_word & 2 != 0;
     let overhead = if is_mmapped { 16 } else { 8 };
     chunk.checked_sub(overhead)
+}
+
+/// mimalloc 2.0's `mi_usable_size` (release build, x86_64), from the block's segment
+/// (32 MiB aligned) and page metadata: three reads. The offsets are those of the 2.0.9
+/// layout (`mi_segment_t.slices` at 264, 80-byte `mi_page_t`: `slice_count` at 0,
+/// `slice_offset` at 4, `xblock_size` at 28).
+#[inline(always)]
+pub(crate) fn mimalloc_usable_size(ptr: u64) -> Option<u64> {
+    const SEGMENT: u64 = 32 << 20;
+    const SLICES: u64 = 264;
+    const SLICE_SIZE: u64 = 80;
+    let segment = (ptr - 1) & !(SEGMENT - 1);
+    let slice = segment + SLICES + ((ptr - segment) >> 16) * SLICE_SIZE;
+    // SAFETY: reads user memory through the checked helper.
+    let slice_offset: u32 = unsafe { bpf_probe_read_user((slice + 4) as *const u32) }.ok()?;
+    let page = slice.checked_sub(u64::from(slice_offset))?;
+    // SAFETY: as above.
+    let xblock: u32 = unsafe { bpf_probe_read_user((page + 28) as *const u32) }.ok()?;
+    let start = if (8..=1024).contains(&xblock) { 384 } else { 0 };
+    let bsize = if xblock < (2 << 30) {
+        u64::from(xblock)
+    } else {
+        // SAFETY: as above.
+        let slice_count: u32 = unsafe { bpf_probe_read_user(page as *const u32) }.ok()?;
+        (u64::from(slice_count) << 16).checked_sub(start)?
+    };
+    if bsize == 0 {
+        return None;
+    }
+    let page_index = page.checked_sub(segment + SLICES)? / SLICE_SIZE;
+    let page_start = segment + (page_index << 16) + start;
+    let into = ptr.checked_sub(page_start)?;
+    Some(bsize - into % bsize)
 }
 
 pub(crate) fn try_alloc_return(ctx: &RetProbeContext) -> Result<(), ()> {
@@ -157,7 +199,7 @@ pub(crate) fn try_alloc_return(ctx: &RetProbeContext) -> Result<(), ()> {
         _ => ret,
     };
     let ring = this_ring().ok_or(())?;
-    let is_realloc = matches!(kind, Kind::Realloc | Kind::ReallocArray);
+    let is_realloc = matches!(kind, Kind::Realloc | Kind::ReallocArray | Kind::Rallocx);
     let sampling = config!(sample_bytes) != 0;
     if is_realloc && state.ptr_arg != 0 && state.flags & inflight::OLD_SAMPLED != 0 {
         if ptr == 0 && state.bytes_req != 0 {
@@ -191,8 +233,28 @@ pub(crate) fn try_alloc_return(ctx: &RetProbeContext) -> Result<(), ()> {
             Some(usable) if usable >= state.bytes_req => (usable, true),
             _ => (state.bytes_req, false),
         }
+    } else if state.flags & inflight::MIMALLOC != 0
+        && matches!(
+            kind,
+            Kind::PosixMemalign | Kind::AlignedAlloc | Kind::Memalign | Kind::Valloc | Kind::Pvalloc | Kind::NewAligned
+        )
+    {
+        // Aligned blocks: their usable size depends on the heap's state, not on the call.
+        match mimalloc_usable_size(ptr) {
+            Some(usable) if usable >= state.bytes_req && usable - state.bytes_req <= u32::MAX as u64 => (usable, true),
+            _ => (state.bytes_req, false),
+        }
     } else {
+        // Another family: user space computes the usable size from its size classes and
+        // the alignment asked (never a glibc header in front of another allocator's block).
         (state.bytes_req, false)
+    };
+    let extra = if exact {
+        (bytes_alloc - state.bytes_req).min(u32::MAX as u64) as u32
+    } else if state.lg_align > 0 {
+        1u32 << state.lg_align.min(31)
+    } else {
+        0
     };
     emit::<UserAllocRecord>(ring, |r| {
         r.rtype = RecordType::UserAlloc as u8;
@@ -201,7 +263,7 @@ pub(crate) fn try_alloc_return(ctx: &RetProbeContext) -> Result<(), ()> {
         r.flags = if exact { flags::USABLE_EXACT } else { 0 } | if stack.is_some() { flags::HAS_STACK } else { 0 };
         r.pid = tgid;
         r.tid = tid;
-        r.bytes_extra = (bytes_alloc - state.bytes_req).min(u32::MAX as u64) as u32;
+        r.bytes_extra = extra;
         r.ts_ns = now;
         r.ptr = ptr;
         r.bytes_req = state.bytes_req;

@@ -221,6 +221,7 @@ mod tests {
             gfp_flags: if kind.is_kernel() { 0xcc0 } else { 0 },
             node: -1,
             order: 0,
+            allocator: 0,
         })
     }
 

@@ -62,6 +62,42 @@ impl ElfFile {
         Ok(found)
     }
 
+    /// The names of the defined functions ending in `suffix` (no allocation per symbol:
+    /// cheap enough for every library a process maps).
+    pub fn function_names_ending_with(&self, suffix: &str) -> Result<Vec<String>> {
+        let file = self.parse()?;
+        let mut found: Vec<String> = Vec::new();
+        for symbol in file.dynamic_symbols().chain(file.symbols()) {
+            if symbol.kind() != SymbolKind::Text || !symbol.is_definition() {
+                continue;
+            }
+            let Ok(name) = symbol.name() else { continue };
+            if name.ends_with(suffix) && !found.iter().any(|f| f == name) {
+                found.push(name.to_string());
+            }
+        }
+        Ok(found)
+    }
+
+    /// Every defined function (dynamic symbols first, then the full symbol table), by name.
+    pub fn functions(&self) -> Result<HashMap<String, Function>> {
+        let file = self.parse()?;
+        let mut found = HashMap::new();
+        for symbol in file.dynamic_symbols().chain(file.symbols()) {
+            if symbol.kind() != SymbolKind::Text || !symbol.is_definition() {
+                continue;
+            }
+            let Ok(name) = symbol.name() else { continue };
+            if found.contains_key(name) {
+                continue;
+            }
+            if let Some(offset) = vaddr_to_file_offset(&file, symbol.address()) {
+                found.insert(name.to_string(), Function { offset, size: symbol.size() });
+            }
+        }
+        Ok(found)
+    }
+
     /// Up to `len` bytes of the file from `offset`.
     pub fn bytes(&self, offset: u64, len: usize) -> &[u8] {
         let start = (offset as usize).min(self.map.len());

@@ -26,8 +26,11 @@ pub struct Alloc {
     pub gfp_flags: u32,
     /// NUMA node asked for; pages: migrate type.
     pub node: i32,
-    /// Pages: allocation order.
+    /// Pages: allocation order. User allocations whose usable size is not known yet
+    /// (no `USABLE_EXACT`): log2 of the alignment the call asked for (0: none).
     pub order: u8,
+    /// User allocations: the allocator's index in the session's list plus one (0: not known).
+    pub allocator: u8,
 }
 
 /// A free of any space.
@@ -218,12 +221,18 @@ pub fn decode(bytes: &[u8], cpu: u16) -> Result<Record, DecodeError> {
                 flags: r.flags,
                 ptr: r.ptr,
                 bytes_req: r.bytes_req,
-                bytes_alloc: r.bytes_req + u64::from(r.bytes_extra),
+                bytes_alloc: r.bytes_req
+                    + if r.flags & flags::USABLE_EXACT != 0 { u64::from(r.bytes_extra) } else { 0 },
                 stack: if r.flags & flags::HAS_STACK != 0 { r.stack } else { 0 },
                 call_site: 0,
                 gfp_flags: 0,
                 node: -1,
-                order: 0,
+                order: if r.flags & flags::USABLE_EXACT == 0 && r.bytes_extra.is_power_of_two() {
+                    r.bytes_extra.trailing_zeros() as u8
+                } else {
+                    0
+                },
+                allocator: r.allocator,
             }))
         }
         RecordType::KernelAlloc => {
@@ -243,6 +252,7 @@ pub fn decode(bytes: &[u8], cpu: u16) -> Result<Record, DecodeError> {
                 gfp_flags: r.gfp_flags,
                 node: r.node,
                 order: r.order,
+                allocator: 0,
             }))
         }
         RecordType::Free => {

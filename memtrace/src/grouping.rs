@@ -169,6 +169,9 @@ pub struct Filters {
     pub min_size: Option<u64>,
     /// Only these kinds (none: every kind).
     pub kinds: Vec<KindFilter>,
+    /// Only user allocations served by this allocator: a family (jemalloc, ...), a prefix
+    /// or part of the module's path.
+    pub allocator: Option<String>,
 }
 
 impl Filters {
@@ -344,6 +347,7 @@ mod tests {
             comm: Some("b".into()),
             min_size: Some(64),
             kinds: vec![KindFilter::Calloc, KindFilter::Mmap],
+            allocator: None,
         };
         assert!(f.admits_kind(Kind::Calloc) && f.admits_kind(Kind::Mmap));
         assert!(!f.admits_kind(Kind::Malloc) && !f.admits_kind(Kind::Kmalloc));

@@ -27,6 +27,7 @@ pub mod recording;
 pub mod report;
 pub mod serve;
 pub mod session;
+pub mod sizes;
 pub mod stacks;
 pub mod symbolize;
 pub mod top;

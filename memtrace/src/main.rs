@@ -206,11 +206,15 @@ struct FilterArgs {
     /// Only these kinds of allocation (repeat or comma-separate).
     #[arg(long, value_enum, value_delimiter = ',')]
     kind: Vec<KindFilter>,
+    /// Only user allocations of this allocator: a family (glibc, jemalloc, mimalloc,
+    /// tcmalloc, musl, unknown), a symbol prefix, or part of the module's path.
+    #[arg(long)]
+    allocator: Option<String>,
 }
 
 impl From<FilterArgs> for Filters {
     fn from(a: FilterArgs) -> Self {
-        Self { domain: a.domain, pid: a.pid, comm: a.comm, min_size: a.min_size, kinds: a.kind }
+        Self { domain: a.domain, pid: a.pid, comm: a.comm, min_size: a.min_size, kinds: a.kind, allocator: a.allocator }
     }
 }
 

@@ -137,6 +137,7 @@ mod tests {
             gfp_flags: 0,
             node: 0,
             order: 0,
+            allocator: 0,
         })
     }
 

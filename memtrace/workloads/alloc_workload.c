@@ -9,7 +9,8 @@
  * Other modes: --loop N (N malloc+free pairs, prints ns/pair: the overhead benchmark),
  * --kernel-loop N (N pipe()+close() pairs: kernel allocations on behalf of the task),
  * --dlopen LIB N (load the allocator library LIB with dlopen, wait 3 s, then make N
- * allocations with its malloc, through dlsym: a second allocator memtrace must find),
+ * allocations with its malloc, through dlsym: a second allocator memtrace must find;
+ * with --dlopen-prefix P, its P##malloc, and each block is freed with its P##free),
  * --custom N (N allocations from a tiny allocator of its own, mt_malloc/mt_free: what
  * `record --symbol-prefix mt_` must find in the executable),
  * --stacks (allocations whose stacks test an unwinder: one in a signal handler, one in a
@@ -88,6 +89,25 @@ struct tally {
 
 static volatile uintptr_t sink;
 
+/* Entry points the allocator in use does not provide (jemalloc has no pvalloc or
+ * reallocarray, tcmalloc no reallocarray): glibc's would serve them from its own heap and the
+ * allocator's free would then crash on the block. Those sites are skipped (0 in the manifest). */
+static int has_pvalloc = 1, has_reallocarray = 1;
+
+static void *object_of(const char *name) {
+    Dl_info info;
+    void *f = dlsym(RTLD_DEFAULT, name);
+    if (!f || !dladdr(f, &info))
+        return NULL;
+    return info.dli_fbase;
+}
+
+static void check_entry_points(void) {
+    void *malloc_object = object_of("malloc");
+    has_pvalloc = object_of("pvalloc") == malloc_object;
+    has_reallocarray = object_of("reallocarray") == malloc_object;
+}
+
 static void touch(void *p, size_t n) {
     if (n)
         memset(p, 0xa5, n < 64 ? n : 64);
@@ -140,7 +160,11 @@ NOINLINE static void wl_realloc(struct tally *t, size_t a, size_t b) {
     touch(q, b);
     void *r = realloc(q, 0);
     count_free(t, S_REALLOC, b);
-    sink ^= (uintptr_t)r; /* glibc returns NULL */
+    if (r) { /* mimalloc returns a fresh minimal block (glibc, jemalloc, tcmalloc: NULL) */
+        count_alloc(t, S_REALLOC, r, 0);
+        free(r);
+        count_free(t, S_REALLOC, 0);
+    }
 }
 
 NOINLINE static void *wl_reallocarray(struct tally *t, size_t n1, size_t n2, size_t size) {
@@ -255,12 +279,12 @@ static void *exercise(void *argp) {
         void *a = wl_malloc(t, small);
         void *b = wl_calloc(t, 3 + i % 4, 24);
         wl_realloc(t, 40 + i % 9, 300 + (size_t)(i % 5) * 100);
-        void *c = wl_reallocarray(t, 4, 12 + i % 3, 16);
+        void *c = has_reallocarray ? wl_reallocarray(t, 4, 12 + i % 3, 16) : NULL;
         void *d = wl_posix_memalign(t, 64, 100 + (size_t)(i % 7));
         void *e = wl_aligned_alloc(t, 128, 256);
         void *f = wl_memalign(t, 32, 1000 + (size_t)(i % 3));
         void *g = wl_valloc(t, 3000);
-        void *h = wl_pvalloc(t, 5000);
+        void *h = has_pvalloc ? wl_pvalloc(t, 5000) : NULL;
         void *l = i % 10 == 0 ? wl_malloc_large(t, 300000 + (size_t)i) : NULL;
         void *m = i % 10 == 5 ? wl_mmap(t, 10000 + (size_t)i) : NULL;
         wl_not_allocations();
@@ -269,8 +293,10 @@ static void *exercise(void *argp) {
         count_free(t, S_MALLOC, small);
         free(b);
         count_free(t, S_CALLOC, (size_t)(3 + i % 4) * 24);
-        free(c);
-        count_free(t, S_REALLOCARRAY, (size_t)(12 + i % 3) * 16);
+        if (c) {
+            free(c);
+            count_free(t, S_REALLOCARRAY, (size_t)(12 + i % 3) * 16);
+        }
         free(d);
         count_free(t, S_POSIX_MEMALIGN, 100 + (size_t)(i % 7));
         free(e);
@@ -279,8 +305,10 @@ static void *exercise(void *argp) {
         count_free(t, S_MEMALIGN, 1000 + (size_t)(i % 3));
         free(g);
         count_free(t, S_VALLOC, 3000);
-        free(h);
-        count_free(t, S_PVALLOC, 5000);
+        if (h) {
+            free(h);
+            count_free(t, S_PVALLOC, 5000);
+        }
         if (l) {
             free(l);
             count_free(t, S_MALLOC_LARGE, 300000 + (size_t)i);
@@ -400,9 +428,15 @@ NOINLINE static void wl_custom(long n, const char *manifest) {
     }
 }
 
+static void (*dl_free)(void *);
+
 NOINLINE static void wl_dlopen_alloc(void *(*dl_malloc)(size_t), long n) {
-    for (long i = 0; i < n; i++)
-        sink ^= (uintptr_t)dl_malloc(48);
+    for (long i = 0; i < n; i++) {
+        void *p = dl_malloc(48);
+        sink ^= (uintptr_t)p;
+        if (dl_free)
+            dl_free(p);
+    }
 }
 
 /* --stacks: blocks whose stacks exercise an unwinder; tests know their sizes. */
@@ -730,7 +764,16 @@ int main(int argc, char **argv) {
             fprintf(stderr, "%s\n", dlerror());
             return 2;
         }
-        void *(*dl_malloc)(size_t) = (void *(*)(size_t))dlsym(lib, "malloc");
+        const char *prefix = arg_string(argc, argv, "--dlopen-prefix");
+        char name[128];
+        snprintf(name, sizeof name, "%smalloc", prefix ? prefix : "");
+        void *(*dl_malloc)(size_t) = (void *(*)(size_t))dlsym(lib, name);
+        snprintf(name, sizeof name, "%sfree", prefix ? prefix : "");
+        dl_free = prefix ? (void (*)(void *))dlsym(lib, name) : NULL;
+        if (!dl_malloc) {
+            fprintf(stderr, "no %smalloc in %s\n", prefix ? prefix : "", dl);
+            return 2;
+        }
         sleep(3);
         long n = 0;
         for (int i = 1; i + 2 < argc + 1; i++)
@@ -774,6 +817,7 @@ int main(int argc, char **argv) {
 
     struct thread_arg arg = {iterations, leaks};
     pthread_t *tids = calloc((size_t)threads, sizeof *tids);
+    check_entry_points();
     pthread_barrier_init(&start_barrier, NULL, (unsigned)threads);
     for (int i = 0; i < threads; i++)
         if (pthread_create(&tids[i], NULL, exercise, &arg) != 0)

@@ -66,7 +66,15 @@ fn is_root() -> bool {
 /// line each, so a feature that needs a real component adds it here.
 const DEBIAN_PACKAGES: &[(&str, &str)] = &[
     ("gcc", "the bundled C workloads"),
+    ("g++", "the bundled C++ workload (operator new/delete)"),
     ("libc6-dev", "the bundled C workloads"),
+    ("libjemalloc2", "allocator tests: jemalloc preloaded"),
+    ("libjemalloc-dev", "allocator tests: a prefixed jemalloc shim, nallocx"),
+    ("libmimalloc2.0", "allocator tests: mimalloc preloaded"),
+    ("libmimalloc-dev", "allocator tests: mi_usable_size"),
+    ("libtcmalloc-minimal4", "allocator tests: tcmalloc preloaded"),
+    ("libgoogle-perftools-dev", "allocator tests: tc_malloc_size"),
+    ("musl-tools", "allocator tests: a static musl program"),
     ("chromium", "the HTML report's test loads it in a real (headless) browser"),
     ("prometheus", "serve's tests: promtool checks /metrics, a real Prometheus scrapes it"),
 ];

@@ -53,11 +53,13 @@ pub struct Origin {
     pub call_site: u64,
     pub kind: Kind,
     pub pid: u32,
+    /// User allocations: the allocator's index plus one (0: not known).
+    pub allocator: u8,
 }
 
 impl Origin {
     pub fn of(a: &Alloc) -> Self {
-        Self { stack: a.stack, call_site: a.call_site, kind: a.kind, pid: a.pid }
+        Self { stack: a.stack, call_site: a.call_site, kind: a.kind, pid: a.pid, allocator: a.allocator }
     }
 }
 

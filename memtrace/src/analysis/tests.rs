@@ -21,6 +21,7 @@ fn alloc(ts: u64, pid: u32, tid: u32, kind: Kind, ptr: u64, req: u64, alloc: u64
         gfp_flags: 0,
         node: -1,
         order: 0,
+        allocator: 0,
     })
 }
 

@@ -1,9 +1,14 @@
-//! Finding the allocator a process really calls, the way the dynamic linker would: the
-//! executable, then LD_PRELOAD, then DT_NEEDED libraries breadth-first; the first object
-//! defining `{prefix}malloc` and `{prefix}free` wins (a statically linked malloc is found in
-//! the executable itself). `mmap`/`munmap` come from whichever object defines them (libc).
+//! Finding the allocators a process really calls. Its `malloc` is found the way the dynamic
+//! linker would: the executable, then LD_PRELOAD, then DT_NEEDED libraries breadth-first;
+//! the first object defining `{prefix}malloc` and `{prefix}free` wins (a statically linked
+//! malloc is found in the executable itself). That object's family (glibc, jemalloc,
+//! mimalloc, tcmalloc, musl) is recognised by its symbol set, which says which functions to
+//! probe (its own C++ operators included) and how usable sizes are known. Any module may
+//! also carry a prefixed jemalloc (`je_`, `_rjem_`, `duckdb_je_`, ...), found by its
+//! `{p}mallocx`/`{p}sdallocx`/`{p}mallctl` siblings. `mmap`/`munmap` come from whichever
+//! object defines them (libc).
 use std::{
-    collections::{HashSet, VecDeque},
+    collections::{HashMap, HashSet, VecDeque},
     env, fs,
     path::{Path, PathBuf},
 };
@@ -15,14 +20,17 @@ use crate::{
     elf::{ElfFile, Function},
     probes::placement,
     procfs,
+    sizes::Family,
 };
 use iced_x86::Register;
 
 /// The argument registers the probes read for each kind of function.
 fn argument_registers(kind: Kind) -> &'static [Register] {
     match kind {
-        Kind::Malloc | Kind::Valloc | Kind::Pvalloc | Kind::Free => &[Register::RDI],
-        Kind::Calloc | Kind::Realloc | Kind::Munmap => &[Register::RDI, Register::RSI],
+        Kind::Malloc | Kind::Valloc | Kind::Pvalloc | Kind::Free | Kind::New => &[Register::RDI],
+        Kind::Calloc | Kind::Realloc | Kind::Munmap | Kind::NewAligned | Kind::Mallocx => {
+            &[Register::RDI, Register::RSI]
+        }
         Kind::ReallocArray => &[Register::RDI, Register::RSI, Register::RDX],
         Kind::PosixMemalign => &[Register::RDI, Register::RDX],
         Kind::AlignedAlloc | Kind::Memalign | Kind::Mmap => &[Register::RSI],
@@ -52,7 +60,133 @@ pub struct Allocator {
     pub file_id: (u64, u64),
     /// glibc's malloc: `malloc_usable_size` can be read from chunk headers.
     pub glibc: bool,
+    /// Which allocator this is.
+    pub family: Family,
+    /// The prefix of its function names ("" for the C names).
+    pub prefix: String,
+    /// The index its records carry (`UserAllocRecord::allocator`), set by the session.
+    pub index: u8,
+    /// mimalloc 2.0 with the release layout (Debian's `libmimalloc.so.2.0`): the probes
+    /// read aligned blocks' usable size from its page metadata.
+    pub mimalloc_pages: bool,
+    /// Found in (or for) a traced program; false for an installed allocator library probed
+    /// ahead of time, in case a program exec'd later preloads it.
+    pub found: bool,
     pub points: Vec<AttachPoint>,
+}
+
+impl Allocator {
+    /// The function that allocates through this allocator most plainly (for benchmarks).
+    pub fn describe(&self) -> String {
+        let prefix = if self.prefix.is_empty() { String::new() } else { format!(", prefix {}", self.prefix) };
+        format!("{} ({}{prefix})", self.object.display(), self.family.name())
+    }
+}
+
+/// Entry points beyond the C names, per family: what must be probed so that every call the
+/// program makes is seen once (the research behind each list: which of them call which).
+fn family_extras(family: Family) -> &'static [(&'static str, Kind)] {
+    match family {
+        // `_Znam*` jump to these; aligned new calls aligned_alloc; unsized deletes jump to
+        // free, sized aligned ones to sdallocx; sized deletes have their own code.
+        Family::Jemalloc => &[
+            ("mallocx", Kind::Mallocx),
+            ("rallocx", Kind::Rallocx),
+            ("_Znwm", Kind::New),
+            ("_ZnwmRKSt9nothrow_t", Kind::New),
+            ("dallocx", Kind::Free),
+            ("sdallocx", Kind::Free),
+            ("_ZdlPvm", Kind::Free),
+            ("_ZdaPvm", Kind::Free),
+        ],
+        // Every delete is free's address or a stub jumping to mi_free.
+        Family::Mimalloc => &[
+            ("_Znwm", Kind::New),
+            ("_Znam", Kind::New),
+            ("_ZnwmRKSt9nothrow_t", Kind::New),
+            ("_ZnamRKSt9nothrow_t", Kind::New),
+            ("_ZnwmSt11align_val_t", Kind::NewAligned),
+            ("_ZnamSt11align_val_t", Kind::NewAligned),
+            ("_ZnwmSt11align_val_tRKSt9nothrow_t", Kind::NewAligned),
+            ("_ZnamSt11align_val_tRKSt9nothrow_t", Kind::NewAligned),
+        ],
+        // New and five of the six delete flavours are functions of their own.
+        Family::Tcmalloc => &[
+            ("_Znwm", Kind::New),
+            ("_Znam", Kind::New),
+            ("_ZnwmRKSt9nothrow_t", Kind::New),
+            ("_ZnamRKSt9nothrow_t", Kind::New),
+            ("_ZnwmSt11align_val_t", Kind::NewAligned),
+            ("_ZnamSt11align_val_t", Kind::NewAligned),
+            ("_ZnwmSt11align_val_tRKSt9nothrow_t", Kind::NewAligned),
+            ("_ZnamSt11align_val_tRKSt9nothrow_t", Kind::NewAligned),
+            ("_ZdlPvm", Kind::Free),
+            ("_ZdaPvm", Kind::Free),
+            ("_ZdlPvRKSt9nothrow_t", Kind::Free),
+            ("_ZdaPvRKSt9nothrow_t", Kind::Free),
+            ("_ZdlPvSt11align_val_t", Kind::Free),
+            ("_ZdaPvSt11align_val_t", Kind::Free),
+            ("_ZdlPvmSt11align_val_t", Kind::Free),
+            ("_ZdaPvmSt11align_val_t", Kind::Free),
+            ("_ZdlPvSt11align_val_tRKSt9nothrow_t", Kind::Free),
+            ("_ZdaPvSt11align_val_tRKSt9nothrow_t", Kind::Free),
+        ],
+        Family::Glibc | Family::Musl | Family::Unknown => &[],
+    }
+}
+
+/// The family of the object defining `{prefix}malloc` and `{prefix}free`, by its symbols.
+/// `__libc_malloc` alone does not mean glibc: mimalloc and tcmalloc export it too.
+pub fn classify(names: &dyn Fn(&str) -> bool, prefix: &str) -> Family {
+    let has = |n: &str| names(&format!("{prefix}{n}"));
+    if has("mallocx") && has("sdallocx") && has("mallctl") {
+        Family::Jemalloc
+    } else if !prefix.is_empty() {
+        Family::Unknown
+    } else if names("__libc_malloc") && (names("gnu_get_libc_version") || names("malloc_trim") || names("mallinfo2")) {
+        Family::Glibc
+    } else if names("mi_malloc") && names("mi_free") {
+        Family::Mimalloc
+    } else if names("tc_malloc") && names("tc_free") {
+        Family::Tcmalloc
+    } else if names("__libc_malloc_impl") || names("__malloc_context") {
+        Family::Musl
+    } else {
+        Family::Unknown
+    }
+}
+
+/// The prefixes of the jemallocs an object defines besides its C names: every `{p}mallocx`
+/// with `{p}sdallocx`, `{p}mallctl`, `{p}malloc` and `{p}free` beside it.
+pub fn jemalloc_prefixes(names: &HashMap<String, Function>) -> Vec<String> {
+    let mut prefixes: Vec<String> = names
+        .keys()
+        .filter_map(|n| n.strip_suffix("mallocx"))
+        .filter(|p| !p.is_empty())
+        .filter(|p| ["sdallocx", "mallctl", "malloc", "free"].iter().all(|f| names.contains_key(&format!("{p}{f}"))))
+        .map(str::to_string)
+        .collect();
+    prefixes.sort();
+    prefixes
+}
+
+/// The probes of one family of functions named `{prefix}...` in `elf`.
+fn family_points(
+    elf: &ElfFile,
+    path: &Path,
+    functions: &HashMap<String, Function>,
+    family: Family,
+    prefix: &str,
+) -> Vec<AttachPoint> {
+    let named: Vec<(String, Function, Kind)> = FAMILY
+        .iter()
+        .chain(family_extras(family))
+        .filter_map(|(n, k)| {
+            let name = format!("{prefix}{n}");
+            functions.get(&name).map(|&o| (name, o, *k))
+        })
+        .collect();
+    group_by_offset(elf, path, named)
 }
 
 /// The malloc family, in the order that names a shared address (glibc 2.36 makes
@@ -74,9 +208,6 @@ const MAPPING: &[(&str, Kind)] = &[("mmap", Kind::Mmap), ("mmap64", Kind::Mmap),
 
 /// Picks the allocator among `candidates` (in symbol-lookup order).
 pub fn resolve(candidates: &[PathBuf], prefix: &str) -> Result<Allocator> {
-    let family_names: Vec<String> = FAMILY.iter().map(|(n, _)| format!("{prefix}{n}")).collect();
-    let mut wanted: Vec<&str> = family_names.iter().map(String::as_str).collect();
-    wanted.push("__libc_malloc");
     let mut allocator = None;
     let mut mapping_points = None;
     for path in candidates {
@@ -84,19 +215,14 @@ pub fn resolve(candidates: &[PathBuf], prefix: &str) -> Result<Allocator> {
             continue;
         };
         if allocator.is_none() {
-            let offsets = elf.function_offsets(&wanted)?;
             let malloc = format!("{prefix}malloc");
             let free = format!("{prefix}free");
-            if offsets.contains_key(&malloc) && offsets.contains_key(&free) {
-                let glibc = prefix.is_empty() && offsets.contains_key("__libc_malloc");
-                let named: Vec<(String, Function, Kind)> = FAMILY
-                    .iter()
-                    .filter_map(|(n, k)| {
-                        let name = format!("{prefix}{n}");
-                        offsets.get(&name).map(|&o| (name, o, *k))
-                    })
-                    .collect();
-                allocator = Some((path.clone(), glibc, group_by_offset(&elf, path, named)));
+            let pair = elf.function_offsets(&[&malloc, &free])?;
+            if pair.contains_key(&malloc) && pair.contains_key(&free) {
+                let functions = elf.functions()?;
+                let family = classify(&|n| functions.contains_key(n), prefix);
+                let points = family_points(&elf, path, &functions, family, prefix);
+                allocator = Some((path.clone(), family, points));
             }
         }
         if mapping_points.is_none() {
@@ -112,14 +238,85 @@ pub fn resolve(candidates: &[PathBuf], prefix: &str) -> Result<Allocator> {
             break;
         }
     }
-    let Some((object, glibc, mut points)) = allocator else {
+    let Some((object, family, mut points)) = allocator else {
         bail!(
             "no {prefix}malloc and {prefix}free found in {} (statically linked without symbols, or a custom allocator: try --symbol-prefix)",
             candidates.first().map(|p| p.display().to_string()).unwrap_or_default()
         );
     };
     points.extend(mapping_points.unwrap_or_default());
-    Ok(Allocator { file_id: file_id(&object), object, glibc, points })
+    let mimalloc_pages = family == Family::Mimalloc && is_mimalloc_2_0(&object);
+    Ok(Allocator {
+        file_id: file_id(&object),
+        object,
+        glibc: family == Family::Glibc,
+        family,
+        prefix: prefix.to_string(),
+        index: 0,
+        mimalloc_pages,
+        found: true,
+        points,
+    })
+}
+
+/// The allocator libraries installed on this machine that programs commonly preload
+/// (Debian's jemalloc, mimalloc and tcmalloc packages): probed ahead of time when following
+/// a command, so that `env LD_PRELOAD=... prog` is traced from its first call.
+pub fn installed_libraries() -> Vec<Allocator> {
+    const NAMES: [&str; 4] = ["libjemalloc.so.2", "libmimalloc.so.2", "libtcmalloc_minimal.so.4", "libtcmalloc.so.4"];
+    let dirs = system_library_dirs();
+    let mut found: Vec<Allocator> = Vec::new();
+    for name in NAMES {
+        let Some(path) = dirs.iter().map(|d| d.join(name)).find(|p| p.is_file()) else { continue };
+        if let Ok(mut a) = resolve(std::slice::from_ref(&path), "")
+            && a.family != Family::Unknown
+            && !found.iter().any(|f| f.file_id == a.file_id)
+        {
+            // (tcmalloc's own mmap/munmap stay: a program preloading it calls them)
+            a.found = false;
+            found.push(a);
+        }
+    }
+    found
+}
+
+/// Whether `object` is a shared mimalloc of the 2.0 series (its file is named
+/// `libmimalloc.so.2.0`, `libmimalloc.so.2.0.9`, ...; 2.1 changed the page layout).
+fn is_mimalloc_2_0(object: &Path) -> bool {
+    let real = fs::canonicalize(object).unwrap_or_else(|_| object.to_path_buf());
+    real.file_name().is_some_and(|n| {
+        let n = n.to_string_lossy();
+        n == "libmimalloc.so.2.0" || n.starts_with("libmimalloc.so.2.0.")
+    })
+}
+
+/// The prefixed jemallocs in `objects` (no flag needed: found by their symbol sets).
+pub fn prefixed(objects: &[PathBuf]) -> Vec<Allocator> {
+    let mut found = Vec::new();
+    for path in objects {
+        let Ok(elf) = ElfFile::open(path) else { continue };
+        // Most libraries have no `…mallocx`: only those with one are read whole.
+        let Ok(candidates) = elf.function_names_ending_with("mallocx") else { continue };
+        if candidates.iter().all(|n| n == "mallocx") {
+            continue;
+        }
+        let Ok(functions) = elf.functions() else { continue };
+        for prefix in jemalloc_prefixes(&functions) {
+            let points = family_points(&elf, path, &functions, Family::Jemalloc, &prefix);
+            found.push(Allocator {
+                file_id: file_id(path),
+                object: path.clone(),
+                glibc: false,
+                family: Family::Jemalloc,
+                prefix,
+                index: 0,
+                mimalloc_pages: false,
+                found: true,
+                points,
+            });
+        }
+    }
+    found
 }
 
 /// (device, inode) of a file, following symlinks (and /proc/PID/root).
@@ -258,17 +455,41 @@ pub fn program_files(exe: &Path) -> Vec<PathBuf> {
 
 /// The allocator a program at `exe` will use once exec'd with our environment.
 pub fn for_executable(exe: &Path, prefix: &str) -> Result<Allocator> {
-    let preload: Vec<PathBuf> = env::var("LD_PRELOAD")
-        .unwrap_or_default()
-        .split([':', ' '])
-        .filter(|s| !s.is_empty())
-        .filter_map(|s| search_dirs(s, &[]))
-        .collect();
-    resolve(&lookup_order(exe, &preload, &search_dirs), prefix)
+    Ok(all_for_executable(exe, None, prefix)?.remove(0))
+}
+
+/// Every allocator a program at `exe` will have once exec'd with `preload` (LD_PRELOAD's
+/// entries; None: ours): the one its `malloc` binds to first, then prefixed ones.
+pub fn all_for_executable(exe: &Path, preload: Option<&[PathBuf]>, prefix: &str) -> Result<Vec<Allocator>> {
+    let ours = env::var("LD_PRELOAD").unwrap_or_default();
+    let names: Vec<PathBuf> = match preload {
+        Some(p) => p.to_vec(),
+        None => ours.split([':', ' ']).filter(|s| !s.is_empty()).map(PathBuf::from).collect(),
+    };
+    let preload: Vec<PathBuf> = names.iter().filter_map(|s| search_dirs(&s.to_string_lossy(), &[])).collect();
+    let order = lookup_order(exe, &preload, &search_dirs);
+    Ok(with_prefixed(resolve(&order, prefix)?, &order))
+}
+
+/// The primary allocator, then the prefixed jemallocs of `order` that are not it.
+fn with_prefixed(primary: Allocator, order: &[PathBuf]) -> Vec<Allocator> {
+    let mut all = vec![primary];
+    for other in prefixed(order) {
+        if !all.iter().any(|a| a.file_id == other.file_id && a.prefix == other.prefix) {
+            all.push(other);
+        }
+    }
+    all
 }
 
 /// The allocator a running process uses, from what it has mapped.
 pub fn for_process(pid: u32, prefix: &str) -> Result<Allocator> {
+    Ok(all_for_process(pid, prefix)?.remove(0))
+}
+
+/// Every allocator a running process has, from what it has mapped: the one its `malloc`
+/// binds to first, then prefixed ones.
+pub fn all_for_process(pid: u32, prefix: &str) -> Result<Vec<Allocator>> {
     let maps = procfs::Maps::read(pid)?;
     let mapped: Vec<PathBuf> = {
         let mut seen = HashSet::new();
@@ -279,10 +500,16 @@ pub fn for_process(pid: u32, prefix: &str) -> Result<Allocator> {
             .collect()
     };
     let exe = procfs::path_in_process(pid, &procfs::exe(pid)?);
-    let preload: Vec<PathBuf> = procfs::ld_preload(pid)
-        .iter()
-        .filter_map(|p| mapped.iter().find(|m| m.file_name() == p.file_name()).cloned())
-        .collect();
+    // LD_PRELOAD names a file as given (often a symlink such as libtcmalloc_minimal.so.4);
+    // the maps show the file it resolved to.
+    let same_file = |given: &Path, m: &Path| {
+        m.file_name() == given.file_name()
+            || search_dirs(&given.to_string_lossy(), &[])
+                .and_then(|g| fs::canonicalize(procfs::path_in_process(pid, &g)).ok())
+                .is_some_and(|g| fs::canonicalize(m).ok().as_ref() == Some(&g))
+    };
+    let preload: Vec<PathBuf> =
+        procfs::ld_preload(pid).iter().filter_map(|p| mapped.iter().find(|m| same_file(p, m)).cloned()).collect();
     let locate = |name: &str, runpath: &[PathBuf]| -> Option<PathBuf> {
         let base = Path::new(name).file_name()?;
         if let Some(m) = mapped.iter().find(|m| m.file_name() == Some(base)) {
@@ -301,7 +528,10 @@ pub fn for_process(pid: u32, prefix: &str) -> Result<Allocator> {
     }
     // A process caught while the dynamic linker still maps its libraries: find them the way
     // the linker will (uprobes attach to files, so they fire once the library is mapped).
-    resolve(&order, prefix).or_else(|e| for_executable(&exe, prefix).map_err(|_| e))
+    match resolve(&order, prefix) {
+        Ok(primary) => Ok(with_prefixed(primary, &order)),
+        Err(e) => all_for_executable(&exe, Some(&procfs::ld_preload(pid)), prefix).map_err(|_| e),
+    }
 }
 
 /// The C library the machine's programs use (for `record -a`): the one this process runs on.
@@ -378,6 +608,96 @@ mod tests {
         let from_exe = for_executable(&exe, "").unwrap();
         let from_pid = for_process(std::process::id(), "").unwrap();
         assert_eq!(fs::canonicalize(&from_exe.object).unwrap(), fs::canonicalize(&from_pid.object).unwrap());
+    }
+
+    const LIBS: &str = "/usr/lib/x86_64-linux-gnu";
+
+    fn library(name: &str) -> Option<Allocator> {
+        let path = Path::new(LIBS).join(name);
+        if !path.exists() {
+            eprintln!("{} not installed (cargo xtask setup): skipped", path.display());
+            return None;
+        }
+        Some(resolve(&[path], "").unwrap())
+    }
+
+    fn symbols(a: &Allocator, kind: Kind) -> Vec<String> {
+        let mut names: Vec<String> =
+            a.points.iter().filter(|p| p.kind == kind).flat_map(|p| p.symbols.iter().cloned()).collect();
+        names.sort();
+        names
+    }
+
+    #[test]
+    fn each_debian_allocator_is_recognised_by_its_symbols_not_by_libc_malloc() {
+        // mimalloc and tcmalloc export __libc_malloc too: neither is glibc.
+        let libc = library("libc.so.6").unwrap();
+        assert_eq!(libc.family, Family::Glibc);
+        assert!(libc.glibc);
+        assert!(symbols(&libc, Kind::New).is_empty(), "glibc serves no operator new");
+        if let Some(je) = library("libjemalloc.so.2") {
+            assert_eq!(je.family, Family::Jemalloc);
+            assert!(!je.glibc);
+            assert_eq!(symbols(&je, Kind::New), ["_Znwm", "_ZnwmRKSt9nothrow_t"]);
+            assert_eq!(symbols(&je, Kind::Mallocx), ["mallocx"]);
+            assert_eq!(symbols(&je, Kind::Rallocx), ["rallocx"]);
+            // sized deletes have their own code; the other deletes jump to free or sdallocx
+            assert_eq!(symbols(&je, Kind::Free), ["_ZdaPvm", "_ZdlPvm", "dallocx", "free", "sdallocx"]);
+        }
+        if let Some(mi) = library("libmimalloc.so.2") {
+            assert_eq!(mi.family, Family::Mimalloc);
+            assert!(!mi.glibc);
+            assert!(mi.mimalloc_pages, "Debian's libmimalloc.so.2.0: aligned blocks read from its pages");
+            assert!(symbols(&mi, Kind::New).contains(&"_Znwm".to_string()));
+            assert!(symbols(&mi, Kind::NewAligned).contains(&"_ZnwmSt11align_val_t".to_string()));
+            // every delete is free's address or jumps to mi_free
+            assert_eq!(symbols(&mi, Kind::Free), ["free"]);
+        }
+        if let Some(tc) = library("libtcmalloc_minimal.so.4") {
+            assert_eq!(tc.family, Family::Tcmalloc);
+            assert!(!tc.glibc);
+            assert!(symbols(&tc, Kind::Free).contains(&"_ZdlPvm".to_string()));
+            assert_eq!(tc.points.iter().filter(|p| p.kind == Kind::New).count(), 2, "new and nothrow new");
+            assert_eq!(tc.points.iter().filter(|p| p.kind == Kind::NewAligned).count(), 2);
+        }
+        // No address is probed twice in any of them.
+        for a in [library("libjemalloc.so.2"), library("libmimalloc.so.2"), library("libtcmalloc_minimal.so.4")]
+            .into_iter()
+            .flatten()
+        {
+            let mut offsets: Vec<u64> = a.points.iter().filter(|p| p.path == a.object).map(|p| p.offset).collect();
+            let n = offsets.len();
+            offsets.sort();
+            offsets.dedup();
+            assert_eq!(offsets.len(), n, "{}", a.object.display());
+        }
+    }
+
+    #[test]
+    fn a_prefixed_jemalloc_is_found_without_a_flag() {
+        let shim = Path::new(env!("MEMTRACE_WORKLOAD_DIR")).join("libxyz_je.so");
+        let found = prefixed(std::slice::from_ref(&shim));
+        assert_eq!(found.len(), 1);
+        assert_eq!(found[0].family, Family::Jemalloc);
+        assert_eq!(found[0].prefix, "xyz_je_");
+        let names: Vec<&str> = found[0].points.iter().flat_map(|p| p.symbols.iter().map(String::as_str)).collect();
+        for f in ["xyz_je_malloc", "xyz_je_free", "xyz_je_mallocx", "xyz_je_sdallocx"] {
+            assert!(names.contains(&f), "{f} in {names:?}");
+        }
+        // glibc carries no prefixed jemalloc
+        assert!(prefixed(&[Path::new(LIBS).join("libc.so.6")]).is_empty());
+    }
+
+    #[test]
+    fn jemalloc_prefixes_need_the_whole_symbol_set() {
+        let f = Function { offset: 0, size: 0 };
+        let names = |list: &[&str]| -> HashMap<String, Function> { list.iter().map(|n| (n.to_string(), f)).collect() };
+        let full = names(&["_rjem_mallocx", "_rjem_sdallocx", "_rjem_mallctl", "_rjem_malloc", "_rjem_free"]);
+        assert_eq!(jemalloc_prefixes(&full), ["_rjem_"]);
+        let partial = names(&["duckdb_je_mallocx", "duckdb_je_malloc", "duckdb_je_free"]);
+        assert!(jemalloc_prefixes(&partial).is_empty(), "no sdallocx/mallctl: not a jemalloc");
+        // the C names are the module's primary family, not a prefix
+        assert!(jemalloc_prefixes(&names(&["mallocx", "sdallocx", "mallctl", "malloc", "free"])).is_empty());
     }
 
     #[test]

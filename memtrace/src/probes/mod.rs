@@ -338,12 +338,12 @@ impl Probes {
     /// One link per program and file: the entry and return programs at every allocating
     /// function, the free program at every freeing one.
     fn attach_allocator_multi(&mut self, allocator: &Allocator, pid: Option<u32>) -> Result<()> {
-        let glibc = if allocator.glibc { memtrace_common::cookie::GLIBC } else { 0 };
+        let flags = cookie_flags(allocator);
         let mut by_file: std::collections::BTreeMap<&std::path::Path, [Vec<(u64, u64)>; 2]> = Default::default();
         for point in &allocator.points {
             let frees = usize::from(matches!(point.kind, Kind::Free | Kind::Munmap));
             by_file.entry(&point.path).or_default()[frees]
-                .push((point.offset + point.probe_offset, point.kind as u64 | glibc));
+                .push((point.offset + point.probe_offset, point.kind as u64 | flags));
         }
         for (path, [allocs, frees]) in by_file {
             for (program, points, retprobe) in
@@ -383,9 +383,7 @@ impl Probes {
                     .attach(
                         UProbeAttachPoint {
                             location: UProbeAttachLocation::AbsoluteOffset(point.offset + point.probe_offset),
-                            cookie: Some(
-                                point.kind as u64 | if allocator.glibc { memtrace_common::cookie::GLIBC } else { 0 },
-                            ),
+                            cookie: Some(point.kind as u64 | cookie_flags(allocator)),
                         },
                         &point.path,
                         scope,
@@ -480,6 +478,14 @@ impl Probes {
             ranges_installed: sum(counter::RANGES_INSTALLED)?,
         })
     }
+}
+
+/// The attach cookie's bits above the kind: glibc (read chunk headers) and the allocator's
+/// index, which its records carry.
+fn cookie_flags(allocator: &Allocator) -> u64 {
+    let glibc = if allocator.glibc { memtrace_common::cookie::GLIBC } else { 0 };
+    let mimalloc = if allocator.mimalloc_pages { memtrace_common::cookie::MIMALLOC } else { 0 };
+    glibc | mimalloc | u64::from(allocator.index) << memtrace_common::cookie::ALLOCATOR_SHIFT
 }
 
 fn log_verified(program: &str, instructions: Option<u32>, started: std::time::Instant) {

@@ -4,7 +4,9 @@
 //! Per event: a tag byte (bits 0-5: the event code, a `Kind` or 48 + a task event; bit 6:
 //! a flags byte follows; bit 7: same task as the previous event), the zigzag timestamp
 //! delta, the task reference unless bit 7 (an index into the chunk's task table; the
-//! table's length means "new: pid, tid follow"), then the body of the kind.
+//! table's length means "new: pid, tid follow"), then the body of the kind. A user
+//! allocation whose allocator is known has bit 6 of its flags byte set and the allocator's
+//! index byte after its body (format version 2).
 use std::collections::HashMap;
 
 use memtrace_common::{Kind, TaskEvent};
@@ -19,6 +21,9 @@ const TASK_CODE_BASE: u8 = 48;
 const HAS_FLAGS: u8 = 1 << 6;
 const SAME_TASK: u8 = 1 << 7;
 const CODE_MASK: u8 = 0x3f;
+/// In the flags byte of a user allocation: the allocator's index follows the body (no
+/// `memtrace_common::flags` bit uses it).
+const ALLOCATOR_FOLLOWS: u8 = 1 << 6;
 
 #[derive(Default)]
 struct State {
@@ -79,6 +84,9 @@ impl EventEncoder {
         }
         self.count += 1;
         let (code, flags, pid, tid) = match event {
+            Event::Alloc(a) if a.allocator != 0 && !a.kind.is_kernel() => {
+                (a.kind as u8, a.flags | ALLOCATOR_FOLLOWS, a.pid, a.tid)
+            }
             Event::Alloc(a) => (a.kind as u8, a.flags, a.pid, a.tid),
             Event::Free(f) => (f.kind as u8, f.flags, f.pid, f.tid),
             Event::Task(t) => (TASK_CODE_BASE + t.event as u8, t.flags, t.pid, t.tid),
@@ -136,6 +144,8 @@ impl EventEncoder {
                     put_varint(buf, u64::from(a.gfp_flags));
                     put_signed(buf, i64::from(a.node));
                     buf.push(a.order);
+                } else if a.allocator != 0 {
+                    buf.push(a.allocator);
                 }
             }
             Event::Free(f) => {
@@ -219,6 +229,8 @@ pub fn decode_chunk(payload: &[u8], base: u64, sink: &mut dyn FnMut(Event)) -> R
                 } else {
                     (0, 0, -1, 0)
                 };
+                let allocator = if !kind.is_kernel() && flags & ALLOCATOR_FOLLOWS != 0 { c.u8()? } else { 0 };
+                let flags = if kind.is_kernel() { flags } else { flags & !ALLOCATOR_FOLLOWS };
                 Event::Alloc(Alloc {
                     ts_ns: ts,
                     pid,
@@ -234,6 +246,7 @@ pub fn decode_chunk(payload: &[u8], base: u64, sink: &mut dyn FnMut(Event)) -> R
                     gfp_flags,
                     node,
                     order,
+                    allocator,
                 })
             }
         };

@@ -26,7 +26,7 @@ use thiserror::Error;
 pub use writer::Writer;
 
 pub const MAGIC: &[u8; 8] = b"MEMTRACE";
-pub const VERSION: u16 = 1;
+pub const VERSION: u16 = 2;
 pub const HEADER_LEN: usize = 16;
 pub const CLOCK_MONOTONIC: u8 = 1;
 /// Chunks larger than this are treated as corruption.
@@ -98,9 +98,30 @@ pub struct Meta {
     pub call_graph: String,
 }
 
+/// An allocator the session probed; user allocations carry its index in this list plus one.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct AllocatorMeta {
+    /// The file whose functions were probed.
+    pub module: String,
+    /// glibc, jemalloc, mimalloc, tcmalloc, musl or unknown.
+    pub family: String,
+    /// The prefix of its function names ("" for the C names).
+    pub prefix: String,
+    /// Found in a traced program (false: an installed library probed ahead of time).
+    #[serde(default = "yes")]
+    pub found: bool,
+}
+
+fn yes() -> bool {
+    true
+}
+
 /// Counters of the recording (the `Stats` chunk).
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Stats {
+    /// The allocators found during the session (at start, exec and dlopen), by index - 1.
+    #[serde(default)]
+    pub allocators: Vec<AllocatorMeta>,
     /// Records the probes could not deliver (ring full), summed over CPUs.
     pub lost_events: u64,
     pub lost_events_per_cpu: Vec<u64>,

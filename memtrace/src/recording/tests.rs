@@ -25,6 +25,7 @@ fn alloc(ts: u64, kind: Kind, ptr: u64, req: u64) -> Event {
         gfp_flags: if kind.is_kernel() { 0xcc0 } else { 0 },
         node: -1,
         order: 0,
+        allocator: 0,
     })
 }
 
@@ -189,7 +190,9 @@ fn arb_event() -> impl Strategy<Value = Event> {
                     tid,
                     cpu,
                     kind,
-                    flags: fl,
+                    // bit 6 of a user allocation's flags is the recording's own (an
+                    // allocator index follows); the probes never set it
+                    flags: if kind.is_kernel() { fl } else { fl & !(1 << 6) },
                     ptr,
                     bytes_req: req,
                     bytes_alloc: req.wrapping_add(extra % 4096),
@@ -198,6 +201,7 @@ fn arb_event() -> impl Strategy<Value = Event> {
                     gfp_flags: if kind.is_kernel() { extra as u32 } else { 0 },
                     node: if kind.is_kernel() { extra as i32 } else { -1 },
                     order: if kind.is_kernel() { fl } else { 0 },
+                    allocator: if kind.is_kernel() { 0 } else { fl },
                 })
             }
         })

@@ -49,6 +49,8 @@ pub struct Summary {
     pub leak_totals: LeakTotals,
     /// Live bytes over time and each domain's peak.
     pub memory: MemoryView,
+    /// The allocators of the recording with their figures.
+    pub allocators: Vec<AllocatorRow>,
 }
 
 /// What `--leaks` found in all: blocks, bytes and stacks.
@@ -57,6 +59,26 @@ pub struct LeakTotals {
     pub blocks: u64,
     pub bytes_req: u64,
     pub stacks: usize,
+}
+
+/// An allocator the recording found, and what went through it (after the filters).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
+pub struct AllocatorRow {
+    pub module: String,
+    pub family: String,
+    pub prefix: String,
+    pub allocs: u64,
+    pub frees: u64,
+    pub bytes_req: u64,
+    pub bytes_alloc: u64,
+}
+
+/// Whether allocator `index` (1-based) of `allocators` is the one `name` names.
+fn allocator_matches(allocators: &[recording::AllocatorMeta], index: u8, name: &str) -> bool {
+    let Some(a) = index.checked_sub(1).and_then(|i| allocators.get(usize::from(i))) else {
+        return name == "unknown";
+    };
+    a.family == name || (!a.prefix.is_empty() && a.prefix == name) || a.module.contains(name)
 }
 
 /// How whole the stacks of a domain's allocations are.
@@ -87,6 +109,8 @@ pub struct GroupRow {
     pub group: u32,
     /// Live bytes over time (the first rows, with [`ReportOptions::timeline`]).
     pub timeline: Vec<u64>,
+    /// User sites: the family of the allocator that served them (the first allocation's).
+    pub allocator: Option<String>,
 }
 
 /// Blocks still live at the end, from one stack.
@@ -110,6 +134,7 @@ struct GroupInfo {
     call_site: u64,
     kinds: Vec<Kind>,
     pids: Vec<u32>,
+    allocator: u8,
 }
 
 /// Assigns allocations to groups (the analyzer's grouping function) and remembers each
@@ -144,6 +169,7 @@ impl Grouper<'_> {
                 call_site: o.call_site,
                 kinds: Vec::new(),
                 pids: Vec::new(),
+                allocator: o.allocator,
             });
         }
         let info = &mut self.infos[g as usize];
@@ -213,6 +239,20 @@ pub fn analyze(path: &Path, opts: &ReportOptions) -> Result<Summary> {
 
     let mut tallies: BTreeMap<u32, ProcessTally> = BTreeMap::new();
     let mut user_allocs_seen = false;
+    let recorded_allocators = stats.allocators.clone();
+    let allocators_found: Vec<bool> = recorded_allocators.iter().map(|a| a.found).collect();
+    let mut allocators: Vec<AllocatorRow> = recorded_allocators
+        .iter()
+        .map(|a| AllocatorRow {
+            module: a.module.clone(),
+            family: a.family.clone(),
+            prefix: a.prefix.clone(),
+            ..Default::default()
+        })
+        .collect();
+    // Live heap blocks by (pid, address): the allocator that served them, for its frees.
+    let mut served_by: HashMap<(u32, u64), u8> = HashMap::new();
+    let allocator_filter = filters.allocator.clone();
     let mut analyzer = Analyzer::new(|o: &Origin| grouper.group_of(o));
     analyzer.sample_bytes = meta.sample_bytes;
     analyzer.sample_from = stats.sampled_from;
@@ -269,8 +309,36 @@ pub fn analyze(path: &Path, opts: &ReportOptions) -> Result<Summary> {
         {
             tallies.entry(f.pid).or_default().frees += 1;
         }
+        let user_heap = |k: Kind| k.space() == memtrace_common::Space::Heap;
+        if process_ok {
+            match &event {
+                Event::Alloc(a) if user_heap(a.kind) && a.allocator != 0 => {
+                    served_by.insert((a.pid, a.ptr), a.allocator);
+                    if let Some(row) = allocators.get_mut(usize::from(a.allocator - 1)) {
+                        row.allocs += 1;
+                        row.bytes_req += a.bytes_req;
+                        row.bytes_alloc += a.bytes_alloc;
+                    }
+                }
+                Event::Free(f) if user_heap(f.kind) => {
+                    if let Some(i) = served_by.remove(&(f.pid, f.ptr))
+                        && let Some(row) = allocators.get_mut(usize::from(i - 1))
+                    {
+                        row.frees += 1;
+                    }
+                }
+                _ => {}
+            }
+        }
+        let other_allocator = |a: &crate::event::Alloc| {
+            allocator_filter
+                .as_deref()
+                .is_some_and(|name| !user_heap(a.kind) || !allocator_matches(&recorded_allocators, a.allocator, name))
+        };
         match &event {
-            Event::Alloc(a) if !process_ok || !filters.admits_size(a.bytes_req) => analyzer.push_excluded(a),
+            Event::Alloc(a) if !process_ok || !filters.admits_size(a.bytes_req) || other_allocator(a) => {
+                analyzer.push_excluded(a)
+            }
             Event::Free(_) if !process_ok => {
                 analyzer.quiet_unmatched = true;
                 analyzer.push(&event);
@@ -308,6 +376,11 @@ pub fn analyze(path: &Path, opts: &ReportOptions) -> Result<Summary> {
             call_site: info.call_site,
             group: group as u32,
             timeline: Vec::new(),
+            allocator: info
+                .allocator
+                .checked_sub(1)
+                .and_then(|i| recorded_allocators.get(usize::from(i)))
+                .map(|a| a.family.clone()),
         });
     }
     sites::disambiguate(&mut rows, opts.by);
@@ -348,6 +421,13 @@ pub fn analyze(path: &Path, opts: &ReportOptions) -> Result<Summary> {
         under_counting,
         leak_totals,
         memory,
+        // Installed libraries probed ahead of time that no traced program used: not shown.
+        allocators: allocators
+            .into_iter()
+            .zip(allocators_found)
+            .filter(|(row, found)| *found || row.allocs > 0 || row.frees > 0)
+            .map(|(row, _)| row)
+            .collect(),
     })
 }
 

@@ -103,6 +103,9 @@ struct JsonSite<'a> {
     /// Live bytes per interval of `timeline` (the first sites, with `--timeline`).
     #[serde(skip_serializing_if = "Option::is_none")]
     timeline: Option<&'a [u64]>,
+    /// User sites: the family of the allocator that served them.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    allocator: Option<&'a str>,
 }
 
 #[derive(Serialize)]
@@ -163,6 +166,7 @@ pub fn render_json(a: &Summary, opts: &ReportOptions) -> Result<String> {
                 live_allocs_at_peak: s.live_allocs_at_peak,
                 size_histogram: json_memory::size_histogram(&s.sizes),
                 timeline: (!g.timeline.is_empty()).then_some(&g.timeline[..]),
+                allocator: g.allocator.as_deref(),
             }
         })
         .collect();
@@ -217,6 +221,7 @@ pub fn render_json(a: &Summary, opts: &ReportOptions) -> Result<String> {
         "stacks": a.coverage.iter().map(|(d, c)| (domain_name(*d), c)).collect::<BTreeMap<_, _>>(),
         "recording": a.meta,
         "group_by": a.by,
+        "allocators": a.allocators,
         "sites": sites,
         "leaks": if opts.leaks { Some(leaks) } else { None },
         "peak": json_memory::peaks(a, opts.filters.domain),

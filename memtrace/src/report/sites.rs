@@ -109,6 +109,7 @@ mod tests {
             call_site: 0,
             group: 0,
             timeline: vec![],
+            allocator: None,
         }
     }
 

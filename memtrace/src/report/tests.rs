@@ -45,6 +45,7 @@ fn alloc(ts_ns: u64, kind: Kind, ptr: u64, bytes_req: u64, bytes_alloc: u64, sta
         gfp_flags: 0,
         node: -1,
         order: 0,
+        allocator: 0,
     })
 }
 

@@ -41,7 +41,17 @@ fn frame_line(indent: &str, f: &crate::stacks::Frame, width: Width) -> String {
 pub fn render_text(a: &Summary, opts: &ReportOptions) -> String {
     let mut out = String::new();
     let _ = writeln!(out, "memtrace report: {}", describe_target(a));
-    if let Some(alloc) = &a.meta.allocator {
+    if !a.allocators.is_empty() {
+        for r in &a.allocators {
+            let prefix = if r.prefix.is_empty() { String::new() } else { format!(", prefix {}", r.prefix) };
+            let how = crate::sizes::Family::from_name(&r.family).map_or("", |f| f.usable_source());
+            let _ = writeln!(
+                out,
+                "allocator: {} ({}{prefix}): {} allocs, {} frees; {how}",
+                r.module, r.family, r.allocs, r.frees
+            );
+        }
+    } else if let Some(alloc) = &a.meta.allocator {
         let how = if a.meta.allocator_is_glibc {
             "allocated = malloc_usable_size, read from glibc's chunk headers"
         } else {

@@ -55,6 +55,7 @@ fn alloc(pid: u32, kind: Kind, ptr: u64, size: u64, stack: u64, ts: u64) -> Even
         gfp_flags: 0,
         node: -1,
         order: 0,
+        allocator: 0,
     })
 }
 

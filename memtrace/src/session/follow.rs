@@ -8,11 +8,12 @@ use std::{
 
 use memtrace_common::TaskEvent;
 
-use super::{Sink, Target, Tracer, monotonic_ns, probe_scope};
+use super::{Sink, Target, Tracer, monotonic_ns, probe_scope, tcmalloc_transfer_num_obj};
 use crate::{
     event::TaskSpace,
     probes::{self, Allocator},
     procfs,
+    sizes::usable::Model,
 };
 
 impl Tracer {
@@ -48,8 +49,29 @@ impl Tracer {
             && !matches!(self.options.target, Target::All)
     }
 
+    /// Adds an allocator to the session's list (or finds it there), giving it its index.
+    pub(super) fn register(&mut self, mut allocator: Allocator) -> Allocator {
+        if let Some(known) =
+            self.allocators.iter_mut().find(|a| a.file_id == allocator.file_id && a.prefix == allocator.prefix)
+        {
+            known.found = true;
+            return known.clone();
+        }
+        let Ok(index) = u8::try_from(self.allocators.len() + 1) else {
+            return allocator; // index 0: counted, sizes unknown
+        };
+        allocator.index = index;
+        let transfer = self.target_pid.and_then(tcmalloc_transfer_num_obj);
+        self.usable.set_model(index, Model::for_family(allocator.family, transfer));
+        if !self.options.quiet {
+            log::info!("allocator found: {}", allocator.describe());
+        }
+        self.allocators.push(allocator.clone());
+        allocator
+    }
+
     pub(super) fn attach(&mut self, pid: u32, allocator: &Allocator) {
-        if !self.attached.insert((pid, allocator.file_id)) {
+        if !self.attached.insert((pid, allocator.file_id, allocator.prefix.clone())) {
             return;
         }
         if let Err(e) = self.probes.attach_allocator(allocator, (pid != 0).then_some(pid))
@@ -89,17 +111,41 @@ impl Tracer {
         }
         let canonical = std::fs::canonicalize(&exe).unwrap_or_else(|_| exe.clone());
         let prefix = &self.options.symbol_prefix;
+        // What the new program preloads is in its own environment (`env LD_PRELOAD=... prog`).
+        let preload = procfs::ld_preload(pid);
         let resolved = self
             .resolved_programs
-            .entry(canonical)
-            .or_insert_with(|| probes::allocator::for_executable(&exe, prefix).ok())
+            .entry((canonical, preload.clone()))
+            .or_insert_with(|| probes::allocator::all_for_executable(&exe, Some(&preload), prefix).unwrap_or_default())
             .clone();
-        let Some(allocator) = resolved else { return };
         let scope = probe_scope(&self.probes, &self.options, Some(pid)).unwrap_or(0);
-        if !self.allocators.iter().any(|a| a.file_id == allocator.file_id) {
-            self.allocators.push(allocator.clone());
+        for allocator in resolved {
+            let allocator = self.register(allocator);
+            self.attach(scope, &allocator);
         }
-        self.attach(scope, &allocator);
+    }
+
+    /// An object a followed process mapped: its allocators (its malloc family, prefixed
+    /// jemallocs) get probes in every followed process.
+    pub(super) fn check_object(&mut self, object: PathBuf) {
+        if !self.checked_objects.insert(object.clone()) {
+            return;
+        }
+        let id = probes::allocator::file_id(&object);
+        let mut found = probes::allocator::prefixed(std::slice::from_ref(&object));
+        if !self.allocators.iter().any(|a| a.file_id == id && a.prefix == self.options.symbol_prefix)
+            && let Ok(primary) = probes::allocator::resolve(std::slice::from_ref(&object), &self.options.symbol_prefix)
+            && primary.file_id == id
+        {
+            found.insert(0, primary);
+        }
+        for allocator in found {
+            let allocator = self.register(allocator);
+            for p in self.followed.clone() {
+                let scope = probe_scope(&self.probes, &self.options, Some(p)).unwrap_or(0);
+                self.attach(scope, &allocator);
+            }
+        }
     }
 
     /// Housekeeping between drains: allocators loaded with dlopen by followed processes
@@ -137,7 +183,6 @@ impl Tracer {
     }
 
     pub(super) fn scan_for_dlopened_allocators(&mut self) {
-        let prefix = self.options.symbol_prefix.clone();
         for pid in self.followed.clone() {
             let Ok(maps) = procfs::Maps::read(pid) else {
                 self.followed.remove(&pid);
@@ -150,20 +195,7 @@ impl Tracer {
                 .filter(|p| !self.checked_objects.contains(p))
                 .collect();
             for object in objects {
-                self.checked_objects.insert(object.clone());
-                let id = probes::allocator::file_id(&object);
-                if self.allocators.iter().any(|a| a.file_id == id) {
-                    continue;
-                }
-                // Another object defining the allocator's entry points: probe it too.
-                if let Ok(found) = probes::allocator::resolve(std::slice::from_ref(&object), &prefix)
-                    && found.file_id == id
-                {
-                    self.allocators.push(found.clone());
-                    for p in self.followed.clone() {
-                        self.attach(p, &found);
-                    }
-                }
+                self.check_object(object);
             }
         }
     }

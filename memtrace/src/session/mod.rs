@@ -35,6 +35,7 @@ use crate::{
     probes::{self, Allocator, CallGraph, Counters, Detaching, Probes, uprobe_multi::AttachPath},
     procfs,
     recording::RingBytes,
+    sizes::usable::{Model, UsableSizes},
     unwind::{UnwindOptions, UnwindStats, Unwinder},
 };
 
@@ -133,16 +134,19 @@ pub struct Tracer {
     child: Option<PausedChild>,
     reorder: Reorder,
     /// Every allocator found so far: the target's, those of programs exec'd later, those
-    /// loaded with dlopen.
-    allocators: Vec<Allocator>,
-    /// (pid, allocator file) pairs with probes (pid 0: every process).
-    attached: HashSet<(u32, (u64, u64))>,
+    /// loaded with dlopen. An allocator's index is its position plus one.
+    pub allocators: Vec<Allocator>,
+    /// (pid, allocator file, prefix) with probes (pid 0: every process).
+    attached: HashSet<(u32, (u64, u64), String)>,
+    /// Gives user allocations their usable size from their allocator's size classes.
+    usable: UsableSizes,
     /// Processes followed (targets and their children), for the dlopen scan.
     followed: HashSet<u32>,
     /// Objects already checked for an allocator.
     checked_objects: HashSet<PathBuf>,
-    /// Programs whose allocator was resolved (exec'd again and again: resolved once).
-    resolved_programs: HashMap<PathBuf, Option<Allocator>>,
+    /// Programs (and what they preload) whose allocators were resolved (exec'd again and
+    /// again: resolved once).
+    resolved_programs: HashMap<(PathBuf, Vec<PathBuf>), Vec<Allocator>>,
     last_scan: Instant,
     last_loss_check: Instant,
     lost_seen: u64,
@@ -183,16 +187,47 @@ impl Tracer {
         }
         probes::check_privileges()?;
         let prefix = &options.symbol_prefix;
-        let allocator = match (&options.target, &program, options.user) {
-            (_, _, false) => None,
+        let found: Vec<Allocator> = match (&options.target, &program, options.user) {
+            (_, _, false) => Vec::new(),
             (Target::Pid(pid), _, true) => {
-                Some(probes::allocator::for_process(*pid, prefix).with_context(|| format!("pid {pid}"))?)
+                probes::allocator::all_for_process(*pid, prefix).with_context(|| format!("pid {pid}"))?
             }
-            (Target::Command(_), Some(program), true) => Some(
-                probes::allocator::for_executable(program, prefix).with_context(|| program.display().to_string())?,
-            ),
-            _ => Some(probes::allocator::system_libc(prefix)?),
+            (Target::Command(_), Some(program), true) => probes::allocator::all_for_executable(program, None, prefix)
+                .with_context(|| program.display().to_string())?,
+            _ => probes::allocator::all_for_process(std::process::id(), prefix)?,
         };
+        let mut usable = UsableSizes::default();
+        // tcmalloc's classes follow TCMALLOC_TRANSFER_NUM_OBJ in the target's environment.
+        let transfer = match &options.target {
+            Target::Pid(pid) => tcmalloc_transfer_num_obj(*pid),
+            _ => std::env::var("TCMALLOC_TRANSFER_NUM_OBJ").ok().and_then(|v| v.trim().parse().ok()),
+        };
+        let found: Vec<Allocator> = found
+            .into_iter()
+            .enumerate()
+            .map(|(i, mut a)| {
+                a.index = u8::try_from(i + 1).unwrap_or(0);
+                usable.set_model(a.index, Model::for_family(a.family, transfer));
+                a
+            })
+            .collect();
+        let allocator = found.first().cloned();
+        // A command may exec a program that preloads an installed allocator (`env
+        // LD_PRELOAD=libjemalloc.so.2 prog`, a wrapper script): those libraries are probed
+        // from the start, so its first calls are seen too (probes on a file cost nothing in
+        // processes that do not map it).
+        let mut found = found;
+        if matches!(options.target, Target::Command(_)) && options.user && options.symbol_prefix.is_empty() {
+            for mut extra in probes::allocator::installed_libraries() {
+                if found.iter().any(|a| a.file_id == extra.file_id) {
+                    continue;
+                }
+                let Ok(index) = u8::try_from(found.len() + 1) else { break };
+                extra.index = index;
+                usable.set_model(index, Model::for_family(extra.family, transfer));
+                found.push(extra);
+            }
+        }
         let is_command = matches!(options.target, Target::Command(_));
         let mut unwinder = (options.call_graph != CallGraph::Fp && options.user_stacks && options.user)
             .then(|| Unwinder::new(&options.unwind));
@@ -234,7 +269,7 @@ impl Tracer {
             if options.kernel {
                 probes.attach_kernel()?;
             }
-            if let Some(allocator) = &allocator {
+            for allocator in &found {
                 probes.attach_allocator(allocator, probe_scope(&probes, options, target_pid))?;
             }
             Ok(())
@@ -262,16 +297,17 @@ impl Tracer {
         }
         Ok(Self {
             probes,
-            allocators: allocator.iter().cloned().collect(),
-            attached: allocator.iter().map(|a| (attached_to, a.file_id)).collect(),
+            attached: found.iter().map(|a| (attached_to, a.file_id, a.prefix.clone())).collect(),
+            usable,
             followed: target_pid.into_iter().collect(),
             checked_objects: HashSet::new(),
             resolved_programs: program
                 .as_ref()
                 .and_then(|p| std::fs::canonicalize(p).ok())
-                .map(|p| (p, allocator.clone()))
+                .map(|p| ((p, Vec::new()), found.clone()))
                 .into_iter()
                 .collect(),
+            allocators: found,
             last_scan: Instant::now(),
             last_loss_check: Instant::now(),
             lost_seen: 0,
@@ -366,6 +402,14 @@ impl Tracer {
                         if let Some(u) = self.unwinder.as_mut() {
                             u.mapping(&m, &mut self.probes);
                         }
+                        // A library mapped executable (dlopen): look for allocators in it now.
+                        if let Some(path) = &m.path
+                            && self.cutoff_ns.is_none()
+                            && self.followed.contains(&m.pid)
+                        {
+                            let object = procfs::path_in_process(m.pid, Path::new(path));
+                            self.check_object(object);
+                        }
                     }
                     Ok(Record::Cache { cache, name }) => sink.cache_seen(cache, &name),
                     Ok(Record::Task(t, space)) => {
@@ -393,7 +437,12 @@ impl Tracer {
                 Self::deliver(u, done, sink);
             }
         }
-        let mut forward = |e: Event| sink.event(e);
+        let usable = &mut self.usable;
+        let mut forward = |mut e: Event| {
+            if usable.apply(&mut e) {
+                sink.event(e)
+            }
+        };
         if everything {
             self.reorder.release_all(&mut forward);
         } else {
@@ -434,4 +483,12 @@ fn probe_scope(probes: &Probes, options: &TraceOptions, pid: Option<u32>) -> Opt
         _ if following && probes.attach_path() == AttachPath::Multi => None,
         _ => pid,
     }
+}
+/// `TCMALLOC_TRANSFER_NUM_OBJ` in a process's environment (it changes tcmalloc's classes).
+fn tcmalloc_transfer_num_obj(pid: u32) -> Option<i64> {
+    let environ = std::fs::read(format!("/proc/{pid}/environ")).ok()?;
+    environ
+        .split(|&b| b == 0)
+        .find_map(|v| v.strip_prefix(b"TCMALLOC_TRANSFER_NUM_OBJ="))
+        .and_then(|v| std::str::from_utf8(v).ok()?.trim().parse().ok())
 }

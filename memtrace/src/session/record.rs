@@ -370,6 +370,16 @@ fn finish(
         unwind_frames: counters.unwind_frames,
         unwind_cache_hits: counters.unwind_cache_hits,
         ring_bytes: tracer.ring_bytes,
+        allocators: tracer
+            .allocators
+            .iter()
+            .map(|a| crate::recording::AllocatorMeta {
+                module: a.object.display().to_string(),
+                family: a.family.name().to_string(),
+                prefix: a.prefix.clone(),
+                found: a.found,
+            })
+            .collect(),
         ..Default::default()
     };
     recorder.write_symbols();

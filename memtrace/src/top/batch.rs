@@ -45,6 +45,7 @@ pub(super) async fn batch(tracer: &mut Tracer, live: &mut LiveView, opts: &TopOp
         };
         tracer.drain(live, finished);
         tracer.housekeeping();
+        live.allocator_families = tracer.allocators.iter().map(|a| a.family.name()).collect();
         if finished || last.elapsed() >= opts.interval {
             let lost = tracer.probes.counters().map(|c| c.lost_events).unwrap_or(0);
             let snap = live.snapshot(&opts.view, last.elapsed(), lost);

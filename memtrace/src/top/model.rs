@@ -41,6 +41,8 @@ pub struct LiveView {
     first_live: HashMap<GroupKey, u64>,
     /// Sampling switched on while running (rings overflowing): (from, mean bytes).
     pub sample_from: Option<(u64, u64)>,
+    /// The session's allocators' families, by index - 1 (the tracer's list).
+    pub allocator_families: Vec<&'static str>,
 }
 
 /// One row of the view.
@@ -55,6 +57,8 @@ pub struct Row {
     pub bytes_per_sec: f64,
     /// Live bytes now minus when the row first appeared.
     pub growth: i64,
+    /// User rows: the family of the allocator that served them (shown in the detail view).
+    pub allocator: Option<&'static str>,
 }
 
 /// Figures of one domain.
@@ -159,6 +163,7 @@ impl LiveView {
             previous: HashMap::new(),
             first_live: HashMap::new(),
             sample_from: None,
+            allocator_families: Vec::new(),
         }
     }
 
@@ -209,6 +214,10 @@ impl LiveView {
                 allocs_per_sec: delta.0 as f64 / secs,
                 bytes_per_sec: delta.2 as f64 / secs,
                 growth: stats.live_bytes_req as i64 - first_live as i64,
+                allocator: origin
+                    .allocator
+                    .checked_sub(1)
+                    .and_then(|i| self.allocator_families.get(usize::from(i)).copied()),
                 stats,
                 key,
             });

@@ -57,6 +57,7 @@ fn row(domain: Domain, label: &str, frames: Vec<Frame>, allocs: u64, req: u64, a
         allocs_per_sec: allocs as f64 / 2.0,
         bytes_per_sec: req as f64 / 2.0,
         growth: live as i64,
+        allocator: None,
     }
 }
 
@@ -162,6 +163,17 @@ fn renders_the_selected_rows_stack_and_the_table_full_warning() {
     let mut snap = snapshot();
     snap.untracked = 12;
     insta::assert_snapshot!("top_expanded", render(&st, &snap));
+}
+
+#[test]
+fn the_detail_view_names_the_rows_allocator_family() {
+    let mut st = state();
+    st.expanded = true;
+    let mut snap = snapshot();
+    snap.rows[0].allocator = Some("jemalloc");
+    let screen = render(&st, &snap);
+    let title = screen.lines().find(|l| l.contains("stack of")).unwrap_or_default().to_string();
+    assert!(title.contains("(jemalloc)"), "{screen}");
 }
 
 /// The screen's lines, without TestBackend's quotes.
@@ -365,6 +377,7 @@ fn alloc(ts: u64, pid: u32, kind: Kind, ptr: u64, req: u64) -> Event {
         gfp_flags: 0,
         node: -1,
         order: 0,
+        allocator: 0,
     })
 }
 

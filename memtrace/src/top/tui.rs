@@ -134,7 +134,12 @@ fn render_stack(frame: &mut Frame<'_>, area: Rect, row: Option<&Row>) {
             .collect(),
         None => vec![Line::from("(no row selected)")],
     };
-    let title = row.map(|r| format!(" stack of {} ", r.label)).unwrap_or_default();
+    let title = row
+        .map(|r| match r.allocator {
+            Some(family) => format!(" stack of {} ({family}) ", r.label),
+            None => format!(" stack of {} ", r.label),
+        })
+        .unwrap_or_default();
     frame.render_widget(Paragraph::new(lines).block(Block::new().borders(Borders::TOP).title(title)), area);
 }
 
@@ -233,6 +238,7 @@ pub(super) async fn interactive(tracer: &mut Tracer, live: &mut LiveView, opts: 
         }
         tracer.drain(live, false);
         tracer.housekeeping();
+        live.allocator_families = tracer.allocators.iter().map(|a| a.family.name()).collect();
         if let Some((_, mean)) = tracer.degraded
             && live.sample_from.is_none()
         {

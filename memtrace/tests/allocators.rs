@@ -1,0 +1,324 @@
+//! Allocators other than glibc's, for real: the bundled workload under each Debian allocator
+//! preloaded (jemalloc, mimalloc, tcmalloc) must be counted exactly, with each allocator's
+//! own usable sizes; C++ new/delete once each; a prefixed jemalloc found without flags;
+//! an allocator preloaded by a wrapper found at the exec; and the size models equal to the
+//! real libraries' usable sizes for every size to 4 MiB.
+mod common;
+
+use std::{
+    io::{BufRead as _, BufReader, Read as _, Write as _},
+    path::{Path, PathBuf},
+    process::{Command, Stdio},
+};
+
+use common::*;
+use memtrace::sizes::{Family, usable::Model};
+use memtrace_common::Kind;
+use serde_json::Value;
+
+const ARGS: [&str; 6] = ["--threads", "2", "--iterations", "100", "--leaks", "3"];
+const LIBS: &str = "/usr/lib/x86_64-linux-gnu";
+
+/// The Debian allocators: (file, family, library to link a test program with, its define).
+const ALLOCATORS: [(&str, &str, &str, &str); 3] = [
+    ("libjemalloc.so.2", "jemalloc", "-ljemalloc", "JE"),
+    ("libmimalloc.so.2", "mimalloc", "-lmimalloc", "MI"),
+    ("libtcmalloc_minimal.so.4", "tcmalloc", "-ltcmalloc_minimal", "TC"),
+];
+
+fn library(file: &str) -> PathBuf {
+    let path = Path::new(LIBS).join(file);
+    assert!(path.exists(), "{} missing: cargo xtask setup installs it", path.display());
+    path
+}
+
+#[test]
+fn each_preloaded_allocator_is_counted_exactly_with_its_own_usable_sizes() {
+    require_root();
+    let _sharing = sharing_the_machine();
+    for (file, family, _, _) in ALLOCATORS {
+        let lib = library(file);
+        let dir = scratch(&format!("preload-{family}"));
+        let data = dir.join("rec.data");
+        let manifest_path = dir.join("manifest.json");
+        run(memtrace()
+            .args(["record", "-q", "--no-kernel", "-o"])
+            .arg(&data)
+            .env("LD_PRELOAD", &lib)
+            .arg("--")
+            .arg(workload())
+            .args(ARGS)
+            .arg("--manifest")
+            .arg(&manifest_path));
+        let manifest = manifest(&manifest_path);
+        let report = report_json(&data, &["--by", "function"]);
+        assert_eq!(report["lost_events"], 0, "{family}");
+        let allocators = report["allocators"].as_array().unwrap();
+        let first = &allocators[0];
+        assert_eq!(first["family"], family, "{family}: {allocators:#?}");
+        assert!(first["module"].as_str().unwrap().contains(file.split('.').next().unwrap()), "{first:#}");
+        for expected in manifest["sites"].as_array().unwrap() {
+            let name = expected["function"].as_str().unwrap();
+            if expected["allocs"] == 0 {
+                // an entry point this allocator lacks (jemalloc: pvalloc, reallocarray)
+                assert!(site(&report, name).is_none_or(|s| s["allocs"] == 0), "{family} {name}");
+                continue;
+            }
+            let got = site(&report, name).unwrap_or_else(|| panic!("{family}: no site {name}: {report:#}"));
+            assert_eq!(got["allocator"], family, "{family} {name}");
+            for figure in ["allocs", "frees", "bytes_req", "live_allocs", "live_bytes_req"] {
+                assert_eq!(got[figure], expected[figure], "{family} {name}: {figure}");
+            }
+            if name != "wl_mmap" {
+                assert_eq!(got["bytes_alloc"], expected["bytes_alloc"], "{family} {name}: bytes_alloc");
+            }
+        }
+        // The allocator's own figures in the list: the workload's calls and its start-up.
+        let wl_allocs: u64 = manifest["sites"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|s| s["function"] != "wl_mmap")
+            .map(|s| s["allocs"].as_u64().unwrap())
+            .sum();
+        let listed = first["allocs"].as_u64().unwrap();
+        assert!(listed >= wl_allocs && listed < wl_allocs + 200, "{family}: {listed} vs {wl_allocs}");
+        // --allocator keeps only its allocations
+        let only = report_json(&data, &["--by", "function", "--allocator", family]);
+        assert_eq!(only["totals"]["user"]["allocs"].as_u64().unwrap(), listed, "{family}");
+        let none = report_json(&data, &["--by", "function", "--allocator", "glibc"]);
+        assert_eq!(none["totals"]["user"]["allocs"].as_u64().unwrap_or(0), 0, "{family}");
+    }
+}
+
+/// Allocations and frees of the sites whose stack passes through `function`.
+fn through(report: &Value, function: &str) -> (u64, u64) {
+    report["sites"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|s| {
+            s["frames"].as_array().unwrap().iter().any(|f| f["function"].as_str().is_some_and(|n| n.contains(function)))
+        })
+        .fold((0, 0), |(a, f), s| (a + s["allocs"].as_u64().unwrap(), f + s["frees"].as_u64().unwrap()))
+}
+
+#[test]
+fn cxx_new_and_delete_are_counted_once_under_every_allocator() {
+    require_root();
+    let _sharing = sharing_the_machine();
+    let program = workload().with_file_name("new_workload");
+    for (file, family) in [(None, "glibc")].into_iter().chain(ALLOCATORS.iter().map(|a| (Some(a.0), a.1))) {
+        let dir = scratch(&format!("new-{family}"));
+        let data = dir.join("rec.data");
+        let mut cmd = memtrace();
+        cmd.args(["record", "-q", "--no-kernel", "-o"]).arg(&data);
+        if let Some(file) = file {
+            cmd.env("LD_PRELOAD", library(file));
+        }
+        run(cmd.arg("--").arg(&program).arg("5000"));
+        let report = report_json(&data, &["--by", "stack"]);
+        assert_eq!(report["lost_events"], 0);
+        assert_eq!(through(&report, "wl_new_node"), (5000, 5000), "{family}: new Node / delete");
+        assert_eq!(through(&report, "wl_new_array"), (1000, 1000), "{family}: new[] / delete[]");
+        assert_eq!(through(&report, "wl_new_aligned"), (500, 500), "{family}: aligned new / delete");
+        assert_eq!(report["allocators"][0]["family"], family);
+    }
+}
+
+#[test]
+fn a_prefixed_jemalloc_in_a_library_is_found_without_flags() {
+    require_root();
+    let _sharing = sharing_the_machine();
+    let dir = scratch("prefixed");
+    let data = dir.join("rec.data");
+    let shim = workload().with_file_name("libxyz_je.so");
+    // Preloaded (libjemalloc's initial-exec TLS cannot be dlopen'd): its dependency
+    // libjemalloc comes after libc, whose malloc stays the program's; the workload then
+    // finds xyz_je_malloc and xyz_je_free with dlopen + dlsym.
+    run(memtrace()
+        .args(["record", "-q", "--no-kernel", "-o"])
+        .arg(&data)
+        .env("LD_PRELOAD", &shim)
+        .arg("--")
+        .arg(workload())
+        .arg("--dlopen")
+        .arg(&shim)
+        .arg("700")
+        .args(["--dlopen-prefix", "xyz_je_"]));
+    let report = report_json(&data, &["--by", "function"]);
+    let s = site(&report, "wl_dlopen_alloc").unwrap_or_else(|| panic!("{report:#}"));
+    assert_eq!(s["allocs"], 700, "{s:#}");
+    assert_eq!(s["frees"], 700, "{s:#}");
+    assert_eq!(s["bytes_req"], 700 * 48);
+    assert_eq!(s["bytes_alloc"], 700 * 48, "jemalloc's class of 48 bytes");
+    assert_eq!(s["allocator"], "jemalloc");
+    let allocators = report["allocators"].as_array().unwrap();
+    let shim_row = allocators.iter().find(|a| a["prefix"] == "xyz_je_").unwrap_or_else(|| panic!("{allocators:#?}"));
+    assert_eq!(shim_row["family"], "jemalloc");
+    assert_eq!(shim_row["allocs"], 700);
+    assert_eq!(shim_row["frees"], 700);
+    // xyz_je_free calls dallocx, probed in libjemalloc too: one free each, reported once
+    // (not 700 second reports; a stray free of the start-up may remain)
+    let allocator_frees = report["totals"]["user"]["allocator_frees"].as_u64().unwrap();
+    assert!(allocator_frees < 10, "{:#}", report["totals"]);
+}
+
+#[test]
+fn an_allocator_preloaded_by_a_wrapper_is_traced_from_its_first_call() {
+    require_root();
+    let _sharing = sharing_the_machine();
+    for (file, family, _, _) in ALLOCATORS {
+        let dir = scratch(&format!("wrapper-{family}"));
+        let data = dir.join("rec.data");
+        let manifest_path = dir.join("manifest.json");
+        let lib = library(file);
+        // `env` runs on glibc; the program it execs preloads the allocator. The installed
+        // allocator libraries are probed from the start, so no call is missed at the exec.
+        run(memtrace()
+            .args(["record", "-q", "--no-kernel", "-o"])
+            .arg(&data)
+            .arg("--")
+            .arg("env")
+            .arg(format!("LD_PRELOAD={}", lib.display()))
+            .arg(workload())
+            .args(ARGS)
+            .arg("--manifest")
+            .arg(&manifest_path));
+        let manifest = manifest(&manifest_path);
+        let report = report_json(&data, &["--by", "function"]);
+        let families: Vec<&str> =
+            report["allocators"].as_array().unwrap().iter().map(|a| a["family"].as_str().unwrap()).collect();
+        assert!(families.contains(&family), "{families:?}");
+        for expected in manifest["sites"].as_array().unwrap() {
+            let name = expected["function"].as_str().unwrap();
+            if expected["allocs"] == 0 || name == "wl_mmap" {
+                continue;
+            }
+            let got = site(&report, name).unwrap_or_else(|| panic!("{family}: no site {name}: {report:#}"));
+            assert_eq!(got["allocator"], family, "{name}");
+            for figure in ["allocs", "frees", "bytes_req", "bytes_alloc", "live_allocs"] {
+                assert_eq!(got[figure], expected[figure], "{family} {name}: {figure}");
+            }
+        }
+    }
+}
+
+#[test]
+fn a_running_process_with_a_preloaded_allocator_is_traced_by_pid() {
+    require_root();
+    let _sharing = sharing_the_machine();
+    let dir = scratch("pid-tcmalloc");
+    let data = dir.join("rec.data");
+    let manifest_path = dir.join("manifest.json");
+    let mut target = Command::new(workload())
+        .env("LD_PRELOAD", library("libtcmalloc_minimal.so.4"))
+        .args(ARGS)
+        .args(["--wait-stdin", "--manifest"])
+        .arg(&manifest_path)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut target_out = BufReader::new(target.stdout.take().unwrap());
+    let mut ready = String::new();
+    target_out.read_line(&mut ready).unwrap();
+    assert_eq!(ready, "waiting\n");
+    // memtrace itself runs without the preload: the allocator comes from the target's maps.
+    let mut recorder = memtrace()
+        .args(["record", "--no-kernel", "--pid", &target.id().to_string(), "-o"])
+        .arg(&data)
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let stderr = wait_until_tracing(&mut recorder);
+    target.stdin.take().unwrap().write_all(b"go\n").unwrap();
+    let mut rest = String::new();
+    target_out.read_to_string(&mut rest).unwrap();
+    assert!(target.wait().unwrap().success());
+    let status = recorder.wait().unwrap();
+    assert!(status.success(), "{}", stderr.join().unwrap());
+    let report = report_json(&data, &["--by", "function"]);
+    assert_eq!(report["allocators"][0]["family"], "tcmalloc", "{:#}", report["allocators"]);
+    let manifest = manifest(&manifest_path);
+    for name in ["wl_malloc", "wl_calloc", "wl_realloc", "wl_posix_memalign", "wl_memalign", "wl_valloc"] {
+        let expected = expected(&manifest, name);
+        let got = site(&report, name).unwrap_or_else(|| panic!("no site {name}: {report:#}"));
+        for figure in ["allocs", "frees", "bytes_req", "bytes_alloc"] {
+            assert_eq!(got[figure], expected[figure], "{name}: {figure}");
+        }
+    }
+}
+
+#[test]
+fn a_static_musl_malloc_is_recognised_and_keeps_the_request() {
+    require_root();
+    let _sharing = sharing_the_machine();
+    let dir = scratch("musl");
+    let exe = dir.join("musl_alloc");
+    let source = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/programs/musl_alloc.c");
+    let status = Command::new("musl-gcc")
+        .args(["-static", "-O2", "-g", "-o"])
+        .arg(&exe)
+        .arg(&source)
+        .status()
+        .expect("musl-gcc (cargo xtask setup installs musl-tools)");
+    assert!(status.success());
+    let data = dir.join("rec.data");
+    run(memtrace().args(["record", "-q", "--no-kernel", "-o"]).arg(&data).arg("--").arg(&exe));
+    let report = report_json(&data, &["--by", "function"]);
+    assert_eq!(report["allocators"][0]["family"], "musl", "{:#}", report["allocators"]);
+    let s = site(&report, "wl_musl_malloc").unwrap_or_else(|| panic!("{report:#}"));
+    assert_eq!(s["allocs"], 300);
+    assert_eq!(s["frees"], 300);
+    let req: u64 = (0..300).map(|i| 10 + i).sum();
+    assert_eq!(s["bytes_req"], req);
+    assert_eq!(s["bytes_alloc"], req, "musl's usable size is the request");
+}
+
+/// Compiles the usable-size program against an allocator and returns its step function.
+fn real_steps(link: &str, define: &str, api: &str, align: u64, dir: &Path) -> Vec<(u64, u64)> {
+    let source = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/programs/usable_sizes.c");
+    let exe = dir.join(format!("usable_{define}"));
+    if !exe.exists() {
+        let status = Command::new("cc")
+            .args(["-O2", &format!("-D{define}"), "-o"])
+            .arg(&exe)
+            .arg(&source)
+            .arg(link)
+            .status()
+            .unwrap();
+        assert!(status.success(), "building {}", source.display());
+    }
+    let out = Command::new(&exe).args([api, &align.to_string(), "0", &(4u64 << 20).to_string()]).output().unwrap();
+    assert!(out.status.success());
+    String::from_utf8(out.stdout)
+        .unwrap()
+        .lines()
+        .map(|l| {
+            let f: Vec<u64> = l.split_whitespace().skip(2).map(|v| v.parse().unwrap()).collect();
+            (f[0], f[1])
+        })
+        .collect()
+}
+
+#[test]
+fn usable_sizes_equal_the_installed_libraries_for_every_size_to_4_mib() {
+    let dir = scratch("usable");
+    for (_, family, link, define) in ALLOCATORS {
+        let model = Model::for_family(Family::from_name(family).unwrap(), None);
+        let mut apis = vec![("malloc", Kind::Malloc, 0)];
+        if family != "mimalloc" {
+            apis.extend([("posix_memalign", Kind::PosixMemalign, 64), ("memalign", Kind::Memalign, 4096)]);
+        }
+        for (api, kind, align) in apis {
+            let steps = real_steps(link, define, api, align, &dir);
+            for (i, &(from, want)) in steps.iter().enumerate() {
+                let to = steps.get(i + 1).map_or((4 << 20) + 1, |s| s.0);
+                for size in from..to {
+                    assert_eq!(model.usable(kind, size, align, None), Some(want), "{family} {api}({size}, {align})");
+                }
+            }
+        }
+    }
+}
