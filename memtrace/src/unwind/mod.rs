@@ -38,6 +38,8 @@ use crate::{
 /// Copies waiting for tables are kept up to this many bytes; beyond, the oldest is
 /// finished as far as the tables allow (truncated there).
 const MAX_PENDING_BYTES: usize = 64 << 20;
+/// Programs whose files a session remembers for the next one, at most.
+const MAX_PROGRAMS_REMEMBERED: usize = 4096;
 /// A copy waits at most this long for a table.
 const MAX_WAIT: Duration = Duration::from_secs(20);
 
@@ -222,6 +224,9 @@ impl Unwinder {
     }
 
     pub fn exit(&mut self, pid: u32, sink: &mut dyn SpaceSink) {
+        if let Some(asid) = self.spaces.asid_of(pid) {
+            self.programs.remove(&asid);
+        }
         self.spaces.learn_exit(pid, sink);
     }
 
@@ -252,9 +257,12 @@ impl Unwinder {
             && !file.starts_with("/proc/")
             && !program.starts_with("/proc/")
         {
-            let used = self.used.entry(program.clone()).or_default();
-            if used.len() < cache::MAX_COMPANIONS && !used.contains(file) {
-                used.push(file.clone());
+            // Bounded however many programs a long session (`serve -a`) sees.
+            if self.used.len() < MAX_PROGRAMS_REMEMBERED || self.used.contains_key(program) {
+                let used = self.used.entry(program.clone()).or_default();
+                if used.len() < cache::MAX_COMPANIONS && !used.contains(file) {
+                    used.push(file.clone());
+                }
             }
         }
         self.spaces.add_mapping(asid, m.start, m.len, m.file_offset, path.as_deref(), &mut self.store, sink);
