@@ -173,6 +173,23 @@ pub fn section(memtrace: &Path) -> Result<String> {
         rows.push(row);
     }
 
+    // The always-on agent, sampled as it runs by default, around the same command.
+    let wall_s = timed(
+        Command::new(memtrace)
+            .env("MEMTRACE_CACHE_DIR", &cache)
+            .args(["serve", "--listen", "127.0.0.1:16161", "--"])
+            .arg(&python)
+            .arg(&script),
+    )?;
+    eprintln!("xtask bench: heavy: memtrace serve (sampled) {wall_s:.2} s");
+    rows.push(Row {
+        name: "memtrace serve (default: sampled 1/512 KiB, warm cache)".into(),
+        wall_s,
+        allocs: None,
+        report: None,
+        file_bytes: 0,
+    });
+
     let heaptrack_added = rows[1].wall_s - bare_s;
     let mut out = String::new();
     let _ = writeln!(
@@ -222,7 +239,8 @@ pub fn section(memtrace: &Path) -> Result<String> {
          the probes could not walk because a library's unwind table was not ready yet (they are finished in \
          userspace from a copy of the stack); the cold run builds every table (and fills the cache), later \
          runs load a program's tables before it maps the libraries. heaptrack counts calls to allocation \
-         functions; memtrace counts allocations of the malloc family; memray's count is not comparable \
+         functions; memtrace counts allocations of the malloc family; `serve` writes no file and \
+         keeps its figures for scrapes; memray's count is not comparable \
          (it also sees Python's own allocator) and is left out."
     );
     Ok(out)
