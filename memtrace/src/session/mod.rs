@@ -304,7 +304,9 @@ impl Tracer {
             resolved_programs: program
                 .as_ref()
                 .and_then(|p| std::fs::canonicalize(p).ok())
-                .map(|p| ((p, Vec::new()), found.clone()))
+                // The program's own allocators: the installed libraries probed ahead of
+                // time count as found only when a program maps them.
+                .map(|p| ((p, Vec::new()), found.iter().filter(|a| a.found).cloned().collect()))
                 .into_iter()
                 .collect(),
             allocators: found,
