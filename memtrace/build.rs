@@ -15,6 +15,9 @@ const WORKLOADS: &[(&str, &str, &[&str])] = &[
     ("workloads/no_malloc.c", "no_malloc", &["-nostdlib", "-static", "-ffreestanding", "-fno-stack-protector"]),
     // A second allocator a workload loads with dlopen.
     ("workloads/bump_alloc.c", "libbump_alloc.so", &["-shared", "-fPIC"]),
+    // A stand-in for the CUDA driver (no GPU needed), and a program that dlopens it.
+    ("workloads/fake_cuda.c", "fake_cuda/libcuda.so.1", &["-shared", "-fPIC", "-fno-ipa-icf"]),
+    ("workloads/gpu_workload.c", "gpu_workload", &["-fno-omit-frame-pointer", "-ldl"]),
 ];
 
 fn main() -> anyhow::Result<()> {
@@ -28,6 +31,7 @@ fn main() -> anyhow::Result<()> {
 
     let out_dir = PathBuf::from(env::var("OUT_DIR")?);
     let cc = env::var("CC").unwrap_or_else(|_| "cc".into());
+    std::fs::create_dir_all(out_dir.join("fake_cuda"))?;
     for (source, name, flags) in WORKLOADS {
         println!("cargo:rerun-if-changed={source}");
         let status = Command::new(&cc)

@@ -292,7 +292,7 @@ pub fn analyze(path: &Path, opts: &ReportOptions) -> Result<Summary> {
 
     let mut rows: Vec<GroupRow> = Vec::with_capacity(infos.len());
     for (group, (info, stats)) in infos.iter().zip(groups).enumerate() {
-        if stats.allocs == 0 {
+        if stats.allocs == 0 && stats.failed == 0 {
             continue;
         }
         let frames = table.frames(info.stack, info.call_site);
@@ -331,6 +331,14 @@ pub fn analyze(path: &Path, opts: &ReportOptions) -> Result<Summary> {
         under_counting.push(super::warnings::nothing_seen(&meta));
     }
     warnings.extend(under_counting.iter().cloned());
+    if totals.get(&Domain::Gpu).is_some_and(|t| t.stats.allocs + t.stats.failed > 0)
+        && let Some(what) =
+            table.modules.values().find_map(|m| crate::probes::cuda::caching_allocator(std::path::Path::new(&m.path)))
+    {
+        warnings.push(format!(
+            "GPU memory is handed out by {what}: the gpu domain shows the segments it takes from the driver, not each tensor"
+        ));
+    }
     Ok(Summary {
         meta,
         stats,

@@ -151,6 +151,7 @@ impl Tracer {
                 .collect();
             for object in objects {
                 self.checked_objects.insert(object.clone());
+                self.check_cuda(pid, &object);
                 let id = probes::allocator::file_id(&object);
                 if self.allocators.iter().any(|a| a.file_id == id) {
                     continue;

@@ -8,6 +8,7 @@
 mod baseline;
 mod command;
 mod follow;
+mod gpu;
 pub mod output;
 pub mod record;
 pub mod reorder;
@@ -158,6 +159,8 @@ pub struct Tracer {
     unwinder: Option<Unwinder>,
     /// Bytes read from the rings, by kind of record.
     pub ring_bytes: RingBytes,
+    /// The CUDA driver modules found and probed.
+    gpu: gpu::GpuState,
 }
 
 /// How long `-- CMD` waits for the unwind tables of its program before it starts (its
@@ -286,6 +289,7 @@ impl Tracer {
             forwarded_signal: None,
             unwinder,
             ring_bytes: RingBytes::default(),
+            gpu: Default::default(),
         })
     }
 
@@ -362,6 +366,7 @@ impl Tracer {
                 match record {
                     Ok(Record::Stack(s)) => stacks.push(s),
                     Ok(Record::Mapping(m)) => {
+                        self.on_code_mapped(&m);
                         if let Some(u) = self.unwinder.as_mut() {
                             u.mapping(&m, &mut self.probes);
                         }
