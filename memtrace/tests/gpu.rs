@@ -25,22 +25,54 @@ fn figure(v: &Value, name: &str) -> u64 {
     v[name].as_u64().unwrap_or(0)
 }
 
-#[test]
-fn gpu_allocations_of_every_kind_are_counted_exactly() {
-    require_root();
-    let _sharing = sharing_the_machine();
-    let dir = scratch("gpu");
+/// Records the workload (with `env` set for memtrace); returns the recording and the
+/// workload's manifest.
+fn record_workload(name: &str, env: &[(&str, &str)]) -> (std::path::PathBuf, Value) {
+    let dir = scratch(name);
     let data = dir.join("gpu.data");
     let manifest_path = dir.join("manifest.json");
     run(memtrace()
+        .envs(env.iter().copied())
         .args(["record", "-q", "-o"])
         .arg(&data)
         .arg("--")
         .arg(gpu_workload())
         .arg(fake_libcuda())
         .arg(&manifest_path));
-    let manifest = manifest(&manifest_path);
+    (data, manifest(&manifest_path))
+}
+
+fn assert_totals_match(report: &Value, manifest: &Value) {
+    let totals = &report["totals"];
+    for domain in ["gpu", "gpu_va"] {
+        for f in GPU_FIGURES {
+            assert_eq!(
+                figure(&totals[domain], f),
+                figure(&manifest[domain], f),
+                "{domain}.{f}: report {:#}, manifest {:#}",
+                totals[domain],
+                manifest[domain]
+            );
+        }
+        assert_eq!(totals[domain]["unmatched_frees"], 0, "{domain}: {:#}", totals[domain]);
+    }
+}
+
+#[test]
+fn gpu_probes_attach_one_perf_event_per_probe_too() {
+    require_root();
+    let _sharing = sharing_the_machine();
+    let (data, manifest) = record_workload("gpu-perf", &[("MEMTRACE_UPROBE_ATTACH", "perf")]);
+    assert_totals_match(&report_json(&data, &[]), &manifest);
+}
+
+#[test]
+fn gpu_allocations_of_every_kind_are_counted_exactly() {
+    require_root();
+    let _sharing = sharing_the_machine();
+    let (data, manifest) = record_workload("gpu", &[]);
     let report = report_json(&data, &["--by", "function"]);
+    assert_totals_match(&report, &manifest);
     let totals = &report["totals"];
     for domain in ["gpu", "gpu_va"] {
         for f in GPU_FIGURES {
@@ -91,4 +123,9 @@ fn gpu_allocations_of_every_kind_are_counted_exactly() {
     assert_eq!(rows.len(), 1, "{rows:#?}");
     assert_eq!(rows[0]["allocs"], 2);
     assert_eq!(rows[0]["frames"][0]["function"], "gpu_virtual");
+    // The text report: GPU rows marked G, the failed call said apart.
+    let text = run(memtrace().args(["report", "--domain", "gpu", "--by", "function", "-i"]).arg(&data));
+    let text = String::from_utf8_lossy(&text.stdout);
+    assert!(text.contains("gpu: 1 call failed (not allocations)"), "{text}");
+    assert!(text.lines().any(|l| l.trim_start().starts_with("G ") && l.contains("gpu_device")), "{text}");
 }

@@ -1,10 +1,11 @@
 /* Allocates GPU memory of every kind through the CUDA driver API, loaded with dlopen as
  * frameworks do, in a known pattern (a failing call included), starting 200 ms after
  * cuInit; then writes what it did as JSON, for the tests to compare with memtrace.
- * Usage: gpu_workload LIBCUDA MANIFEST */
+ * Usage: gpu_workload LIBCUDA MANIFEST (GPU_WORKLOAD_DELAY_MS overrides the 200 ms) */
 #include <dlfcn.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <time.h>
 #include <unistd.h>
 
 typedef int CUresult;
@@ -205,7 +206,13 @@ int main(int argc, char **argv) {
     cuMemAddressFree = sym(lib, "cuMemAddressFree");
     cuMemUnmap = sym(lib, "cuMemUnmap");
     check(cuInit(0), "cuInit");
-    usleep(200 * 1000);
+    const char *delay = getenv("GPU_WORKLOAD_DELAY_MS");
+    if (delay) {
+        struct timespec ts;
+        clock_gettime(CLOCK_MONOTONIC, &ts);
+        fprintf(stderr, "gpu_workload: cuInit returned at %lld ns\n", (long long)ts.tv_sec * 1000000000LL + ts.tv_nsec);
+    }
+    usleep((delay ? atoi(delay) : 200) * 1000);
     gpu_device();
     gpu_pitched();
     gpu_managed();

@@ -76,6 +76,15 @@ pub fn find(path: &Path) -> Option<CudaModule> {
 }
 
 impl Probes {
+    /// Loads (verifies) the GPU programs ahead of any attach, so attaching at a `dlopen`
+    /// costs no verification (tens of milliseconds) while the program runs on.
+    pub fn load_cuda_programs(&mut self) -> Result<()> {
+        for program in ["gpu_enter", "gpu_return", "gpu_free"] {
+            self.uprobe(program)?;
+        }
+        Ok(())
+    }
+
     /// Attaches the `gpu_*` programs to every entry point of `module`, for one process
     /// (`Some(pid)`) or for every process mapping it (the probes filter by the traced set).
     pub fn attach_cuda(&mut self, module: &CudaModule, pid: Option<u32>) -> Result<()> {

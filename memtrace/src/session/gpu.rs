@@ -33,6 +33,7 @@ impl Tracer {
     /// Checks `object` (a path as process `pid` sees it) for the CUDA driver API once,
     /// and attaches the GPU probes for `pid` if it has it.
     pub(super) fn check_cuda(&mut self, pid: u32, object: &Path) {
+        let started = std::time::Instant::now();
         let path = procfs::path_in_process(pid, object);
         let module = if self.gpu.checked.insert(path.clone()) {
             let id = crate::probes::allocator::file_id(&path);
@@ -52,6 +53,7 @@ impl Tracer {
             self.gpu.modules.iter().find(|m| m.file_id == id).cloned()
         };
         let Some(module) = module else { return };
+        let found_us = started.elapsed().as_micros();
         let scope = match self.options.target {
             Target::All => 0,
             _ => probe_scope(&self.probes, &self.options, Some(pid)).unwrap_or(0),
@@ -59,10 +61,16 @@ impl Tracer {
         if !self.gpu.attached.insert((scope, module.file_id)) {
             return;
         }
-        if let Err(e) = self.probes.attach_cuda(&module, (scope != 0).then_some(scope))
-            && !self.options.quiet
-        {
-            eprintln!("memtrace: not tracing GPU memory in {} (pid {pid}): {e:#}", module.path.display());
+        match self.probes.attach_cuda(&module, (scope != 0).then_some(scope)) {
+            Ok(()) => log::debug!(
+                "GPU probes on {} for pid {pid} in {} us ({found_us} us to find them)",
+                module.path.display(),
+                started.elapsed().as_micros(),
+            ),
+            Err(e) if !self.options.quiet => {
+                eprintln!("memtrace: not tracing GPU memory in {} (pid {pid}): {e:#}", module.path.display())
+            }
+            Err(_) => {}
         }
     }
 }

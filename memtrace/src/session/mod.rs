@@ -238,6 +238,7 @@ impl Tracer {
             }
             if let Some(allocator) = &allocator {
                 probes.attach_allocator(allocator, probe_scope(&probes, options, target_pid))?;
+                probes.load_cuda_programs()?;
             }
             Ok(())
         })();
