@@ -109,6 +109,9 @@ fn gpu_allocations_of_every_kind_are_counted_exactly() {
     assert_eq!(oom["failed"], 1, "{oom:#}");
     assert_eq!(oom["allocs"], 0, "{oom:#}");
     assert_eq!(oom["failed_bytes_req"], 1u64 << 50, "{oom:#}");
+    // cuMemCreate names its device in the allocation properties.
+    let physical_site = sites.iter().find(|s| s["domain"] == "gpu" && s["frames"][0]["function"] == "gpu_virtual");
+    assert_eq!(physical_site.unwrap()["devices"], serde_json::json!([1]), "{physical_site:#?}");
     let pitched = sites.iter().find(|s| s["frames"][0]["function"] == "gpu_pitched").unwrap();
     assert_eq!(pitched["kinds"], serde_json::json!(["pitched"]), "{pitched:#}");
     assert_eq!(pitched["bytes_alloc"], 1024 * 64, "pitch × height: {pitched:#}");

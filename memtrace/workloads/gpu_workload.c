@@ -131,7 +131,7 @@ __attribute__((noinline)) void gpu_virtual(void) {
     CUmemAllocationProp prop = {0};
     prop.type = 1;
     prop.location.type = 1; /* a device */
-    prop.location.id = 0;
+    prop.location.id = 1; /* the second device: the report names it */
     CUhandle h[2];
     for (int i = 0; i < 2; i++) {
         check(cuMemCreate(&h[i], chunk, &prop, 0), "cuMemCreate");

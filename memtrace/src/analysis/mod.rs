@@ -68,11 +68,14 @@ pub struct Origin {
     pub call_site: u64,
     pub kind: Kind,
     pub pid: u32,
+    /// GPU allocations: the device ordinal (-1: not known, and for every other kind).
+    pub device: i32,
 }
 
 impl Origin {
     pub fn of(a: &Alloc) -> Self {
-        Self { stack: a.stack, call_site: a.call_site, kind: a.kind, pid: a.pid }
+        let device = if a.kind.is_gpu() { a.node } else { -1 };
+        Self { stack: a.stack, call_site: a.call_site, kind: a.kind, pid: a.pid, device }
     }
 }
 

@@ -80,6 +80,8 @@ pub struct GroupRow {
     pub frames: Vec<Frame>,
     pub kinds: Vec<Kind>,
     pub pids: Vec<u32>,
+    /// GPU rows: the devices the allocations were made on, where known.
+    pub devices: Vec<i32>,
     pub stats: Stats,
     pub stack: u64,
     pub call_site: u64,
@@ -110,6 +112,7 @@ struct GroupInfo {
     call_site: u64,
     kinds: Vec<Kind>,
     pids: Vec<u32>,
+    devices: Vec<i32>,
 }
 
 /// Assigns allocations to groups (the analyzer's grouping function) and remembers each
@@ -144,6 +147,7 @@ impl Grouper<'_> {
                 call_site: o.call_site,
                 kinds: Vec::new(),
                 pids: Vec::new(),
+                devices: Vec::new(),
             });
         }
         let info = &mut self.infos[g as usize];
@@ -160,6 +164,9 @@ impl Grouper<'_> {
         }
         if info.pids.len() < Self::MAX_PIDS && !info.pids.contains(&o.pid) {
             info.pids.push(o.pid);
+        }
+        if o.device >= 0 && !info.devices.contains(&o.device) {
+            info.devices.push(o.device);
         }
         g
     }
@@ -303,6 +310,7 @@ pub fn analyze(path: &Path, opts: &ReportOptions) -> Result<Summary> {
             frames,
             kinds: info.kinds.clone(),
             pids: info.pids.clone(),
+            devices: info.devices.clone(),
             stats,
             stack: info.stack,
             call_site: info.call_site,

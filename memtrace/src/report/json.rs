@@ -114,6 +114,9 @@ struct JsonSite<'a> {
     /// Live bytes per interval of `timeline` (the first sites, with `--timeline`).
     #[serde(skip_serializing_if = "Option::is_none")]
     timeline: Option<&'a [u64]>,
+    /// GPU sites: the devices allocated on, where the call names one.
+    #[serde(skip_serializing_if = "<[i32]>::is_empty")]
+    devices: &'a [i32],
     /// GPU allocation calls from this site that failed, and the bytes they asked for.
     #[serde(skip_serializing_if = "is_zero")]
     failed: u64,
@@ -179,6 +182,7 @@ pub fn render_json(a: &Summary, opts: &ReportOptions) -> Result<String> {
                 live_allocs_at_peak: s.live_allocs_at_peak,
                 size_histogram: json_memory::size_histogram(&s.sizes),
                 timeline: (!g.timeline.is_empty()).then_some(&g.timeline[..]),
+                devices: &g.devices,
                 failed: s.failed,
                 failed_bytes_req: s.failed_bytes_req,
             }
