@@ -5,7 +5,11 @@
 //! first allocation, and count exactly what the program says it did.
 mod common;
 
-use std::path::Path;
+use std::{
+    io::{BufRead as _, BufReader, Read as _, Write as _},
+    path::Path,
+    process::{Command, Stdio},
+};
 
 use common::*;
 use serde_json::Value;
@@ -56,6 +60,42 @@ fn assert_totals_match(report: &Value, manifest: &Value) {
         }
         assert_eq!(totals[domain]["unmatched_frees"], 0, "{domain}: {:#}", totals[domain]);
     }
+}
+
+#[test]
+fn a_running_process_with_the_driver_loaded_is_probed_at_once() {
+    require_root();
+    let _sharing = sharing_the_machine();
+    let dir = scratch("gpu-pid");
+    let data = dir.join("gpu.data");
+    let manifest_path = dir.join("manifest.json");
+    let mut target = Command::new(gpu_workload())
+        .arg(fake_libcuda())
+        .arg(&manifest_path)
+        .env("GPU_WORKLOAD_WAIT_STDIN", "1")
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut target_out = BufReader::new(target.stdout.take().unwrap());
+    let mut ready = String::new();
+    target_out.read_line(&mut ready).unwrap();
+    assert_eq!(ready, "waiting\n", "the driver is loaded and initialised");
+    let mut recorder = memtrace()
+        .args(["record", "--pid", &target.id().to_string(), "-o"])
+        .arg(&data)
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let stderr = wait_until_tracing(&mut recorder);
+    // It allocates 200 ms from now: long before the periodic maps scan (2 s).
+    target.stdin.take().unwrap().write_all(b"go\n").unwrap();
+    let mut rest = String::new();
+    target_out.read_to_string(&mut rest).unwrap();
+    assert!(target.wait().unwrap().success());
+    let status = recorder.wait().unwrap();
+    assert!(status.success(), "{}", stderr.join().unwrap());
+    assert_totals_match(&report_json(&data, &[]), &manifest(&manifest_path));
 }
 
 #[test]

@@ -1,7 +1,9 @@
 /* Allocates GPU memory of every kind through the CUDA driver API, loaded with dlopen as
  * frameworks do, in a known pattern (a failing call included), starting 200 ms after
  * cuInit; then writes what it did as JSON, for the tests to compare with memtrace.
- * Usage: gpu_workload LIBCUDA MANIFEST (GPU_WORKLOAD_DELAY_MS overrides the 200 ms) */
+ * Usage: gpu_workload LIBCUDA MANIFEST (GPU_WORKLOAD_DELAY_MS overrides the 200 ms;
+ * with GPU_WORKLOAD_WAIT_STDIN set, it says "waiting" after cuInit and waits for a line
+ * on stdin, so a tracer can attach to it running, the driver already loaded) */
 #include <dlfcn.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -206,6 +208,13 @@ int main(int argc, char **argv) {
     cuMemAddressFree = sym(lib, "cuMemAddressFree");
     cuMemUnmap = sym(lib, "cuMemUnmap");
     check(cuInit(0), "cuInit");
+    if (getenv("GPU_WORKLOAD_WAIT_STDIN")) {
+        char line[16];
+        printf("waiting\n");
+        fflush(stdout);
+        if (!fgets(line, sizeof line, stdin))
+            return 1;
+    }
     const char *delay = getenv("GPU_WORKLOAD_DELAY_MS");
     if (delay) {
         struct timespec ts;

@@ -30,6 +30,15 @@ impl Tracer {
         }
     }
 
+    /// Every executable file `pid` maps now, checked for the CUDA driver API.
+    pub(super) fn check_cuda_mapped(&mut self, pid: u32) {
+        let Ok(maps) = procfs::Maps::read(pid) else { return };
+        let objects: Vec<PathBuf> = maps.file_mappings().filter(|m| m.executable).map(|m| m.path.clone()).collect();
+        for object in objects {
+            self.check_cuda(pid, &object);
+        }
+    }
+
     /// Checks `object` (a path as process `pid` sees it) for the CUDA driver API once,
     /// and attaches the GPU probes for `pid` if it has it.
     pub(super) fn check_cuda(&mut self, pid: u32, object: &Path) {

@@ -263,7 +263,7 @@ impl Tracer {
             }
             log::debug!("unwind tables ready in {} ms: {:?}", started.elapsed().as_millis(), u.stats().tables);
         }
-        Ok(Self {
+        let mut tracer = Self {
             probes,
             allocators: allocator.iter().cloned().collect(),
             attached: allocator.iter().map(|a| (attached_to, a.file_id)).collect(),
@@ -291,7 +291,12 @@ impl Tracer {
             unwinder,
             ring_bytes: RingBytes::default(),
             gpu: Default::default(),
-        })
+        };
+        if let (Target::Pid(pid), true) = (&options.target, options.user) {
+            // A running process may have loaded the CUDA driver already.
+            tracer.check_cuda_mapped(*pid);
+        }
+        Ok(tracer)
     }
 
     pub fn unwind_stats(&self) -> Option<UnwindStats> {
