@@ -19,6 +19,10 @@ pub const ENTRY_POINTS: &[(&str, Kind)] = &[
     ("cuMemAllocManaged", Kind::GpuManaged),
     ("cuMemAllocAsync", Kind::GpuAsync),
     ("cuMemAllocFromPoolAsync", Kind::GpuPool),
+    // The per-thread-default-stream entry points (`--default-stream per-thread` code).
+    ("cuMemAllocAsync_ptsz", Kind::GpuAsync),
+    ("cuMemAllocFromPoolAsync_ptsz", Kind::GpuPool),
+    ("cuMemFreeAsync_ptsz", Kind::GpuFree),
     ("cuMemAllocHost_v2", Kind::GpuHostPinned),
     ("cuMemHostAlloc", Kind::GpuHostPinned),
     ("cuMemCreate", Kind::GpuPhysical),
@@ -135,5 +139,33 @@ impl Probes {
             }
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn caching_allocators_are_known_by_file_name() {
+        assert_eq!(
+            caching_allocator(Path::new("/opt/venv/lib/python3.12/site-packages/torch/lib/libc10_cuda.so")),
+            Some("PyTorch's CUDA caching allocator")
+        );
+        assert_eq!(caching_allocator(Path::new("/usr/lib/x86_64-linux-gnu/libcuda.so.1")), None);
+    }
+
+    #[test]
+    fn every_entry_point_reads_its_arguments_as_a_kind_it_knows() {
+        for (name, kind) in ENTRY_POINTS {
+            assert!(kind.is_gpu(), "{name}");
+            let frees = name.contains("Free") || name.contains("Release") || name.contains("Unmap");
+            assert_eq!(kind.is_free(), frees, "{name}");
+        }
+    }
+
+    #[test]
+    fn a_file_without_the_driver_api_is_not_it() {
+        assert!(find(Path::new("/proc/self/exe")).is_none());
     }
 }
