@@ -19,6 +19,9 @@ const WORKLOADS: &[(&str, &str, &[&str])] = &[
     ("workloads/new_workload.cpp", "new_workload", &["-std=c++17", "-fno-omit-frame-pointer"]),
     // A prefixed jemalloc API (xyz_je_*) over libjemalloc.
     ("workloads/je_shim.c", "libxyz_je.so", &["-shared", "-fPIC", "-ljemalloc"]),
+    // A stand-in for the CUDA driver (no GPU needed), and a program that dlopens it.
+    ("workloads/fake_cuda.c", "fake_cuda/libcuda.so.1", &["-shared", "-fPIC", "-fno-ipa-icf"]),
+    ("workloads/gpu_workload.c", "gpu_workload", &["-fno-omit-frame-pointer", "-ldl"]),
 ];
 
 fn main() -> anyhow::Result<()> {
@@ -33,6 +36,7 @@ fn main() -> anyhow::Result<()> {
     let out_dir = PathBuf::from(env::var("OUT_DIR")?);
     let cc = env::var("CC").unwrap_or_else(|_| "cc".into());
     let cxx = env::var("CXX").unwrap_or_else(|_| "c++".into());
+    std::fs::create_dir_all(out_dir.join("fake_cuda"))?;
     for (source, name, flags) in WORKLOADS {
         println!("cargo:rerun-if-changed={source}");
         let compiler = if source.ends_with(".cpp") { cxx.as_str() } else { cc.as_str() };

@@ -78,6 +78,34 @@ pub enum Kind {
     Rallocx = 14,
     Free = 16,
     Munmap = 17,
+    /// CUDA driver API (`Kind::is_gpu`): `cuMemAlloc_v2`.
+    GpuDevice = 18,
+    /// `cuMemAllocAsync` (the device's default pool).
+    GpuAsync = 19,
+    /// `cuMemAllocFromPoolAsync`.
+    GpuPool = 20,
+    /// `cuMemAllocManaged`.
+    GpuManaged = 21,
+    /// `cuMemAllocPitch_v2`: bytes_alloc is pitch × height.
+    GpuPitched = 22,
+    /// `cuMemCreate`: physical memory, named by a handle.
+    GpuPhysical = 23,
+    /// `cuMemAddressReserve`: a virtual address range, no memory.
+    GpuReserve = 24,
+    /// `cuMemAllocHost_v2`, `cuMemHostAlloc`: page-locked host memory.
+    GpuHostPinned = 25,
+    /// `cuMemMap`: physical memory mapped into a reserved range.
+    GpuMap = 26,
+    /// `cuMemFree_v2`, `cuMemFreeAsync`.
+    GpuFree = 27,
+    /// `cuMemFreeHost`.
+    GpuFreeHost = 28,
+    /// `cuMemRelease`.
+    GpuRelease = 29,
+    /// `cuMemAddressFree`.
+    GpuAddressFree = 30,
+    /// `cuMemUnmap`.
+    GpuUnmap = 31,
     Kmalloc = 32,
     KmemCacheAlloc = 33,
     PageAlloc = 34,
@@ -105,6 +133,20 @@ impl Kind {
             14 => Self::Rallocx,
             16 => Self::Free,
             17 => Self::Munmap,
+            18 => Self::GpuDevice,
+            19 => Self::GpuAsync,
+            20 => Self::GpuPool,
+            21 => Self::GpuManaged,
+            22 => Self::GpuPitched,
+            23 => Self::GpuPhysical,
+            24 => Self::GpuReserve,
+            25 => Self::GpuHostPinned,
+            26 => Self::GpuMap,
+            27 => Self::GpuFree,
+            28 => Self::GpuFreeHost,
+            29 => Self::GpuRelease,
+            30 => Self::GpuAddressFree,
+            31 => Self::GpuUnmap,
             32 => Self::Kmalloc,
             33 => Self::KmemCacheAlloc,
             34 => Self::PageAlloc,
@@ -136,11 +178,45 @@ impl Kind {
             Self::Mmap | Self::Munmap => Space::Mmap,
             Self::Kmalloc | Self::KmemCacheAlloc | Self::Kfree | Self::KmemCacheFree => Space::Slab,
             Self::PageAlloc | Self::PageFree => Space::Page,
+            Self::GpuDevice
+            | Self::GpuAsync
+            | Self::GpuPool
+            | Self::GpuManaged
+            | Self::GpuPitched
+            | Self::GpuHostPinned
+            | Self::GpuFree
+            | Self::GpuFreeHost => Space::GpuMemory,
+            Self::GpuPhysical | Self::GpuRelease => Space::GpuHandle,
+            Self::GpuReserve | Self::GpuAddressFree => Space::GpuReserve,
+            Self::GpuMap | Self::GpuUnmap => Space::GpuMap,
         }
     }
 
     pub const fn is_free(self) -> bool {
-        matches!(self, Self::Free | Self::Munmap | Self::Kfree | Self::KmemCacheFree | Self::PageFree)
+        matches!(
+            self,
+            Self::Free
+                | Self::Munmap
+                | Self::Kfree
+                | Self::KmemCacheFree
+                | Self::PageFree
+                | Self::GpuFree
+                | Self::GpuFreeHost
+                | Self::GpuRelease
+                | Self::GpuAddressFree
+                | Self::GpuUnmap
+        )
+    }
+
+    /// A CUDA driver API call (the `gpu` domain).
+    pub const fn is_gpu(self) -> bool {
+        matches!(self.space(), Space::GpuMemory | Space::GpuHandle | Space::GpuReserve | Space::GpuMap)
+    }
+
+    /// GPU address ranges (reserved, mapped) rather than memory: counted apart so physical
+    /// memory is not counted twice.
+    pub const fn is_gpu_address(self) -> bool {
+        matches!(self.space(), Space::GpuReserve | Space::GpuMap)
     }
 
     pub const fn is_kernel(self) -> bool {
@@ -171,6 +247,20 @@ impl Kind {
             Self::Kfree => "kfree",
             Self::KmemCacheFree => "cache_free",
             Self::PageFree => "page_free",
+            Self::GpuDevice => "device",
+            Self::GpuAsync => "async",
+            Self::GpuPool => "pool",
+            Self::GpuManaged => "managed",
+            Self::GpuPitched => "pitched",
+            Self::GpuPhysical => "physical",
+            Self::GpuReserve => "reserve",
+            Self::GpuHostPinned => "host_pinned",
+            Self::GpuMap => "map",
+            Self::GpuFree => "gpu_free",
+            Self::GpuFreeHost => "gpu_free_host",
+            Self::GpuRelease => "gpu_release",
+            Self::GpuAddressFree => "gpu_address_free",
+            Self::GpuUnmap => "gpu_unmap",
         }
     }
 }
@@ -187,6 +277,14 @@ pub enum Space {
     Slab = 2,
     /// Kernel pages, keyed by page frame number.
     Page = 3,
+    /// GPU device, managed and pinned host memory from the CUDA driver, per process.
+    GpuMemory = 4,
+    /// Physical GPU memory made with `cuMemCreate`, keyed by its handle, per process.
+    GpuHandle = 5,
+    /// GPU virtual address ranges reserved with `cuMemAddressReserve`, per process.
+    GpuReserve = 6,
+    /// Physical memory mapped into a reserved range (`cuMemMap`), freed by range.
+    GpuMap = 7,
 }
 
 /// Bits of a record's `flags` byte.
@@ -206,6 +304,9 @@ pub mod flags {
     pub const FOREIGN_FREE: u8 = 1 << 4;
     /// TaskRecord exit: the whole thread group is gone.
     pub const GROUP_DEAD: u8 = 1 << 5;
+    /// A GPU allocation call that failed: `ptr` holds the `CUresult`, nothing was allocated
+    /// (its stack and requested size are what a user looks for after an out-of-memory).
+    pub const FAILED: u8 = 1 << 7;
 }
 
 /// An allocation by the user-space allocator (malloc family, mmap). 48 bytes.
@@ -215,7 +316,8 @@ pub struct UserAllocRecord {
     pub rtype: u8,
     pub kind: u8,
     pub flags: u8,
-    /// The allocator's index in the session plus one (0: not known).
+    /// The allocator's index in the session plus one (0: not known); GPU kinds: the device
+    /// ordinal plus one (0: not known).
     pub allocator: u8,
     pub pid: u32,
     pub tid: u32,

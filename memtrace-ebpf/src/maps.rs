@@ -128,3 +128,24 @@ pub(crate) struct MmapArgs {
 /// `mmap` with PROT_EXEC in flight: pid_tgid → its arguments.
 #[btf_map]
 pub(crate) static MMAP_ARGS: HashMap<u64, MmapArgs, 16384> = HashMap::new();
+
+/// A CUDA driver allocation call between entry and return (`gpu.rs`).
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub(crate) struct GpuInFlight {
+    pub(crate) kind: u8,
+    /// Device ordinal + 1 (0: not known).
+    pub(crate) device: u8,
+    pub(crate) _pad: [u8; 6],
+    pub(crate) sp: u64,
+    pub(crate) bytes_req: u64,
+    /// Where the call stores its result (device pointer, handle).
+    pub(crate) out: u64,
+    /// Pitched: where the pitch is stored; map: the address mapped.
+    pub(crate) pitch: u64,
+    pub(crate) height: u64,
+}
+
+/// CUDA driver allocation calls between entry and return, by pid_tgid.
+#[btf_map]
+pub(crate) static GPU_INFLIGHT: HashMap<u64, GpuInFlight, 16384> = HashMap::new();

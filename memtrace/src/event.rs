@@ -24,7 +24,7 @@ pub struct Alloc {
     /// Kernel: the requesting function's address (0 for user and page allocations).
     pub call_site: u64,
     pub gfp_flags: u32,
-    /// NUMA node asked for; pages: migrate type.
+    /// NUMA node asked for; pages: migrate type; GPU: the device ordinal (-1: not known).
     pub node: i32,
     /// Pages: allocation order. User allocations whose usable size is not known yet
     /// (no `USABLE_EXACT`): log2 of the alignment the call asked for (0: none).
@@ -226,13 +226,14 @@ pub fn decode(bytes: &[u8], cpu: u16) -> Result<Record, DecodeError> {
                 stack: if r.flags & flags::HAS_STACK != 0 { r.stack } else { 0 },
                 call_site: 0,
                 gfp_flags: 0,
-                node: -1,
+                // GPU calls: the device ordinal + 1 travels in `allocator` (0: not known).
+                node: if kind(r.kind)?.is_gpu() { i32::from(r.allocator) - 1 } else { -1 },
                 order: if r.flags & flags::USABLE_EXACT == 0 && r.bytes_extra.is_power_of_two() {
                     r.bytes_extra.trailing_zeros() as u8
                 } else {
                     0
                 },
-                allocator: r.allocator,
+                allocator: if kind(r.kind)?.is_gpu() { 0 } else { r.allocator },
             }))
         }
         RecordType::KernelAlloc => {

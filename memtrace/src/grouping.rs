@@ -66,6 +66,8 @@ pub fn domain_name(d: Domain) -> &'static str {
         Domain::User => "user",
         Domain::Reserved => "reserved",
         Domain::Kernel => "kernel",
+        Domain::Gpu => "gpu",
+        Domain::GpuAddress => "gpu_va",
     }
 }
 
@@ -75,6 +77,8 @@ pub fn domain_letter(d: Domain) -> &'static str {
         Domain::User => "U",
         Domain::Reserved => "R",
         Domain::Kernel => "K",
+        Domain::Gpu => "G",
+        Domain::GpuAddress => "V",
     }
 }
 
@@ -94,6 +98,9 @@ pub enum DomainFilter {
     /// User space: the program's allocations and the memory its allocator reserved.
     User,
     Kernel,
+    /// GPU memory from the CUDA driver API, and GPU address ranges (`gpu_va`).
+    Gpu,
+    /// Every domain.
     #[default]
     Both,
 }
@@ -102,7 +109,10 @@ impl DomainFilter {
     pub fn admits(self, d: Domain) -> bool {
         matches!(
             (self, d),
-            (Self::Both, _) | (Self::User, Domain::User | Domain::Reserved) | (Self::Kernel, Domain::Kernel)
+            (Self::Both, _)
+                | (Self::User, Domain::User | Domain::Reserved)
+                | (Self::Kernel, Domain::Kernel)
+                | (Self::Gpu, Domain::Gpu | Domain::GpuAddress)
         )
     }
 }
@@ -126,6 +136,26 @@ pub enum KindFilter {
     /// malloc arenas (mmaps made from inside the allocator's code).
     Reserved,
     Kernel,
+    /// GPU memory (every CUDA driver allocation but address ranges).
+    Gpu,
+    /// cuMemAlloc_v2.
+    Device,
+    /// cuMemAllocAsync.
+    Async,
+    /// cuMemAllocFromPoolAsync.
+    Pool,
+    /// cuMemAllocManaged.
+    Managed,
+    /// cuMemAllocPitch_v2.
+    Pitched,
+    /// cuMemCreate.
+    Physical,
+    /// cuMemAddressReserve.
+    Reserve,
+    /// cuMemAllocHost_v2, cuMemHostAlloc.
+    HostPinned,
+    /// cuMemMap.
+    Map,
 }
 
 impl KindFilter {
@@ -150,9 +180,19 @@ impl KindFilter {
             Self::Kmalloc => k == Kind::Kmalloc,
             Self::Cache => k == Kind::KmemCacheAlloc,
             Self::Page => k == Kind::PageAlloc,
-            Self::User => !k.is_kernel(),
+            Self::User => !k.is_kernel() && !k.is_gpu(),
             Self::Reserved => k == Kind::Mmap,
             Self::Kernel => k.is_kernel(),
+            Self::Gpu => k.is_gpu() && !k.is_gpu_address(),
+            Self::Device => k == Kind::GpuDevice,
+            Self::Async => k == Kind::GpuAsync,
+            Self::Pool => k == Kind::GpuPool,
+            Self::Managed => k == Kind::GpuManaged,
+            Self::Pitched => k == Kind::GpuPitched,
+            Self::Physical => k == Kind::GpuPhysical,
+            Self::Reserve => k == Kind::GpuReserve,
+            Self::HostPinned => k == Kind::GpuHostPinned,
+            Self::Map => k == Kind::GpuMap,
         }
     }
 }
@@ -252,7 +292,7 @@ pub fn first_frame(domain: Domain, frames: &[Frame]) -> Option<&Frame> {
 
 fn first_frame_index(domain: Domain, frames: &[Frame]) -> Option<usize> {
     match domain {
-        Domain::User | Domain::Reserved => frames.iter().position(|f| !f.kernel),
+        Domain::User | Domain::Reserved | Domain::Gpu | Domain::GpuAddress => frames.iter().position(|f| !f.kernel),
         Domain::Kernel => (!frames.is_empty()).then_some(0),
     }
 }

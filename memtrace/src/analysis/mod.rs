@@ -35,12 +35,27 @@ pub enum Domain {
     User,
     Reserved,
     Kernel,
+    /// GPU memory from the CUDA driver API: device, managed, pinned host and physical
+    /// memory.
+    Gpu,
+    /// GPU virtual address ranges (reserved, and physical memory mapped into them): counted
+    /// apart, so physical memory is not counted twice.
+    #[serde(rename = "gpu_va")]
+    GpuAddress,
 }
 
 impl Domain {
-    /// User or kernel, by kind (reserved mmaps are told apart by their stack).
+    /// User, kernel or GPU, by kind (reserved mmaps are told apart by their stack).
     pub fn of(kind: Kind) -> Self {
-        if kind.is_kernel() { Self::Kernel } else { Self::User }
+        if kind.is_kernel() {
+            Self::Kernel
+        } else if kind.is_gpu_address() {
+            Self::GpuAddress
+        } else if kind.is_gpu() {
+            Self::Gpu
+        } else {
+            Self::User
+        }
     }
 }
 
@@ -55,11 +70,14 @@ pub struct Origin {
     pub pid: u32,
     /// User allocations: the allocator's index plus one (0: not known).
     pub allocator: u8,
+    /// GPU allocations: the device ordinal (-1: not known, and for every other kind).
+    pub device: i32,
 }
 
 impl Origin {
     pub fn of(a: &Alloc) -> Self {
-        Self { stack: a.stack, call_site: a.call_site, kind: a.kind, pid: a.pid, allocator: a.allocator }
+        let device = if a.kind.is_gpu() { a.node } else { -1 };
+        Self { stack: a.stack, call_site: a.call_site, kind: a.kind, pid: a.pid, allocator: a.allocator, device }
     }
 }
 
@@ -87,6 +105,10 @@ pub struct Stats {
     pub live_allocs_at_peak: u64,
     /// Requested sizes.
     pub sizes: SizeHistogram,
+    /// GPU allocation calls that failed (out of memory, bad arguments), and the bytes they
+    /// asked for: not allocations.
+    pub failed: u64,
+    pub failed_bytes_req: u64,
 }
 
 impl Stats {
@@ -136,6 +158,8 @@ impl Stats {
         self.live_bytes_req_at_peak += o.live_bytes_req_at_peak;
         self.live_allocs_at_peak += o.live_allocs_at_peak;
         self.sizes.merge(&o.sizes);
+        self.failed += o.failed;
+        self.failed_bytes_req += o.failed_bytes_req;
     }
 
     /// Internal fragmentation: the share of allocated bytes not asked for.
@@ -198,6 +222,11 @@ pub struct Analyzer<G: FnMut(&Origin) -> u32> {
     kernel: HashMap<(Space, u64), LiveBlock>,
     /// mmap regions, per process instance; they are freed by range.
     mmaps: BTreeMap<(u32, u64), (u64, LiveBlock)>,
+    /// GPU blocks (device pointers, physical-memory handles, reserved ranges), per process
+    /// instance.
+    gpu: HashMap<(Space, u32, u64), LiveBlock>,
+    /// GPU mappings, per process instance; unmapped by range.
+    gpu_maps: BTreeMap<(u32, u64), (u64, LiveBlock)>,
     /// Blocks whose process exec'd or exited while they were live.
     orphans: Vec<LiveBlock>,
     /// Per process instance: addresses freed lately.
@@ -250,6 +279,8 @@ impl<G: FnMut(&Origin) -> u32> Analyzer<G> {
             heap: HashMap::new(),
             kernel: HashMap::new(),
             mmaps: BTreeMap::new(),
+            gpu: HashMap::new(),
+            gpu_maps: BTreeMap::new(),
             orphans: Vec::new(),
             recent_frees: HashMap::new(),
             pending_unmatched: HashMap::new(),
@@ -293,8 +324,8 @@ impl<G: FnMut(&Origin) -> u32> Analyzer<G> {
     fn space(&mut self, kind: Kind, pid: u32) -> SpaceKey {
         let space = kind.space();
         match space {
-            Space::Heap | Space::Mmap => (space, self.instance(pid)),
             Space::Slab | Space::Page => (space, 0),
+            _ => (space, self.instance(pid)),
         }
     }
 
@@ -370,13 +401,27 @@ impl<G: FnMut(&Origin) -> u32> Analyzer<G> {
             _ => None,
         };
         let count = match mean {
-            Some(mean) if !a.kind.is_kernel() => sample_multiplicity(a.bytes_req, mean, a.ts_ns ^ a.ptr),
+            Some(mean) if !a.kind.is_kernel() && !a.kind.is_gpu() => {
+                sample_multiplicity(a.bytes_req, mean, a.ts_ns ^ a.ptr)
+            }
             _ => 1,
         };
         let group = match forced_group {
             Some(g) => g,
             None => self.group(Origin::of(a)),
         };
+        if a.flags & flags::FAILED != 0 {
+            // A failed GPU call: nothing was allocated; its site and size are kept.
+            if group != EXCLUDED {
+                let g = &mut self.groups[group as usize];
+                g.failed += 1;
+                g.failed_bytes_req += a.bytes_req;
+                let t = &mut self.totals(a.kind, a.stack).stats;
+                t.failed += 1;
+                t.failed_bytes_req += a.bytes_req;
+            }
+            return;
+        }
         let block = LiveBlock {
             group,
             ts_ns: a.ts_ns,
@@ -405,6 +450,10 @@ impl<G: FnMut(&Origin) -> u32> Analyzer<G> {
                 self.heap.entry(space.1).or_default().insert(a.ptr, block)
             }
             Space::Slab | Space::Page => self.kernel.insert((space.0, a.ptr), block),
+            Space::GpuMap => self.gpu_maps.insert((space.1, a.ptr), (a.bytes_alloc, block)).map(|(_, b)| b),
+            Space::GpuMemory | Space::GpuHandle | Space::GpuReserve => {
+                self.gpu.insert((space.0, space.1, a.ptr), block)
+            }
         };
         if replaced.is_none() {
             self.live_count += 1;
@@ -456,19 +505,22 @@ impl<G: FnMut(&Origin) -> u32> Analyzer<G> {
 
     fn free(&mut self, f: &Free) {
         let space = self.space(f.kind, f.pid);
-        if space.0 == Space::Mmap {
-            // munmap frees every region starting inside [ptr, ptr + len); unmaps of regions
-            // never seen mapped are the allocator's own (large chunks) and are ignored.
+        if matches!(space.0, Space::Mmap | Space::GpuMap) {
+            // munmap (cuMemUnmap) frees every region starting inside [ptr, ptr + len);
+            // unmaps of regions never seen mapped are the allocator's own (large chunks)
+            // and are ignored.
             let end = f.ptr.saturating_add(u64::from(f.arg.max(1)) * 4096);
-            let keys: Vec<(u32, u64)> = self.mmaps.range((space.1, f.ptr)..(space.1, end)).map(|(k, _)| *k).collect();
-            for key in keys {
-                let (_, block) = self.mmaps.remove(&key).expect("key from range");
+            let regions = if space.0 == Space::Mmap { &mut self.mmaps } else { &mut self.gpu_maps };
+            let keys: Vec<(u32, u64)> = regions.range((space.1, f.ptr)..(space.1, end)).map(|(k, _)| *k).collect();
+            let blocks: Vec<LiveBlock> = keys.iter().map(|k| regions.remove(k).expect("key from range").1).collect();
+            for block in blocks {
                 self.retire(block, f, false);
             }
             return;
         }
         let found = match space.0 {
             Space::Heap => self.heap.get_mut(&space.1).and_then(|m| m.remove(&f.ptr)),
+            Space::GpuMemory | Space::GpuHandle | Space::GpuReserve => self.gpu.remove(&(space.0, space.1, f.ptr)),
             _ => self.kernel.remove(&(space.0, f.ptr)),
         };
         match found {
@@ -506,6 +558,11 @@ impl<G: FnMut(&Origin) -> u32> Analyzer<G> {
         let regions: Vec<(u32, u64)> =
             self.mmaps.range((instance, 0)..=(instance, u64::MAX)).map(|(k, _)| *k).collect();
         gone.extend(regions.iter().filter_map(|k| self.mmaps.remove(k)).map(|(_, b)| b));
+        let maps: Vec<(u32, u64)> =
+            self.gpu_maps.range((instance, 0)..=(instance, u64::MAX)).map(|(k, _)| *k).collect();
+        gone.extend(maps.iter().filter_map(|k| self.gpu_maps.remove(k)).map(|(_, b)| b));
+        let blocks: Vec<(Space, u32, u64)> = self.gpu.keys().filter(|k| k.1 == instance).copied().collect();
+        gone.extend(blocks.iter().filter_map(|k| self.gpu.remove(k)));
         for mut block in gone {
             if block.group == EXCLUDED {
                 self.live_count -= 1;
@@ -543,6 +600,8 @@ impl<G: FnMut(&Origin) -> u32> Analyzer<G> {
             .flat_map(|m| m.values())
             .chain(self.kernel.values())
             .chain(self.mmaps.values().map(|(_, b)| b))
+            .chain(self.gpu.values())
+            .chain(self.gpu_maps.values().map(|(_, b)| b))
             .chain(self.orphans.iter())
             .filter(|b| b.group != EXCLUDED)
     }

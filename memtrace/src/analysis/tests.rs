@@ -282,3 +282,38 @@ fn each_group_is_read_at_its_domains_peak() {
     assert_eq!(t.processes[&1].dense(n)[8..], [900, 0], "gone at exit");
     assert_eq!(t.group(3).unwrap().dense(n), [0, 0, 0, 0, 700, 700, 0, 0, 0, 0]);
 }
+
+#[test]
+fn gpu_blocks_pair_in_their_own_spaces_and_failures_are_not_allocations() {
+    let handle = 0x1000; // the same number as a heap pointer: another space
+    let mut failed = alloc(9, 1, 1, Kind::GpuDevice, 2, 1 << 50, 1 << 50, 3);
+    if let Event::Alloc(a) = &mut failed {
+        a.flags = flags::FAILED;
+    }
+    let unmap =
+        Event::Free(Free { ts_ns: 8, pid: 1, tid: 1, cpu: 0, kind: Kind::GpuUnmap, flags: 0, ptr: 0xa000, arg: 1024 });
+    let a = run(&[
+        alloc(1, 1, 1, Kind::Malloc, handle, 16, 16, 1),
+        alloc(2, 1, 1, Kind::GpuPhysical, handle, 2 << 20, 2 << 20, 2),
+        alloc(3, 1, 1, Kind::GpuPitched, 0x7f00, 64000, 65536, 2),
+        alloc(4, 1, 1, Kind::GpuReserve, 0xa000, 8 << 20, 8 << 20, 4),
+        alloc(5, 1, 1, Kind::GpuMap, 0xa000, 2 << 20, 2 << 20, 4),
+        alloc(6, 1, 1, Kind::GpuMap, 0xa000 + (2 << 20), 2 << 20, 2 << 20, 4),
+        free(7, 1, 1, Kind::GpuRelease, handle),
+        unmap, // 4 MiB from 0xa000: both mappings
+        failed,
+        free(10, 1, 1, Kind::GpuFree, 0x7f00),
+    ]);
+    let user = &a.totals[&Domain::User].stats;
+    assert_eq!((user.allocs, user.live_allocs), (1, 1), "the heap block is untouched");
+    let gpu = &a.totals[&Domain::Gpu];
+    assert_eq!((gpu.stats.allocs, gpu.stats.frees, gpu.stats.live_allocs), (2, 2, 0));
+    assert_eq!(gpu.stats.bytes_req, (2 << 20) + 64000);
+    assert_eq!(gpu.stats.bytes_alloc, (2 << 20) + 65536);
+    assert_eq!((gpu.stats.failed, gpu.stats.failed_bytes_req), (1, 1 << 50));
+    assert_eq!(gpu.unmatched_frees, 0);
+    let va = &a.totals[&Domain::GpuAddress].stats;
+    assert_eq!((va.allocs, va.frees, va.live_allocs, va.live_bytes_req), (3, 2, 1, 8 << 20));
+    assert_eq!(a.groups[3].failed, 1);
+    assert_eq!(a.groups[3].allocs, 0);
+}

@@ -6,6 +6,7 @@
 //! everything.
 pub mod allocator;
 pub mod btf;
+pub mod cuda;
 pub mod placement;
 pub mod uprobe_multi;
 
@@ -128,7 +129,8 @@ enum Attachment {
 
 /// The programs attached to the malloc family (loaded for multi links when the kernel has
 /// them).
-const ALLOCATOR_PROGRAMS: [&str; 3] = ["alloc_enter", "alloc_return", "free_enter"];
+const ALLOCATOR_PROGRAMS: [&str; 6] =
+    ["alloc_enter", "alloc_return", "free_enter", "gpu_enter", "gpu_return", "gpu_free"];
 
 pub struct Probes {
     ebpf: Ebpf,

@@ -22,8 +22,8 @@ const HAS_FLAGS: u8 = 1 << 6;
 const SAME_TASK: u8 = 1 << 7;
 const CODE_MASK: u8 = 0x3f;
 /// In the flags byte of a user allocation: the allocator's index follows the body (no
-/// `memtrace_common::flags` bit uses it).
-const ALLOCATOR_FOLLOWS: u8 = 1 << 6;
+/// `memtrace_common::flags` bit uses it; a test checks).
+pub(super) const ALLOCATOR_FOLLOWS: u8 = 1 << 6;
 
 #[derive(Default)]
 struct State {
@@ -31,7 +31,7 @@ struct State {
     prev_task: Option<(u32, u32)>,
     tasks: Vec<(u32, u32)>,
     call_sites: Vec<u64>,
-    prev_ptr: [u64; 4],
+    prev_ptr: [u64; 8],
     /// Encoder only: reverse indexes of the two tables.
     task_index: HashMap<(u32, u32), u64>,
     call_site_index: HashMap<u64, u64>,
@@ -144,8 +144,14 @@ impl EventEncoder {
                     put_varint(buf, u64::from(a.gfp_flags));
                     put_signed(buf, i64::from(a.node));
                     buf.push(a.order);
-                } else if a.allocator != 0 {
-                    buf.push(a.allocator);
+                } else {
+                    if a.kind.is_gpu() {
+                        // The device ordinal (-1: not known).
+                        put_signed(buf, i64::from(a.node));
+                    }
+                    if a.allocator != 0 {
+                        buf.push(a.allocator);
+                    }
                 }
             }
             Event::Free(f) => {
@@ -226,6 +232,9 @@ pub fn decode_chunk(payload: &[u8], base: u64, sink: &mut dyn FnMut(Event)) -> R
                     let gfp = c.varint_u32()?;
                     let node = i32::try_from(c.signed()?).map_err(|_| corrupt(&c, base, "node out of range"))?;
                     (site, gfp, node, c.u8()?)
+                } else if kind.is_gpu() {
+                    let node = i32::try_from(c.signed()?).map_err(|_| corrupt(&c, base, "device out of range"))?;
+                    (0, 0, node, 0)
                 } else {
                     (0, 0, -1, 0)
                 };

@@ -228,3 +228,32 @@ proptest! {
         let _ = read_all(&noise[..]);
     }
 }
+
+#[test]
+fn no_event_flag_is_the_recordings_own_allocator_bit() {
+    use memtrace_common::flags::*;
+    for bit in [USABLE_EXACT, BY_REALLOC, IRQ, HAS_STACK, FOREIGN_FREE, GROUP_DEAD, FAILED] {
+        assert_eq!(bit & super::events::ALLOCATOR_FOLLOWS, 0, "{bit:#x}");
+    }
+}
+
+#[test]
+fn gpu_events_round_trip_with_their_device() {
+    let mut physical = alloc(1_000, Kind::GpuPhysical, 0x1000, 2 << 20);
+    let mut failed = alloc(1_100, Kind::GpuDevice, 2, 1 << 50);
+    if let (Event::Alloc(p), Event::Alloc(f)) = (&mut physical, &mut failed) {
+        p.node = 3;
+        f.flags = flags::FAILED | flags::HAS_STACK;
+        f.bytes_alloc = f.bytes_req;
+    }
+    let events = vec![
+        physical,
+        failed,
+        alloc(1_200, Kind::GpuMap, 0x7d00_0000_0000, 2 << 20),
+        free(1_300, Kind::GpuUnmap, 0x7d00_0000_0000),
+        free(1_400, Kind::GpuRelease, 0x1000),
+        alloc(1_500, Kind::Malloc, 0x5555_0000_1000, 24),
+    ];
+    let rec = read_all(&write(&events, true)[..]).unwrap();
+    assert_eq!(rec.events, events);
+}

@@ -102,6 +102,8 @@ pub struct GroupRow {
     pub frames: Vec<Frame>,
     pub kinds: Vec<Kind>,
     pub pids: Vec<u32>,
+    /// GPU rows: the devices the allocations were made on, where known.
+    pub devices: Vec<i32>,
     pub stats: Stats,
     pub stack: u64,
     pub call_site: u64,
@@ -135,6 +137,7 @@ struct GroupInfo {
     kinds: Vec<Kind>,
     pids: Vec<u32>,
     allocator: u8,
+    devices: Vec<i32>,
 }
 
 /// Assigns allocations to groups (the analyzer's grouping function) and remembers each
@@ -170,6 +173,7 @@ impl Grouper<'_> {
                 kinds: Vec::new(),
                 pids: Vec::new(),
                 allocator: o.allocator,
+                devices: Vec::new(),
             });
         }
         let info = &mut self.infos[g as usize];
@@ -186,6 +190,9 @@ impl Grouper<'_> {
         }
         if info.pids.len() < Self::MAX_PIDS && !info.pids.contains(&o.pid) {
             info.pids.push(o.pid);
+        }
+        if o.device >= 0 && !info.devices.contains(&o.device) {
+            info.devices.push(o.device);
         }
         g
     }
@@ -360,7 +367,7 @@ pub fn analyze(path: &Path, opts: &ReportOptions) -> Result<Summary> {
 
     let mut rows: Vec<GroupRow> = Vec::with_capacity(infos.len());
     for (group, (info, stats)) in infos.iter().zip(groups).enumerate() {
-        if stats.allocs == 0 {
+        if stats.allocs == 0 && stats.failed == 0 {
             continue;
         }
         let frames = table.frames(info.stack, info.call_site);
@@ -371,6 +378,7 @@ pub fn analyze(path: &Path, opts: &ReportOptions) -> Result<Summary> {
             frames,
             kinds: info.kinds.clone(),
             pids: info.pids.clone(),
+            devices: info.devices.clone(),
             stats,
             stack: info.stack,
             call_site: info.call_site,
@@ -404,6 +412,14 @@ pub fn analyze(path: &Path, opts: &ReportOptions) -> Result<Summary> {
         under_counting.push(super::warnings::nothing_seen(&meta));
     }
     warnings.extend(under_counting.iter().cloned());
+    if totals.get(&Domain::Gpu).is_some_and(|t| t.stats.allocs + t.stats.failed > 0)
+        && let Some(what) =
+            table.modules.values().find_map(|m| crate::probes::cuda::caching_allocator(std::path::Path::new(&m.path)))
+    {
+        warnings.push(format!(
+            "GPU memory is handed out by {what}: the gpu domain shows the segments it takes from the driver, not each tensor"
+        ));
+    }
     Ok(Summary {
         meta,
         stats,

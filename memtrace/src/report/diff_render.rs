@@ -85,7 +85,16 @@ pub fn render_diff_text(d: &DiffSummary, width: Width) -> String {
     if shown.is_empty() {
         return out;
     }
-    let letters = shown.iter().map(|r| if r.domain == crate::analysis::Domain::Kernel { "K" } else { "U" }.to_string());
+    use crate::analysis::Domain;
+    let letters = shown.iter().map(|r| {
+        match r.domain {
+            Domain::Kernel => "K",
+            Domain::Gpu => "G",
+            Domain::GpuAddress => "V",
+            Domain::User | Domain::Reserved => "U",
+        }
+        .to_string()
+    });
     let names = shown.iter().map(|r| match r.status {
         Status::New => format!("[new] {}", r.label),
         Status::Gone => format!("[gone] {}", r.label),

@@ -37,6 +37,15 @@ struct JsonTotals {
     lifetime_p50_ns: Option<u64>,
     lifetime_p99_ns: Option<u64>,
     size_histogram: Vec<JsonBin>,
+    /// GPU allocation calls that failed, and the bytes they asked for.
+    #[serde(skip_serializing_if = "is_zero")]
+    failed: u64,
+    #[serde(skip_serializing_if = "is_zero")]
+    failed_bytes_req: u64,
+}
+
+fn is_zero(v: &u64) -> bool {
+    *v == 0
 }
 
 impl JsonTotals {
@@ -61,6 +70,8 @@ impl JsonTotals {
             lifetime_p50_ns: s.lifetimes.quantile(0.5),
             lifetime_p99_ns: s.lifetimes.quantile(0.99),
             size_histogram: json_memory::size_histogram(&s.sizes),
+            failed: s.failed,
+            failed_bytes_req: s.failed_bytes_req,
         }
     }
 }
@@ -106,6 +117,14 @@ struct JsonSite<'a> {
     /// User sites: the family of the allocator that served them.
     #[serde(skip_serializing_if = "Option::is_none")]
     allocator: Option<&'a str>,
+    /// GPU sites: the devices allocated on, where the call names one.
+    #[serde(skip_serializing_if = "<[i32]>::is_empty")]
+    devices: &'a [i32],
+    /// GPU allocation calls from this site that failed, and the bytes they asked for.
+    #[serde(skip_serializing_if = "is_zero")]
+    failed: u64,
+    #[serde(skip_serializing_if = "is_zero")]
+    failed_bytes_req: u64,
 }
 
 #[derive(Serialize)]
@@ -167,6 +186,9 @@ pub fn render_json(a: &Summary, opts: &ReportOptions) -> Result<String> {
                 size_histogram: json_memory::size_histogram(&s.sizes),
                 timeline: (!g.timeline.is_empty()).then_some(&g.timeline[..]),
                 allocator: g.allocator.as_deref(),
+                devices: &g.devices,
+                failed: s.failed,
+                failed_bytes_req: s.failed_bytes_req,
             }
         })
         .collect();

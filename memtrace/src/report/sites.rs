@@ -104,6 +104,7 @@ mod tests {
             frames,
             kinds: vec![],
             pids: vec![],
+            devices: vec![],
             stats: Stats::default(),
             stack: 0,
             call_site: 0,

@@ -78,6 +78,15 @@ pub fn render_text(a: &Summary, opts: &ReportOptions) -> String {
     out.push('\n');
 
     out.push_str(&totals_table(a, opts).render(opts.layout.width));
+    for (domain, t) in a.totals.iter().filter(|(d, t)| opts.filters.domain.admits(**d) && t.stats.failed > 0) {
+        let _ = writeln!(
+            out,
+            "{}: {} failed (not allocations), asking for {}",
+            domain_name(*domain),
+            counted(t.stats.failed, "call", "calls"),
+            bytes(t.stats.failed_bytes_req)
+        );
+    }
     let s = &a.stats;
     let _ = writeln!(
         out,

@@ -482,8 +482,14 @@ impl Model {
         p.sites[site as usize].1.on_live(&block, Sign::Add);
         let space = a.kind.space();
         let replaced = match space {
-            Space::Heap => p.heap.insert(a.ptr, block).map(|b| (instance, b)),
-            Space::Mmap => p.mmaps.insert(a.ptr, (a.bytes_alloc.max(1), block)).map(|(_, b)| (instance, b)),
+            // GPU blocks share the process's maps: device addresses are unified with the
+            // host's (handles and reserved ranges are told apart by kind only here).
+            Space::Heap | Space::GpuMemory | Space::GpuHandle | Space::GpuReserve => {
+                p.heap.insert(a.ptr, block).map(|b| (instance, b))
+            }
+            Space::Mmap | Space::GpuMap => {
+                p.mmaps.insert(a.ptr, (a.bytes_alloc.max(1), block)).map(|(_, b)| (instance, b))
+            }
             Space::Slab | Space::Page => self.kernel.insert((space, a.ptr), (instance, block)),
         };
         match replaced {
@@ -515,7 +521,7 @@ impl Model {
             self.counters.unmatched_frees += 1;
             return;
         };
-        if space == Space::Heap {
+        if matches!(space, Space::Heap | Space::GpuMemory | Space::GpuHandle | Space::GpuReserve) {
             match p.heap.remove(&f.ptr) {
                 Some(block) => {
                     p.retire(&block);

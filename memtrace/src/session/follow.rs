@@ -195,6 +195,7 @@ impl Tracer {
                 .filter(|p| !self.checked_objects.contains(p))
                 .collect();
             for object in objects {
+                self.check_cuda(pid, &object);
                 self.check_object(object);
             }
         }

@@ -8,6 +8,7 @@
 mod baseline;
 mod command;
 mod follow;
+mod gpu;
 pub mod output;
 pub mod record;
 pub mod reorder;
@@ -162,6 +163,8 @@ pub struct Tracer {
     unwinder: Option<Unwinder>,
     /// Bytes read from the rings, by kind of record.
     pub ring_bytes: RingBytes,
+    /// The CUDA driver modules found and probed.
+    gpu: gpu::GpuState,
 }
 
 /// How long `-- CMD` waits for the unwind tables of its program before it starts (its
@@ -271,6 +274,7 @@ impl Tracer {
             }
             for allocator in &found {
                 probes.attach_allocator(allocator, probe_scope(&probes, options, target_pid))?;
+                probes.load_cuda_programs()?;
             }
             Ok(())
         })();
@@ -295,7 +299,7 @@ impl Tracer {
             }
             log::debug!("unwind tables ready in {} ms: {:?}", started.elapsed().as_millis(), u.stats().tables);
         }
-        Ok(Self {
+        let mut tracer = Self {
             probes,
             attached: found.iter().map(|a| (attached_to, a.file_id, a.prefix.clone())).collect(),
             usable,
@@ -325,7 +329,13 @@ impl Tracer {
             forwarded_signal: None,
             unwinder,
             ring_bytes: RingBytes::default(),
-        })
+            gpu: Default::default(),
+        };
+        if let (Target::Pid(pid), true) = (&options.target, options.user) {
+            // A running process may have loaded the CUDA driver already.
+            tracer.check_cuda_mapped(*pid);
+        }
+        Ok(tracer)
     }
 
     pub fn unwind_stats(&self) -> Option<UnwindStats> {
@@ -401,6 +411,7 @@ impl Tracer {
                 match record {
                     Ok(Record::Stack(s)) => stacks.push(s),
                     Ok(Record::Mapping(m)) => {
+                        self.on_code_mapped(&m);
                         if let Some(u) = self.unwinder.as_mut() {
                             u.mapping(&m, &mut self.probes);
                         }

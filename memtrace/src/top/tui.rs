@@ -176,7 +176,8 @@ pub fn handle_key(state: &mut ViewState, key: KeyEvent, rows: usize) -> bool {
             opts.domain = match opts.domain {
                 DomainFilter::Both => DomainFilter::User,
                 DomainFilter::User => DomainFilter::Kernel,
-                DomainFilter::Kernel => DomainFilter::Both,
+                DomainFilter::Kernel => DomainFilter::Gpu,
+                DomainFilter::Gpu => DomainFilter::Both,
             }
         }
         KeyCode::Char('g') => {

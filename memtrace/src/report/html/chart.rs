@@ -25,6 +25,8 @@ pub fn color(domain: Domain) -> RGBColor {
         Domain::User => RGBColor(0x2f, 0x6f, 0xb7),
         Domain::Kernel => RGBColor(0xd9, 0x6c, 0x23),
         Domain::Reserved => RGBColor(0x7a, 0x7a, 0x8c),
+        Domain::Gpu => RGBColor(0x4e, 0x9a, 0x2f),
+        Domain::GpuAddress => RGBColor(0x9a, 0xb8, 0x8c),
     }
 }
 
