@@ -5,6 +5,8 @@
 //! Every record is `#[repr(C)]`, starts with a one-byte [`RecordType`], and has no implicit
 //! padding (the `const` assertions at the bottom check sizes, so a field added in the wrong
 //! place fails the build). Userspace must check a record's length before reading it.
+//!
+//! Over 500 lines: the wire contract is one place both sides compile against: each record with its layout and the constants both sides agree on (the unwind part is in unwind.rs).
 #![no_std]
 
 pub mod unwind;

@@ -1,6 +1,8 @@
 //! Decoded events: what the probes reported, as owned Rust values, and the length-checked
 //! decoding of raw ring records into them. Everything downstream (the recording file,
 //! pairing, aggregation, `top`) works on these types.
+//!
+//! Over 500 lines: one type per record kind with its length-checked decoding, and their tests (from line 380).
 use memtrace_common::{
     CacheRecord, FreeRecord, KernelAllocRecord, Kind, MappingRecord, RecordType, StackHeader, TaskEvent, TaskRecord,
     UNWIND_COPY_BYTES, UnwindMiss, UserAllocRecord, UserFrame, flags, mapping_record, stack_flags,

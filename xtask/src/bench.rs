@@ -3,6 +3,8 @@
 //! under `record -a`, the userspace pipeline alone (criterion), a sustained run on all
 //! cores, bytes per event, and report speed — printed as a table and written to
 //! BENCHMARKS.md. Figures are ratios measured in the same run; nothing here passes or fails.
+//!
+//! Over 500 lines: one session measures every peer side by side and writes one document; the serve and heavy-program sections are their own files.
 use std::{
     fmt::Write as _,
     fs,

@@ -3,6 +3,8 @@
 //! group that allocated the block. User blocks live in a per-process address space that
 //! ends at exec or exit (so a reused pid is a new space); kernel blocks in one space per
 //! machine.
+//!
+//! Over 500 lines: pairing is one state machine over events; peaks, timelines, sizes, sampling and lifetimes are in their own files.
 pub mod diff;
 pub mod histogram;
 pub mod peak;

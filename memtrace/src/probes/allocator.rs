@@ -7,6 +7,8 @@
 //! also carry a prefixed jemalloc (`je_`, `_rjem_`, `duckdb_je_`, ...), found by its
 //! `{p}mallocx`/`{p}sdallocx`/`{p}mallctl` siblings. `mmap`/`munmap` come from whichever
 //! object defines them (libc).
+//!
+//! Over 500 lines: each allocator family's symbol set and the dynamic linker's lookup order are read together; tests from line 542.
 use std::{
     collections::{HashMap, HashSet, VecDeque},
     env, fs,

@@ -4,6 +4,8 @@
 //! tracepoints, syscall tracepoints and uprobes, keeping the unwinder's maps (address
 //! spaces, per-file tables) and reading the probes' counters. Dropping [`Probes`] detaches
 //! everything.
+//!
+//! Over 500 lines: loading, attaching and reading the counters of one eBPF object share its maps and links; multi-uprobe links, BTF and allocator discovery are in their own files.
 pub mod allocator;
 pub mod btf;
 pub mod cuda;

@@ -2,6 +2,8 @@
 //! stack, function or process) under the report's filters, into a [`Summary`]: the totals,
 //! the rows sorted, the blocks still live, and how whole the stacks were. Rendering is
 //! elsewhere (`text`, `json`, `export`).
+//!
+//! Over 500 lines: the one pass over the events that every report figure comes from; rendering, options, sites and warnings are in their own files.
 use std::{
     collections::{BTreeMap, HashMap, HashSet},
     path::Path,

@@ -12,6 +12,8 @@
 //!
 //! OpenMetrics is served to clients that ask for it (Prometheus does); others get the
 //! classic text format (0.0.4) that `promtool check metrics` reads.
+//!
+//! Over 500 lines: one exposition: every family, its labels and its bounds must agree, and the unit tests of the format sit beside it.
 use std::{
     collections::{BTreeMap, HashMap, HashSet},
     sync::Arc,

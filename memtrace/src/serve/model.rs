@@ -12,6 +12,8 @@
 //!
 //! Naming is not done here (the tracer waits while this code runs): new stacks, modules
 //! and kernel call sites wait in [`Pending`] for the namer (`names`).
+//!
+//! Over 500 lines: the agent's aggregation keeps its bounds (blocks, stacks, processes) in one place so they can be reasoned about together.
 use std::{
     collections::{BTreeMap, HashMap, HashSet},
     path::Path,

@@ -2,6 +2,8 @@
 //! lifecycle; cardinality bounding and monotonic counters; the exposition formats; query
 //! parsing and the profiles (decoded with prost); the command line; the HTTP server's
 //! answers, limits and timeouts; the deploy files.
+//!
+//! Over 500 lines: tests only.
 use std::{
     io::{Read as _, Write as _},
     net::TcpStream,

@@ -5,6 +5,8 @@
 //! [`follow`] (forks, execs, dlopens, sampling on loss), [`command`] (signals, reaping),
 //! [`wake`] (the loop it runs on), [`spawn`] (the paused command), [`reorder`] (time
 //! order), [`output`] (files written safely), [`record`] (the `record` subcommand).
+//!
+//! Over 500 lines: the tracer's core (start, drain, stop) is one state machine; following, commands, the wake loop and the baseline are already in their own files.
 mod baseline;
 mod command;
 mod follow;

@@ -1,6 +1,8 @@
 //! `top`'s model (aggregation, sorting, filtering, rates) fed through its session sink, and
 //! both views rendered: the full-screen one with ratatui's TestBackend at several sizes
 //! (numbers never cut, headers whole), the batch one as text.
+//!
+//! Over 500 lines: tests only.
 use std::{collections::BTreeMap, time::Duration};
 
 use memtrace_common::{Kind, TaskEvent};

@@ -11,6 +11,8 @@
 //! whose code it ran last time (the libraries it dlopen'd included). When the program
 //! starts again their tables are loaded at once, before it maps them, so the probes
 //! install each mapping themselves and no stack waits for a table.
+//!
+//! Over 500 lines: the cache's trust rules (ownership, permissions, checksums) are read, written and tested together; the tests start at line 426.
 use std::{
     fmt,
     fs::{self, OpenOptions},
