@@ -12,13 +12,14 @@ use aya_ebpf::{
     macros::{uprobe, uretprobe},
     programs::{ProbeContext, RetProbeContext},
 };
-use memtrace_common::{FreeRecord, Kind, RecordType, UserAllocRecord, counter, flags};
+use memtrace_common::{Kind, RecordType, UserAllocRecord, counter, flags};
 
 use crate::{
     context::{is_traced, pid_tgid, regs},
     maps::{GPU_INFLIGHT, GpuInFlight},
     ring::{bump, emit, this_ring},
     stack::user_stack,
+    uprobes::{length_in_pages, send_free},
 };
 
 /// `CU_MEM_LOCATION_TYPE_DEVICE`.
@@ -165,22 +166,6 @@ fn try_gpu_free(ctx: &ProbeContext) -> Result<(), ()> {
     // SAFETY: the helper only reads the attach cookie.
     let kind = unsafe { generated::bpf_get_attach_cookie(ctx.as_ptr()) } as u8;
     // cuMemUnmap(ptr, size): every mapping starting in the range goes.
-    let arg = if kind == Kind::GpuUnmap as u8 {
-        let len: u64 = ctx.arg(1).unwrap_or(0);
-        (len.div_ceil(4096)).min(u32::MAX as u64) as u32
-    } else {
-        0
-    };
-    let ring = this_ring().ok_or(())?;
-    emit::<FreeRecord>(ring, |r| {
-        r.rtype = RecordType::Free as u8;
-        r.kind = kind;
-        r.pid = tgid;
-        r.tid = tid;
-        r.arg = arg;
-        // SAFETY: no preconditions.
-        r.ts_ns = unsafe { bpf_ktime_get_ns() };
-        r.ptr = ptr;
-    });
-    Ok(())
+    let pages = if kind == Kind::GpuUnmap as u8 { length_in_pages(ctx) } else { 0 };
+    send_free(kind, tgid, tid, ptr, pages)
 }

@@ -305,12 +305,20 @@ pub(crate) fn try_free_enter(ctx: &ProbeContext) -> Result<(), ()> {
     if sampled_heap {
         let _ = SAMPLED_LIVE.remove(sampled_key(tgid, ptr));
     }
-    let arg = if kind == Kind::Munmap as u8 {
-        let len: u64 = ctx.arg(1).unwrap_or(0);
-        (len.div_ceil(4096)).min(u32::MAX as u64) as u32
-    } else {
-        0
-    };
+    let pages = if kind == Kind::Munmap as u8 { length_in_pages(ctx) } else { 0 };
+    send_free(kind, tgid, tid, ptr, pages)
+}
+
+/// The length argument (the second) of an unmapping call, in 4 KiB pages.
+#[inline(always)]
+pub(crate) fn length_in_pages(ctx: &ProbeContext) -> u32 {
+    let len: u64 = ctx.arg(1).unwrap_or(0);
+    len.div_ceil(4096).min(u32::MAX as u64) as u32
+}
+
+/// Sends a free of `ptr` (`arg`: pages unmapped, for the unmapping kinds).
+#[inline(always)]
+pub(crate) fn send_free(kind: u8, tgid: u32, tid: u32, ptr: u64, arg: u32) -> Result<(), ()> {
     let ring = this_ring().ok_or(())?;
     emit::<FreeRecord>(ring, |r| {
         r.rtype = RecordType::Free as u8;

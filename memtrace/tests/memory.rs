@@ -3,8 +3,10 @@
 //! manifest says, each site's bytes live at the peak are its known figures, the histogram
 //! buckets hold the known sizes, and two runs that leak differently differ by exactly that.
 mod common;
+#[path = "common/pprof.rs"]
+mod pprof;
 
-use std::{collections::BTreeMap, io::Read as _, path::PathBuf, sync::OnceLock};
+use std::{collections::BTreeMap, path::PathBuf, sync::OnceLock};
 
 use common::*;
 use serde_json::Value;
@@ -252,17 +254,10 @@ fn differential_exports_hold_the_change() {
 
     // pprof: the base's samples negated; what is left at wl_leak is the extra leaks.
     let out = run(memtrace().args(["export", "--format", "pprof", "--diff-base"]).arg(two).arg("-i").arg(seven));
-    let mut raw = Vec::new();
-    flate2::read::GzDecoder::new(&out.stdout[..]).read_to_end(&mut raw).unwrap();
-    let p = <pprof::Profile as prost::Message>::decode(&raw[..]).expect("a profile.proto message");
-    let name = |i: i64| p.string_table[i as usize].as_str();
-    let leaf = |s: &pprof::Sample| {
-        let loc = p.location.iter().find(|l| l.id == s.location_id[0]).unwrap();
-        name(p.function.iter().find(|f| f.id == loc.line[0].function_id).unwrap().name)
-    };
+    let p = pprof::decode_gzipped(&out.stdout);
     let at_leak: Vec<&pprof::Sample> =
-        p.sample.iter().filter(|s| !s.location_id.is_empty() && leaf(s) == "wl_leak").collect();
-    let base = at_leak.iter().filter(|s| s.label.iter().any(|l| name(l.key) == "pprof::base")).count();
+        p.sample.iter().filter(|s| p.functions(s).first().is_some_and(|f| f == "wl_leak")).collect();
+    let base = at_leak.iter().filter(|s| s.label.iter().any(|l| p.string(l.key) == "pprof::base")).count();
     assert_eq!((at_leak.len(), base), (2, 1), "one sample from each run");
     let inuse: i64 = at_leak.iter().map(|s| s.value[2]).sum();
     assert_eq!(inuse, 10, "inuse_objects: the extra leaks");
@@ -273,54 +268,4 @@ fn differential_exports_hold_the_change() {
         .arg(seven));
     let svg = String::from_utf8(svg.stdout).unwrap();
     assert!(svg.contains("memtrace: change in allocations") && svg.contains("wl_leak"));
-}
-
-/// profile.proto, as far as these tests read it, decoded by prost.
-mod pprof {
-    #[derive(Clone, PartialEq, prost::Message)]
-    pub struct Profile {
-        #[prost(message, repeated, tag = "2")]
-        pub sample: Vec<Sample>,
-        #[prost(message, repeated, tag = "4")]
-        pub location: Vec<Location>,
-        #[prost(message, repeated, tag = "5")]
-        pub function: Vec<Function>,
-        #[prost(string, repeated, tag = "6")]
-        pub string_table: Vec<String>,
-    }
-    #[derive(Clone, PartialEq, prost::Message)]
-    pub struct Sample {
-        #[prost(uint64, repeated, tag = "1")]
-        pub location_id: Vec<u64>,
-        #[prost(int64, repeated, tag = "2")]
-        pub value: Vec<i64>,
-        #[prost(message, repeated, tag = "3")]
-        pub label: Vec<Label>,
-    }
-    #[derive(Clone, PartialEq, prost::Message)]
-    pub struct Label {
-        #[prost(int64, tag = "1")]
-        pub key: i64,
-        #[prost(int64, tag = "2")]
-        pub str: i64,
-    }
-    #[derive(Clone, PartialEq, prost::Message)]
-    pub struct Location {
-        #[prost(uint64, tag = "1")]
-        pub id: u64,
-        #[prost(message, repeated, tag = "4")]
-        pub line: Vec<Line>,
-    }
-    #[derive(Clone, PartialEq, prost::Message)]
-    pub struct Line {
-        #[prost(uint64, tag = "1")]
-        pub function_id: u64,
-    }
-    #[derive(Clone, PartialEq, prost::Message)]
-    pub struct Function {
-        #[prost(uint64, tag = "1")]
-        pub id: u64,
-        #[prost(int64, tag = "2")]
-        pub name: i64,
-    }
 }
