@@ -139,6 +139,11 @@ pub struct Probes {
     rings: Vec<Ring>,
     attachments: Vec<Attachment>,
     attach_path: AttachPath,
+    /// The libc `mmap`/`munmap` entry points probed, by (file, offset, pid; 0: every
+    /// process). Every allocator resolved in a process brings its libc's pair (jemalloc
+    /// found at the start, then libc itself once mapped): probed twice, the later probe's
+    /// allocator index would win or lose by attach order. The first one keeps them.
+    mapping_points: std::collections::HashSet<((u64, u64), u64, u32)>,
     _logger: Option<aya_log::EbpfLogger<&'static dyn log::Log>>,
 }
 
@@ -233,7 +238,14 @@ impl Probes {
         let rings = install_rings(&mut ebpf, settings.ring_bytes)?;
         let attach_path = AttachPath::choose();
         log::debug!("uprobes attach through {}", attach_path.name());
-        Ok(Self { ebpf, rings, attachments: Vec::new(), attach_path, _logger: logger })
+        Ok(Self {
+            ebpf,
+            rings,
+            attachments: Vec::new(),
+            attach_path,
+            mapping_points: Default::default(),
+            _logger: logger,
+        })
     }
 
     /// How this session attaches its uprobes.
@@ -333,10 +345,26 @@ impl Probes {
     /// Attaches the malloc-family probes at every point of `allocator`, for one process
     /// (`Some(pid)`, its threads included) or for every process mapping the object.
     pub fn attach_allocator(&mut self, allocator: &Allocator, pid: Option<u32>) -> Result<()> {
+        let allocator = &self.without_probed_mappings(allocator, pid.unwrap_or(0));
         match self.attach_path {
             AttachPath::Multi => self.attach_allocator_multi(allocator, pid),
             AttachPath::PerfEvents => self.attach_allocator_per_probe(allocator, pid),
         }
+    }
+
+    /// `allocator` less the `mmap`/`munmap` points already probed for `pid` (or for every
+    /// process), which are marked probed.
+    fn without_probed_mappings(&mut self, allocator: &Allocator, pid: u32) -> Allocator {
+        let mut kept = allocator.clone();
+        kept.points.retain(|p| {
+            if !matches!(p.kind, Kind::Mmap | Kind::Munmap) {
+                return true;
+            }
+            let file = allocator::file_id(&p.path);
+            let offset = p.offset + p.probe_offset;
+            !self.mapping_points.contains(&(file, offset, 0)) && self.mapping_points.insert((file, offset, pid))
+        });
+        kept
     }
 
     /// One link per program and file: the entry and return programs at every allocating
