@@ -192,7 +192,9 @@ fn test() -> Result<()> {
         ])
         .args(["-D", "warnings"])
         .env("CARGO_ENCODED_RUSTFLAGS", "--cfg=bpf_target_arch=\"x86_64\""))?;
-    run(cargo().arg("test"))?; // default members: everything but the eBPF crate
+    // default members: everything but the eBPF crate; every test binary runs, so that one
+    // failure does not hide the others
+    run(cargo().args(["test", "--no-fail-fast"]))?;
     eprintln!("xtask: all tests passed");
     Ok(())
 }
