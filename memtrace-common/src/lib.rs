@@ -9,6 +9,7 @@
 //! Over 500 lines: the wire contract is one place both sides compile against: each record with its layout and the constants both sides agree on (the unwind part is in unwind.rs).
 #![no_std]
 
+pub mod python;
 pub mod unwind;
 
 pub use unwind::{
@@ -38,6 +39,9 @@ pub enum RecordType {
     Task = 5,
     Mapping = 6,
     Cache = 7,
+    /// A Python code object, the first time a stack of its process shows it
+    /// ([`python::PyCodeRecord`]).
+    PyCode = 8,
 }
 
 impl RecordType {
@@ -47,6 +51,7 @@ impl RecordType {
             2 => Self::Free,
             3 => Self::KernelAlloc,
             4 => Self::Stack,
+            8 => Self::PyCode,
             5 => Self::Task,
             6 => Self::Mapping,
             7 => Self::Cache,
@@ -401,7 +406,9 @@ pub struct StackHeader {
     pub hash: u64,
     /// That address space (table walks; 0 for frame-pointer walks).
     pub asid: u32,
-    pub _pad: u32,
+    /// Python frames ([`python::PyFrame`]) after the user frames (before a miss part).
+    pub n_python: u8,
+    pub _pad: [u8; 3],
 }
 
 /// A user frame as `bpf_get_stack(BPF_F_USER_BUILD_ID)` reports it (`struct
@@ -434,6 +441,8 @@ pub mod stack_flags {
     pub const MISS: u8 = 4;
     /// A kernel stack joined with the user stack of its task (hashed with the kernel seed).
     pub const KERNEL: u8 = 8;
+    /// The Python walk stopped at its depth bound.
+    pub const PYTHON_TRUNCATED: u8 = 16;
 }
 
 /// `ProbeConfig::unwind_mode`: how the probes walk user stacks.
@@ -780,6 +789,8 @@ mod pod {
     unsafe impl aya::Pod for FileId {}
     // SAFETY: as above.
     unsafe impl aya::Pod for FileTable {}
+    // SAFETY: as above.
+    unsafe impl aya::Pod for python::PyProcInfo {}
 }
 
 const _: () = {

@@ -19,6 +19,7 @@ mod gpu;
 mod kmem;
 mod mappings;
 mod maps;
+mod python;
 mod ring;
 mod sampling;
 mod stack;

@@ -149,3 +149,21 @@ pub(crate) struct GpuInFlight {
 /// CUDA driver allocation calls between entry and return, by pid_tgid.
 #[btf_map]
 pub(crate) static GPU_INFLIGHT: HashMap<u64, GpuInFlight, 16384> = HashMap::new();
+
+/// tgid → how to walk its CPython interpreter's frames (`python.rs`), written by
+/// userspace when it finds an interpreter in a traced process.
+#[btf_map]
+pub(crate) static PY_PROCS: HashMap<u32, memtrace_common::python::PyProcInfo, 16384> = HashMap::new();
+
+/// A code object whose record was sent: (tgid, code address, the bytes at its
+/// `co_firstlineno`). Forgetting one only costs a resend.
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub(crate) struct PyCodeKey {
+    pub(crate) tgid: u64,
+    pub(crate) code: u64,
+    pub(crate) check: u64,
+}
+
+#[btf_map]
+pub(crate) static PY_CODES_SENT: LruHashMap<PyCodeKey, u8, 65536> = LruHashMap::new();

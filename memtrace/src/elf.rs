@@ -18,6 +18,15 @@ pub struct Function {
     pub size: u64,
 }
 
+/// A symbol of any kind: where it loads, where its bytes are in the file (None for
+/// `.bss`), its size.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DataSymbol {
+    pub vaddr: u64,
+    pub offset: Option<u64>,
+    pub size: u64,
+}
+
 /// An ELF file mapped read-only.
 pub struct ElfFile {
     map: Mmap,
@@ -96,6 +105,34 @@ impl ElfFile {
             }
         }
         Ok(found)
+    }
+
+    /// A defined symbol of any kind (data too: `_PyRuntime`, `Py_Version`): its virtual
+    /// address, its file offset when its bytes are in the file, and its size. Dynamic
+    /// symbols first, then the full table.
+    pub fn symbol(&self, name: &str) -> Result<Option<DataSymbol>> {
+        let file = self.parse()?;
+        for symbol in file.dynamic_symbols().chain(file.symbols()) {
+            if !symbol.is_definition() || symbol.name() != Ok(name) {
+                continue;
+            }
+            let vaddr = symbol.address();
+            return Ok(Some(DataSymbol { vaddr, offset: vaddr_to_file_offset(&file, vaddr), size: symbol.size() }));
+        }
+        Ok(None)
+    }
+
+    /// The virtual address the byte at file `offset` loads at (None: in no loaded segment).
+    pub fn vaddr_of_offset(&self, offset: u64) -> Option<u64> {
+        let file = self.parse().ok()?;
+        let endian = file.endian();
+        let headers = file.elf_header().program_headers(endian, file.data()).ok()?;
+        headers.iter().find_map(|ph| {
+            let start = ph.p_offset(endian);
+            let end = start + ph.p_filesz(endian);
+            (ph.p_type(endian) == elf::PT_LOAD && (start..end.max(start + 1)).contains(&offset))
+                .then(|| offset - start + ph.p_vaddr(endian))
+        })
     }
 
     /// Up to `len` bytes of the file from `offset`.

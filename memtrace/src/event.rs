@@ -5,7 +5,9 @@
 //! Over 500 lines: one type per record kind with its length-checked decoding, and their tests (from line 380).
 use memtrace_common::{
     CacheRecord, FreeRecord, KernelAllocRecord, Kind, MappingRecord, RecordType, StackHeader, TaskEvent, TaskRecord,
-    UNWIND_COPY_BYTES, UnwindMiss, UserAllocRecord, UserFrame, flags, mapping_record, stack_flags,
+    UNWIND_COPY_BYTES, UnwindMiss, UserAllocRecord, UserFrame, flags, mapping_record,
+    python::{PyCodeRecord, PyFrame},
+    stack_flags,
 };
 use thiserror::Error;
 
@@ -106,6 +108,10 @@ pub struct StackRecord {
     pub miss: Option<StackMiss>,
     /// The address space the user frames belong to (table walks; 0 otherwise).
     pub asid: u32,
+    /// Python frames of the thread, innermost first (processes running an interpreter).
+    pub python: Vec<PyFrame>,
+    /// Their names, read when the stack arrived (`session` fills it in).
+    pub python_context: Option<std::sync::Arc<crate::python::PythonContext>>,
 }
 
 /// How a stack's user frames were walked.
@@ -170,6 +176,23 @@ pub enum Record {
         cache: u64,
         name: String,
     },
+    /// A Python code object, as the probes read it.
+    PyCode(PyCodeSeen),
+}
+
+/// A Python code object of process `pid` at `code` (`check`: the bytes at its
+/// `co_firstlineno`), with what the probes could read of it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PyCodeSeen {
+    pub pid: u32,
+    pub code: u64,
+    pub check: u64,
+    /// None: not ASCII, or unreadable.
+    pub filename: Option<String>,
+    pub qualname: Option<String>,
+    pub linetable: Vec<u8>,
+    /// The line table is whole.
+    pub complete: bool,
 }
 
 #[derive(Debug, Error, PartialEq, Eq)]
@@ -305,17 +328,38 @@ pub fn decode(bytes: &[u8], cpu: u16) -> Result<Record, DecodeError> {
             let r: CacheRecord = read(bytes, rtype)?;
             Record::Cache { cache: r.cache, name: c_string(&r.name) }
         }
+        RecordType::PyCode => {
+            let r: PyCodeRecord = read(bytes, rtype)?;
+            let text = |bytes: &[u8], len: u16| {
+                (len > 0).then(|| c_string(&bytes[..usize::from(len).min(bytes.len())])).filter(|s| !s.is_empty())
+            };
+            let n = usize::from(r.linetable_len).min(r.linetable.len());
+            Record::PyCode(PyCodeSeen {
+                pid: r.pid,
+                code: r.code,
+                check: r.check,
+                filename: text(&r.filename, r.filename_len),
+                qualname: text(&r.qualname, r.qualname_len),
+                linetable: r.linetable[..n].to_vec(),
+                complete: r.linetable_size == n as u64,
+            })
+        }
         RecordType::Stack => {
             let h: StackHeader = read(bytes, rtype)?;
             let user_ips = h.flags & stack_flags::USER_IPS != 0;
             let kernel_bytes = usize::from(h.n_kernel) * 8;
             let frame_bytes = if user_ips { 8 } else { size_of::<UserFrame>() };
             let user_bytes = usize::from(h.n_user) * frame_bytes;
-            let need = size_of::<StackHeader>() + kernel_bytes + user_bytes;
+            let python_bytes = usize::from(h.n_python) * size_of::<PyFrame>();
+            let need = size_of::<StackHeader>() + kernel_bytes + user_bytes + python_bytes;
             if bytes.len() < need {
                 return Err(DecodeError::Truncated { rtype, len: bytes.len(), need });
             }
-            let body = &bytes[size_of::<StackHeader>()..need];
+            let body = &bytes[size_of::<StackHeader>()..need - python_bytes];
+            let python = bytes[need - python_bytes..need]
+                .chunks_exact(size_of::<PyFrame>())
+                .map(|c| read::<PyFrame>(c, rtype))
+                .collect::<Result<Vec<_>, _>>()?;
             let (kernel_part, user_part) = body.split_at(kernel_bytes);
             let kernel = kernel_part
                 .chunks_exact(8)
@@ -374,6 +418,8 @@ pub fn decode(bytes: &[u8], cpu: u16) -> Result<Record, DecodeError> {
                 joined_kernel: h.flags & stack_flags::KERNEL != 0,
                 miss,
                 asid: h.asid,
+                python,
+                python_context: None,
             })
         }
     })
@@ -449,7 +495,8 @@ pub(crate) mod tests {
             pid: 7,
             hash: 99,
             asid: 0,
-            _pad: 0,
+            n_python: 0,
+            _pad: [0; 3],
         };
         let mut bytes = bytes_of(&header);
         bytes.extend(0xffff_ffff_8100_0000u64.to_ne_bytes());
@@ -469,6 +516,56 @@ pub(crate) mod tests {
         assert!(matches!(decode(&bytes[..bytes.len() - 1], 0), Err(DecodeError::Truncated { .. })));
     }
 
+    #[test]
+    fn decodes_python_frames_and_code_records() {
+        let header = StackHeader {
+            rtype: RecordType::Stack as u8,
+            flags: stack_flags::USER_IPS,
+            n_kernel: 0,
+            n_user: 1,
+            pid: 7,
+            hash: 99,
+            asid: 0,
+            n_python: 2,
+            _pad: [0; 3],
+        };
+        let mut bytes = bytes_of(&header);
+        bytes.extend(0x40_1000u64.to_ne_bytes());
+        let frames = [
+            PyFrame { code: 0x7f00_0000_1000, lasti: 12, flags: 0, check: 3 },
+            PyFrame { code: 0x7f00_0000_2000, lasti: -1, flags: 1, check: 9 },
+        ];
+        for f in &frames {
+            bytes.extend(bytes_of(f));
+        }
+        let Record::Stack(s) = decode(&bytes, 0).unwrap() else { panic!() };
+        assert_eq!(s.user, [RawUserFrame::Ip(0x40_1000)]);
+        assert_eq!(s.python, frames);
+        assert!(matches!(decode(&bytes[..bytes.len() - 1], 0), Err(DecodeError::Truncated { .. })));
+
+        // SAFETY: PyCodeRecord is plain data; all-zero is a valid value.
+        let mut code: PyCodeRecord = unsafe { std::mem::zeroed() };
+        code.rtype = RecordType::PyCode as u8;
+        code.pid = 7;
+        code.code = 0x7f00_0000_1000;
+        code.check = 3;
+        code.filename[..6].copy_from_slice(b"a.py\0\0");
+        code.filename_len = 5;
+        code.qualname[..2].copy_from_slice(b"f\0");
+        code.qualname_len = 2;
+        code.linetable[..3].copy_from_slice(&[1, 2, 3]);
+        code.linetable_len = 3;
+        code.linetable_size = 10;
+        let Record::PyCode(c) = decode(&bytes_of(&code), 0).unwrap() else { panic!() };
+        assert_eq!(c.filename.as_deref(), Some("a.py"));
+        assert_eq!(c.qualname.as_deref(), Some("f"));
+        assert_eq!((c.linetable.as_slice(), c.complete), (&[1u8, 2, 3][..], false));
+        code.filename_len = 0;
+        let Record::PyCode(c) = decode(&bytes_of(&code), 0).unwrap() else { panic!() };
+        assert_eq!(c.filename, None);
+        assert!(matches!(decode(&bytes_of(&code)[..100], 0), Err(DecodeError::Truncated { .. })));
+    }
+
     fn miss_record(copy_len: u32, copy: &[u8]) -> Vec<u8> {
         let header = StackHeader {
             rtype: RecordType::Stack as u8,
@@ -478,7 +575,8 @@ pub(crate) mod tests {
             pid: 7,
             hash: 99,
             asid: 5,
-            _pad: 0,
+            n_python: 0,
+            _pad: [0; 3],
         };
         let mut bytes = bytes_of(&header);
         bytes.extend(0xffff_ffff_8100_0000u64.to_ne_bytes());

@@ -21,7 +21,8 @@ pub enum GroupBy {
     Site,
     /// The whole stack.
     Stack,
-    /// The function containing the call site.
+    /// The function containing the call site; in a Python process, the innermost Python
+    /// function (the code the program's author wrote, as memray groups).
     Function,
     /// The process (command name and pid).
     Process,
@@ -259,7 +260,10 @@ impl GroupKey {
             GroupBy::Process => Self::Process(domain, origin.pid),
             GroupBy::Site | GroupBy::Function => {
                 let frames = stacks.frames(origin.stack, origin.call_site);
-                match (first_frame(domain, &frames), by) {
+                let python = (by == GroupBy::Function && domain != Domain::Kernel)
+                    .then(|| frames.iter().find(|f| f.python))
+                    .flatten();
+                match (python.or_else(|| first_frame(domain, &frames)), by) {
                     (Some(f), GroupBy::Site) => Self::Site(domain, f.module.clone(), f.address),
                     (Some(f), _) => Self::Function(domain, f.function.clone()),
                     (None, _) => Self::Site(domain, format!("[no stack: {}]", origin.kind.name()), 0),
@@ -356,6 +360,7 @@ mod tests {
             address: 0x10,
             kernel,
             inlined: false,
+            python: false,
             unknown: false,
         }
     }

@@ -3,7 +3,8 @@
 //! The pipeline, in the order data flows: [`probes`] load and attach the eBPF programs and
 //! own the per-CPU rings; [`event`] decodes ring records; [`session`] drains the rings,
 //! orders events and feeds the [`recording`] writer, with [`unwind`] finishing the user
-//! stacks the probes could not walk alone; [`analysis`] pairs allocations with
+//! stacks the probes could not walk alone and [`python`] putting the Python frames the probes
+//! walked in place of the interpreter's; [`analysis`] pairs allocations with
 //! frees and aggregates them per stack; [`symbolize`] turns addresses into names.
 //!
 //! What users read: [`report`] (analysis of a recording, then text or JSON), [`export`]
@@ -23,6 +24,7 @@ pub mod modules;
 pub mod naming;
 pub mod probes;
 pub mod procfs;
+pub mod python;
 pub mod recording;
 pub mod report;
 pub mod serve;

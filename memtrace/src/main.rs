@@ -22,7 +22,7 @@ use memtrace::{
     columns::Layout,
     export::{self, ExportFormat, Weight},
     grouping::{DomainFilter, Filters, GroupBy, KindFilter},
-    probes::CallGraph,
+    probes::{CallGraph, PythonFrames},
     report::{self, Format, ReportColumn, ReportOptions, SortKey},
     session::{self, CommandFailed, RecordOptions, Target, TraceOptions},
     top::model::{Column, ViewOptions},
@@ -129,6 +129,11 @@ struct TopArgs {
     /// pointers) or fp (frame pointers only, cheapest).
     #[arg(long, value_enum, default_value_t)]
     call_graph: CallGraph,
+    /// Python frames in the stacks of processes running CPython 3.10 to 3.13: each
+    /// interpreter frame replaced by the Python functions and lines it ran (off: native
+    /// frames only).
+    #[arg(long, value_enum, default_value_t)]
+    python_frames: PythonFrames,
     /// The command to run and watch, with its arguments (`--` before it is optional).
     #[arg(trailing_var_arg = true, value_name = "CMD")]
     command: Vec<OsString>,
@@ -154,6 +159,7 @@ fn top(args: TopArgs) -> Result<i32> {
             sample_bytes: args.sample_bytes,
             call_graph: args.call_graph,
             unwind: UnwindOptions::default(),
+            python_frames: args.python_frames,
         },
         interval: args.delay.max(Duration::from_millis(100)),
         batch: args.batch,
@@ -417,6 +423,11 @@ struct RecordArgs {
     /// cheapest, but stacks stop at code built without them).
     #[arg(long, value_enum, default_value_t)]
     call_graph: CallGraph,
+    /// Python frames in the stacks of processes running CPython 3.10 to 3.13: each
+    /// interpreter frame replaced by the Python functions and lines it ran (off: native
+    /// frames only).
+    #[arg(long, value_enum, default_value_t)]
+    python_frames: PythonFrames,
     /// Build every unwind table afresh: do not read or fill the cache of tables
     /// (/var/cache/memtrace/unwind).
     #[arg(long)]
@@ -536,6 +547,7 @@ fn record(args: RecordArgs) -> Result<i32> {
                 disk_cache: !args.no_unwind_cache,
                 max_table_bytes: args.unwind_memory.unwrap_or(memtrace::unwind::store::DEFAULT_MAX_BYTES),
             },
+            python_frames: args.python_frames,
         },
         output: args.output,
         force: args.force,

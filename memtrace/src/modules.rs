@@ -10,10 +10,13 @@ use std::{
     time::{Duration, Instant},
 };
 
+use memtrace_common::python::PyFrame;
+
 use crate::{
     elf,
     event::{RawUserFrame, UserWalk},
     procfs::{self, Maps},
+    python::{self, PythonContext, Spliced},
     recording::{FileFrame, Module},
 };
 
@@ -250,7 +253,49 @@ impl ModuleTable {
     /// register that was not a frame pointer), and at a frame repeated to the depth limit
     /// (a pointer loop); a call-frame walk is taken as it is. Returns the frames and whether
     /// the stack was cut.
-    pub fn resolve_stack(&mut self, pid: u32, raw: &[RawUserFrame], walk: UserWalk) -> (Vec<FileFrame>, bool) {
+    pub fn resolve_stack(
+        &mut self,
+        pid: u32,
+        raw: &[RawUserFrame],
+        python: &[PyFrame],
+        context: Option<&PythonContext>,
+        walk: UserWalk,
+    ) -> (Vec<FileFrame>, bool) {
+        let (native, truncated) = self.resolve_native(pid, raw, walk);
+        match context {
+            Some(context) if !python.is_empty() && context.names.len() == python.len() => {
+                (self.with_python(&native, python, context), truncated)
+            }
+            _ => (native, truncated),
+        }
+    }
+
+    /// Puts the Python frames in place of the evaluation loop's native frames
+    /// ([`python::splice`]), each as a frame of its (function, file) module at its line.
+    fn with_python(&mut self, native: &[FileFrame], python: &[PyFrame], context: &PythonContext) -> Vec<FileFrame> {
+        let build_id = self.file_build_id(&context.interpreter);
+        let interpreter = self.module_id(build_id, Some(context.interpreter.clone()));
+        let is_eval = |f: &FileFrame| match f {
+            FileFrame::Module { module, offset } => {
+                *module == interpreter && context.eval.iter().any(|r| r.contains(&offset.saturating_sub(1)))
+            }
+            FileFrame::Address(_) => false,
+        };
+        python::splice(native, is_eval, python)
+            .into_iter()
+            .map(|f| match f {
+                Spliced::Native(f) => f,
+                Spliced::Python(i) => {
+                    let named = &context.names[i];
+                    let build_id = python::module_build_id(&named.qualname, &named.filename);
+                    let module = self.module_id(Some(build_id), Some(PathBuf::from(&named.filename)));
+                    FileFrame::Module { module, offset: u64::from(named.line) }
+                }
+            })
+            .collect()
+    }
+
+    fn resolve_native(&mut self, pid: u32, raw: &[RawUserFrame], walk: UserWalk) -> (Vec<FileFrame>, bool) {
         let checked = walk == UserWalk::FramePointers;
         let mut frames = Vec::with_capacity(raw.len());
         let mut truncated = false;
@@ -294,7 +339,7 @@ impl ModuleTable {
 
     /// A single user frame of process `pid` (see [`Self::resolve_stack`]).
     pub fn resolve(&mut self, pid: u32, frame: RawUserFrame) -> FileFrame {
-        let (frames, _) = self.resolve_stack(pid, &[frame], UserWalk::FramePointers);
+        let (frames, _) = self.resolve_native(pid, &[frame], UserWalk::FramePointers);
         frames.first().copied().unwrap_or(match frame {
             RawUserFrame::Ip(ip) => FileFrame::Address(ip),
             RawUserFrame::BuildId { offset, .. } => FileFrame::Address(offset),
@@ -358,12 +403,12 @@ mod tests {
         let data = Box::new(0u64);
         let frames =
             [RawUserFrame::Ip(marker()), RawUserFrame::Ip(&*data as *const u64 as u64), RawUserFrame::Ip(marker())];
-        let (resolved, truncated) = table.resolve_stack(pid, &frames, UserWalk::FramePointers);
+        let (resolved, truncated) = table.resolve_stack(pid, &frames, &[], None, UserWalk::FramePointers);
         assert!(truncated);
         assert_eq!(resolved.len(), 1);
         // A process we know nothing of: addresses stay addresses.
         assert_eq!(
-            table.resolve_stack(0, &[RawUserFrame::Ip(16)], UserWalk::FramePointers),
+            table.resolve_stack(0, &[RawUserFrame::Ip(16)], &[], None, UserWalk::FramePointers),
             (vec![FileFrame::Address(16)], false)
         );
     }
@@ -374,7 +419,7 @@ mod tests {
         let mut table = ModuleTable::new();
         let mut frames = vec![RawUserFrame::Ip(marker())];
         frames.extend(std::iter::repeat_n(RawUserFrame::Ip(marker() + 1), memtrace_common::MAX_STACK_DEPTH - 1));
-        let (resolved, truncated) = table.resolve_stack(pid, &frames, UserWalk::FramePointers);
+        let (resolved, truncated) = table.resolve_stack(pid, &frames, &[], None, UserWalk::FramePointers);
         assert!(truncated);
         assert_eq!(resolved.len(), 2);
     }

@@ -16,21 +16,20 @@ use crate::{
     symbolize::Symbolizer,
 };
 
-/// One named frame.
-#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize)]
+/// One named frame. In JSON its `kind` says `native`, `python` or `kernel`.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub struct Frame {
     pub function: String,
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub file: Option<String>,
-    #[serde(skip_serializing_if = "Option::is_none")]
     pub line: Option<u32>,
     /// Object file (path or name) for user frames, "[kernel]" for kernel frames.
     pub module: String,
     /// Offset in the module (user) or address (kernel). In JSON a `"0x…"` string: as a
     /// number, a kernel address (above 2^53) would lose bits in jq and JavaScript.
-    #[serde(serialize_with = "hex_address")]
     pub address: u64,
     pub kernel: bool,
+    /// A Python function (its line is `line`; `module` is its file).
+    pub python: bool,
     /// Inlined into the frame that follows.
     pub inlined: bool,
     /// No symbol was found: `function` is `module+0xoffset` or an address.
@@ -51,9 +50,38 @@ impl fmt::Display for Frame {
     }
 }
 
-/// An address as JSON shows it: `"0xffffffff81a0c2d4"`.
-pub fn hex_address<S: serde::Serializer>(address: &u64, s: S) -> Result<S::Ok, S::Error> {
-    s.serialize_str(&format!("0x{address:x}"))
+impl Frame {
+    /// What the frame is: `native`, `python` or `kernel`.
+    pub fn kind(&self) -> &'static str {
+        if self.kernel {
+            "kernel"
+        } else if self.python {
+            "python"
+        } else {
+            "native"
+        }
+    }
+}
+
+impl Serialize for Frame {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        use serde::ser::SerializeStruct as _;
+        let mut st = s.serialize_struct("Frame", 9)?;
+        st.serialize_field("function", &self.function)?;
+        if let Some(file) = &self.file {
+            st.serialize_field("file", file)?;
+        }
+        if let Some(line) = self.line {
+            st.serialize_field("line", &line)?;
+        }
+        st.serialize_field("module", &self.module)?;
+        st.serialize_field("address", &format!("0x{:x}", self.address))?;
+        st.serialize_field("kind", self.kind())?;
+        st.serialize_field("kernel", &self.kernel)?;
+        st.serialize_field("inlined", &self.inlined)?;
+        st.serialize_field("unknown", &self.unknown)?;
+        st.end()
+    }
 }
 
 fn module_name(path: &str) -> String {
@@ -183,6 +211,7 @@ impl StackTable {
             for frame in &stack.user {
                 if let FileFrame::Module { module, offset } = *frame
                     && !self.symbols.contains_key(&SymbolKey::User(*frame))
+                    && self.modules.get(&module).is_none_or(|m| crate::python::function_of(m).is_none())
                 {
                     by_module.entry(module).or_default().insert(offset);
                 }
@@ -227,6 +256,22 @@ impl StackTable {
 
     /// The frames of one address: the inline chain, innermost first.
     fn name(&self, key: SymbolKey) -> Vec<Frame> {
+        if let SymbolKey::User(FileFrame::Module { module, offset }) = key
+            && let Some(m) = self.modules.get(&module)
+            && let Some(function) = crate::python::function_of(m)
+        {
+            return vec![Frame {
+                function: function.to_string(),
+                file: Some(m.path.clone()),
+                line: u32::try_from(offset).ok().filter(|&l| l != 0),
+                module: module_name(&m.path),
+                address: offset,
+                kernel: false,
+                python: true,
+                inlined: false,
+                unknown: false,
+            }];
+        }
         let (kernel, address, module) = match key {
             SymbolKey::Kernel(addr) => (true, addr, "[kernel]".to_string()),
             SymbolKey::User(FileFrame::Module { module, offset }) => {
@@ -250,6 +295,7 @@ impl StackTable {
                     module: module.clone(),
                     address,
                     kernel,
+                    python: false,
                     inlined: s.inlined,
                     unknown: false,
                 })
@@ -267,6 +313,7 @@ impl StackTable {
                 module,
                 address,
                 kernel,
+                python: false,
                 inlined: false,
                 unknown: true,
             }],

@@ -120,9 +120,21 @@ fn memtrace_row(
             .arg(python)
             .arg(script),
     )?;
-    let out = Command::new(memtrace).args(["report", "--format", "json", "--top", "1", "-i"]).arg(&data).output()?;
-    let report: serde_json::Value = serde_json::from_slice(&out.stdout).context("memtrace report --format json")?;
+    let out = Command::new(memtrace).args(["report", "--format", "json", "--by", "stack", "-i"]).arg(&data).output()?;
+    let mut report: serde_json::Value = serde_json::from_slice(&out.stdout).context("memtrace report --format json")?;
     let allocs = report["totals"]["user"]["allocs"].as_u64();
+    // The share of user allocations whose stack holds a Python frame.
+    let sites = report["sites"].as_array().map(Vec::as_slice).unwrap_or_default();
+    let user = |s: &&serde_json::Value| s["domain"] == "user";
+    let total: u64 = sites.iter().filter(user).map(|s| s["allocs"].as_u64().unwrap_or(0)).sum();
+    let with_python: u64 = sites
+        .iter()
+        .filter(user)
+        .filter(|s| s["frames"].as_array().is_some_and(|f| f.iter().any(|f| f["kind"] == "python")))
+        .map(|s| s["allocs"].as_u64().unwrap_or(0))
+        .sum();
+    report["sites"] = serde_json::Value::Null;
+    report["python_share"] = serde_json::json!(if total > 0 { with_python as f64 / total as f64 } else { 0.0 });
     let file_bytes = fs::metadata(&data).map(|m| m.len()).unwrap_or(0);
     Ok(Row { name: name.into(), wall_s, allocs, report: Some(report), file_bytes })
 }
@@ -165,6 +177,7 @@ pub fn section(memtrace: &Path) -> Result<String> {
     for (name, extra) in [
         ("memtrace record, cold cache (first run on the machine)", &[][..]),
         ("memtrace record, warm cache (any later run)", &[][..]),
+        ("memtrace record --python-frames off", &["--python-frames", "off"][..]),
         ("memtrace record --call-graph fp", &["--call-graph", "fp"][..]),
         ("memtrace record --no-user-stacks", &["--no-user-stacks"][..]),
     ] {
@@ -194,9 +207,9 @@ pub fn section(memtrace: &Path) -> Result<String> {
     let mut out = String::new();
     let _ = writeln!(
         out,
-        "| under | wall s | added / heaptrack's added | allocations counted | user stacks cut short | lost events | copies | tool CPU s | tool peak RSS | file |"
+        "| under | wall s | added / heaptrack's added | allocations counted | user stacks cut short | with a Python frame | lost events | copies | tool CPU s | tool peak RSS | file |"
     );
-    let _ = writeln!(out, "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |");
+    let _ = writeln!(out, "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |");
     for r in &rows {
         let ratio =
             if r.name == "bare" { "—".to_string() } else { format!("{:.2}", (r.wall_s - bare_s) / heaptrack_added) };
@@ -209,11 +222,13 @@ pub fn section(memtrace: &Path) -> Result<String> {
                 let cut = stacks["allocs_truncated"].as_u64().unwrap_or(0);
                 let cut = if with > 0 { format!("{:.1} %", 100.0 * cut as f64 / with as f64) } else { "—".into() };
                 let rec = &j["recorder"];
+                let share = j["python_share"].as_f64().unwrap_or(0.0);
                 let _ = writeln!(
                     out,
-                    "| {} | {:.2} | {ratio} | {allocs} | {cut} | {} | {} | {:.1} | {:.0} MB | {file} |",
+                    "| {} | {:.2} | {ratio} | {allocs} | {cut} | {:.1} % | {} | {} | {:.1} | {:.0} MB | {file} |",
                     r.name,
                     r.wall_s,
+                    100.0 * share,
                     j["lost_events"],
                     rec["unwind_copies"].as_u64().unwrap_or(0),
                     rec["cpu_ns"].as_u64().unwrap_or(0) as f64 / 1e9,
@@ -221,8 +236,11 @@ pub fn section(memtrace: &Path) -> Result<String> {
                 );
             }
             None => {
-                let _ =
-                    writeln!(out, "| {} | {:.2} | {ratio} | {allocs} | — | — | — | — | — | {file} |", r.name, r.wall_s);
+                let _ = writeln!(
+                    out,
+                    "| {} | {:.2} | {ratio} | {allocs} | — | — | — | — | — | — | {file} |",
+                    r.name, r.wall_s
+                );
             }
         }
     }
@@ -239,7 +257,10 @@ pub fn section(memtrace: &Path) -> Result<String> {
          the probes could not walk because a library's unwind table was not ready yet (they are finished in \
          userspace from a copy of the stack); the cold run builds every table (and fills the cache), later \
          runs load a program's tables before it maps the libraries. heaptrack counts calls to allocation \
-         functions; memtrace counts allocations of the malloc family; `serve` writes no file and \
+         functions; memtrace counts allocations of the malloc family; \"with a Python frame\" is the share of \
+         them whose stack names the Python function and line (the rest run before the script's first line, \
+         in interpreter start-up and shutdown, or in threads running no Python); `--python-frames off` \
+         shows what walking them costs; `serve` writes no file and \
          keeps its figures for scrapes; memray's count is not comparable \
          (it also sees Python's own allocator) and is left out."
     );

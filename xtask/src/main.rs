@@ -75,6 +75,7 @@ const DEBIAN_PACKAGES: &[(&str, &str)] = &[
     ("libtcmalloc-minimal4", "allocator tests: tcmalloc preloaded"),
     ("libgoogle-perftools-dev", "allocator tests: tc_malloc_size"),
     ("musl-tools", "allocator tests: a static musl program"),
+    ("python3", "Python frames tests: Debian's CPython traced from outside"),
     ("chromium", "the HTML report's test loads it in a real (headless) browser"),
     ("prometheus", "serve's tests: promtool checks /metrics, a real Prometheus scrapes it"),
 ];

@@ -59,6 +59,15 @@ pub struct Settings {
     pub call_graph: CallGraph,
 }
 
+/// Whether Python frames are walked (`--python-frames`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
+pub enum PythonFrames {
+    /// In every traced process that runs CPython 3.10 to 3.13.
+    #[default]
+    On,
+    Off,
+}
+
 /// How user stacks are walked.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
 pub enum CallGraph {
@@ -422,6 +431,20 @@ impl Probes {
                     )
                     .with_context(|| format!("attaching to {} in {}", point.symbols.join("/"), point.path.display()))?;
                 self.attachments.push(Attachment::UProbe(program, id));
+            }
+        }
+        Ok(())
+    }
+
+    /// Tells the probes how to walk the Python frames of process `pid` (None: it runs no
+    /// interpreter they can walk).
+    pub fn set_python(&mut self, pid: u32, info: Option<&memtrace_common::python::PyProcInfo>) -> Result<()> {
+        let mut map: aya::maps::HashMap<_, u32, memtrace_common::python::PyProcInfo> =
+            aya::maps::HashMap::try_from(self.ebpf.map_mut("PY_PROCS").context("PY_PROCS map")?)?;
+        match info {
+            Some(info) => map.insert(pid, *info, 0)?,
+            None => {
+                let _ = map.remove(&pid);
             }
         }
         Ok(())

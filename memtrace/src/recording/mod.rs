@@ -188,6 +188,22 @@ pub struct Stats {
     /// Bytes the probes sent through the rings, by kind of record.
     #[serde(default)]
     pub ring_bytes: RingBytes,
+    /// The Python interpreters met, and whether their frames were walked.
+    #[serde(default)]
+    pub python: Vec<PythonMeta>,
+}
+
+/// A Python interpreter met in a traced process.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PythonMeta {
+    /// "3.11.2".
+    pub version: String,
+    /// The file defining `_PyRuntime` (the executable or libpython).
+    pub path: String,
+    /// Its frames were walked; else `note` says why not.
+    pub walked: bool,
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub note: String,
 }
 
 /// Bytes read from the rings, by kind of record (what each event costs the transport).

@@ -422,6 +422,9 @@ pub fn analyze(path: &Path, opts: &ReportOptions) -> Result<Summary> {
             "GPU memory is handed out by {what}: the gpu domain shows the segments it takes from the driver, not each tensor"
         ));
     }
+    for p in stats.python.iter().filter(|p| !p.walked) {
+        warnings.push(format!("Python {} ({}): no Python frames: {}", p.version, p.path, p.note));
+    }
     Ok(Summary {
         meta,
         stats,

@@ -107,6 +107,10 @@ struct JsonSite<'a> {
     leaked_at_exit: u64,
     #[serde(skip_serializing_if = "Option::is_none")]
     process: Option<String>,
+    /// `--by function`: the function the row stands for (a Python process's rows are its
+    /// Python functions; `frames` is one of the row's stacks).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    function: Option<String>,
     /// Live at the moment of the domain's peak.
     live_bytes_req_at_peak: u64,
     live_allocs_at_peak: u64,
@@ -181,6 +185,7 @@ pub fn render_json(a: &Summary, opts: &ReportOptions) -> Result<String> {
                 freed_on_other_cpu: s.freed_on_other_cpu,
                 leaked_at_exit: s.leaked_at_exit,
                 process: (a.by == GroupBy::Process).then(|| g.label.clone()),
+                function: (a.by == GroupBy::Function).then(|| g.label.clone()),
                 live_bytes_req_at_peak: s.live_bytes_req_at_peak,
                 live_allocs_at_peak: s.live_allocs_at_peak,
                 size_histogram: json_memory::size_histogram(&s.sizes),
@@ -244,6 +249,7 @@ pub fn render_json(a: &Summary, opts: &ReportOptions) -> Result<String> {
         "recording": a.meta,
         "group_by": a.by,
         "allocators": a.allocators,
+        "python": a.stats.python,
         "sites": sites,
         "leaks": if opts.leaks { Some(leaks) } else { None },
         "peak": json_memory::peaks(a, opts.filters.domain),

@@ -91,6 +91,7 @@ mod tests {
             address,
             kernel,
             inlined: false,
+            python: false,
             unknown: false,
         }
     }

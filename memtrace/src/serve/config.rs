@@ -12,7 +12,7 @@ use anyhow::{Context as _, Result, bail};
 use clap::Args;
 
 use crate::{
-    probes::CallGraph,
+    probes::{CallGraph, PythonFrames},
     session::{Target, TraceOptions},
 };
 
@@ -73,6 +73,11 @@ pub struct ServeArgs {
     /// How to walk user stacks: dwarf (call-frame information) or fp (frame pointers).
     #[arg(long, value_enum, default_value_t)]
     pub call_graph: CallGraph,
+    /// Python frames in the stacks of processes running CPython 3.10 to 3.13: each
+    /// interpreter frame replaced by the Python functions and lines it ran (off: native
+    /// frames only).
+    #[arg(long, value_enum, default_value_t)]
+    pub python_frames: PythonFrames,
     /// Prefix of the allocator's functions, for custom allocators.
     #[arg(long, default_value = "", value_name = "PREFIX")]
     pub symbol_prefix: String,
@@ -230,6 +235,7 @@ impl Config {
                 sample_bytes: (args.sample_bytes > 0).then_some(args.sample_bytes),
                 call_graph: args.call_graph,
                 unwind: Default::default(),
+                python_frames: args.python_frames,
             },
             pids,
             http: HttpConfig {

@@ -94,6 +94,7 @@ impl Names {
         let path = PathBuf::from(&m.path);
         let ok = *self.usable.entry(module).or_insert_with(|| {
             !m.path.is_empty()
+                && crate::python::function_of(m).is_none()
                 && (m.build_id.is_empty() || crate::elf::build_id(&path).as_deref() == Some(&m.build_id[..]))
         });
         ok.then_some(path)

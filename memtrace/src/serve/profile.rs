@@ -231,6 +231,7 @@ pub fn build(
                     address: 0,
                     kernel: domain == Domain::Kernel,
                     inlined: false,
+                    python: false,
                     unknown: true,
                 }]
             } else {

@@ -180,6 +180,8 @@ fn exited_processes_stay_until_scraped_then_go_with_their_stacks() {
         truncated: false,
         joined_kernel: false,
         miss: None,
+        python: Vec::new(),
+        python_context: None,
     });
     m.event(alloc(GONE, Kind::Malloc, 0x10, 100, 0xaaa, 1));
     m.event(alloc(GONE, Kind::Kmalloc, 0xffff_2000, 64, 0, 2));

@@ -26,6 +26,9 @@ impl Tracer {
                 }
                 sink.exec_seen(t.pid, Path::new(&t.filename));
                 self.on_exec(t.pid);
+                if self.followed.contains(&t.pid) || matches!(self.options.target, Target::All) {
+                    self.python_exec(t.pid);
+                }
             }
             TaskEvent::Fork => {
                 if let Some(u) = self.unwinder.as_mut() {
@@ -33,11 +36,13 @@ impl Tracer {
                 }
                 sink.fork_seen(t.pid, t.ppid);
                 self.on_fork(t.pid);
+                self.python_fork(t.pid, t.ppid);
             }
             TaskEvent::Exit if t.flags & memtrace_common::flags::GROUP_DEAD != 0 => {
                 if let Some(u) = self.unwinder.as_mut() {
                     u.exit(t.pid, &mut self.probes);
                 }
+                self.python_exit(t.pid);
             }
             _ => {}
         }

@@ -12,6 +12,7 @@ mod command;
 mod follow;
 mod gpu;
 pub mod output;
+mod python;
 pub mod record;
 pub mod reorder;
 pub mod spawn;
@@ -68,6 +69,8 @@ pub struct TraceOptions {
     pub call_graph: CallGraph,
     /// How the unwinder keeps its tables (`--no-unwind-cache`, the memory cap).
     pub unwind: UnwindOptions,
+    /// Walk the Python frames of processes running CPython (`--python-frames`).
+    pub python_frames: crate::probes::PythonFrames,
 }
 
 /// Where drained records go.
@@ -167,6 +170,8 @@ pub struct Tracer {
     pub ring_bytes: RingBytes,
     /// The CUDA driver modules found and probed.
     gpu: gpu::GpuState,
+    /// The Python interpreters found in the traced processes.
+    python: python::PythonState,
 }
 
 /// How long `-- CMD` waits for the unwind tables of its program before it starts (its
@@ -332,10 +337,12 @@ impl Tracer {
             unwinder,
             ring_bytes: RingBytes::default(),
             gpu: Default::default(),
+            python: Default::default(),
         };
         if let (Target::Pid(pid), true) = (&options.target, options.user) {
             // A running process may have loaded the CUDA driver already.
             tracer.check_cuda_mapped(*pid);
+            tracer.check_python(*pid);
         }
         Ok(tracer)
     }
@@ -347,7 +354,8 @@ impl Tracer {
     /// A stack record from the probes: named (and finished, if the probes sent a copy)
     /// by the unwinder before it reaches the sink, or kept there until the table it needs
     /// is built.
-    fn on_stack(&mut self, stack: StackRecord, sink: &mut dyn Sink) {
+    fn on_stack(&mut self, mut stack: StackRecord, sink: &mut dyn Sink) {
+        self.name_python(&mut stack);
         let Some(unwinder) = self.unwinder.as_mut() else {
             sink.stack(stack);
             return;
@@ -414,6 +422,9 @@ impl Tracer {
                     Ok(Record::Stack(s)) => stacks.push(s),
                     Ok(Record::Mapping(m)) => {
                         self.on_code_mapped(&m);
+                        if let Some(path) = &m.path {
+                            self.python_mapped(m.pid, std::path::Path::new(path));
+                        }
                         if let Some(u) = self.unwinder.as_mut() {
                             u.mapping(&m, &mut self.probes);
                         }
@@ -427,6 +438,7 @@ impl Tracer {
                         }
                     }
                     Ok(Record::Cache { cache, name }) => sink.cache_seen(cache, &name),
+                    Ok(Record::PyCode(code)) => self.python_code(code),
                     Ok(Record::Task(t, space)) => {
                         // New processes and programs are handled at once: the sooner their
                         // address spaces and probes are in place, the fewer of their first

@@ -96,7 +96,8 @@ impl Recorder {
         let modules = self.namer.modules.modules().to_vec();
         for (module, mut offsets) in by_module {
             let Some(m) = modules.get(module as usize) else { continue };
-            if m.path.is_empty() {
+            // Python frames name themselves (`python::function_of`).
+            if m.path.is_empty() || crate::python::function_of(m).is_some() {
                 continue;
             }
             offsets.sort_unstable();
@@ -370,6 +371,7 @@ fn finish(
         unwind_frames: counters.unwind_frames,
         unwind_cache_hits: counters.unwind_cache_hits,
         ring_bytes: tracer.ring_bytes,
+        python: tracer.python_found(),
         allocators: tracer
             .allocators
             .iter()

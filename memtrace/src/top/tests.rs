@@ -35,6 +35,7 @@ fn frame(function: &str, line: u32, kernel: bool) -> Frame {
         address: u64::from(line),
         kernel,
         inlined: false,
+        python: false,
         unknown: false,
     }
 }
@@ -505,6 +506,8 @@ fn rows_rates_add_up_to_the_summarys_even_when_names_change() {
         truncated: false,
         joined_kernel: false,
         miss: None,
+        python: Vec::new(),
+        python_context: None,
     });
     view.event(alloc(2000, 10, Kind::Malloc, 0x50_0000, 100));
     let second = view.snapshot(&opts, Duration::from_secs(1), 0);

@@ -467,6 +467,8 @@ impl Unwinder {
             joined_kernel: record.joined_kernel,
             miss: None,
             asid: asid.unwrap_or(0),
+            python: record.python.clone(),
+            python_context: record.python_context.clone(),
         })
     }
 
@@ -563,6 +565,8 @@ mod tests {
             joined_kernel: false,
             miss: Some(StackMiss { ip, sp, bp, ret_addr: 0, asid: 0, exact: true, copy }),
             asid: 0,
+            python: Vec::new(),
+            python_context: None,
         };
         // The process is learned on the spot; its tables are being built: the copy waits.
         assert!(unwinder.accept(record.clone(), &mut probes).is_none());

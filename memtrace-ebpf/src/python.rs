@@ -1,0 +1,250 @@
+//! Python frames at an allocation: for a process whose interpreter userspace described in
+//! [`PY_PROCS`], the thread's `PyThreadState` is found through the pthread key CPython
+//! keeps it under (glibc's `pthread_getspecific`, read from the thread's fsbase: right
+//! whether or not the thread holds the GIL), and its frame chain is walked one frame per
+//! `bpf_loop` step, each frame read in one copy. Each frame gives its code object and
+//! instruction index; the frame that started a C call of the evaluation loop is marked, so
+//! userspace can put each group of frames in place of its `_PyEval_EvalFrameDefault`. The
+//! first time a process's stack shows a code object, its names and line table are sent
+//! too ([`PyCodeRecord`]): code objects of modules being imported, and whole processes,
+//! are often gone by the time userspace reads the ring.
+use core::ffi::c_void;
+
+use aya_ebpf::{
+    bindings::BPF_NOEXIST,
+    helpers::{bpf_get_current_task, generated},
+};
+use memtrace_common::{
+    RecordType,
+    python::{MAX_PY_FRAMES, PY_LINETABLE_LEN, PY_NONE, PyCodeRecord, PyFrame, PyProcInfo, py_frame_flags},
+    stack_hash_step,
+};
+
+use crate::{
+    context::{read_kernel_at, read_user_u64, scratch},
+    maps::{PY_CODES_SENT, PY_PROCS, PyCodeKey},
+    ring::{emit_waking, this_ring},
+};
+
+/// Bytes of a frame read at once: every field the walk needs on 3.10 (`f_lasti` at 96) and
+/// later versions (the first 72 bytes).
+pub(crate) const PY_FRAME_READ: usize = 104;
+/// Frames the owner test may skip on top of the frames kept (3.12+ entry frames).
+const MAX_STEPS: u32 = MAX_PY_FRAMES as u32 * 2;
+
+/// The walk's state between `bpf_loop` steps (the frame count is in the scratch map).
+#[repr(C)]
+struct Walk {
+    info: PyProcInfo,
+    frame: u64,
+    hash: u64,
+    tgid: u64,
+}
+
+/// Walks the current thread's Python frames into `scratch.py_frames` when its process runs
+/// an interpreter userspace described. Returns (frames, whether the depth bound cut the
+/// walk, `hash` continued with the frames).
+#[inline(always)]
+pub(crate) fn walk_python(tgid: u32, hash: u64) -> (usize, bool, u64) {
+    // SAFETY: the value is copied out at once.
+    let Some(info) = (unsafe { PY_PROCS.get(tgid) }).copied() else {
+        return (0, false, hash);
+    };
+    let Some(first) = innermost_frame(&info) else {
+        return (0, false, hash);
+    };
+    let Some(s) = scratch() else {
+        return (0, false, hash);
+    };
+    s.py_n = 0;
+    s.py_cut = 0;
+    let mut walk = Walk { info, frame: first, hash, tgid: u64::from(tgid) };
+    // SAFETY: step is a BPF callback taking (index, ctx); ctx is the Walk on our stack.
+    unsafe { generated::bpf_loop(MAX_STEPS, step as *mut c_void, &mut walk as *mut Walk as *mut c_void, 0) };
+    let Some(s) = scratch() else {
+        return (0, false, hash);
+    };
+    ((s.py_n as usize).min(MAX_PY_FRAMES), s.py_cut != 0, walk.hash)
+}
+
+/// The innermost frame of the current thread: its `PyThreadState` from the pthread key's
+/// slot in the thread's `struct pthread` (at fsbase), checked to be this thread's.
+#[inline(always)]
+fn innermost_frame(info: &PyProcInfo) -> Option<u64> {
+    // SAFETY: no preconditions; the task pointer is only read through checked reads.
+    let task = unsafe { bpf_get_current_task() };
+    let fsbase: u64 = read_kernel_at(task, config!(kernel.task_fsbase))?;
+    if fsbase == 0 {
+        return None;
+    }
+    let key = read_user_u64(info.tss_key_addr)? as u32;
+    let slot = if key < 32 {
+        fsbase + u64::from(info.pthread_specific_1st) + 16 * u64::from(key) + 8
+    } else if key < 1024 {
+        let block = read_user_u64(fsbase + u64::from(info.pthread_specific) + 8 * u64::from(key / 32))?;
+        if block == 0 {
+            return None;
+        }
+        block + 16 * u64::from(key % 32) + 8
+    } else {
+        return None;
+    };
+    let tstate = read_user_u64(slot)?;
+    if tstate == 0 || read_user_u64(tstate + u64::from(info.ts_thread_id))? != fsbase {
+        return None;
+    }
+    let mut frame = read_user_u64(tstate + u64::from(info.ts_frame))?;
+    if info.cframe_current != PY_NONE && frame != 0 {
+        frame = read_user_u64(frame + u64::from(info.cframe_current))?;
+    }
+    (frame != 0).then_some(frame)
+}
+
+/// A u64 of the frame buffer at `off` (None past its end).
+#[inline(always)]
+fn field_u64(buf: &[u8; PY_FRAME_READ], off: u16) -> Option<u64> {
+    let off = usize::from(off);
+    if off > PY_FRAME_READ - 8 {
+        return None;
+    }
+    // SAFETY: off + 8 <= PY_FRAME_READ; unaligned-safe read.
+    Some(unsafe { core::ptr::read_unaligned(buf.as_ptr().add(off) as *const u64) })
+}
+
+#[inline(always)]
+fn field_u8(buf: &[u8; PY_FRAME_READ], off: u16) -> Option<u8> {
+    buf.get(usize::from(off)).copied()
+}
+
+#[inline(never)]
+extern "C" fn step(_index: u64, state: *mut c_void) -> i64 {
+    // SAFETY: bpf_loop hands back the pointer to the Walk on the caller's stack.
+    let walk = unsafe { &mut *(state as *mut Walk) };
+    match try_step(walk) {
+        Some(()) => 0,
+        None => 1,
+    }
+}
+
+#[inline(always)]
+fn try_step(walk: &mut Walk) -> Option<()> {
+    if walk.frame == 0 {
+        return None;
+    }
+    let s = scratch()?;
+    let info = walk.info;
+    // SAFETY: reads PY_FRAME_READ bytes of user memory into the per-CPU buffer.
+    let mut ret = unsafe {
+        generated::bpf_probe_read_user(
+            s.py_buf.as_mut_ptr() as *mut c_void,
+            PY_FRAME_READ as u32,
+            walk.frame as *const c_void,
+        )
+    };
+    if ret != 0 {
+        // A 3.11+ frame at the very end of a mapping: its first 72 bytes hold every field.
+        // SAFETY: as above, fewer bytes.
+        ret = unsafe {
+            generated::bpf_probe_read_user(s.py_buf.as_mut_ptr() as *mut c_void, 72, walk.frame as *const c_void)
+        };
+        if ret != 0 {
+            return None;
+        }
+    }
+    let code = field_u64(&s.py_buf, info.f_code)?;
+    let back = field_u64(&s.py_buf, info.f_back)?;
+    if info.f_owner != PY_NONE && field_u8(&s.py_buf, info.f_owner)? == 3 {
+        // An entry frame the evaluation loop keeps on the C stack: the group before it ends.
+        let last = (s.py_n as usize).wrapping_sub(1);
+        if let Some(f) = s.py_frames.get_mut(last) {
+            f.flags |= py_frame_flags::GROUP_END;
+        }
+        walk.frame = back;
+        return Some(());
+    }
+    let lasti = if info.co_code == PY_NONE {
+        field_u64(&s.py_buf, info.f_instr)? as u32 as i32
+    } else {
+        let at = field_u64(&s.py_buf, info.f_instr)?;
+        let delta = (at as i64).wrapping_sub(code.wrapping_add(u64::from(info.co_code)) as i64) / 2;
+        if (-1..=i64::from(i32::MAX)).contains(&delta) { delta as i32 } else { -2 }
+    };
+    let mut flags = 0;
+    if info.minor == 10 || (info.f_entry != PY_NONE && field_u8(&s.py_buf, info.f_entry)? != 0) {
+        flags |= py_frame_flags::GROUP_END;
+    }
+    let check = read_user_u64(code.wrapping_add(u64::from(info.co_firstlineno))).unwrap_or(0);
+    send_code_once(walk.tgid, code, check, &info);
+    let n = s.py_n as usize;
+    let Some(slot) = s.py_frames.get_mut(n) else {
+        s.py_cut = 1;
+        return None;
+    };
+    *slot = PyFrame { code, lasti, flags, check };
+    s.py_n = n as u32 + 1;
+    walk.hash = stack_hash_step(stack_hash_step(stack_hash_step(walk.hash, code), lasti as u32 as u64), check);
+    walk.frame = back;
+    Some(())
+}
+
+/// Sends the record of code object `code` of process `tgid`, unless it was sent before.
+#[inline(always)]
+fn send_code_once(tgid: u64, code: u64, check: u64, info: &PyProcInfo) {
+    let key = PyCodeKey { tgid, code, check };
+    // SAFETY: plain byte value.
+    if unsafe { PY_CODES_SENT.get(key) }.is_some() || PY_CODES_SENT.insert(key, 1u8, BPF_NOEXIST as u64).is_err() {
+        return;
+    }
+    let Some(ring) = this_ring() else { return };
+    // Wake the reader: the stack that shows it follows, and both are wanted while the
+    // process lives.
+    emit_waking::<PyCodeRecord>(ring, true, |r| {
+        r.rtype = RecordType::PyCode as u8;
+        r.pid = tgid as u32;
+        r.code = code;
+        r.check = check;
+        if let Some(s) = read_user_u64(code.wrapping_add(u64::from(info.co_filename))) {
+            r.filename_len = read_ascii(s, &mut r.filename, info);
+        }
+        if let Some(s) = read_user_u64(code.wrapping_add(u64::from(info.co_qualname))) {
+            r.qualname_len = read_ascii(s, &mut r.qualname, info);
+        }
+        if let Some(table) = read_user_u64(code.wrapping_add(u64::from(info.co_linetable)))
+            && let Some(size) = read_user_u64(table.wrapping_add(16))
+        {
+            let n = size.min(PY_LINETABLE_LEN as u64) as u32;
+            // SAFETY: reads at most PY_LINETABLE_LEN bytes into the record's array of that size.
+            let ret = unsafe {
+                generated::bpf_probe_read_user(
+                    r.linetable.as_mut_ptr() as *mut c_void,
+                    n,
+                    table.wrapping_add(32) as *const c_void,
+                )
+            };
+            if ret == 0 {
+                r.linetable_len = n as u16;
+                r.linetable_size = size;
+            }
+        }
+    });
+}
+
+/// Copies a compact ASCII `str` object's characters (NUL-terminated, as CPython keeps
+/// them) into `dst`; returns the bytes copied with the NUL (0: not ASCII, or unreadable).
+#[inline(always)]
+fn read_ascii(obj: u64, dst: &mut [u8], info: &PyProcInfo) -> u16 {
+    // `state` (at 32): compact 0x20, ascii 0x40.
+    let Some(state) = read_user_u64(obj.wrapping_add(32)) else { return 0 };
+    if state & 0x60 != 0x60 {
+        return 0;
+    }
+    // SAFETY: writes at most dst.len() bytes into dst; the source read is checked.
+    let n = unsafe {
+        generated::bpf_probe_read_user_str(
+            dst.as_mut_ptr() as *mut c_void,
+            dst.len() as u32,
+            obj.wrapping_add(u64::from(info.str_ascii_data)) as *const c_void,
+        )
+    };
+    if n > 0 { n as u16 } else { 0 }
+}

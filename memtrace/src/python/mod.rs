@@ -1,0 +1,260 @@
+//! Python frames in the stacks, from outside the process. The probes walk the thread's
+//! CPython frames at each allocation (`memtrace-ebpf/src/python.rs`, for the processes
+//! whose interpreter [`detect`] found and described with [`layout`]) and send each frame
+//! as (code object, instruction index). Here, while the process lives, each code object is
+//! read once ([`code`]) and the index turned into a line ([`lines`]); then each native
+//! frame of the evaluation loop is replaced by the Python frames that C call ran
+//! ([`splice`]), so a stack reads `malloc ← … ← make_matrix (model.py:42) ← main
+//! (train.py:88)` with the native frames of C extensions in their place.
+//!
+//! A Python frame is stored as a frame of a module of its own per (function, file): the
+//! module's build id carries [`MODULE_MARK`] and the function's qualified name, its path the
+//! file name, and the frame's offset the line. Recordings, reports, exports and `serve`
+//! name it from that alone ([`function_of`]), with no symbolizer.
+pub mod code;
+pub mod detect;
+pub mod layout;
+pub mod lines;
+
+use std::collections::HashMap;
+
+use memtrace_common::python::{PyFrame, py_frame_flags};
+
+use crate::recording::Module;
+use code::Code;
+use detect::{Detector, Finding, Interpreter};
+
+/// The start of a Python module's build id.
+pub const MODULE_MARK: &[u8] = b"\0python\0";
+
+/// The build id of the module standing for function `qualname` of file `filename`.
+pub fn module_build_id(qualname: &str, filename: &str) -> Vec<u8> {
+    let mut id = MODULE_MARK.to_vec();
+    id.extend_from_slice(qualname.as_bytes());
+    id.push(0);
+    id.extend_from_slice(filename.as_bytes());
+    id
+}
+
+/// The Python function a module stands for (None: a native module).
+pub fn function_of(module: &Module) -> Option<&str> {
+    let rest = module.build_id.strip_prefix(MODULE_MARK)?;
+    let name = rest.split(|&b| b == 0).next()?;
+    std::str::from_utf8(name).ok()
+}
+
+/// One frame of a merged stack.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Spliced<T> {
+    Native(T),
+    /// The Python frame at this index of the stack's Python frames.
+    Python(usize),
+}
+
+/// Merges a native stack (innermost first) with the Python frames of the same moment:
+/// each native frame `is_eval` says is a C call of the evaluation loop gives way to the
+/// next group of Python frames (a group ends with a frame marked `GROUP_END`). Groups left
+/// over (the native walk was cut, or a call was not recognised) follow the last frame;
+/// evaluation-loop frames with no group left stay as they are.
+pub fn splice<T: Copy>(native: &[T], is_eval: impl Fn(&T) -> bool, python: &[PyFrame]) -> Vec<Spliced<T>> {
+    // Group k is python[starts[k]..starts[k + 1]].
+    let mut starts: Vec<usize> = vec![0];
+    starts.extend(
+        python.iter().enumerate().filter(|(_, f)| f.flags & py_frame_flags::GROUP_END != 0).map(|(i, _)| i + 1),
+    );
+    if starts.last() != Some(&python.len()) {
+        starts.push(python.len());
+    }
+    let mut groups = starts.windows(2).map(|w| w[0]..w[1]).filter(|g| !g.is_empty()).peekable();
+    let mut out = Vec::with_capacity(native.len() + python.len());
+    for frame in native {
+        match groups.peek() {
+            Some(_) if is_eval(frame) => out.extend(groups.next().into_iter().flatten().map(Spliced::Python)),
+            _ => out.push(Spliced::Native(*frame)),
+        }
+    }
+    out.extend(groups.flatten().map(Spliced::Python));
+    out
+}
+
+/// A Python frame, named.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Named {
+    pub qualname: String,
+    pub filename: String,
+    /// 0: not known.
+    pub line: u32,
+}
+
+/// What naming a stack's Python frames needs once the process may be gone: their names,
+/// and where the interpreter's evaluation loop is (the native frames they replace).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PythonContext {
+    /// One per Python frame of the stack.
+    pub names: Vec<Named>,
+    /// The file defining the evaluation loop, and the loop's code as file offsets.
+    pub interpreter: std::path::PathBuf,
+    pub eval: Vec<std::ops::Range<u64>>,
+}
+
+/// The interpreters of the processes met and the code objects read, for naming frames
+/// as soon as their stack arrives (the process may exit right after).
+#[derive(Default)]
+pub struct PythonNames {
+    detector: Detector,
+    processes: HashMap<u32, Option<Finding>>,
+    /// By (process, address, the bytes at `co_firstlineno`).
+    codes: HashMap<(u32, u64, u64), Option<Code>>,
+}
+
+/// Code objects remembered (the cache is emptied past it).
+const MAX_CODES: usize = 1 << 18;
+/// Processes remembered (processes that exited are kept: their last stacks may still be
+/// on their way).
+const MAX_PROCESSES: usize = 16384;
+
+impl PythonNames {
+    /// Looks at `pid` afresh (a new program, a library mapped) and remembers what it runs.
+    pub fn detect(&mut self, pid: u32) -> Option<Finding> {
+        if self.processes.len() >= MAX_PROCESSES {
+            self.processes.clear();
+        }
+        let found = self.detector.find(pid);
+        self.processes.insert(pid, found.clone());
+        found
+    }
+
+    /// The interpreter of `pid` (looked for once per program).
+    pub fn interpreter(&mut self, pid: u32) -> Option<&Interpreter> {
+        let detector = &mut self.detector;
+        match self.processes.entry(pid).or_insert_with(|| detector.find(pid)) {
+            Some(Finding::Walkable(i)) => Some(i),
+            _ => None,
+        }
+    }
+
+    /// A code object as the probes read it. Where they could not read all of it (a name
+    /// not in ASCII, a line table over a KiB), the process is read while it lives.
+    pub fn learn(&mut self, seen: crate::event::PyCodeSeen) {
+        if self.codes.len() >= MAX_CODES {
+            self.codes.clear();
+        }
+        let firstlineno = seen.check as i32;
+        let whole = match (&seen.filename, &seen.qualname) {
+            (Some(filename), Some(qualname)) => Some(Code {
+                qualname: qualname.clone(),
+                filename: filename.clone(),
+                firstlineno,
+                linetable: seen.linetable.clone(),
+                complete: seen.complete,
+            }),
+            _ => None,
+        };
+        let code = match whole {
+            Some(c) if c.complete => Some(c),
+            partial => {
+                let layout = self.interpreter(seen.pid).map(|i| i.layout.code);
+                layout
+                    .and_then(|l| code::read_code(seen.pid, seen.code, &l))
+                    .filter(|c| c.firstlineno == firstlineno)
+                    .or(partial)
+            }
+        };
+        self.codes.insert((seen.pid, seen.code, seen.check), code);
+    }
+
+    /// Names the Python frames of a stack of `pid` that just arrived.
+    pub fn context(&mut self, pid: u32, frames: &[PyFrame]) -> Option<PythonContext> {
+        let i = self.interpreter(pid)?;
+        let (interpreter, eval) = (i.path.clone(), i.eval.clone());
+        let names = frames.iter().map(|f| self.name(pid, f)).collect();
+        Some(PythonContext { names, interpreter, eval })
+    }
+
+    /// The process exec'd or exited: its interpreter and code objects are looked for again.
+    pub fn forget(&mut self, pid: u32) {
+        self.processes.remove(&pid);
+        self.codes.retain(|(p, ..), _| *p != pid);
+    }
+
+    /// A forked child runs its parent's interpreter, at the same addresses.
+    pub fn fork(&mut self, child: u32, parent: u32) {
+        if let Some(found) = self.processes.get(&parent).cloned() {
+            self.processes.insert(child, found);
+        }
+    }
+
+    /// Names a frame of process `pid`: its code object read once, the line computed.
+    pub fn name(&mut self, pid: u32, frame: &PyFrame) -> Named {
+        let Some(interpreter) = self.interpreter(pid) else {
+            return unknown(frame);
+        };
+        let (minor, layout) = (interpreter.layout.minor, interpreter.layout.code);
+        if self.codes.len() >= MAX_CODES {
+            self.codes.clear();
+        }
+        let code = self.codes.entry((pid, frame.code, frame.check)).or_insert_with(|| {
+            code::read_code(pid, frame.code, &layout).filter(|c| c.firstlineno == frame.check as i32)
+        });
+        match code {
+            Some(c) => Named {
+                qualname: c.qualname.clone(),
+                filename: c.filename.clone(),
+                line: lines::line_of(minor, &c.linetable, c.firstlineno, frame.lasti).unwrap_or(0),
+            },
+            None => unknown(frame),
+        }
+    }
+}
+
+fn unknown(frame: &PyFrame) -> Named {
+    Named { qualname: format!("[python code 0x{:x}]", frame.code), filename: "<unknown>".into(), line: 0 }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn py(code: u64, end: bool) -> PyFrame {
+        PyFrame { code, lasti: 0, flags: if end { py_frame_flags::GROUP_END } else { 0 }, check: 0 }
+    }
+
+    fn show(s: &[Spliced<&str>]) -> Vec<String> {
+        s.iter()
+            .map(|f| match f {
+                Spliced::Native(n) => n.to_string(),
+                Spliced::Python(i) => format!("py{}", i + 1),
+            })
+            .collect()
+    }
+
+    #[test]
+    fn each_eval_frame_gives_way_to_its_group() {
+        let native = ["malloc", "PyList_New", "eval", "map_next", "eval", "main"];
+        let python = [py(1, false), py(2, true), py(3, false), py(4, true)];
+        let out = splice(&native, |f| *f == "eval", &python);
+        assert_eq!(show(&out), ["malloc", "PyList_New", "py1", "py2", "map_next", "py3", "py4", "main"]);
+    }
+
+    #[test]
+    fn groups_left_over_follow_and_eval_frames_left_over_stay() {
+        let native = ["malloc", "eval"];
+        let python = [py(1, true), py(2, true)];
+        assert_eq!(show(&splice(&native, |f| *f == "eval", &python)), ["malloc", "py1", "py2"]);
+        let native = ["malloc", "eval", "eval"];
+        let python = [py(1, true)];
+        assert_eq!(show(&splice(&native, |f| *f == "eval", &python)), ["malloc", "py1", "eval"]);
+        // The last group need not be marked.
+        let native = ["malloc", "eval"];
+        let python = [py(1, false), py(2, false)];
+        assert_eq!(show(&splice(&native, |f| *f == "eval", &python)), ["malloc", "py1", "py2"]);
+    }
+
+    #[test]
+    fn a_python_module_names_its_function() {
+        let m = Module { id: 3, build_id: module_build_id("K.f2", "/tmp/x.py"), path: "/tmp/x.py".into() };
+        assert_eq!(function_of(&m), Some("K.f2"));
+        let native = Module { id: 4, build_id: vec![1, 2, 3], path: "/lib/libc.so.6".into() };
+        assert_eq!(function_of(&native), None);
+    }
+}

@@ -1,0 +1,121 @@
+//! The Python interpreters of the traced processes: looked for when tracing a running
+//! process starts, at each exec, when a process maps a `libpython`, and at fork (the child
+//! runs its parent's, at the same addresses); each one found is described to the probes
+//! (`Probes::set_python`) so they walk its frames, and listed in the recording with what
+//! was found (an unsupported version named, never guessed). The Python frames of each
+//! stack are named the moment it arrives, while the process still lives.
+use std::{collections::HashMap, path::Path};
+
+use super::Tracer;
+use crate::{
+    event::StackRecord,
+    probes::PythonFrames,
+    python::{PythonNames, detect::Finding},
+    recording::PythonMeta,
+};
+
+#[derive(Default)]
+pub(super) struct PythonState {
+    names: PythonNames,
+    /// Processes looked at since their last exec: whether the probes walk them.
+    walked: HashMap<u32, bool>,
+    /// What was found, once per (interpreter file, outcome).
+    pub(super) found: Vec<PythonMeta>,
+}
+
+impl Tracer {
+    fn python_wanted(&self) -> bool {
+        self.options.user && self.options.user_stacks && self.options.python_frames == PythonFrames::On
+    }
+
+    /// Looks for an interpreter in `pid` and tells the probes what was found.
+    pub(super) fn check_python(&mut self, pid: u32) {
+        if !self.python_wanted() || pid == 0 {
+            return;
+        }
+        let finding = self.python.names.detect(pid);
+        let info = match &finding {
+            Some(Finding::Walkable(i)) => Some(i.info),
+            _ => None,
+        };
+        let was = self.python.walked.insert(pid, info.is_some()).unwrap_or(false);
+        if (info.is_some() || was)
+            && let Err(e) = self.probes.set_python(pid, info.as_ref())
+        {
+            log::debug!("python frames of pid {pid}: {e:#}");
+        }
+        if let Some(finding) = finding {
+            let (version, path, walked, note) = match &finding {
+                Finding::Walkable(i) => (i.version.clone(), i.path.clone(), true, String::new()),
+                Finding::Unsupported { path, version, why } => (version.clone(), path.clone(), false, why.clone()),
+            };
+            let path = path.to_string_lossy().into_owned();
+            if !self.python.found.iter().any(|m| m.path == path && m.walked == walked) {
+                if !self.options.quiet && !walked {
+                    eprintln!("memtrace: {}", finding.describe());
+                }
+                self.python.found.push(PythonMeta { version, path, walked, note });
+            }
+        }
+    }
+
+    /// The interpreters met, for the recording.
+    pub fn python_found(&self) -> Vec<PythonMeta> {
+        self.python.found.clone()
+    }
+
+    /// A code object the probes read: its names, for the stacks that follow.
+    pub(super) fn python_code(&mut self, code: crate::event::PyCodeSeen) {
+        self.python.names.learn(code);
+    }
+
+    /// Names the Python frames of a stack that just arrived.
+    pub(super) fn name_python(&mut self, stack: &mut StackRecord) {
+        if !stack.python.is_empty() {
+            stack.python_context = self.python.names.context(stack.pid, &stack.python).map(std::sync::Arc::new);
+        }
+    }
+
+    /// A process exec'd: its new program is looked at.
+    pub(super) fn python_exec(&mut self, pid: u32) {
+        self.python.names.forget(pid);
+        if self.python.walked.remove(&pid) == Some(true) {
+            let _ = self.probes.set_python(pid, None);
+        }
+        if matches!(self.options.target, super::Target::All) {
+            // Every exec on the machine: only programs named like an interpreter are read
+            // now (others that embed one are found when they map libpython).
+            let exe = crate::procfs::exe(pid).ok();
+            let named =
+                exe.as_deref().and_then(Path::file_name).is_some_and(|n| n.to_string_lossy().starts_with("python"));
+            if !named {
+                return;
+            }
+        }
+        self.check_python(pid);
+    }
+
+    /// A process mapped executable code from `path`: a libpython makes it a Python process.
+    pub(super) fn python_mapped(&mut self, pid: u32, path: &Path) {
+        let name = path.file_name().map(|n| n.to_string_lossy()).unwrap_or_default();
+        if name.starts_with("libpython") && self.python.walked.get(&pid) != Some(&true) {
+            self.check_python(pid);
+        }
+    }
+
+    /// A traced process forked: the child runs the same interpreter.
+    pub(super) fn python_fork(&mut self, child: u32, parent: u32) {
+        self.python.names.fork(child, parent);
+        if self.python.walked.get(&parent) == Some(&true) {
+            self.check_python(child);
+        }
+    }
+
+    /// A process is gone: the probes forget it (its stacks still on their way are named
+    /// from what was read while it lived).
+    pub(super) fn python_exit(&mut self, pid: u32) {
+        if self.python.walked.remove(&pid) == Some(true) {
+            let _ = self.probes.set_python(pid, None);
+        }
+    }
+}

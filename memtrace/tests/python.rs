@@ -1,0 +1,235 @@
+//! Python frames, for real: Debian's python3 runs a script whose allocations are at known
+//! lines (tests/programs/python_allocs.py, lines marked `# LINE:name`), recorded as a
+//! command and by pid while it runs. Each allocation's stack must name the Python function
+//! and the exact line that made it, its callers up to `<module>`, and keep the native
+//! frames around them (malloc above, the zlib extension's frames under `h`). With
+//! `--python-frames off` the stacks hold the interpreter's own frames instead.
+mod common;
+
+use std::{
+    collections::HashMap,
+    io::Write as _,
+    path::{Path, PathBuf},
+    process::{Command, Stdio},
+};
+
+use common::*;
+use serde_json::Value;
+
+const PYTHON: &str = "/usr/bin/python3";
+
+fn script() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/programs/python_allocs.py")
+}
+
+/// The script's marked lines: name → line number.
+fn lines() -> HashMap<String, u32> {
+    let text = std::fs::read_to_string(script()).unwrap();
+    text.lines()
+        .enumerate()
+        .filter_map(|(i, l)| Some((l.split("# LINE:").nth(1)?.trim().to_string(), i as u32 + 1)))
+        .collect()
+}
+
+/// A frame as "function (file:line)" for Python frames, "function [module]" otherwise.
+fn show(frame: &Value) -> String {
+    match frame["kind"].as_str() {
+        Some("python") => format!(
+            "{} ({}:{})",
+            frame["function"].as_str().unwrap(),
+            Path::new(frame["file"].as_str().unwrap()).file_name().unwrap().to_string_lossy(),
+            frame["line"]
+        ),
+        _ => format!("{} [{}]", frame["function"].as_str().unwrap_or("?"), frame["module"].as_str().unwrap_or("?")),
+    }
+}
+
+/// The stacks (as shown frames) of the sites whose allocations requested exactly `bytes`,
+/// with their allocation counts.
+fn stacks_of(report: &Value, bytes: u64) -> Vec<(u64, Vec<String>)> {
+    report["sites"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|s| s["bytes_req"].as_u64() == Some(bytes * s["allocs"].as_u64().unwrap()))
+        .map(|s| (s["allocs"].as_u64().unwrap(), s["frames"].as_array().unwrap().iter().map(show).collect()))
+        .collect()
+}
+
+/// The Python frames of a stack, innermost first.
+fn python_part(stack: &[String]) -> Vec<String> {
+    stack.iter().filter(|f| f.contains(".py:")).cloned().collect()
+}
+
+fn check_report(report: &Value) {
+    let l = lines();
+    let at = |name: &str, function: &str| format!("{function} (python_allocs.py:{})", l[name]);
+    assert_eq!(report["lost_events"], 0);
+    let python: Vec<&Value> = report["python"].as_array().unwrap().iter().collect();
+    assert!(
+        python.iter().any(|p| p["walked"] == true && p["version"].as_str().unwrap().starts_with("3.")),
+        "{python:?}"
+    );
+
+    // f(): bytearray(1_000_003) asks malloc for 1,000,004 bytes, three times.
+    let f = stacks_of(report, 1_000_004);
+    assert_eq!(f.iter().map(|(n, _)| n).sum::<u64>(), 3, "{f:#?}");
+    for (_, stack) in &f {
+        assert_eq!(python_part(stack), [at("f", "f"), at("main-f", "main"), at("module", "<module>")], "{stack:#?}");
+        // Native frames stay: malloc's caller comes first, the interpreter's start last.
+        assert!(!stack[0].contains(".py:"), "{stack:#?}");
+        assert!(stack.iter().any(|f| f.starts_with("Py_BytesMain") || f.starts_with("__libc_start")), "{stack:#?}");
+        assert!(!stack.iter().any(|f| f.contains("_PyEval_EvalFrameDefault")), "{stack:#?}");
+    }
+
+    // g(): a list comprehension (its own code object on 3.11) makes five bytearrays of
+    // 50,001 to 50,005 bytes, all at one instruction: one stack.
+    let g: Vec<&Value> =
+        report["sites"].as_array().unwrap().iter().filter(|s| s["bytes_req"] == 250_015 && s["allocs"] == 5).collect();
+    assert_eq!(g.len(), 1, "{g:#?}");
+    let stack: Vec<String> = g[0]["frames"].as_array().unwrap().iter().map(show).collect();
+    let py = python_part(&stack);
+    let n = py.len();
+    assert!(n >= 3 && py[0].ends_with(&format!("(python_allocs.py:{})", l["g"])), "{stack:#?}");
+    assert_eq!(py[n - 3..], [at("g", "g"), at("main-g", "main"), at("module", "<module>")], "{stack:#?}");
+
+    // h(): zlib.decompress allocates in the extension, under h's line.
+    let h: Vec<Vec<String>> = report["sites"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|s| s["frames"].as_array().unwrap().iter().map(show).collect::<Vec<_>>())
+        .filter(|stack| python_part(stack).first() == Some(&at("h", "h")))
+        .collect();
+    assert!(!h.is_empty(), "no allocation under h");
+    assert!(
+        h.iter().any(|stack| {
+            let h_at = stack.iter().position(|f| *f == at("h", "h")).unwrap();
+            stack[..h_at].iter().any(|f| f.contains("zlib") || f.contains("[libz.so"))
+        }),
+        "no zlib frames under h: {h:#?}"
+    );
+    for stack in &h {
+        assert_eq!(python_part(stack), [at("h", "h"), at("main-h", "main"), at("module", "<module>")], "{stack:#?}");
+    }
+}
+
+/// Debian's python3, then the interpreters named in MEMTRACE_TEST_PYTHONS (colon-separated)
+/// where a developer has others (pyenv's 3.10 to 3.13, with a shared libpython).
+fn pythons() -> Vec<String> {
+    let extra = std::env::var("MEMTRACE_TEST_PYTHONS").unwrap_or_default();
+    std::iter::once(PYTHON.to_string()).chain(extra.split(':').filter(|s| !s.is_empty()).map(String::from)).collect()
+}
+
+#[test]
+fn python_lines_are_in_the_stacks_of_a_command() {
+    require_root();
+    let _sharing = sharing_the_machine();
+    let dir = scratch("python-command");
+    let data = dir.join("rec.data");
+    for python in pythons().iter().skip(1) {
+        run(memtrace().args(["record", "-q", "--force", "-o"]).arg(&data).arg("--").arg(python).arg(script()));
+        check_report(&report_json(&data, &["--by", "stack"]));
+    }
+    run(memtrace().args(["record", "-q", "--force", "-o"]).arg(&data).arg("--").arg(PYTHON).arg(script()));
+    let report = report_json(&data, &["--by", "stack"]);
+    check_report(&report);
+    // Grouping by function knows Python functions.
+    let by_function = report_json(&data, &["--by", "function"]);
+    let rows = by_function["sites"].as_array().unwrap();
+    let f = rows.iter().find(|s| s["function"] == "f").expect("a row for the Python function f");
+    // The bytearrays, and whatever else the interpreter allocated while running f.
+    assert!(f["allocs"].as_u64().unwrap() >= 3 && f["bytes_req"].as_u64().unwrap() >= 3_000_012, "{f:#}");
+    assert!(rows.iter().any(|s| s["function"] == "g.<locals>.<listcomp>"));
+    assert!(rows.iter().any(|s| s["function"] == "h"));
+}
+
+#[test]
+fn python_lines_are_in_the_stacks_of_a_running_process() {
+    require_root();
+    let _sharing = sharing_the_machine();
+    let dir = scratch("python-pid");
+    let data = dir.join("rec.data");
+    let mut python = Command::new(PYTHON).arg(script()).arg("wait").stdin(Stdio::piped()).spawn().unwrap();
+    // Let the interpreter start up and block in readline.
+    std::thread::sleep(std::time::Duration::from_millis(300));
+    let mut recorder = memtrace()
+        .args(["record", "-o"])
+        .arg(&data)
+        .args(["--pid", &python.id().to_string()])
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let stderr = wait_until_tracing(&mut recorder);
+    python.stdin.take().unwrap().write_all(b"go\n").unwrap();
+    assert!(python.wait().unwrap().success());
+    let status = recorder.wait().unwrap();
+    let stderr = stderr.join().unwrap();
+    assert!(status.success(), "{stderr}");
+    check_report(&report_json(&data, &["--by", "stack"]));
+}
+
+#[test]
+fn python_frames_off_keeps_the_interpreter_frames() {
+    require_root();
+    let _sharing = sharing_the_machine();
+    let dir = scratch("python-off");
+    let data = dir.join("rec.data");
+    run(memtrace()
+        .args(["record", "-q", "--python-frames", "off", "-o"])
+        .arg(&data)
+        .arg("--")
+        .arg(PYTHON)
+        .arg(script()));
+    let report = report_json(&data, &["--by", "stack"]);
+    assert!(report["python"].as_array().unwrap().is_empty(), "{}", report["python"]);
+    // Without Python frames, f's and g's bytearrays share one native stack.
+    let stacks: Vec<Vec<String>> = report["sites"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|s| s["frames"].as_array().unwrap().iter().map(show).collect())
+        .collect();
+    assert!(stacks.iter().all(|s| python_part(s).is_empty()));
+    let bytearrays: Vec<&Vec<String>> =
+        stacks.iter().filter(|s| s.iter().any(|f| f.starts_with("PyByteArray_Resize"))).collect();
+    assert!(!bytearrays.is_empty());
+    for stack in bytearrays {
+        assert!(stack.iter().any(|f| f.contains("_PyEval_EvalFrameDefault")), "{stack:#?}");
+    }
+}
+
+/// The line-table ports against CPython's own `co_lines()`, at every instruction of every
+/// code object of a few stdlib modules: Debian's python3, and the interpreters named in
+/// MEMTRACE_TEST_PYTHONS (colon-separated) where a developer has others.
+#[test]
+fn line_tables_match_cpython_at_every_instruction() {
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/programs/python_lines.py");
+    for python in pythons() {
+        let out = Command::new(&python).arg(&script).output().unwrap();
+        assert!(out.status.success(), "{python}: {}", String::from_utf8_lossy(&out.stderr));
+        let (mut checked, mut codes) = (0, 0);
+        for line in String::from_utf8(out.stdout).unwrap().lines() {
+            let code: Value = serde_json::from_str(line).unwrap();
+            let minor = code["minor"].as_u64().unwrap() as u8;
+            let first = code["firstlineno"].as_i64().unwrap() as i32;
+            let hex = code["linetable"].as_str().unwrap();
+            let table: Vec<u8> =
+                (0..hex.len()).step_by(2).map(|i| u8::from_str_radix(&hex[i..i + 2], 16).unwrap()).collect();
+            let ranges = code["lines"].as_array().unwrap();
+            for unit in 0..code["units"].as_u64().unwrap() {
+                let at = unit * 2;
+                let want = ranges
+                    .iter()
+                    .find(|r| r[0].as_u64().unwrap() <= at && at < r[1].as_u64().unwrap())
+                    .and_then(|r| r[2].as_u64())
+                    .map(|l| l as u32);
+                let got = memtrace::python::lines::line_of(minor, &table, first, unit as i32);
+                assert_eq!(got, want, "{python} {}: unit {unit}", code["name"]);
+                checked += 1;
+            }
+            codes += 1;
+        }
+        assert!(codes > 500 && checked > 20_000, "{python}: only {codes} code objects, {checked} instructions");
+    }
+}
