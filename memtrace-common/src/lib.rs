@@ -42,6 +42,9 @@ pub enum RecordType {
     /// A Python code object, the first time a stack of its process shows it
     /// ([`python::PyCodeRecord`]).
     PyCode = 8,
+    /// The Python frames of a stack, just before the stack's record
+    /// ([`python::PyStackHeader`] and its frames).
+    PyStack = 9,
 }
 
 impl RecordType {
@@ -52,6 +55,7 @@ impl RecordType {
             3 => Self::KernelAlloc,
             4 => Self::Stack,
             8 => Self::PyCode,
+            9 => Self::PyStack,
             5 => Self::Task,
             6 => Self::Mapping,
             7 => Self::Cache,
@@ -406,9 +410,7 @@ pub struct StackHeader {
     pub hash: u64,
     /// That address space (table walks; 0 for frame-pointer walks).
     pub asid: u32,
-    /// Python frames ([`python::PyFrame`]) after the user frames (before a miss part).
-    pub n_python: u8,
-    pub _pad: [u8; 3],
+    pub _pad: u32,
 }
 
 /// A user frame as `bpf_get_stack(BPF_F_USER_BUILD_ID)` reports it (`struct
@@ -441,8 +443,6 @@ pub mod stack_flags {
     pub const MISS: u8 = 4;
     /// A kernel stack joined with the user stack of its task (hashed with the kernel seed).
     pub const KERNEL: u8 = 8;
-    /// The Python walk stopped at its depth bound.
-    pub const PYTHON_TRUNCATED: u8 = 16;
 }
 
 /// `ProbeConfig::unwind_mode`: how the probes walk user stacks.

@@ -98,6 +98,20 @@ pub struct PyFrame {
     pub check: u64,
 }
 
+/// The record of a stack's Python frames: `n` [`PyFrame`]s follow. Sent once per stack
+/// hash, just before the stack's own record, with the same `hash`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct PyStackHeader {
+    pub rtype: u8,
+    /// 1: the walk stopped at its depth bound (the outer frames are missing).
+    pub truncated: u8,
+    pub n: u8,
+    pub _pad: u8,
+    pub pid: u32,
+    pub hash: u64,
+}
+
 /// `PyFrame::flags`.
 pub mod py_frame_flags {
     /// The outermost frame run by one C call of the evaluation loop: the frames up to and
@@ -109,4 +123,5 @@ const _: () = {
     assert!(core::mem::size_of::<PyProcInfo>() == 48);
     assert!(core::mem::size_of::<PyCodeRecord>() == 40 + PY_FILENAME_LEN + PY_QUALNAME_LEN + PY_LINETABLE_LEN);
     assert!(core::mem::size_of::<PyFrame>() == 24);
+    assert!(core::mem::size_of::<PyStackHeader>() == 16);
 };

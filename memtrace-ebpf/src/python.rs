@@ -8,27 +8,31 @@
 //! first time a process's stack shows a code object, its names and line table are sent
 //! too ([`PyCodeRecord`]): code objects of modules being imported, and whole processes,
 //! are often gone by the time userspace reads the ring.
-use core::ffi::c_void;
+use core::{ffi::c_void, mem::size_of, ptr::addr_of_mut};
 
 use aya_ebpf::{
-    bindings::BPF_NOEXIST,
+    bindings::{BPF_NOEXIST, BPF_RB_FORCE_WAKEUP},
     helpers::{bpf_get_current_task, generated},
 };
 use memtrace_common::{
     RecordType,
-    python::{MAX_PY_FRAMES, PY_LINETABLE_LEN, PY_NONE, PyCodeRecord, PyFrame, PyProcInfo, py_frame_flags},
+    python::{
+        MAX_PY_FRAMES, PY_LINETABLE_LEN, PY_NONE, PyCodeRecord, PyFrame, PyProcInfo, PyStackHeader, py_frame_flags,
+    },
     stack_hash_step,
 };
 
 use crate::{
-    context::{read_kernel_at, read_user_u64, scratch},
-    maps::{PY_CODES_SENT, PY_PROCS, PyCodeKey},
+    context::{pid_tgid, read_kernel_at, read_user_u64, scratch},
+    maps::{PY_CODES_SENT, PY_PROCS, PyCodeKey, Ring, STACKS_SENT},
     ring::{emit_waking, this_ring},
 };
 
 /// Bytes of a frame read at once: every field the walk needs on 3.10 (`f_lasti` at 96) and
 /// later versions (the first 72 bytes).
 pub(crate) const PY_FRAME_READ: usize = 104;
+/// Seeds the hash of a stack's Python frames.
+const PY_STACK_SEED: u64 = 0x5079_7468_6f6e_0001;
 /// Frames the owner test may skip on top of the frames kept (3.12+ entry frames).
 const MAX_STEPS: u32 = MAX_PY_FRAMES as u32 * 2;
 
@@ -42,29 +46,77 @@ struct Walk {
 }
 
 /// Walks the current thread's Python frames into `scratch.py_frames` when its process runs
-/// an interpreter userspace described. Returns (frames, whether the depth bound cut the
-/// walk, `hash` continued with the frames).
+/// an interpreter userspace described; returns their hash (a constant when there are
+/// none). The count and whether the depth bound cut the walk stay in the scratch map.
 #[inline(always)]
-pub(crate) fn walk_python(tgid: u32, hash: u64) -> (usize, bool, u64) {
-    // SAFETY: the value is copied out at once.
-    let Some(info) = (unsafe { PY_PROCS.get(tgid) }).copied() else {
-        return (0, false, hash);
-    };
-    let Some(first) = innermost_frame(&info) else {
-        return (0, false, hash);
-    };
-    let Some(s) = scratch() else {
-        return (0, false, hash);
-    };
+pub(crate) fn walk_python(tgid: u32) -> u64 {
+    memtrace_walk_python(u64::from(tgid))
+}
+
+/// The walk as a global BPF function: the verifier checks it once, on its own, whatever
+/// state each program calls it in, and sees one unknown value come out (inlined, its ways
+/// out multiplied the checking of the rest of every program that walks stacks).
+#[inline(never)]
+#[unsafe(no_mangle)]
+pub extern "C" fn memtrace_walk_python(tgid: u64) -> u64 {
+    let Some(s) = scratch() else { return 0 };
     s.py_n = 0;
     s.py_cut = 0;
-    let mut walk = Walk { info, frame: first, hash, tgid: u64::from(tgid) };
-    // SAFETY: step is a BPF callback taking (index, ctx); ctx is the Walk on our stack.
-    unsafe { generated::bpf_loop(MAX_STEPS, step as *mut c_void, &mut walk as *mut Walk as *mut c_void, 0) };
-    let Some(s) = scratch() else {
-        return (0, false, hash);
+    s.py_hash = 0;
+    // SAFETY: the value is copied out at once.
+    if let Some(info) = (unsafe { PY_PROCS.get(tgid as u32) }).copied()
+        && let Some(first) = innermost_frame(&info)
+    {
+        let mut walk = Walk { info, frame: first, hash: PY_STACK_SEED, tgid };
+        // SAFETY: step is a BPF callback taking (index, ctx); ctx is the Walk on our stack.
+        unsafe { generated::bpf_loop(MAX_STEPS, step as *mut c_void, &mut walk as *mut Walk as *mut c_void, 0) };
+        if let Some(s) = scratch() {
+            s.py_hash = walk.hash;
+        }
+    }
+    scratch().map_or(0, |s| s.py_hash)
+}
+
+/// Sends the Python frames walked for the stack `hash` names, unless that stack was sent
+/// before (its record follows this one). A global function, for the same reason.
+#[inline(always)]
+pub(crate) fn send_python_once(hash: u64) {
+    memtrace_send_python(hash);
+}
+
+#[inline(never)]
+#[unsafe(no_mangle)]
+pub extern "C" fn memtrace_send_python(hash: u64) -> u64 {
+    let Some(s) = scratch() else { return 0 };
+    let n = s.py_n.min(MAX_PY_FRAMES as u32);
+    // SAFETY: plain byte value.
+    if n == 0 || unsafe { STACKS_SENT.get(hash) }.is_some() {
+        return 0;
+    }
+    let Some(ring) = this_ring() else { return 0 };
+    let (_, tgid, _) = pid_tgid();
+    s.py_header = PyStackHeader {
+        rtype: RecordType::PyStack as u8,
+        truncated: s.py_cut as u8,
+        n: n as u8,
+        _pad: 0,
+        pid: tgid,
+        hash,
     };
-    ((s.py_n as usize).min(MAX_PY_FRAMES), s.py_cut != 0, walk.hash)
+    let len = size_of::<PyStackHeader>() as u64 + u64::from(n) * size_of::<PyFrame>() as u64;
+    let ring_ptr = ring as *const Ring as *mut c_void;
+    // SAFETY: `len` bytes from the header are the header and `n` initialised frames of the
+    // per-CPU scratch value (py_frames follows py_header); the reader is woken at once, so
+    // that it reads the code objects while the process lives.
+    unsafe {
+        generated::bpf_ringbuf_output(
+            ring_ptr,
+            addr_of_mut!(s.py_header) as *mut c_void,
+            len,
+            BPF_RB_FORCE_WAKEUP as u64,
+        )
+    };
+    0
 }
 
 /// The innermost frame of the current thread: its `PyThreadState` from the pthread key's

@@ -1,6 +1,8 @@
 //! Stacks: walking the user part (frame pointers, or the per-file tables of `unwind`) and
 //! the kernel part, hashing them, and sending each distinct stack's frames once (with a
-//! stack copy when the user walk met a frame whose table is not ready yet).
+//! stack copy when the user walk met a frame whose table is not ready yet). The thread's
+//! Python frames (`python`) are walked first and hashed in; they travel in a record of
+//! their own, just before the stack's.
 use core::{ffi::c_void, mem::size_of};
 
 use aya_ebpf::{
@@ -12,14 +14,14 @@ use aya_ebpf::{
 use memtrace_common::{
     KERNEL_STACK_SEED, MAX_STACK_DEPTH, MISS_HASH_MARK, RecordType, StackHeader, UNWIND_COPY_BYTES, USER_STACK_SEED,
     UnwindMiss, UserFrame, counter,
-    python::{MAX_PY_FRAMES, PyFrame},
+    python::{MAX_PY_FRAMES, PyFrame, PyStackHeader},
     stack_flags, stack_hash_step, unwind_mode,
 };
 
 use crate::{
     context::scratch,
     maps::{Ring, STACKS_SENT},
-    python::{PY_FRAME_READ, walk_python},
+    python::{PY_FRAME_READ, send_python_once, walk_python},
     ring::{bump, room_for_copy, wakeup_flags},
     unwind::{UserRegs, walk_user_tables},
 };
@@ -29,12 +31,9 @@ pub(crate) const KERNEL_FRAMES_BYTES: usize = MAX_STACK_DEPTH * size_of::<u64>()
 pub(crate) const USER_IPS_BYTES: usize = MAX_STACK_DEPTH * size_of::<u64>();
 /// Where the user part of a stack record may start at the latest (after all kernel frames).
 pub(crate) const USER_PART_MAX_OFF: usize = size_of::<StackHeader>() + KERNEL_FRAMES_BYTES;
-pub(crate) const PY_FRAMES_BYTES: usize = MAX_PY_FRAMES * size_of::<PyFrame>();
-/// Where the Python part may start at the latest (after the user frames, either kind).
-pub(crate) const PY_PART_MAX_OFF: usize = USER_PART_MAX_OFF + USER_FRAMES_BYTES;
 /// Where the miss part of a DWARF stack record may start at the latest.
-pub(crate) const MISS_MAX_OFF: usize = PY_PART_MAX_OFF + PY_FRAMES_BYTES;
-pub(crate) const FP_RECORD_MAX: usize = MISS_MAX_OFF;
+pub(crate) const MISS_MAX_OFF: usize = USER_PART_MAX_OFF + USER_IPS_BYTES;
+pub(crate) const FP_RECORD_MAX: usize = USER_PART_MAX_OFF + USER_FRAMES_BYTES;
 pub(crate) const DWARF_RECORD_MAX: usize = MISS_MAX_OFF + size_of::<UnwindMiss>() + UNWIND_COPY_BYTES;
 pub(crate) const STACK_RECORD_MAX: usize =
     if FP_RECORD_MAX > DWARF_RECORD_MAX { FP_RECORD_MAX } else { DWARF_RECORD_MAX };
@@ -46,18 +45,19 @@ pub(crate) struct Scratch {
     pub(crate) user_ips: [u64; MAX_STACK_DEPTH + 1],
     /// Where the table walk stopped for want of a table.
     pub(crate) miss: UnwindMiss,
-    /// Python frames of the stack (`python.rs`).
+    /// A stack record being assembled: header, kernel addresses, user frames, miss part.
+    pub(crate) record: [u8; STACK_RECORD_MAX],
+    /// The Python frames of the stack (`python.rs`), after the header of their record.
+    pub(crate) py_header: PyStackHeader,
     pub(crate) py_frames: [PyFrame; MAX_PY_FRAMES],
     /// One Python frame, as read.
     pub(crate) py_buf: [u8; PY_FRAME_READ],
-    /// Frames in `py_frames`, and whether the depth bound cut the walk: kept here rather
-    /// than on the BPF stack, so the verifier sees values it does not know and checks the
-    /// walk's step once, not once per possible count.
+    /// Frames in `py_frames`, whether the depth bound cut the walk, and their hash: kept
+    /// here rather than on the BPF stack, so the verifier sees values it does not know and
+    /// checks the walk once, not once per possible count.
     pub(crate) py_n: u32,
     pub(crate) py_cut: u32,
-    /// A stack record being assembled: header, kernel addresses, user frames, Python
-    /// frames, miss part.
-    pub(crate) record: [u8; STACK_RECORD_MAX],
+    pub(crate) py_hash: u64,
 }
 
 /// Walks the current task's user stack by frame pointers into `scratch.user_ips`; returns
@@ -86,8 +86,6 @@ pub(crate) struct UserPart {
     pub(crate) with_copy: bool,
     /// The address space of a table walk (0 otherwise).
     pub(crate) asid: u32,
-    /// Python frames in `scratch.py_frames`.
-    pub(crate) n_python: usize,
 }
 
 /// Walks the user stack the configured way: by the files' tables from `regs`, or by frame
@@ -105,24 +103,15 @@ pub(crate) fn walk_user(
         match regs {
             Some(regs) => {
                 let (n, flags, hash, asid) = walk_user_tables(scratch, tgid, regs, hash);
-                with_python(tgid, UserPart { n, flags, with_copy: false, asid, n_python: 0 }, hash)
+                (UserPart { n, flags, with_copy: false, asid }, hash)
             }
-            None => (UserPart { n: 0, flags: 0, with_copy: false, asid: 0, n_python: 0 }, hash),
+            None => (UserPart { n: 0, flags: 0, with_copy: false, asid: 0 }, hash),
         }
     } else {
         let n = walk_user_ips(ctx, scratch);
         let hash = if n > 0 { hash_words(hash, scratch.user_ips.as_ptr()) } else { hash };
-        with_python(tgid, UserPart { n, flags: 0, with_copy: false, asid: 0, n_python: 0 }, hash)
+        (UserPart { n, flags: 0, with_copy: false, asid: 0 }, hash)
     }
-}
-
-/// The user part with the Python frames of the thread, if its process runs an
-/// interpreter the probes know, and `hash` continued with them.
-#[inline(always)]
-fn with_python(tgid: u32, user: UserPart, hash: u64) -> (UserPart, u64) {
-    let (n_python, cut, hash) = walk_python(tgid, hash);
-    let flags = if cut { user.flags | stack_flags::PYTHON_TRUNCATED } else { user.flags };
-    (UserPart { n_python, flags, ..user }, hash)
 }
 
 /// Hashes the frames of a zero-terminated buffer, up to the first zero. Stopping on the
@@ -165,7 +154,12 @@ pub(crate) fn after_miss(ring: &Ring, hash: u64, user: UserPart) -> (u64, UserPa
         Some(unique) => (unique, UserPart { with_copy: true, ..user }),
         None => (
             stack_hash_step(hash, MISS_HASH_MARK),
-            UserPart { flags: (user.flags & !stack_flags::MISS) | stack_flags::TRUNCATED, with_copy: false, ..user },
+            UserPart {
+                n: user.n,
+                flags: (user.flags & !stack_flags::MISS) | stack_flags::TRUNCATED,
+                with_copy: false,
+                asid: user.asid,
+            },
         ),
     }
 }
@@ -216,6 +210,9 @@ pub(crate) fn send_stack_once(
         };
         n_user_frames = n;
         len = user_off + n * 8;
+        if with_copy && len <= MISS_MAX_OFF {
+            len += append_stack_copy(scratch, len);
+        }
     } else if user.n > 0 {
         // SAFETY: user_off + USER_FRAMES_BYTES <= STACK_RECORD_MAX, checked above.
         let n = unsafe {
@@ -231,27 +228,6 @@ pub(crate) fn send_stack_once(
         }
         len = user_off + n_user_frames * size_of::<UserFrame>();
     }
-    let mut n_python = 0usize;
-    if user.n_python > 0 && len <= PY_PART_MAX_OFF {
-        let n = user.n_python.min(MAX_PY_FRAMES);
-        let bytes = (n * size_of::<PyFrame>()) as u32;
-        // SAFETY: len + PY_FRAMES_BYTES <= STACK_RECORD_MAX and bytes <= PY_FRAMES_BYTES; the
-        // source is this CPU's scratch array.
-        let ret = unsafe {
-            generated::bpf_probe_read_kernel(
-                scratch.record.as_mut_ptr().add(len) as *mut c_void,
-                bytes.min(PY_FRAMES_BYTES as u32),
-                scratch.py_frames.as_ptr() as *const c_void,
-            )
-        };
-        if ret == 0 {
-            n_python = n;
-            len += n * size_of::<PyFrame>();
-        }
-    }
-    if with_copy && user.flags & stack_flags::USER_IPS != 0 && len <= MISS_MAX_OFF {
-        len += append_stack_copy(scratch, len);
-    }
     let header = StackHeader {
         rtype: RecordType::Stack as u8,
         flags: user.flags,
@@ -260,8 +236,7 @@ pub(crate) fn send_stack_once(
         pid,
         hash,
         asid: user.asid,
-        n_python: n_python as u8,
-        _pad: [0; 3],
+        _pad: 0,
     };
     // SAFETY: the record buffer starts with room for a header; unaligned-safe write.
     unsafe { core::ptr::write_unaligned(scratch.record.as_mut_ptr() as *mut StackHeader, header) };
@@ -269,10 +244,8 @@ pub(crate) fn send_stack_once(
         return;
     }
     let ring_ptr = ring as *const Ring as *mut c_void;
-    // A copy waits for userspace to learn from it, and Python frames for userspace to read
-    // their code objects while the process lives: wake the reader at once (a stack is sent
-    // once, so this is once per distinct stack).
-    let flags = if with_copy || n_python > 0 { BPF_RB_FORCE_WAKEUP as u64 } else { wakeup_flags(ring) };
+    // A copy waits for userspace to learn from it: wake the reader at once.
+    let flags = if with_copy { BPF_RB_FORCE_WAKEUP as u64 } else { wakeup_flags(ring) };
     // SAFETY: `len` bytes of the per-CPU record buffer are initialised and in bounds.
     let ret = unsafe {
         generated::bpf_ringbuf_output(ring_ptr, scratch.record.as_mut_ptr() as *mut c_void, len as u64, flags)
@@ -324,13 +297,15 @@ pub(crate) fn user_stack(ctx: &RetProbeContext, ring: &Ring, pid: u32) -> Option
     if config!(user_stacks) == 0 {
         return None;
     }
+    let python_hash = walk_python(pid);
     let scratch = scratch()?;
     let seed = stack_hash_step(USER_STACK_SEED, pid as u64);
     let (user, hash) = walk_user(ctx.as_ptr(), scratch, pid, Some(UserRegs::of_return(ctx)), seed);
-    if user.n == 0 && user.n_python == 0 {
+    if user.n == 0 {
         return None;
     }
-    let (hash, user) = after_miss(ring, hash, user);
+    let (hash, user) = after_miss(ring, stack_hash_step(hash, python_hash), user);
+    send_python_once(hash);
     send_stack_once(ctx.as_ptr(), ring, scratch, hash, pid, 0, user);
     Some(hash)
 }
@@ -341,6 +316,7 @@ pub(crate) fn kernel_stack(ctx: *mut c_void, ring: &Ring, pid: u32) -> Option<u6
     if config!(kernel_stacks) == 0 {
         return None;
     }
+    let python_hash = if pid != 0 && config!(user_stacks) != 0 { walk_python(pid) } else { 0 };
     let scratch = scratch()?;
     let kernel_off = size_of::<StackHeader>();
     // SAFETY: kernel_off + KERNEL_FRAMES_BYTES <= STACK_RECORD_MAX.
@@ -364,12 +340,15 @@ pub(crate) fn kernel_stack(ctx: *mut c_void, ring: &Ring, pid: u32) -> Option<u6
         let regs = if config!(unwind_mode) != unwind_mode::FRAME_POINTERS { UserRegs::of_current_task() } else { None };
         walk_user(ctx, scratch, pid, regs, hash)
     } else {
-        (UserPart { n: 0, flags: 0, with_copy: false, asid: 0, n_python: 0 }, hash)
+        (UserPart { n: 0, flags: 0, with_copy: false, asid: 0 }, hash)
     };
-    if n_kernel == 0 && user.n == 0 && user.n_python == 0 {
+    if n_kernel == 0 && user.n == 0 {
         return None;
     }
-    let (hash, user) = after_miss(ring, hash, user);
+    let (hash, user) = after_miss(ring, stack_hash_step(hash, python_hash), user);
+    if pid != 0 && config!(user_stacks) != 0 {
+        send_python_once(hash);
+    }
     let user = UserPart { flags: user.flags | stack_flags::KERNEL, ..user };
     send_stack_once(ctx, ring, scratch, hash, pid, n_kernel, user);
     Some(hash)

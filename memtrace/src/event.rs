@@ -6,7 +6,7 @@
 use memtrace_common::{
     CacheRecord, FreeRecord, KernelAllocRecord, Kind, MappingRecord, RecordType, StackHeader, TaskEvent, TaskRecord,
     UNWIND_COPY_BYTES, UnwindMiss, UserAllocRecord, UserFrame, flags, mapping_record,
-    python::{PyCodeRecord, PyFrame},
+    python::{PyCodeRecord, PyFrame, PyStackHeader},
     stack_flags,
 };
 use thiserror::Error;
@@ -178,6 +178,18 @@ pub enum Record {
     },
     /// A Python code object, as the probes read it.
     PyCode(PyCodeSeen),
+    /// The Python frames of the stack `hash` names (its record follows).
+    PyStack(PyStack),
+}
+
+/// The Python frames of a stack, innermost first.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PyStack {
+    pub hash: u64,
+    pub pid: u32,
+    pub frames: Vec<PyFrame>,
+    /// The walk stopped at its depth bound.
+    pub truncated: bool,
 }
 
 /// A Python code object of process `pid` at `code` (`check`: the bytes at its
@@ -328,6 +340,18 @@ pub fn decode(bytes: &[u8], cpu: u16) -> Result<Record, DecodeError> {
             let r: CacheRecord = read(bytes, rtype)?;
             Record::Cache { cache: r.cache, name: c_string(&r.name) }
         }
+        RecordType::PyStack => {
+            let h: PyStackHeader = read(bytes, rtype)?;
+            let need = size_of::<PyStackHeader>() + usize::from(h.n) * size_of::<PyFrame>();
+            if bytes.len() < need {
+                return Err(DecodeError::Truncated { rtype, len: bytes.len(), need });
+            }
+            let frames = bytes[size_of::<PyStackHeader>()..need]
+                .chunks_exact(size_of::<PyFrame>())
+                .map(|c| read::<PyFrame>(c, rtype))
+                .collect::<Result<Vec<_>, _>>()?;
+            Record::PyStack(PyStack { hash: h.hash, pid: h.pid, frames, truncated: h.truncated != 0 })
+        }
         RecordType::PyCode => {
             let r: PyCodeRecord = read(bytes, rtype)?;
             let text = |bytes: &[u8], len: u16| {
@@ -350,16 +374,11 @@ pub fn decode(bytes: &[u8], cpu: u16) -> Result<Record, DecodeError> {
             let kernel_bytes = usize::from(h.n_kernel) * 8;
             let frame_bytes = if user_ips { 8 } else { size_of::<UserFrame>() };
             let user_bytes = usize::from(h.n_user) * frame_bytes;
-            let python_bytes = usize::from(h.n_python) * size_of::<PyFrame>();
-            let need = size_of::<StackHeader>() + kernel_bytes + user_bytes + python_bytes;
+            let need = size_of::<StackHeader>() + kernel_bytes + user_bytes;
             if bytes.len() < need {
                 return Err(DecodeError::Truncated { rtype, len: bytes.len(), need });
             }
-            let body = &bytes[size_of::<StackHeader>()..need - python_bytes];
-            let python = bytes[need - python_bytes..need]
-                .chunks_exact(size_of::<PyFrame>())
-                .map(|c| read::<PyFrame>(c, rtype))
-                .collect::<Result<Vec<_>, _>>()?;
+            let body = &bytes[size_of::<StackHeader>()..need];
             let (kernel_part, user_part) = body.split_at(kernel_bytes);
             let kernel = kernel_part
                 .chunks_exact(8)
@@ -418,7 +437,7 @@ pub fn decode(bytes: &[u8], cpu: u16) -> Result<Record, DecodeError> {
                 joined_kernel: h.flags & stack_flags::KERNEL != 0,
                 miss,
                 asid: h.asid,
-                python,
+                python: Vec::new(),
                 python_context: None,
             })
         }
@@ -495,8 +514,7 @@ pub(crate) mod tests {
             pid: 7,
             hash: 99,
             asid: 0,
-            n_python: 0,
-            _pad: [0; 3],
+            _pad: 0,
         };
         let mut bytes = bytes_of(&header);
         bytes.extend(0xffff_ffff_8100_0000u64.to_ne_bytes());
@@ -518,19 +536,8 @@ pub(crate) mod tests {
 
     #[test]
     fn decodes_python_frames_and_code_records() {
-        let header = StackHeader {
-            rtype: RecordType::Stack as u8,
-            flags: stack_flags::USER_IPS,
-            n_kernel: 0,
-            n_user: 1,
-            pid: 7,
-            hash: 99,
-            asid: 0,
-            n_python: 2,
-            _pad: [0; 3],
-        };
+        let header = PyStackHeader { rtype: RecordType::PyStack as u8, truncated: 1, n: 2, _pad: 0, pid: 7, hash: 99 };
         let mut bytes = bytes_of(&header);
-        bytes.extend(0x40_1000u64.to_ne_bytes());
         let frames = [
             PyFrame { code: 0x7f00_0000_1000, lasti: 12, flags: 0, check: 3 },
             PyFrame { code: 0x7f00_0000_2000, lasti: -1, flags: 1, check: 9 },
@@ -538,9 +545,9 @@ pub(crate) mod tests {
         for f in &frames {
             bytes.extend(bytes_of(f));
         }
-        let Record::Stack(s) = decode(&bytes, 0).unwrap() else { panic!() };
-        assert_eq!(s.user, [RawUserFrame::Ip(0x40_1000)]);
-        assert_eq!(s.python, frames);
+        let Record::PyStack(p) = decode(&bytes, 0).unwrap() else { panic!() };
+        assert_eq!((p.hash, p.pid, p.truncated), (99, 7, true));
+        assert_eq!(p.frames, frames);
         assert!(matches!(decode(&bytes[..bytes.len() - 1], 0), Err(DecodeError::Truncated { .. })));
 
         // SAFETY: PyCodeRecord is plain data; all-zero is a valid value.
@@ -575,8 +582,7 @@ pub(crate) mod tests {
             pid: 7,
             hash: 99,
             asid: 5,
-            n_python: 0,
-            _pad: [0; 3],
+            _pad: 0,
         };
         let mut bytes = bytes_of(&header);
         bytes.extend(0xffff_ffff_8100_0000u64.to_ne_bytes());

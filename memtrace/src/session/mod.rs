@@ -439,6 +439,7 @@ impl Tracer {
                     }
                     Ok(Record::Cache { cache, name }) => sink.cache_seen(cache, &name),
                     Ok(Record::PyCode(code)) => self.python_code(code),
+                    Ok(Record::PyStack(frames)) => self.python_stack(frames),
                     Ok(Record::Task(t, space)) => {
                         // New processes and programs are handled at once: the sooner their
                         // address spaces and probes are in place, the fewer of their first

@@ -8,7 +8,7 @@ use std::{collections::HashMap, path::Path};
 
 use super::Tracer;
 use crate::{
-    event::StackRecord,
+    event::{PyStack, StackRecord},
     probes::PythonFrames,
     python::{PythonNames, detect::Finding},
     recording::PythonMeta,
@@ -21,7 +21,12 @@ pub(super) struct PythonState {
     walked: HashMap<u32, bool>,
     /// What was found, once per (interpreter file, outcome).
     pub(super) found: Vec<PythonMeta>,
+    /// Python frames waiting for the stack record that follows them, by stack hash.
+    pending: HashMap<u64, PyStack>,
 }
+
+/// Python frames kept waiting for their stack (past it, the oldest are dropped).
+const MAX_PENDING: usize = 65536;
 
 impl Tracer {
     fn python_wanted(&self) -> bool {
@@ -69,11 +74,20 @@ impl Tracer {
         self.python.names.learn(code);
     }
 
-    /// Names the Python frames of a stack that just arrived.
-    pub(super) fn name_python(&mut self, stack: &mut StackRecord) {
-        if !stack.python.is_empty() {
-            stack.python_context = self.python.names.context(stack.pid, &stack.python).map(std::sync::Arc::new);
+    /// The Python frames of the stack whose record follows.
+    pub(super) fn python_stack(&mut self, frames: PyStack) {
+        if self.python.pending.len() >= MAX_PENDING {
+            self.python.pending.clear();
         }
+        self.python.pending.insert(frames.hash, frames);
+    }
+
+    /// Gives a stack that just arrived its Python frames, named.
+    pub(super) fn name_python(&mut self, stack: &mut StackRecord) {
+        let Some(python) = self.python.pending.remove(&stack.hash) else { return };
+        stack.truncated |= python.truncated;
+        stack.python_context = self.python.names.context(stack.pid, &python.frames).map(std::sync::Arc::new);
+        stack.python = python.frames;
     }
 
     /// A process exec'd: its new program is looked at.
