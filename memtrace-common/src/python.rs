@@ -5,7 +5,7 @@
 //! names and lines are read by userspace from the code object).
 
 /// Most Python frames walked per stack.
-pub const MAX_PY_FRAMES: usize = 64;
+pub const MAX_PY_FRAMES: usize = 128;
 
 /// An offset field that does not apply to this version.
 pub const PY_NONE: u16 = 0xffff;

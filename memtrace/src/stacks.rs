@@ -375,6 +375,20 @@ impl StackTable {
         stack.checked_sub(1).and_then(|id| self.stacks.get(&(id as u32))).is_some_and(|s| s.truncated)
     }
 
+    /// The stack references (id + 1) of every stack with a Python frame.
+    pub fn python_stacks(&self) -> HashSet<u64> {
+        let python: HashSet<u32> =
+            self.modules.values().filter(|m| crate::python::function_of(m).is_some()).map(|m| m.id).collect();
+        if python.is_empty() {
+            return HashSet::new();
+        }
+        self.stacks
+            .values()
+            .filter(|s| s.user.iter().any(|f| matches!(f, FileFrame::Module { module, .. } if python.contains(module))))
+            .map(|s| u64::from(s.id) + 1)
+            .collect()
+    }
+
     /// The stack references (id + 1, as events carry them) of every truncated stack.
     pub fn truncated_stacks(&self) -> HashSet<u64> {
         self.stacks.values().filter(|s| s.truncated).map(|s| u64::from(s.id) + 1).collect()

@@ -65,6 +65,8 @@ fn check_report(report: &Value) {
     let l = lines();
     let at = |name: &str, function: &str| format!("{function} (python_allocs.py:{})", l[name]);
     assert_eq!(report["lost_events"], 0);
+    let user = &report["stacks"]["user"];
+    assert!(user["allocs_with_python"].as_u64().unwrap() >= 9, "{user}");
     let python: Vec<&Value> = report["python"].as_array().unwrap().iter().collect();
     assert!(
         python.iter().any(|p| p["walked"] == true && p["version"].as_str().unwrap().starts_with("3.")),
@@ -134,6 +136,15 @@ fn python_lines_are_in_the_stacks_of_a_command() {
     run(memtrace().args(["record", "-q", "--force", "-o"]).arg(&data).arg("--").arg(PYTHON).arg(script()));
     let report = report_json(&data, &["--by", "stack"]);
     check_report(&report);
+    // Flame graphs read the same: folded stacks name the Python lines, root first.
+    let l = lines();
+    let out = run(memtrace().args(["export", "--format", "folded", "-i"]).arg(&data));
+    let folded = String::from_utf8(out.stdout).unwrap();
+    let chain = format!(
+        "<module> (python_allocs.py:{});main (python_allocs.py:{});f (python_allocs.py:{});",
+        l["module"], l["main-f"], l["f"]
+    );
+    assert!(folded.lines().any(|line| line.contains(&chain)), "no {chain} in the folded stacks");
     // Grouping by function knows Python functions.
     let by_function = report_json(&data, &["--by", "function"]);
     let rows = by_function["sites"].as_array().unwrap();

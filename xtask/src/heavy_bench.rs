@@ -120,21 +120,17 @@ fn memtrace_row(
             .arg(python)
             .arg(script),
     )?;
-    let out = Command::new(memtrace).args(["report", "--format", "json", "--by", "stack", "-i"]).arg(&data).output()?;
+    // The report's head only: a whole `--by stack` report of this run is hundreds of MB of
+    // JSON, and holding it here would swell this process (whose peak RSS the next recorder
+    // inherits through fork and exec in `ru_maxrss`) and the machine's memory pressure.
+    let out = Command::new(memtrace).args(["report", "--format", "json", "--top", "1", "-i"]).arg(&data).output()?;
     let mut report: serde_json::Value = serde_json::from_slice(&out.stdout).context("memtrace report --format json")?;
     let allocs = report["totals"]["user"]["allocs"].as_u64();
     // The share of user allocations whose stack holds a Python frame.
-    let sites = report["sites"].as_array().map(Vec::as_slice).unwrap_or_default();
-    let user = |s: &&serde_json::Value| s["domain"] == "user";
-    let total: u64 = sites.iter().filter(user).map(|s| s["allocs"].as_u64().unwrap_or(0)).sum();
-    let with_python: u64 = sites
-        .iter()
-        .filter(user)
-        .filter(|s| s["frames"].as_array().is_some_and(|f| f.iter().any(|f| f["kind"] == "python")))
-        .map(|s| s["allocs"].as_u64().unwrap_or(0))
-        .sum();
-    report["sites"] = serde_json::Value::Null;
-    report["python_share"] = serde_json::json!(if total > 0 { with_python as f64 / total as f64 } else { 0.0 });
+    let user = &report["stacks"]["user"];
+    let (with, total) =
+        (user["allocs_with_python"].as_u64().unwrap_or(0), user["allocs_with_stack"].as_u64().unwrap_or(0));
+    report["python_share"] = serde_json::json!(if total > 0 { with as f64 / total as f64 } else { 0.0 });
     let file_bytes = fs::metadata(&data).map(|m| m.len()).unwrap_or(0);
     Ok(Row { name: name.into(), wall_s, allocs, report: Some(report), file_bytes })
 }

@@ -76,9 +76,11 @@ impl Weight {
 }
 
 /// A frame as a folded-stack element: no `;` (the separator), kernel frames marked `_[k]`
-/// as perf and flamegraph.pl do.
+/// as perf and flamegraph.pl do, Python frames with their file and line as py-spy writes
+/// them (`f (app.py:12)`).
 fn folded_name(f: &Frame) -> String {
-    let mut name: String = f.function.chars().map(|c| if c == ';' { ':' } else { c }).collect();
+    let full = if f.python { f.to_string() } else { f.function.clone() };
+    let mut name: String = full.chars().map(|c| if c == ';' { ':' } else { c }).collect();
     if f.kernel {
         name.push_str("_[k]");
     }

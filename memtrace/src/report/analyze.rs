@@ -92,6 +92,8 @@ pub struct StackCoverage {
     pub allocs_truncated: u64,
     /// Distinct truncated stacks among them.
     pub stacks_truncated: u64,
+    /// Allocations whose stack names a Python function (processes running CPython).
+    pub allocs_with_python: u64,
 }
 
 /// One group's figures and what names it.
@@ -203,6 +205,7 @@ impl Grouper<'_> {
 /// Counts, per domain, the allocations with a stack and those whose stack was cut.
 struct CoverageCounter {
     truncated_ids: HashSet<u64>,
+    python_ids: HashSet<u64>,
     seen: HashSet<u64>,
     coverage: BTreeMap<Domain, StackCoverage>,
 }
@@ -211,6 +214,7 @@ impl CoverageCounter {
     fn count(&mut self, domain: Domain, stack: u64) {
         let c = self.coverage.entry(domain).or_default();
         c.allocs_with_stack += 1;
+        c.allocs_with_python += u64::from(self.python_ids.contains(&stack));
         if self.truncated_ids.contains(&stack) {
             c.allocs_truncated += 1;
             if self.seen.insert(stack) {
@@ -235,8 +239,12 @@ pub fn analyze(path: &Path, opts: &ReportOptions) -> Result<Summary> {
     let filters = &opts.filters;
     let duplicates = table.duplicates();
     let mut comms: HashMap<u32, String> = HashMap::new();
-    let mut coverage =
-        CoverageCounter { truncated_ids: table.truncated_stacks(), seen: HashSet::new(), coverage: BTreeMap::new() };
+    let mut coverage = CoverageCounter {
+        truncated_ids: table.truncated_stacks(),
+        python_ids: table.python_stacks(),
+        seen: HashSet::new(),
+        coverage: BTreeMap::new(),
+    };
     let mut grouper = Grouper {
         by: opts.by,
         split_processes: opts.split_processes,

@@ -124,6 +124,16 @@ pub fn render_text(a: &Summary, opts: &ReportOptions) -> String {
             count(c.allocs_truncated),
             count(c.allocs_with_stack),
         );
+        if c.allocs_with_python > 0 {
+            let _ = writeln!(
+                out,
+                "{} stacks with Python frames: {} of {} allocations ({})",
+                domain_name(*domain),
+                count(c.allocs_with_python),
+                count(c.allocs_with_stack),
+                percent(100.0 * c.allocs_with_python as f64 / c.allocs_with_stack as f64),
+            );
+        }
     }
     if let Some(code) = s.exit_code {
         let _ = writeln!(out, "command exit status: {code}");
