@@ -109,7 +109,7 @@ fn facts(path: &Path) -> Option<Result<FileFacts, Finding>> {
     if Layout::for_minor(minor).is_none() {
         return Some(Err(unsupported(&version, "versions 3.10 to 3.13 are supported")));
     }
-    let eval = eval_ranges(&elf, path);
+    let eval = eval_ranges(&elf);
     if eval.is_empty() {
         return Some(Err(unsupported(&version, "_PyEval_EvalFrameDefault not found")));
     }
@@ -202,14 +202,14 @@ fn version_of(elf: &ElfFile, path: &Path) -> Option<(u8, String)> {
 /// The file offsets of the evaluation loop: `_PyEval_EvalFrameDefault`, and its cold part
 /// (`.cold` when the symbol table names it; else the unwind-table entry that holds the
 /// most targets of the jumps leaving the hot part).
-fn eval_ranges(elf: &ElfFile, path: &Path) -> Vec<Range<u64>> {
+fn eval_ranges(elf: &ElfFile) -> Vec<Range<u64>> {
     let Ok(functions) = elf.functions() else { return Vec::new() };
     let Some(hot) = functions.get("_PyEval_EvalFrameDefault").filter(|f| f.size > 0) else { return Vec::new() };
     let mut ranges = Vec::with_capacity(2);
     ranges.push(hot.offset..hot.offset + hot.size);
     if let Some(cold) = functions.get("_PyEval_EvalFrameDefault.cold").filter(|f| f.size > 0) {
         ranges.push(cold.offset..cold.offset + cold.size);
-    } else if let Some(cold) = cold_part(elf, path, hot.offset, hot.size) {
+    } else if let Some(cold) = cold_part(elf, hot.offset, hot.size) {
         ranges.push(cold);
     }
     ranges
@@ -217,7 +217,7 @@ fn eval_ranges(elf: &ElfFile, path: &Path) -> Vec<Range<u64>> {
 
 /// The cold part of a function split by the compiler: the targets of jumps from the hot
 /// part to outside it, and the unwind-table entry (FDE) that covers most of them.
-fn cold_part(elf: &ElfFile, path: &Path, offset: u64, size: u64) -> Option<Range<u64>> {
+fn cold_part(elf: &ElfFile, offset: u64, size: u64) -> Option<Range<u64>> {
     let code = elf.bytes(offset, size as usize);
     let hot_vaddr = elf.vaddr_of_offset(offset)?;
     let mut decoder = Decoder::with_ip(64, code, hot_vaddr, DecoderOptions::NONE);
@@ -234,8 +234,8 @@ fn cold_part(elf: &ElfFile, path: &Path, offset: u64, size: u64) -> Option<Range
     if targets.is_empty() {
         return None;
     }
-    let data = std::fs::read(path).ok()?;
-    let file = object::File::parse(&*data).ok()?;
+    // The whole file, as `elf` has it mapped already.
+    let file = object::File::parse(elf.bytes(0, usize::MAX)).ok()?;
     let section = file.section_by_name(".eh_frame")?;
     let eh = EhFrame::new(section.data().ok()?, NativeEndian);
     let bases = BaseAddresses::default().set_eh_frame(section.address());
@@ -270,7 +270,7 @@ mod tests {
         let path = std::fs::canonicalize("/usr/bin/python3").expect("python3 (cargo xtask setup installs it)");
         let elf = ElfFile::open(&path).unwrap();
         assert!(elf.symbol("_PyRuntime").unwrap().is_some());
-        let ranges = eval_ranges(&elf, &path);
+        let ranges = eval_ranges(&elf);
         assert_eq!(ranges.len(), 2, "{ranges:x?}");
         let (hot, cold) = (&ranges[0], &ranges[1]);
         assert!(cold.end <= hot.start || cold.start >= hot.end, "{ranges:x?}");

@@ -66,6 +66,18 @@ const fn probes(
     }
 }
 
+/// Code objects and strings of 3.12 and 3.13 (the same).
+const CODE_312: CodeLayout = CodeLayout {
+    flags: 48,
+    firstlineno: 68,
+    filename: 112,
+    name: 120,
+    qualname: Some(128),
+    linetable: 136,
+    ascii_data: 40,
+    compact_data: 56,
+};
+
 pub const LAYOUTS: [Layout; 4] = [
     Layout {
         minor: 10,
@@ -105,32 +117,14 @@ pub const LAYOUTS: [Layout; 4] = [
         runtime_size: 459_944,
         tss_key: 1548,
         probes: probes(12, 136, 56, 0, [0, 8, 56, PY_NONE, 70], 192),
-        code: CodeLayout {
-            flags: 48,
-            firstlineno: 68,
-            filename: 112,
-            name: 120,
-            qualname: Some(128),
-            linetable: 136,
-            ascii_data: 40,
-            compact_data: 56,
-        },
+        code: CODE_312,
     },
     Layout {
         minor: 13,
         runtime_size: 283_320,
         tss_key: 2164,
         probes: probes(13, 152, 72, PY_NONE, [0, 8, 56, PY_NONE, 70], 200),
-        code: CodeLayout {
-            flags: 48,
-            firstlineno: 68,
-            filename: 112,
-            name: 120,
-            qualname: Some(128),
-            linetable: 136,
-            ascii_data: 40,
-            compact_data: 56,
-        },
+        code: CODE_312,
     },
 ];
 

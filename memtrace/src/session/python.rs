@@ -117,11 +117,17 @@ impl Tracer {
         }
     }
 
-    /// A traced process forked: the child runs the same interpreter.
+    /// A traced process forked: the child runs the same interpreter, at the same
+    /// addresses (nothing to read again).
     pub(super) fn python_fork(&mut self, child: u32, parent: u32) {
         self.python.names.fork(child, parent);
-        if self.python.walked.get(&parent) == Some(&true) {
-            self.check_python(child);
+        if self.python.walked.get(&parent) == Some(&true)
+            && let Some(info) = self.python.names.interpreter(child).map(|i| i.info)
+        {
+            self.python.walked.insert(child, true);
+            if let Err(e) = self.probes.set_python(child, Some(&info)) {
+                log::debug!("python frames of pid {child}: {e:#}");
+            }
         }
     }
 
