@@ -74,10 +74,13 @@ fn quick_recording(data: &Path) {
 
 /// Runs `command` under `script` (a pseudo-terminal, as a user at a terminal would), with
 /// `input` typed once the output contains `after`; returns everything the terminal showed
-/// and the exit code.
+/// and the exit code. The command is exec'd by script's shell, so the terminal's Ctrl-C
+/// reaches memtrace as it does under an interactive shell: a non-interactive dash (script's
+/// shell when `SHELL` is unset, as on CI) waiting for its child would take the SIGINT itself
+/// and exit 130 whatever the child's status.
 fn at_a_terminal(command: &str, after: &str, input: &[u8]) -> (String, Option<i32>) {
     let mut child: Child = Command::new("script")
-        .args(["-qefc", command, "/dev/null"])
+        .args(["-qefc", &format!("exec {command}"), "/dev/null"])
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
         .spawn()
