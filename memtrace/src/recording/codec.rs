@@ -48,6 +48,11 @@ impl<'a> Cursor<'a> {
         self.pos >= self.data.len()
     }
 
+    /// The bytes not read yet.
+    pub fn rest(&self) -> &'a [u8] {
+        &self.data[self.pos.min(self.data.len())..]
+    }
+
     fn corrupt(&self, what: &str) -> FormatError {
         FormatError::Corrupt { offset: self.base + self.pos as u64, reason: what.to_string() }
     }

@@ -5,6 +5,10 @@
 //!          2 = big) | pointer size u8 | clock u8 (1 = CLOCK_MONOTONIC) | 3 reserved bytes
 //! chunks   kind u8 | payload length u32 LE | CRC-32 of payload u32 LE | payload
 //! ```
+//! A kind with bit 7 set ([`COMPRESSED`]) holds its payload deflated (RFC 1951), after the
+//! length it inflates to (a varint): the writer deflates the chunks that grow with the run
+//! (events, stacks, modules, symbols) when that makes them smaller; the CRC covers the bytes
+//! as stored, so damage is found before anything is inflated.
 //! Integers inside chunks are LEB128 varints (zigzag for signed deltas), whatever the
 //! recording machine's byte order. Chunks: `Meta` (JSON, first), `Events` (time-ordered,
 //! delta-encoded, each chunk decodable on its own), `Stacks` and `Modules` (definitions that
@@ -26,11 +30,14 @@ use thiserror::Error;
 pub use writer::Writer;
 
 pub const MAGIC: &[u8; 8] = b"MEMTRACE";
-pub const VERSION: u16 = 2;
+/// 3: chunks may be deflated ([`COMPRESSED`]). Version 2 files are read as ever.
+pub const VERSION: u16 = 3;
 pub const HEADER_LEN: usize = 16;
 pub const CLOCK_MONOTONIC: u8 = 1;
-/// Chunks larger than this are treated as corruption.
+/// Chunks larger than this (stored or inflated) are treated as corruption.
 pub const MAX_CHUNK: u32 = 64 << 20;
+/// Bit of a chunk's kind byte: the payload is deflated.
+pub const COMPRESSED: u8 = 0x80;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[repr(u8)]

@@ -5,9 +5,11 @@ use std::{
     path::Path,
 };
 
+use flate2::read::DeflateDecoder;
+
 use super::{
-    ChunkKind, FileFrame, FileStack, FormatError, HEADER_LEN, MAGIC, MAX_CHUNK, Meta, Module, Recording, Stats, Symbol,
-    SymbolKey, VERSION, codec::Cursor, events::decode_chunk,
+    COMPRESSED, ChunkKind, FileFrame, FileStack, FormatError, HEADER_LEN, MAGIC, MAX_CHUNK, Meta, Module, Recording,
+    Stats, Symbol, SymbolKey, VERSION, codec::Cursor, events::decode_chunk,
 };
 use crate::event::Event;
 
@@ -110,7 +112,10 @@ impl<R: Read> Reader<R> {
             if crc32fast::hash(&payload) != crc {
                 return Err(FormatError::Corrupt { offset: start, reason: "checksum mismatch".into() });
             }
-            match ChunkKind::from_u8(head[0]) {
+            match ChunkKind::from_u8(head[0] & !COMPRESSED) {
+                Some(kind) if head[0] & COMPRESSED != 0 => {
+                    return Ok(Some((kind, inflate(&payload, start)?, start + 9)));
+                }
                 Some(kind) => return Ok(Some((kind, payload, start + 9))),
                 None => continue, // a chunk kind from a newer minor version: skip it
             }
@@ -140,6 +145,27 @@ impl<R: Read> Reader<R> {
     pub fn decode_events(payload: &[u8], offset: u64, sink: &mut dyn FnMut(Event)) -> Result<u32, FormatError> {
         decode_chunk(payload, offset, sink)
     }
+}
+
+/// The payload of a deflated chunk (stored at `offset`): exactly the length it announces,
+/// never more than [`MAX_CHUNK`].
+fn inflate(stored: &[u8], offset: u64) -> Result<Vec<u8>, FormatError> {
+    let corrupt = |reason: String| FormatError::Corrupt { offset, reason };
+    let mut c = Cursor::new(stored, offset);
+    let len = c.varint()?;
+    if len > u64::from(MAX_CHUNK) {
+        return Err(corrupt(format!("a chunk inflating to {len} bytes")));
+    }
+    let body = c.rest();
+    let mut out = Vec::with_capacity(len as usize);
+    DeflateDecoder::new(body)
+        .take(len + 1)
+        .read_to_end(&mut out)
+        .map_err(|e| corrupt(format!("compressed chunk: {e}")))?;
+    if out.len() as u64 != len {
+        return Err(corrupt(format!("a compressed chunk gave {} bytes, not {len}", out.len())));
+    }
+    Ok(out)
 }
 
 fn parse_modules(payload: &[u8], offset: u64) -> Result<Vec<Module>, FormatError> {

@@ -257,3 +257,121 @@ fn gpu_events_round_trip_with_their_device() {
     let rec = read_all(&write(&events, true)[..]).unwrap();
     assert_eq!(rec.events, events);
 }
+
+/// The chunks of a recording as stored: (kind byte, payload).
+fn stored_chunks(bytes: &[u8]) -> Vec<(u8, Vec<u8>)> {
+    let mut out = Vec::new();
+    let mut at = HEADER_LEN;
+    while at + 9 <= bytes.len() {
+        let len = u32::from_le_bytes(bytes[at + 1..at + 5].try_into().unwrap()) as usize;
+        out.push((bytes[at], bytes[at + 9..at + 9 + len].to_vec()));
+        at += 9 + len;
+    }
+    out
+}
+
+/// A recording made of `chunks` behind a header of `version`.
+fn assemble(version: u16, chunks: &[(u8, Vec<u8>)]) -> Vec<u8> {
+    let mut out = write(&[], false)[..HEADER_LEN].to_vec();
+    out[8..10].copy_from_slice(&version.to_le_bytes());
+    for (kind, payload) in chunks {
+        out.push(*kind);
+        out.extend((payload.len() as u32).to_le_bytes());
+        out.extend(crc32fast::hash(payload).to_le_bytes());
+        out.extend(payload);
+    }
+    out
+}
+
+fn many_events() -> Vec<Event> {
+    let mut events = Vec::new();
+    for i in 0..10_000u64 {
+        events.push(alloc(1_000 + i * 50, Kind::Malloc, 0x5555_0000_0000 + (i % 64) * 48, 24 + i % 5));
+        events.push(free(1_025 + i * 50, Kind::Free, 0x5555_0000_0000 + (i % 64) * 48));
+    }
+    events
+}
+
+#[test]
+fn growing_chunks_are_deflated_and_read_back() {
+    let events = many_events();
+    let mut w = Writer::new(Vec::new(), &meta()).unwrap();
+    // Stacks sharing their callers' frames, as real ones do.
+    let callers: Vec<FileFrame> =
+        (0..60).map(|i| FileFrame::Module { module: 0, offset: 0x10_000 + i * 0x40 }).collect();
+    for id in 0..500u32 {
+        let mut user = vec![FileFrame::Module { module: 1, offset: 0x500 + u64::from(id) * 8 }];
+        user.extend(&callers);
+        w.stack(&FileStack { id, pid: 42, kernel: Vec::new(), user, truncated: false });
+    }
+    for e in &events {
+        w.event(e).unwrap();
+    }
+    let bytes = w.finish(&Stats::default()).unwrap();
+    let kinds: Vec<u8> = stored_chunks(&bytes).iter().map(|c| c.0).collect();
+    assert!(kinds.contains(&(ChunkKind::Events as u8 | COMPRESSED)), "{kinds:?}");
+    assert!(kinds.contains(&(ChunkKind::Stacks as u8 | COMPRESSED)), "{kinds:?}");
+    assert_eq!(kinds[0], ChunkKind::Meta as u8, "the metadata stays readable as it is");
+    let rec = read_all(&bytes[..]).unwrap();
+    assert!(rec.warnings.is_empty(), "{:?}", rec.warnings);
+    assert_eq!(rec.events, events);
+    assert_eq!(rec.stacks.len(), 500);
+    assert_eq!(rec.stacks[&7].user[1..], callers[..]);
+    // 61 frames × 500 stacks stored raw would be ~100 KB on their own.
+    let per_event = bytes.len() as f64 / events.len() as f64;
+    assert!(per_event < 3.0, "{per_event} bytes per event");
+}
+
+#[test]
+fn version_2_recordings_without_compression_are_still_read() {
+    let events = many_events();
+    let bytes = write(&events, true);
+    let stored: Vec<(u8, Vec<u8>)> = stored_chunks(&bytes)
+        .into_iter()
+        .map(|(kind, payload)| {
+            if kind & COMPRESSED == 0 {
+                return (kind, payload);
+            }
+            let mut c = codec::Cursor::new(&payload, 0);
+            let len = c.varint().unwrap();
+            let mut raw = Vec::new();
+            std::io::Read::read_to_end(&mut flate2::read::DeflateDecoder::new(c.rest()), &mut raw).unwrap();
+            assert_eq!(raw.len() as u64, len);
+            (kind & !COMPRESSED, raw)
+        })
+        .collect();
+    let rec = read_all(&assemble(2, &stored)[..]).unwrap();
+    assert!(rec.warnings.is_empty(), "{:?}", rec.warnings);
+    assert!(rec.finalized);
+    assert_eq!(rec.events, events);
+}
+
+#[test]
+fn a_compressed_chunk_that_lies_about_its_size_is_corrupt() {
+    let events = many_events();
+    let chunks = stored_chunks(&write(&events, true));
+    let meta_chunk = chunks[0].clone();
+    let deflate = |raw: &[u8]| {
+        let mut e = flate2::write::DeflateEncoder::new(Vec::new(), flate2::Compression::fast());
+        std::io::Write::write_all(&mut e, raw).unwrap();
+        e.finish().unwrap()
+    };
+    let events_kind = ChunkKind::Events as u8 | COMPRESSED;
+    let mut claims_more = Vec::new();
+    codec::put_varint(&mut claims_more, 1000);
+    claims_more.extend(deflate(&[0u8; 10]));
+    let mut claims_less = Vec::new();
+    codec::put_varint(&mut claims_less, 5);
+    claims_less.extend(deflate(&[0u8; 10]));
+    let mut bomb = Vec::new();
+    codec::put_varint(&mut bomb, u64::from(MAX_CHUNK) + 1);
+    bomb.extend(deflate(&[0u8; 10]));
+    let mut garbage = Vec::new();
+    codec::put_varint(&mut garbage, 10);
+    garbage.extend([0xff; 12]);
+    for (what, payload) in [("more", claims_more), ("less", claims_less), ("bomb", bomb), ("garbage", garbage)] {
+        let rec = read_all(&assemble(VERSION, &[meta_chunk.clone(), (events_kind, payload)])[..]).unwrap();
+        assert!(rec.events.is_empty(), "{what}");
+        assert!(rec.warnings.iter().any(|w| w.contains("corrupt")), "{what}: {:?}", rec.warnings);
+    }
+}

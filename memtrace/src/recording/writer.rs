@@ -1,10 +1,12 @@
 //! Writing a recording. Definitions (modules, stacks, symbols) are flushed before the
 //! events that follow them; events go out in chunks of bounded size so a crash loses at
-//! most the chunk being filled.
+//! most the chunk being filled. Chunks that grow with the run are deflated.
 use std::io::{self, Write};
 
+use flate2::{Compression, write::DeflateEncoder};
+
 use super::{
-    ChunkKind, FileFrame, FileStack, HEADER_LEN, MAGIC, Meta, Module, Stats, Symbol, SymbolKey, VERSION,
+    COMPRESSED, ChunkKind, FileFrame, FileStack, HEADER_LEN, MAGIC, Meta, Module, Stats, Symbol, SymbolKey, VERSION,
     codec::{put_bytes, put_signed, put_str, put_varint},
     events::EventEncoder,
 };
@@ -12,6 +14,24 @@ use crate::event::Event;
 
 /// Events chunks are cut at this many bytes.
 const EVENTS_CHUNK_BYTES: usize = 256 << 10;
+/// Payloads shorter than this are stored as they are.
+const DEFLATE_FROM_BYTES: usize = 256;
+/// zlib's level 1: most of the gain (stacks repeat their callers' frames, events their
+/// sizes and addresses) for a few milliseconds per 256 KiB chunk.
+const DEFLATE_LEVEL: u32 = 1;
+
+/// `payload` deflated behind its length, when that is smaller.
+fn deflated(payload: &[u8]) -> Option<Vec<u8>> {
+    if payload.len() < DEFLATE_FROM_BYTES {
+        return None;
+    }
+    let mut out = Vec::with_capacity(payload.len() / 3);
+    put_varint(&mut out, payload.len() as u64);
+    let mut encoder = DeflateEncoder::new(out, Compression::new(DEFLATE_LEVEL));
+    encoder.write_all(payload).ok()?;
+    let out = encoder.finish().ok()?;
+    (out.len() < payload.len()).then_some(out)
+}
 
 pub struct Writer<W: Write> {
     out: W,
@@ -49,8 +69,16 @@ impl<W: Write> Writer<W> {
     }
 
     fn chunk(&mut self, kind: ChunkKind, payload: &[u8]) -> io::Result<()> {
+        let packed = match kind {
+            ChunkKind::Events | ChunkKind::Stacks | ChunkKind::Modules | ChunkKind::Symbols => deflated(payload),
+            ChunkKind::Meta | ChunkKind::Stats | ChunkKind::End => None,
+        };
+        let (kind, payload) = match &packed {
+            Some(packed) => (kind as u8 | COMPRESSED, packed.as_slice()),
+            None => (kind as u8, payload),
+        };
         let mut head = [0u8; 9];
-        head[0] = kind as u8;
+        head[0] = kind;
         head[1..5].copy_from_slice(&(payload.len() as u32).to_le_bytes());
         head[5..9].copy_from_slice(&crc32fast::hash(payload).to_le_bytes());
         self.out.write_all(&head)?;
