@@ -47,4 +47,15 @@ macro_rules! raw_tracepoint_program {
             0
         }
     };
+    // `$body` returns `Result<finish::Next, ()>`; a pending record goes on to `$finish`.
+    ($name:ident, |$ctx:ident| $body:expr => $finish:path) => {
+        #[aya_ebpf::macros::raw_tracepoint]
+        pub fn $name(ctx: aya_ebpf::programs::RawTracePointContext) -> u32 {
+            let $ctx = &ctx;
+            if $body == Ok($crate::finish::Next::Finish) {
+                $finish($ctx);
+            }
+            0
+        }
+    };
 }

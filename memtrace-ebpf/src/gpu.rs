@@ -2,7 +2,8 @@
 //! entry and one return program for every allocating function (the attach cookie is its
 //! `Kind`) and one entry program for the frees. The out-parameters (device pointer, handle,
 //! pitch) are read at return, and only a call that returned `CUDA_SUCCESS` is an
-//! allocation; a failed one is sent with [`flags::FAILED`] and its stack. The in-flight
+//! allocation; a failed one is sent with [`flags::FAILED`] and its stack (taken by
+//! `finish::user_finish`, which the return program tail-calls). The in-flight
 //! state is kept apart from the malloc family's, so the host allocations the driver makes
 //! inside a call are still seen.
 use aya_ebpf::{
@@ -12,13 +13,13 @@ use aya_ebpf::{
     macros::{uprobe, uretprobe},
     programs::{ProbeContext, RetProbeContext},
 };
-use memtrace_common::{Kind, RecordType, UserAllocRecord, counter, flags};
+use memtrace_common::{Kind, RecordType, counter, flags};
 
 use crate::{
     context::{is_traced, pid_tgid, regs},
+    finish::{Next, finish_user_alloc, pend_user_alloc},
     maps::{GPU_INFLIGHT, GpuInFlight},
-    ring::{bump, emit, this_ring},
-    stack::user_stack,
+    ring::bump,
     uprobes::{length_in_pages, send_free},
 };
 
@@ -88,22 +89,24 @@ fn try_gpu_enter(ctx: &ProbeContext) -> Result<(), ()> {
 
 #[uretprobe]
 pub fn gpu_return(ctx: RetProbeContext) -> u32 {
-    let _ = try_gpu_return(&ctx);
+    if try_gpu_return(&ctx) == Ok(Next::Finish) {
+        finish_user_alloc(&ctx);
+    }
     0
 }
 
-fn try_gpu_return(ctx: &RetProbeContext) -> Result<(), ()> {
+fn try_gpu_return(ctx: &RetProbeContext) -> Result<Next, ()> {
     let (id, tgid, tid) = pid_tgid();
     // SAFETY: copied out at once.
     let state = *unsafe { GPU_INFLIGHT.get(id) }.ok_or(())?;
     // SAFETY: ctx is the return probe's pt_regs.
     let sp = unsafe { (*regs(ctx)).rsp };
     if sp < state.sp + 8 {
-        return Ok(()); // the return of a nested entry point
+        return Ok(Next::Done); // the return of a nested entry point
     }
     let _ = GPU_INFLIGHT.remove(id);
     if sp != state.sp + 8 {
-        return Ok(()); // stale entry: its return was missed
+        return Ok(Next::Done); // stale entry: its return was missed
     }
     // CUresult is a 32-bit enum.
     let result = ctx.ret::<u64>() as u32;
@@ -125,17 +128,14 @@ fn try_gpu_return(ctx: &RetProbeContext) -> Result<(), ()> {
         // SAFETY: checked read of the caller's result slot (a pointer or a 64-bit handle).
         unsafe { bpf_probe_read_user(state.out as *const u64) }.map_err(|_| ())?
     };
-    let ring = this_ring().ok_or(())?;
-    let stack = user_stack(ctx, ring, tgid);
     let failed = result != 0;
-    emit::<UserAllocRecord>(ring, |r| {
+    pend_user_alloc(|r| {
         r.rtype = RecordType::UserAlloc as u8;
         r.kind = state.kind;
         r.allocator = state.device;
         // What the API reports it gave (pitch × height) is exact: `bytes_extra` is its
         // excess over the request.
-        r.flags = if failed { flags::FAILED } else { flags::USABLE_EXACT }
-            | if stack.is_some() { flags::HAS_STACK } else { 0 };
+        r.flags = if failed { flags::FAILED } else { flags::USABLE_EXACT };
         r.pid = tgid;
         r.tid = tid;
         r.bytes_extra =
@@ -143,9 +143,7 @@ fn try_gpu_return(ctx: &RetProbeContext) -> Result<(), ()> {
         r.ts_ns = now;
         r.ptr = ptr;
         r.bytes_req = state.bytes_req;
-        r.stack = stack.unwrap_or(0);
-    });
-    Ok(())
+    })
 }
 
 #[uprobe]

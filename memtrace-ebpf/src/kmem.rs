@@ -1,16 +1,17 @@
 //! The kernel's allocators: the kmem raw tracepoints for slab objects (kmalloc, kmem caches)
 //! and pages, with the kernel stack joined to the user stack of the task they ran for, and
-//! the frees of blocks traced tasks allocated, from any context. (The bulk slab calls have
+//! the frees of blocks traced tasks allocated, from any context. The stacks are taken in
+//! `finish::kmem_finish`, which the allocation programs tail-call. (The bulk slab calls have
 //! no per-object tracepoint; fentry/fexit on them is refused on the machines memtrace runs
 //! on, so their blocks are paired by address reuse in userspace.)
-use aya_ebpf::{EbpfContext, bindings::BPF_ANY, helpers::bpf_ktime_get_ns, programs::RawTracePointContext};
-use memtrace_common::{CACHE_NAME_LEN, CacheRecord, FreeRecord, KernelAllocRecord, Kind, RecordType, counter, flags};
+use aya_ebpf::{bindings::BPF_ANY, helpers::bpf_ktime_get_ns, programs::RawTracePointContext};
+use memtrace_common::{CACHE_NAME_LEN, CacheRecord, FreeRecord, Kind, RecordType, counter, flags};
 
 use crate::{
     context::{is_traced, pid_tgid, read_kernel_at, read_kernel_str},
+    finish::{Next, finish_kernel_alloc, pend_kernel_alloc},
     maps::{CACHES_SENT, KERNEL_LIVE, PAGE_KEY, Ring},
     ring::{bump, emit, this_ring},
-    stack::kernel_stack,
     unwind::probe_busy,
 };
 
@@ -64,16 +65,14 @@ struct SlabAlloc {
     cache: u64,
 }
 
-/// Records a slab allocation by the current task (`stack`: its stack, computed by the
-/// caller once for a bulk call).
+/// A slab allocation by the current task, pending its stack.
 #[inline(always)]
-fn emit_slab_alloc(ring: &Ring, a: &SlabAlloc, stack: Option<u64>) {
+fn pend_slab_alloc(a: &SlabAlloc) -> Result<Next, ()> {
     let (_, tgid, tid) = pid_tgid();
     remember_kernel_block(a.ptr);
-    emit::<KernelAllocRecord>(ring, |r| {
+    pend_kernel_alloc(|r| {
         r.rtype = RecordType::KernelAlloc as u8;
         r.kind = a.kind as u8;
-        r.flags = if stack.is_some() { flags::HAS_STACK } else { 0 };
         r.pid = tgid;
         r.tid = tid;
         r.node = a.node as i32;
@@ -84,9 +83,8 @@ fn emit_slab_alloc(ring: &Ring, a: &SlabAlloc, stack: Option<u64>) {
         r.ts_ns = unsafe { bpf_ktime_get_ns() };
         r.ptr = a.ptr;
         r.call_site = a.call_site;
-        r.stack = stack.unwrap_or(0);
         r.cache = a.cache;
-    });
+    })
 }
 
 /// The object and allocation sizes of a slab cache (`object_size`, `size`).
@@ -97,14 +95,14 @@ fn cache_sizes(cache: u64) -> (u64, u64) {
     (u64::from(object), u64::from(size))
 }
 
-raw_tracepoint_program!(kmalloc, |ctx| try_kmalloc(ctx));
+raw_tracepoint_program!(kmalloc, |ctx| try_kmalloc(ctx) => finish_kernel_alloc);
 
 /// kmalloc(call_site, ptr, bytes_req, bytes_alloc, gfp_flags, node)
-fn try_kmalloc(ctx: &RawTracePointContext) -> Result<(), ()> {
+fn try_kmalloc(ctx: &RawTracePointContext) -> Result<Next, ()> {
     let (_, tgid, _) = pid_tgid();
     let ptr: u64 = ctx.arg(1);
     if !is_traced(tgid) || ptr == 0 || probe_busy() {
-        return Ok(());
+        return Ok(Next::Done);
     }
     let a = SlabAlloc {
         kind: Kind::Kmalloc,
@@ -116,20 +114,17 @@ fn try_kmalloc(ctx: &RawTracePointContext) -> Result<(), ()> {
         node: ctx.arg(5),
         cache: 0,
     };
-    let ring = this_ring().ok_or(())?;
-    let stack = kernel_stack(ctx.as_ptr(), ring, tgid);
-    emit_slab_alloc(ring, &a, stack);
-    Ok(())
+    pend_slab_alloc(&a)
 }
 
-raw_tracepoint_program!(kmem_cache_alloc, |ctx| try_cache_alloc(ctx));
+raw_tracepoint_program!(kmem_cache_alloc, |ctx| try_cache_alloc(ctx) => finish_kernel_alloc);
 
 /// kmem_cache_alloc(call_site, ptr, struct kmem_cache *s, gfp_flags, node)
-fn try_cache_alloc(ctx: &RawTracePointContext) -> Result<(), ()> {
+fn try_cache_alloc(ctx: &RawTracePointContext) -> Result<Next, ()> {
     let (_, tgid, _) = pid_tgid();
     let ptr: u64 = ctx.arg(1);
     if !is_traced(tgid) || ptr == 0 || probe_busy() {
-        return Ok(());
+        return Ok(Next::Done);
     }
     let cache: u64 = ctx.arg(2);
     let (bytes_req, bytes_alloc) = cache_sizes(cache);
@@ -143,11 +138,8 @@ fn try_cache_alloc(ctx: &RawTracePointContext) -> Result<(), ()> {
         node: ctx.arg(4),
         cache,
     };
-    let ring = this_ring().ok_or(())?;
-    name_cache_once(ring, cache);
-    let stack = kernel_stack(ctx.as_ptr(), ring, tgid);
-    emit_slab_alloc(ring, &a, stack);
-    Ok(())
+    name_cache_once(this_ring().ok_or(())?, cache);
+    pend_slab_alloc(&a)
 }
 
 #[inline(always)]
@@ -182,26 +174,23 @@ raw_tracepoint_program!(kmem_cache_free, |ctx| {
     kernel_free(Kind::KmemCacheFree, ptr, ptr, 0)
 });
 
-raw_tracepoint_program!(mm_page_alloc, |ctx| try_page_alloc(ctx));
+raw_tracepoint_program!(mm_page_alloc, |ctx| try_page_alloc(ctx) => finish_kernel_alloc);
 
 /// mm_page_alloc(struct page *page, order, gfp_flags, migratetype)
-fn try_page_alloc(ctx: &RawTracePointContext) -> Result<(), ()> {
+fn try_page_alloc(ctx: &RawTracePointContext) -> Result<Next, ()> {
     let (_, tgid, tid) = pid_tgid();
     let page: u64 = ctx.arg(0);
     if !is_traced(tgid) || page == 0 || probe_busy() {
-        return Ok(());
+        return Ok(Next::Done);
     }
     let order: u32 = ctx.arg(1);
     let gfp: u64 = ctx.arg(2);
     let migratetype: u32 = ctx.arg(3);
-    let ring = this_ring().ok_or(())?;
-    let stack = kernel_stack(ctx.as_ptr(), ring, tgid);
     remember_kernel_block(page | PAGE_KEY);
     let bytes = 4096u32 << (order & 15);
-    emit::<KernelAllocRecord>(ring, |r| {
+    pend_kernel_alloc(|r| {
         r.rtype = RecordType::KernelAlloc as u8;
         r.kind = Kind::PageAlloc as u8;
-        r.flags = if stack.is_some() { flags::HAS_STACK } else { 0 };
         r.order = order as u8;
         r.pid = tgid;
         r.tid = tid;
@@ -212,9 +201,7 @@ fn try_page_alloc(ctx: &RawTracePointContext) -> Result<(), ()> {
         // SAFETY: no preconditions.
         r.ts_ns = unsafe { bpf_ktime_get_ns() };
         r.ptr = page;
-        r.stack = stack.unwrap_or(0);
-    });
-    Ok(())
+    })
 }
 
 raw_tracepoint_program!(mm_page_free, |ctx| {

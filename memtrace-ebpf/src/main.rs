@@ -15,6 +15,7 @@
 #[macro_use]
 mod config;
 mod context;
+mod finish;
 mod gpu;
 mod kmem;
 mod mappings;

@@ -1,9 +1,10 @@
 //! Every map the programs share, declared once: the per-CPU rings, loss counters, the
 //! traced set, in-flight allocator calls, kernel blocks of traced tasks, sampling state,
 //! the unwinder's address spaces, per-file tables and rule cache, and what the mapping
-//! tracker remembers between a file's open and its mmap.
+//! tracker remembers between a file's open and its mmap, and the program arrays that lead
+//! to the second halves of the allocation programs.
 use aya_ebpf::{
-    btf_maps::{Array, ArrayOfMaps, HashMap, LpmTrie, LruHashMap, PerCpuArray, RingBuf},
+    btf_maps::{Array, ArrayOfMaps, HashMap, LpmTrie, LruHashMap, PerCpuArray, ProgramArray, RingBuf},
     macros::btf_map,
 };
 use memtrace_common::{
@@ -59,6 +60,15 @@ pub(crate) static SAMPLED_LIVE: HashMap<SampledKey, u8, 262144> = HashMap::new()
 
 #[btf_map]
 pub(crate) static SCRATCH: PerCpuArray<Scratch, 1> = PerCpuArray::new();
+
+/// Index 0: `kmem_finish`, the second half of the kmem allocation programs (`finish`). A
+/// program array takes programs of one type, hence one per type.
+#[btf_map]
+pub(crate) static KERNEL_FINISH: ProgramArray<1> = ProgramArray::new();
+
+/// Index 0: `user_finish`, the second half of the allocation return probes (`finish`).
+#[btf_map]
+pub(crate) static USER_FINISH: ProgramArray<1> = ProgramArray::new();
 
 /// tgid → its address-space id: a new one at each exec (given in the kernel), the
 /// parent's at fork; userspace gives one to processes that existed before tracing began.

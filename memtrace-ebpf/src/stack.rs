@@ -12,8 +12,8 @@ use aya_ebpf::{
     programs::RetProbeContext,
 };
 use memtrace_common::{
-    KERNEL_STACK_SEED, MAX_STACK_DEPTH, MISS_HASH_MARK, RecordType, StackHeader, UNWIND_COPY_BYTES, USER_STACK_SEED,
-    UnwindMiss, UserFrame, counter,
+    KERNEL_STACK_SEED, KernelAllocRecord, MAX_STACK_DEPTH, MISS_HASH_MARK, RecordType, StackHeader, UNWIND_COPY_BYTES,
+    USER_STACK_SEED, UnwindMiss, UserAllocRecord, UserFrame, counter,
     python::{MAX_PY_FRAMES, PyFrame, PyStackHeader},
     stack_flags, stack_hash_step, unwind_mode,
 };
@@ -58,6 +58,9 @@ pub(crate) struct Scratch {
     pub(crate) py_n: u32,
     pub(crate) py_cut: u32,
     pub(crate) py_hash: u64,
+    /// The allocation records waiting for their stack in a tail-called program (`finish`).
+    pub(crate) pending_kernel: KernelAllocRecord,
+    pub(crate) pending_user: UserAllocRecord,
 }
 
 /// Walks the current task's user stack by frame pointers into `scratch.user_ips`; returns

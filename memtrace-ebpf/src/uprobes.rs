@@ -1,7 +1,8 @@
 //! The malloc family, from user space: one entry and one return program for every
 //! allocating function (the attach cookie says which fired) and one entry program for
 //! `free`/`munmap`. Calls the allocator makes to itself are recognised by the stack
-//! pointer and not counted twice; the empty programs are the benchmark's baseline.
+//! pointer and not counted twice; the empty programs are the benchmark's baseline. The
+//! return program leaves the stack to `finish::user_finish`, which it tail-calls.
 use aya_ebpf::{
     EbpfContext,
     bindings::BPF_ANY,
@@ -9,14 +10,14 @@ use aya_ebpf::{
     macros::{uprobe, uretprobe},
     programs::{ProbeContext, RetProbeContext},
 };
-use memtrace_common::{FreeRecord, InFlight, Kind, RecordType, UserAllocRecord, counter, flags, inflight};
+use memtrace_common::{FreeRecord, InFlight, Kind, RecordType, counter, flags, inflight};
 
 use crate::{
     context::{is_traced, pid_tgid, read_user_u64, regs},
+    finish::{Next, finish_user_alloc, pend_user_alloc},
     maps::{INFLIGHT, SAMPLED_LIVE},
     ring::{bump, emit, this_ring},
     sampling::{sample_hit, sampled_key, sampling_mean},
-    stack::user_stack,
 };
 
 // ---------------------------------------------------------------------------------------
@@ -112,7 +113,9 @@ pub(crate) fn try_alloc_enter(ctx: &ProbeContext) -> Result<(), ()> {
 
 #[uretprobe]
 pub fn alloc_return(ctx: RetProbeContext) -> u32 {
-    let _ = try_alloc_return(&ctx);
+    if try_alloc_return(&ctx) == Ok(Next::Finish) {
+        finish_user_alloc(&ctx);
+    }
     0
 }
 
@@ -160,7 +163,7 @@ pub(crate) fn mimalloc_usable_size(ptr: u64) -> Option<u64> {
     Some(bsize - into % bsize)
 }
 
-pub(crate) fn try_alloc_return(ctx: &RetProbeContext) -> Result<(), ()> {
+pub(crate) fn try_alloc_return(ctx: &RetProbeContext) -> Result<Next, ()> {
     let (id, tgid, tid) = pid_tgid();
     // SAFETY: copied out at once.
     let state = *unsafe { INFLIGHT.get(id) }.ok_or(())?;
@@ -172,11 +175,11 @@ pub(crate) fn try_alloc_return(ctx: &RetProbeContext) -> Result<(), ()> {
             // SAFETY: the entry belongs to this thread.
             unsafe { (*s).depth = (*s).depth.saturating_sub(1) };
         }
-        return Ok(());
+        return Ok(Next::Done);
     }
     let _ = INFLIGHT.remove(id);
     if sp != state.sp + 8 {
-        return Ok(()); // stale entry: its return was missed
+        return Ok(Next::Done); // stale entry: its return was missed
     }
     let kind = Kind::from_u8(state.kind).ok_or(())?;
     let ret: u64 = ctx.ret();
@@ -185,14 +188,14 @@ pub(crate) fn try_alloc_return(ctx: &RetProbeContext) -> Result<(), ()> {
     let ptr = match kind {
         Kind::PosixMemalign => {
             if ret != 0 {
-                return Ok(()); // error code: nothing allocated
+                return Ok(Next::Done); // error code: nothing allocated
             }
             // SAFETY: checked read of the caller's result slot.
             unsafe { bpf_probe_read_user(state.ptr_arg as *const u64) }.map_err(|_| ())?
         }
         Kind::Mmap => {
             if ret as i64 == -1 {
-                return Ok(()); // MAP_FAILED
+                return Ok(Next::Done); // MAP_FAILED
             }
             ret
         }
@@ -203,7 +206,7 @@ pub(crate) fn try_alloc_return(ctx: &RetProbeContext) -> Result<(), ()> {
     let sampling = config!(sample_bytes) != 0;
     if is_realloc && state.ptr_arg != 0 && state.flags & inflight::OLD_SAMPLED != 0 {
         if ptr == 0 && state.bytes_req != 0 {
-            return Ok(()); // failed: the old block is untouched
+            return Ok(Next::Done); // failed: the old block is untouched
         }
         if sampling {
             let _ = SAMPLED_LIVE.remove(sampled_key(tgid, state.ptr_arg));
@@ -220,12 +223,11 @@ pub(crate) fn try_alloc_return(ctx: &RetProbeContext) -> Result<(), ()> {
         });
     }
     if ptr == 0 || state.flags & inflight::SAMPLE_NEW == 0 {
-        return Ok(());
+        return Ok(Next::Done);
     }
     if sampling && SAMPLED_LIVE.insert(sampled_key(tgid, ptr), 1u8, BPF_ANY as u64).is_err() {
         bump(counter::LOST_SAMPLED_LIVE);
     }
-    let stack = user_stack(ctx, ring, tgid);
     let (bytes_alloc, exact) = if kind == Kind::Mmap {
         ((state.bytes_req + 4095) & !4095, true)
     } else if state.flags & inflight::GLIBC != 0 {
@@ -256,20 +258,18 @@ pub(crate) fn try_alloc_return(ctx: &RetProbeContext) -> Result<(), ()> {
     } else {
         0
     };
-    emit::<UserAllocRecord>(ring, |r| {
+    pend_user_alloc(|r| {
         r.rtype = RecordType::UserAlloc as u8;
         r.kind = state.kind;
         r.allocator = state.allocator;
-        r.flags = if exact { flags::USABLE_EXACT } else { 0 } | if stack.is_some() { flags::HAS_STACK } else { 0 };
+        r.flags = if exact { flags::USABLE_EXACT } else { 0 };
         r.pid = tgid;
         r.tid = tid;
         r.bytes_extra = extra;
         r.ts_ns = now;
         r.ptr = ptr;
         r.bytes_req = state.bytes_req;
-        r.stack = stack.unwrap_or(0);
-    });
-    Ok(())
+    })
 }
 
 #[uprobe]

@@ -9,8 +9,10 @@
 pub mod allocator;
 pub mod btf;
 pub mod cuda;
+mod outer;
 pub mod placement;
 pub mod uprobe_multi;
+pub mod verify;
 
 use std::{num::NonZeroU32, os::fd::AsFd as _, thread::JoinHandle};
 
@@ -18,7 +20,7 @@ use anyhow::{Context as _, Result, bail};
 use aya::{
     Ebpf, EbpfLoader,
     maps::{
-        ArrayOfMaps, HashMap, Map, MapData, PerCpuArray, RingBuf,
+        HashMap, Map, MapData, PerCpuArray, RingBuf,
         lpm_trie::{Key, LpmTrie},
     },
     programs::{
@@ -138,10 +140,11 @@ enum Attachment {
     TracePoint(&'static str, TracePointLinkId),
 }
 
-/// The programs attached to the malloc family (loaded for multi links when the kernel has
-/// them).
-const ALLOCATOR_PROGRAMS: [&str; 6] =
-    ["alloc_enter", "alloc_return", "free_enter", "gpu_enter", "gpu_return", "gpu_free"];
+/// The programs attached to the malloc family and the GPU driver (loaded for multi links
+/// when the kernel has
+/// them), with the second half their return programs tail-call.
+const ALLOCATOR_PROGRAMS: [&str; 7] =
+    ["alloc_enter", "alloc_return", "free_enter", "gpu_enter", "gpu_return", "gpu_free", "user_finish"];
 
 pub struct Probes {
     ebpf: Ebpf,
@@ -153,6 +156,11 @@ pub struct Probes {
     /// found at the start, then libc itself once mapped): probed twice, the later probe's
     /// allocator index would win or lose by attach order. The first one keeps them.
     mapping_points: std::collections::HashSet<((u64, u64), u64, u32)>,
+    /// Whether the probes take user and kernel stacks (their second halves are needed).
+    user_stacks: bool,
+    kernel_stacks: bool,
+    /// The second-half programs installed in their program arrays (`verify`).
+    finishes: Vec<&'static str>,
     _logger: Option<aya_log::EbpfLogger<&'static dyn log::Log>>,
 }
 
@@ -253,6 +261,9 @@ impl Probes {
             attachments: Vec::new(),
             attach_path,
             mapping_points: Default::default(),
+            user_stacks: settings.user_stacks,
+            kernel_stacks: settings.kernel_stacks,
+            finishes: Vec::new(),
             _logger: logger,
         })
     }
@@ -281,20 +292,18 @@ impl Probes {
     }
 
     fn attach_raw_tracepoint(&mut self, program: &'static str) -> Result<()> {
+        self.verify(&[program])?;
         let prog: &mut RawTracePoint =
             self.ebpf.program_mut(program).with_context(|| format!("program {program} missing"))?.try_into()?;
-        let started = std::time::Instant::now();
-        prog.load().with_context(|| format!("verifying {program}"))?;
-        log_verified(program, prog.info().ok().and_then(|i| i.verified_instruction_count()), started);
         let id = prog.attach(program).with_context(|| format!("attaching to the raw tracepoint {program}"))?;
         self.attachments.push(Attachment::RawTracePoint(program, id));
         Ok(())
     }
 
     fn attach_tracepoint(&mut self, program: &'static str, category: &str) -> Result<()> {
+        self.verify(&[program])?;
         let prog: &mut TracePoint =
             self.ebpf.program_mut(program).with_context(|| format!("program {program} missing"))?.try_into()?;
-        prog.load().with_context(|| format!("verifying {program}"))?;
         let id =
             prog.attach(category, program).with_context(|| format!("attaching to tracepoint {category}/{program}"))?;
         self.attachments.push(Attachment::TracePoint(program, id));
@@ -303,7 +312,7 @@ impl Probes {
 
     /// Task lifecycle: always on (they drive pairing, process names and address spaces).
     pub fn attach_task_tracepoints(&mut self) -> Result<()> {
-        for name in ["task_newtask", "sched_process_exec", "sched_process_exit", "task_rename"] {
+        for name in verify::TASK_PROGRAMS {
             self.attach_raw_tracepoint(name)?;
         }
         Ok(())
@@ -312,43 +321,34 @@ impl Probes {
     /// What the unwinder learns address spaces from after an exec: `openat` and `mmap`
     /// with `PROT_EXEC` (how ld.so and dlopen load libraries, and where JIT code goes).
     pub fn attach_mapping_tracker(&mut self) -> Result<()> {
-        for name in ["sys_enter_openat", "sys_exit_openat", "sys_enter_mmap", "sys_exit_mmap"] {
+        for name in verify::MAPPING_PROGRAMS {
             self.attach_tracepoint(name, "syscalls")?;
         }
         Ok(())
     }
 
-    /// The kmem raw tracepoints.
+    /// The kmem raw tracepoints (after the second half of their allocation programs).
     pub fn attach_kernel(&mut self) -> Result<()> {
-        for name in [
-            "kmalloc",
-            "kmem_cache_alloc",
-            "kfree",
-            "kmem_cache_free",
-            "mm_page_alloc",
-            "mm_page_free",
-            "mm_page_free_batched",
-        ] {
+        if self.kernel_stacks {
+            self.install_finish(verify::KERNEL_FINISH)?;
+        }
+        for name in verify::KERNEL_PROGRAMS {
             self.attach_raw_tracepoint(name)?;
         }
         Ok(())
     }
 
+    /// Uprobe program `name`, verified (a return program's second half installed first).
     fn uprobe(&mut self, name: &'static str) -> Result<&mut UProbe> {
-        let multi = self.attach_path == AttachPath::Multi && ALLOCATOR_PROGRAMS.contains(&name);
-        let prog: &mut UProbe =
-            self.ebpf.program_mut(name).with_context(|| format!("program {name} missing"))?.try_into()?;
-        if prog.fd().is_err() {
-            let started = std::time::Instant::now();
-            if multi {
-                prog.load_with_expected_attach_type(aya_obj::generated::bpf_attach_type::BPF_TRACE_UPROBE_MULTI)
-            } else {
-                prog.load()
-            }
-            .with_context(|| format!("verifying {name}"))?;
-            log_verified(name, prog.info().ok().and_then(|i| i.verified_instruction_count()), started);
+        if self.user_stacks && matches!(name, "alloc_return" | "gpu_return") {
+            self.install_finish(verify::USER_FINISH)?;
         }
-        Ok(prog)
+        self.verify(&[name])?;
+        self.uprobe_program(name)
+    }
+
+    fn uprobe_program(&mut self, name: &str) -> Result<&mut UProbe> {
+        Ok(self.ebpf.program_mut(name).with_context(|| format!("program {name} missing"))?.try_into()?)
     }
 
     /// Attaches the malloc-family probes at every point of `allocator`, for one process
@@ -491,7 +491,7 @@ impl Probes {
             match attachment {
                 Attachment::UProbeMulti(link) => links.push(Box::new(move || drop(link))),
                 Attachment::UProbe(name, id) => {
-                    if let Some(link) = self.uprobe(name).ok().and_then(|p| p.take_link(id).ok()) {
+                    if let Some(link) = self.uprobe_program(name).ok().and_then(|p| p.take_link(id).ok()) {
                         links.push(Box::new(move || drop(link)));
                     }
                 }
@@ -543,14 +543,6 @@ fn cookie_flags(allocator: &Allocator) -> u64 {
     glibc | mimalloc | u64::from(allocator.index) << memtrace_common::cookie::ALLOCATOR_SHIFT
 }
 
-fn log_verified(program: &str, instructions: Option<u32>, started: std::time::Instant) {
-    log::debug!(
-        "{program}: {} instructions verified in {} ms",
-        instructions.map_or_else(|| "?".into(), |n| n.to_string()),
-        started.elapsed().as_millis()
-    );
-}
-
 /// The offsets of the kernel fields the probes read, from the kernel's BTF; an error
 /// naming what is missing.
 fn kernel_layout(btf: &Btf) -> Result<KernelLayout> {
@@ -595,17 +587,41 @@ const TABLE_FLAGS: u32 = (1 << 12) | (1 << 10);
 /// `BPF_NOEXIST`.
 const NOEXIST: u64 = 1;
 
+/// A table's own map, filled.
+fn table_map(slot: u32, elements: &[u64]) -> Result<MapData> {
+    let n = u32::try_from(elements.len().max(1)).context("a table too large")?;
+    let obj = aya_obj::Map::new_from_params(BPF_MAP_TYPE_ARRAY as u32, 4, 8, n, TABLE_FLAGS);
+    let data = MapData::create(obj, &format!("memtrace_uw{slot}"), None)
+        .with_context(|| format!("creating an unwind table of {n} entries"))?;
+    write_mmapped(&data, elements).context("filling an unwind table")?;
+    Ok(data)
+}
+
 impl TableSink for Probes {
-    fn install_table(&mut self, slot: u32, elements: &[u64]) -> Result<()> {
-        let n = u32::try_from(elements.len().max(1)).context("a table too large")?;
-        let obj = aya_obj::Map::new_from_params(BPF_MAP_TYPE_ARRAY as u32, 4, 8, n, TABLE_FLAGS);
-        let data = MapData::create(obj, &format!("memtrace_uw{slot}"), None)
-            .with_context(|| format!("creating an unwind table of {n} entries"))?;
-        write_mmapped(&data, elements).context("filling an unwind table")?;
-        let mut outer: ArrayOfMaps<&mut MapData, MapData> =
-            ArrayOfMaps::try_from(self.ebpf.map_mut("TABLES").context("TABLES map")?)?;
-        outer.set(slot, &data, 0).with_context(|| format!("installing the unwind table in slot {slot}"))?;
-        Ok(())
+    fn install_tables(&mut self, tables: &[(u32, Vec<u64>)]) -> Vec<Result<()>> {
+        let outer = match outer_fd(&self.ebpf, "TABLES") {
+            Ok(fd) => fd,
+            Err(e) => return tables.iter().map(|_| Err(anyhow::anyhow!("{e:#}"))).collect(),
+        };
+        let maps: Vec<Result<MapData>> = tables.iter().map(|(slot, elements)| table_map(*slot, elements)).collect();
+        let entries: Vec<_> = tables
+            .iter()
+            .zip(&maps)
+            .filter_map(|((slot, _), map)| map.as_ref().ok().map(|m| (*slot, m.fd().as_fd())))
+            .collect();
+        let mut installed = outer::set_all(outer.as_fd(), &entries).into_iter();
+        // The tables' own descriptors close here: the outer array holds the maps.
+        tables
+            .iter()
+            .zip(maps)
+            .map(|((slot, _), map)| {
+                map?;
+                installed
+                    .next()
+                    .unwrap_or_else(|| Err(std::io::Error::other("not installed")))
+                    .with_context(|| format!("installing the unwind table in slot {slot}"))
+            })
+            .collect()
     }
 
     fn register_file(&mut self, id: FileId, table: FileTable) -> Result<()> {
@@ -673,22 +689,37 @@ impl SpaceSink for Probes {
     }
 }
 
+/// A duplicate of the descriptor of the array of maps `name`.
+fn outer_fd(ebpf: &Ebpf, name: &str) -> Result<std::os::fd::OwnedFd> {
+    match ebpf.map(name).with_context(|| format!("{name} map"))? {
+        Map::ArrayOfMaps(data) => {
+            data.fd().as_fd().try_clone_to_owned().with_context(|| format!("duplicating the descriptor of {name}"))
+        }
+        _ => bail!("{name} is not an array of maps"),
+    }
+}
+
 /// Creates one ring per possible CPU and installs each in the outer array.
 fn install_rings(ebpf: &mut Ebpf, ring_bytes: u32) -> Result<Vec<Ring>> {
     if !ring_bytes.is_power_of_two() || ring_bytes < 4096 {
         bail!("ring size must be a power of two of at least 4096 bytes, not {ring_bytes}");
     }
     let cpus = possible_cpus()?;
-    let mut outer: ArrayOfMaps<&mut MapData, MapData> =
-        ArrayOfMaps::try_from(ebpf.map_mut("RINGS").context("RINGS map")?)?;
-    let mut rings = Vec::with_capacity(cpus as usize);
+    let mut created = Vec::with_capacity(cpus as usize);
     for cpu in 0..cpus {
         let obj = aya_obj::Map::new_from_params(BPF_MAP_TYPE_RINGBUF as u32, 0, 0, ring_bytes, 0);
         let data = MapData::create(obj, &format!("memtrace_rb{cpu}"), None)
             .with_context(|| format!("creating the ring buffer of CPU {cpu}"))?;
-        outer.set(cpu, &data, 0).with_context(|| format!("installing the ring buffer of CPU {cpu}"))?;
-        let ring = RingBuf::try_from(Map::RingBuf(data))?;
-        rings.push(Ring { cpu: cpu as u16, ring });
+        created.push(data);
+    }
+    let outer = outer_fd(ebpf, "RINGS")?;
+    let entries: Vec<_> = created.iter().zip(0..).map(|(data, cpu)| (cpu, data.fd().as_fd())).collect();
+    for (result, cpu) in outer::set_all(outer.as_fd(), &entries).into_iter().zip(0..) {
+        result.with_context(|| format!("installing the ring buffer of CPU {cpu}"))?;
+    }
+    let mut rings = Vec::with_capacity(cpus as usize);
+    for (data, cpu) in created.into_iter().zip(0u16..) {
+        rings.push(Ring { cpu, ring: RingBuf::try_from(Map::RingBuf(data))? });
     }
     Ok(rings)
 }

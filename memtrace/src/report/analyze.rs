@@ -401,7 +401,11 @@ pub fn analyze(path: &Path, opts: &ReportOptions) -> Result<Summary> {
                 .map(|a| a.family.clone()),
         });
     }
-    sites::disambiguate(&mut rows, opts.by);
+    // No rows asked for (the warnings after `record`): no names to tell apart, and no
+    // reading of the kernel's symbols for them.
+    if opts.top != Some(0) {
+        sites::disambiguate(&mut rows, opts.by);
+    }
     sort_rows(&mut rows, opts.sort);
     if let Some(n) = opts.top {
         rows.truncate(n);

@@ -23,7 +23,8 @@ pub fn of_recording(path: &Path) -> Vec<String> {
     if std::fs::metadata(path).map_or(true, |m| m.len() > RECORD_END_ANALYSIS_LIMIT) {
         return Vec::new();
     }
-    super::analyze(path, &Default::default()).map(|s| s.under_counting).unwrap_or_default()
+    let counts_only = super::ReportOptions { top: Some(0), ..Default::default() };
+    super::analyze(path, &counts_only).map(|s| s.under_counting).unwrap_or_default()
 }
 
 /// A command traced for its user allocations that made none memtrace could see.

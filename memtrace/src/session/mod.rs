@@ -272,6 +272,11 @@ impl Tracer {
             Target::All => None,
         };
         let attached = (|| -> Result<()> {
+            probes.verify_ahead(probes::verify::Plan {
+                mappings: unwinder.is_some(),
+                kernel: options.kernel,
+                allocators: !found.is_empty(),
+            })?;
             probes.attach_task_tracepoints()?;
             if unwinder.is_some() {
                 probes.attach_mapping_tracker()?;

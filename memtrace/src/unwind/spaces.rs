@@ -283,9 +283,9 @@ pub(crate) mod tests {
     }
 
     impl TableSink for FakeProbes {
-        fn install_table(&mut self, slot: Slot, elements: &[u64]) -> anyhow::Result<()> {
-            self.tables.push((slot, elements.len()));
-            Ok(())
+        fn install_tables(&mut self, tables: &[(Slot, Vec<u64>)]) -> Vec<anyhow::Result<()>> {
+            self.tables.extend(tables.iter().map(|(slot, elements)| (*slot, elements.len())));
+            tables.iter().map(|_| Ok(())).collect()
         }
     }
 

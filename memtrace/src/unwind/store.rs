@@ -69,8 +69,9 @@ struct Done {
 
 /// Where tables go once built: the probes' array (the session's `Probes`).
 pub trait TableSink {
-    /// Installs `elements` (a table laid out as the probes read it) in `slot`.
-    fn install_table(&mut self, slot: Slot, elements: &[u64]) -> anyhow::Result<()>;
+    /// Installs each table (its slot, and its elements laid out as the probes read them);
+    /// one result per table, in order.
+    fn install_tables(&mut self, tables: &[(Slot, Vec<u64>)]) -> Vec<anyhow::Result<()>>;
     /// Tells the probes a file's table is installed, so they add its mappings themselves.
     fn register_file(&mut self, _id: FileId, _table: FileTable) -> anyhow::Result<()> {
         Ok(())
@@ -248,9 +249,12 @@ impl TableStore {
             self.ready.push((done.slot, Arc::new(table)));
         }
         let mut installed = 0;
-        for (slot, table) in std::mem::take(&mut self.ready) {
-            let elements = table.elements();
-            match sink.install_table(slot, &elements) {
+        let ready = std::mem::take(&mut self.ready);
+        let elements: Vec<(Slot, Vec<u64>)> = ready.iter().map(|(slot, table)| (*slot, table.elements())).collect();
+        let results = sink.install_tables(&elements);
+        drop(elements);
+        for ((slot, table), result) in ready.into_iter().zip(results) {
+            match result {
                 Ok(()) => {
                     self.stats.bytes += table.byte_size() as u64;
                     self.stats.rows += table.rows.len() as u64;
@@ -393,9 +397,9 @@ mod tests {
     #[derive(Default)]
     struct Installed(Vec<(Slot, usize)>);
     impl TableSink for Installed {
-        fn install_table(&mut self, slot: Slot, elements: &[u64]) -> anyhow::Result<()> {
-            self.0.push((slot, elements.len()));
-            Ok(())
+        fn install_tables(&mut self, tables: &[(Slot, Vec<u64>)]) -> Vec<anyhow::Result<()>> {
+            self.0.extend(tables.iter().map(|(slot, elements)| (*slot, elements.len())));
+            tables.iter().map(|_| Ok(())).collect()
         }
     }
 

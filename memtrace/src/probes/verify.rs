@@ -1,0 +1,151 @@
+//! Verifying the programs a session uses before anything attaches, and wiring the second
+//! halves of the allocation programs. Verification is most of memtrace's start-up (the
+//! stack-taking programs take the kernel hundreds of milliseconds each) and the kernel
+//! verifies privileged loads concurrently, so the programs are loaded on parallel threads.
+//! The stack walks live in two tail-called programs (`kmem_finish`, `user_finish`, in the
+//! eBPF crate's `finish.rs`), installed in the program arrays their first halves call
+//! before any of those attaches.
+use std::time::{Duration, Instant};
+
+use anyhow::{Context as _, Result, anyhow};
+use aya::{
+    maps::ProgramArray,
+    programs::{Program, ProgramError},
+};
+use aya_obj::generated::bpf_attach_type::BPF_TRACE_UPROBE_MULTI;
+
+use super::{ALLOCATOR_PROGRAMS, Probes, uprobe_multi::AttachPath};
+
+/// Task lifecycle raw tracepoints.
+pub(super) const TASK_PROGRAMS: [&str; 4] = ["task_newtask", "sched_process_exec", "sched_process_exit", "task_rename"];
+/// The mapping tracker's syscall tracepoints.
+pub(super) const MAPPING_PROGRAMS: [&str; 4] =
+    ["sys_enter_openat", "sys_exit_openat", "sys_enter_mmap", "sys_exit_mmap"];
+/// The kmem raw tracepoints.
+pub(super) const KERNEL_PROGRAMS: [&str; 7] = [
+    "kmalloc",
+    "kmem_cache_alloc",
+    "kfree",
+    "kmem_cache_free",
+    "mm_page_alloc",
+    "mm_page_free",
+    "mm_page_free_batched",
+];
+
+/// The second half of the kmem allocation programs, and the array leading to it.
+pub(super) const KERNEL_FINISH: (&str, &str) = ("kmem_finish", "KERNEL_FINISH");
+/// The second half of the allocation return probes, and the array leading to it.
+pub(super) const USER_FINISH: (&str, &str) = ("user_finish", "USER_FINISH");
+
+/// One program's load: its name, the outcome, the instructions the verifier processed and
+/// how long it took.
+type Verified = (String, Result<(), ProgramError>, Option<u32>, Duration);
+
+/// Which groups of programs a session will attach.
+#[derive(Debug, Clone, Copy)]
+pub struct Plan {
+    /// The mapping tracker (table unwinding).
+    pub mappings: bool,
+    /// The kmem tracepoints.
+    pub kernel: bool,
+    /// The malloc family and the GPU driver.
+    pub allocators: bool,
+}
+
+impl Probes {
+    /// Verifies every program `plan` needs, on parallel threads.
+    pub fn verify_ahead(&mut self, plan: Plan) -> Result<()> {
+        let mut names: Vec<&str> = TASK_PROGRAMS.to_vec();
+        if plan.mappings {
+            names.extend(MAPPING_PROGRAMS);
+        }
+        if plan.kernel {
+            names.extend(KERNEL_PROGRAMS);
+            if self.kernel_stacks {
+                names.push(KERNEL_FINISH.0);
+            }
+        }
+        if plan.allocators {
+            names.extend(ALLOCATOR_PROGRAMS.iter().filter(|&&n| n != USER_FINISH.0 || self.user_stacks));
+        }
+        let started = Instant::now();
+        let verified = self.verify(&names)?;
+        log::debug!("{verified} programs verified in {} ms on parallel threads", started.elapsed().as_millis());
+        Ok(())
+    }
+
+    /// Loads (verifies) those of `names` not loaded yet, each on its own thread; returns
+    /// how many were. The first failure is the error.
+    pub(super) fn verify(&mut self, names: &[&str]) -> Result<usize> {
+        let multi = self.attach_path == AttachPath::Multi;
+        let pending: Vec<(&str, &mut Program)> =
+            self.ebpf.programs_mut().filter(|(name, p)| names.contains(name) && p.fd().is_err()).collect();
+        let count = pending.len();
+        let results: Vec<Verified> = std::thread::scope(|scope| {
+            let threads: Vec<_> = pending
+                .into_iter()
+                .map(|(name, program)| {
+                    scope.spawn(move || {
+                        let started = Instant::now();
+                        let loaded = load(program, multi && ALLOCATOR_PROGRAMS.contains(&name));
+                        let instructions = program.info().ok().and_then(|i| i.verified_instruction_count());
+                        (name.to_string(), loaded, instructions, started.elapsed())
+                    })
+                })
+                .collect();
+            threads.into_iter().filter_map(|t| t.join().ok()).collect()
+        });
+        if results.len() != count {
+            return Err(anyhow!("a thread verifying the probes panicked"));
+        }
+        let mut first_error = None;
+        for (name, loaded, instructions, took) in results {
+            match loaded {
+                Ok(()) => log::debug!(
+                    "{name}: {} instructions verified in {} ms",
+                    instructions.map_or_else(|| "?".into(), |n| n.to_string()),
+                    took.as_millis()
+                ),
+                Err(e) => {
+                    if first_error.is_none() {
+                        first_error = Some(anyhow::Error::new(e).context(format!("verifying {name}")));
+                    }
+                }
+            }
+        }
+        first_error.map_or(Ok(count), Err)
+    }
+
+    /// Verifies a second-half program (`finish`: program and array) and puts it in its
+    /// program array, once.
+    pub(super) fn install_finish(&mut self, (program, array): (&'static str, &str)) -> Result<()> {
+        if self.finishes.contains(&program) {
+            return Ok(());
+        }
+        self.verify(&[program])?;
+        let fd = self
+            .ebpf
+            .program(program)
+            .with_context(|| format!("program {program} missing"))?
+            .fd()?
+            .try_clone()
+            .with_context(|| format!("duplicating the descriptor of {program}"))?;
+        let mut map = ProgramArray::try_from(self.ebpf.map_mut(array).with_context(|| format!("{array} map"))?)?;
+        map.set(0, &fd, 0).with_context(|| format!("installing {program} in {array}"))?;
+        self.finishes.push(program);
+        Ok(())
+    }
+}
+
+/// Loads one program the way its attach needs: uprobes meant for multi links with that
+/// expected attach type (the kernel lets only those attach through one, and a program array
+/// only joins programs of one expected attach type).
+fn load(program: &mut Program, multi: bool) -> Result<(), ProgramError> {
+    match program {
+        Program::RawTracePoint(p) => p.load(),
+        Program::TracePoint(p) => p.load(),
+        Program::UProbe(p) if multi => p.load_with_expected_attach_type(BPF_TRACE_UPROBE_MULTI),
+        Program::UProbe(p) => p.load(),
+        _ => Err(ProgramError::UnexpectedProgramType),
+    }
+}
