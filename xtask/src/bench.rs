@@ -363,6 +363,9 @@ pub fn bench() -> Result<()> {
     eprintln!("xtask bench: a heavy program (Python with numpy, pandas, pyarrow)");
     let heavy = crate::heavy_bench::section(&memtrace)?;
 
+    eprintln!("xtask bench: start and stop");
+    let start = crate::start_bench::section(&memtrace)?;
+
     eprintln!("xtask bench: the always-on agent (memtrace serve)");
     let serve = crate::serve_bench::section(&memtrace, &workloads)?;
 
@@ -502,9 +505,10 @@ pub fn bench() -> Result<()> {
          ## Machine\n\n{machine}\n\n## Per malloc+free pair\n\nThe bundled workload's loop (`alloc_workload --loop N`: \
          malloc(32) then free, {TRACED_PAIRS} pairs traced, {BARE_PAIRS} bare); {RUNS} runs each; the added cost \
          is the median minus the bare median.\n\n{table}\n## Two designs for whole stacks without frame pointers\n\n\
-         {designs}\n## Stacks of a distribution binary\n\n{python}\n{}\n## Other figures\n\n{other}\n{}\n## Targets\n\n\
+         {designs}\n## Stacks of a distribution binary\n\n{python}\n{}\n{}\n## Other figures\n\n{other}\n{}\n## Targets\n\n\
          {targets}\n{notes}",
         crate::heavy_bench::wrapped(&heavy),
+        crate::start_bench::wrapped(&start),
         crate::serve_bench::wrapped(&serve)
     );
     fs::write(workspace_root().join("BENCHMARKS.md"), doc)?;

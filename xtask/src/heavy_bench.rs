@@ -269,12 +269,7 @@ pub fn wrapped(section: &str) -> String {
 
 /// `doc` with this section replaced (or appended).
 pub fn replace_section(doc: &str, section: &str) -> String {
-    match (doc.find(HEADING), doc.find(END)) {
-        (Some(start), Some(end)) if end > start => {
-            format!("{}{}{}", &doc[..start], wrapped(section), &doc[end + END.len()..].trim_start_matches('\n'))
-        }
-        _ => format!("{}\n\n{}", doc.trim_end(), wrapped(section)),
-    }
+    crate::replace_marked(doc, HEADING, END, &wrapped(section))
 }
 
 /// `cargo xtask bench heavy`: this section alone, replaced in BENCHMARKS.md.

@@ -14,9 +14,21 @@ use anyhow::{Context as _, Result, bail};
 mod bench;
 mod heavy_bench;
 mod serve_bench;
+mod start_bench;
 
 fn workspace_root() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).parent().expect("xtask lives in the workspace").to_path_buf()
+}
+
+/// `doc` with the section that starts at `heading` and ends at `end` replaced by `section`
+/// (appended when the document has none).
+fn replace_marked(doc: &str, heading: &str, end: &str, section: &str) -> String {
+    match (doc.find(heading), doc.find(end)) {
+        (Some(start), Some(stop)) if stop > start => {
+            format!("{}{section}{}", &doc[..start], doc[stop + end.len()..].trim_start_matches('\n'))
+        }
+        _ => format!("{}\n\n{section}", doc.trim_end()),
+    }
 }
 
 fn target_dir() -> PathBuf {
@@ -251,6 +263,7 @@ fn main() -> Result<()> {
         "demo" => demo(),
         "bench" if env::args().nth(2).as_deref() == Some("serve") => serve_bench::run_alone(),
         "bench" if env::args().nth(2).as_deref() == Some("heavy") => heavy_bench::run_alone(),
+        "bench" if env::args().nth(2).as_deref() == Some("start") => start_bench::run_alone(),
         "bench" => bench::bench(),
         _ => {
             eprintln!("usage: cargo xtask <setup|test|demo|bench>");
@@ -262,6 +275,7 @@ fn main() -> Result<()> {
             eprintln!("  bench  overhead against the peers, pipeline speed, sustained load -> BENCHMARKS.md (root)");
             eprintln!("  bench serve  only the always-on agent's figures and soak (its BENCHMARKS.md section)");
             eprintln!("  bench heavy  only the heavy Python program against heaptrack and memray (its section)");
+            eprintln!("  bench start  only the start-and-stop figures (record -- true, attach, stop; its section)");
             std::process::exit(2);
         }
     }

@@ -330,13 +330,7 @@ pub fn wrapped(section: &str) -> String {
 
 /// `doc` with its serve section replaced (or appended).
 pub fn replace_section(doc: &str, section: &str) -> String {
-    let heading = "## Always-on agent (`memtrace serve`)";
-    match (doc.find(heading), doc.find(END)) {
-        (Some(start), Some(end)) if end > start => {
-            format!("{}{}{}", &doc[..start], wrapped(section), doc[end + END.len()..].trim_start_matches('\n'))
-        }
-        _ => format!("{}\n\n{}", doc.trim_end(), wrapped(section)),
-    }
+    crate::replace_marked(doc, "## Always-on agent (`memtrace serve`)", END, &wrapped(section))
 }
 
 #[cfg(test)]
