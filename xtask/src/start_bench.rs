@@ -121,10 +121,10 @@ pub fn section(memtrace: &Path) -> Result<String> {
         ("memtrace record --no-kernel -- true", wall(memtrace_true(&["--no-kernel"]))?, "malloc family only"),
         ("memtrace record --no-user -- true", wall(memtrace_true(&["--no-user"]))?, "kmem tracepoints only"),
         (
-            "heaptrack true",
+            "heaptrack /usr/bin/true",
             wall(|| {
                 let mut c = Command::new("heaptrack");
-                c.arg("-o").arg(target_dir().join("bench").join("start-heaptrack")).arg("true");
+                c.arg("-o").arg(target_dir().join("bench").join("start-heaptrack")).arg("/usr/bin/true");
                 c
             })?,
             "LD_PRELOAD, then its own interpreter",
@@ -151,7 +151,7 @@ pub fn section(memtrace: &Path) -> Result<String> {
                     "uprobe:libc:malloc { @[ustack] = count(); } uretprobe:libc:malloc {} \
                      tracepoint:kmem:kmalloc { @k[kstack, ustack] = count(); }",
                     "-c",
-                    "true",
+                    "/usr/bin/true",
                 ]);
                 c
             })?,
@@ -203,6 +203,11 @@ pub fn replace_section(doc: &str, section: &str) -> String {
 pub fn run_alone() -> Result<()> {
     crate::require_root("bench")?;
     crate::setup()?;
+    for (tool, package) in [("bpftrace", "bpftrace"), ("heaptrack", "heaptrack"), ("perf", "linux-perf")] {
+        if !succeeds(Command::new(tool).arg("--version")) {
+            crate::apt_install(&[package])?;
+        }
+    }
     let (memtrace, _) = build_release()?;
     fs::create_dir_all(target_dir().join("bench"))?;
     let section = section(&memtrace)?;

@@ -68,6 +68,9 @@ struct Done {
 }
 
 /// Where tables go once built: the probes' array (the session's `Probes`).
+/// Bytes of table elements copied for one batch of installs.
+const BATCH_BYTES: usize = 8 << 20;
+
 pub trait TableSink {
     /// Installs each table (its slot, and its elements laid out as the probes read them);
     /// one result per table, in order.
@@ -249,11 +252,37 @@ impl TableStore {
             self.ready.push((done.slot, Arc::new(table)));
         }
         let mut installed = 0;
-        let ready = std::mem::take(&mut self.ready);
-        let elements: Vec<(Slot, Vec<u64>)> = ready.iter().map(|(slot, table)| (*slot, table.elements())).collect();
+        let mut ready = std::mem::take(&mut self.ready).into_iter().peekable();
+        while ready.peek().is_some() {
+            // A batch is installed at once (the sink overlaps the kernel's waits); its
+            // elements are copies, so a batch is bounded in bytes.
+            let mut batch = Vec::new();
+            let mut bytes = 0;
+            while let Some((slot, table)) =
+                ready.next_if(|(_, t)| batch.is_empty() || bytes + t.byte_size() <= BATCH_BYTES)
+            {
+                bytes += table.byte_size();
+                batch.push((slot, table));
+            }
+            installed += self.install_batch(batch, sink);
+        }
+        if !self.unregistered.is_empty() {
+            for slot in std::mem::take(&mut self.unregistered) {
+                if !self.register(slot, sink) {
+                    self.unregistered.push(slot);
+                }
+            }
+        }
+        installed
+    }
+
+    /// Installs `batch` through `sink`; returns how many tables it held.
+    fn install_batch(&mut self, batch: Vec<(Slot, Arc<Table>)>, sink: &mut dyn TableSink) -> usize {
+        let elements: Vec<(Slot, Vec<u64>)> = batch.iter().map(|(slot, table)| (*slot, table.elements())).collect();
         let results = sink.install_tables(&elements);
         drop(elements);
-        for ((slot, table), result) in ready.into_iter().zip(results) {
+        let mut installed = 0;
+        for ((slot, table), result) in batch.into_iter().zip(results) {
             match result {
                 Ok(()) => {
                     self.stats.bytes += table.byte_size() as u64;
@@ -267,13 +296,6 @@ impl TableStore {
             }
             self.unregistered.push(slot);
             installed += 1;
-        }
-        if !self.unregistered.is_empty() {
-            for slot in std::mem::take(&mut self.unregistered) {
-                if !self.register(slot, sink) {
-                    self.unregistered.push(slot);
-                }
-            }
         }
         installed
     }
