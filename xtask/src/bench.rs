@@ -258,6 +258,9 @@ pub fn bench() -> Result<()> {
     if !succeeds(Command::new("heaptrack").arg("--version")) {
         apt_install(&["heaptrack"])?;
     }
+    if !succeeds(Command::new("sqlite3").arg("--version")) {
+        apt_install(&["sqlite3"])?;
+    }
     let (memtrace, workloads) = build_release()?;
     let workload = workloads.join("alloc_workload");
     let nofp_workload = workloads.join("alloc_workload_nofp");

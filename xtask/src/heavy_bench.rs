@@ -5,6 +5,7 @@
 //! wall time, what each counted, how whole memtrace's stacks are, what it lost, its own CPU
 //! and memory. Figures from one session on one machine; nothing here passes or fails.
 use std::{
+    ffi::OsStr,
     fmt::Write as _,
     fs,
     path::{Path, PathBuf},
@@ -52,6 +53,20 @@ s = json.dumps(recs, default=str)
 counts = collections.Counter(r["tag"] for r in json.loads(s))
 print(len(back), len(g), sorted(counts.items())[:2])
 "#;
+
+/// A Debian program: the sqlite3 shell building, indexing, grouping, joining, sorting and
+/// dumping a 200,000-row table in memory (libsqlite3 from Debian, no frame pointers).
+pub const SQL: &str = "CREATE TABLE t(id INTEGER PRIMARY KEY, cat TEXT, x REAL, note TEXT);
+WITH RECURSIVE n(i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM n WHERE i < 200000)
+INSERT INTO t SELECT i, 'c' || (i % 997), (i * 7919 % 10007) / 10007.0,
+  printf('%08x-%d', i * 2654435761 % 4294967296, i % 13) FROM n;
+CREATE INDEX t_cat ON t(cat, x);
+CREATE TABLE g AS SELECT cat, count(*) AS n, sum(x) AS s FROM t GROUP BY cat;
+SELECT count(*), sum(length(note)) FROM t JOIN g USING (cat) WHERE x > 0.5;
+SELECT cat, length(group_concat(id)) FROM (SELECT cat, id FROM t ORDER BY note LIMIT 50000)
+  GROUP BY cat ORDER BY cat LIMIT 3;
+SELECT json_group_array(json_object('id', id, 'cat', cat)) IS NOT NULL FROM (SELECT * FROM t WHERE id % 7 = 0);
+";
 
 /// The venv with the wheels (made once; pip is not run again when they import).
 pub fn venv() -> Result<PathBuf> {
@@ -101,14 +116,7 @@ fn heaptrack_allocs(file: &Path) -> Option<u64> {
         .and_then(|rest| rest.split_whitespace().next()?.parse().ok())
 }
 
-fn memtrace_row(
-    memtrace: &Path,
-    name: &str,
-    python: &Path,
-    script: &Path,
-    cache: &Path,
-    extra: &[&str],
-) -> Result<Row> {
+fn memtrace_row(memtrace: &Path, name: &str, command: &[&OsStr], cache: &Path, extra: &[&str]) -> Result<Row> {
     let data = target_dir().join("bench").join("heavy.data");
     let wall_s = timed(
         Command::new(memtrace)
@@ -117,8 +125,7 @@ fn memtrace_row(
             .arg(&data)
             .args(extra)
             .arg("--")
-            .arg(python)
-            .arg(script),
+            .args(command),
     )?;
     // The report's head only: a whole `--by stack` report of this run is hundreds of MB of
     // JSON, and holding it here would swell this process (whose peak RSS the next recorder
@@ -133,6 +140,53 @@ fn memtrace_row(
     report["python_share"] = serde_json::json!(if total > 0 { with as f64 / total as f64 } else { 0.0 });
     let file_bytes = fs::metadata(&data).map(|m| m.len()).unwrap_or(0);
     Ok(Row { name: name.into(), wall_s, allocs, report: Some(report), file_bytes })
+}
+
+/// The table of `rows` (the first is bare, the second heaptrack); `python`: with the
+/// column of the share of stacks holding a Python frame.
+fn table(rows: &[Row], bare_s: f64, python: bool) -> String {
+    let heaptrack_added = rows[1].wall_s - bare_s;
+    let (py_head, py_rule) = if python { (" with a Python frame |", " ---: |") } else { ("", "") };
+    let mut out = format!(
+        "| under | wall s | added / heaptrack's added | allocations counted | user stacks cut short |{py_head} lost events | copies | tool CPU s | tool peak RSS | file |\n\
+         | --- | ---: | ---: | ---: | ---: |{py_rule} ---: | ---: | ---: | ---: | ---: |\n"
+    );
+    for r in rows {
+        let ratio =
+            if r.name == "bare" { "—".to_string() } else { format!("{:.2}", (r.wall_s - bare_s) / heaptrack_added) };
+        let allocs = r.allocs.map_or("—".to_string(), |a| a.to_string());
+        let file = if r.file_bytes > 0 { format!("{:.1} MB", r.file_bytes as f64 / 1e6) } else { "—".into() };
+        match &r.report {
+            Some(j) => {
+                let stacks = &j["stacks"]["user"];
+                let with = stacks["allocs_with_stack"].as_u64().unwrap_or(0);
+                let cut = stacks["allocs_truncated"].as_u64().unwrap_or(0);
+                let cut = if with > 0 { format!("{:.1} %", 100.0 * cut as f64 / with as f64) } else { "—".into() };
+                let rec = &j["recorder"];
+                let share = j["python_share"].as_f64().unwrap_or(0.0);
+                let share = if python { format!(" {:.1} % |", 100.0 * share) } else { String::new() };
+                let _ = writeln!(
+                    out,
+                    "| {} | {:.2} | {ratio} | {allocs} | {cut} |{share} {} | {} | {:.1} | {:.0} MB | {file} |",
+                    r.name,
+                    r.wall_s,
+                    j["lost_events"],
+                    rec["unwind_copies"].as_u64().unwrap_or(0),
+                    rec["cpu_ns"].as_u64().unwrap_or(0) as f64 / 1e9,
+                    rec["peak_rss_bytes"].as_u64().unwrap_or(0) as f64 / 1e6,
+                );
+            }
+            None => {
+                let share = if python { " — |" } else { "" };
+                let _ = writeln!(
+                    out,
+                    "| {} | {:.2} | {ratio} | {allocs} | — |{share} — | — | — | — | {file} |",
+                    r.name, r.wall_s
+                );
+            }
+        }
+    }
+    out
 }
 
 /// The section's table and notes.
@@ -177,7 +231,7 @@ pub fn section(memtrace: &Path) -> Result<String> {
         ("memtrace record --call-graph fp", &["--call-graph", "fp"][..]),
         ("memtrace record --no-user-stacks", &["--no-user-stacks"][..]),
     ] {
-        let row = memtrace_row(memtrace, name, &python, &script, &cache, extra)?;
+        let row = memtrace_row(memtrace, name, &[python.as_os_str(), script.as_os_str()], &cache, extra)?;
         eprintln!("xtask bench: heavy: {name} {:.2} s", row.wall_s);
         rows.push(row);
     }
@@ -199,47 +253,8 @@ pub fn section(memtrace: &Path) -> Result<String> {
         file_bytes: 0,
     });
 
-    let heaptrack_added = rows[1].wall_s - bare_s;
-    let mut out = String::new();
-    let _ = writeln!(
-        out,
-        "| under | wall s | added / heaptrack's added | allocations counted | user stacks cut short | with a Python frame | lost events | copies | tool CPU s | tool peak RSS | file |"
-    );
-    let _ = writeln!(out, "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |");
-    for r in &rows {
-        let ratio =
-            if r.name == "bare" { "—".to_string() } else { format!("{:.2}", (r.wall_s - bare_s) / heaptrack_added) };
-        let allocs = r.allocs.map_or("—".to_string(), |a| a.to_string());
-        let file = if r.file_bytes > 0 { format!("{:.1} MB", r.file_bytes as f64 / 1e6) } else { "—".into() };
-        match &r.report {
-            Some(j) => {
-                let stacks = &j["stacks"]["user"];
-                let with = stacks["allocs_with_stack"].as_u64().unwrap_or(0);
-                let cut = stacks["allocs_truncated"].as_u64().unwrap_or(0);
-                let cut = if with > 0 { format!("{:.1} %", 100.0 * cut as f64 / with as f64) } else { "—".into() };
-                let rec = &j["recorder"];
-                let share = j["python_share"].as_f64().unwrap_or(0.0);
-                let _ = writeln!(
-                    out,
-                    "| {} | {:.2} | {ratio} | {allocs} | {cut} | {:.1} % | {} | {} | {:.1} | {:.0} MB | {file} |",
-                    r.name,
-                    r.wall_s,
-                    100.0 * share,
-                    j["lost_events"],
-                    rec["unwind_copies"].as_u64().unwrap_or(0),
-                    rec["cpu_ns"].as_u64().unwrap_or(0) as f64 / 1e9,
-                    rec["peak_rss_bytes"].as_u64().unwrap_or(0) as f64 / 1e6,
-                );
-            }
-            None => {
-                let _ = writeln!(
-                    out,
-                    "| {} | {:.2} | {ratio} | {allocs} | — | — | — | — | — | — | {file} |",
-                    r.name, r.wall_s
-                );
-            }
-        }
-    }
+    let mut out = table(&rows, bare_s, true);
+    let sqlite = sqlite_table(memtrace, &cache)?;
     let versions = Command::new(&python)
         .args(["-c", "import numpy, pandas, pyarrow, memray, sys; print(sys.version.split()[0], numpy.__version__, pandas.__version__, pyarrow.__version__, memray.__version__)"])
         .output()
@@ -260,7 +275,62 @@ pub fn section(memtrace: &Path) -> Result<String> {
          keeps its figures for scrapes; memray's count is not comparable \
          (it also sees Python's own allocator) and is left out."
     );
+    let _ = write!(
+        out,
+        "\n### A Debian program: sqlite3\n\n{sqlite}\n`sqlite3 :memory: '.read heavy.sql'` (the script is `SQL` in \
+         `xtask/src/heavy_bench.rs`): builds, indexes, groups, joins, sorts and dumps as JSON a 200,000-row table; \
+         libsqlite3 from Debian, without frame pointers. Bare is the median of 3 runs; memtrace ran with a warm \
+         unwind cache. Its allocations are many, small and short-lived, from shallow stacks: the case where an \
+         in-process tracer's cheap call beats two traps per allocation.\n"
+    );
     Ok(out)
+}
+
+/// The sqlite3 rows: bare, heaptrack, memtrace (warm cache, then by frame pointers).
+fn sqlite_table(memtrace: &Path, cache: &Path) -> Result<String> {
+    let dir = target_dir().join("bench");
+    let sql = dir.join("heavy.sql");
+    fs::write(&sql, SQL)?;
+    let read = format!(".read {}", sql.display());
+    let sqlite = |c: &mut Command| {
+        c.args([":memory:", &read]);
+    };
+    let bare: Vec<f64> = (0..3)
+        .map(|_| {
+            let mut c = Command::new("sqlite3");
+            sqlite(&mut c);
+            timed(&mut c)
+        })
+        .collect::<Result<_>>()?;
+    let bare_s = {
+        let mut b = bare;
+        b.sort_by(f64::total_cmp);
+        b[1]
+    };
+    eprintln!("xtask bench: heavy: sqlite3 bare {bare_s:.2} s");
+    let mut rows = vec![Row { name: "bare".into(), wall_s: bare_s, allocs: None, report: None, file_bytes: 0 }];
+    let ht = dir.join("sqlite-heaptrack");
+    let _ = fs::remove_file(ht.with_extension("zst"));
+    let mut c = Command::new("heaptrack");
+    c.arg("-o").arg(&ht).arg("/usr/bin/sqlite3");
+    sqlite(&mut c);
+    let wall_s = timed(&mut c)?;
+    let ht_file = ht.with_extension("zst");
+    let allocs = heaptrack_allocs(&ht_file);
+    let file_bytes = fs::metadata(&ht_file).map(|m| m.len()).unwrap_or(0);
+    eprintln!("xtask bench: heavy: sqlite3 under heaptrack {wall_s:.2} s, {allocs:?} allocations");
+    rows.push(Row { name: "heaptrack (LD_PRELOAD, libunwind)".into(), wall_s, allocs, report: None, file_bytes });
+    let command = [OsStr::new("/usr/bin/sqlite3"), OsStr::new(":memory:"), OsStr::new(&read)];
+    // The first run fills the cache with sqlite3's tables; the rows are the later runs.
+    memtrace_row(memtrace, "warm-up", &command, cache, &[])?;
+    for (name, extra) in
+        [("memtrace record (warm cache)", &[][..]), ("memtrace record --call-graph fp", &["--call-graph", "fp"][..])]
+    {
+        let row = memtrace_row(memtrace, name, &command, cache, extra)?;
+        eprintln!("xtask bench: heavy: sqlite3 under {name} {:.2} s", row.wall_s);
+        rows.push(row);
+    }
+    Ok(table(&rows, bare_s, false))
 }
 
 pub fn wrapped(section: &str) -> String {
@@ -276,6 +346,11 @@ pub fn replace_section(doc: &str, section: &str) -> String {
 pub fn run_alone() -> Result<()> {
     crate::require_root("bench")?;
     crate::setup()?;
+    for tool in ["heaptrack", "sqlite3"] {
+        if !crate::succeeds(Command::new(tool).arg("--version")) {
+            crate::apt_install(&[tool])?;
+        }
+    }
     let (memtrace, _) = build_release()?;
     fs::create_dir_all(target_dir().join("bench"))?;
     let section = section(&memtrace)?;
