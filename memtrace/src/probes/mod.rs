@@ -230,8 +230,11 @@ impl Probes {
     /// Loads the programs and installs the rings. Nothing is attached yet.
     pub fn load(settings: &Settings) -> Result<Self> {
         check_privileges()?;
-        let btf = Btf::vmlinux()?;
-        let kernel = kernel_layout(&btf)?;
+        // The kernel's BTF is read twice, for the offsets the probes take from it (here) and
+        // for aya's relocations (`EbpfLoader::new`): ~150 ms each, so on two threads.
+        let layout = std::thread::spawn(|| Btf::vmlinux().and_then(|btf| kernel_layout(&btf)));
+        let mut loader = EbpfLoader::new();
+        let kernel = layout.join().map_err(|_| anyhow::anyhow!("reading the kernel's BTF failed"))??;
         let config = ProbeConfig {
             self_tgid: std::process::id(),
             trace_all: u32::from(settings.all_processes),
@@ -248,7 +251,7 @@ impl Probes {
         let unlimited = libc::rlimit { rlim_cur: libc::RLIM_INFINITY, rlim_max: libc::RLIM_INFINITY };
         // SAFETY: a valid rlimit struct is passed; failure is harmless on newer kernels.
         unsafe { libc::setrlimit(libc::RLIMIT_MEMLOCK, &unlimited) };
-        let mut ebpf = EbpfLoader::new().override_global("CONFIG", &config, true).load(OBJECT).map_err(|e| {
+        let mut ebpf = loader.override_global("CONFIG", &config, true).load(OBJECT).map_err(|e| {
             anyhow::anyhow!("loading the eBPF programs: {e} (is BTF available at /sys/kernel/btf/vmlinux?)")
         })?;
         let logger = aya_log::EbpfLogger::init(&mut ebpf).ok();
