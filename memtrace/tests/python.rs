@@ -181,6 +181,27 @@ fn python_lines_are_in_the_stacks_of_a_running_process() {
 }
 
 #[test]
+fn record_all_walks_a_python_process_already_running() {
+    require_root();
+    let _sharing = sharing_the_machine();
+    let dir = scratch("python-all");
+    let data = dir.join("rec.data");
+    let mut python = Command::new(PYTHON).arg(script()).arg("wait").stdin(Stdio::piped()).spawn().unwrap();
+    std::thread::sleep(std::time::Duration::from_millis(300));
+    let mut recorder =
+        memtrace().args(["record", "-a", "--no-kernel", "-o"]).arg(&data).stderr(Stdio::piped()).spawn().unwrap();
+    let stderr = wait_until_tracing(&mut recorder);
+    python.stdin.take().unwrap().write_all(b"go\n").unwrap();
+    assert!(python.wait().unwrap().success());
+    // Stops like a user at a terminal would.
+    run(Command::new("kill").args(["-INT", &recorder.id().to_string()]));
+    let status = recorder.wait().unwrap();
+    let stderr = stderr.join().unwrap();
+    assert!(status.success(), "{stderr}");
+    check_report(&report_json(&data, &["--by", "stack", "--pid", &python.id().to_string()]));
+}
+
+#[test]
 fn python_frames_off_keeps_the_interpreter_frames() {
     require_root();
     let _sharing = sharing_the_machine();

@@ -349,6 +349,13 @@ impl Tracer {
             tracer.check_cuda_mapped(*pid);
             tracer.check_python(*pid);
         }
+        if matches!(options.target, Target::All)
+            && tracer.python_scan_all() > 0
+            && let Some(u) = tracer.unwinder.as_mut()
+        {
+            // As for --pid: their first stacks find the tables of the files they run.
+            u.wait_tables(&mut tracer.probes, PID_TABLES_WAIT);
+        }
         Ok(tracer)
     }
 

@@ -109,6 +109,42 @@ impl Tracer {
         self.check_python(pid);
     }
 
+    /// `record -a`/`serve -a`: the Python processes already running when tracing starts
+    /// (programs named like an interpreter, or processes with a libpython mapped); later
+    /// ones are found at their exec or their mapping of libpython. Returns how many were
+    /// found walkable.
+    pub(super) fn python_scan_all(&mut self) -> usize {
+        if !self.python_wanted() {
+            return 0;
+        }
+        let mut found = 0;
+        let own = std::process::id();
+        for pid in crate::procfs::all_pids() {
+            if pid == own {
+                continue;
+            }
+            let named = crate::procfs::exe(pid)
+                .ok()
+                .as_deref()
+                .and_then(Path::file_name)
+                .is_some_and(|n| n.to_string_lossy().starts_with("python"));
+            let embeds =
+                || std::fs::read_to_string(format!("/proc/{pid}/maps")).is_ok_and(|maps| maps.contains("/libpython"));
+            if named || embeds() {
+                self.check_python(pid);
+                // Its address space too, now: like a process given with --pid, its stacks
+                // then unwind in the probes from the first allocation.
+                if self.python.walked.get(&pid) == Some(&true) {
+                    found += 1;
+                    if let Some(u) = self.unwinder.as_mut() {
+                        u.learn_process(pid, &mut self.probes);
+                    }
+                }
+            }
+        }
+        found
+    }
+
     /// A process mapped executable code from `path`: a libpython makes it a Python process.
     pub(super) fn python_mapped(&mut self, pid: u32, path: &Path) {
         let name = path.file_name().map(|n| n.to_string_lossy()).unwrap_or_default();
