@@ -8,13 +8,13 @@ use aya_ebpf::{
     macros::{raw_tracepoint, uretprobe},
     programs::{RawTracePointContext, RetProbeContext},
 };
-use memtrace_common::{KernelAllocRecord, UserAllocRecord, flags};
+use memtrace_common::{KernelAllocRecord, UserAllocRecord, counter, flags};
 
 use crate::{
     context::scratch,
     maps::{KERNEL_FINISH, USER_FINISH},
-    ring::{emit, this_ring},
-    stack::{kernel_stack, user_stack},
+    ring::{bump, emit, this_ring},
+    stack::{KERNEL_NESTING, kernel_stack, user_stack},
 };
 
 /// What the first half of an allocation program leaves to the second.
@@ -26,13 +26,46 @@ pub(crate) enum Next {
     Finish,
 }
 
-/// Fills the pending kernel allocation record (zeroed first).
+/// Fills the pending kernel allocation record of this nesting level (zeroed first) and
+/// enters the level; [`finish_kernel_alloc`] or `kmem_finish` leaves it. The level is taken
+/// before the record is written, so an allocation in an interrupt meanwhile uses the next.
 #[inline(always)]
 pub(crate) fn pend_kernel_alloc(fill: impl FnOnce(&mut KernelAllocRecord)) -> Result<Next, ()> {
     let scratch = scratch().ok_or(())?;
-    scratch.pending_kernel = KernelAllocRecord::default();
-    fill(&mut scratch.pending_kernel);
+    let level = scratch.kernel_depth as usize;
+    if level >= KERNEL_NESTING {
+        bump(counter::LOST_EVENTS);
+        return Err(());
+    }
+    scratch.kernel_depth = level as u32 + 1;
+    // The mask keeps the index's bound in the verifier's sight (KERNEL_NESTING is a power of two).
+    let pending = &mut scratch.pending_kernel[level & (KERNEL_NESTING - 1)];
+    *pending = KernelAllocRecord::default();
+    fill(pending);
     Ok(Next::Finish)
+}
+
+/// The pending kernel record of the innermost level, with the level.
+#[inline(always)]
+fn pending_kernel() -> Option<(&'static mut KernelAllocRecord, usize)> {
+    let scratch = scratch()?;
+    let depth = scratch.kernel_depth as usize;
+    if depth == 0 {
+        return None;
+    }
+    // Never above KERNEL_NESTING (`pend_kernel_alloc` refuses a deeper level); the mask alone
+    // bounds the index, where a comparison the compiler folds would leave it unbounded to
+    // the verifier.
+    let level = (depth - 1) & (KERNEL_NESTING - 1);
+    Some((&mut scratch.pending_kernel[level], level))
+}
+
+/// Leaves the innermost kernel nesting level.
+#[inline(always)]
+fn leave_kernel_level() {
+    if let Some(scratch) = scratch() {
+        scratch.kernel_depth = scratch.kernel_depth.saturating_sub(1);
+    }
 }
 
 /// Fills the pending user allocation record (zeroed first).
@@ -54,8 +87,10 @@ pub(crate) fn finish_kernel_alloc(ctx: &RawTracePointContext) {
         // failure control returns here.
         unsafe { KERNEL_FINISH.tail_call(ctx, 0) };
     }
-    let (Some(ring), Some(scratch)) = (this_ring(), scratch()) else { return };
-    emit::<KernelAllocRecord>(ring, |r| *r = scratch.pending_kernel);
+    if let (Some(ring), Some((pending, _))) = (this_ring(), pending_kernel()) {
+        emit::<KernelAllocRecord>(ring, |r| *r = *pending);
+    }
+    leave_kernel_level();
 }
 
 /// As [`finish_kernel_alloc`], for user allocations and `user_finish`.
@@ -75,16 +110,19 @@ pub(crate) fn finish_user_alloc(ctx: &RetProbeContext) {
 #[raw_tracepoint]
 pub fn kmem_finish(ctx: RawTracePointContext) -> u32 {
     let _ = try_kmem_finish(&ctx);
+    leave_kernel_level();
     0
 }
 
 fn try_kmem_finish(ctx: &RawTracePointContext) -> Result<(), ()> {
-    let pid = scratch().ok_or(())?.pending_kernel.pid;
+    let (pending, level) = pending_kernel().ok_or(())?;
+    let pid = pending.pid;
     let ring = this_ring().ok_or(())?;
     let stack = kernel_stack(aya_ebpf::EbpfContext::as_ptr(ctx), ring, pid);
     let scratch = scratch().ok_or(())?;
+    let pending = &scratch.pending_kernel[level & (KERNEL_NESTING - 1)];
     emit::<KernelAllocRecord>(ring, |r| {
-        *r = scratch.pending_kernel;
+        *r = *pending;
         if let Some(hash) = stack {
             r.flags |= flags::HAS_STACK;
             r.stack = hash;

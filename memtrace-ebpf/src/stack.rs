@@ -59,9 +59,18 @@ pub(crate) struct Scratch {
     pub(crate) py_cut: u32,
     pub(crate) py_hash: u64,
     /// The allocation records waiting for their stack in a tail-called program (`finish`).
-    pub(crate) pending_kernel: KernelAllocRecord,
+    /// Kernel ones by nesting level: a kmem tracepoint can fire in an interrupt while the
+    /// task's own allocation is between its two halves.
+    pub(crate) pending_kernel: [KernelAllocRecord; KERNEL_NESTING],
     pub(crate) pending_user: UserAllocRecord,
+    /// Kernel allocations between their two halves on this CPU.
+    pub(crate) kernel_depth: u32,
+    pub(crate) _pad: u32,
 }
+
+/// Levels of kmem tracepoints nesting on one CPU (task, softirq, hardirq, NMI).
+pub(crate) const KERNEL_NESTING: usize = 4;
+const _: () = assert!(KERNEL_NESTING.is_power_of_two());
 
 /// Walks the current task's user stack by frame pointers into `scratch.user_ips`; returns
 /// the frame count.
