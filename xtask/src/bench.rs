@@ -16,7 +16,7 @@ use std::{
 
 use anyhow::{Context as _, Result, bail};
 
-use crate::{apt_install, build_release, cargo, output, succeeds, target_dir, workspace_root};
+use crate::{build_release, cargo, output, target_dir, workspace_root};
 
 pub(crate) const RUNS: usize = 5;
 pub(crate) const TRACED_PAIRS: &str = "300000";
@@ -252,15 +252,12 @@ fn unwinding_designs(memtrace: &Path, nofp_workload: &Path, dir: &Path) -> Resul
 pub fn bench() -> Result<()> {
     crate::require_root("bench")?;
     crate::setup()?;
-    if !succeeds(Command::new("bpftrace").arg("--version")) {
-        apt_install(&["bpftrace"])?;
-    }
-    if !succeeds(Command::new("heaptrack").arg("--version")) {
-        apt_install(&["heaptrack"])?;
-    }
-    if !succeeds(Command::new("sqlite3").arg("--version")) {
-        apt_install(&["sqlite3"])?;
-    }
+    crate::ensure_tools(&[
+        ("bpftrace", "bpftrace"),
+        ("heaptrack", "heaptrack"),
+        ("sqlite3", "sqlite3"),
+        ("perf", "linux-perf"),
+    ])?;
     let (memtrace, workloads) = build_release()?;
     let workload = workloads.join("alloc_workload");
     let nofp_workload = workloads.join("alloc_workload_nofp");

@@ -15,7 +15,7 @@ use std::{
 
 use anyhow::{Context as _, Result, bail};
 
-use crate::{build_release, target_dir, workspace_root};
+use crate::{build_release, target_dir};
 
 pub const BEGIN: &str = "<!-- heavy:begin -->";
 pub const END: &str = "<!-- heavy:end -->";
@@ -346,20 +346,10 @@ pub fn replace_section(doc: &str, section: &str) -> String {
 pub fn run_alone() -> Result<()> {
     crate::require_root("bench")?;
     crate::setup()?;
-    for tool in ["heaptrack", "sqlite3"] {
-        if !crate::succeeds(Command::new(tool).arg("--version")) {
-            crate::apt_install(&[tool])?;
-        }
-    }
+    crate::ensure_tools(&[("heaptrack", "heaptrack"), ("sqlite3", "sqlite3")])?;
     let (memtrace, _) = build_release()?;
     fs::create_dir_all(target_dir().join("bench"))?;
-    let section = section(&memtrace)?;
-    println!("\n{section}");
-    let path = workspace_root().join("BENCHMARKS.md");
-    let doc = fs::read_to_string(&path).unwrap_or_default();
-    fs::write(&path, replace_section(&doc, &section))?;
-    eprintln!("xtask bench: updated the heavy-programs section of BENCHMARKS.md");
-    Ok(())
+    crate::update_benchmarks("heavy-programs", &section(&memtrace)?, replace_section)
 }
 
 #[cfg(test)]

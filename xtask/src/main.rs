@@ -31,6 +31,27 @@ fn replace_marked(doc: &str, heading: &str, end: &str, section: &str) -> String 
     }
 }
 
+/// Installs each (command, Debian package) whose command does not run yet.
+fn ensure_tools(tools: &[(&str, &str)]) -> Result<()> {
+    for &(tool, package) in tools {
+        if !succeeds(Command::new(tool).arg("--version")) {
+            apt_install(&[package])?;
+        }
+    }
+    Ok(())
+}
+
+/// Prints `section` and puts it in place in BENCHMARKS.md (`replace`: the section's own
+/// replacement), for a `cargo xtask bench <part>` run alone.
+fn update_benchmarks(what: &str, section: &str, replace: fn(&str, &str) -> String) -> Result<()> {
+    println!("\n{section}");
+    let path = workspace_root().join("BENCHMARKS.md");
+    let doc = fs::read_to_string(&path).unwrap_or_default();
+    fs::write(&path, replace(&doc, section))?;
+    eprintln!("xtask bench: updated the {what} section of BENCHMARKS.md");
+    Ok(())
+}
+
 fn target_dir() -> PathBuf {
     env::var_os("CARGO_TARGET_DIR").map(PathBuf::from).unwrap_or_else(|| workspace_root().join("target"))
 }

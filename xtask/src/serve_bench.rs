@@ -18,7 +18,7 @@ use anyhow::{Context as _, Result, bail};
 
 use crate::{
     bench::{BARE_PAIRS, PYTHON_SCRIPT, RUNS, TRACED_PAIRS, measure, min_median, run_for_figure},
-    build_release, target_dir, workspace_root,
+    build_release, target_dir,
 };
 
 /// Where the section lives in BENCHMARKS.md.
@@ -314,13 +314,7 @@ pub fn run_alone() -> Result<()> {
     crate::setup()?;
     let (memtrace, workloads) = build_release()?;
     fs::create_dir_all(target_dir().join("bench"))?;
-    let section = section(&memtrace, &workloads)?;
-    println!("\n{section}");
-    let path = workspace_root().join("BENCHMARKS.md");
-    let doc = fs::read_to_string(&path).unwrap_or_default();
-    fs::write(&path, replace_section(&doc, &section))?;
-    eprintln!("xtask bench: updated the serve section of BENCHMARKS.md");
-    Ok(())
+    crate::update_benchmarks("serve", &section(&memtrace, &workloads)?, replace_section)
 }
 
 /// The heading and markers around the section.

@@ -15,7 +15,7 @@ use std::{
 
 use anyhow::{Context as _, Result, bail};
 
-use crate::{bench::min_median, build_release, succeeds, target_dir, workspace_root};
+use crate::{bench::min_median, build_release, succeeds, target_dir};
 
 pub const BEGIN: &str = "<!-- start:begin -->";
 pub const END: &str = "<!-- start:end -->";
@@ -203,18 +203,8 @@ pub fn replace_section(doc: &str, section: &str) -> String {
 pub fn run_alone() -> Result<()> {
     crate::require_root("bench")?;
     crate::setup()?;
-    for (tool, package) in [("bpftrace", "bpftrace"), ("heaptrack", "heaptrack"), ("perf", "linux-perf")] {
-        if !succeeds(Command::new(tool).arg("--version")) {
-            crate::apt_install(&[package])?;
-        }
-    }
+    crate::ensure_tools(&[("bpftrace", "bpftrace"), ("heaptrack", "heaptrack"), ("perf", "linux-perf")])?;
     let (memtrace, _) = build_release()?;
     fs::create_dir_all(target_dir().join("bench"))?;
-    let section = section(&memtrace)?;
-    println!("\n{section}");
-    let path = workspace_root().join("BENCHMARKS.md");
-    let doc = fs::read_to_string(&path).unwrap_or_default();
-    fs::write(&path, replace_section(&doc, &section))?;
-    eprintln!("xtask bench: updated the start-and-stop section of BENCHMARKS.md");
-    Ok(())
+    crate::update_benchmarks("start-and-stop", &section(&memtrace)?, replace_section)
 }

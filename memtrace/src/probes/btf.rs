@@ -366,19 +366,7 @@ mod tests {
     #[ignore = "prints what the probes read; run by hand"]
     fn print_layouts() {
         let btf = vmlinux();
-        for t in [
-            "kmalloc",
-            "kmem_cache_alloc",
-            "kfree",
-            "kmem_cache_free",
-            "mm_page_alloc",
-            "mm_page_free",
-            "mm_page_free_batched",
-            "task_newtask",
-            "sched_process_exec",
-            "sched_process_exit",
-            "task_rename",
-        ] {
+        for t in super::super::verify::KERNEL_PROGRAMS.iter().chain(&super::super::verify::TASK_PROGRAMS) {
             println!("tp {t}: {:?}", btf.tracepoint_args(t));
         }
         for f in
