@@ -346,6 +346,9 @@ fn dump(args: DumpArgs) -> Result<i32> {
     Ok(0)
 }
 
+/// Timestamps of a recording are kept to this many nanoseconds unless `--exact-times`.
+const DEFAULT_TIME_RESOLUTION_NS: u64 = 1000;
+
 fn parse_duration(s: &str) -> Result<Duration, String> {
     let s = s.trim();
     let (number, scale) = if let Some(v) = s.strip_suffix("ms") {
@@ -451,6 +454,11 @@ struct RecordArgs {
     /// jemalloc/tcmalloc heap profiles; reports scale the figures back (estimates).
     #[arg(long, value_parser = parse_sample_bytes)]
     sample_bytes: Option<u64>,
+    /// Keep event timestamps to the nanosecond (default: to the microsecond, as `perf
+    /// script` prints them; the nanoseconds are below the probes' own cost and took most of a
+    /// recording's size).
+    #[arg(long)]
+    exact_times: bool,
     /// No status line or summary on stderr.
     #[arg(short, long)]
     quiet: bool,
@@ -552,6 +560,7 @@ fn record(args: RecordArgs) -> Result<i32> {
         output: args.output,
         force: args.force,
         duration: args.duration,
+        time_resolution_ns: if args.exact_times { 1 } else { DEFAULT_TIME_RESOLUTION_NS },
     })?;
     Ok(summary.exit_code)
 }

@@ -214,8 +214,9 @@ fn output_paths_that_cannot_be_written_fail_clearly() {
 fn a_full_disk_stops_the_recording_and_keeps_what_was_written() {
     require_root();
     let dir = scratch("full");
+    // 32 KiB: the loop's 800,000 events deflate to a few hundred KiB.
     let mounted =
-        Command::new("mount").args(["-t", "tmpfs", "-o", "size=1m", "memtrace-full"]).arg(&dir).status().unwrap();
+        Command::new("mount").args(["-t", "tmpfs", "-o", "size=32k", "memtrace-full"]).arg(&dir).status().unwrap();
     assert!(mounted.success());
     let data = dir.join("full.data");
     let out = memtrace()

@@ -57,6 +57,11 @@ impl<'a> Cursor<'a> {
         FormatError::Corrupt { offset: self.base + self.pos as u64, reason: what.to_string() }
     }
 
+    /// A corruption found at the cursor's position.
+    pub fn error(&self, what: &str) -> FormatError {
+        self.corrupt(what)
+    }
+
     pub fn u8(&mut self) -> Result<u8, FormatError> {
         let b = *self.data.get(self.pos).ok_or_else(|| self.corrupt("chunk ends inside a value"))?;
         self.pos += 1;

@@ -1,12 +1,28 @@
-//! Encoding of one `Events` chunk. Each chunk starts from a clean state (base timestamp,
-//! empty task and call-site tables, zero pointer deltas), so chunks decode independently.
+//! Encoding of one `Events` chunk (format version 4): each field of the events in a stream
+//! of its own (tags, times, tasks, addresses, sizes, stacks, the rest), so the deflate step
+//! meets runs of like values rather than interleaved fields. Each chunk starts from a clean
+//! state (base timestamp, empty task and call-site tables, zero address deltas), so chunks
+//! decode independently.
 //!
-//! Per event: a tag byte (bits 0-5: the event code, a `Kind` or 48 + a task event; bit 6:
-//! a flags byte follows; bit 7: same task as the previous event), the zigzag timestamp
-//! delta, the task reference unless bit 7 (an index into the chunk's task table; the
-//! table's length means "new: pid, tid follow"), then the body of the kind. A user
-//! allocation whose allocator is known has bit 6 of its flags byte set and the allocator's
-//! index byte after its body (format version 2).
+//! ```text
+//! payload  base timestamp u64 LE | count u32 LE | time resolution in ns (varint) |
+//!          7 stream lengths (varints) | the streams, in this order:
+//! tags     per event a tag byte (bits 0-5: the event code, a `Kind` or 48 + a task event;
+//!          bit 6: a flags byte follows here; bit 7: same task as the previous event)
+//! times    zigzag delta of the timestamp counted in resolution units from the base
+//! tasks    unless bit 7: an index into the chunk's task table (its length: new, pid and
+//!          tid follow)
+//! addrs    zigzag delta of the block's address from the previous one of its address space
+//! sizes    allocations: bytes requested, zigzag (allocated - requested)
+//! stacks   allocations: the stack id
+//! other    kernel events: CPU; kernel allocations: call-site index (new: the site follows),
+//!          GFP flags, zigzag node, order byte; GPU allocations: zigzag device; user
+//!          allocations with the allocator flag: its index byte; frees: the argument; task
+//!          events: parent pid, command, file name
+//! ```
+//! Timestamps are kept to the recording's resolution (`Meta::time_resolution_ns`, 1 µs by
+//! default: below that the digits are noise, and they took most of a recording's bytes);
+//! the order of events is the file's, whatever their rounded times.
 use std::collections::HashMap;
 
 use memtrace_common::{Kind, TaskEvent};
@@ -14,6 +30,7 @@ use memtrace_common::{Kind, TaskEvent};
 use super::{
     FormatError,
     codec::{Cursor, put_signed, put_str, put_varint},
+    events_rows::ALLOCATOR_FOLLOWS,
 };
 use crate::event::{Alloc, Event, Free, Task};
 
@@ -21,66 +38,97 @@ const TASK_CODE_BASE: u8 = 48;
 const HAS_FLAGS: u8 = 1 << 6;
 const SAME_TASK: u8 = 1 << 7;
 const CODE_MASK: u8 = 0x3f;
-/// In the flags byte of a user allocation: the allocator's index follows the body (no
-/// `memtrace_common::flags` bit uses it; a test checks).
-pub(super) const ALLOCATOR_FOLLOWS: u8 = 1 << 6;
 
-#[derive(Default)]
-struct State {
-    prev_ts: u64,
+/// The streams of a chunk, in their order in the payload.
+const TAGS: usize = 0;
+const TIMES: usize = 1;
+const TASKS: usize = 2;
+const ADDRS: usize = 3;
+const SIZES: usize = 4;
+const STACKS: usize = 5;
+const OTHER: usize = 6;
+const STREAMS: usize = 7;
+
+/// Address spaces an address delta is kept per (`Kind::space`).
+const SPACES: usize = 8;
+
+fn space_index(kind: Kind) -> usize {
+    kind.space() as usize % SPACES
+}
+
+/// Timestamp in resolution units from the chunk's base (rounded down).
+fn ticks(ts: u64, base: u64, resolution: u64) -> i64 {
+    (ts.wrapping_sub(base) as i64).div_euclid(resolution as i64)
+}
+
+pub struct EventEncoder {
+    streams: [Vec<u8>; STREAMS],
+    count: u32,
+    base_ts: u64,
+    resolution: u64,
+    prev_ticks: i64,
     prev_task: Option<(u32, u32)>,
-    tasks: Vec<(u32, u32)>,
-    call_sites: Vec<u64>,
-    prev_ptr: [u64; 8],
-    /// Encoder only: reverse indexes of the two tables.
+    prev_ptr: [u64; SPACES],
     task_index: HashMap<(u32, u32), u64>,
     call_site_index: HashMap<u64, u64>,
 }
 
-impl State {
-    fn new(base_ts: u64) -> Self {
-        Self { prev_ts: base_ts, ..Default::default() }
-    }
-}
-
-fn space_index(kind: Kind) -> usize {
-    kind.space() as usize
-}
-
-pub struct EventEncoder {
-    pub buf: Vec<u8>,
-    pub count: u32,
-    state: State,
-    base_ts: u64,
-}
-
 impl EventEncoder {
-    pub fn new() -> Self {
-        Self { buf: Vec::with_capacity(64 << 10), count: 0, state: State::new(0), base_ts: 0 }
+    /// An encoder keeping timestamps to `resolution_ns` (0 or 1: exact).
+    pub fn new(resolution_ns: u64) -> Self {
+        Self {
+            streams: Default::default(),
+            count: 0,
+            base_ts: 0,
+            resolution: resolution_ns.max(1),
+            prev_ticks: 0,
+            prev_task: None,
+            prev_ptr: [0; SPACES],
+            task_index: HashMap::new(),
+            call_site_index: HashMap::new(),
+        }
     }
 
     pub fn is_empty(&self) -> bool {
         self.count == 0
     }
 
-    /// Payload of the chunk so far: base timestamp, count, events.
+    /// Bytes encoded so far (before deflating).
+    pub fn len(&self) -> usize {
+        self.streams.iter().map(Vec::len).sum()
+    }
+
+    /// Payload of the chunk so far.
     pub fn payload(&self) -> Vec<u8> {
-        let mut out = Vec::with_capacity(self.buf.len() + 12);
+        let mut out = Vec::with_capacity(self.len() + 32);
         out.extend_from_slice(&self.base_ts.to_le_bytes());
         out.extend_from_slice(&self.count.to_le_bytes());
-        out.extend_from_slice(&self.buf);
+        put_varint(&mut out, self.resolution);
+        for s in &self.streams {
+            put_varint(&mut out, s.len() as u64);
+        }
+        for s in &self.streams {
+            out.extend_from_slice(s);
+        }
         out
     }
 
+    /// Empties the encoder: the next event starts a chunk from a clean state.
     pub fn clear(&mut self) {
-        self.buf.clear();
+        for s in &mut self.streams {
+            s.clear();
+        }
         self.count = 0;
     }
 
     pub fn push(&mut self, event: &Event) {
         if self.count == 0 {
             self.base_ts = event.ts_ns();
-            self.state = State::new(self.base_ts);
+            self.prev_ticks = 0;
+            self.prev_task = None;
+            self.prev_ptr = [0; SPACES];
+            self.task_index.clear();
+            self.call_site_index.clear();
         }
         self.count += 1;
         let (code, flags, pid, tid) = match event {
@@ -91,154 +139,174 @@ impl EventEncoder {
             Event::Free(f) => (f.kind as u8, f.flags, f.pid, f.tid),
             Event::Task(t) => (TASK_CODE_BASE + t.event as u8, t.flags, t.pid, t.tid),
         };
-        let st = &mut self.state;
-        let same_task = st.prev_task == Some((pid, tid));
-        let mut tag = code;
+        let same_task = self.prev_task == Some((pid, tid));
+        let [tags, times, tasks, addrs, sizes, stacks, other] = &mut self.streams;
+        tags.push(code | if flags != 0 { HAS_FLAGS } else { 0 } | if same_task { SAME_TASK } else { 0 });
         if flags != 0 {
-            tag |= HAS_FLAGS;
+            tags.push(flags);
         }
-        if same_task {
-            tag |= SAME_TASK;
-        }
-        let buf = &mut self.buf;
-        buf.push(tag);
-        put_signed(buf, event.ts_ns().wrapping_sub(st.prev_ts) as i64);
-        st.prev_ts = event.ts_ns();
+        let t = ticks(event.ts_ns(), self.base_ts, self.resolution);
+        put_signed(times, t.wrapping_sub(self.prev_ticks));
+        self.prev_ticks = t;
         if !same_task {
-            match st.task_index.get(&(pid, tid)) {
-                Some(&i) => put_varint(buf, i),
+            match self.task_index.get(&(pid, tid)) {
+                Some(&i) => put_varint(tasks, i),
                 None => {
-                    let i = st.task_index.len() as u64;
-                    put_varint(buf, i);
-                    put_varint(buf, u64::from(pid));
-                    put_varint(buf, u64::from(tid));
-                    st.task_index.insert((pid, tid), i);
+                    let i = self.task_index.len() as u64;
+                    put_varint(tasks, i);
+                    put_varint(tasks, u64::from(pid));
+                    put_varint(tasks, u64::from(tid));
+                    self.task_index.insert((pid, tid), i);
                 }
             }
-            st.prev_task = Some((pid, tid));
-        }
-        if flags != 0 {
-            buf.push(flags);
+            self.prev_task = Some((pid, tid));
         }
         match event {
             Event::Alloc(a) => {
                 let space = space_index(a.kind);
                 if a.kind.is_kernel() {
-                    put_varint(buf, u64::from(a.cpu));
+                    put_varint(other, u64::from(a.cpu));
                 }
-                put_signed(buf, a.ptr.wrapping_sub(st.prev_ptr[space]) as i64);
-                st.prev_ptr[space] = a.ptr;
-                put_varint(buf, a.bytes_req);
-                put_signed(buf, a.bytes_alloc.wrapping_sub(a.bytes_req) as i64);
-                put_varint(buf, a.stack);
+                put_signed(addrs, a.ptr.wrapping_sub(self.prev_ptr[space]) as i64);
+                self.prev_ptr[space] = a.ptr;
+                put_varint(sizes, a.bytes_req);
+                put_signed(sizes, a.bytes_alloc.wrapping_sub(a.bytes_req) as i64);
+                put_varint(stacks, a.stack);
                 if a.kind.is_kernel() {
-                    match st.call_site_index.get(&a.call_site) {
-                        Some(&i) => put_varint(buf, i),
+                    match self.call_site_index.get(&a.call_site) {
+                        Some(&i) => put_varint(other, i),
                         None => {
-                            let i = st.call_site_index.len() as u64;
-                            put_varint(buf, i);
-                            put_varint(buf, a.call_site);
-                            st.call_site_index.insert(a.call_site, i);
+                            let i = self.call_site_index.len() as u64;
+                            put_varint(other, i);
+                            put_varint(other, a.call_site);
+                            self.call_site_index.insert(a.call_site, i);
                         }
                     }
-                    put_varint(buf, u64::from(a.gfp_flags));
-                    put_signed(buf, i64::from(a.node));
-                    buf.push(a.order);
+                    put_varint(other, u64::from(a.gfp_flags));
+                    put_signed(other, i64::from(a.node));
+                    other.push(a.order);
                 } else {
                     if a.kind.is_gpu() {
                         // The device ordinal (-1: not known).
-                        put_signed(buf, i64::from(a.node));
+                        put_signed(other, i64::from(a.node));
                     }
                     if a.allocator != 0 {
-                        buf.push(a.allocator);
+                        other.push(a.allocator);
                     }
                 }
             }
             Event::Free(f) => {
                 let space = space_index(f.kind);
                 if f.kind.is_kernel() {
-                    put_varint(buf, u64::from(f.cpu));
+                    put_varint(other, u64::from(f.cpu));
                 }
-                put_signed(buf, f.ptr.wrapping_sub(st.prev_ptr[space]) as i64);
-                st.prev_ptr[space] = f.ptr;
-                put_varint(buf, u64::from(f.arg));
+                put_signed(addrs, f.ptr.wrapping_sub(self.prev_ptr[space]) as i64);
+                self.prev_ptr[space] = f.ptr;
+                put_varint(other, u64::from(f.arg));
             }
             Event::Task(t) => {
-                put_varint(buf, u64::from(t.ppid));
-                put_str(buf, &t.comm);
-                put_str(buf, &t.filename);
+                put_varint(other, u64::from(t.ppid));
+                put_str(other, &t.comm);
+                put_str(other, &t.filename);
             }
         }
     }
 }
 
-/// Decodes a whole `Events` chunk payload, calling `sink` per event.
+/// Decodes a whole version-4 `Events` chunk payload, calling `sink` per event.
 pub fn decode_chunk(payload: &[u8], base: u64, sink: &mut dyn FnMut(Event)) -> Result<u32, FormatError> {
-    let mut c = Cursor::new(payload, base);
-    let base_ts = c.u64_le()?;
-    let count = c.u32_le()?;
-    let mut st = State::new(base_ts);
+    let corrupt = |reason: &str| FormatError::Corrupt { offset: base, reason: reason.to_string() };
+    let mut head = Cursor::new(payload, base);
+    let base_ts = head.u64_le()?;
+    let count = head.u32_le()?;
+    let resolution = head.varint()?;
+    if resolution == 0 || resolution > 1_000_000_000 {
+        return Err(corrupt("time resolution out of range"));
+    }
+    let mut lens = [0usize; STREAMS];
+    for len in &mut lens {
+        *len = head.len(1)?;
+    }
+    let mut s: [Cursor<'_>; STREAMS] = std::array::from_fn(|_| Cursor::new(&[], base));
+    for (i, &len) in lens.iter().enumerate() {
+        s[i] = Cursor::new(head.take(len)?, base);
+    }
+    if !head.is_empty() {
+        return Err(corrupt("bytes after the last stream"));
+    }
+    // Each event takes at least its tag byte: a count beyond that is corrupt.
+    if count as usize > lens[TAGS] {
+        return Err(corrupt("more events than tags"));
+    }
+    let mut prev_ticks = 0i64;
+    let mut prev_task: Option<(u32, u32)> = None;
+    let mut tasks: Vec<(u32, u32)> = Vec::new();
+    let mut call_sites: Vec<u64> = Vec::new();
+    let mut prev_ptr = [0u64; SPACES];
     for _ in 0..count {
-        let tag = c.u8()?;
+        let tag = s[TAGS].u8()?;
         let code = tag & CODE_MASK;
-        let ts = st.prev_ts.wrapping_add(c.signed()? as u64);
-        st.prev_ts = ts;
+        let flags = if tag & HAS_FLAGS != 0 { s[TAGS].u8()? } else { 0 };
+        prev_ticks = prev_ticks.wrapping_add(s[TIMES].signed()?);
+        let ts = base_ts.wrapping_add(prev_ticks.wrapping_mul(resolution as i64) as u64);
         let (pid, tid) = if tag & SAME_TASK != 0 {
-            st.prev_task.ok_or_else(|| corrupt(&c, base, "same-task flag on the first event"))?
+            prev_task.ok_or_else(|| corrupt("same-task flag on the first event"))?
         } else {
-            let i = c.varint()? as usize;
-            if i == st.tasks.len() {
-                let pid = c.varint_u32()?;
-                let tid = c.varint_u32()?;
-                st.tasks.push((pid, tid));
+            let i = s[TASKS].varint()? as usize;
+            if i == tasks.len() {
+                let pid = s[TASKS].varint_u32()?;
+                let tid = s[TASKS].varint_u32()?;
+                tasks.push((pid, tid));
             }
-            *st.tasks.get(i).ok_or_else(|| corrupt(&c, base, "task reference out of range"))?
+            *tasks.get(i).ok_or_else(|| corrupt("task reference out of range"))?
         };
-        st.prev_task = Some((pid, tid));
-        let flags = if tag & HAS_FLAGS != 0 { c.u8()? } else { 0 };
+        prev_task = Some((pid, tid));
         let event = if code >= TASK_CODE_BASE {
-            let event =
-                TaskEvent::from_u8(code - TASK_CODE_BASE).ok_or_else(|| corrupt(&c, base, "unknown task event"))?;
+            let event = TaskEvent::from_u8(code - TASK_CODE_BASE).ok_or_else(|| corrupt("unknown task event"))?;
+            let o = &mut s[OTHER];
             Event::Task(Task {
                 ts_ns: ts,
                 event,
                 flags,
                 pid,
                 tid,
-                ppid: c.varint_u32()?,
-                comm: c.string()?,
-                filename: c.string()?,
+                ppid: o.varint_u32()?,
+                comm: o.string()?,
+                filename: o.string()?,
             })
         } else {
-            let kind = Kind::from_u8(code).ok_or_else(|| corrupt(&c, base, "unknown event kind"))?;
+            let kind = Kind::from_u8(code).ok_or_else(|| corrupt("unknown event kind"))?;
             let space = space_index(kind);
-            let cpu = if kind.is_kernel() { c.varint()? as u16 } else { 0 };
-            let ptr = st.prev_ptr[space].wrapping_add(c.signed()? as u64);
-            st.prev_ptr[space] = ptr;
-            if kind.is_free() {
-                Event::Free(Free { ts_ns: ts, pid, tid, cpu, kind, flags, ptr, arg: c.varint_u32()? })
+            let cpu = if kind.is_kernel() {
+                u16::try_from(s[OTHER].varint()?).map_err(|_| corrupt("CPU out of range"))?
             } else {
-                let bytes_req = c.varint()?;
-                let bytes_alloc = bytes_req.wrapping_add(c.signed()? as u64);
-                let stack = c.varint()?;
+                0
+            };
+            let ptr = prev_ptr[space].wrapping_add(s[ADDRS].signed()? as u64);
+            prev_ptr[space] = ptr;
+            if kind.is_free() {
+                Event::Free(Free { ts_ns: ts, pid, tid, cpu, kind, flags, ptr, arg: s[OTHER].varint_u32()? })
+            } else {
+                let bytes_req = s[SIZES].varint()?;
+                let bytes_alloc = bytes_req.wrapping_add(s[SIZES].signed()? as u64);
+                let stack = s[STACKS].varint()?;
+                let o = &mut s[OTHER];
                 let (call_site, gfp_flags, node, order) = if kind.is_kernel() {
-                    let i = c.varint()? as usize;
-                    if i == st.call_sites.len() {
-                        let site = c.varint()?;
-                        st.call_sites.push(site);
+                    let i = o.varint()? as usize;
+                    if i == call_sites.len() {
+                        call_sites.push(o.varint()?);
                     }
-                    let site =
-                        *st.call_sites.get(i).ok_or_else(|| corrupt(&c, base, "call-site reference out of range"))?;
-                    let gfp = c.varint_u32()?;
-                    let node = i32::try_from(c.signed()?).map_err(|_| corrupt(&c, base, "node out of range"))?;
-                    (site, gfp, node, c.u8()?)
+                    let site = *call_sites.get(i).ok_or_else(|| corrupt("call-site reference out of range"))?;
+                    let gfp = o.varint_u32()?;
+                    let node = i32::try_from(o.signed()?).map_err(|_| corrupt("node out of range"))?;
+                    (site, gfp, node, o.u8()?)
                 } else if kind.is_gpu() {
-                    let node = i32::try_from(c.signed()?).map_err(|_| corrupt(&c, base, "device out of range"))?;
+                    let node = i32::try_from(o.signed()?).map_err(|_| corrupt("device out of range"))?;
                     (0, 0, node, 0)
                 } else {
                     (0, 0, -1, 0)
                 };
-                let allocator = if !kind.is_kernel() && flags & ALLOCATOR_FOLLOWS != 0 { c.u8()? } else { 0 };
+                let allocator = if !kind.is_kernel() && flags & ALLOCATOR_FOLLOWS != 0 { o.u8()? } else { 0 };
                 let flags = if kind.is_kernel() { flags } else { flags & !ALLOCATOR_FOLLOWS };
                 Event::Alloc(Alloc {
                     ts_ns: ts,
@@ -261,12 +329,8 @@ pub fn decode_chunk(payload: &[u8], base: u64, sink: &mut dyn FnMut(Event)) -> R
         };
         sink(event);
     }
-    if !c.is_empty() {
-        return Err(corrupt(&c, base, "bytes after the last event"));
+    if s.iter().any(|c| !c.is_empty()) {
+        return Err(corrupt("bytes after the last event"));
     }
     Ok(count)
-}
-
-fn corrupt(_c: &Cursor<'_>, base: u64, reason: &str) -> FormatError {
-    FormatError::Corrupt { offset: base, reason: reason.to_string() }
 }

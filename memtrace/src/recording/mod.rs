@@ -11,27 +11,31 @@
 //! as stored, so damage is found before anything is inflated.
 //! Integers inside chunks are LEB128 varints (zigzag for signed deltas), whatever the
 //! recording machine's byte order. Chunks: `Meta` (JSON, first), `Events` (time-ordered,
-//! delta-encoded, each chunk decodable on its own), `Stacks` and `Modules` (definitions that
-//! events and stacks refer to by id), `Symbols` (frames symbolized while the processes
+//! field by field, delta-encoded, each chunk decodable on its own: `events`), `Stacks` (a
+//! tree of frames per chunk: `stacks`) and `Modules` (definitions that events and stacks
+//! refer to by id), `Symbols` (frames symbolized while the processes
 //! lived, so reports work offline and elsewhere), `Stats` (JSON counters; the last one
 //! wins) and `End` (the file was finalized). A reader stops at the first incomplete or
 //! corrupt chunk and keeps everything before it, so a crashed recorder leaves a readable
 //! file.
 pub mod codec;
 mod events;
+mod events_rows;
 mod reader;
+mod stacks;
 mod writer;
 
 use std::collections::BTreeMap;
 
-pub use reader::{Chunk, Reader, read_all};
+pub use reader::{Chunk, Reader, decode_events, read_all};
 use serde::{Deserialize, Serialize};
 use thiserror::Error;
 pub use writer::Writer;
 
 pub const MAGIC: &[u8; 8] = b"MEMTRACE";
-/// 3: chunks may be deflated ([`COMPRESSED`]). Version 2 files are read as ever.
-pub const VERSION: u16 = 3;
+/// 3: chunks may be deflated ([`COMPRESSED`]). 4: events field by field, timestamps to a
+/// resolution, stacks as a tree of frames. Versions 2 and 3 are read as ever.
+pub const VERSION: u16 = 4;
 pub const HEADER_LEN: usize = 16;
 pub const CLOCK_MONOTONIC: u8 = 1;
 /// Chunks larger than this (stored or inflated) are treated as corruption.
@@ -103,6 +107,9 @@ pub struct Meta {
     /// How user stacks were walked: "dwarf" or "fp" (empty in older recordings: fp).
     #[serde(default)]
     pub call_graph: String,
+    /// Event timestamps are kept to this many nanoseconds (0 in older recordings: exact).
+    #[serde(default)]
+    pub time_resolution_ns: u64,
 }
 
 /// An allocator the session probed; user allocations carry its index in this list plus one.

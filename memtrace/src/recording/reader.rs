@@ -9,7 +9,7 @@ use flate2::read::DeflateDecoder;
 
 use super::{
     COMPRESSED, ChunkKind, FileFrame, FileStack, FormatError, HEADER_LEN, MAGIC, MAX_CHUNK, Meta, Module, Recording,
-    Stats, Symbol, SymbolKey, VERSION, codec::Cursor, events::decode_chunk,
+    Stats, Symbol, SymbolKey, VERSION, codec::Cursor, events::decode_chunk, events_rows::decode_rows, stacks,
 };
 use crate::event::Event;
 
@@ -18,6 +18,8 @@ pub enum Chunk {
     Events {
         payload: Vec<u8>,
         offset: u64,
+        /// The recording's format version (the layout of the payload).
+        version: u16,
     },
     Stacks(Vec<FileStack>),
     Modules(Vec<Module>),
@@ -29,6 +31,7 @@ pub enum Chunk {
 pub struct Reader<R: Read> {
     input: R,
     offset: u64,
+    version: u16,
     pub meta: Meta,
 }
 
@@ -70,7 +73,7 @@ impl<R: Read> Reader<R> {
         if header[11] != 8 {
             return Err(FormatError::Corrupt { offset: 11, reason: format!("pointer size {}", header[11]) });
         }
-        let mut reader = Self { input, offset: HEADER_LEN as u64, meta: Meta::default() };
+        let mut reader = Self { input, offset: HEADER_LEN as u64, version, meta: Meta::default() };
         match reader.raw_chunk()? {
             Some((ChunkKind::Meta, payload, offset)) => {
                 reader.meta = serde_json::from_slice(&payload)
@@ -130,8 +133,9 @@ impl<R: Read> Reader<R> {
             ChunkKind::Meta => {
                 return Err(FormatError::Corrupt { offset, reason: "second metadata chunk".into() });
             }
-            ChunkKind::Events => Chunk::Events { payload, offset },
-            ChunkKind::Stacks => Chunk::Stacks(parse_stacks(&payload, offset)?),
+            ChunkKind::Events => Chunk::Events { payload, offset, version: self.version },
+            ChunkKind::Stacks if self.version >= 4 => Chunk::Stacks(stacks::parse_tree(&payload, offset)?),
+            ChunkKind::Stacks => Chunk::Stacks(stacks::parse_flat(&payload, offset)?),
             ChunkKind::Modules => Chunk::Modules(parse_modules(&payload, offset)?),
             ChunkKind::Symbols => Chunk::Symbols(parse_symbols(&payload, offset)?),
             ChunkKind::Stats => Chunk::Stats(Box::new(
@@ -141,10 +145,17 @@ impl<R: Read> Reader<R> {
             ChunkKind::End => Chunk::End,
         }))
     }
+}
 
-    pub fn decode_events(payload: &[u8], offset: u64, sink: &mut dyn FnMut(Event)) -> Result<u32, FormatError> {
-        decode_chunk(payload, offset, sink)
-    }
+/// Decodes an `Events` chunk payload of a recording of format `version`, calling `sink` per
+/// event; returns the count.
+pub fn decode_events(
+    payload: &[u8],
+    offset: u64,
+    version: u16,
+    sink: &mut dyn FnMut(Event),
+) -> Result<u32, FormatError> {
+    if version >= 4 { decode_chunk(payload, offset, sink) } else { decode_rows(payload, offset, sink) }
 }
 
 /// The payload of a deflated chunk (stored at `offset`): exactly the length it announces,
@@ -173,38 +184,6 @@ fn parse_modules(payload: &[u8], offset: u64) -> Result<Vec<Module>, FormatError
     let mut out = Vec::new();
     while !c.is_empty() {
         out.push(Module { id: c.varint_u32()?, build_id: c.bytes()?.to_vec(), path: c.string()? });
-    }
-    Ok(out)
-}
-
-fn parse_stacks(payload: &[u8], offset: u64) -> Result<Vec<FileStack>, FormatError> {
-    let mut c = Cursor::new(payload, offset);
-    let mut out = Vec::new();
-    while !c.is_empty() {
-        let id = c.varint_u32()?;
-        let pid = c.varint_u32()?;
-        let truncated = c.varint()? & 1 != 0;
-        let nk = c.len(1)?;
-        let mut kernel = Vec::with_capacity(nk);
-        let mut prev = 0u64;
-        for _ in 0..nk {
-            prev = prev.wrapping_add(c.signed()? as u64);
-            kernel.push(prev);
-        }
-        let nu = c.len(2)?;
-        let mut user = Vec::with_capacity(nu);
-        for _ in 0..nu {
-            let tag = c.varint()?;
-            let value = c.varint()?;
-            user.push(if tag == 0 {
-                FileFrame::Address(value)
-            } else {
-                let module = u32::try_from(tag - 1)
-                    .map_err(|_| FormatError::Corrupt { offset, reason: "module id out of range".into() })?;
-                FileFrame::Module { module, offset: value }
-            });
-        }
-        out.push(FileStack { id, pid, kernel, user, truncated });
     }
     Ok(out)
 }
@@ -250,9 +229,9 @@ pub fn read_all(input: impl Read) -> Result<Recording, FormatError> {
             }
         };
         match chunk {
-            Chunk::Events { payload, offset } => {
+            Chunk::Events { payload, offset, version } => {
                 let mut batch = Vec::new();
-                match decode_chunk(&payload, offset, &mut |e| batch.push(e)) {
+                match decode_events(&payload, offset, version, &mut |e| batch.push(e)) {
                     Ok(_) => rec.events.extend(batch),
                     Err(e) => {
                         rec.warnings.push(format!("{e}; reporting the complete part before it"));

@@ -233,7 +233,7 @@ proptest! {
 fn no_event_flag_is_the_recordings_own_allocator_bit() {
     use memtrace_common::flags::*;
     for bit in [USABLE_EXACT, BY_REALLOC, IRQ, HAS_STACK, FOREIGN_FREE, GROUP_DEAD, FAILED] {
-        assert_eq!(bit & super::events::ALLOCATOR_FOLLOWS, 0, "{bit:#x}");
+        assert_eq!(bit & super::events_rows::ALLOCATOR_FOLLOWS, 0, "{bit:#x}");
     }
 }
 
@@ -322,28 +322,210 @@ fn growing_chunks_are_deflated_and_read_back() {
     assert!(per_event < 3.0, "{per_event} bytes per event");
 }
 
+/// The stack of `write`, and deep stacks sharing their callers.
+fn sample_stacks() -> Vec<FileStack> {
+    let callers: Vec<FileFrame> =
+        (0..40).map(|i| FileFrame::Module { module: 0, offset: 0x10_000 + i * 0x40 }).collect();
+    let mut out = Vec::new();
+    for id in 0..50u32 {
+        let mut user = vec![FileFrame::Module { module: 1, offset: 0x500 + u64::from(id % 7) * 8 }];
+        if id % 3 == 0 {
+            user.push(FileFrame::Address(0x7f00_0000_0000 + u64::from(id)));
+        }
+        user.extend(&callers[(id % 2) as usize..]);
+        let kernel =
+            if id % 4 == 0 { vec![0xffff_ffff_8100_0010 + u64::from(id % 8), 0xffff_ffff_8100_0000] } else { vec![] };
+        out.push(FileStack { id: 100 + id, pid: 42 + id % 2, kernel, user, truncated: id % 5 == 0 });
+    }
+    // One stack the prefix of another (its innermost frame is another's caller), one with
+    // kernel frames only, one empty, and one seen twice under two ids.
+    out.push(FileStack { id: 200, pid: 42, kernel: vec![], user: callers.clone(), truncated: false });
+    out.push(FileStack { id: 201, pid: 42, kernel: vec![0xffff_ffff_8100_0020], user: vec![], truncated: false });
+    out.push(FileStack { id: 202, pid: 42, kernel: vec![], user: vec![], truncated: true });
+    out.push(FileStack { id: 203, pid: 42, kernel: vec![], user: callers[1..].to_vec(), truncated: false });
+    out.push(FileStack { id: 204, pid: 42, kernel: vec![], user: callers[1..].to_vec(), truncated: false });
+    out
+}
+
+/// The recording `write` makes, in the layout of format version 2 (`deflate: false`) or 3:
+/// events one after another, every frame of every stack.
+fn older_recording(version: u16, events: &[Event], stacks: &[FileStack], deflate: bool) -> Vec<u8> {
+    let mut enc = super::events_rows::EventEncoder::new();
+    for e in events {
+        enc.push(e);
+    }
+    let mut stack_bytes = Vec::new();
+    for s in stacks {
+        super::stacks::encode_flat(&mut stack_bytes, s);
+    }
+    let pack = |kind: ChunkKind, raw: Vec<u8>| {
+        if !deflate {
+            return (kind as u8, raw);
+        }
+        let mut out = Vec::new();
+        codec::put_varint(&mut out, raw.len() as u64);
+        let mut e = flate2::write::DeflateEncoder::new(out, flate2::Compression::fast());
+        std::io::Write::write_all(&mut e, &raw).unwrap();
+        (kind as u8 | COMPRESSED, e.finish().unwrap())
+    };
+    let stats = serde_json::to_vec(&Stats { events: events.len() as u64, ..Default::default() }).unwrap();
+    assemble(
+        version,
+        &[
+            (ChunkKind::Meta as u8, serde_json::to_vec(&meta()).unwrap()),
+            pack(ChunkKind::Stacks, stack_bytes),
+            pack(ChunkKind::Events, enc.payload()),
+            (ChunkKind::Stats as u8, stats),
+            (ChunkKind::End as u8, Vec::new()),
+        ],
+    )
+}
+
 #[test]
-fn version_2_recordings_without_compression_are_still_read() {
-    let events = many_events();
-    let bytes = write(&events, true);
-    let stored: Vec<(u8, Vec<u8>)> = stored_chunks(&bytes)
-        .into_iter()
-        .map(|(kind, payload)| {
-            if kind & COMPRESSED == 0 {
-                return (kind, payload);
-            }
-            let mut c = codec::Cursor::new(&payload, 0);
-            let len = c.varint().unwrap();
-            let mut raw = Vec::new();
-            std::io::Read::read_to_end(&mut flate2::read::DeflateDecoder::new(c.rest()), &mut raw).unwrap();
-            assert_eq!(raw.len() as u64, len);
-            (kind & !COMPRESSED, raw)
-        })
-        .collect();
-    let rec = read_all(&assemble(2, &stored)[..]).unwrap();
+fn version_2_and_3_recordings_are_still_read() {
+    let mut events = many_events();
+    events.extend(sample_events().into_iter().map(|mut e| {
+        match &mut e {
+            Event::Alloc(a) => a.ts_ns += 1_000_000,
+            Event::Free(f) => f.ts_ns += 1_000_000,
+            Event::Task(t) => t.ts_ns += 1_000_000,
+        }
+        e
+    }));
+    let stacks = sample_stacks();
+    for (version, deflate) in [(2, false), (3, false), (3, true)] {
+        let rec = read_all(&older_recording(version, &events, &stacks, deflate)[..]).unwrap();
+        assert!(rec.warnings.is_empty(), "{version}: {:?}", rec.warnings);
+        assert!(rec.finalized);
+        assert_eq!(rec.events, events, "version {version}");
+        assert_eq!(rec.stacks.values().cloned().collect::<Vec<_>>(), stacks, "version {version}");
+    }
+}
+
+#[test]
+fn stacks_round_trip_through_the_tree_of_frames() {
+    let stacks = sample_stacks();
+    let mut w = Writer::new(Vec::new(), &meta()).unwrap();
+    for (i, s) in stacks.iter().enumerate() {
+        w.stack(s);
+        if i == 20 {
+            // A new chunk starts a new tree.
+            w.flush().unwrap();
+        }
+    }
+    let bytes = w.finish(&Stats::default()).unwrap();
+    let rec = read_all(&bytes[..]).unwrap();
     assert!(rec.warnings.is_empty(), "{:?}", rec.warnings);
-    assert!(rec.finalized);
-    assert_eq!(rec.events, events);
+    assert_eq!(rec.stacks.values().cloned().collect::<Vec<_>>(), stacks);
+    let chunks = stored_chunks(&bytes);
+    assert_eq!(chunks.iter().filter(|c| c.0 & !COMPRESSED == ChunkKind::Stacks as u8).count(), 2);
+}
+
+#[test]
+fn deep_stacks_sharing_their_callers_cost_their_own_frames_only() {
+    // 2,000 stacks of 100 frames under one caller chain, each with two frames of its own.
+    let callers: Vec<FileFrame> =
+        (0..98).map(|i| FileFrame::Module { module: 2, offset: 0x40_0000 + i * 0x1234 }).collect();
+    let mut tree = super::stacks::StackEncoder::default();
+    let mut flat = Vec::new();
+    for id in 0..2_000u32 {
+        let mut user = vec![
+            FileFrame::Module { module: 1, offset: 0x9000 + u64::from(id) * 24 },
+            FileFrame::Module { module: 2, offset: 0x40_0000 + u64::from(id % 50) * 0x80 },
+        ];
+        user.extend(&callers);
+        let s = FileStack { id, pid: 42, kernel: vec![], user, truncated: false };
+        tree.push(&s);
+        super::stacks::encode_flat(&mut flat, &s);
+    }
+    let tree = tree.take();
+    assert!(tree.len() * 40 < flat.len(), "tree {} bytes, flat {}", tree.len(), flat.len());
+    let parsed = super::stacks::parse_tree(&tree, 0).unwrap();
+    assert_eq!(parsed.len(), 2_000);
+    assert_eq!(parsed[1_999].user.len(), 100);
+    assert_eq!(parsed[1_999].user[2..], callers[..]);
+}
+
+#[test]
+fn a_hostile_stack_tree_is_corrupt_not_slow() {
+    use codec::put_varint;
+    let stack = |out: &mut Vec<u8>, node: u64, frames: u64| {
+        for v in [1, 42, 0, node, frames] {
+            put_varint(out, v);
+        }
+        for i in 0..frames {
+            put_varint(out, 2);
+            put_varint(out, i);
+        }
+    };
+    let mut out_of_range = Vec::new();
+    stack(&mut out_of_range, 5, 1);
+    assert!(super::stacks::parse_tree(&out_of_range, 0).is_err());
+    // A chain deeper than any walk.
+    let mut deep = Vec::new();
+    stack(&mut deep, 0, 5_000);
+    assert!(super::stacks::parse_tree(&deep, 0).is_err());
+    // A count of frames beyond the chunk.
+    let mut short = Vec::new();
+    stack(&mut short, 0, 3);
+    short.truncate(short.len() - 2);
+    assert!(super::stacks::parse_tree(&short, 0).is_err());
+}
+
+#[test]
+fn timestamps_are_kept_to_the_recordings_resolution() {
+    let meta = Meta { time_resolution_ns: 1_000, ..meta() };
+    let events = vec![
+        alloc(5_000_500, Kind::Malloc, 0x5555_0000_1000, 24),
+        alloc(5_000_900, Kind::Malloc, 0x5555_0000_2000, 24),
+        free(5_001_999, Kind::Free, 0x5555_0000_1000),
+        alloc(5_002_000, Kind::Kmalloc, 0xffff_8880_0000_1000, 64),
+        // Out of order by less than the resolution: the file's order is kept.
+        free(5_001_500, Kind::Free, 0x5555_0000_2000),
+        alloc(9_000_000_123, Kind::Calloc, 0x5555_0000_3000, 8),
+    ];
+    let mut w = Writer::new(Vec::new(), &meta).unwrap();
+    for e in &events {
+        w.event(e).unwrap();
+    }
+    let rec = read_all(&w.finish(&Stats::default()).unwrap()[..]).unwrap();
+    assert_eq!(rec.meta.time_resolution_ns, 1_000);
+    let times: Vec<u64> = rec.events.iter().map(Event::ts_ns).collect();
+    // Counted from the chunk's first event, rounded down.
+    assert_eq!(times, [5_000_500, 5_000_500, 5_001_500, 5_001_500, 5_001_500, 8_999_999_500]);
+    for (got, want) in rec.events.iter().zip(&events) {
+        match (got, want) {
+            (Event::Alloc(g), Event::Alloc(w)) => assert_eq!(Alloc { ts_ns: w.ts_ns, ..*g }, *w),
+            (Event::Free(g), Event::Free(w)) => assert_eq!(Free { ts_ns: w.ts_ns, ..*g }, *w),
+            _ => panic!("{got:?} for {want:?}"),
+        }
+    }
+}
+
+#[test]
+fn an_events_chunk_with_a_bad_header_is_corrupt() {
+    let bytes = write(&many_events(), true);
+    let chunks = stored_chunks(&bytes);
+    let (kind, stored) = chunks.iter().find(|c| c.0 & !COMPRESSED == ChunkKind::Events as u8).unwrap().clone();
+    let mut raw = if kind & COMPRESSED != 0 {
+        let mut c = codec::Cursor::new(&stored, 0);
+        c.varint().unwrap();
+        let mut raw = Vec::new();
+        std::io::Read::read_to_end(&mut flate2::read::DeflateDecoder::new(c.rest()), &mut raw).unwrap();
+        raw
+    } else {
+        stored
+    };
+    let mut zero_resolution = raw.clone();
+    zero_resolution[12] = 0;
+    let mut more_events = raw.clone();
+    more_events[8..12].copy_from_slice(&u32::MAX.to_le_bytes());
+    raw.push(0);
+    for (what, payload) in [("resolution", zero_resolution), ("count", more_events), ("trailing", raw)] {
+        let rec = read_all(&assemble(VERSION, &[chunks[0].clone(), (ChunkKind::Events as u8, payload)])[..]).unwrap();
+        assert!(rec.events.is_empty(), "{what}");
+        assert!(rec.warnings.iter().any(|w| w.contains("corrupt")), "{what}: {:?}", rec.warnings);
+    }
 }
 
 #[test]

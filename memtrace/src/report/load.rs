@@ -62,8 +62,8 @@ pub fn read_definitions(path: &Path) -> Result<Definitions> {
 pub fn for_each_event(path: &Path, sink: &mut dyn FnMut(Event)) -> Result<(), FormatError> {
     let mut reader = Reader::new(BufReader::with_capacity(1 << 20, File::open(path)?))?;
     while let Ok(Some(chunk)) = reader.next_chunk() {
-        if let recording::Chunk::Events { payload, offset } = chunk
-            && Reader::<BufReader<File>>::decode_events(&payload, offset, sink).is_err()
+        if let recording::Chunk::Events { payload, offset, version } = chunk
+            && recording::decode_events(&payload, offset, version, sink).is_err()
         {
             break;
         }

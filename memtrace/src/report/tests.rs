@@ -118,6 +118,7 @@ fn write_recording(path: &std::path::Path) {
         kernel: true,
         sample_bytes: None,
         call_graph: "dwarf".into(),
+        time_resolution_ns: 0,
     };
     let file = std::fs::File::create(path).unwrap();
     let mut w = Writer::new(std::io::BufWriter::new(file), &meta).unwrap();

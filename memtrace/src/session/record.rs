@@ -27,6 +27,8 @@ pub struct RecordOptions {
     pub output: PathBuf,
     pub force: bool,
     pub duration: Option<Duration>,
+    /// Event timestamps are kept to this many nanoseconds (1: exact).
+    pub time_resolution_ns: u64,
 }
 
 /// How a recording went.
@@ -288,6 +290,7 @@ pub fn record(opts: RecordOptions) -> Result<RecordSummary> {
         kernel: opts.trace.kernel,
         sample_bytes: opts.trace.sample_bytes,
         call_graph: if opts.trace.user_stacks { opts.trace.call_graph.name().into() } else { String::new() },
+        time_resolution_ns: opts.time_resolution_ns,
     };
     let writer = Writer::new(BufWriter::with_capacity(1 << 20, file), &meta)
         .with_context(|| format!("writing {}", opts.output.display()))?;
