@@ -75,7 +75,7 @@ fn version(cmd: &str, arg: &str) -> String {
 }
 
 /// Starts `memtrace record -a` and returns once it traces.
-fn start_system_recording(memtrace: &Path, data: &Path, extra: &[&str]) -> Result<std::process::Child> {
+pub(crate) fn start_system_recording(memtrace: &Path, data: &Path, extra: &[&str]) -> Result<std::process::Child> {
     let mut child = Command::new(memtrace)
         .args(["record", "-a", "--force"])
         .args(extra)
@@ -366,6 +366,9 @@ pub fn bench() -> Result<()> {
     eprintln!("xtask bench: start and stop");
     let start = crate::start_bench::section(&memtrace)?;
 
+    eprintln!("xtask bench: system-wide kernel allocations beside bpftrace and perf");
+    let system = crate::system_bench::section(&memtrace, &workloads)?;
+
     eprintln!("xtask bench: the always-on agent (memtrace serve)");
     let serve = crate::serve_bench::section(&memtrace, &workloads)?;
 
@@ -505,10 +508,11 @@ pub fn bench() -> Result<()> {
          ## Machine\n\n{machine}\n\n## Per malloc+free pair\n\nThe bundled workload's loop (`alloc_workload --loop N`: \
          malloc(32) then free, {TRACED_PAIRS} pairs traced, {BARE_PAIRS} bare); {RUNS} runs each; the added cost \
          is the median minus the bare median.\n\n{table}\n## Two designs for whole stacks without frame pointers\n\n\
-         {designs}\n## Stacks of a distribution binary\n\n{python}\n{}\n{}\n## Other figures\n\n{other}\n{}\n## Targets\n\n\
+         {designs}\n## Stacks of a distribution binary\n\n{python}\n{}\n{}\n{}\n## Other figures\n\n{other}\n{}\n## Targets\n\n\
          {targets}\n{notes}",
         crate::heavy_bench::wrapped(&heavy),
         crate::start_bench::wrapped(&start),
+        crate::system_bench::wrapped(&system),
         crate::serve_bench::wrapped(&serve)
     );
     fs::write(workspace_root().join("BENCHMARKS.md"), doc)?;

@@ -15,6 +15,7 @@ mod bench;
 mod heavy_bench;
 mod serve_bench;
 mod start_bench;
+mod system_bench;
 
 fn workspace_root() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).parent().expect("xtask lives in the workspace").to_path_buf()
@@ -285,6 +286,7 @@ fn main() -> Result<()> {
         "bench" if env::args().nth(2).as_deref() == Some("serve") => serve_bench::run_alone(),
         "bench" if env::args().nth(2).as_deref() == Some("heavy") => heavy_bench::run_alone(),
         "bench" if env::args().nth(2).as_deref() == Some("start") => start_bench::run_alone(),
+        "bench" if env::args().nth(2).as_deref() == Some("system") => system_bench::run_alone(),
         "bench" => bench::bench(),
         _ => {
             eprintln!("usage: cargo xtask <setup|test|demo|bench>");
@@ -297,6 +299,7 @@ fn main() -> Result<()> {
             eprintln!("  bench serve  only the always-on agent's figures and soak (its BENCHMARKS.md section)");
             eprintln!("  bench heavy  only the heavy Python program against heaptrack and memray (its section)");
             eprintln!("  bench start  only the start-and-stop figures (record -- true, attach, stop; its section)");
+            eprintln!("  bench system only record -a on kernel allocations beside bpftrace and perf (its section)");
             std::process::exit(2);
         }
     }
