@@ -214,13 +214,14 @@ fn output_paths_that_cannot_be_written_fail_clearly() {
 fn a_full_disk_stops_the_recording_and_keeps_what_was_written() {
     require_root();
     let dir = scratch("full");
-    // 32 KiB: the loop's 800,000 events deflate to a few hundred KiB.
     let mounted =
-        Command::new("mount").args(["-t", "tmpfs", "-o", "size=32k", "memtrace-full"]).arg(&dir).status().unwrap();
+        Command::new("mount").args(["-t", "tmpfs", "-o", "size=128k", "memtrace-full"]).arg(&dir).status().unwrap();
     assert!(mounted.success());
     let data = dir.join("full.data");
+    // Nanosecond times: the loop's 800,000 events (~500 KB) fill the 128 KiB a quarter of
+    // the way through, while it runs.
     let out = memtrace()
-        .args(["record", "-q", "-o"])
+        .args(["record", "-q", "--exact-times", "-o"])
         .arg(&data)
         .arg("--")
         .arg(workload())
