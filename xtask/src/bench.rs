@@ -510,10 +510,10 @@ pub fn bench() -> Result<()> {
          is the median minus the bare median.\n\n{table}\n## Two designs for whole stacks without frame pointers\n\n\
          {designs}\n## Stacks of a distribution binary\n\n{python}\n{}\n{}\n{}\n## Other figures\n\n{other}\n{}\n## Targets\n\n\
          {targets}\n{notes}",
-        crate::heavy_bench::wrapped(&heavy),
-        crate::start_bench::wrapped(&start),
-        crate::system_bench::wrapped(&system),
-        crate::serve_bench::wrapped(&serve)
+        crate::heavy_bench::SECTION.wrapped(&heavy),
+        crate::start_bench::SECTION.wrapped(&start),
+        crate::system_bench::SECTION.wrapped(&system),
+        crate::serve_bench::SECTION.wrapped(&serve)
     );
     fs::write(workspace_root().join("BENCHMARKS.md"), doc)?;
     eprintln!("xtask bench: wrote BENCHMARKS.md");

@@ -17,9 +17,13 @@ use anyhow::{Context as _, Result, bail};
 
 use crate::{build_release, target_dir};
 
-pub const BEGIN: &str = "<!-- heavy:begin -->";
-pub const END: &str = "<!-- heavy:end -->";
-const HEADING: &str = "## Heavy programs: Python with big native wheels";
+/// This part's section of BENCHMARKS.md.
+pub const SECTION: crate::Marked = crate::Marked {
+    heading: "## Heavy programs: Python with big native wheels",
+    begin: "<!-- heavy:begin -->",
+    end: "<!-- heavy:end -->",
+};
+
 /// The wheels, as pip names them.
 const WHEELS: &[&str] = &["numpy", "pandas", "pyarrow", "memray"];
 
@@ -333,15 +337,6 @@ fn sqlite_table(memtrace: &Path, cache: &Path) -> Result<String> {
     Ok(table(&rows, bare_s, false))
 }
 
-pub fn wrapped(section: &str) -> String {
-    format!("{HEADING}\n\n{BEGIN}\n{}\n{END}\n", section.trim_end())
-}
-
-/// `doc` with this section replaced (or appended).
-pub fn replace_section(doc: &str, section: &str) -> String {
-    crate::replace_marked(doc, HEADING, END, &wrapped(section))
-}
-
 /// `cargo xtask bench heavy`: this section alone, replaced in BENCHMARKS.md.
 pub fn run_alone() -> Result<()> {
     crate::require_root("bench")?;
@@ -349,7 +344,7 @@ pub fn run_alone() -> Result<()> {
     crate::ensure_tools(&[("heaptrack", "heaptrack"), ("sqlite3", "sqlite3")])?;
     let (memtrace, _) = build_release()?;
     fs::create_dir_all(target_dir().join("bench"))?;
-    crate::update_benchmarks("heavy-programs", &section(&memtrace)?, replace_section)
+    crate::update_benchmarks("heavy-programs", &SECTION, &section(&memtrace)?)
 }
 
 #[cfg(test)]
@@ -359,9 +354,9 @@ mod tests {
     #[test]
     fn the_section_is_replaced_in_place_or_appended() {
         let doc = "# B\n\nintro\n";
-        let once = replace_section(doc, "| a |");
+        let once = SECTION.replace(doc, "| a |");
         assert!(once.starts_with("# B\n\nintro\n\n## Heavy"), "{once}");
-        let twice = replace_section(&format!("{once}\n## Later\n"), "| b |");
+        let twice = SECTION.replace(&format!("{once}\n## Later\n"), "| b |");
         assert!(twice.contains("| b |") && !twice.contains("| a |") && twice.ends_with("## Later\n"), "{twice}");
     }
 }

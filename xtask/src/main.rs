@@ -42,13 +42,33 @@ fn ensure_tools(tools: &[(&str, &str)]) -> Result<()> {
     Ok(())
 }
 
-/// Prints `section` and puts it in place in BENCHMARKS.md (`replace`: the section's own
-/// replacement), for a `cargo xtask bench <part>` run alone.
-fn update_benchmarks(what: &str, section: &str, replace: fn(&str, &str) -> String) -> Result<()> {
+/// A section of BENCHMARKS.md that one bench part writes: its heading, then its text between
+/// two markers, so a part run alone can replace it in place.
+struct Marked {
+    heading: &'static str,
+    begin: &'static str,
+    end: &'static str,
+}
+
+impl Marked {
+    /// The section's text with its heading and markers.
+    fn wrapped(&self, section: &str) -> String {
+        format!("{}\n\n{}\n{}\n{}\n", self.heading, self.begin, section.trim_end(), self.end)
+    }
+
+    /// `doc` with this section replaced (or appended).
+    fn replace(&self, doc: &str, section: &str) -> String {
+        replace_marked(doc, self.heading, self.end, &self.wrapped(section))
+    }
+}
+
+/// Prints `section` and puts it in place in BENCHMARKS.md, for a `cargo xtask bench <part>`
+/// run alone.
+fn update_benchmarks(what: &str, marked: &Marked, section: &str) -> Result<()> {
     println!("\n{section}");
     let path = workspace_root().join("BENCHMARKS.md");
     let doc = fs::read_to_string(&path).unwrap_or_default();
-    fs::write(&path, replace(&doc, section))?;
+    fs::write(&path, marked.replace(&doc, section))?;
     eprintln!("xtask bench: updated the {what} section of BENCHMARKS.md");
     Ok(())
 }

@@ -21,9 +21,12 @@ use crate::{
     build_release, target_dir,
 };
 
-/// Where the section lives in BENCHMARKS.md.
-pub const BEGIN: &str = "<!-- serve:begin -->";
-pub const END: &str = "<!-- serve:end -->";
+/// This part's section of BENCHMARKS.md.
+pub const SECTION: crate::Marked = crate::Marked {
+    heading: "## Always-on agent (`memtrace serve`)",
+    begin: "<!-- serve:begin -->",
+    end: "<!-- serve:end -->",
+};
 
 /// A running `memtrace serve`.
 struct Agent {
@@ -314,17 +317,7 @@ pub fn run_alone() -> Result<()> {
     crate::setup()?;
     let (memtrace, workloads) = build_release()?;
     fs::create_dir_all(target_dir().join("bench"))?;
-    crate::update_benchmarks("serve", &section(&memtrace, &workloads)?, replace_section)
-}
-
-/// The heading and markers around the section.
-pub fn wrapped(section: &str) -> String {
-    format!("## Always-on agent (`memtrace serve`)\n\n{BEGIN}\n{}\n{END}\n", section.trim_end())
-}
-
-/// `doc` with its serve section replaced (or appended).
-pub fn replace_section(doc: &str, section: &str) -> String {
-    crate::replace_marked(doc, "## Always-on agent (`memtrace serve`)", END, &wrapped(section))
+    crate::update_benchmarks("serve", &SECTION, &section(&memtrace, &workloads)?)
 }
 
 #[cfg(test)]
@@ -334,13 +327,13 @@ mod tests {
     #[test]
     fn the_section_is_replaced_in_place_or_appended() {
         let doc = "# b\n\n## Other\n\nx\n";
-        let once = replace_section(doc, "first");
+        let once = SECTION.replace(doc, "first");
         assert!(once.starts_with("# b\n\n## Other\n\nx\n\n## Always-on agent"));
         assert!(once.contains("first"));
-        let mut twice = replace_section(&once, "second");
+        let mut twice = SECTION.replace(&once, "second");
         assert!(!twice.contains("first") && twice.contains("second"));
         twice.push_str("\n## Later\n");
-        let thrice = replace_section(&twice, "third");
+        let thrice = SECTION.replace(&twice, "third");
         assert!(thrice.contains("third\n<!-- serve:end -->\n## Later"), "{thrice}");
     }
 

@@ -17,9 +17,10 @@ use anyhow::{Context as _, Result, bail};
 
 use crate::{bench::min_median, build_release, succeeds, target_dir};
 
-pub const BEGIN: &str = "<!-- start:begin -->";
-pub const END: &str = "<!-- start:end -->";
-const HEADING: &str = "## Start and stop";
+/// This part's section of BENCHMARKS.md.
+pub const SECTION: crate::Marked =
+    crate::Marked { heading: "## Start and stop", begin: "<!-- start:begin -->", end: "<!-- start:end -->" };
+
 const RUNS: usize = 5;
 
 /// Seconds `make()` takes to run to its end, `RUNS` times: (min, median).
@@ -190,15 +191,6 @@ pub fn section(memtrace: &Path) -> Result<String> {
     Ok(out)
 }
 
-pub fn wrapped(section: &str) -> String {
-    format!("{HEADING}\n\n{BEGIN}\n{}\n{END}\n", section.trim_end())
-}
-
-/// `doc` with this section replaced (or appended).
-pub fn replace_section(doc: &str, section: &str) -> String {
-    crate::replace_marked(doc, HEADING, END, &wrapped(section))
-}
-
 /// `cargo xtask bench start`: this section alone, replaced in BENCHMARKS.md.
 pub fn run_alone() -> Result<()> {
     crate::require_root("bench")?;
@@ -206,5 +198,5 @@ pub fn run_alone() -> Result<()> {
     crate::ensure_tools(&[("bpftrace", "bpftrace"), ("heaptrack", "heaptrack"), ("perf", "linux-perf")])?;
     let (memtrace, _) = build_release()?;
     fs::create_dir_all(target_dir().join("bench"))?;
-    crate::update_benchmarks("start-and-stop", &section(&memtrace)?, replace_section)
+    crate::update_benchmarks("start-and-stop", &SECTION, &section(&memtrace)?)
 }

@@ -22,9 +22,13 @@ use crate::{
     build_release, target_dir,
 };
 
-pub const BEGIN: &str = "<!-- system:begin -->";
-pub const END: &str = "<!-- system:end -->";
-const HEADING: &str = "## System-wide kernel allocations (`record -a`)";
+/// This part's section of BENCHMARKS.md.
+pub const SECTION: crate::Marked = crate::Marked {
+    heading: "## System-wide kernel allocations (`record -a`)",
+    begin: "<!-- system:begin -->",
+    end: "<!-- system:end -->",
+};
+
 const RUNS: usize = 3;
 const PIPES: &str = "100000";
 /// The allocation tracepoints, and every kmem tracepoint `memtrace record -a` attaches.
@@ -196,15 +200,6 @@ pub fn section(memtrace: &Path, workloads: &Path) -> Result<String> {
     Ok(out)
 }
 
-pub fn wrapped(section: &str) -> String {
-    format!("{HEADING}\n\n{BEGIN}\n{}\n{END}\n", section.trim_end())
-}
-
-/// `doc` with this section replaced (or appended).
-pub fn replace_section(doc: &str, section: &str) -> String {
-    crate::replace_marked(doc, HEADING, END, &wrapped(section))
-}
-
 /// `cargo xtask bench system`: this section alone, replaced in BENCHMARKS.md.
 pub fn run_alone() -> Result<()> {
     crate::require_root("bench")?;
@@ -212,5 +207,5 @@ pub fn run_alone() -> Result<()> {
     crate::ensure_tools(&[("bpftrace", "bpftrace"), ("perf", "linux-perf")])?;
     let (memtrace, workloads) = build_release()?;
     fs::create_dir_all(target_dir().join("bench"))?;
-    crate::update_benchmarks("system-wide", &section(&memtrace, &workloads)?, replace_section)
+    crate::update_benchmarks("system-wide", &SECTION, &section(&memtrace, &workloads)?)
 }

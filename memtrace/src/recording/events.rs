@@ -30,7 +30,6 @@ use memtrace_common::{Kind, TaskEvent};
 use super::{
     FormatError,
     codec::{Cursor, put_signed, put_str, put_varint},
-    events_rows::ALLOCATOR_FOLLOWS,
 };
 use crate::event::{Alloc, Event, Free, Task};
 
@@ -38,6 +37,9 @@ const TASK_CODE_BASE: u8 = 48;
 const HAS_FLAGS: u8 = 1 << 6;
 const SAME_TASK: u8 = 1 << 7;
 const CODE_MASK: u8 = 0x3f;
+/// In the flags byte of a user allocation: the allocator's index follows the body (no
+/// `memtrace_common::flags` bit uses it; a test checks).
+pub(super) const ALLOCATOR_FOLLOWS: u8 = 1 << 6;
 
 /// The streams of a chunk, in their order in the payload.
 const TAGS: usize = 0;
@@ -56,6 +58,237 @@ fn space_index(kind: Kind) -> usize {
     kind.space() as usize % SPACES
 }
 
+/// Where each field of an event is written: a buffer per stream (version 4), or one buffer
+/// for them all (the rows of versions 2–3). Fields go out in the same order either way.
+pub(super) trait FieldsOut {
+    fn field(&mut self, stream: usize) -> &mut Vec<u8>;
+}
+
+impl FieldsOut for [Vec<u8>; STREAMS] {
+    fn field(&mut self, stream: usize) -> &mut Vec<u8> {
+        &mut self[stream]
+    }
+}
+
+impl FieldsOut for Vec<u8> {
+    fn field(&mut self, _stream: usize) -> &mut Vec<u8> {
+        self
+    }
+}
+
+/// Where each field of an event is read from (as [`FieldsOut`]).
+pub(super) trait FieldsIn<'a> {
+    fn field(&mut self, stream: usize) -> &mut Cursor<'a>;
+}
+
+impl<'a> FieldsIn<'a> for [Cursor<'a>; STREAMS] {
+    fn field(&mut self, stream: usize) -> &mut Cursor<'a> {
+        &mut self[stream]
+    }
+}
+
+impl<'a> FieldsIn<'a> for Cursor<'a> {
+    fn field(&mut self, _stream: usize) -> &mut Cursor<'a> {
+        self
+    }
+}
+
+/// What an encoder remembers within a chunk: the previous task, the task and call-site
+/// tables, the previous address of each space.
+#[derive(Default)]
+pub(super) struct EncodeState {
+    prev_task: Option<(u32, u32)>,
+    prev_ptr: [u64; SPACES],
+    task_index: HashMap<(u32, u32), u64>,
+    call_site_index: HashMap<u64, u64>,
+}
+
+/// Writes one event, its time as `time` (the layout's delta).
+pub(super) fn encode_event(out: &mut impl FieldsOut, st: &mut EncodeState, event: &Event, time: i64) {
+    let (code, flags, pid, tid) = match event {
+        Event::Alloc(a) if a.allocator != 0 && !a.kind.is_kernel() => {
+            (a.kind as u8, a.flags | ALLOCATOR_FOLLOWS, a.pid, a.tid)
+        }
+        Event::Alloc(a) => (a.kind as u8, a.flags, a.pid, a.tid),
+        Event::Free(f) => (f.kind as u8, f.flags, f.pid, f.tid),
+        Event::Task(t) => (TASK_CODE_BASE + t.event as u8, t.flags, t.pid, t.tid),
+    };
+    let same_task = st.prev_task == Some((pid, tid));
+    out.field(TAGS).push(code | if flags != 0 { HAS_FLAGS } else { 0 } | if same_task { SAME_TASK } else { 0 });
+    put_signed(out.field(TIMES), time);
+    if !same_task {
+        let tasks = out.field(TASKS);
+        match st.task_index.get(&(pid, tid)) {
+            Some(&i) => put_varint(tasks, i),
+            None => {
+                let i = st.task_index.len() as u64;
+                put_varint(tasks, i);
+                put_varint(tasks, u64::from(pid));
+                put_varint(tasks, u64::from(tid));
+                st.task_index.insert((pid, tid), i);
+            }
+        }
+        st.prev_task = Some((pid, tid));
+    }
+    if flags != 0 {
+        out.field(TAGS).push(flags);
+    }
+    match event {
+        Event::Alloc(a) => {
+            let space = space_index(a.kind);
+            if a.kind.is_kernel() {
+                put_varint(out.field(OTHER), u64::from(a.cpu));
+            }
+            put_signed(out.field(ADDRS), a.ptr.wrapping_sub(st.prev_ptr[space]) as i64);
+            st.prev_ptr[space] = a.ptr;
+            put_varint(out.field(SIZES), a.bytes_req);
+            put_signed(out.field(SIZES), a.bytes_alloc.wrapping_sub(a.bytes_req) as i64);
+            put_varint(out.field(STACKS), a.stack);
+            let other = out.field(OTHER);
+            if a.kind.is_kernel() {
+                match st.call_site_index.get(&a.call_site) {
+                    Some(&i) => put_varint(other, i),
+                    None => {
+                        let i = st.call_site_index.len() as u64;
+                        put_varint(other, i);
+                        put_varint(other, a.call_site);
+                        st.call_site_index.insert(a.call_site, i);
+                    }
+                }
+                put_varint(other, u64::from(a.gfp_flags));
+                put_signed(other, i64::from(a.node));
+                other.push(a.order);
+            } else {
+                if a.kind.is_gpu() {
+                    // The device ordinal (-1: not known).
+                    put_signed(other, i64::from(a.node));
+                }
+                if a.allocator != 0 {
+                    other.push(a.allocator);
+                }
+            }
+        }
+        Event::Free(f) => {
+            let space = space_index(f.kind);
+            if f.kind.is_kernel() {
+                put_varint(out.field(OTHER), u64::from(f.cpu));
+            }
+            put_signed(out.field(ADDRS), f.ptr.wrapping_sub(st.prev_ptr[space]) as i64);
+            st.prev_ptr[space] = f.ptr;
+            put_varint(out.field(OTHER), u64::from(f.arg));
+        }
+        Event::Task(t) => {
+            let other = out.field(OTHER);
+            put_varint(other, u64::from(t.ppid));
+            put_str(other, &t.comm);
+            put_str(other, &t.filename);
+        }
+    }
+}
+
+/// What a decoder remembers within a chunk (as [`EncodeState`]).
+#[derive(Default)]
+pub(super) struct DecodeState {
+    prev_task: Option<(u32, u32)>,
+    tasks: Vec<(u32, u32)>,
+    call_sites: Vec<u64>,
+    prev_ptr: [u64; SPACES],
+}
+
+/// Reads one event; `time` turns the layout's time delta into the timestamp. `base` is the
+/// chunk's offset in the file, for errors.
+pub(super) fn decode_event<'a>(
+    inp: &mut impl FieldsIn<'a>,
+    st: &mut DecodeState,
+    base: u64,
+    time: impl FnOnce(i64) -> u64,
+) -> Result<Event, FormatError> {
+    let corrupt = |reason: &str| FormatError::Corrupt { offset: base, reason: reason.to_string() };
+    let tag = inp.field(TAGS).u8()?;
+    let code = tag & CODE_MASK;
+    let ts = time(inp.field(TIMES).signed()?);
+    let (pid, tid) = if tag & SAME_TASK != 0 {
+        st.prev_task.ok_or_else(|| corrupt("same-task flag on the first event"))?
+    } else {
+        let tasks = inp.field(TASKS);
+        let i = tasks.varint()? as usize;
+        if i == st.tasks.len() {
+            let pid = tasks.varint_u32()?;
+            let tid = tasks.varint_u32()?;
+            st.tasks.push((pid, tid));
+        }
+        *st.tasks.get(i).ok_or_else(|| corrupt("task reference out of range"))?
+    };
+    st.prev_task = Some((pid, tid));
+    let flags = if tag & HAS_FLAGS != 0 { inp.field(TAGS).u8()? } else { 0 };
+    if code >= TASK_CODE_BASE {
+        let event = TaskEvent::from_u8(code - TASK_CODE_BASE).ok_or_else(|| corrupt("unknown task event"))?;
+        let o = inp.field(OTHER);
+        return Ok(Event::Task(Task {
+            ts_ns: ts,
+            event,
+            flags,
+            pid,
+            tid,
+            ppid: o.varint_u32()?,
+            comm: o.string()?,
+            filename: o.string()?,
+        }));
+    }
+    let kind = Kind::from_u8(code).ok_or_else(|| corrupt("unknown event kind"))?;
+    let space = space_index(kind);
+    let cpu = if kind.is_kernel() {
+        u16::try_from(inp.field(OTHER).varint()?).map_err(|_| corrupt("CPU out of range"))?
+    } else {
+        0
+    };
+    let ptr = st.prev_ptr[space].wrapping_add(inp.field(ADDRS).signed()? as u64);
+    st.prev_ptr[space] = ptr;
+    if kind.is_free() {
+        let arg = inp.field(OTHER).varint_u32()?;
+        return Ok(Event::Free(Free { ts_ns: ts, pid, tid, cpu, kind, flags, ptr, arg }));
+    }
+    let sizes = inp.field(SIZES);
+    let bytes_req = sizes.varint()?;
+    let bytes_alloc = bytes_req.wrapping_add(sizes.signed()? as u64);
+    let stack = inp.field(STACKS).varint()?;
+    let o = inp.field(OTHER);
+    let (call_site, gfp_flags, node, order) = if kind.is_kernel() {
+        let i = o.varint()? as usize;
+        if i == st.call_sites.len() {
+            st.call_sites.push(o.varint()?);
+        }
+        let site = *st.call_sites.get(i).ok_or_else(|| corrupt("call-site reference out of range"))?;
+        let gfp = o.varint_u32()?;
+        let node = i32::try_from(o.signed()?).map_err(|_| corrupt("node out of range"))?;
+        (site, gfp, node, o.u8()?)
+    } else if kind.is_gpu() {
+        let node = i32::try_from(o.signed()?).map_err(|_| corrupt("device out of range"))?;
+        (0, 0, node, 0)
+    } else {
+        (0, 0, -1, 0)
+    };
+    let allocator = if !kind.is_kernel() && flags & ALLOCATOR_FOLLOWS != 0 { o.u8()? } else { 0 };
+    let flags = if kind.is_kernel() { flags } else { flags & !ALLOCATOR_FOLLOWS };
+    Ok(Event::Alloc(Alloc {
+        ts_ns: ts,
+        pid,
+        tid,
+        cpu,
+        kind,
+        flags,
+        ptr,
+        bytes_req,
+        bytes_alloc,
+        stack,
+        call_site,
+        gfp_flags,
+        node,
+        order,
+        allocator,
+    }))
+}
+
 /// Timestamp in resolution units from the chunk's base (rounded down).
 fn ticks(ts: u64, base: u64, resolution: u64) -> i64 {
     (ts.wrapping_sub(base) as i64).div_euclid(resolution as i64)
@@ -67,10 +300,7 @@ pub struct EventEncoder {
     base_ts: u64,
     resolution: u64,
     prev_ticks: i64,
-    prev_task: Option<(u32, u32)>,
-    prev_ptr: [u64; SPACES],
-    task_index: HashMap<(u32, u32), u64>,
-    call_site_index: HashMap<u64, u64>,
+    state: EncodeState,
 }
 
 impl EventEncoder {
@@ -82,10 +312,7 @@ impl EventEncoder {
             base_ts: 0,
             resolution: resolution_ns.max(1),
             prev_ticks: 0,
-            prev_task: None,
-            prev_ptr: [0; SPACES],
-            task_index: HashMap::new(),
-            call_site_index: HashMap::new(),
+            state: EncodeState::default(),
         }
     }
 
@@ -125,91 +352,12 @@ impl EventEncoder {
         if self.count == 0 {
             self.base_ts = event.ts_ns();
             self.prev_ticks = 0;
-            self.prev_task = None;
-            self.prev_ptr = [0; SPACES];
-            self.task_index.clear();
-            self.call_site_index.clear();
+            self.state = EncodeState::default();
         }
         self.count += 1;
-        let (code, flags, pid, tid) = match event {
-            Event::Alloc(a) if a.allocator != 0 && !a.kind.is_kernel() => {
-                (a.kind as u8, a.flags | ALLOCATOR_FOLLOWS, a.pid, a.tid)
-            }
-            Event::Alloc(a) => (a.kind as u8, a.flags, a.pid, a.tid),
-            Event::Free(f) => (f.kind as u8, f.flags, f.pid, f.tid),
-            Event::Task(t) => (TASK_CODE_BASE + t.event as u8, t.flags, t.pid, t.tid),
-        };
-        let same_task = self.prev_task == Some((pid, tid));
-        let [tags, times, tasks, addrs, sizes, stacks, other] = &mut self.streams;
-        tags.push(code | if flags != 0 { HAS_FLAGS } else { 0 } | if same_task { SAME_TASK } else { 0 });
-        if flags != 0 {
-            tags.push(flags);
-        }
         let t = ticks(event.ts_ns(), self.base_ts, self.resolution);
-        put_signed(times, t.wrapping_sub(self.prev_ticks));
+        encode_event(&mut self.streams, &mut self.state, event, t.wrapping_sub(self.prev_ticks));
         self.prev_ticks = t;
-        if !same_task {
-            match self.task_index.get(&(pid, tid)) {
-                Some(&i) => put_varint(tasks, i),
-                None => {
-                    let i = self.task_index.len() as u64;
-                    put_varint(tasks, i);
-                    put_varint(tasks, u64::from(pid));
-                    put_varint(tasks, u64::from(tid));
-                    self.task_index.insert((pid, tid), i);
-                }
-            }
-            self.prev_task = Some((pid, tid));
-        }
-        match event {
-            Event::Alloc(a) => {
-                let space = space_index(a.kind);
-                if a.kind.is_kernel() {
-                    put_varint(other, u64::from(a.cpu));
-                }
-                put_signed(addrs, a.ptr.wrapping_sub(self.prev_ptr[space]) as i64);
-                self.prev_ptr[space] = a.ptr;
-                put_varint(sizes, a.bytes_req);
-                put_signed(sizes, a.bytes_alloc.wrapping_sub(a.bytes_req) as i64);
-                put_varint(stacks, a.stack);
-                if a.kind.is_kernel() {
-                    match self.call_site_index.get(&a.call_site) {
-                        Some(&i) => put_varint(other, i),
-                        None => {
-                            let i = self.call_site_index.len() as u64;
-                            put_varint(other, i);
-                            put_varint(other, a.call_site);
-                            self.call_site_index.insert(a.call_site, i);
-                        }
-                    }
-                    put_varint(other, u64::from(a.gfp_flags));
-                    put_signed(other, i64::from(a.node));
-                    other.push(a.order);
-                } else {
-                    if a.kind.is_gpu() {
-                        // The device ordinal (-1: not known).
-                        put_signed(other, i64::from(a.node));
-                    }
-                    if a.allocator != 0 {
-                        other.push(a.allocator);
-                    }
-                }
-            }
-            Event::Free(f) => {
-                let space = space_index(f.kind);
-                if f.kind.is_kernel() {
-                    put_varint(other, u64::from(f.cpu));
-                }
-                put_signed(addrs, f.ptr.wrapping_sub(self.prev_ptr[space]) as i64);
-                self.prev_ptr[space] = f.ptr;
-                put_varint(other, u64::from(f.arg));
-            }
-            Event::Task(t) => {
-                put_varint(other, u64::from(t.ppid));
-                put_str(other, &t.comm);
-                put_str(other, &t.filename);
-            }
-        }
     }
 }
 
@@ -227,9 +375,9 @@ pub fn decode_chunk(payload: &[u8], base: u64, sink: &mut dyn FnMut(Event)) -> R
     for len in &mut lens {
         *len = head.len(1)?;
     }
-    let mut s: [Cursor<'_>; STREAMS] = std::array::from_fn(|_| Cursor::new(&[], base));
-    for (i, &len) in lens.iter().enumerate() {
-        s[i] = Cursor::new(head.take(len)?, base);
+    let mut streams: [Cursor<'_>; STREAMS] = std::array::from_fn(|_| Cursor::new(&[], base));
+    for (stream, &len) in streams.iter_mut().zip(&lens) {
+        *stream = Cursor::new(head.take(len)?, base);
     }
     if !head.is_empty() {
         return Err(corrupt("bytes after the last stream"));
@@ -238,98 +386,16 @@ pub fn decode_chunk(payload: &[u8], base: u64, sink: &mut dyn FnMut(Event)) -> R
     if count as usize > lens[TAGS] {
         return Err(corrupt("more events than tags"));
     }
+    let mut st = DecodeState::default();
     let mut prev_ticks = 0i64;
-    let mut prev_task: Option<(u32, u32)> = None;
-    let mut tasks: Vec<(u32, u32)> = Vec::new();
-    let mut call_sites: Vec<u64> = Vec::new();
-    let mut prev_ptr = [0u64; SPACES];
     for _ in 0..count {
-        let tag = s[TAGS].u8()?;
-        let code = tag & CODE_MASK;
-        let flags = if tag & HAS_FLAGS != 0 { s[TAGS].u8()? } else { 0 };
-        prev_ticks = prev_ticks.wrapping_add(s[TIMES].signed()?);
-        let ts = base_ts.wrapping_add(prev_ticks.wrapping_mul(resolution as i64) as u64);
-        let (pid, tid) = if tag & SAME_TASK != 0 {
-            prev_task.ok_or_else(|| corrupt("same-task flag on the first event"))?
-        } else {
-            let i = s[TASKS].varint()? as usize;
-            if i == tasks.len() {
-                let pid = s[TASKS].varint_u32()?;
-                let tid = s[TASKS].varint_u32()?;
-                tasks.push((pid, tid));
-            }
-            *tasks.get(i).ok_or_else(|| corrupt("task reference out of range"))?
-        };
-        prev_task = Some((pid, tid));
-        let event = if code >= TASK_CODE_BASE {
-            let event = TaskEvent::from_u8(code - TASK_CODE_BASE).ok_or_else(|| corrupt("unknown task event"))?;
-            let o = &mut s[OTHER];
-            Event::Task(Task {
-                ts_ns: ts,
-                event,
-                flags,
-                pid,
-                tid,
-                ppid: o.varint_u32()?,
-                comm: o.string()?,
-                filename: o.string()?,
-            })
-        } else {
-            let kind = Kind::from_u8(code).ok_or_else(|| corrupt("unknown event kind"))?;
-            let space = space_index(kind);
-            let cpu = if kind.is_kernel() {
-                u16::try_from(s[OTHER].varint()?).map_err(|_| corrupt("CPU out of range"))?
-            } else {
-                0
-            };
-            let ptr = prev_ptr[space].wrapping_add(s[ADDRS].signed()? as u64);
-            prev_ptr[space] = ptr;
-            if kind.is_free() {
-                Event::Free(Free { ts_ns: ts, pid, tid, cpu, kind, flags, ptr, arg: s[OTHER].varint_u32()? })
-            } else {
-                let bytes_req = s[SIZES].varint()?;
-                let bytes_alloc = bytes_req.wrapping_add(s[SIZES].signed()? as u64);
-                let stack = s[STACKS].varint()?;
-                let o = &mut s[OTHER];
-                let (call_site, gfp_flags, node, order) = if kind.is_kernel() {
-                    let i = o.varint()? as usize;
-                    if i == call_sites.len() {
-                        call_sites.push(o.varint()?);
-                    }
-                    let site = *call_sites.get(i).ok_or_else(|| corrupt("call-site reference out of range"))?;
-                    let gfp = o.varint_u32()?;
-                    let node = i32::try_from(o.signed()?).map_err(|_| corrupt("node out of range"))?;
-                    (site, gfp, node, o.u8()?)
-                } else if kind.is_gpu() {
-                    let node = i32::try_from(o.signed()?).map_err(|_| corrupt("device out of range"))?;
-                    (0, 0, node, 0)
-                } else {
-                    (0, 0, -1, 0)
-                };
-                let allocator = if !kind.is_kernel() && flags & ALLOCATOR_FOLLOWS != 0 { o.u8()? } else { 0 };
-                let flags = if kind.is_kernel() { flags } else { flags & !ALLOCATOR_FOLLOWS };
-                Event::Alloc(Alloc {
-                    ts_ns: ts,
-                    pid,
-                    tid,
-                    cpu,
-                    kind,
-                    flags,
-                    ptr,
-                    bytes_req,
-                    bytes_alloc,
-                    stack,
-                    call_site,
-                    gfp_flags,
-                    node,
-                    order,
-                    allocator,
-                })
-            }
-        };
+        let event = decode_event(&mut streams, &mut st, base, |delta| {
+            prev_ticks = prev_ticks.wrapping_add(delta);
+            base_ts.wrapping_add(prev_ticks.wrapping_mul(resolution as i64) as u64)
+        })?;
         sink(event);
     }
-    if s.iter().any(|c| !c.is_empty()) {
+    if streams.iter().any(|c| !c.is_empty()) {
         return Err(corrupt("bytes after the last event"));
     }
     Ok(count)

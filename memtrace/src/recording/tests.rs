@@ -233,7 +233,7 @@ proptest! {
 fn no_event_flag_is_the_recordings_own_allocator_bit() {
     use memtrace_common::flags::*;
     for bit in [USABLE_EXACT, BY_REALLOC, IRQ, HAS_STACK, FOREIGN_FREE, GROUP_DEAD, FAILED] {
-        assert_eq!(bit & super::events_rows::ALLOCATOR_FOLLOWS, 0, "{bit:#x}");
+        assert_eq!(bit & super::events::ALLOCATOR_FOLLOWS, 0, "{bit:#x}");
     }
 }
 
