@@ -22,19 +22,6 @@ macro_rules! config {
     };
 }
 
-/// A tracepoint program: a thin entry point that runs `$body` (a `try_*` call returning a
-/// `Result`, with `$ctx: &TracePointContext`) and always returns 0 to the kernel.
-macro_rules! tracepoint_program {
-    ($name:ident, |$ctx:ident| $body:expr) => {
-        #[aya_ebpf::macros::tracepoint]
-        pub fn $name(ctx: aya_ebpf::programs::TracePointContext) -> u32 {
-            let $ctx = &ctx;
-            let _ = $body;
-            0
-        }
-    };
-}
-
 /// A raw tracepoint program: a thin entry point that runs `$body` (a `try_*` call returning
 /// a `Result`, with `$ctx: &RawTracePointContext`, whose arguments are the tracepoint's
 /// `TP_PROTO`) and always returns 0 to the kernel. Userspace attaches it by its name.

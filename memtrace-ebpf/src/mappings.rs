@@ -1,16 +1,20 @@
 //! Executable mappings of traced processes after their exec (how ld.so and dlopen load
-//! libraries, and where JIT code goes): `openat` names a file descriptor, `mmap` with
-//! `PROT_EXEC` maps it, so userspace knows which file an address lies in, builds its unwind
-//! table and installs the range in the address space, even when the process is gone before
-//! its maps can be read. (The program and its interpreter, which the kernel maps during
+//! libraries, and where JIT code goes), from the raw syscall tracepoints: `openat` names a
+//! file descriptor, `mmap` with `PROT_EXEC` maps it, so userspace knows which file an
+//! address lies in, builds its unwind table and installs the range in the address space,
+//! even when the process is gone before its maps can be read. (The program and its interpreter, which the kernel maps during
 //! exec, come with the exec record; see `task`.)
 use core::ffi::c_void;
 
-use aya_ebpf::{bindings::BPF_ANY, helpers::generated, programs::TracePointContext};
+use aya_ebpf::{
+    bindings::{BPF_ANY, pt_regs},
+    helpers::generated,
+    programs::RawTracePointContext,
+};
 use memtrace_common::{FILENAME_LEN, MappingRecord, RecordType, mapping_record, unwind_mode};
 
 use crate::{
-    context::{is_traced_or_pending, pid_tgid, read_kernel_at, scratch},
+    context::{is_traced_or_pending, pid_tgid, read_kernel_at, read_kernel_u64, scratch},
     maps::{FD_PATHS, MMAP_ARGS, MmapArgs, OPENAT_ARGS},
     ring::{emit_waking, this_ring},
     unwind::{asid_of, file_table, install_range},
@@ -28,10 +32,12 @@ fn fd_file(fd: u32) -> Option<u64> {
     read_kernel_at::<u64>(fds, fd.wrapping_mul(8)).filter(|&f| f != 0)
 }
 
-/// Syscall tracepoints share one layout: the arguments, 8 bytes each, from offset 16 (after
-/// the common header and the syscall number); the return value of `sys_exit_*` at 16.
-const SYSCALL_ARG: usize = 16;
-const SYSCALL_RET: usize = 16;
+/// The x86-64 numbers of the two syscalls followed.
+const NR_MMAP: u64 = 9;
+const NR_OPENAT: u64 = 257;
+/// The code segment of a 64-bit task's user mode; a 32-bit task's syscalls number
+/// differently and are left alone, as the `syscalls:` tracepoints leave them.
+const USER_CS_64: u64 = 0x33;
 const PROT_EXEC: u64 = 4;
 const MAP_ANONYMOUS: u64 = 0x20;
 
@@ -40,27 +46,73 @@ fn tracks_mappings(tgid: u32) -> bool {
     config!(unwind_mode) != unwind_mode::FRAME_POINTERS && config!(user_stacks) != 0 && is_traced_or_pending(tgid)
 }
 
-tracepoint_program!(sys_enter_openat, |ctx| try_enter_openat(ctx));
+/// A user register of the syscall, from the `pt_regs` the raw syscall tracepoints give.
+macro_rules! user_reg {
+    ($regs:expr, $field:ident) => {
+        // SAFETY: the address of a field of the kernel's pt_regs; the read is checked.
+        read_kernel_u64(unsafe { core::ptr::addr_of!((*$regs).$field) }).ok_or(())?
+    };
+}
 
-fn try_enter_openat(ctx: &TracePointContext) -> Result<(), ()> {
+// The raw `sys_enter`/`sys_exit` tracepoints rather than `syscalls:sys_*_openat`/`mmap`:
+// each of those is a perf event whose detach waits 70–190 ms for grace periods; a raw
+// tracepoint's costs nothing, and its programs return at once for other syscalls.
+raw_tracepoint_program!(sys_enter, |ctx| try_sys_enter(ctx));
+
+/// sys_enter(struct pt_regs *regs, long id): remembers the arguments of a traced task's
+/// `openat` (the path) and executable `mmap` until the call returns.
+fn try_sys_enter(ctx: &RawTracePointContext) -> Result<(), ()> {
+    let nr: u64 = ctx.arg(1);
+    if nr != NR_OPENAT && nr != NR_MMAP {
+        return Ok(());
+    }
     let (id, tgid, _) = pid_tgid();
     if !tracks_mappings(tgid) {
         return Ok(());
     }
-    // SAFETY: checked read of the tracepoint record (openat's second argument).
-    let filename: u64 = unsafe { ctx.read_at(SYSCALL_ARG + 8) }.map_err(|_| ())?;
-    OPENAT_ARGS.insert(id, filename, BPF_ANY as u64).map_err(|_| ())
+    let regs: *const pt_regs = ctx.arg(0);
+    if user_reg!(regs, cs) != USER_CS_64 {
+        return Ok(());
+    }
+    if nr == NR_OPENAT {
+        // openat(dirfd, filename, flags, mode)
+        let filename = user_reg!(regs, rsi);
+        return OPENAT_ARGS.insert(id, filename, BPF_ANY as u64).map_err(|_| ());
+    }
+    // mmap(addr, len, prot, flags, fd, offset): rdi, rsi, rdx, r10, r8, r9.
+    let prot = user_reg!(regs, rdx);
+    if prot & PROT_EXEC == 0 {
+        return Ok(());
+    }
+    let len = user_reg!(regs, rsi);
+    let flags = user_reg!(regs, r10);
+    let fd = user_reg!(regs, r8);
+    let offset = user_reg!(regs, r9);
+    let fd = if flags & MAP_ANONYMOUS != 0 { u64::MAX } else { fd };
+    MMAP_ARGS.insert(id, MmapArgs { len, offset, fd }, BPF_ANY as u64).map_err(|_| ())
 }
 
-tracepoint_program!(sys_exit_openat, |ctx| try_exit_openat(ctx));
+raw_tracepoint_program!(sys_exit, |ctx| try_sys_exit(ctx));
 
-fn try_exit_openat(ctx: &TracePointContext) -> Result<(), ()> {
+/// sys_exit(struct pt_regs *regs, long ret)
+fn try_sys_exit(ctx: &RawTracePointContext) -> Result<(), ()> {
+    let regs: *const pt_regs = ctx.arg(0);
+    let nr = user_reg!(regs, orig_rax);
+    if nr == NR_OPENAT {
+        try_exit_openat(ctx.arg(1))
+    } else if nr == NR_MMAP {
+        try_exit_mmap(ctx.arg(1))
+    } else {
+        Ok(())
+    }
+}
+
+#[inline(always)]
+fn try_exit_openat(fd: i64) -> Result<(), ()> {
     let (id, tgid, _) = pid_tgid();
     // SAFETY: copied out at once.
     let filename = *unsafe { OPENAT_ARGS.get(id) }.ok_or(())?;
     let _ = OPENAT_ARGS.remove(id);
-    // SAFETY: checked read of the tracepoint record.
-    let fd: i64 = unsafe { ctx.read_at(SYSCALL_RET) }.map_err(|_| ())?;
     if fd < 0 {
         return Ok(());
     }
@@ -79,36 +131,12 @@ fn try_exit_openat(ctx: &TracePointContext) -> Result<(), ()> {
     FD_PATHS.insert((u64::from(tgid) << 32) | fd as u64, path, BPF_ANY as u64).map_err(|_| ())
 }
 
-tracepoint_program!(sys_enter_mmap, |ctx| try_enter_mmap(ctx));
-
-fn try_enter_mmap(ctx: &TracePointContext) -> Result<(), ()> {
-    let (id, tgid, _) = pid_tgid();
-    if !tracks_mappings(tgid) {
-        return Ok(());
-    }
-    // SAFETY (the five reads): checked reads of the tracepoint record: len, prot, flags,
-    // fd, off.
-    let len: u64 = unsafe { ctx.read_at(SYSCALL_ARG + 8) }.map_err(|_| ())?;
-    let prot: u64 = unsafe { ctx.read_at(SYSCALL_ARG + 16) }.map_err(|_| ())?;
-    let flags: u64 = unsafe { ctx.read_at(SYSCALL_ARG + 24) }.map_err(|_| ())?;
-    let fd: u64 = unsafe { ctx.read_at(SYSCALL_ARG + 32) }.map_err(|_| ())?;
-    let offset: u64 = unsafe { ctx.read_at(SYSCALL_ARG + 40) }.map_err(|_| ())?;
-    if prot & PROT_EXEC == 0 {
-        return Ok(());
-    }
-    let fd = if flags & MAP_ANONYMOUS != 0 { u64::MAX } else { fd };
-    MMAP_ARGS.insert(id, MmapArgs { len, offset, fd }, BPF_ANY as u64).map_err(|_| ())
-}
-
-tracepoint_program!(sys_exit_mmap, |ctx| try_exit_mmap(ctx));
-
-fn try_exit_mmap(ctx: &TracePointContext) -> Result<(), ()> {
+#[inline(always)]
+fn try_exit_mmap(start: u64) -> Result<(), ()> {
     let (id, tgid, _) = pid_tgid();
     // SAFETY: copied out at once.
     let args = *unsafe { MMAP_ARGS.get(id) }.ok_or(())?;
     let _ = MMAP_ARGS.remove(id);
-    // SAFETY: checked read of the tracepoint record.
-    let start: u64 = unsafe { ctx.read_at(SYSCALL_RET) }.map_err(|_| ())?;
     if start >= (-4095i64) as u64 {
         return Ok(()); // an error code
     }

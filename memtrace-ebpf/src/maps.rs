@@ -61,10 +61,11 @@ pub(crate) static SAMPLED_LIVE: HashMap<SampledKey, u8, 262144> = HashMap::new()
 #[btf_map]
 pub(crate) static SCRATCH: PerCpuArray<Scratch, 1> = PerCpuArray::new();
 
-/// Index 0: `kmem_finish`, the second half of the kmem allocation programs (`finish`). A
+/// Index 0: `kmem_finish`, the second half of the kmem allocation programs (`finish`);
+/// index 1: `kmem_user`, which `kmem_finish` tail-calls for the user part of the stack. A
 /// program array takes programs of one type, hence one per type.
 #[btf_map]
-pub(crate) static KERNEL_FINISH: ProgramArray<1> = ProgramArray::new();
+pub(crate) static KERNEL_FINISH: ProgramArray<2> = ProgramArray::new();
 
 /// Index 0: `user_finish`, the second half of the allocation return probes (`finish`).
 #[btf_map]

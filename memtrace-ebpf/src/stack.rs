@@ -62,6 +62,11 @@ pub(crate) struct Scratch {
     /// Kernel ones by nesting level: a kmem tracepoint can fire in an interrupt while the
     /// task's own allocation is between its two halves.
     pub(crate) pending_kernel: [KernelAllocRecord; KERNEL_NESTING],
+    /// Their kernel parts' hashes and frame counts, from `kmem_finish` to `kmem_user`.
+    pub(crate) pending_kernel_hash: [u64; KERNEL_NESTING],
+    pub(crate) pending_kernel_frames: [u32; KERNEL_NESTING],
+    /// A value passed through memory to hide it from the verifier (`context::opaque`).
+    pub(crate) opaque: u64,
     pub(crate) pending_user: UserAllocRecord,
     /// Kernel allocations between their two halves on this CPU.
     pub(crate) kernel_depth: u32,
@@ -322,13 +327,14 @@ pub(crate) fn user_stack(ctx: &RetProbeContext, ring: &Ring, pid: u32) -> Option
     Some(hash)
 }
 
-/// Hash of the kernel stack joined with the user stack of the task it runs for.
+/// The kernel part of a kmem allocation's stack: its frames written after the header in
+/// `scratch.record`, their count, and the stack hash so far (seeded with `pid`, closed by
+/// the separator from the user part). None when kernel stacks are off.
 #[inline(always)]
-pub(crate) fn kernel_stack(ctx: *mut c_void, ring: &Ring, pid: u32) -> Option<u64> {
+pub(crate) fn kernel_part(ctx: *mut c_void, pid: u32) -> Option<(usize, u64)> {
     if config!(kernel_stacks) == 0 {
         return None;
     }
-    let python_hash = if pid != 0 && config!(user_stacks) != 0 { walk_python(pid) } else { 0 };
     let scratch = scratch()?;
     let kernel_off = size_of::<StackHeader>();
     // SAFETY: kernel_off + KERNEL_FRAMES_BYTES <= STACK_RECORD_MAX.
@@ -347,20 +353,36 @@ pub(crate) fn kernel_stack(ctx: *mut c_void, ring: &Ring, pid: u32) -> Option<u6
         hash = hash_words(hash, unsafe { scratch.record.as_ptr().add(kernel_off) } as *const u64);
     }
     // Separates the kernel part from the user part.
-    hash = stack_hash_step(hash, u64::MAX);
-    let (user, hash) = if pid != 0 && config!(user_stacks) != 0 {
-        let regs = if config!(unwind_mode) != unwind_mode::FRAME_POINTERS { UserRegs::of_current_task() } else { None };
-        walk_user(ctx, scratch, pid, regs, hash)
-    } else {
-        (UserPart { n: 0, flags: 0, with_copy: false, asid: 0 }, hash)
-    };
+    Some((n_kernel, stack_hash_step(hash, u64::MAX)))
+}
+
+/// Sends a kernel stack with no user part (kernel frames already in `scratch.record`);
+/// returns its hash, or None when it has no frames.
+#[inline(always)]
+pub(crate) fn kernel_only_stack(ctx: *mut c_void, ring: &Ring, pid: u32, n_kernel: usize, hash: u64) -> Option<u64> {
+    if n_kernel == 0 {
+        return None;
+    }
+    let scratch = scratch()?;
+    let user = UserPart { n: 0, flags: stack_flags::KERNEL, with_copy: false, asid: 0 };
+    send_stack_once(ctx, ring, scratch, hash, pid, n_kernel, user);
+    Some(hash)
+}
+
+/// Joins the user stack of the task a kmem allocation ran for (and its Python frames) to
+/// the kernel part already in `scratch.record`, and sends the whole stack once; returns
+/// its hash, or None when neither part has frames.
+#[inline(always)]
+pub(crate) fn join_user_part(ctx: *mut c_void, ring: &Ring, pid: u32, n_kernel: usize, hash: u64) -> Option<u64> {
+    let python_hash = walk_python(pid);
+    let scratch = scratch()?;
+    let regs = if config!(unwind_mode) != unwind_mode::FRAME_POINTERS { UserRegs::of_current_task() } else { None };
+    let (user, hash) = walk_user(ctx, scratch, pid, regs, hash);
     if n_kernel == 0 && user.n == 0 {
         return None;
     }
     let (hash, user) = after_miss(ring, stack_hash_step(hash, python_hash), user);
-    if pid != 0 && config!(user_stacks) != 0 {
-        send_python_once(hash);
-    }
+    send_python_once(hash);
     let user = UserPart { flags: user.flags | stack_flags::KERNEL, ..user };
     send_stack_once(ctx, ring, scratch, hash, pid, n_kernel, user);
     Some(hash)

@@ -1,10 +1,16 @@
 //! Turning addresses into names with blazesym: one long-lived symbolizer, called once per
 //! object with every distinct offset of that object in one batch. Results are inline
-//! chains, innermost function first, each with its own source location.
-use std::path::Path;
+//! chains, innermost function first, each with its own source location. [`Background`]
+//! keeps the symbolizer on a thread of its own, so that its caches (the kernel's symbols,
+//! each object's tables) fill while a recording runs rather than after it.
+use std::{
+    path::{Path, PathBuf},
+    sync::mpsc,
+    thread::JoinHandle,
+};
 
 use blazesym::symbolize::{
-    Input, Symbolized, Symbolizer as Blaze,
+    Input, Symbolized, Symbolizer as Blaze, cache,
     source::{Elf, Kernel, Source},
 };
 
@@ -79,6 +85,83 @@ impl Symbolizer {
         let src = Source::Elf(Elf::new(path));
         self.run(&src, Input::FileOffset(offsets), offsets.len())
     }
+
+    /// Reads the kernel's symbols now, so that a later [`Symbolizer::kernel`] finds them read.
+    pub fn prepare_kernel(&self) {
+        let _ = self.kernel(&[0]);
+    }
+
+    /// Reads the symbol tables of the object at `path` now. (Its separate debug information,
+    /// when installed, is still indexed at the first lookup: doing that ahead costs more CPU
+    /// than a short recording's start can spare.)
+    pub fn prepare_object(&self, path: &Path) {
+        let _ = self.blaze.cache(&cache::Cache::Elf(cache::Elf::new(path)));
+    }
+}
+
+type Job = Box<dyn FnOnce(&Symbolizer) + Send>;
+
+/// A [`Symbolizer`] on a thread of its own (it cannot move between threads), taking jobs
+/// in order. Preparing (`prepare_*`) returns at once; [`Background::run`] waits for its
+/// answer.
+pub struct Background {
+    jobs: Option<mpsc::Sender<Job>>,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl Background {
+    pub fn start() -> Self {
+        let (jobs, queue) = mpsc::channel::<Job>();
+        let thread = std::thread::Builder::new()
+            .name("symbolizer".into())
+            .spawn(move || {
+                // Preparing is work ahead of need: it yields the CPU to the probes' loading
+                // (the kernel verifying them on the other threads) and to event handling.
+                // SAFETY: plain syscalls on this thread's own id.
+                unsafe { libc::setpriority(libc::PRIO_PROCESS, libc::gettid() as libc::id_t, 19) };
+                let symbolizer = Symbolizer::new();
+                for job in queue {
+                    job(&symbolizer);
+                }
+            })
+            .ok();
+        Self { jobs: thread.as_ref().map(|_| jobs), thread }
+    }
+
+    fn send(&self, job: Job) -> bool {
+        self.jobs.as_ref().is_some_and(|jobs| jobs.send(job).is_ok())
+    }
+
+    /// Starts reading the kernel's symbols.
+    pub fn prepare_kernel(&self) {
+        self.send(Box::new(|s| s.prepare_kernel()));
+    }
+
+    /// Starts reading the symbol tables of the object at `path`.
+    pub fn prepare_object(&self, path: PathBuf) {
+        self.send(Box::new(move |s| s.prepare_object(&path)));
+    }
+
+    /// Runs `f` on the symbolizer after the jobs before it; None when the thread is gone
+    /// (it could not start, or a job panicked).
+    pub fn run<R: Send + 'static>(&self, f: impl FnOnce(&Symbolizer) -> R + Send + 'static) -> Option<R> {
+        let (answer, result) = mpsc::sync_channel(1);
+        if !self.send(Box::new(move |s| {
+            let _ = answer.send(f(s));
+        })) {
+            return None;
+        }
+        result.recv().ok()
+    }
+}
+
+impl Drop for Background {
+    fn drop(&mut self) {
+        self.jobs = None;
+        if let Some(thread) = self.thread.take() {
+            let _ = thread.join();
+        }
+    }
 }
 
 #[cfg(test)]
@@ -118,5 +201,23 @@ mod tests {
             .expect("schedule in /proc/kallsyms with a real address (tests run as root)");
         let result = Symbolizer::new().kernel(&[addr + 1]);
         assert_eq!(result[0].last().unwrap().name, "schedule");
+        // The same through a prepared symbolizer on its own thread.
+        let background = Background::start();
+        background.prepare_kernel();
+        let result = background.run(move |s| s.kernel(&[addr + 1])).unwrap();
+        assert_eq!(result[0].last().unwrap().name, "schedule");
+    }
+
+    #[test]
+    fn a_prepared_object_symbolizes_on_the_background_thread() {
+        let addr = a_function_with_a_distinctive_name() as u64;
+        let maps = crate::procfs::Maps::read_self().unwrap();
+        let mapping = maps.find(addr).unwrap();
+        let offset = mapping.file_offset(addr);
+        let background = Background::start();
+        background.prepare_object(mapping.path.clone());
+        let path = mapping.path.clone();
+        let result = background.run(move |s| s.object(&path, &[offset])).unwrap();
+        assert!(result[0].last().unwrap().name.contains("a_function_with_a_distinctive_name"), "{result:?}");
     }
 }

@@ -24,9 +24,8 @@ use aya::{
         lpm_trie::{Key, LpmTrie},
     },
     programs::{
-        RawTracePoint, TracePoint, UProbe,
+        RawTracePoint, UProbe,
         raw_trace_point::RawTracePointLinkId,
-        trace_point::TracePointLinkId,
         uprobe::{UProbeAttachLocation, UProbeAttachPoint, UProbeLinkId, UProbeScope},
     },
 };
@@ -137,7 +136,6 @@ enum Attachment {
     UProbe(&'static str, UProbeLinkId),
     UProbeMulti(MultiLink),
     RawTracePoint(&'static str, RawTracePointLinkId),
-    TracePoint(&'static str, TracePointLinkId),
 }
 
 /// The programs attached to the malloc family and the GPU driver (loaded for multi links
@@ -170,22 +168,20 @@ pub struct Detaching {
 }
 
 impl Detaching {
-    /// Threads closing links at once: each close waits on its own grace period, and they
-    /// overlap.
-    const THREADS: usize = 16;
-
-    fn start(links: Vec<Box<dyn FnOnce() + Send>>) -> Self {
-        let per_thread = links.len().div_ceil(Self::THREADS).max(1);
-        let mut links = links.into_iter().peekable();
-        let mut threads = Vec::new();
-        while links.peek().is_some() {
-            let batch: Vec<_> = links.by_ref().take(per_thread).collect();
-            threads.push(std::thread::spawn(move || {
-                for close in batch {
+    /// Closes each link on a thread of its own: a multi-uprobe link or a perf-event
+    /// tracepoint waits 70–150 ms for its grace periods, and separate threads overlap them
+    /// all (raw tracepoints close at once).
+    fn start(links: Vec<(String, Box<dyn FnOnce() + Send>)>) -> Self {
+        let threads = links
+            .into_iter()
+            .map(|(what, close)| {
+                std::thread::spawn(move || {
+                    let started = std::time::Instant::now();
                     close();
-                }
-            }));
-        }
+                    log::debug!("{what} detached in {} ms", started.elapsed().as_millis());
+                })
+            })
+            .collect();
         Self { threads }
     }
 
@@ -232,8 +228,14 @@ impl Probes {
         check_privileges()?;
         // The kernel's BTF is read twice, for the offsets the probes take from it (here) and
         // for aya's relocations (`EbpfLoader::new`): ~150 ms each, so on two threads.
-        let layout = std::thread::spawn(|| Btf::vmlinux().and_then(|btf| kernel_layout(&btf)));
+        let started = std::time::Instant::now();
+        let layout = std::thread::spawn(move || {
+            let layout = Btf::vmlinux().and_then(|btf| kernel_layout(&btf));
+            log::debug!("kernel layout read in {} ms", started.elapsed().as_millis());
+            layout
+        });
         let mut loader = EbpfLoader::new();
+        log::debug!("aya loader ready in {} ms", started.elapsed().as_millis());
         let kernel = layout.join().map_err(|_| anyhow::anyhow!("reading the kernel's BTF failed"))??;
         let config = ProbeConfig {
             self_tgid: std::process::id(),
@@ -254,6 +256,7 @@ impl Probes {
         let mut ebpf = loader.override_global("CONFIG", &config, true).load(OBJECT).map_err(|e| {
             anyhow::anyhow!("loading the eBPF programs: {e} (is BTF available at /sys/kernel/btf/vmlinux?)")
         })?;
+        log::debug!("maps created in {} ms", started.elapsed().as_millis());
         let logger = aya_log::EbpfLogger::init(&mut ebpf).ok();
         let rings = install_rings(&mut ebpf, settings.ring_bytes)?;
         let attach_path = AttachPath::choose();
@@ -303,16 +306,6 @@ impl Probes {
         Ok(())
     }
 
-    fn attach_tracepoint(&mut self, program: &'static str, category: &str) -> Result<()> {
-        self.verify(&[program])?;
-        let prog: &mut TracePoint =
-            self.ebpf.program_mut(program).with_context(|| format!("program {program} missing"))?.try_into()?;
-        let id =
-            prog.attach(category, program).with_context(|| format!("attaching to tracepoint {category}/{program}"))?;
-        self.attachments.push(Attachment::TracePoint(program, id));
-        Ok(())
-    }
-
     /// Task lifecycle: always on (they drive pairing, process names and address spaces).
     pub fn attach_task_tracepoints(&mut self) -> Result<()> {
         for name in verify::TASK_PROGRAMS {
@@ -325,7 +318,7 @@ impl Probes {
     /// with `PROT_EXEC` (how ld.so and dlopen load libraries, and where JIT code goes).
     pub fn attach_mapping_tracker(&mut self) -> Result<()> {
         for name in verify::MAPPING_PROGRAMS {
-            self.attach_tracepoint(name, "syscalls")?;
+            self.attach_raw_tracepoint(name)?;
         }
         Ok(())
     }
@@ -333,6 +326,9 @@ impl Probes {
     /// The kmem raw tracepoints (after the second half of their allocation programs).
     pub fn attach_kernel(&mut self) -> Result<()> {
         if self.kernel_stacks {
+            if self.user_stacks {
+                self.install_finish(verify::KERNEL_USER)?;
+            }
             self.install_finish(verify::KERNEL_FINISH)?;
         }
         for name in verify::KERNEL_PROGRAMS {
@@ -488,26 +484,22 @@ impl Probes {
     /// (a multi link holds many probes and costs one); the caller finishes its work
     /// meanwhile.
     pub fn detach(&mut self) -> Detaching {
-        let mut links: Vec<Box<dyn FnOnce() + Send>> = Vec::new();
+        let mut links: Vec<(String, Box<dyn FnOnce() + Send>)> = Vec::new();
         let attachments = std::mem::take(&mut self.attachments);
         for attachment in attachments {
             match attachment {
-                Attachment::UProbeMulti(link) => links.push(Box::new(move || drop(link))),
+                Attachment::UProbeMulti(link) => {
+                    links.push(("a multi-uprobe link".into(), Box::new(move || drop(link))))
+                }
                 Attachment::UProbe(name, id) => {
                     if let Some(link) = self.uprobe_program(name).ok().and_then(|p| p.take_link(id).ok()) {
-                        links.push(Box::new(move || drop(link)));
+                        links.push((format!("uprobe {name}"), Box::new(move || drop(link))));
                     }
                 }
                 Attachment::RawTracePoint(name, id) => {
                     let prog: Option<&mut RawTracePoint> = self.ebpf.program_mut(name).and_then(|p| p.try_into().ok());
                     if let Some(link) = prog.and_then(|p| p.take_link(id).ok()) {
-                        links.push(Box::new(move || drop(link)));
-                    }
-                }
-                Attachment::TracePoint(name, id) => {
-                    let prog: Option<&mut TracePoint> = self.ebpf.program_mut(name).and_then(|p| p.try_into().ok());
-                    if let Some(link) = prog.and_then(|p| p.take_link(id).ok()) {
-                        links.push(Box::new(move || drop(link)));
+                        links.push((format!("raw tracepoint {name}"), Box::new(move || drop(link))));
                     }
                 }
             }

@@ -2,9 +2,9 @@
 //! halves of the allocation programs. Verification is most of memtrace's start-up (the
 //! stack-taking programs take the kernel hundreds of milliseconds each) and the kernel
 //! verifies privileged loads concurrently, so the programs are loaded on parallel threads.
-//! The stack walks live in two tail-called programs (`kmem_finish`, `user_finish`, in the
-//! eBPF crate's `finish.rs`), installed in the program arrays their first halves call
-//! before any of those attaches.
+//! The stack walks live in tail-called programs (`kmem_finish` and `kmem_user`,
+//! `user_finish`, in the eBPF crate's `finish.rs`), installed in the program arrays their
+//! first halves call before any of those attaches.
 use std::time::{Duration, Instant};
 
 use anyhow::{Context as _, Result, anyhow};
@@ -18,9 +18,8 @@ use super::{ALLOCATOR_PROGRAMS, Probes, uprobe_multi::AttachPath};
 
 /// Task lifecycle raw tracepoints.
 pub(super) const TASK_PROGRAMS: [&str; 4] = ["task_newtask", "sched_process_exec", "sched_process_exit", "task_rename"];
-/// The mapping tracker's syscall tracepoints.
-pub(super) const MAPPING_PROGRAMS: [&str; 4] =
-    ["sys_enter_openat", "sys_exit_openat", "sys_enter_mmap", "sys_exit_mmap"];
+/// The mapping tracker's raw syscall tracepoints.
+pub(super) const MAPPING_PROGRAMS: [&str; 2] = ["sys_enter", "sys_exit"];
 /// The kmem raw tracepoints.
 pub(super) const KERNEL_PROGRAMS: [&str; 7] = [
     "kmalloc",
@@ -32,10 +31,14 @@ pub(super) const KERNEL_PROGRAMS: [&str; 7] = [
     "mm_page_free_batched",
 ];
 
+/// A second-half program: its name, the program array leading to it and its index there.
+pub(super) type Finish = (&'static str, &'static str, u32);
 /// The second half of the kmem allocation programs, and the array leading to it.
-pub(super) const KERNEL_FINISH: (&str, &str) = ("kmem_finish", "KERNEL_FINISH");
+pub(super) const KERNEL_FINISH: Finish = ("kmem_finish", "KERNEL_FINISH", 0);
+/// The user part of a kmem allocation's stack, which `kmem_finish` tail-calls.
+pub(super) const KERNEL_USER: Finish = ("kmem_user", "KERNEL_FINISH", 1);
 /// The second half of the allocation return probes, and the array leading to it.
-pub(super) const USER_FINISH: (&str, &str) = ("user_finish", "USER_FINISH");
+pub(super) const USER_FINISH: Finish = ("user_finish", "USER_FINISH", 0);
 
 /// One program's load: its name, the outcome, the instructions the verifier processed and
 /// how long it took.
@@ -63,6 +66,9 @@ impl Probes {
             names.extend(KERNEL_PROGRAMS);
             if self.kernel_stacks {
                 names.push(KERNEL_FINISH.0);
+                if self.user_stacks {
+                    names.push(KERNEL_USER.0);
+                }
             }
         }
         if plan.allocators {
@@ -116,9 +122,9 @@ impl Probes {
         first_error.map_or(Ok(count), Err)
     }
 
-    /// Verifies a second-half program (`finish`: program and array) and puts it in its
-    /// program array, once.
-    pub(super) fn install_finish(&mut self, (program, array): (&'static str, &str)) -> Result<()> {
+    /// Verifies a second-half program (`finish`: program, array and index) and puts it in
+    /// its program array, once.
+    pub(super) fn install_finish(&mut self, (program, array, index): Finish) -> Result<()> {
         if self.finishes.contains(&program) {
             return Ok(());
         }
@@ -131,7 +137,7 @@ impl Probes {
             .try_clone()
             .with_context(|| format!("duplicating the descriptor of {program}"))?;
         let mut map = ProgramArray::try_from(self.ebpf.map_mut(array).with_context(|| format!("{array} map"))?)?;
-        map.set(0, &fd, 0).with_context(|| format!("installing {program} in {array}"))?;
+        map.set(index, &fd, 0).with_context(|| format!("installing {program} in {array}"))?;
         self.finishes.push(program);
         Ok(())
     }

@@ -278,7 +278,7 @@ pub fn run(args: ServeArgs) -> Result<i32> {
     // The address first: a taken one fails before any probe is loaded.
     let listener = bind(config.listen)?;
     let addr = listener.local_addr().unwrap_or(config.listen);
-    let mut tracer = Tracer::start(&config.trace, || Ok(()))?;
+    let mut tracer = Tracer::start(&config.trace, |_| Ok(()))?;
     for &pid in config.pids.iter().skip(1) {
         add_pid(&mut tracer, pid)?;
     }

@@ -182,8 +182,9 @@ const PID_TABLES_WAIT: Duration = Duration::from_secs(2);
 impl Tracer {
     /// Checks the target, loads and attaches the probes. A command is forked but waits for
     /// [`Tracer::release`]; `before_load` runs after the cheap checks and before the probes
-    /// load (the recorder creates its output file there, to fail early).
-    pub fn start(options: &TraceOptions, before_load: impl FnOnce() -> Result<()>) -> Result<Self> {
+    /// load (the recorder creates its output file there, to fail early), given the files a
+    /// command's program will map (none for `--pid` and `-a`).
+    pub fn start(options: &TraceOptions, before_load: impl FnOnce(&[PathBuf]) -> Result<()>) -> Result<Self> {
         if !options.user && !options.kernel {
             bail!("--no-user and --no-kernel together leave nothing to trace");
         }
@@ -241,12 +242,13 @@ impl Tracer {
         let is_command = matches!(options.target, Target::Command(_));
         let mut unwinder = (options.call_graph != CallGraph::Fp && options.user_stacks && options.user)
             .then(|| Unwinder::new(&options.unwind));
+        let program_files = program.as_deref().map(probes::allocator::program_files).unwrap_or_default();
         if let (Some(u), Some(program)) = (unwinder.as_mut(), &program) {
             // The program's own files: their tables are built while the probes load.
-            u.prepare_files(&probes::allocator::program_files(program));
+            u.prepare_files(&program_files);
             u.prepare_program(program);
         }
-        before_load()?;
+        before_load(&program_files)?;
         let mut probes = Probes::load(&probes::Settings {
             all_processes: matches!(options.target, Target::All),
             user_stacks: options.user_stacks,

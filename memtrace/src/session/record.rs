@@ -18,7 +18,7 @@ use crate::{
     event::{Event, StackRecord},
     naming::Namer,
     recording::{FileFrame, Meta, Stats, SymbolKey, Writer},
-    symbolize::Symbolizer,
+    symbolize::Background,
 };
 
 #[derive(Debug, Clone)]
@@ -71,6 +71,8 @@ struct Recorder {
     user_frames: HashSet<FileFrame>,
     kernel_addrs: HashSet<u64>,
     write_error: Option<io::Error>,
+    /// Reads symbol tables as the recording meets their objects; names every frame at the end.
+    symbols: Background,
 }
 
 impl Recorder {
@@ -88,7 +90,6 @@ impl Recorder {
         for m in self.namer.modules.take_new() {
             self.writer.module(&m);
         }
-        let symbolizer = Symbolizer::new();
         let mut by_module: HashMap<u32, Vec<u64>> = HashMap::new();
         for frame in &self.user_frames {
             if let FileFrame::Module { module, offset } = *frame {
@@ -105,7 +106,11 @@ impl Recorder {
             offsets.sort_unstable();
             // Return addresses point after the call; name the call instruction.
             let lookups: Vec<u64> = offsets.iter().map(|o| o.saturating_sub(1)).collect();
-            let results = symbolizer.object(Path::new(&m.path), &lookups);
+            let started = std::time::Instant::now();
+            let path = PathBuf::from(&m.path);
+            let n = lookups.len();
+            let results = self.symbols.run(move |s| s.object(&path, &lookups)).unwrap_or_default();
+            log::debug!("{}: {n} addresses symbolized in {} ms", m.path, started.elapsed().as_millis());
             for (offset, symbols) in offsets.iter().zip(results) {
                 if !symbols.is_empty() {
                     self.writer.symbol(SymbolKey::User(FileFrame::Module { module, offset: *offset }), &symbols);
@@ -115,7 +120,11 @@ impl Recorder {
         let mut addrs: Vec<u64> = self.kernel_addrs.iter().copied().collect();
         addrs.sort_unstable();
         let lookups: Vec<u64> = addrs.iter().map(|a| a.saturating_sub(1)).collect();
-        for (addr, symbols) in addrs.iter().zip(symbolizer.kernel(&lookups)) {
+        let started = std::time::Instant::now();
+        let n = lookups.len();
+        let kernel = self.symbols.run(move |s| s.kernel(&lookups)).unwrap_or_default();
+        log::debug!("kernel: {n} addresses symbolized in {} ms", started.elapsed().as_millis());
+        for (addr, symbols) in addrs.iter().zip(kernel) {
             if !symbols.is_empty() {
                 self.writer.symbol(SymbolKey::Kernel(*addr), &symbols);
             }
@@ -129,6 +138,9 @@ impl Sink for Recorder {
         self.user_frames.extend(stack.user.iter().copied());
         self.kernel_addrs.extend(stack.kernel.iter().copied());
         for m in self.namer.modules.take_new() {
+            if !m.path.is_empty() && crate::python::function_of(&m).is_none() {
+                self.symbols.prepare_object(PathBuf::from(&m.path));
+            }
             self.writer.module(&m);
         }
         self.writer.stack(&stack);
@@ -249,9 +261,17 @@ async fn run(tracer: &mut Tracer, recorder: &mut Recorder, opts: &RecordOptions)
 /// Runs a whole recording.
 pub fn record(opts: RecordOptions) -> Result<RecordSummary> {
     let started = Instant::now();
+    // Reading the kernel's symbols takes tens of milliseconds: done while the probes load.
+    let symbols = Background::start();
+    if opts.trace.kernel {
+        symbols.prepare_kernel();
+    }
     let mut file = None;
-    let mut tracer = match Tracer::start(&opts.trace, || {
+    let mut tracer = match Tracer::start(&opts.trace, |program_files| {
         file = Some(output::create(&opts.output, opts.force)?);
+        for path in program_files {
+            symbols.prepare_object(path.clone());
+        }
         Ok(())
     }) {
         Ok(tracer) => tracer,
@@ -300,6 +320,7 @@ pub fn record(opts: RecordOptions) -> Result<RecordSummary> {
         user_frames: HashSet::new(),
         kernel_addrs: HashSet::new(),
         write_error: None,
+        symbols,
     };
     if let Err(e) = tracer.release() {
         drop(recorder);

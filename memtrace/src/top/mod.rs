@@ -59,7 +59,7 @@ pub fn run(opts: TopOptions) -> Result<i32> {
     let mut trace = opts.trace.clone();
     // The view owns the screen: the session's own messages would garble it.
     trace.quiet = trace.quiet || !opts.batch;
-    let mut tracer = Tracer::start(&trace, || Ok(()))?;
+    let mut tracer = Tracer::start(&trace, |_| Ok(()))?;
     let mut live = LiveView::new(opts.live_limit, trace.sample_bytes);
     tracer.release()?;
     let result = if opts.batch {
