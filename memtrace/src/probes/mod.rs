@@ -147,6 +147,8 @@ const ALLOCATOR_PROGRAMS: [&str; 7] =
 pub struct Probes {
     ebpf: Ebpf,
     rings: Vec<Ring>,
+    /// The rings' installation in the outer array, until joined.
+    rings_installing: RingsInstalling,
     attachments: Vec<Attachment>,
     attach_path: AttachPath,
     /// The libc `mmap`/`munmap` entry points probed, by (file, offset, pid; 0: every
@@ -161,6 +163,9 @@ pub struct Probes {
     finishes: Vec<&'static str>,
     _logger: Option<aya_log::EbpfLogger<&'static dyn log::Log>>,
 }
+
+/// The thread installing the rings (None once joined).
+type RingsInstalling = Option<JoinHandle<Result<()>>>;
 
 /// Probes being detached on background threads.
 pub struct Detaching {
@@ -258,12 +263,13 @@ impl Probes {
         })?;
         log::debug!("maps created in {} ms", started.elapsed().as_millis());
         let logger = aya_log::EbpfLogger::init(&mut ebpf).ok();
-        let rings = install_rings(&mut ebpf, settings.ring_bytes)?;
+        let (rings, rings_installing) = install_rings(&mut ebpf, settings.ring_bytes)?;
         let attach_path = AttachPath::choose();
         log::debug!("uprobes attach through {}", attach_path.name());
         Ok(Self {
             ebpf,
             rings,
+            rings_installing,
             attachments: Vec::new(),
             attach_path,
             mapping_points: Default::default(),
@@ -272,6 +278,15 @@ impl Probes {
             finishes: Vec::new(),
             _logger: logger,
         })
+    }
+
+    /// Waits until every ring is in the outer array: a program attached before would find
+    /// no ring for its CPU and lose its records.
+    pub(super) fn rings_installed(&mut self) -> Result<()> {
+        match self.rings_installing.take() {
+            Some(thread) => thread.join().map_err(|_| anyhow::anyhow!("installing the ring buffers panicked"))?,
+            None => Ok(()),
+        }
     }
 
     /// How this session attaches its uprobes.
@@ -694,8 +709,10 @@ fn outer_fd(ebpf: &Ebpf, name: &str) -> Result<std::os::fd::OwnedFd> {
     }
 }
 
-/// Creates one ring per possible CPU and installs each in the outer array.
-fn install_rings(ebpf: &mut Ebpf, ring_bytes: u32) -> Result<Vec<Ring>> {
+/// Creates one ring per possible CPU and starts installing each in the outer array on a
+/// background thread (each install waits for an RCU grace period: ~25 ms that overlap the
+/// programs' verification); [`Probes::rings_installed`] joins it before anything attaches.
+fn install_rings(ebpf: &mut Ebpf, ring_bytes: u32) -> Result<(Vec<Ring>, RingsInstalling)> {
     if !ring_bytes.is_power_of_two() || ring_bytes < 4096 {
         bail!("ring size must be a power of two of at least 4096 bytes, not {ring_bytes}");
     }
@@ -708,13 +725,21 @@ fn install_rings(ebpf: &mut Ebpf, ring_bytes: u32) -> Result<Vec<Ring>> {
         created.push(data);
     }
     let outer = outer_fd(ebpf, "RINGS")?;
-    let entries: Vec<_> = created.iter().zip(0..).map(|(data, cpu)| (cpu, data.fd().as_fd())).collect();
-    for (result, cpu) in outer::set_all(outer.as_fd(), &entries).into_iter().zip(0..) {
-        result.with_context(|| format!("installing the ring buffer of CPU {cpu}"))?;
-    }
+    let inner = created
+        .iter()
+        .map(|data| data.fd().as_fd().try_clone_to_owned())
+        .collect::<std::io::Result<Vec<_>>>()
+        .context("duplicating the descriptors of the ring buffers")?;
+    let installing = std::thread::spawn(move || -> Result<()> {
+        let entries: Vec<_> = inner.iter().zip(0..).map(|(fd, cpu)| (cpu, fd.as_fd())).collect();
+        for (result, cpu) in outer::set_all(outer.as_fd(), &entries).into_iter().zip(0..) {
+            result.with_context(|| format!("installing the ring buffer of CPU {cpu}"))?;
+        }
+        Ok(())
+    });
     let mut rings = Vec::with_capacity(cpus as usize);
     for (data, cpu) in created.into_iter().zip(0u16..) {
         rings.push(Ring { cpu, ring: RingBuf::try_from(Map::RingBuf(data))? });
     }
-    Ok(rings)
+    Ok((rings, Some(installing)))
 }

@@ -119,7 +119,10 @@ impl Probes {
                 }
             }
         }
-        first_error.map_or(Ok(count), Err)
+        first_error.map_or(Ok(()), Err)?;
+        // Every attach verifies its program first: from here on programs may run.
+        self.rings_installed()?;
+        Ok(count)
     }
 
     /// Verifies a second-half program (`finish`: program, array and index) and puts it in
