@@ -184,8 +184,17 @@ extern "C" fn install_prefix(_index: u64, state: *mut c_void) -> i64 {
 /// userspace would (it adds it again when it hears of the mapping: the same entries).
 #[inline(always)]
 pub(crate) fn install_range(asid: u32, start: u64, end: u64, slot: u32, bias: u64) {
+    memtrace_install_range(u64::from(asid), start, end, u64::from(slot), bias);
+}
+
+/// [`install_range`] as a global BPF function: the verifier checks it once, on its own,
+/// not once per call site and state (the exec program installs twice).
+#[inline(never)]
+#[unsafe(no_mangle)]
+pub extern "C" fn memtrace_install_range(asid: u64, start: u64, end: u64, slot: u64, bias: u64) -> u64 {
+    let (asid, slot) = (asid as u32, slot as u32);
     if slot == NO_SLOT || start >= end {
-        return;
+        return 0;
     }
     let mut st =
         Install { at: start, end, asid, _pad: 0, value: MappingValue { table: slot, flags: 0, start, end, bias } };
@@ -194,6 +203,7 @@ pub(crate) fn install_range(asid: u32, start: u64, end: u64, slot: u32, bias: u6
     unsafe { generated::bpf_loop(128, install_prefix as *mut c_void, addr_of_mut!(st) as *mut c_void, 0) };
     set_busy(0);
     bump(counter::RANGES_INSTALLED);
+    0
 }
 
 #[inline(always)]
