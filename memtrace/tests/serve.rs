@@ -367,7 +367,11 @@ fn a_delta_profile_holds_only_its_window() {
     let leaked = delta.sum_for("wl_steady_leak", 0);
     assert!((200..=400).contains(&leaked), "{leaked} blocks leaked in the window");
     assert_eq!(delta.sum_for("wl_steady_leak", INUSE_OBJECTS), leaked, "none freed");
-    assert_eq!(delta.sum_for("wl_churn", INUSE_OBJECTS), 0);
+    // Churn is freed at once, but the window can close inside a churn step (32 blocks
+    // allocated, then freed): at most those are still in use at its end (seen once in a
+    // full `cargo xtask test` run on a busy 2-core machine: 18).
+    let churn_live = delta.sum_for("wl_churn", INUSE_OBJECTS);
+    assert!((0..=32).contains(&churn_live), "{churn_live} churn blocks in use at the window's end");
     // The whole profile has both.
     let (_, body) = agent.get("/debug/pprof/allocs");
     let all = pprof::decode_gzipped(&body);
