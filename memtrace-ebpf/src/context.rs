@@ -55,19 +55,6 @@ pub(crate) fn scratch() -> Option<&'static mut Scratch> {
     SCRATCH.get_ptr_mut(0).map(|p| unsafe { &mut *p })
 }
 
-/// `v`, read back from memory, so that the verifier knows nothing of it: paths that reach
-/// a walk with different known values of `v` (a constant on one, a map value on another)
-/// then merge into one state, and the walk is verified once rather than once per path.
-#[inline(always)]
-pub(crate) fn opaque(v: u64) -> Option<u64> {
-    let scratch = scratch()?;
-    // SAFETY: a field of this CPU's scratch, written then read back.
-    unsafe {
-        core::ptr::write_volatile(&mut scratch.opaque, v);
-        Some(core::ptr::read_volatile(&scratch.opaque))
-    }
-}
-
 #[inline(always)]
 pub(crate) fn read_kernel_u64(src: *const u64) -> Option<u64> {
     let mut v = 0u64;

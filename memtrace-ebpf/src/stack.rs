@@ -65,8 +65,6 @@ pub(crate) struct Scratch {
     /// Their kernel parts' hashes and frame counts, from `kmem_finish` to `kmem_user`.
     pub(crate) pending_kernel_hash: [u64; KERNEL_NESTING],
     pub(crate) pending_kernel_frames: [u32; KERNEL_NESTING],
-    /// A value passed through memory to hide it from the verifier (`context::opaque`).
-    pub(crate) opaque: u64,
     pub(crate) pending_user: UserAllocRecord,
     /// Kernel allocations between their two halves on this CPU.
     pub(crate) kernel_depth: u32,

@@ -24,7 +24,7 @@ use memtrace_common::{
 };
 
 use crate::{
-    context::{opaque, pid_tgid, read_kernel_at, read_kernel_u64, read_user_u64, regs, scratch},
+    context::{pid_tgid, read_kernel_at, read_kernel_u64, read_user_u64, regs, scratch},
     maps::{
         ASIDS, CachedRule, FILE_TABLES, INFLIGHT, MAPPINGS, NEXT_ASID, PROBE_BUSY, RULE_CACHE, RULE_CACHE_SLOTS, TABLES,
     },
@@ -77,8 +77,6 @@ impl UserRegs {
             Some(s) if s.depth == 0 => s.ret_addr,
             _ => 0,
         };
-        // Unknown to the verifier whichever way it was found: one state for the walk.
-        let hidden_return = opaque(hidden_return)?;
         Some(Self { ip, sp, bp, exact: true, hidden_return })
     }
 }

@@ -1,10 +1,16 @@
 //! memtrace's diagnostics on stderr, off unless asked for: `MEMTRACE_LOG=debug` (or
 //! `error`, `warn`, `info`, `trace`) prints what the `log` macros say — which attach path
 //! was used, which unwind tables were built or found in the cache, and why an entry was
-//! rebuilt.
+//! rebuilt. Each line carries the milliseconds since the logger started (`+123.4ms`), so
+//! a debug log is also a timeline of the start and the stop.
+use std::{sync::OnceLock, time::Instant};
+
 use log::{LevelFilter, Log, Metadata, Record};
 
 struct Stderr;
+
+/// When the logger was installed: the origin of each line's timestamp.
+static STARTED: OnceLock<Instant> = OnceLock::new();
 
 impl Log for Stderr {
     fn enabled(&self, metadata: &Metadata<'_>) -> bool {
@@ -15,7 +21,8 @@ impl Log for Stderr {
 
     fn log(&self, record: &Record<'_>) {
         if self.enabled(record.metadata()) {
-            eprintln!("memtrace: {}: {}", record.level().as_str().to_ascii_lowercase(), record.args());
+            let ms = STARTED.get().map_or(0.0, |t| t.elapsed().as_secs_f64() * 1e3);
+            eprintln!("memtrace: {}: +{ms:.1}ms: {}", record.level().as_str().to_ascii_lowercase(), record.args());
         }
     }
 
@@ -31,6 +38,7 @@ pub fn level_from_env(value: Option<&str>) -> LevelFilter {
 pub fn init() {
     static LOGGER: Stderr = Stderr;
     if log::set_logger(&LOGGER).is_ok() {
+        STARTED.get_or_init(Instant::now);
         log::set_max_level(level_from_env(std::env::var("MEMTRACE_LOG").ok().as_deref()));
     }
 }

@@ -90,6 +90,8 @@ fn verification(memtrace: &Path, data: &Path) -> Result<(Vec<Verified>, Option<u
     let mut total = None;
     for line in log.lines() {
         let Some(rest) = line.strip_prefix("memtrace: debug: ") else { continue };
+        // After the line's timestamp (`+12.3ms: `).
+        let rest = rest.split_once("ms: ").map_or(rest, |(_, r)| r);
         let number = |s: &str| s.trim().parse::<u64>().ok();
         if let Some((name, rest)) = rest.split_once(": ")
             && let Some((n, ms)) = rest.split_once(" instructions verified in ")

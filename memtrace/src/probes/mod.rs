@@ -14,7 +14,11 @@ pub mod placement;
 pub mod uprobe_multi;
 pub mod verify;
 
-use std::{num::NonZeroU32, os::fd::AsFd as _, thread::JoinHandle};
+use std::{
+    num::NonZeroU32,
+    os::fd::{AsFd as _, BorrowedFd},
+    thread::JoinHandle,
+};
 
 use anyhow::{Context as _, Result, bail};
 use aya::{
@@ -609,29 +613,10 @@ fn table_map(slot: u32, elements: &[u64]) -> Result<MapData> {
 
 impl TableSink for Probes {
     fn install_tables(&mut self, tables: &[(u32, Vec<u64>)]) -> Vec<Result<()>> {
-        let outer = match outer_fd(&self.ebpf, "TABLES") {
-            Ok(fd) => fd,
-            Err(e) => return tables.iter().map(|_| Err(anyhow::anyhow!("{e:#}"))).collect(),
-        };
-        let maps: Vec<Result<MapData>> = tables.iter().map(|(slot, elements)| table_map(*slot, elements)).collect();
-        let entries: Vec<_> = tables
-            .iter()
-            .zip(&maps)
-            .filter_map(|((slot, _), map)| map.as_ref().ok().map(|m| (*slot, m.fd().as_fd())))
-            .collect();
-        let mut installed = outer::set_all(outer.as_fd(), &entries).into_iter();
-        // The tables' own descriptors close here: the outer array holds the maps.
-        tables
-            .iter()
-            .zip(maps)
-            .map(|((slot, _), map)| {
-                map?;
-                installed
-                    .next()
-                    .unwrap_or_else(|| Err(std::io::Error::other("not installed")))
-                    .with_context(|| format!("installing the unwind table in slot {slot}"))
-            })
-            .collect()
+        match outer_fd(&self.ebpf, "TABLES") {
+            Ok(outer) => install_tables(outer.as_fd(), tables),
+            Err(e) => tables.iter().map(|_| Err(anyhow::anyhow!("{e:#}"))).collect(),
+        }
     }
 
     fn register_file(&mut self, id: FileId, table: FileTable) -> Result<()> {
@@ -640,6 +625,62 @@ impl TableSink for Probes {
         map.insert(id, table, 0).context("registering a file's unwind table")?;
         Ok(())
     }
+}
+
+/// The unwind tables' maps, on descriptors of their own: tables are installed through them
+/// on one thread while another verifies the programs ([`Probes::table_maps`]).
+pub struct TableMaps {
+    tables: std::os::fd::OwnedFd,
+    file_tables: HashMap<MapData, FileId, FileTable>,
+}
+
+impl TableSink for TableMaps {
+    fn install_tables(&mut self, tables: &[(u32, Vec<u64>)]) -> Vec<Result<()>> {
+        install_tables(self.tables.as_fd(), tables)
+    }
+
+    fn register_file(&mut self, id: FileId, table: FileTable) -> Result<()> {
+        self.file_tables.insert(id, table, 0).context("registering a file's unwind table")?;
+        Ok(())
+    }
+}
+
+impl Probes {
+    /// The unwind tables' maps, apart from the programs (see [`TableMaps`]).
+    pub fn table_maps(&self) -> Result<TableMaps> {
+        let file_tables = match self.ebpf.map("FILE_TABLES").context("FILE_TABLES map")? {
+            Map::HashMap(data) => {
+                let fd = data.fd().as_fd().try_clone_to_owned().context("duplicating the descriptor of FILE_TABLES")?;
+                HashMap::try_from(Map::HashMap(MapData::from_fd(fd)?))?
+            }
+            _ => bail!("FILE_TABLES is not a hash map"),
+        };
+        Ok(TableMaps { tables: outer_fd(&self.ebpf, "TABLES")?, file_tables })
+    }
+}
+
+/// Creates each table's map, fills it and installs it in the outer array `outer` at its
+/// slot; one result per table, in order.
+fn install_tables(outer: BorrowedFd<'_>, tables: &[(u32, Vec<u64>)]) -> Vec<Result<()>> {
+    let maps: Vec<Result<MapData>> = tables.iter().map(|(slot, elements)| table_map(*slot, elements)).collect();
+    let entries: Vec<_> = tables
+        .iter()
+        .zip(&maps)
+        .filter_map(|((slot, _), map)| map.as_ref().ok().map(|m| (*slot, m.fd().as_fd())))
+        .collect();
+    let mut installed = outer::set_all(outer, &entries).into_iter();
+    // The tables' own descriptors close here: the outer array holds the maps.
+    tables
+        .iter()
+        .zip(maps)
+        .map(|((slot, _), map)| {
+            map?;
+            installed
+                .next()
+                .unwrap_or_else(|| Err(std::io::Error::other("not installed")))
+                .with_context(|| format!("installing the unwind table in slot {slot}"))
+        })
+        .collect()
 }
 
 /// Writes `elements` into an mmapable array map through a shared mapping.

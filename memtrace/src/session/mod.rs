@@ -179,6 +179,21 @@ pub struct Tracer {
 const COMMAND_TABLES_WAIT: Duration = Duration::from_secs(30);
 const PID_TABLES_WAIT: Duration = Duration::from_secs(2);
 
+/// Verifies the programs `plan` needs while this thread installs the unwind tables that
+/// are ready meanwhile (each install waits for an RCU grace period, which the
+/// verification's CPU time hides).
+fn verify_installing_tables(probes: &mut Probes, plan: probes::verify::Plan, unwinder: &mut Unwinder) -> Result<()> {
+    let mut maps = probes.table_maps()?;
+    std::thread::scope(|scope| {
+        let verifying = scope.spawn(|| probes.verify_ahead(plan));
+        while !verifying.is_finished() {
+            unwinder.install_ready(&mut maps);
+            std::thread::sleep(Duration::from_millis(2));
+        }
+        verifying.join().map_err(|_| anyhow!("verifying the probes panicked"))?
+    })
+}
+
 impl Tracer {
     /// Checks the target, loads and attaches the probes. A command is forked but waits for
     /// [`Tracer::release`]; `before_load` runs after the cheap checks and before the probes
@@ -248,6 +263,9 @@ impl Tracer {
             u.prepare_files(&program_files);
             u.prepare_program(program);
         }
+        if let (Some(u), Target::Pid(pid)) = (unwinder.as_mut(), &options.target) {
+            u.prepare_process(*pid);
+        }
         before_load(&program_files)?;
         let mut probes = Probes::load(&probes::Settings {
             all_processes: matches!(options.target, Target::All),
@@ -274,11 +292,15 @@ impl Tracer {
             Target::All => None,
         };
         let attached = (|| -> Result<()> {
-            probes.verify_ahead(probes::verify::Plan {
+            let plan = probes::verify::Plan {
                 mappings: unwinder.is_some(),
                 kernel: options.kernel,
                 allocators: !found.is_empty(),
-            })?;
+            };
+            match unwinder.as_mut() {
+                Some(u) => verify_installing_tables(&mut probes, plan, u)?,
+                None => probes.verify_ahead(plan)?,
+            }
             probes.attach_task_tracepoints()?;
             if unwinder.is_some() {
                 probes.attach_mapping_tracker()?;

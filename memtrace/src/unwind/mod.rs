@@ -28,7 +28,7 @@ use memtrace_common::{KERNEL_STACK_SEED, MISS_HASH_MARK, USER_STACK_SEED, stack_
 use self::{
     cache::DiskCache,
     spaces::{SpaceSink, Spaces},
-    store::{StoreStats, TableState, TableStore},
+    store::{StoreStats, TableSink, TableState, TableStore},
     walk::{End, Lookup, StackCopy},
 };
 use crate::{
@@ -280,6 +280,21 @@ impl Unwinder {
         for path in paths {
             self.store.request(path);
         }
+    }
+
+    /// Starts building (or loading from the cache) the tables of the files a running
+    /// process has mapped executable, so that they are ready, and installed while the
+    /// probes are verified, by the time [`Self::learn_process`] maps them.
+    pub fn prepare_process(&mut self, pid: u32) {
+        let Ok(maps) = procfs::Maps::read(pid) else { return };
+        for m in maps.mappings.iter().filter(|m| m.executable && m.is_file()) {
+            self.store.request(&procfs::path_in_process(pid, &m.path));
+        }
+    }
+
+    /// Installs, through `sink`, the tables built since the last call; never waits.
+    pub fn install_ready(&mut self, sink: &mut dyn TableSink) {
+        self.store.poll(sink);
     }
 
     /// Starts loading the tables of the files `program` ran code from last time (the disk
