@@ -607,7 +607,10 @@ pub mod counter {
     /// Ranges the probes added to an address space themselves (exec, mmap of a file whose
     /// table was registered).
     pub const RANGES_INSTALLED: u32 = 11;
-    pub const COUNT: u32 = 12;
+    /// User walks of kmem allocations not redone: an earlier allocation in the same
+    /// syscall of the same task walked the same user stack.
+    pub const UNWIND_REUSED: u32 = 12;
+    pub const COUNT: u32 = 13;
 }
 
 /// States of a tgid in the `TRACED` map.
@@ -648,7 +651,10 @@ pub struct KernelLayout {
     pub inode_sb: u32,
     pub sb_dev: u32,
     pub binprm_file: u32,
-    pub _pad: [u32; 2],
+    /// `task_struct.nvcsw`, `nivcsw` (unsigned long): the task's context switches, which
+    /// tell a kmem program that a task has run on its CPU since it entered its syscall.
+    pub task_nvcsw: u32,
+    pub task_nivcsw: u32,
 }
 
 /// Written by userspace into the programs' `.rodata` before load; the verifier then treats
@@ -711,7 +717,8 @@ impl ProbeConfig {
                 inode_sb: 0,
                 sb_dev: 0,
                 binprm_file: 0,
-                _pad: [0; 2],
+                task_nvcsw: 0,
+                task_nivcsw: 0,
             },
             sample_bytes: 0,
         }

@@ -24,6 +24,7 @@ mod python;
 mod ring;
 mod sampling;
 mod stack;
+mod syscall;
 mod task;
 mod unwind;
 mod uprobes;

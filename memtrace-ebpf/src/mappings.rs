@@ -17,6 +17,7 @@ use crate::{
     context::{is_traced_or_pending, pid_tgid, read_kernel_at, read_kernel_u64, scratch},
     maps::{FD_PATHS, MMAP_ARGS, MmapArgs, OPENAT_ARGS},
     ring::{emit_waking, this_ring},
+    syscall,
     unwind::{asid_of, file_table, install_range},
 };
 
@@ -59,9 +60,11 @@ macro_rules! user_reg {
 // tracepoint's costs nothing, and its programs return at once for other syscalls.
 raw_tracepoint_program!(sys_enter, |ctx| try_sys_enter(ctx));
 
-/// sys_enter(struct pt_regs *regs, long id): remembers the arguments of a traced task's
-/// `openat` (the path) and executable `mmap` until the call returns.
+/// sys_enter(struct pt_regs *regs, long id): opens the CPU's syscall window (`syscall`);
+/// remembers the arguments of a traced task's `openat` (the path) and executable `mmap`
+/// until the call returns.
 fn try_sys_enter(ctx: &RawTracePointContext) -> Result<(), ()> {
+    syscall::enter();
     let nr: u64 = ctx.arg(1);
     if nr != NR_OPENAT && nr != NR_MMAP {
         return Ok(());
@@ -94,8 +97,10 @@ fn try_sys_enter(ctx: &RawTracePointContext) -> Result<(), ()> {
 
 raw_tracepoint_program!(sys_exit, |ctx| try_sys_exit(ctx));
 
-/// sys_exit(struct pt_regs *regs, long ret)
+/// sys_exit(struct pt_regs *regs, long ret): closes the CPU's syscall window; learns what
+/// a traced task's `openat` or executable `mmap` gave.
 fn try_sys_exit(ctx: &RawTracePointContext) -> Result<(), ()> {
+    syscall::exit();
     let regs: *const pt_regs = ctx.arg(0);
     let nr = user_reg!(regs, orig_rax);
     if nr == NR_OPENAT {

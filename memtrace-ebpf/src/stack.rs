@@ -23,6 +23,7 @@ use crate::{
     maps::{Ring, STACKS_SENT},
     python::{PY_FRAME_READ, send_python_once, walk_python},
     ring::{bump, room_for_copy, wakeup_flags},
+    syscall,
     unwind::{UserRegs, walk_user_tables},
 };
 
@@ -68,6 +69,20 @@ pub(crate) struct Scratch {
     pub(crate) pending_user: UserAllocRecord,
     /// Kernel allocations between their two halves on this CPU.
     pub(crate) kernel_depth: u32,
+    /// The syscall window of this CPU (`syscall`): the task `syscall_tid` entered syscall
+    /// number `syscall_seq` here with `syscall_switches` context switches behind it.
+    pub(crate) syscall_tid: u32,
+    pub(crate) syscall_switches: u64,
+    pub(crate) syscall_seq: u64,
+    /// The walk in `user_ips` was made in window `reuse_seq` (0: by no kmem program, or
+    /// overwritten since) from these registers; it found these frames, flags and address
+    /// space, and the stack's hash (of the last allocation that used it).
+    pub(crate) reuse_seq: u64,
+    pub(crate) reuse_regs: [u64; 4],
+    pub(crate) reuse_hash: u64,
+    pub(crate) reuse_n: u32,
+    pub(crate) reuse_flags: u32,
+    pub(crate) reuse_asid: u32,
     pub(crate) _pad: u32,
 }
 
@@ -114,6 +129,8 @@ pub(crate) fn walk_user(
     regs: Option<UserRegs>,
     hash: u64,
 ) -> (UserPart, u64) {
+    // `user_ips` is about to hold another walk.
+    scratch.reuse_seq = 0;
     if config!(unwind_mode) != unwind_mode::FRAME_POINTERS {
         match regs {
             Some(regs) => {
@@ -367,6 +384,48 @@ pub(crate) fn kernel_only_stack(ctx: *mut c_void, ring: &Ring, pid: u32, n_kerne
     Some(hash)
 }
 
+/// The user part of a kmem allocation's stack, continuing `hash`: the walk an earlier
+/// allocation made in the same syscall window from the same registers when there is one
+/// (see `syscall`), else a walk, kept for the next allocation of the window.
+#[inline(always)]
+fn user_part_in_syscall(
+    ctx: *mut c_void,
+    scratch: &mut Scratch,
+    pid: u32,
+    regs: UserRegs,
+    hash: u64,
+) -> (UserPart, u64) {
+    let key = [regs.ip, regs.sp, regs.bp, regs.hidden_return];
+    if syscall::current(scratch).is_some_and(|seq| scratch.reuse_seq == seq && scratch.reuse_regs == key) {
+        bump(counter::UNWIND_REUSED);
+        scratch.reuse_hash = hash_words(hash, scratch.user_ips.as_ptr());
+    } else {
+        scratch.reuse_regs = key;
+        let (user, hash) = walk_user(ctx, scratch, pid, Some(regs), hash);
+        // The window is asked again, not kept across the walk: the walk is verified once,
+        // not once per way here. A walk that missed a table is not kept: its copy is this
+        // event's alone.
+        scratch.reuse_seq =
+            if user.flags & stack_flags::MISS == 0 { syscall::current(scratch).unwrap_or(0) } else { 0 };
+        scratch.reuse_n = user.n as u32;
+        scratch.reuse_flags = u32::from(user.flags);
+        scratch.reuse_asid = user.asid;
+        scratch.reuse_hash = hash;
+    }
+    // Read back from memory either way: the two ways end in one state for the verifier,
+    // and what follows is verified once, not once per way (96k instructions, not 54k).
+    // SAFETY: fields of this CPU's scratch, just written.
+    let (n, flags, asid, hash) = unsafe {
+        (
+            core::ptr::read_volatile(&scratch.reuse_n),
+            core::ptr::read_volatile(&scratch.reuse_flags),
+            core::ptr::read_volatile(&scratch.reuse_asid),
+            core::ptr::read_volatile(&scratch.reuse_hash),
+        )
+    };
+    (UserPart { n: (n as usize).min(MAX_STACK_DEPTH), flags: flags as u8, with_copy: false, asid }, hash)
+}
+
 /// Joins the user stack of the task a kmem allocation ran for (and its Python frames) to
 /// the kernel part already in `scratch.record`, and sends the whole stack once; returns
 /// its hash, or None when neither part has frames.
@@ -375,7 +434,10 @@ pub(crate) fn join_user_part(ctx: *mut c_void, ring: &Ring, pid: u32, n_kernel: 
     let python_hash = walk_python(pid);
     let scratch = scratch()?;
     let regs = if config!(unwind_mode) != unwind_mode::FRAME_POINTERS { UserRegs::of_current_task() } else { None };
-    let (user, hash) = walk_user(ctx, scratch, pid, regs, hash);
+    let (user, hash) = match regs {
+        Some(regs) => user_part_in_syscall(ctx, scratch, pid, regs, hash),
+        None => walk_user(ctx, scratch, pid, None, hash),
+    };
     if n_kernel == 0 && user.n == 0 {
         return None;
     }

@@ -75,6 +75,36 @@ fn record_command_counts_every_allocation_exactly() {
     assert_kernel_side(&report);
 }
 
+/// The kmem programs walk a task's user stack once per syscall and reuse it for the
+/// syscall's other allocations: pipes made alternately from two callers, with the same
+/// registers at each syscall, must each keep their own caller, every one of them.
+#[test]
+fn kernel_allocations_in_one_syscall_share_its_walk_and_never_another_syscalls() {
+    require_root();
+    let _sharing = sharing_the_machine();
+    let dir = scratch("syscall-walks");
+    let data = dir.join("sites.data");
+    run(memtrace().args(["record", "-q", "-o"]).arg(&data).arg("--").arg(workload()).args(["--kernel-sites", "40"]));
+    let report = report_json(&data, &["--by", "stack", "--domain", "kernel"]);
+    assert_clean(&report);
+    let mut per_site = [0u64; 2];
+    for row in report["sites"].as_array().unwrap() {
+        let frames = row["frames"].as_array().unwrap();
+        if frames.first().map(|f| &f["function"]) != Some(&Value::from("alloc_pipe_info")) {
+            continue;
+        }
+        let has = |name: &str| frames.iter().any(|f| f["function"] == name && f["kernel"] == false);
+        let (a, b) = (has("pipe_site_a"), has("pipe_site_b"));
+        assert!(a != b, "a pipe's stack names one of its two callers: {row:#}");
+        per_site[usize::from(b)] += row["allocs"].as_u64().unwrap();
+    }
+    // alloc_pipe_info makes the same allocations for each of the 20 pipes of each site.
+    assert!(per_site[0] > 0 && per_site[0] % 20 == 0, "{per_site:?}");
+    assert_eq!(per_site[0], per_site[1]);
+    let reused = report["recorder"]["unwind_walks_reused"].as_u64().unwrap();
+    assert!(reused > 0, "no walk was reused: {:#}", report["recorder"]);
+}
+
 #[test]
 fn record_pid_traces_a_running_process() {
     require_root();

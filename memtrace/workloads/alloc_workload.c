@@ -8,6 +8,7 @@
  *
  * Other modes: --loop N (N malloc+free pairs, prints ns/pair: the overhead benchmark),
  * --kernel-loop N (N pipe()+close() pairs: kernel allocations on behalf of the task),
+ * --kernel-sites N (N pipe()+close() pairs, from pipe_site_a and pipe_site_b in turn),
  * --dlopen LIB N (load the allocator library LIB with dlopen, wait 3 s, then make N
  * allocations with its malloc, through dlsym: a second allocator memtrace must find;
  * with --dlopen-prefix P, its P##malloc, and each block is freed with its P##free),
@@ -384,6 +385,21 @@ NOINLINE static void kernel_pair(void) {
         abort();
     close(fds[0]);
     close(fds[1]);
+}
+
+/* pipe() from two call sites of one depth: the same registers at each syscall, only the
+ * caller differs. Each counts its calls after the call: that keeps the call out of tail
+ * position and the two functions different (identical ones would be folded into one). */
+static volatile long pipe_site_calls[2];
+
+NOINLINE static void pipe_site_a(void) {
+    kernel_pair();
+    pipe_site_calls[0]++;
+}
+
+NOINLINE static void pipe_site_b(void) {
+    kernel_pair();
+    pipe_site_calls[1]++;
 }
 
 /* A tiny bump allocator with its own entry points, standing in for jemalloc & co. */
@@ -798,6 +814,16 @@ int main(int argc, char **argv) {
     long custom = arg_value(argc, argv, "--custom", 0);
     if (custom > 0) {
         wl_custom(custom, arg_string(argc, argv, "--manifest"));
+        return 0;
+    }
+    long kernel_sites = arg_value(argc, argv, "--kernel-sites", 0);
+    if (kernel_sites > 0) {
+        for (long i = 0; i < kernel_sites; i++) {
+            if (i & 1)
+                pipe_site_b();
+            else
+                pipe_site_a();
+        }
         return 0;
     }
     long kernel_loop = arg_value(argc, argv, "--kernel-loop", 0);

@@ -133,6 +133,7 @@ pub struct Counters {
     pub unwind_cache_hits: u64,
     /// Ranges the probes added to address spaces themselves.
     pub ranges_installed: u64,
+    pub unwind_reused: u64,
 }
 
 /// An attachment, so detaching can close them all at once.
@@ -545,6 +546,7 @@ impl Probes {
             unwind_frames: sum(counter::UNWIND_FRAMES)?,
             unwind_cache_hits: sum(counter::UNWIND_CACHE_HITS)?,
             ranges_installed: sum(counter::RANGES_INSTALLED)?,
+            unwind_reused: sum(counter::UNWIND_REUSED)?,
         })
     }
 }
@@ -592,7 +594,8 @@ fn kernel_layout(btf: &Btf) -> Result<KernelLayout> {
         inode_sb: f("inode", "i_sb")?,
         sb_dev: f("super_block", "s_dev")?,
         binprm_file: f("linux_binprm", "file")?,
-        _pad: [0; 2],
+        task_nvcsw: f("task_struct", "nvcsw")?,
+        task_nivcsw: f("task_struct", "nivcsw")?,
     })
 }
 

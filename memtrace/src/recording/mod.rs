@@ -199,6 +199,10 @@ pub struct Stats {
     pub unwind_frames: u64,
     #[serde(default)]
     pub unwind_cache_hits: u64,
+    /// User walks of kernel allocations not redone: an earlier allocation in the same
+    /// syscall of the same task had walked that user stack.
+    #[serde(default)]
+    pub unwind_walks_reused: u64,
     /// Bytes the probes sent through the rings, by kind of record.
     #[serde(default)]
     pub ring_bytes: RingBytes,

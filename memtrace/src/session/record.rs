@@ -395,6 +395,7 @@ fn finish(
         unwind_longest_build_ms: unwind.tables.longest_build_ms,
         unwind_frames: counters.unwind_frames,
         unwind_cache_hits: counters.unwind_cache_hits,
+        unwind_walks_reused: counters.unwind_reused,
         ring_bytes: tracer.ring_bytes,
         python: tracer.python_found(),
         allocators: tracer
