@@ -127,6 +127,37 @@ pub fn is_page_allocator(function: &str) -> bool {
     PAGE_ALLOCATOR.iter().any(|p| base == *p || base.strip_prefix(p).is_some_and(|rest| rest.starts_with('_')))
 }
 
+/// Kernel functions of the uprobe machinery: what is allocated under them is allocated for
+/// a tracer's probes (memtrace's, or another uprobe user's), not by the traced program —
+/// the copy of a page a breakpoint is written into, a return probe's instance, the
+/// `[uprobes]` page, a task's uprobe state.
+const UPROBE_MACHINERY: &[&str] = &[
+    "uprobe_mmap",
+    "install_breakpoint",
+    "uprobe_write_opcode",
+    "uprobe_write",
+    "uprobe_notify_resume",
+    "handle_swbp",
+    "handler_chain",
+    "prepare_uretprobe",
+    "uprobe_handle_trampoline",
+    "uprobe_dup_mmap",
+    "uprobe_copy_process",
+    "dup_utask",
+    "get_utask",
+    "get_xol_area",
+    "xol_add_vma",
+    "__create_xol_area",
+    "register_for_each_vma",
+];
+
+/// Whether a kernel function belongs to the uprobe machinery (`handle_swbp`,
+/// `uprobe_write_opcode.isra.0`).
+pub fn is_uprobe_machinery(function: &str) -> bool {
+    let base = function.split('.').next().unwrap_or(function);
+    UPROBE_MACHINERY.contains(&base)
+}
+
 /// Functions of a C library or allocator linked into a program (no library to tell them
 /// by) that map memory for themselves: thread stacks, malloc's heaps and arenas.
 const ALLOCATOR_MAPPERS: &[&str] = &[
@@ -178,6 +209,19 @@ impl StackTable {
     pub fn reserved_stacks(&mut self) -> HashSet<u64> {
         let ids: Vec<u64> = self.stacks.keys().map(|&id| u64::from(id) + 1).collect();
         ids.into_iter().filter(|&s| self.is_reserved_mmap(s)).collect()
+    }
+
+    /// Every stack (id + 1) with a kernel frame in the uprobe machinery
+    /// ([`is_uprobe_machinery`]): allocations the probes caused, counted apart.
+    pub fn uprobe_stacks(&mut self) -> HashSet<u64> {
+        let ids: Vec<(u64, bool)> =
+            self.stacks.iter().map(|(&id, s)| (u64::from(id) + 1, !s.kernel.is_empty())).collect();
+        ids.into_iter()
+            .filter(|&(s, has_kernel)| {
+                has_kernel && self.frames(s, 0).iter().any(|f| f.kernel && is_uprobe_machinery(&f.function))
+            })
+            .map(|(s, _)| s)
+            .collect()
     }
 
     /// Stacks recorded under more than one id with the same frames (a stack finished from a
@@ -468,6 +512,16 @@ mod tests {
             .insert(SymbolKey::Kernel(0xffff_0003), vec![Symbol { name: "alloc_pages".into(), ..Default::default() }]);
         let names: Vec<String> = t.frames(1, 0).iter().map(|f| f.function.clone()).collect();
         assert_eq!(&names[..2], ["do_thing", "alloc_pages"]);
+    }
+
+    #[test]
+    fn the_uprobe_machinery_is_told_by_its_functions() {
+        for f in ["handle_swbp", "uprobe_write_opcode.isra.0", "install_breakpoint", "prepare_uretprobe"] {
+            assert!(is_uprobe_machinery(f), "{f}");
+        }
+        for f in ["uprobe", "do_mmap", "handle_mm_fault", "uprobe_mmap_foo", ""] {
+            assert!(!is_uprobe_machinery(f), "{f}");
+        }
     }
 
     #[test]

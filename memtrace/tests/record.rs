@@ -105,6 +105,36 @@ fn kernel_allocations_in_one_syscall_share_its_walk_and_never_another_syscalls()
     assert!(reused > 0, "no walk was reused: {:#}", report["recorder"]);
 }
 
+/// The kernel allocates on the probes' behalf in the traced process (the copies of the
+/// pages breakpoints are written into, return probes' instances): those allocations are
+/// not the program's. A program that only mallocs and frees shows none of them, and the
+/// report counts them apart.
+#[test]
+fn the_uprobe_machinerys_kernel_allocations_are_not_charged_to_the_program() {
+    require_root();
+    let _sharing = sharing_the_machine();
+    let dir = scratch("probe-overhead");
+    let data = dir.join("loop.data");
+    run(memtrace().args(["record", "-q", "-o"]).arg(&data).arg("--").arg(workload()).args(["--loop", "2000"]));
+    let report = report_json(&data, &["--by", "stack", "--domain", "kernel"]);
+    assert_clean(&report);
+    for row in report["sites"].as_array().unwrap() {
+        let frames = row["frames"].as_array().unwrap();
+        let machinery = frames.iter().find(|f| {
+            f["kernel"] == true
+                && ["handle_swbp", "uprobe_notify_resume", "install_breakpoint", "uprobe_mmap", "prepare_uretprobe"]
+                    .iter()
+                    .any(|name| f["function"].as_str().is_some_and(|g| g.split('.').next() == Some(*name)))
+        });
+        assert!(machinery.is_none(), "an allocation of the uprobe machinery charged to the program: {row:#}");
+    }
+    let overhead = &report["probe_overhead"];
+    assert!(overhead["allocs"].as_u64().unwrap() > 0, "{overhead:#}");
+    assert!(overhead["bytes_alloc"].as_u64().unwrap() >= 4096, "{overhead:#}");
+    let text = String::from_utf8_lossy(&run(memtrace().args(["report", "-i"]).arg(&data)).stdout).into_owned();
+    assert!(text.contains("the kernel's uprobe machinery made for the probes"), "{text}");
+}
+
 #[test]
 fn record_pid_traces_a_running_process() {
     require_root();

@@ -53,6 +53,16 @@ pub struct Summary {
     pub memory: MemoryView,
     /// The allocators of the recording with their figures.
     pub allocators: Vec<AllocatorRow>,
+    /// Kernel allocations the uprobe machinery made for the probes (under `handle_swbp`,
+    /// `install_breakpoint`, …): not the program's, left out of every figure above.
+    pub probe_overhead: ProbeOverhead,
+}
+
+/// Kernel allocations made on the probes' behalf, counted apart.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+pub struct ProbeOverhead {
+    pub allocs: u64,
+    pub bytes_alloc: u64,
 }
 
 /// What `--leaks` found in all: blocks, bytes and stacks.
@@ -235,6 +245,8 @@ pub fn analyze(path: &Path, opts: &ReportOptions) -> Result<Summary> {
     }
     table.set_allocator(meta.allocator.as_deref());
     let reserved_stacks = table.reserved_stacks();
+    let uprobe_stacks = table.uprobe_stacks();
+    let mut probe_overhead = ProbeOverhead::default();
 
     let filters = &opts.filters;
     let duplicates = table.duplicates();
@@ -312,6 +324,7 @@ pub fn analyze(path: &Path, opts: &ReportOptions) -> Result<Summary> {
             && a.stack != 0
             && process_ok
             && filters.domain.admits(Domain::of(a.kind))
+            && !(a.kind.is_kernel() && uprobe_stacks.contains(&a.stack))
         {
             coverage.count(Domain::of(a.kind), a.stack);
             if !a.kind.is_kernel() {
@@ -353,6 +366,14 @@ pub fn analyze(path: &Path, opts: &ReportOptions) -> Result<Summary> {
                 .is_some_and(|name| !user_heap(a.kind) || !allocator_matches(&recorded_allocators, a.allocator, name))
         };
         match &event {
+            // Kept for pairing (their frees are not "frees without allocation"), not counted.
+            Event::Alloc(a) if a.kind.is_kernel() && a.stack != 0 && uprobe_stacks.contains(&a.stack) => {
+                if process_ok {
+                    probe_overhead.allocs += 1;
+                    probe_overhead.bytes_alloc += a.bytes_alloc;
+                }
+                analyzer.push_excluded(a)
+            }
             Event::Alloc(a) if !process_ok || !filters.admits_size(a.bytes_req) || other_allocator(a) => {
                 analyzer.push_excluded(a)
             }
@@ -461,6 +482,7 @@ pub fn analyze(path: &Path, opts: &ReportOptions) -> Result<Summary> {
             .filter(|(row, found)| *found || row.allocs > 0 || row.frees > 0)
             .map(|(row, _)| row)
             .collect(),
+        probe_overhead,
     })
 }
 

@@ -213,6 +213,7 @@ pub fn render_json(a: &Summary, opts: &ReportOptions) -> Result<String> {
     let value = serde_json::json!({
         "totals": totals,
         "lost_events": a.stats.lost_events,
+        "probe_overhead": a.probe_overhead,
         "lost_events_per_cpu": a.stats.lost_events_per_cpu,
         "lost_stacks": a.stats.lost_stacks,
         "lost_inflight": a.stats.lost_inflight,

@@ -101,6 +101,14 @@ pub fn render_text(a: &Summary, opts: &ReportOptions) -> String {
             String::new()
         }
     );
+    if a.probe_overhead.allocs > 0 {
+        let _ = writeln!(
+            out,
+            "not counted: {} ({}) the kernel's uprobe machinery made for the probes (breakpoint pages, return instances)",
+            counted(a.probe_overhead.allocs, "kernel allocation", "kernel allocations"),
+            bytes(a.probe_overhead.bytes_alloc)
+        );
+    }
     for (domain, c) in &a.coverage {
         if c.allocs_with_stack == 0 {
             continue;
