@@ -194,10 +194,14 @@ impl StackTable {
     /// itself (a thread stack, a malloc arena), not the program's own mapping: its first
     /// user frame is inside the allocator's library, or, for an allocator linked into the
     /// program, in one of the functions known to map for themselves.
-    pub fn is_reserved_mmap(&mut self, stack: u64) -> bool {
-        let Some(allocator) = self.allocator.clone() else { return false };
-        let frames = self.frames(stack, 0);
-        let Some(first) = frames.iter().find(|f| !f.kernel) else { return false };
+    pub fn is_reserved_mmap(&self, stack: u64) -> bool {
+        let Some(allocator) = self.allocator.as_deref() else { return false };
+        let Some(s) = stack.checked_sub(1).and_then(|id| self.stacks.get(&(id as u32))) else { return false };
+        // Only the innermost user frame is named: not the whole stack, which a recording
+        // of a big program would otherwise build (and keep) for each of its stacks.
+        let Some(&innermost) = s.user.first() else { return false };
+        let chain = self.name(SymbolKey::User(innermost));
+        let Some(first) = chain.first() else { return false };
         if allocator.contains(".so") {
             first.module == allocator
         } else {
@@ -206,22 +210,32 @@ impl StackTable {
     }
 
     /// Every stack (id + 1) whose mmaps are reserved memory.
-    pub fn reserved_stacks(&mut self) -> HashSet<u64> {
-        let ids: Vec<u64> = self.stacks.keys().map(|&id| u64::from(id) + 1).collect();
-        ids.into_iter().filter(|&s| self.is_reserved_mmap(s)).collect()
+    pub fn reserved_stacks(&self) -> HashSet<u64> {
+        if self.allocator.is_none() {
+            return HashSet::new();
+        }
+        self.stacks.keys().map(|&id| u64::from(id) + 1).filter(|&s| self.is_reserved_mmap(s)).collect()
     }
 
     /// Every stack (id + 1) with a kernel frame in the uprobe machinery
-    /// ([`is_uprobe_machinery`]): allocations the probes caused, counted apart.
-    pub fn uprobe_stacks(&mut self) -> HashSet<u64> {
-        let ids: Vec<(u64, bool)> =
-            self.stacks.iter().map(|(&id, s)| (u64::from(id) + 1, !s.kernel.is_empty())).collect();
-        ids.into_iter()
-            .filter(|&(s, has_kernel)| {
-                has_kernel && self.frames(s, 0).iter().any(|f| f.kernel && is_uprobe_machinery(&f.function))
-            })
-            .map(|(s, _)| s)
-            .collect()
+    /// ([`is_uprobe_machinery`]): allocations the probes caused, counted apart. Each kernel
+    /// address is looked up once, by its symbols alone.
+    pub fn uprobe_stacks(&self) -> HashSet<u64> {
+        let mut machinery: HashMap<u64, bool> = HashMap::new();
+        let mut out = HashSet::new();
+        for (&id, s) in &self.stacks {
+            let hit = s.kernel.iter().any(|&addr| {
+                *machinery.entry(addr).or_insert_with(|| {
+                    self.symbols
+                        .get(&SymbolKey::Kernel(addr))
+                        .is_some_and(|chain| chain.iter().any(|sym| is_uprobe_machinery(&sym.name)))
+                })
+            });
+            if hit {
+                out.insert(u64::from(id) + 1);
+            }
+        }
+        out
     }
 
     /// Stacks recorded under more than one id with the same frames (a stack finished from a

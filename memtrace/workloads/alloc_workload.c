@@ -6,7 +6,8 @@
  * of blocks, and measures malloc_usable_size itself. With --manifest FILE it writes what it
  * did, per allocating function, as JSON; tests compare memtrace's figures with it exactly.
  *
- * Other modes: --loop N (N malloc+free pairs, prints ns/pair: the overhead benchmark),
+ * Other modes: --loop N (N malloc+free pairs of 32 bytes, or --loop-bytes B; prints ns/pair:
+ * the overhead benchmark),
  * --kernel-loop N (N pipe()+close() pairs: kernel allocations on behalf of the task),
  * --kernel-sites N (N pipe()+close() pairs, from pipe_site_a and pipe_site_b in turn),
  * --dlopen LIB N (load the allocator library LIB with dlopen, wait 3 s, then make N
@@ -363,6 +364,7 @@ NOINLINE static void loop_pair(size_t n) {
 
 struct loop_arg {
     long pairs;
+    size_t bytes;
     double deadline_ns;
     long done;
 };
@@ -371,7 +373,7 @@ struct loop_arg {
 static void *loop_thread(void *argp) {
     struct loop_arg *arg = argp;
     for (long i = 0; arg->pairs == 0 || i < arg->pairs; i++) {
-        loop_pair(32);
+        loop_pair(arg->bytes);
         arg->done++;
         if (arg->deadline_ns > 0 && (i & 1023) == 0 && now_ns() >= arg->deadline_ns)
             break;
@@ -750,6 +752,7 @@ int main(int argc, char **argv) {
     long loop_seconds = arg_value(argc, argv, "--loop-seconds", 0);
     if (loop > 0 || loop_seconds > 0) {
         int loop_threads = (int)arg_value(argc, argv, "--loop-threads", 1);
+        long loop_bytes = arg_value(argc, argv, "--loop-bytes", 32);
         struct loop_arg args[64];
         pthread_t loop_tids[64];
         if (loop_threads < 1 || loop_threads > 64)
@@ -757,6 +760,7 @@ int main(int argc, char **argv) {
         double t0 = now_ns();
         for (int i = 0; i < loop_threads; i++) {
             args[i].pairs = loop;
+            args[i].bytes = loop_bytes > 0 ? (size_t)loop_bytes : 32;
             args[i].deadline_ns = loop_seconds > 0 ? t0 + loop_seconds * 1e9 : 0;
             args[i].done = 0;
             if (pthread_create(&loop_tids[i], NULL, loop_thread, &args[i]) != 0)
