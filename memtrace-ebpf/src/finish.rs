@@ -13,7 +13,7 @@ use memtrace_common::{KernelAllocRecord, MAX_STACK_DEPTH, UserAllocRecord, count
 
 use crate::{
     context::scratch,
-    maps::{KERNEL_FINISH, Ring, USER_FINISH},
+    maps::{KERNEL_FINISH, Ring, SESSION_FINISH, USER_FINISH},
     ring::{bump, emit, this_ring},
     stack::{KERNEL_NESTING, join_user_part, kernel_only_stack, kernel_part, user_stack},
 };
@@ -94,13 +94,28 @@ pub(crate) fn finish_kernel_alloc(ctx: &RawTracePointContext) {
     leave_kernel_level();
 }
 
-/// As [`finish_kernel_alloc`], for user allocations and `user_finish`.
+/// Which kind of program a user allocation's first half is: the second half must be loaded
+/// for the same expected attach type, and a program array holds one kind.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Half {
+    /// A return probe (`alloc_return`, `gpu_return`): `user_finish`.
+    Return,
+    /// The uprobe session program (`alloc_session`): `user_finish_session`.
+    Session,
+}
+
+/// As [`finish_kernel_alloc`], for user allocations and `user_finish` (or its session twin).
 #[inline(always)]
-pub(crate) fn finish_user_alloc(ctx: &RetProbeContext) {
+pub(crate) fn finish_user_alloc(ctx: &RetProbeContext, half: Half) {
     if config!(user_stacks) != 0 {
         // SAFETY: a tail call to a return probe program given the same registers; on
         // failure control returns here.
-        unsafe { USER_FINISH.tail_call(ctx, 0) };
+        unsafe {
+            match half {
+                Half::Return => USER_FINISH.tail_call(ctx, 0),
+                Half::Session => SESSION_FINISH.tail_call(ctx, 0),
+            }
+        };
     }
     let (Some(ring), Some(scratch)) = (this_ring(), scratch()) else { return };
     emit::<UserAllocRecord>(ring, |r| *r = scratch.pending_user);
@@ -180,6 +195,14 @@ fn try_kmem_user(ctx: &RawTracePointContext) -> Result<(), ()> {
 /// stack. Never attached.
 #[uretprobe]
 pub fn user_finish(ctx: RetProbeContext) -> u32 {
+    let _ = try_user_finish(&ctx);
+    0
+}
+
+/// `user_finish` for `alloc_session`, loaded with the session's expected attach type (the
+/// kernel lets a program tail-call only programs loaded like itself). Never attached.
+#[uretprobe]
+pub fn user_finish_session(ctx: RetProbeContext) -> u32 {
     let _ = try_user_finish(&ctx);
     0
 }

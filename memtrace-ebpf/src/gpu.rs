@@ -17,7 +17,7 @@ use memtrace_common::{Kind, RecordType, counter, flags};
 
 use crate::{
     context::{is_traced, pid_tgid, regs},
-    finish::{Next, finish_user_alloc, pend_user_alloc},
+    finish::{Half, Next, finish_user_alloc, pend_user_alloc},
     maps::{GPU_INFLIGHT, GpuInFlight},
     ring::bump,
     uprobes::{length_in_pages, send_free},
@@ -90,7 +90,7 @@ fn try_gpu_enter(ctx: &ProbeContext) -> Result<(), ()> {
 #[uretprobe]
 pub fn gpu_return(ctx: RetProbeContext) -> u32 {
     if try_gpu_return(&ctx) == Ok(Next::Finish) {
-        finish_user_alloc(&ctx);
+        finish_user_alloc(&ctx, Half::Return);
     }
     0
 }

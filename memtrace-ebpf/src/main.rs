@@ -1,7 +1,8 @@
 //! memtrace's probes, one file per concern. Kernel side: the kmem tracepoints ([`kmem`],
 //! slab objects and pages) and the task lifecycle tracepoints ([`task`]). User side
 //! ([`uprobes`]): one entry and one return program shared by the whole malloc family (the
-//! attach cookie says which function fired) and one program for `free`/`munmap`. Every
+//! attach cookie says which function fired), or one uprobe session program for both, and
+//! one program for `free`/`munmap`. Every
 //! program writes compact records from `memtrace-common` into the ring of the CPU it runs
 //! on ([`ring`]); stacks ([`stack`], walked by [`unwind`]) travel once per distinct hash.
 //! Maps are declared once, in [`maps`]; the configuration userspace writes before load is

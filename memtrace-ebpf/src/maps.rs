@@ -71,6 +71,10 @@ pub(crate) static KERNEL_FINISH: ProgramArray<2> = ProgramArray::new();
 #[btf_map]
 pub(crate) static USER_FINISH: ProgramArray<1> = ProgramArray::new();
 
+/// Index 0: `user_finish_session`, the second half of the uprobe session program.
+#[btf_map]
+pub(crate) static SESSION_FINISH: ProgramArray<1> = ProgramArray::new();
+
 /// tgid → its address-space id: a new one at each exec (given in the kernel), the
 /// parent's at fork; userspace gives one to processes that existed before tracing began.
 #[btf_map]

@@ -3,6 +3,10 @@
 //! `free`/`munmap`. Calls the allocator makes to itself are recognised by the stack
 //! pointer and not counted twice; the empty programs are the benchmark's baseline. The
 //! return program leaves the stack to `finish::user_finish`, which it tail-calls.
+//! On Linux 6.13 and later the entry and return run as one uprobe session program
+//! (`alloc_session`): an entry that needs no return (an unsampled call, a call the
+//! allocator makes to itself, a process not traced) says so, and the kernel skips the
+//! return probe's trap.
 use aya_ebpf::{
     EbpfContext,
     bindings::BPF_ANY,
@@ -14,7 +18,7 @@ use memtrace_common::{FreeRecord, InFlight, Kind, RecordType, counter, flags, in
 
 use crate::{
     context::{is_traced, pid_tgid, read_user_u64, regs},
-    finish::{Next, finish_user_alloc, pend_user_alloc},
+    finish::{Half, Next, finish_user_alloc, pend_user_alloc},
     maps::{INFLIGHT, SAMPLED_LIVE},
     ring::{bump, emit, this_ring},
     sampling::{sample_hit, sampled_key, sampling_mean},
@@ -26,14 +30,45 @@ use crate::{
 
 #[uprobe]
 pub fn alloc_enter(ctx: ProbeContext) -> u32 {
-    let _ = try_alloc_enter(&ctx);
+    let _ = try_alloc_enter(&ctx, false);
     0
 }
 
-pub(crate) fn try_alloc_enter(ctx: &ProbeContext) -> Result<(), ()> {
+/// The entry and the return of the malloc family as one uprobe session program (Linux
+/// 6.13, `BPF_TRACE_UPROBE_SESSION`): the kernel runs it at the entry and, when that run
+/// returned 0, again at the return. Which run this is: at the entry the instruction
+/// pointer is the probed address (`bpf_get_func_ip`), at the return it is the caller's
+/// return address. Returning 1 from the entry skips the return. (Written without aya's
+/// `#[uprobe]`, whose wrapper returns 0 whatever the program answers.)
+#[unsafe(no_mangle)]
+#[unsafe(link_section = "uprobe")]
+pub fn alloc_session(ctx: *mut core::ffi::c_void) -> u32 {
+    let ctx = ProbeContext::new(ctx);
+    // SAFETY: the helper reads the probed address from this program's run context.
+    let probed = unsafe { generated::bpf_get_func_ip(ctx.as_ptr()) };
+    // SAFETY: ctx is this probe's pt_regs.
+    let ip = unsafe { (*regs(&ctx)).rip };
+    if ip != probed {
+        let ret = RetProbeContext::new(ctx.as_ptr());
+        if try_alloc_return(&ret) == Ok(Next::Finish) {
+            finish_user_alloc(&ret, Half::Session);
+        }
+        return 0;
+    }
+    match try_alloc_enter(&ctx, true) {
+        Ok(true) => 0,
+        _ => 1,
+    }
+}
+
+/// The entry of an allocating call: its arguments and sampling decision, kept in
+/// `INFLIGHT` for the return. Whether the return needs to run (`session`: the entry of
+/// [`alloc_session`], where calls the allocator makes to itself get no return to count
+/// down a depth with, and are left alone).
+pub(crate) fn try_alloc_enter(ctx: &ProbeContext, session: bool) -> Result<bool, ()> {
     let (id, tgid, _) = pid_tgid();
     if !is_traced(tgid) {
-        return Ok(());
+        return Ok(false);
     }
     // SAFETY: the helper only reads the attach cookie of this program's link.
     let cookie = unsafe { generated::bpf_get_attach_cookie(ctx.as_ptr()) };
@@ -47,14 +82,16 @@ pub(crate) fn try_alloc_enter(ctx: &ProbeContext) -> Result<(), ()> {
         let state = unsafe { &mut *state };
         if sp < state.sp {
             // Called from inside another allocator call (realloc → malloc): not the user's.
-            state.depth += 1;
-            return Ok(());
+            if !session {
+                state.depth += 1;
+            }
+            return Ok(false);
         }
         if sp == state.sp {
             // A tail call at the same depth (realloc(NULL, n) jumping to malloc,
             // reallocarray to realloc): the call the user made, and its sampling decision,
             // stay the outer one's; both return probes fire once, at the same return.
-            return Ok(());
+            return Ok(false);
         }
         // Otherwise the entry is stale (its return was never seen): replace it.
     }
@@ -88,7 +125,7 @@ pub(crate) fn try_alloc_enter(ctx: &ProbeContext) -> Result<(), ()> {
         if sampling == 0 && !reallocating {
             // Nothing of this call is recorded: its return finds no state. (realloc keeps
             // an empty state, so the malloc it may tail-call does not draw a second chance.)
-            return Ok(());
+            return Ok(false);
         }
     }
     let state = InFlight {
@@ -107,14 +144,15 @@ pub(crate) fn try_alloc_enter(ctx: &ProbeContext) -> Result<(), ()> {
     };
     if INFLIGHT.insert(id, state, BPF_ANY as u64).is_err() {
         bump(counter::LOST_INFLIGHT);
+        return Ok(false);
     }
-    Ok(())
+    Ok(true)
 }
 
 #[uretprobe]
 pub fn alloc_return(ctx: RetProbeContext) -> u32 {
     if try_alloc_return(&ctx) == Ok(Next::Finish) {
-        finish_user_alloc(&ctx);
+        finish_user_alloc(&ctx, Half::Return);
     }
     0
 }

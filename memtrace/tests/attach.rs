@@ -1,5 +1,5 @@
-//! How the probes are attached and detached (issue #13): multi-uprobe links and the
-//! one-perf-event-per-probe fallback give the same exact counts, forked children are traced
+//! How the probes are attached and detached (issue #13): uprobe session links, plain
+//! multi-uprobe links and the one-perf-event-per-probe fallback give the same exact counts, forked children are traced
 //! from their first instruction, and no probe is left in a process once `record` returns.
 mod common;
 
@@ -14,15 +14,17 @@ use std::{
 
 use common::*;
 
-/// Env var that forces the per-probe fallback.
+/// Env var that forces an older attach path (`multi`: no sessions; `perf`: per probe).
 const ATTACH_ENV: &str = "MEMTRACE_UPROBE_ATTACH";
 
-fn record_workload(data: &Path, manifest: &Path, env: Option<&str>) {
+/// Records the workload and returns memtrace's debug log.
+fn record_workload(data: &Path, manifest: &Path, env: Option<&str>) -> String {
     let mut cmd = memtrace();
     if let Some(path) = env {
         cmd.env(ATTACH_ENV, path);
     }
-    run(cmd
+    let out = run(cmd
+        .env("MEMTRACE_LOG", "debug")
         .args(["record", "-q", "--no-kernel", "-o"])
         .arg(data)
         .arg("--")
@@ -30,6 +32,7 @@ fn record_workload(data: &Path, manifest: &Path, env: Option<&str>) {
         .args(["--threads", "2", "--iterations", "100", "--leaks", "2", "--pipes", "0", "--manifest"])
         .arg(manifest)
         .stdout(Stdio::null()));
+    String::from_utf8_lossy(&out.stderr).into_owned()
 }
 
 #[test]
@@ -37,10 +40,17 @@ fn both_attach_paths_count_every_allocation_exactly() {
     require_root();
     let _sharing = sharing_the_machine();
     let dir = scratch("attach-paths");
-    for (name, env) in [("multi", None), ("perf", Some("perf"))] {
+    // This kernel (6.18) has uprobe sessions (6.13): the default path uses them.
+    let paths = [
+        ("session", None, "uprobes attach through uprobe_multi links, a uprobe session for the allocating functions"),
+        ("multi", Some("multi"), "uprobes attach through uprobe_multi links\n"),
+        ("perf", Some("perf"), "uprobes attach through one perf event per probe"),
+    ];
+    for (name, env, said) in paths {
         let data = dir.join(format!("{name}.data"));
         let manifest_path = dir.join(format!("{name}.json"));
-        record_workload(&data, &manifest_path, env);
+        let log = record_workload(&data, &manifest_path, env);
+        assert!(log.contains(said), "{name}: the debug log does not say {said:?}:\n{log}");
         let report = report_json(&data, &["--by", "function", "--domain", "user"]);
         assert_matches_manifest(&report, &manifest(&manifest_path));
         assert_eq!(report["lost_events"], 0, "{name}");
@@ -112,7 +122,7 @@ fn no_probe_is_left_once_record_returns_on_either_path() {
     // Its target keeps a core busy: the exact-count tests wait.
     let _alone = alone_on_the_machine();
     let dir = scratch("detach");
-    for env in [None, Some("perf")] {
+    for env in [None, Some("multi"), Some("perf")] {
         let mut target = Command::new(workload()).args(["--loop-seconds", "15"]).stdout(Stdio::null()).spawn().unwrap();
         thread::sleep(Duration::from_millis(200));
         let pid = target.id();

@@ -94,12 +94,17 @@ impl Probes {
     pub fn attach_cuda(&mut self, module: &CudaModule, pid: Option<u32>) -> Result<()> {
         type Point = (u64, Kind, &'static str);
         let (allocs, frees): (Vec<&Point>, Vec<&Point>) = module.points.iter().partition(|p| !p.1.is_free());
-        let plan = [("gpu_enter", &allocs, false), ("gpu_return", &allocs, true), ("gpu_free", &frees, false)];
-        for (program, points, retprobe) in plan {
+        use uprobe_multi::LinkKind;
+        let plan = [
+            ("gpu_enter", &allocs, LinkKind::Entry),
+            ("gpu_return", &allocs, LinkKind::Return),
+            ("gpu_free", &frees, LinkKind::Entry),
+        ];
+        for (program, points, kind) in plan {
             if points.is_empty() {
                 continue;
             }
-            if self.attach_path == uprobe_multi::AttachPath::Multi {
+            if self.attach_path.uses_links() {
                 let offsets: Vec<u64> = points.iter().map(|p| p.0).collect();
                 let cookies: Vec<u64> = points.iter().map(|p| p.1 as u64).collect();
                 let prog = self.uprobe(program)?;
@@ -107,13 +112,7 @@ impl Probes {
                 use std::os::fd::AsFd as _;
                 let link = uprobe_multi::attach(
                     fd.as_fd(),
-                    &uprobe_multi::MultiSpec {
-                        path: &module.path,
-                        offsets: &offsets,
-                        cookies: &cookies,
-                        pid,
-                        retprobe,
-                    },
+                    &uprobe_multi::MultiSpec { path: &module.path, offsets: &offsets, cookies: &cookies, pid, kind },
                 )
                 .with_context(|| format!("attaching {program} in {}", module.path.display()))?;
                 self.attachments.push(Attachment::UProbeMulti(link));

@@ -43,7 +43,7 @@ use self::btf::Btf;
 use crate::unwind::{spaces::SpaceSink, store::TableSink};
 
 pub use self::allocator::{Allocator, AttachPoint};
-use self::uprobe_multi::{AttachPath, MultiLink, MultiSpec};
+use self::uprobe_multi::{AttachPath, LinkKind, MultiLink, MultiSpec};
 
 /// The probes' object, built by build.rs.
 static OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/memtrace"));
@@ -144,10 +144,12 @@ enum Attachment {
 }
 
 /// The programs attached to the malloc family and the GPU driver (loaded for multi links
-/// when the kernel has
-/// them), with the second half their return programs tail-call.
+/// when the kernel has them), with the second half their return programs tail-call.
 const ALLOCATOR_PROGRAMS: [&str; 7] =
     ["alloc_enter", "alloc_return", "free_enter", "gpu_enter", "gpu_return", "gpu_free", "user_finish"];
+/// The uprobe session program that replaces `alloc_enter` and `alloc_return` where the
+/// kernel has sessions, and its second half (loaded for session links).
+const SESSION_PROGRAMS: [&str; 2] = ["alloc_session", "user_finish_session"];
 
 pub struct Probes {
     ebpf: Ebpf,
@@ -362,6 +364,9 @@ impl Probes {
         if self.user_stacks && matches!(name, "alloc_return" | "gpu_return") {
             self.install_finish(verify::USER_FINISH)?;
         }
+        if self.user_stacks && name == "alloc_session" {
+            self.install_finish(verify::SESSION_FINISH)?;
+        }
         self.verify(&[name])?;
         self.uprobe_program(name)
     }
@@ -375,7 +380,7 @@ impl Probes {
     pub fn attach_allocator(&mut self, allocator: &Allocator, pid: Option<u32>) -> Result<()> {
         let allocator = &self.without_probed_mappings(allocator, pid.unwrap_or(0));
         match self.attach_path {
-            AttachPath::Multi => self.attach_allocator_multi(allocator, pid),
+            AttachPath::Session | AttachPath::Multi => self.attach_allocator_multi(allocator, pid),
             AttachPath::PerfEvents => self.attach_allocator_per_probe(allocator, pid),
         }
     }
@@ -395,8 +400,8 @@ impl Probes {
         kept
     }
 
-    /// One link per program and file: the entry and return programs at every allocating
-    /// function, the free program at every freeing one.
+    /// One link per program and file: the entry and return programs (or the session
+    /// program) at every allocating function, the free program at every freeing one.
     fn attach_allocator_multi(&mut self, allocator: &Allocator, pid: Option<u32>) -> Result<()> {
         let flags = cookie_flags(allocator);
         let mut by_file: std::collections::BTreeMap<&std::path::Path, [Vec<(u64, u64)>; 2]> = Default::default();
@@ -405,10 +410,18 @@ impl Probes {
             by_file.entry(&point.path).or_default()[frees]
                 .push((point.offset + point.probe_offset, point.kind as u64 | flags));
         }
-        for (path, [allocs, frees]) in by_file {
-            for (program, points, retprobe) in
-                [("alloc_enter", &allocs, false), ("alloc_return", &allocs, true), ("free_enter", &frees, false)]
-            {
+        let links: &[(&'static str, usize, LinkKind)] = if self.attach_path == AttachPath::Session {
+            &[("alloc_session", 0, LinkKind::Session), ("free_enter", 1, LinkKind::Entry)]
+        } else {
+            &[
+                ("alloc_enter", 0, LinkKind::Entry),
+                ("alloc_return", 0, LinkKind::Return),
+                ("free_enter", 1, LinkKind::Entry),
+            ]
+        };
+        for (path, points_by) in by_file {
+            for &(program, which, kind) in links {
+                let points = &points_by[which];
                 if points.is_empty() {
                     continue;
                 }
@@ -417,7 +430,7 @@ impl Probes {
                 let fd = prog.fd().with_context(|| format!("program {program} not loaded"))?;
                 let link = uprobe_multi::attach(
                     fd.as_fd(),
-                    &MultiSpec { path, offsets: &offsets, cookies: &cookies, pid, retprobe },
+                    &MultiSpec { path, offsets: &offsets, cookies: &cookies, pid, kind },
                 )
                 .with_context(|| format!("attaching {program} to {} functions in {}", offsets.len(), path.display()))?;
                 self.attachments.push(Attachment::UProbeMulti(link));

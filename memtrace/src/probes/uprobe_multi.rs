@@ -3,10 +3,15 @@
 //! the link detaches them all at once, for one RCU grace period (Linux 6.12 and later)
 //! instead of one per probe, which is what made `memtrace record -- true` take seconds.
 //!
-//! The program must have been loaded for this attach type
+//! On Linux 6.13 and later the malloc family's entry and return go through one uprobe
+//! session link (`BPF_TRACE_UPROBE_SESSION`) instead of two: the entry program says
+//! whether the return needs to run, and the kernel plants no return probe for the calls
+//! that do not (an unsampled call costs one trap, not two).
+//!
+//! The program must have been loaded for the link's attach type
 //! (`UProbe::load_with_expected_attach_type`, vendored aya). Older kernels, or
-//! `MEMTRACE_UPROBE_ATTACH=perf`, use aya's one-perf-event-per-probe path instead
-//! ([`AttachPath`]).
+//! `MEMTRACE_UPROBE_ATTACH=multi|perf`, use plain multi links or aya's
+//! one-perf-event-per-probe path instead ([`AttachPath`]).
 use std::{
     ffi::CString,
     io,
@@ -21,6 +26,8 @@ use std::{
 const BPF_LINK_CREATE: libc::c_long = 28;
 /// `BPF_TRACE_UPROBE_MULTI` in `enum bpf_attach_type`.
 pub const BPF_TRACE_UPROBE_MULTI: u32 = 48;
+/// `BPF_TRACE_UPROBE_SESSION` in `enum bpf_attach_type` (Linux 6.13).
+pub const BPF_TRACE_UPROBE_SESSION: u32 = 57;
 /// `BPF_F_UPROBE_MULTI_RETURN`: the link's probes are return probes.
 const BPF_F_UPROBE_MULTI_RETURN: u32 = 1;
 
@@ -47,6 +54,9 @@ struct LinkCreateUprobeMulti {
 /// How the uprobes of a session are attached.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum AttachPath {
+    /// As `Multi`, but the allocating functions' entry and return run one session program
+    /// (`alloc_session`) through a `BPF_TRACE_UPROBE_SESSION` link.
+    Session,
     /// One `BPF_TRACE_UPROBE_MULTI` link per program and file.
     Multi,
     /// One perf event per probe (kernels before 6.6): each detach waits for its own RCU
@@ -55,21 +65,43 @@ pub enum AttachPath {
 }
 
 impl AttachPath {
-    /// The best path this kernel offers, unless `MEMTRACE_UPROBE_ATTACH=perf` asks for the
-    /// per-probe one (the fallback is tested that way).
+    /// The best path this kernel offers, unless `MEMTRACE_UPROBE_ATTACH` asks for an older
+    /// one (`multi`: no sessions; `perf`: one perf event per probe; the fallbacks are
+    /// tested that way).
     pub fn choose() -> Self {
-        if std::env::var_os("MEMTRACE_UPROBE_ATTACH").is_some_and(|v| v == "perf") {
-            return Self::PerfEvents;
-        }
+        let asked = std::env::var("MEMTRACE_UPROBE_ATTACH").unwrap_or_default();
         let release = std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap_or_default();
-        if kernel_at_least(&release, (6, 6)) { Self::Multi } else { Self::PerfEvents }
+        Self::for_kernel(&release, &asked)
+    }
+
+    /// The path for kernel `release` when `asked` (`""`, `multi` or `perf`).
+    pub fn for_kernel(release: &str, asked: &str) -> Self {
+        let best = if kernel_at_least(release, (6, 13)) {
+            Self::Session
+        } else if kernel_at_least(release, (6, 6)) {
+            Self::Multi
+        } else {
+            Self::PerfEvents
+        };
+        match asked {
+            "perf" => Self::PerfEvents,
+            "multi" if best == Self::Session => Self::Multi,
+            _ => best,
+        }
     }
 
     pub fn name(self) -> &'static str {
         match self {
+            Self::Session => "uprobe_multi links, a uprobe session for the allocating functions",
             Self::Multi => "uprobe_multi links",
             Self::PerfEvents => "one perf event per probe",
         }
+    }
+
+    /// Whether uprobes attach through links created here (session or multi), which need
+    /// their programs loaded for the link's attach type.
+    pub fn uses_links(self) -> bool {
+        self != Self::PerfEvents
     }
 }
 
@@ -98,15 +130,27 @@ impl MultiLink {
     }
 }
 
+/// When a link's program runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LinkKind {
+    /// At the probed address.
+    Entry,
+    /// At the return of the function probed.
+    Return,
+    /// At the probed address and, when that run returned 0, at the return (a program
+    /// loaded for `BPF_TRACE_UPROBE_SESSION`).
+    Session,
+}
+
 /// What one link attaches: `program` at every file offset of `path` (with the cookie of the
-/// same index), as return probes if `retprobe`, for one process (`pid`, its threads
-/// included) or for every process mapping the file (`pid` None).
+/// same index), run as `kind` says, for one process (`pid`, its threads included) or for
+/// every process mapping the file (`pid` None).
 pub struct MultiSpec<'a> {
     pub path: &'a Path,
     pub offsets: &'a [u64],
     pub cookies: &'a [u64],
     pub pid: Option<u32>,
-    pub retprobe: bool,
+    pub kind: LinkKind,
 }
 
 /// Creates the link.
@@ -118,12 +162,12 @@ pub fn attach(program: BorrowedFd<'_>, spec: &MultiSpec<'_>) -> io::Result<Multi
         .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "a path with a NUL byte"))?;
     let attr = LinkCreateUprobeMulti {
         prog_fd: program.as_raw_fd() as u32,
-        attach_type: BPF_TRACE_UPROBE_MULTI,
+        attach_type: if spec.kind == LinkKind::Session { BPF_TRACE_UPROBE_SESSION } else { BPF_TRACE_UPROBE_MULTI },
         path: path.as_ptr() as u64,
         offsets: spec.offsets.as_ptr() as u64,
         cookies: spec.cookies.as_ptr() as u64,
         cnt: spec.offsets.len() as u32,
-        multi_flags: if spec.retprobe { BPF_F_UPROBE_MULTI_RETURN } else { 0 },
+        multi_flags: if spec.kind == LinkKind::Return { BPF_F_UPROBE_MULTI_RETURN } else { 0 },
         pid: spec.pid.unwrap_or(0),
         ..Default::default()
     };
@@ -175,13 +219,34 @@ mod tests {
     }
 
     #[test]
+    fn the_path_is_the_best_the_kernel_has_unless_an_older_one_is_asked_for() {
+        assert_eq!(AttachPath::for_kernel("6.18.44-fc", ""), AttachPath::Session);
+        assert_eq!(AttachPath::for_kernel("6.13.0", ""), AttachPath::Session);
+        assert_eq!(AttachPath::for_kernel("6.12.9", ""), AttachPath::Multi);
+        assert_eq!(AttachPath::for_kernel("6.6.0", ""), AttachPath::Multi);
+        assert_eq!(AttachPath::for_kernel("6.1.0", ""), AttachPath::PerfEvents);
+        assert_eq!(AttachPath::for_kernel("6.18.44", "multi"), AttachPath::Multi);
+        assert_eq!(AttachPath::for_kernel("6.18.44", "perf"), AttachPath::PerfEvents);
+        // Asking for more than the kernel has gives what it has.
+        assert_eq!(AttachPath::for_kernel("6.8.0", "multi"), AttachPath::Multi);
+        assert_eq!(AttachPath::for_kernel("5.15.0", "multi"), AttachPath::PerfEvents);
+        assert_eq!(AttachPath::for_kernel("6.18.44", "garbage"), AttachPath::Session);
+    }
+
+    #[test]
     fn bad_specs_are_refused_before_the_kernel_sees_them() {
         let devnull = std::fs::File::open("/dev/null").unwrap();
         use std::os::fd::AsFd as _;
-        let spec =
-            MultiSpec { path: Path::new("/bin/true"), offsets: &[1, 2], cookies: &[1], pid: None, retprobe: false };
+        let spec = MultiSpec {
+            path: Path::new("/bin/true"),
+            offsets: &[1, 2],
+            cookies: &[1],
+            pid: None,
+            kind: LinkKind::Entry,
+        };
         assert_eq!(attach(devnull.as_fd(), &spec).unwrap_err().kind(), io::ErrorKind::InvalidInput);
-        let spec = MultiSpec { path: Path::new("/bin/true"), offsets: &[], cookies: &[], pid: None, retprobe: false };
+        let spec =
+            MultiSpec { path: Path::new("/bin/true"), offsets: &[], cookies: &[], pid: None, kind: LinkKind::Session };
         assert_eq!(attach(devnull.as_fd(), &spec).unwrap_err().kind(), io::ErrorKind::InvalidInput);
     }
 }

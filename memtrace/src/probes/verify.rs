@@ -7,14 +7,15 @@
 //! first halves call before any of those attaches.
 use std::time::{Duration, Instant};
 
+use super::{
+    ALLOCATOR_PROGRAMS, Probes, SESSION_PROGRAMS,
+    uprobe_multi::{AttachPath, BPF_TRACE_UPROBE_MULTI, BPF_TRACE_UPROBE_SESSION},
+};
 use anyhow::{Context as _, Result, anyhow};
 use aya::{
     maps::ProgramArray,
     programs::{Program, ProgramError},
 };
-use aya_obj::generated::bpf_attach_type::BPF_TRACE_UPROBE_MULTI;
-
-use super::{ALLOCATOR_PROGRAMS, Probes, uprobe_multi::AttachPath};
 
 /// Task lifecycle raw tracepoints.
 pub(super) const TASK_PROGRAMS: [&str; 4] = ["task_newtask", "sched_process_exec", "sched_process_exit", "task_rename"];
@@ -39,6 +40,8 @@ pub(super) const KERNEL_FINISH: Finish = ("kmem_finish", "KERNEL_FINISH", 0);
 pub(super) const KERNEL_USER: Finish = ("kmem_user", "KERNEL_FINISH", 1);
 /// The second half of the allocation return probes, and the array leading to it.
 pub(super) const USER_FINISH: Finish = ("user_finish", "USER_FINISH", 0);
+/// The same for the uprobe session program.
+pub(super) const SESSION_FINISH: Finish = ("user_finish_session", "SESSION_FINISH", 0);
 
 /// One program's load: its name, the outcome, the instructions the verifier processed and
 /// how long it took.
@@ -72,7 +75,15 @@ impl Probes {
             }
         }
         if plan.allocators {
-            names.extend(ALLOCATOR_PROGRAMS.iter().filter(|&&n| n != USER_FINISH.0 || self.user_stacks));
+            if self.attach_path == AttachPath::Session {
+                // The session program replaces the entry and return programs (and their
+                // second half); the GPU driver's, should a process load it, are verified
+                // then.
+                names.push("free_enter");
+                names.extend(SESSION_PROGRAMS.iter().filter(|&&n| n != SESSION_FINISH.0 || self.user_stacks));
+            } else {
+                names.extend(ALLOCATOR_PROGRAMS.iter().filter(|&&n| n != USER_FINISH.0 || self.user_stacks));
+            }
         }
         let started = Instant::now();
         let verified = self.verify(&names)?;
@@ -83,7 +94,7 @@ impl Probes {
     /// Loads (verifies) those of `names` not loaded yet, each on its own thread; returns
     /// how many were. The first failure is the error.
     pub(super) fn verify(&mut self, names: &[&str]) -> Result<usize> {
-        let multi = self.attach_path == AttachPath::Multi;
+        let links = self.attach_path.uses_links();
         let pending: Vec<(&str, &mut Program)> =
             self.ebpf.programs_mut().filter(|(name, p)| names.contains(name) && p.fd().is_err()).collect();
         let count = pending.len();
@@ -93,7 +104,16 @@ impl Probes {
                 .map(|(name, program)| {
                     scope.spawn(move || {
                         let started = Instant::now();
-                        let loaded = load(program, multi && ALLOCATOR_PROGRAMS.contains(&name));
+                        let attach_type = if !links {
+                            None
+                        } else if SESSION_PROGRAMS.contains(&name) {
+                            Some(BPF_TRACE_UPROBE_SESSION)
+                        } else if ALLOCATOR_PROGRAMS.contains(&name) {
+                            Some(BPF_TRACE_UPROBE_MULTI)
+                        } else {
+                            None
+                        };
+                        let loaded = load(program, attach_type);
                         let instructions = program.info().ok().and_then(|i| i.verified_instruction_count());
                         (name.to_string(), loaded, instructions, started.elapsed())
                     })
@@ -146,15 +166,17 @@ impl Probes {
     }
 }
 
-/// Loads one program the way its attach needs: uprobes meant for multi links with that
-/// expected attach type (the kernel lets only those attach through one, and a program array
-/// only joins programs of one expected attach type).
-fn load(program: &mut Program, multi: bool) -> Result<(), ProgramError> {
+/// Loads one program the way its attach needs: uprobes meant for multi or session links
+/// with that expected attach type (the kernel lets only those attach through one, and a
+/// program array only joins programs of one expected attach type).
+fn load(program: &mut Program, attach_type: Option<u32>) -> Result<(), ProgramError> {
     match program {
         Program::RawTracePoint(p) => p.load(),
         Program::TracePoint(p) => p.load(),
-        Program::UProbe(p) if multi => p.load_with_expected_attach_type(BPF_TRACE_UPROBE_MULTI),
-        Program::UProbe(p) => p.load(),
+        Program::UProbe(p) => match attach_type {
+            Some(t) => p.load_with_expected_attach_type(t),
+            None => p.load(),
+        },
         _ => Err(ProgramError::UnexpectedProgramType),
     }
 }

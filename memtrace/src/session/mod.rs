@@ -36,7 +36,7 @@ pub use self::{
 use self::{reorder::Reorder, spawn::PausedChild};
 use crate::{
     event::{Event, Record, StackRecord, decode},
-    probes::{self, Allocator, CallGraph, Counters, Detaching, Probes, uprobe_multi::AttachPath},
+    probes::{self, Allocator, CallGraph, Counters, Detaching, Probes},
     procfs,
     recording::RingBytes,
     sizes::usable::{Model, UsableSizes},
@@ -544,7 +544,7 @@ fn probe_scope(probes: &Probes, options: &TraceOptions, pid: Option<u32>) -> Opt
     let following = matches!(options.target, Target::Command(_)) || options.follow_forks;
     match options.target {
         Target::All => None,
-        _ if following && probes.attach_path() == AttachPath::Multi => None,
+        _ if following && probes.attach_path().uses_links() => None,
         _ => pid,
     }
 }

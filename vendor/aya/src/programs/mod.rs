@@ -710,6 +710,16 @@ fn load_program<T: Link>(
     expected_attach_type: Option<bpf_attach_type>,
     data: &mut ProgramData<T>,
 ) -> Result<(), ProgramError> {
+    load_program_raw(prog_type, expected_attach_type.map(|t| t as u32), data)
+}
+
+/// memtrace patch: [`load_program`] with the expected attach type as its raw value, for
+/// attach types newer than aya-obj's bindings (`BPF_TRACE_UPROBE_SESSION`, Linux 6.13).
+pub(crate) fn load_program_raw<T: Link>(
+    prog_type: bpf_prog_type,
+    expected_attach_type: Option<u32>,
+    data: &mut ProgramData<T>,
+) -> Result<(), ProgramError> {
     let ProgramData {
         name,
         obj,

@@ -198,15 +198,14 @@ impl UProbe {
         load_program_without_attach_type(BPF_PROG_TYPE_KPROBE, data)
     }
 
-    /// Loads the program with an expected attach type, as `BPF_TRACE_UPROBE_MULTI` links
-    /// require (the caller creates the link). memtrace patch: aya's main branch loads
-    /// `uprobe.multi` programs this way; aya 0.14 has no way to ask for it.
-    pub fn load_with_expected_attach_type(
-        &mut self,
-        attach_type: aya_obj::generated::bpf_attach_type,
-    ) -> Result<(), ProgramError> {
+    /// Loads the program with an expected attach type, as `BPF_TRACE_UPROBE_MULTI` and
+    /// `BPF_TRACE_UPROBE_SESSION` links require (the caller creates the link), given as
+    /// the raw `enum bpf_attach_type` value (aya-obj's bindings stop before the session
+    /// type). memtrace patch: aya's main branch loads `uprobe.multi` and `uprobe.session`
+    /// programs this way; aya 0.14 has no way to ask for it.
+    pub fn load_with_expected_attach_type(&mut self, attach_type: u32) -> Result<(), ProgramError> {
         let Self { data, kind: _ } = self;
-        super::load_program_with_attach_type(BPF_PROG_TYPE_KPROBE, attach_type, data)
+        super::load_program_raw(BPF_PROG_TYPE_KPROBE, Some(attach_type), data)
     }
 
     /// Returns [`ProbeKind::Entry`] if the program is a `uprobe`, or
