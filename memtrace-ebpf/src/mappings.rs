@@ -36,6 +36,17 @@ fn fd_file(fd: u32) -> Option<u64> {
 /// The x86-64 numbers of the two syscalls followed.
 const NR_MMAP: u64 = 9;
 const NR_OPENAT: u64 = 257;
+/// The uprobe machinery's own syscalls (x86-64, Linux 6.11 and 6.18): the return
+/// trampoline of every return probe, and an optimized probe's entry. Each memtrace return
+/// probe makes one; they allocate nothing for the task and open no syscall window.
+const NR_URETPROBE: u64 = 335;
+const NR_UPROBE: u64 = 336;
+
+/// Whether syscall `nr` is the uprobe machinery's (see [`NR_URETPROBE`]).
+#[inline(always)]
+fn is_uprobe_syscall(nr: u64) -> bool {
+    nr == NR_URETPROBE || nr == NR_UPROBE
+}
 /// The code segment of a 64-bit task's user mode; a 32-bit task's syscalls number
 /// differently and are left alone, as the `syscalls:` tracepoints leave them.
 const USER_CS_64: u64 = 0x33;
@@ -64,8 +75,12 @@ raw_tracepoint_program!(sys_enter, |ctx| try_sys_enter(ctx));
 /// remembers the arguments of a traced task's `openat` (the path) and executable `mmap`
 /// until the call returns.
 fn try_sys_enter(ctx: &RawTracePointContext) -> Result<(), ()> {
-    syscall::enter();
     let nr: u64 = ctx.arg(1);
+    if is_uprobe_syscall(nr) {
+        // A return probe's trampoline, once per traced allocation: cheapest first.
+        return Ok(());
+    }
+    syscall::enter();
     if nr != NR_OPENAT && nr != NR_MMAP {
         return Ok(());
     }
@@ -100,9 +115,16 @@ raw_tracepoint_program!(sys_exit, |ctx| try_sys_exit(ctx));
 /// sys_exit(struct pt_regs *regs, long ret): closes the CPU's syscall window; learns what
 /// a traced task's `openat` or executable `mmap` gave.
 fn try_sys_exit(ctx: &RawTracePointContext) -> Result<(), ()> {
-    syscall::exit();
     let regs: *const pt_regs = ctx.arg(0);
-    let nr = user_reg!(regs, orig_rax);
+    // SAFETY: the address of a field of the kernel's pt_regs; the read is checked.
+    let nr = read_kernel_u64(unsafe { core::ptr::addr_of!((*regs).orig_rax) });
+    if nr.is_some_and(is_uprobe_syscall) {
+        // No window was opened for it (`try_sys_enter`); the one it would close, if any,
+        // belongs to a syscall that has already left.
+        return Ok(());
+    }
+    syscall::exit();
+    let nr = nr.ok_or(())?;
     if nr == NR_OPENAT {
         try_exit_openat(ctx.arg(1))
     } else if nr == NR_MMAP {
