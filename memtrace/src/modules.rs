@@ -101,6 +101,17 @@ impl ModuleTable {
         true
     }
 
+    /// The executable mappings of `pid` as the probes saw them: kept where its `/proc` maps
+    /// cannot be read any more (it exited before they were), so frames in files without a
+    /// build id are still named by file.
+    pub fn learn_maps(&mut self, pid: u32, maps: Maps) {
+        if Maps::read(pid).is_err() {
+            self.maps.remove(&pid);
+            self.maps_order.retain(|&p| p != pid);
+            self.keep_maps(pid, maps);
+        }
+    }
+
     /// A forked child starts with its parent's maps (it may exit before they can be read).
     pub fn learn_fork(&mut self, child: u32, parent: u32) {
         if let Some(maps) = self.maps.get(&parent).map(|p| p.maps.clone()) {
@@ -442,5 +453,40 @@ mod tests {
         table.find_missing_files();
         let found = &table.modules()[module as usize];
         assert_eq!(fs::canonicalize(&found.path).unwrap(), fs::canonicalize(&libc).unwrap());
+    }
+
+    #[test]
+    fn frames_of_a_gone_process_in_a_file_without_build_id_are_named_by_the_probes_maps() {
+        // A file with no build id, "mapped" by a process that no longer exists (pid 0 has
+        // no /proc maps).
+        let dir = std::env::temp_dir().join(format!("memtrace-modules-{}", std::process::id()));
+        fs::create_dir_all(&dir).unwrap();
+        let file = dir.join("static_prog");
+        fs::write(&file, b"not an ELF file").unwrap();
+        let mapping = procfs::Mapping {
+            start: 0x401000,
+            end: 0x402000,
+            executable: true,
+            offset: 0x1000,
+            inode: 1,
+            path: file.clone(),
+            deleted: false,
+        };
+        let mut table = ModuleTable::new();
+        let frame = RawUserFrame::Ip(0x401189);
+        assert_eq!(table.resolve(0, frame), FileFrame::Address(0x401189), "nothing known yet");
+        table.learn_maps(0, Maps { mappings: vec![mapping] });
+        let FileFrame::Module { module, offset } = table.resolve(0, frame) else { panic!() };
+        assert_eq!(offset, 0x1189);
+        assert_eq!(table.modules()[module as usize].path, file.to_string_lossy());
+        // Outside the mapping: still an address.
+        assert_eq!(table.resolve(0, RawUserFrame::Ip(0x500000)), FileFrame::Address(0x500000));
+        // A live process's own maps are not replaced by what the probes saw.
+        let me = std::process::id();
+        assert!(table.learn_process(me));
+        let before = table.maps[&me].maps.clone();
+        table.learn_maps(me, Maps::default());
+        assert_eq!(table.maps[&me].maps, before);
+        fs::remove_dir_all(&dir).unwrap();
     }
 }

@@ -112,6 +112,10 @@ impl Namer {
     pub fn file_seen(&mut self, path: &Path) {
         self.modules.learn_file(path);
     }
+
+    pub fn maps_seen(&mut self, pid: u32, maps: crate::procfs::Maps) {
+        self.modules.learn_maps(pid, maps);
+    }
 }
 
 #[cfg(test)]

@@ -733,6 +733,10 @@ impl Sink for Model {
         self.modules.learn_fork(child, parent);
     }
 
+    fn maps_seen(&mut self, pid: u32, maps: crate::procfs::Maps) {
+        self.modules.learn_maps(pid, maps);
+    }
+
     fn file_seen(&mut self, path: &Path) {
         self.modules.learn_file(path);
         self.pending.modules.extend(self.modules.take_new());

@@ -85,6 +85,9 @@ pub trait Sink {
     fn fork_seen(&mut self, _child: u32, _parent: u32) {}
     /// User frames will point into this file (by build id) from now on.
     fn file_seen(&mut self, _path: &Path) {}
+    /// The executable mappings of `pid` as the probes saw them, for frames in files without
+    /// a build id (they stay addresses; the process may be gone before `/proc` is read).
+    fn maps_seen(&mut self, _pid: u32, _maps: procfs::Maps) {}
     /// The name of a kernel slab cache (kmem_cache_alloc events carry the cache).
     fn cache_seen(&mut self, _cache: u64, _name: &str) {}
 }
@@ -404,6 +407,9 @@ impl Tracer {
     fn deliver(unwinder: &mut Unwinder, stack: StackRecord, sink: &mut dyn Sink) {
         for path in unwinder.take_new_files() {
             sink.file_seen(&path);
+        }
+        for (pid, maps) in unwinder.take_new_maps() {
+            sink.maps_seen(pid, maps);
         }
         sink.stack(stack);
     }

@@ -292,6 +292,10 @@ impl Sink for LiveView {
         self.namer.fork_seen(child, parent);
     }
 
+    fn maps_seen(&mut self, pid: u32, maps: crate::procfs::Maps) {
+        self.namer.maps_seen(pid, maps);
+    }
+
     fn file_seen(&mut self, path: &Path) {
         self.namer.file_seen(path);
     }

@@ -18,7 +18,7 @@ pub mod table;
 pub mod walk;
 
 use std::{
-    collections::{HashMap, VecDeque},
+    collections::{HashMap, HashSet, VecDeque},
     path::{Path, PathBuf},
     time::{Duration, Instant},
 };
@@ -34,7 +34,7 @@ use self::{
 use crate::{
     elf,
     event::{FileMapping, RawUserFrame, StackRecord, TaskSpace, UserWalk},
-    procfs,
+    procfs::{self, Maps},
 };
 
 /// Copies waiting for tables are kept up to this many bytes; beyond, the oldest is
@@ -100,6 +100,10 @@ struct Pending {
     bytes: usize,
 }
 
+/// (pid, address space, ranges) whose maps were handed out, remembered at most (then
+/// forgotten and handed out again when met: a long-running agent stays bounded).
+const MAX_MAPS_TOLD: usize = 1 << 16;
+
 pub struct Unwinder {
     spaces: Spaces,
     store: TableStore,
@@ -110,6 +114,12 @@ pub struct Unwinder {
     build_ids: HashMap<PathBuf, Option<[u8; 20]>>,
     /// Files frames were named into since the last `take_new_files`.
     new_files: Vec<PathBuf>,
+    /// Address spaces with frames in files without a build id, which stay bare addresses:
+    /// their maps, for whoever names the frames (the process may be gone before its
+    /// `/proc` maps are read), since the last `take_new_maps`; and what was handed out
+    /// (pid, address space, ranges then).
+    new_maps: Vec<(u32, Maps)>,
+    maps_told: HashSet<(u32, u32, usize)>,
     stats: UnwindStats,
     /// Where each program's list of files is kept between runs.
     cache: Option<DiskCache>,
@@ -147,6 +157,8 @@ impl Unwinder {
             ready_late: Vec::new(),
             build_ids: HashMap::new(),
             new_files: Vec::new(),
+            new_maps: Vec::new(),
+            maps_told: HashSet::new(),
             stats: UnwindStats::default(),
         }
     }
@@ -495,16 +507,34 @@ impl Unwinder {
         }
         let asid = if stack.asid != 0 { Some(stack.asid) } else { self.spaces.asid_of(stack.pid) };
         let Some(asid) = asid else { return stack };
+        let mut bare = false;
         for i in 0..stack.user.len() {
             let RawUserFrame::Ip(ip) = stack.user[i] else { continue };
             let Some(m) = self.spaces.find(asid, ip) else { continue };
             let Some(path) = m.path.clone() else { continue };
             let offset = m.file_offset_of(ip);
-            if let Some(build_id) = self.build_id(&path) {
-                stack.user[i] = RawUserFrame::BuildId { build_id, offset };
+            match self.build_id(&path) {
+                Some(build_id) => stack.user[i] = RawUserFrame::BuildId { build_id, offset },
+                None => bare = true,
             }
         }
+        if self.maps_told.len() > MAX_MAPS_TOLD {
+            self.maps_told.clear();
+        }
+        if bare
+            && self.maps_told.insert((stack.pid, asid, self.spaces.mapping_count(asid)))
+            && let Some(maps) = self.spaces.file_maps(asid)
+        {
+            self.new_maps.push((stack.pid, maps));
+        }
         stack
+    }
+
+    /// The maps of processes whose frames stayed bare addresses in files without a build
+    /// id (a static program linked without one), since the last call: as the probes saw
+    /// them, so the frames can be named by file after the process is gone.
+    pub fn take_new_maps(&mut self) -> Vec<(u32, Maps)> {
+        std::mem::take(&mut self.new_maps)
     }
 
     fn build_id(&mut self, path: &Path) -> Option<[u8; 20]> {

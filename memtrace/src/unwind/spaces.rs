@@ -226,6 +226,34 @@ impl Spaces {
         space.mappings[..at].last().filter(|m| addr < m.end)
     }
 
+    /// The executable file mappings of `asid` as a memory map, for naming frames by file
+    /// and offset after the process is gone (its `/proc` maps with it).
+    pub fn file_maps(&self, asid: u32) -> Option<Maps> {
+        let space = self.spaces.get(&asid)?;
+        let mappings = space
+            .mappings
+            .iter()
+            .filter_map(|m| {
+                Some(procfs::Mapping {
+                    start: m.start,
+                    end: m.end,
+                    executable: true,
+                    offset: m.file_offset,
+                    // Not known here; any non-zero value marks a file.
+                    inode: 1,
+                    path: m.path.clone()?,
+                    deleted: false,
+                })
+            })
+            .collect();
+        Some(Maps { mappings })
+    }
+
+    /// Executable ranges known in `asid`.
+    pub fn mapping_count(&self, asid: u32) -> usize {
+        self.spaces.get(&asid).map_or(0, |s| s.mappings.len())
+    }
+
     /// Processes (by address space) currently known.
     pub fn live_spaces(&self) -> usize {
         self.spaces.values().filter(|s| s.pids > 0).count()
