@@ -5,7 +5,8 @@
 //! allocation; a failed one is sent with [`flags::FAILED`] and its stack (taken by
 //! `finish::user_finish`, which the return program tail-calls). The in-flight
 //! state is kept apart from the malloc family's, so the host allocations the driver makes
-//! inside a call are still seen.
+//! inside a call are still seen. On kernels with uprobe sessions the entry and return run
+//! as one program, `gpu_session`, as the malloc family's do (`uprobes::alloc_session`).
 use aya_ebpf::{
     EbpfContext,
     bindings::BPF_ANY,
@@ -20,7 +21,7 @@ use crate::{
     finish::{Half, Next, finish_user_alloc, pend_user_alloc},
     maps::{GPU_INFLIGHT, GpuInFlight},
     ring::bump,
-    uprobes::{length_in_pages, send_free},
+    uprobes::{is_session_return, length_in_pages, send_free},
 };
 
 /// `CU_MEM_LOCATION_TYPE_DEVICE`.
@@ -32,10 +33,30 @@ pub fn gpu_enter(ctx: ProbeContext) -> u32 {
     0
 }
 
-fn try_gpu_enter(ctx: &ProbeContext) -> Result<(), ()> {
+/// The entry and return as one uprobe session program (see `uprobes::alloc_session`, whose
+/// way of telling the two runs apart it shares).
+#[unsafe(no_mangle)]
+#[unsafe(link_section = "uprobe")]
+pub fn gpu_session(ctx: *mut core::ffi::c_void) -> u32 {
+    let ctx = ProbeContext::new(ctx);
+    if is_session_return(&ctx) {
+        let ret = RetProbeContext::new(ctx.as_ptr());
+        if try_gpu_return(&ret) == Ok(Next::Finish) {
+            finish_user_alloc(&ret, Half::Session);
+        }
+        return 0;
+    }
+    match try_gpu_enter(&ctx) {
+        Ok(true) => 0,
+        _ => 1,
+    }
+}
+
+/// Keeps the call's arguments for its return; whether the return needs to run.
+fn try_gpu_enter(ctx: &ProbeContext) -> Result<bool, ()> {
     let (id, tgid, _) = pid_tgid();
     if !is_traced(tgid) {
-        return Ok(());
+        return Ok(false);
     }
     // SAFETY: ctx is this probe's pt_regs.
     let sp = unsafe { (*regs(ctx)).rsp };
@@ -43,7 +64,7 @@ fn try_gpu_enter(ctx: &ProbeContext) -> Result<(), ()> {
     if let Some(state) = unsafe { GPU_INFLIGHT.get(id) }
         && sp < state.sp
     {
-        return Ok(()); // an entry point the driver calls from inside another: not the user's
+        return Ok(false); // an entry point the driver calls from inside another: not the user's
     }
     // SAFETY: the helper only reads the attach cookie of this program's link.
     let kind = unsafe { generated::bpf_get_attach_cookie(ctx.as_ptr()) } as u8;
@@ -83,8 +104,9 @@ fn try_gpu_enter(ctx: &ProbeContext) -> Result<(), ()> {
     }
     if GPU_INFLIGHT.insert(id, state, BPF_ANY as u64).is_err() {
         bump(counter::LOST_INFLIGHT);
+        return Ok(false);
     }
-    Ok(())
+    Ok(true)
 }
 
 #[uretprobe]

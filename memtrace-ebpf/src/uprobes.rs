@@ -44,11 +44,7 @@ pub fn alloc_enter(ctx: ProbeContext) -> u32 {
 #[unsafe(link_section = "uprobe")]
 pub fn alloc_session(ctx: *mut core::ffi::c_void) -> u32 {
     let ctx = ProbeContext::new(ctx);
-    // SAFETY: the helper reads the probed address from this program's run context.
-    let probed = unsafe { generated::bpf_get_func_ip(ctx.as_ptr()) };
-    // SAFETY: ctx is this probe's pt_regs.
-    let ip = unsafe { (*regs(&ctx)).rip };
-    if ip != probed {
+    if is_session_return(&ctx) {
         let ret = RetProbeContext::new(ctx.as_ptr());
         if try_alloc_return(&ret) == Ok(Next::Finish) {
             finish_user_alloc(&ret, Half::Session);
@@ -59,6 +55,19 @@ pub fn alloc_session(ctx: *mut core::ffi::c_void) -> u32 {
         Ok(true) => 0,
         _ => 1,
     }
+}
+
+/// Whether a uprobe session program runs for the return: at the entry the instruction
+/// pointer is the probed address (`bpf_get_func_ip`), at the return the caller's return
+/// address (a call's return address is never the probed instruction of the function it
+/// called).
+#[inline(always)]
+pub(crate) fn is_session_return(ctx: &ProbeContext) -> bool {
+    // SAFETY: the helper reads the probed address from this program's run context.
+    let probed = unsafe { generated::bpf_get_func_ip(ctx.as_ptr()) };
+    // SAFETY: ctx is this probe's pt_regs.
+    let ip = unsafe { (*regs(ctx)).rip };
+    ip != probed
 }
 
 /// The entry of an allocating call: its arguments and sampling decision, kept in

@@ -83,7 +83,12 @@ impl Probes {
     /// Loads (verifies) the GPU programs ahead of any attach, so attaching at a `dlopen`
     /// costs no verification (tens of milliseconds) while the program runs on.
     pub fn load_cuda_programs(&mut self) -> Result<()> {
-        for program in ["gpu_enter", "gpu_return", "gpu_free"] {
+        let programs: &[&'static str] = if self.attach_path == uprobe_multi::AttachPath::Session {
+            &["gpu_session", "gpu_free"]
+        } else {
+            &["gpu_enter", "gpu_return", "gpu_free"]
+        };
+        for &program in programs {
             self.uprobe(program)?;
         }
         Ok(())
@@ -95,12 +100,16 @@ impl Probes {
         type Point = (u64, Kind, &'static str);
         let (allocs, frees): (Vec<&Point>, Vec<&Point>) = module.points.iter().partition(|p| !p.1.is_free());
         use uprobe_multi::LinkKind;
-        let plan = [
-            ("gpu_enter", &allocs, LinkKind::Entry),
-            ("gpu_return", &allocs, LinkKind::Return),
-            ("gpu_free", &frees, LinkKind::Entry),
-        ];
-        for (program, points, kind) in plan {
+        let plan: &[(&'static str, &Vec<&Point>, LinkKind)] = if self.attach_path == uprobe_multi::AttachPath::Session {
+            &[("gpu_session", &allocs, LinkKind::Session), ("gpu_free", &frees, LinkKind::Entry)]
+        } else {
+            &[
+                ("gpu_enter", &allocs, LinkKind::Entry),
+                ("gpu_return", &allocs, LinkKind::Return),
+                ("gpu_free", &frees, LinkKind::Entry),
+            ]
+        };
+        for &(program, points, kind) in plan {
             if points.is_empty() {
                 continue;
             }

@@ -147,9 +147,10 @@ enum Attachment {
 /// when the kernel has them), with the second half their return programs tail-call.
 const ALLOCATOR_PROGRAMS: [&str; 7] =
     ["alloc_enter", "alloc_return", "free_enter", "gpu_enter", "gpu_return", "gpu_free", "user_finish"];
-/// The uprobe session program that replaces `alloc_enter` and `alloc_return` where the
-/// kernel has sessions, and its second half (loaded for session links).
-const SESSION_PROGRAMS: [&str; 2] = ["alloc_session", "user_finish_session"];
+/// The uprobe session programs that replace the entry and return programs of the malloc
+/// family and the GPU driver where the kernel has sessions, and their second half (loaded
+/// for session links).
+const SESSION_PROGRAMS: [&str; 3] = ["alloc_session", "gpu_session", "user_finish_session"];
 
 pub struct Probes {
     ebpf: Ebpf,
@@ -364,7 +365,7 @@ impl Probes {
         if self.user_stacks && matches!(name, "alloc_return" | "gpu_return") {
             self.install_finish(verify::USER_FINISH)?;
         }
-        if self.user_stacks && name == "alloc_session" {
+        if self.user_stacks && matches!(name, "alloc_session" | "gpu_session") {
             self.install_finish(verify::SESSION_FINISH)?;
         }
         self.verify(&[name])?;

@@ -76,10 +76,9 @@ impl Probes {
         }
         if plan.allocators {
             if self.attach_path == AttachPath::Session {
-                // The session program replaces the entry and return programs (and their
-                // second half); the GPU driver's, should a process load it, are verified
-                // then.
-                names.push("free_enter");
+                // The session programs replace the entry and return programs (and their
+                // second half).
+                names.extend(["free_enter", "gpu_free"]);
                 names.extend(SESSION_PROGRAMS.iter().filter(|&&n| n != SESSION_FINISH.0 || self.user_stacks));
             } else {
                 names.extend(ALLOCATOR_PROGRAMS.iter().filter(|&&n| n != USER_FINISH.0 || self.user_stacks));
