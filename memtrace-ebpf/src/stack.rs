@@ -84,7 +84,17 @@ pub(crate) struct Scratch {
     pub(crate) reuse_flags: u32,
     pub(crate) reuse_asid: u32,
     pub(crate) _pad: u32,
+    /// A window of the user stack the table walk is reading (`unwind::read_stack`): one
+    /// bulk read serves the return addresses and saved registers of several frames.
+    /// `win_words` words from `win_base`; 0 before each walk.
+    pub(crate) win: [u64; STACK_WINDOW_WORDS],
+    pub(crate) win_base: u64,
+    pub(crate) win_words: u64,
 }
+
+/// Words in the stack window: 2 KiB, a few frames of an interpreter's evaluation loop.
+pub(crate) const STACK_WINDOW_WORDS: usize = 256;
+const _: () = assert!(STACK_WINDOW_WORDS.is_power_of_two());
 
 /// Levels of kmem tracepoints nesting on one CPU (task, softirq, hardirq, NMI).
 pub(crate) const KERNEL_NESTING: usize = 4;

@@ -19,7 +19,7 @@ use aya_ebpf::{
 use memtrace_common::{
     FileId, FileTable, MAX_STACK_DEPTH, MappingKey, MappingValue, UPROBE_TRAMPOLINE_PAGE, UnwindMiss, UnwindRule,
     counter, stack_flags, stack_hash_step,
-    unwind::{self, NO_SLOT, Regs, Step, decode_rule, encode_rule, mapping_flags, table},
+    unwind::{self, NO_SLOT, Regs, Step, decode_rule, encode_rule, kind, mapping_flags, table},
     unwind_mode,
 };
 
@@ -29,7 +29,7 @@ use crate::{
         ASIDS, CachedRule, FILE_TABLES, INFLIGHT, MAPPINGS, NEXT_ASID, PROBE_BUSY, RULE_CACHE, RULE_CACHE_SLOTS, TABLES,
     },
     ring::{bump, bump_by},
-    stack::Scratch,
+    stack::{STACK_WINDOW_WORDS, Scratch},
 };
 
 /// User registers a walk starts from.
@@ -403,7 +403,8 @@ pub(crate) extern "C" fn walk_step(index: u64, state: *mut c_void) -> i64 {
             return 1;
         }
     };
-    match unwind::step(regs, rule, st.ret_addr, read_user_u64) {
+    cover_step(&regs, rule);
+    match unwind::step(regs, rule, st.ret_addr, |addr| read_stack(scratch, addr)) {
         Step::Caller(next) => {
             st.ip = next.ip;
             st.sp = next.sp;
@@ -422,6 +423,71 @@ pub(crate) extern "C" fn walk_step(index: u64, state: *mut c_void) -> i64 {
             1
         }
     }
+}
+
+/// Bytes below the lowest address a step reads that a window also takes.
+const WINDOW_SLACK: u64 = 64;
+
+/// Makes the stack window in `scratch` cover what stepping out of a frame with `rule`
+/// reads (its return address and saved `%rbp`, just below the canonical frame address),
+/// reading it in bulk when it does not: each `bpf_probe_read_user` costs far more than the
+/// bytes it copies, and frames lie one above the other, so one 2 KiB read serves several.
+/// (The window is filled here, before the step, not from inside its reads: there the
+/// compiler computed on an undefined register, which the verifier refuses.)
+#[inline(always)]
+fn cover_step(regs: &Regs, rule: UnwindRule) {
+    let base = match rule.kind {
+        kind::CFA_SP => regs.sp,
+        kind::CFA_BP => regs.bp,
+        _ => return, // read word by word
+    };
+    let cfa = base.wrapping_add(rule.cfa_offset as i64 as u64);
+    let low = if rule.rbp_offset < -8 { cfa.wrapping_add(rule.rbp_offset as i64 as u64) } else { cfa.wrapping_sub(8) };
+    memtrace_cover_window(low, cfa);
+}
+
+/// Reads `[low, high)` of the current task's user stack, and what follows up to 2 KiB,
+/// into this CPU's window unless it holds it already (`low` 8-byte aligned: else nothing
+/// is read, the step reads word by word). When the full read fails (the top of the stack
+/// ends within it), from `low` to the end of its page. A global BPF function: the verifier
+/// checks it once, not once per state of the walk step.
+#[inline(never)]
+#[unsafe(no_mangle)]
+pub extern "C" fn memtrace_cover_window(low: u64, high: u64) -> u64 {
+    const BYTES: u64 = (STACK_WINDOW_WORDS * 8) as u64;
+    let Some(scratch) = scratch() else { return 0 };
+    let covered = |a: u64| a.wrapping_sub(scratch.win_base) / 8 < scratch.win_words;
+    if low & 7 != 0 || (covered(low) && covered(high.wrapping_sub(8))) {
+        return 0;
+    }
+    scratch.win_words = 0;
+    let buf = scratch.win.as_mut_ptr() as *mut c_void;
+    let from = low.saturating_sub(WINDOW_SLACK);
+    // SAFETY: the buffer holds BYTES bytes; the read is checked.
+    if unsafe { generated::bpf_probe_read_user(buf, BYTES as u32, from as *const c_void) } == 0 {
+        scratch.win_base = from;
+        scratch.win_words = BYTES / 8;
+        return 1;
+    }
+    let to_page_end = 4096 - (low & 4095);
+    let len = if to_page_end > BYTES { BYTES } else { to_page_end };
+    // SAFETY: as above, `len` ≤ BYTES.
+    if unsafe { generated::bpf_probe_read_user(buf, len as u32, low as *const c_void) } == 0 {
+        scratch.win_base = low;
+        scratch.win_words = len / 8;
+        return 1;
+    }
+    0
+}
+
+/// A word of the walked user stack: from the window when it holds it, else read alone.
+#[inline(always)]
+fn read_stack(scratch: &Scratch, addr: u64) -> Option<u64> {
+    let index = addr.wrapping_sub(scratch.win_base) / 8;
+    if addr & 7 == 0 && index < scratch.win_words {
+        return scratch.win.get(index as usize & (STACK_WINDOW_WORDS - 1)).copied();
+    }
+    read_user_u64(addr)
 }
 
 /// Walks the user stack of process `tgid` from `regs` into `scratch.user_ips`,
@@ -453,6 +519,8 @@ pub(crate) fn walk_user_tables(scratch: &mut Scratch, tgid: u32, regs: UserRegs,
         };
         return (1, stack_flags::MISS | stack_flags::USER_IPS, stack_hash_step(hash, regs.ip), known.unwrap_or(0));
     };
+    // The stack is another one now (or has moved on).
+    scratch.win_words = 0;
     let mut st = WalkState {
         ip: regs.ip,
         sp: regs.sp,
