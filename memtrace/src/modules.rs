@@ -4,7 +4,6 @@
 //! file carries which build id from the processes' memory maps, so frames can be
 //! symbolized later, after the processes are gone, from the files themselves.
 use std::{
-    collections::HashMap,
     fs,
     path::{Path, PathBuf},
     time::{Duration, Instant},
@@ -13,7 +12,7 @@ use std::{
 use memtrace_common::python::PyFrame;
 
 use crate::{
-    elf,
+    FastMap, elf,
     event::{RawUserFrame, UserWalk},
     procfs::{self, Maps},
     python::{self, PythonContext, Spliced},
@@ -40,13 +39,13 @@ struct ProcessMaps {
 #[derive(Default)]
 pub struct ModuleTable {
     modules: Vec<Module>,
-    by_build_id: HashMap<Vec<u8>, u32>,
-    by_path: HashMap<PathBuf, u32>,
+    by_build_id: FastMap<Vec<u8>, u32>,
+    by_path: FastMap<PathBuf, u32>,
     /// Build id → a file that has it.
-    catalog: HashMap<Vec<u8>, PathBuf>,
+    catalog: FastMap<Vec<u8>, PathBuf>,
     /// File → its build id (None: it has none or cannot be read).
-    file_build_ids: HashMap<PathBuf, Option<Vec<u8>>>,
-    maps: HashMap<u32, ProcessMaps>,
+    file_build_ids: FastMap<PathBuf, Option<Vec<u8>>>,
+    maps: FastMap<u32, ProcessMaps>,
     maps_order: std::collections::VecDeque<u32>,
     scanned_system_dirs: bool,
     /// Modules created since the last `take_new`.

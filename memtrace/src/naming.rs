@@ -4,10 +4,7 @@
 //! (module, file offset) through the [`ModuleTable`], whose maps of a process are read
 //! when its first stack arrives and read again after it execs; a process met for the
 //! first time is named from /proc while it still runs.
-use std::{
-    collections::{HashMap, HashSet},
-    path::Path,
-};
+use std::path::Path;
 
 use memtrace_common::{TaskEvent, flags};
 
@@ -22,13 +19,13 @@ use crate::{
 pub struct Namer {
     pub modules: ModuleTable,
     /// Probe stack hash → stack id.
-    stack_ids: HashMap<u64, u32>,
+    stack_ids: crate::FastMap<u64, u32>,
     /// Stacks already defined.
-    defined: HashSet<u32>,
+    defined: crate::FastSet<u32>,
     /// Processes whose maps were read since their last exec.
-    maps_read: HashSet<u32>,
+    maps_read: crate::FastSet<u32>,
     /// Processes already named.
-    named: HashSet<u32>,
+    named: crate::FastSet<u32>,
 }
 
 impl Namer {

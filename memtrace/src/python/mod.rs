@@ -16,8 +16,6 @@ pub mod detect;
 pub mod layout;
 pub mod lines;
 
-use std::collections::HashMap;
-
 use memtrace_common::python::{PyFrame, py_frame_flags};
 
 use crate::recording::Module;
@@ -102,9 +100,12 @@ pub struct PythonContext {
 #[derive(Default)]
 pub struct PythonNames {
     detector: Detector,
-    processes: HashMap<u32, Option<Finding>>,
+    processes: crate::FastMap<u32, Option<Finding>>,
     /// By (process, address, the bytes at `co_firstlineno`).
-    codes: HashMap<(u32, u64, u64), Option<Code>>,
+    codes: crate::FastMap<(u32, u64, u64), Option<Code>>,
+    /// The line of each (code object as above, instruction) named: a line is found by
+    /// scanning the code's line table, and the same frames come back in stack after stack.
+    lines: crate::FastMap<(u32, u64, u64, i32), u32>,
 }
 
 /// Code objects remembered (the cache is emptied past it).
@@ -175,6 +176,7 @@ impl PythonNames {
     pub fn forget(&mut self, pid: u32) {
         self.processes.remove(&pid);
         self.codes.retain(|(p, ..), _| *p != pid);
+        self.lines.retain(|(p, ..), _| *p != pid);
     }
 
     /// A forked child runs its parent's interpreter, at the same addresses.
@@ -192,6 +194,10 @@ impl PythonNames {
         let (minor, layout) = (interpreter.layout.minor, interpreter.layout.code);
         if self.codes.len() >= MAX_CODES {
             self.codes.clear();
+            self.lines.clear();
+        }
+        if self.lines.len() >= MAX_CODES * 4 {
+            self.lines.clear();
         }
         let code = self.codes.entry((pid, frame.code, frame.check)).or_insert_with(|| {
             code::read_code(pid, frame.code, &layout).filter(|c| c.firstlineno == frame.check as i32)
@@ -200,7 +206,10 @@ impl PythonNames {
             Some(c) => Named {
                 qualname: c.qualname.clone(),
                 filename: c.filename.clone(),
-                line: lines::line_of(minor, &c.linetable, c.firstlineno, frame.lasti).unwrap_or(0),
+                line: *self
+                    .lines
+                    .entry((pid, frame.code, frame.check, frame.lasti))
+                    .or_insert_with(|| lines::line_of(minor, &c.linetable, c.firstlineno, frame.lasti).unwrap_or(0)),
             },
             None => unknown(frame),
         }

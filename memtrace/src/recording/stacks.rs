@@ -12,7 +12,6 @@
 //! ```
 //! Node n (from 1) is the n-th new frame of the chunk; its parent is the node before it in
 //! its stack (or the shared node).
-use std::collections::HashMap;
 
 use super::{
     FileFrame, FileStack, FormatError,
@@ -65,7 +64,7 @@ fn frame(c: &mut Cursor<'_>) -> Result<Frame, FormatError> {
 #[derive(Default)]
 pub struct StackEncoder {
     pub buf: Vec<u8>,
-    nodes: HashMap<(u32, Frame), u32>,
+    nodes: crate::FastMap<(u32, Frame), u32>,
     path: Vec<Frame>,
 }
 

@@ -111,7 +111,7 @@ pub struct Unwinder {
     pending_bytes: usize,
     /// Stacks finished outside a poll (copies dropped for memory), handed out at the next.
     ready_late: Vec<StackRecord>,
-    build_ids: HashMap<PathBuf, Option<[u8; 20]>>,
+    build_ids: crate::FastMap<PathBuf, Option<[u8; 20]>>,
     /// Files frames were named into since the last `take_new_files`.
     new_files: Vec<PathBuf>,
     /// Address spaces with frames in files without a build id, which stay bare addresses:
@@ -131,6 +131,11 @@ pub struct Unwinder {
 
 /// A path to `path` as process `pid` sees it, from here (the process may be gone, or in
 /// another mount namespace).
+/// Whether the mapping of `ip` in `asid` is a file's.
+fn m_has_path(spaces: &Spaces, asid: u32, ip: u64) -> bool {
+    spaces.find(asid, ip).is_some_and(|m| m.path.is_some())
+}
+
 fn readable_path(pid: u32, path: &str) -> Option<PathBuf> {
     if !path.starts_with('/') {
         return None;
@@ -155,7 +160,7 @@ impl Unwinder {
             pending: VecDeque::new(),
             pending_bytes: 0,
             ready_late: Vec::new(),
-            build_ids: HashMap::new(),
+            build_ids: Default::default(),
             new_files: Vec::new(),
             new_maps: Vec::new(),
             maps_told: HashSet::new(),
@@ -511,11 +516,22 @@ impl Unwinder {
         for i in 0..stack.user.len() {
             let RawUserFrame::Ip(ip) = stack.user[i] else { continue };
             let Some(m) = self.spaces.find(asid, ip) else { continue };
-            let Some(path) = m.path.clone() else { continue };
             let offset = m.file_offset_of(ip);
-            match self.build_id(&path) {
+            let build_id = match m.build_id.get() {
+                Some(&id) => id,
+                None => {
+                    // The first frame in this mapping: its file's build id, kept with it.
+                    let Some(path) = m.path.clone() else { continue };
+                    let id = self.build_id(&path);
+                    if let Some(m) = self.spaces.find(asid, ip) {
+                        let _ = m.build_id.set(id);
+                    }
+                    id
+                }
+            };
+            match build_id {
                 Some(build_id) => stack.user[i] = RawUserFrame::BuildId { build_id, offset },
-                None => bare = true,
+                None => bare |= m_has_path(&self.spaces, asid, ip),
             }
         }
         if self.maps_told.len() > MAX_MAPS_TOLD {

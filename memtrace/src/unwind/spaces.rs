@@ -45,6 +45,9 @@ pub struct Mapping {
     /// `vaddr = addr - bias`, for the file's table.
     pub bias: u64,
     pub slot: Option<Slot>,
+    /// The file's build id, once a frame in it was named (`Unwinder::named`): asked per
+    /// frame, not hashed by path each time.
+    pub build_id: std::cell::OnceCell<Option<[u8; 20]>>,
 }
 
 impl Mapping {
@@ -178,7 +181,15 @@ impl Spaces {
             }
             None => (None, None, 0),
         };
-        let mapping = Mapping { start, end: start.saturating_add(len), path, file_offset, bias, slot };
+        let mapping = Mapping {
+            start,
+            end: start.saturating_add(len),
+            path,
+            file_offset,
+            bias,
+            slot,
+            build_id: Default::default(),
+        };
         let space = self.spaces.entry(asid).or_default();
         // What the new range covers is unmapped (the kernel replaced it).
         let mut kept = Vec::with_capacity(space.mappings.len() + 1);
