@@ -636,6 +636,11 @@ impl TableSink for Probes {
         }
     }
 
+    fn installer(&self) -> Option<crate::unwind::store::Installer> {
+        let outer = outer_fd(&self.ebpf, "TABLES").ok()?;
+        Some(Box::new(move |tables: &[(u32, Vec<u64>)]| install_tables(outer.as_fd(), tables)))
+    }
+
     fn register_file(&mut self, id: FileId, table: FileTable) -> Result<()> {
         let mut map: HashMap<_, FileId, FileTable> =
             HashMap::try_from(self.ebpf.map_mut("FILE_TABLES").context("FILE_TABLES map")?)?;

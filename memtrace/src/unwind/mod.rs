@@ -469,16 +469,25 @@ impl Unwinder {
                 let regs = Regs { ip: miss.ip, sp: miss.sp, bp: miss.bp, exact: miss.exact };
                 let memory = StackCopy { base: miss.sp, bytes: &miss.copy };
                 let (spaces, store) = (&self.spaces, &self.store);
-                walk::walk(regs, &memory, &mut ips, miss.ret_addr, |addr| {
+                let mut waiting_on = None;
+                let end = walk::walk(regs, &memory, &mut ips, miss.ret_addr, |addr| {
                     let Some(m) = spaces.find(asid, addr) else {
                         return Lookup::Rule(memtrace_common::UnwindRule::STOP);
                     };
                     match m.slot.and_then(|slot| store.state(slot)) {
                         Some(TableState::Ready(t)) => Lookup::Rule(t.rule_at(addr.wrapping_sub(m.bias))),
-                        Some(TableState::Building) if !give_up => Lookup::Wait,
+                        Some(TableState::Building) if !give_up => {
+                            waiting_on = m.slot;
+                            Lookup::Wait
+                        }
                         _ => Lookup::Rule(memtrace_common::UnwindRule::STOP),
                     }
-                })
+                });
+                // The code running now is in that file: its table is built next.
+                if let Some(slot) = waiting_on {
+                    self.store.prioritize(slot);
+                }
+                end
             }
             None => End::Truncated,
         };

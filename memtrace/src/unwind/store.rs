@@ -8,8 +8,8 @@ use std::{
     collections::HashMap,
     path::{Path, PathBuf},
     sync::{
-        Arc,
-        mpsc::{self, Receiver, Sender},
+        Arc, Condvar, Mutex,
+        mpsc::{self, Receiver},
     },
     thread::JoinHandle,
     time::{Duration, Instant},
@@ -59,6 +59,36 @@ struct Job {
     path: PathBuf,
 }
 
+/// The builds waiting for a worker. The newest goes first: a library's code runs right
+/// after it is mapped (its initializers, then the calls into it), while the files mapped
+/// before it have been running a while, their stacks finished from copies or not needed
+/// yet; and a build the probes are waiting for (a stack copy stopped in its file) is moved
+/// to the front ([`TableStore::prioritize`]).
+#[derive(Default)]
+struct JobQueue {
+    /// Taken from the back.
+    jobs: Vec<Job>,
+    closed: bool,
+}
+
+/// The queue and the condition its workers wait on.
+type SharedQueue = Arc<(Mutex<JobQueue>, Condvar)>;
+
+/// The next job for a worker, waiting for one; None once the store is gone.
+fn next_job(queue: &SharedQueue) -> Option<Job> {
+    let (lock, ready) = &**queue;
+    let mut q = lock.lock().ok()?;
+    loop {
+        if let Some(job) = q.jobs.pop() {
+            return Some(job);
+        }
+        if q.closed {
+            return None;
+        }
+        q = ready.wait(q).ok()?;
+    }
+}
+
 struct Done {
     slot: Slot,
     table: Option<Table>,
@@ -75,9 +105,46 @@ pub trait TableSink {
     /// Installs each table (its slot, and its elements laid out as the probes read them);
     /// one result per table, in order.
     fn install_tables(&mut self, tables: &[(Slot, Vec<u64>)]) -> Vec<anyhow::Result<()>>;
+    /// The same, for a thread of the store's own: the kernel waits for an RCU grace period
+    /// (10-30 ms) at each install, and the thread that drains the rings must not wait with
+    /// it (the rings fill, stack copies find no room). None: install on the caller's thread.
+    fn installer(&self) -> Option<Installer> {
+        None
+    }
     /// Tells the probes a file's table is installed, so they add its mappings themselves.
     fn register_file(&mut self, _id: FileId, _table: FileTable) -> anyhow::Result<()> {
         Ok(())
+    }
+}
+
+/// Installs tables from another thread (see [`TableSink::installer`]).
+pub type Installer = Box<dyn FnMut(&[(Slot, Vec<u64>)]) -> Vec<anyhow::Result<()>> + Send>;
+
+/// The thread installing tables in the probes: batches in, one answer per table out.
+struct InstallThread {
+    batches: mpsc::Sender<Vec<(Slot, Arc<Table>)>>,
+    answers: Receiver<(Slot, Arc<Table>, anyhow::Result<()>)>,
+}
+
+impl InstallThread {
+    fn start(mut install: Installer) -> Option<Self> {
+        let (batches, batch_rx) = mpsc::channel::<Vec<(Slot, Arc<Table>)>>();
+        let (answer_tx, answers) = mpsc::channel();
+        std::thread::Builder::new()
+            .name("memtrace-install".into())
+            .spawn(move || {
+                // Ends when the store (the sender) is gone.
+                for batch in batch_rx {
+                    let elements: Vec<(Slot, Vec<u64>)> = batch.iter().map(|(slot, t)| (*slot, t.elements())).collect();
+                    let results = install(&elements);
+                    drop(elements);
+                    for ((slot, table), result) in batch.into_iter().zip(results) {
+                        let _ = answer_tx.send((slot, table, result));
+                    }
+                }
+            })
+            .ok()?;
+        Some(Self { batches, answers })
     }
 }
 
@@ -86,7 +153,7 @@ pub struct TableStore {
     states: Vec<TableState>,
     /// Files (by path as opened) → their key, so a file seen again is not re-read.
     keys: HashMap<PathBuf, (FileKey, Arc<[Segment]>)>,
-    jobs: Option<Sender<Job>>,
+    jobs: SharedQueue,
     results: Receiver<Done>,
     workers: Vec<JoinHandle<()>>,
     /// Tables built but not installed yet.
@@ -97,6 +164,9 @@ pub struct TableStore {
     /// not ready).
     unregistered: Vec<Slot>,
     pending_builds: usize,
+    /// The install thread, once a sink offered one, and the tables it holds.
+    installing: Option<InstallThread>,
+    in_flight: usize,
     stats: StoreStats,
     max_bytes: u64,
     warned_cap: bool,
@@ -108,24 +178,19 @@ pub const DEFAULT_MAX_BYTES: u64 = 1 << 30;
 impl TableStore {
     /// A store with `workers` build threads, reading and filling `cache` if given.
     pub fn new(cache: Option<DiskCache>, workers: usize, max_bytes: u64) -> Self {
-        let (job_tx, job_rx) = mpsc::channel::<Job>();
+        let queue: SharedQueue = Arc::default();
         let (done_tx, done_rx) = mpsc::channel::<Done>();
-        let job_rx = Arc::new(std::sync::Mutex::new(job_rx));
         let cache = cache.map(Arc::new);
-        let workers = (0..workers.max(1))
+        // (No worker at all only in tests, to look at the queue.)
+        let workers = (0..workers)
             .map(|i| {
-                let jobs = Arc::clone(&job_rx);
+                let jobs = Arc::clone(&queue);
                 let done = done_tx.clone();
                 let cache = cache.clone();
                 std::thread::Builder::new()
                     .name(format!("memtrace-unwind-{i}"))
                     .spawn(move || {
-                        loop {
-                            let job = match jobs.lock() {
-                                Ok(rx) => rx.recv(),
-                                Err(_) => return,
-                            };
-                            let Ok(job) = job else { return };
+                        while let Some(job) = next_job(&jobs) {
                             let started = Instant::now();
                             let (table, from_cache) = build_or_load(&job, cache.as_deref());
                             let _ = done.send(Done {
@@ -144,13 +209,15 @@ impl TableStore {
             slots: HashMap::new(),
             states: Vec::new(),
             keys: HashMap::new(),
-            jobs: Some(job_tx),
+            jobs: queue,
             results: done_rx,
             workers,
             ready: Vec::new(),
             paths: Vec::new(),
             unregistered: Vec::new(),
             pending_builds: 0,
+            installing: None,
+            in_flight: 0,
             stats: StoreStats::default(),
             max_bytes,
             warned_cap: false,
@@ -190,23 +257,46 @@ impl TableStore {
         self.paths.push(path.to_path_buf());
         self.slots.insert(key.clone(), slot);
         self.pending_builds += 1;
-        if let Some(jobs) = &self.jobs {
-            let _ = jobs.send(Job { slot, key, path: path.to_path_buf() });
+        let (lock, ready) = &*self.jobs;
+        if let Ok(mut q) = lock.lock() {
+            q.jobs.push(Job { slot, key, path: path.to_path_buf() });
+            ready.notify_one();
         }
         Some((slot, segments))
+    }
+
+    /// Moves the build of `slot`, if it has not started, to the front of the queue: a
+    /// stack waits for it.
+    pub fn prioritize(&mut self, slot: Slot) {
+        let (lock, _) = &*self.jobs;
+        let Ok(mut q) = lock.lock() else { return };
+        if let Some(at) = q.jobs.iter().rposition(|j| j.slot == slot)
+            && at + 1 != q.jobs.len()
+        {
+            let job = q.jobs.remove(at);
+            q.jobs.push(job);
+        }
+    }
+
+    /// The slots waiting for a worker, the next one first (for tests).
+    #[cfg(test)]
+    fn queued(&self) -> Vec<Slot> {
+        self.jobs.0.lock().map(|q| q.jobs.iter().rev().map(|j| j.slot).collect()).unwrap_or_default()
     }
 
     pub fn state(&self, slot: Slot) -> Option<&TableState> {
         self.states.get(slot as usize)
     }
 
-    /// Whether every table asked for is built.
+    /// Whether every table asked for is built and installed.
     pub fn idle(&self) -> bool {
-        self.pending_builds == 0 && self.ready.is_empty()
+        self.pending_builds == 0 && self.ready.is_empty() && self.in_flight == 0
     }
 
-    /// Takes the builds that finished and installs them through `sink`. Returns how many
-    /// tables became ready.
+    /// Takes the builds that finished and installs them through `sink` (on the install
+    /// thread when the sink offers one: this call then never waits). Returns how many
+    /// tables became ready: userspace finishes stack copies with a table from then on,
+    /// the probes once it is installed and registered.
     pub fn poll(&mut self, sink: &mut dyn TableSink) -> usize {
         while let Ok(done) = self.results.try_recv() {
             self.pending_builds = self.pending_builds.saturating_sub(1);
@@ -251,6 +341,9 @@ impl TableStore {
             };
             self.ready.push((done.slot, Arc::new(table)));
         }
+        if self.installing.is_none() {
+            self.installing = sink.installer().and_then(InstallThread::start);
+        }
         let mut installed = 0;
         let mut ready = std::mem::take(&mut self.ready).into_iter().peekable();
         while ready.peek().is_some() {
@@ -264,7 +357,31 @@ impl TableStore {
                 bytes += table.byte_size();
                 batch.push((slot, table));
             }
-            installed += self.install_batch(batch, sink);
+            match &self.installing {
+                Some(thread) => {
+                    // Userspace finishes copies with them at once.
+                    for (slot, table) in &batch {
+                        if let Some(state) = self.states.get_mut(*slot as usize) {
+                            *state = TableState::Ready(Arc::clone(table));
+                        }
+                    }
+                    installed += batch.len();
+                    self.in_flight += batch.len();
+                    if let Err(mpsc::SendError(batch)) = thread.batches.send(batch) {
+                        self.in_flight -= batch.len();
+                        self.installing = None;
+                        self.install_batch(batch, sink);
+                    }
+                }
+                None => installed += self.install_batch(batch, sink),
+            }
+        }
+        if let Some(thread) = &self.installing {
+            let answers: Vec<_> = thread.answers.try_iter().collect();
+            for (slot, table, result) in answers {
+                self.in_flight = self.in_flight.saturating_sub(1);
+                self.installed(slot, table, result);
+            }
         }
         if !self.unregistered.is_empty() {
             for slot in std::mem::take(&mut self.unregistered) {
@@ -283,21 +400,27 @@ impl TableStore {
         drop(elements);
         let mut installed = 0;
         for ((slot, table), result) in batch.into_iter().zip(results) {
-            match result {
-                Ok(()) => {
-                    self.stats.bytes += table.byte_size() as u64;
-                    self.stats.rows += table.rows.len() as u64;
-                }
-                Err(e) => log::warn!("installing the unwind table in slot {slot}: {e:#}"),
-            }
-            // Userspace finishes copies with it either way.
-            if let Some(state) = self.states.get_mut(slot as usize) {
-                *state = TableState::Ready(table);
-            }
-            self.unregistered.push(slot);
+            self.installed(slot, table, result);
             installed += 1;
         }
         installed
+    }
+
+    /// Counts a table installed in the probes (or not), marks it ready and queues its
+    /// file's registration.
+    fn installed(&mut self, slot: Slot, table: Arc<Table>, result: anyhow::Result<()>) {
+        match result {
+            Ok(()) => {
+                self.stats.bytes += table.byte_size() as u64;
+                self.stats.rows += table.rows.len() as u64;
+            }
+            Err(e) => log::warn!("installing the unwind table in slot {slot}: {e:#}"),
+        }
+        // Userspace finishes copies with it either way.
+        if let Some(state) = self.states.get_mut(slot as usize) {
+            *state = TableState::Ready(table);
+        }
+        self.unregistered.push(slot);
     }
 
     /// Registers the file of `slot` with the probes: its identity, where its code lies,
@@ -362,9 +485,14 @@ impl TableStore {
 
 impl Drop for TableStore {
     fn drop(&mut self) {
-        // Closing the channel ends the workers once their current build is done; they are
+        // Closing the queue ends the workers once their current build is done; they are
         // not joined (a huge build must not delay the exit).
-        self.jobs = None;
+        let (lock, ready) = &*self.jobs;
+        if let Ok(mut q) = lock.lock() {
+            q.closed = true;
+            q.jobs.clear();
+        }
+        ready.notify_all();
         self.workers.clear();
     }
 }
@@ -441,6 +569,19 @@ mod tests {
         assert_eq!(store.stats().built, sink.0.len() as u64);
         let Some(TableState::Ready(table)) = store.state(slot) else { panic!("not ready") };
         assert!(table.rows.len() > 1000);
+    }
+
+    #[test]
+    fn the_newest_build_goes_first_and_a_build_waited_for_goes_before_it() {
+        let mut store = TableStore::new(None, 0, DEFAULT_MAX_BYTES);
+        let files = [std::env::current_exe().unwrap(), "/bin/true".into(), "/bin/sh".into()];
+        let slots: Vec<Slot> = files.iter().map(|f| store.request(f).unwrap().0).collect();
+        assert_eq!(store.queued(), [slots[2], slots[1], slots[0]]);
+        store.prioritize(slots[0]);
+        assert_eq!(store.queued(), [slots[0], slots[2], slots[1]]);
+        store.prioritize(slots[0]);
+        store.prioritize(99);
+        assert_eq!(store.queued(), [slots[0], slots[2], slots[1]], "nothing else moves");
     }
 
     #[test]
