@@ -369,6 +369,7 @@ fn finish(
         );
     }
     let unwind = tracer.unwind_stats().unwrap_or_default();
+    log::debug!("unwinder: {unwind:?}");
     let stats = Stats {
         lost_events: counters.lost_events,
         lost_events_per_cpu: counters.lost_events_per_cpu.clone(),
