@@ -113,7 +113,7 @@ impl Recorder {
             let started = std::time::Instant::now();
             let path = PathBuf::from(&m.path);
             let n = lookups.len();
-            let results = self.symbols.run(move |s| s.object(&path, &lookups)).unwrap_or_default();
+            let results = self.symbols.run(move |s| s.object_once(&path, &lookups)).unwrap_or_default();
             log::debug!("{}: {n} addresses symbolized in {} ms", m.path, started.elapsed().as_millis());
             for (offset, symbols) in offsets.iter().zip(results) {
                 if !symbols.is_empty() {
