@@ -98,6 +98,22 @@ pub fn comm(pid: u32, tid: u32) -> Option<String> {
         .map(|s| s.trim_end_matches('\n').to_string())
 }
 
+/// The kernel memory charged to the BPF maps this process holds descriptors of (the
+/// `memlock` of each in `/proc/self/fdinfo`).
+pub fn own_bpf_map_bytes() -> u64 {
+    let Ok(fds) = fs::read_dir("/proc/self/fd") else { return 0 };
+    fds.filter_map(|e| {
+        let e = e.ok()?;
+        let target = fs::read_link(e.path()).ok()?;
+        if target.as_os_str() != "anon_inode:bpf-map" {
+            return None;
+        }
+        let info = fs::read_to_string(Path::new("/proc/self/fdinfo").join(e.file_name())).ok()?;
+        info.lines().find_map(|l| l.strip_prefix("memlock:")?.trim().parse::<u64>().ok())
+    })
+    .sum()
+}
+
 pub fn exe(pid: u32) -> io::Result<PathBuf> {
     fs::read_link(format!("/proc/{pid}/exe"))
 }

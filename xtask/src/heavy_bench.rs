@@ -152,8 +152,8 @@ fn table(rows: &[Row], bare_s: f64, python: bool) -> String {
     let heaptrack_added = rows[1].wall_s - bare_s;
     let (py_head, py_rule) = if python { (" with a Python frame |", " ---: |") } else { ("", "") };
     let mut out = format!(
-        "| under | wall s | added / heaptrack's added | allocations counted | user stacks cut short |{py_head} lost events | copies | tool CPU s | tool peak RSS | file |\n\
-         | --- | ---: | ---: | ---: | ---: |{py_rule} ---: | ---: | ---: | ---: | ---: |\n"
+        "| under | wall s | added / heaptrack's added | allocations counted | user stacks cut short |{py_head} lost events | copies | tool CPU s | tool peak RSS | BPF maps | file |\n\
+         | --- | ---: | ---: | ---: | ---: |{py_rule} ---: | ---: | ---: | ---: | ---: | ---: |\n"
     );
     for r in rows {
         let ratio =
@@ -171,20 +171,21 @@ fn table(rows: &[Row], bare_s: f64, python: bool) -> String {
                 let share = if python { format!(" {:.1} % |", 100.0 * share) } else { String::new() };
                 let _ = writeln!(
                     out,
-                    "| {} | {:.2} | {ratio} | {allocs} | {cut} |{share} {} | {} | {:.1} | {:.0} MB | {file} |",
+                    "| {} | {:.2} | {ratio} | {allocs} | {cut} |{share} {} | {} | {:.1} | {:.0} MB | {:.0} MB | {file} |",
                     r.name,
                     r.wall_s,
                     j["lost_events"],
                     rec["unwind_copies"].as_u64().unwrap_or(0),
                     rec["cpu_ns"].as_u64().unwrap_or(0) as f64 / 1e9,
                     rec["peak_rss_bytes"].as_u64().unwrap_or(0) as f64 / 1e6,
+                    rec["bpf_map_bytes"].as_u64().unwrap_or(0) as f64 / 1e6,
                 );
             }
             None => {
                 let share = if python { " — |" } else { "" };
                 let _ = writeln!(
                     out,
-                    "| {} | {:.2} | {ratio} | {allocs} | — |{share} — | — | — | — | {file} |",
+                    "| {} | {:.2} | {ratio} | {allocs} | — |{share} — | — | — | — | — | {file} |",
                     r.name, r.wall_s
                 );
             }

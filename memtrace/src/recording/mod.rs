@@ -206,6 +206,9 @@ pub struct Stats {
     /// Bytes the probes sent through the rings, by kind of record.
     #[serde(default)]
     pub ring_bytes: RingBytes,
+    /// Kernel memory of the probes' maps at the end (rings, unwind tables, the rest).
+    #[serde(default)]
+    pub bpf_map_bytes: u64,
     /// The Python interpreters met, and whether their frames were walked.
     #[serde(default)]
     pub python: Vec<PythonMeta>,

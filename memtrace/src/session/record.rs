@@ -402,6 +402,9 @@ fn finish(
         unwind_cache_hits: counters.unwind_cache_hits,
         unwind_walks_reused: counters.unwind_reused,
         ring_bytes: tracer.ring_bytes,
+        // The maps this process holds (rings, outer arrays, the rest), and the unwind
+        // tables, which only their outer array holds.
+        bpf_map_bytes: crate::procfs::own_bpf_map_bytes() + unwind.tables.bytes,
         python: tracer.python_found(),
         allocators: tracer
             .allocators
