@@ -610,7 +610,10 @@ pub mod counter {
     /// User walks of kmem allocations not redone: an earlier allocation in the same
     /// syscall of the same task walked the same user stack.
     pub const UNWIND_REUSED: u32 = 12;
-    pub const COUNT: u32 = 13;
+    /// Returns of malloc-family calls the probes ran for (a uprobe session skips the return
+    /// of a call it does not record: an unsampled one, one the allocator makes to itself).
+    pub const USER_RETURNS: u32 = 13;
+    pub const COUNT: u32 = 14;
 }
 
 /// States of a tgid in the `TRACED` map.

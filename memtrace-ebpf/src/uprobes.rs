@@ -211,6 +211,7 @@ pub(crate) fn mimalloc_usable_size(ptr: u64) -> Option<u64> {
 }
 
 pub(crate) fn try_alloc_return(ctx: &RetProbeContext) -> Result<Next, ()> {
+    bump(counter::USER_RETURNS);
     let (id, tgid, tid) = pid_tgid();
     // SAFETY: copied out at once.
     let state = *unsafe { INFLIGHT.get(id) }.ok_or(())?;

@@ -151,3 +151,35 @@ fn no_probe_is_left_once_record_returns_on_either_path() {
         target.wait().unwrap();
     }
 }
+
+/// With uprobe sessions an unsampled call costs its entry probe only: the entry program
+/// tells the kernel to skip the return. The probes count the returns they run for.
+#[test]
+fn a_uprobe_session_skips_the_return_of_calls_it_does_not_record() {
+    require_root();
+    let _sharing = sharing_the_machine();
+    let dir = scratch("session-returns");
+    let returns = |env: Option<&str>| -> u64 {
+        let data = dir.join("r.data");
+        let mut cmd = memtrace();
+        if let Some(path) = env {
+            cmd.env(ATTACH_ENV, path);
+        }
+        // 20,000 malloc(32)+free pairs sampled at a mean of 1 GiB: almost none is sampled.
+        run(cmd
+            .args(["record", "-q", "--force", "--no-kernel", "--sample-bytes", "1g", "-o"])
+            .arg(&data)
+            .arg("--")
+            .arg(workload())
+            .args(["--loop", "20000"])
+            .stdout(Stdio::null()));
+        let report = report_json(&data, &[]);
+        report["recorder"]["user_returns"].as_u64().unwrap_or_else(|| panic!("{:#}", report["recorder"]))
+    };
+    let session = returns(None);
+    let multi = returns(Some("multi"));
+    // Without sessions every call's return runs; with them only those of the few calls
+    // recorded (sampled ones, and reallocs, which keep their state whatever the draw).
+    assert!(multi >= 20_000, "multi links: {multi} returns for 20,000 calls");
+    assert!(session < 1_000, "uprobe session: {session} returns for 20,000 unsampled calls");
+}

@@ -423,11 +423,14 @@ pub fn bench() -> Result<()> {
     let full = configs.iter().find(|c| c.name.starts_with("memtrace record (full")).unwrap();
     let fp = configs.iter().find(|c| c.name.contains("--call-graph fp")).unwrap();
     let nofp = configs.iter().find(|c| c.name.contains("without frame pointers")).unwrap();
+    let delta = full.median - fp.median;
     let _ = writeln!(
         table,
-        "\nDWARF unwinding adds {:.0} ns per traced allocation over the frame-pointer walk on the same \
+        "\nThe call-frame walk {} {:.0} ns per traced allocation {} the frame-pointer walk on the same \
          code ({:.0} vs {:.0} ns/pair, medians); on the build without frame pointers, {:.0} ns/pair.",
-        full.median - fp.median,
+        if delta >= 0.0 { "costs" } else { "saves" },
+        delta.abs(),
+        if delta >= 0.0 { "over" } else { "against" },
         full.median,
         fp.median,
         nofp.median

@@ -203,6 +203,10 @@ pub struct Stats {
     /// syscall of the same task had walked that user stack.
     #[serde(default)]
     pub unwind_walks_reused: u64,
+    /// Returns of malloc-family calls the return probes ran for (with uprobe sessions, only
+    /// those of calls recorded).
+    #[serde(default)]
+    pub user_returns: u64,
     /// Bytes the probes sent through the rings, by kind of record.
     #[serde(default)]
     pub ring_bytes: RingBytes,

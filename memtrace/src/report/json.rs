@@ -246,6 +246,7 @@ pub fn render_json(a: &Summary, opts: &ReportOptions) -> Result<String> {
             "unwind_frames": a.stats.unwind_frames,
             "unwind_cache_hits": a.stats.unwind_cache_hits,
             "unwind_walks_reused": a.stats.unwind_walks_reused,
+            "user_returns": a.stats.user_returns,
             "ring_bytes": a.stats.ring_bytes,
         },
         "stacks": a.coverage.iter().map(|(d, c)| (domain_name(*d), c)).collect::<BTreeMap<_, _>>(),

@@ -401,6 +401,7 @@ fn finish(
         unwind_frames: counters.unwind_frames,
         unwind_cache_hits: counters.unwind_cache_hits,
         unwind_walks_reused: counters.unwind_reused,
+        user_returns: counters.user_returns,
         ring_bytes: tracer.ring_bytes,
         // The maps this process holds (rings, outer arrays, the rest), and the unwind
         // tables, which only their outer array holds.
