@@ -312,7 +312,10 @@ pub(crate) fn append_stack_copy(scratch: &mut Scratch, off: usize) -> usize {
     let sp = scratch.miss.sp;
     let to_page_end = 4096 - (sp & 4095) as u32;
     let mut copied = 0u32;
-    for want in [UNWIND_COPY_BYTES as u32, to_page_end + 8192, to_page_end + 4096, to_page_end] {
+    // Every whole-page length the copy can have, longest first: the top of the stack (its
+    // outermost frames) lies in its last mapped page, which a shorter copy would miss.
+    const _: () = assert!(UNWIND_COPY_BYTES == 4 * 4096, "one length per page below");
+    for want in [UNWIND_COPY_BYTES as u32, to_page_end + 12288, to_page_end + 8192, to_page_end + 4096, to_page_end] {
         let want = want.min(UNWIND_COPY_BYTES as u32);
         // SAFETY: copy_off + UNWIND_COPY_BYTES <= STACK_RECORD_MAX; `want` is at most that.
         let ret = unsafe {
