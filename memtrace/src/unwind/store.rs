@@ -134,7 +134,13 @@ impl InstallThread {
             .name("memtrace-install".into())
             .spawn(move || {
                 // Ends when the store (the sender) is gone.
-                for batch in batch_rx {
+                while let Ok(mut batch) = batch_rx.recv() {
+                    // Every batch waiting joins this one: the installs of one call share
+                    // their grace periods, and batches installed one by one each waited
+                    // for their own (a cold start's small libraries queued here ~60 ms).
+                    while let Ok(more) = batch_rx.try_recv() {
+                        batch.extend(more);
+                    }
                     let elements: Vec<(Slot, Vec<u64>)> = batch.iter().map(|(slot, t)| (*slot, t.elements())).collect();
                     let results = install(&elements);
                     drop(elements);
@@ -166,6 +172,8 @@ pub struct TableStore {
     pending_builds: usize,
     /// The install thread, once a sink offered one, and the tables it holds.
     installing: Option<InstallThread>,
+    /// When each slot's table was asked for.
+    asked: Vec<Instant>,
     in_flight: usize,
     stats: StoreStats,
     max_bytes: u64,
@@ -217,6 +225,7 @@ impl TableStore {
             unregistered: Vec::new(),
             pending_builds: 0,
             installing: None,
+            asked: Vec::new(),
             in_flight: 0,
             stats: StoreStats::default(),
             max_bytes,
@@ -255,6 +264,7 @@ impl TableStore {
         let slot = self.states.len() as Slot;
         self.states.push(TableState::Building);
         self.paths.push(path.to_path_buf());
+        self.asked.push(Instant::now());
         self.slots.insert(key.clone(), slot);
         self.pending_builds += 1;
         let (lock, ready) = &*self.jobs;
@@ -461,6 +471,11 @@ impl TableStore {
                 }
             }
         }
+        log::debug!(
+            "unwind table of {} in the probes {} ms after it was asked for",
+            path.display(),
+            self.asked.get(slot as usize).map_or(0, |t| t.elapsed().as_millis())
+        );
         if let Err(e) = sink.register_file(id, entry) {
             log::debug!("registering the unwind table of {}: {e:#}", path.display());
         }
