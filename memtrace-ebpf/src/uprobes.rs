@@ -332,15 +332,17 @@ pub(crate) fn try_free_enter(ctx: &ProbeContext) -> Result<(), ()> {
         return Ok(());
     }
     let (id, tgid, tid) = pid_tgid();
-    if !is_traced(tgid) {
-        return Ok(());
-    }
     // SAFETY: the helper only reads the attach cookie.
     let kind = unsafe { generated::bpf_get_attach_cookie(ctx.as_ptr()) } as u8;
     let sampled_heap = config!(sample_bytes) != 0 && kind == Kind::Free as u8;
-    // Sampled mode: only the frees of sampled blocks matter (most frees stop here).
+    // Sampled mode: only the frees of sampled blocks matter (most frees stop here, before
+    // the traced-set lookup: a block of this process in the sampled set was allocated
+    // while it was traced).
     // SAFETY: plain byte value.
     if sampled_heap && unsafe { SAMPLED_LIVE.get(sampled_key(tgid, ptr)) }.is_none() {
+        return Ok(());
+    }
+    if !is_traced(tgid) {
         return Ok(());
     }
     // SAFETY: copied out at once.
