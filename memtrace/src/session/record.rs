@@ -56,7 +56,13 @@ fn self_usage() -> (u64, u64) {
     // SAFETY: as above; RUSAGE_SELF is always valid.
     unsafe { libc::getrusage(libc::RUSAGE_SELF, &mut ru) };
     let tv = |t: libc::timeval| t.tv_sec as u64 * 1_000_000_000 + t.tv_usec as u64 * 1000;
-    (tv(ru.ru_utime) + tv(ru.ru_stime), ru.ru_maxrss as u64 * 1024)
+    // The peak of this program's own memory: `VmHWM`, which starts afresh at exec, where
+    // `ru_maxrss` keeps the peak of whatever ran in the process before (the parent that
+    // forked it: a script, a bench harness holding reports).
+    let hwm = std::fs::read_to_string("/proc/self/status").ok().and_then(|s| {
+        s.lines().find_map(|l| l.strip_prefix("VmHWM:")?.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+    });
+    (tv(ru.ru_utime) + tv(ru.ru_stime), hwm.map_or(ru.ru_maxrss as u64, |kb| kb) * 1024)
 }
 
 fn read_trimmed(path: &str) -> String {
