@@ -21,7 +21,7 @@ use crate::{
     finish::{Half, Next, finish_user_alloc, pend_user_alloc},
     maps::{GPU_INFLIGHT, GpuInFlight},
     ring::bump,
-    uprobes::{is_session_return, length_in_pages, send_free},
+    uprobes::{length_in_pages, run_session, send_free},
 };
 
 /// `CU_MEM_LOCATION_TYPE_DEVICE`.
@@ -38,18 +38,7 @@ pub fn gpu_enter(ctx: ProbeContext) -> u32 {
 #[unsafe(no_mangle)]
 #[unsafe(link_section = "uprobe")]
 pub fn gpu_session(ctx: *mut core::ffi::c_void) -> u32 {
-    let ctx = ProbeContext::new(ctx);
-    if is_session_return(&ctx) {
-        let ret = RetProbeContext::new(ctx.as_ptr());
-        if try_gpu_return(&ret) == Ok(Next::Finish) {
-            finish_user_alloc(&ret, Half::Session);
-        }
-        return 0;
-    }
-    match try_gpu_enter(&ctx) {
-        Ok(true) => 0,
-        _ => 1,
-    }
+    run_session(ctx, try_gpu_enter, try_gpu_return)
 }
 
 /// Keeps the call's arguments for its return; whether the return needs to run.

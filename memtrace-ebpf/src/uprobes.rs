@@ -43,15 +43,26 @@ pub fn alloc_enter(ctx: ProbeContext) -> u32 {
 #[unsafe(no_mangle)]
 #[unsafe(link_section = "uprobe")]
 pub fn alloc_session(ctx: *mut core::ffi::c_void) -> u32 {
+    run_session(ctx, |c| try_alloc_enter(c, true), try_alloc_return)
+}
+
+/// The body of a uprobe session program: at the return, `ret` and the second half; at the
+/// entry, `enter`, whose answer (whether the return needs to run) becomes the program's.
+#[inline(always)]
+pub(crate) fn run_session(
+    ctx: *mut core::ffi::c_void,
+    enter: impl FnOnce(&ProbeContext) -> Result<bool, ()>,
+    ret: impl FnOnce(&RetProbeContext) -> Result<Next, ()>,
+) -> u32 {
     let ctx = ProbeContext::new(ctx);
     if is_session_return(&ctx) {
-        let ret = RetProbeContext::new(ctx.as_ptr());
-        if try_alloc_return(&ret) == Ok(Next::Finish) {
-            finish_user_alloc(&ret, Half::Session);
+        let at_return = RetProbeContext::new(ctx.as_ptr());
+        if ret(&at_return) == Ok(Next::Finish) {
+            finish_user_alloc(&at_return, Half::Session);
         }
         return 0;
     }
-    match try_alloc_enter(&ctx, true) {
+    match enter(&ctx) {
         Ok(true) => 0,
         _ => 1,
     }
@@ -62,7 +73,7 @@ pub fn alloc_session(ctx: *mut core::ffi::c_void) -> u32 {
 /// address (a call's return address is never the probed instruction of the function it
 /// called).
 #[inline(always)]
-pub(crate) fn is_session_return(ctx: &ProbeContext) -> bool {
+fn is_session_return(ctx: &ProbeContext) -> bool {
     // SAFETY: the helper reads the probed address from this program's run context.
     let probed = unsafe { generated::bpf_get_func_ip(ctx.as_ptr()) };
     // SAFETY: ctx is this probe's pt_regs.
