@@ -32,6 +32,31 @@ pub fn put_bytes(out: &mut Vec<u8>, b: &[u8]) {
     out.extend_from_slice(b);
 }
 
+/// A chunk payload made of streams, and where each stream ends in it (the writer ends a
+/// deflate block there, so each stream gets codes of its own).
+#[derive(Debug, Default)]
+pub struct Streams {
+    pub bytes: Vec<u8>,
+    pub ends: Vec<usize>,
+}
+
+impl Streams {
+    /// `head`, the lengths of `streams` (varints), then the streams, which are emptied.
+    pub fn join(head: &[u8], streams: &mut [Vec<u8>]) -> Self {
+        let mut bytes = Vec::with_capacity(head.len() + streams.iter().map(|s| s.len() + 4).sum::<usize>());
+        bytes.extend_from_slice(head);
+        for s in streams.iter() {
+            put_varint(&mut bytes, s.len() as u64);
+        }
+        let mut ends = Vec::with_capacity(streams.len());
+        for s in streams.iter_mut() {
+            bytes.append(s);
+            ends.push(bytes.len());
+        }
+        Self { bytes, ends }
+    }
+}
+
 /// Reads from a chunk's payload; `base` is the payload's offset in the file, for errors.
 pub struct Cursor<'a> {
     data: &'a [u8],

@@ -11,10 +11,11 @@
 //! as stored, so damage is found before anything is inflated.
 //! Integers inside chunks are LEB128 varints (zigzag for signed deltas), whatever the
 //! recording machine's byte order. Chunks: `Meta` (JSON, first), `Events` (time-ordered,
-//! field by field, delta-encoded, each chunk decodable on its own: `events`), `Stacks` (a
-//! tree of frames per chunk: `stacks`) and `Modules` (definitions that events and stacks
-//! refer to by id), `Symbols` (frames symbolized while the processes
-//! lived, so reports work offline and elsewhere), `Stats` (JSON counters; the last one
+//! field by field, delta-encoded, addresses by reference to the chunk's earlier events,
+//! each chunk decodable on its own: `events`), `Stacks` (a tree of frames per chunk, field
+//! by field: `stacks`) and `Modules` (definitions that events and stacks refer to by id),
+//! `Symbols` (frames symbolized while the processes lived, so reports work offline and
+//! elsewhere: `symbols`), `Stats` (JSON counters; the last one
 //! wins) and `End` (the file was finalized). A reader stops at the first incomplete or
 //! corrupt chunk and keeps everything before it, so a crashed recorder leaves a readable
 //! file.
@@ -23,6 +24,7 @@ mod events;
 mod events_rows;
 mod reader;
 mod stacks;
+mod symbols;
 mod writer;
 
 use std::collections::BTreeMap;
@@ -34,8 +36,9 @@ pub use writer::Writer;
 
 pub const MAGIC: &[u8; 8] = b"MEMTRACE";
 /// 3: chunks may be deflated ([`COMPRESSED`]). 4: events field by field, timestamps to a
-/// resolution, stacks as a tree of frames. Versions 2 and 3 are read as ever.
-pub const VERSION: u16 = 4;
+/// resolution, stacks as a tree of frames. 5: addresses by reference to the chunk's earlier
+/// allocations and frees, stacks field by field. Versions 2 to 4 are read as ever.
+pub const VERSION: u16 = 5;
 pub const HEADER_LEN: usize = 16;
 pub const CLOCK_MONOTONIC: u8 = 1;
 /// Chunks larger than this (stored or inflated) are treated as corruption.

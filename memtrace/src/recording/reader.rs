@@ -8,8 +8,8 @@ use std::{
 use flate2::read::DeflateDecoder;
 
 use super::{
-    COMPRESSED, ChunkKind, FileFrame, FileStack, FormatError, HEADER_LEN, MAGIC, MAX_CHUNK, Meta, Module, Recording,
-    Stats, Symbol, SymbolKey, VERSION, codec::Cursor, events::decode_chunk, events_rows::decode_rows, stacks,
+    COMPRESSED, ChunkKind, FileStack, FormatError, HEADER_LEN, MAGIC, MAX_CHUNK, Meta, Module, Recording, Stats,
+    Symbol, SymbolKey, VERSION, codec::Cursor, events::decode_chunk, events_rows::decode_rows, stacks, symbols,
 };
 use crate::event::Event;
 
@@ -134,10 +134,12 @@ impl<R: Read> Reader<R> {
                 return Err(FormatError::Corrupt { offset, reason: "second metadata chunk".into() });
             }
             ChunkKind::Events => Chunk::Events { payload, offset, version: self.version },
-            ChunkKind::Stacks if self.version >= 4 => Chunk::Stacks(stacks::parse_tree(&payload, offset)?),
+            ChunkKind::Stacks if self.version >= 5 => Chunk::Stacks(stacks::parse_columns(&payload, offset)?),
+            ChunkKind::Stacks if self.version == 4 => Chunk::Stacks(stacks::parse_tree(&payload, offset)?),
             ChunkKind::Stacks => Chunk::Stacks(stacks::parse_flat(&payload, offset)?),
             ChunkKind::Modules => Chunk::Modules(parse_modules(&payload, offset)?),
-            ChunkKind::Symbols => Chunk::Symbols(parse_symbols(&payload, offset)?),
+            ChunkKind::Symbols if self.version >= 5 => Chunk::Symbols(symbols::parse_columns(&payload, offset)?),
+            ChunkKind::Symbols => Chunk::Symbols(symbols::parse_rows(&payload, offset)?),
             ChunkKind::Stats => Chunk::Stats(Box::new(
                 serde_json::from_slice(&payload)
                     .map_err(|e| FormatError::Corrupt { offset, reason: format!("stats: {e}") })?,
@@ -155,7 +157,7 @@ pub fn decode_events(
     version: u16,
     sink: &mut dyn FnMut(Event),
 ) -> Result<u32, FormatError> {
-    if version >= 4 { decode_chunk(payload, offset, sink) } else { decode_rows(payload, offset, sink) }
+    if version >= 4 { decode_chunk(payload, offset, version, sink) } else { decode_rows(payload, offset, sink) }
 }
 
 /// The payload of a deflated chunk (stored at `offset`): exactly the length it announces,
@@ -184,32 +186,6 @@ fn parse_modules(payload: &[u8], offset: u64) -> Result<Vec<Module>, FormatError
     let mut out = Vec::new();
     while !c.is_empty() {
         out.push(Module { id: c.varint_u32()?, build_id: c.bytes()?.to_vec(), path: c.string()? });
-    }
-    Ok(out)
-}
-
-fn parse_symbols(payload: &[u8], offset: u64) -> Result<Vec<(SymbolKey, Vec<Symbol>)>, FormatError> {
-    let mut c = Cursor::new(payload, offset);
-    let mut out = Vec::new();
-    while !c.is_empty() {
-        let key = match c.u8()? {
-            0 => SymbolKey::Kernel(c.varint()?),
-            1 => SymbolKey::User(FileFrame::Module { module: c.varint_u32()?, offset: c.varint()? }),
-            2 => SymbolKey::User(FileFrame::Address(c.varint()?)),
-            other => {
-                return Err(FormatError::Corrupt { offset, reason: format!("symbol key type {other}") });
-            }
-        };
-        let n = c.len(3)?;
-        let mut symbols = Vec::with_capacity(n);
-        for _ in 0..n {
-            let name = c.string()?;
-            let bits = c.u8()?;
-            let file = if bits & 2 != 0 { Some(c.string()?) } else { None };
-            let line = c.varint_u32()?;
-            symbols.push(Symbol { name, file, line, inlined: bits & 1 != 0 });
-        }
-        out.push((key, symbols));
     }
     Ok(out)
 }

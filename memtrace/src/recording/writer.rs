@@ -6,10 +6,11 @@ use std::io::{self, Write};
 use flate2::{Compression, write::DeflateEncoder};
 
 use super::{
-    COMPRESSED, ChunkKind, FileFrame, FileStack, HEADER_LEN, MAGIC, Meta, Module, Stats, Symbol, SymbolKey, VERSION,
+    COMPRESSED, ChunkKind, FileStack, HEADER_LEN, MAGIC, Meta, Module, Stats, Symbol, SymbolKey, VERSION,
     codec::{put_bytes, put_str, put_varint},
     events::EventEncoder,
     stacks::StackEncoder,
+    symbols::SymbolEncoder,
 };
 use crate::event::Event;
 
@@ -17,20 +18,28 @@ use crate::event::Event;
 const EVENTS_CHUNK_BYTES: usize = 256 << 10;
 /// Payloads shorter than this are stored as they are.
 const DEFLATE_FROM_BYTES: usize = 256;
-/// zlib's level 6: on the heavy Python bench's recording, events and stacks deflate to
+/// zlib's level 6: on the heavy Python bench's recording (format 4), events and stacks deflate to
 /// 27 % less than at level 1 (1.64 MB against 2.2 MB) for ~60 ms more over the whole run;
 /// level 9 saves 2 % more for 2.5× the time.
 const DEFLATE_LEVEL: u32 = 6;
 
-/// `payload` deflated behind its length, when that is smaller.
-fn deflated(payload: &[u8]) -> Option<Vec<u8>> {
+/// `payload` deflated behind its length, when that is smaller. A deflate block ends at each
+/// of `ends` (a sync flush), so each stream of a chunk gets Huffman codes of its own: 3 %
+/// smaller than letting deflate place its blocks where its buffer fills.
+fn deflated(payload: &[u8], ends: &[usize]) -> Option<Vec<u8>> {
     if payload.len() < DEFLATE_FROM_BYTES {
         return None;
     }
     let mut out = Vec::with_capacity(payload.len() / 3);
     put_varint(&mut out, payload.len() as u64);
     let mut encoder = DeflateEncoder::new(out, Compression::new(DEFLATE_LEVEL));
-    encoder.write_all(payload).ok()?;
+    let mut start = 0;
+    for &end in ends.iter().filter(|&&e| e <= payload.len()) {
+        encoder.write_all(&payload[start..end]).ok()?;
+        encoder.flush().ok()?;
+        start = end;
+    }
+    encoder.write_all(&payload[start..]).ok()?;
     let out = encoder.finish().ok()?;
     (out.len() < payload.len()).then_some(out)
 }
@@ -40,7 +49,7 @@ pub struct Writer<W: Write> {
     events: EventEncoder,
     modules: Vec<u8>,
     stacks: StackEncoder,
-    symbols: Vec<u8>,
+    symbols: SymbolEncoder,
     bytes_written: u64,
     events_written: u64,
 }
@@ -60,19 +69,20 @@ impl<W: Write> Writer<W> {
             events: EventEncoder::new(meta.time_resolution_ns),
             modules: Vec::new(),
             stacks: StackEncoder::default(),
-            symbols: Vec::new(),
+            symbols: SymbolEncoder::default(),
             bytes_written: HEADER_LEN as u64,
             events_written: 0,
         };
         let json = serde_json::to_vec(meta).map_err(io::Error::other)?;
-        writer.chunk(ChunkKind::Meta, &json)?;
+        writer.chunk(ChunkKind::Meta, &json, &[])?;
         writer.out.flush()?;
         Ok(writer)
     }
 
-    fn chunk(&mut self, kind: ChunkKind, payload: &[u8]) -> io::Result<()> {
+    /// Writes a chunk; `ends`: where the streams of its payload end.
+    fn chunk(&mut self, kind: ChunkKind, payload: &[u8], ends: &[usize]) -> io::Result<()> {
         let packed = match kind {
-            ChunkKind::Events | ChunkKind::Stacks | ChunkKind::Modules | ChunkKind::Symbols => deflated(payload),
+            ChunkKind::Events | ChunkKind::Stacks | ChunkKind::Modules | ChunkKind::Symbols => deflated(payload, ends),
             ChunkKind::Meta | ChunkKind::Stats | ChunkKind::End => None,
         };
         let (kind, payload) = match &packed {
@@ -117,49 +127,23 @@ impl<W: Write> Writer<W> {
     }
 
     pub fn symbol(&mut self, key: SymbolKey, symbols: &[Symbol]) {
-        let out = &mut self.symbols;
-        match key {
-            SymbolKey::Kernel(addr) => {
-                out.push(0);
-                put_varint(out, addr);
-            }
-            SymbolKey::User(FileFrame::Module { module, offset }) => {
-                out.push(1);
-                put_varint(out, u64::from(module));
-                put_varint(out, offset);
-            }
-            SymbolKey::User(FileFrame::Address(ip)) => {
-                out.push(2);
-                put_varint(out, ip);
-            }
-        }
-        put_varint(out, symbols.len() as u64);
-        for s in symbols {
-            put_str(out, &s.name);
-            out.push(u8::from(s.inlined) | (u8::from(s.file.is_some()) << 1));
-            if let Some(file) = &s.file {
-                put_str(out, file);
-            }
-            put_varint(out, u64::from(s.line));
-        }
+        self.symbols.push(key, symbols);
     }
 
     /// Writes pending definitions, then pending events, and flushes the output.
     pub fn flush(&mut self) -> io::Result<()> {
-        for (kind, which) in [(ChunkKind::Modules, 0), (ChunkKind::Stacks, 1), (ChunkKind::Symbols, 2)] {
-            let buf = match which {
-                0 => std::mem::take(&mut self.modules),
-                1 => self.stacks.take(),
-                _ => std::mem::take(&mut self.symbols),
-            };
-            if !buf.is_empty() {
-                self.chunk(kind, &buf)?;
+        if !self.modules.is_empty() {
+            let modules = std::mem::take(&mut self.modules);
+            self.chunk(ChunkKind::Modules, &modules, &[])?;
+        }
+        for (kind, streams) in [(ChunkKind::Stacks, self.stacks.take()), (ChunkKind::Symbols, self.symbols.take())] {
+            if !streams.bytes.is_empty() {
+                self.chunk(kind, &streams.bytes, &streams.ends)?;
             }
         }
         if !self.events.is_empty() {
-            let payload = self.events.payload();
-            self.events.clear();
-            self.chunk(ChunkKind::Events, &payload)?;
+            let streams = self.events.take();
+            self.chunk(ChunkKind::Events, &streams.bytes, &streams.ends)?;
         }
         self.out.flush()
     }
@@ -167,7 +151,7 @@ impl<W: Write> Writer<W> {
     pub fn stats(&mut self, stats: &Stats) -> io::Result<()> {
         self.flush()?;
         let json = serde_json::to_vec(stats).map_err(io::Error::other)?;
-        self.chunk(ChunkKind::Stats, &json)?;
+        self.chunk(ChunkKind::Stats, &json, &[])?;
         self.out.flush()
     }
 
@@ -180,7 +164,7 @@ impl<W: Write> Writer<W> {
     /// Writes everything pending, the final stats and the `End` marker.
     pub fn finish(mut self, stats: &Stats) -> io::Result<W> {
         self.stats(stats)?;
-        self.chunk(ChunkKind::End, &[])?;
+        self.chunk(ChunkKind::End, &[], &[])?;
         self.out.flush()?;
         Ok(self.out)
     }
