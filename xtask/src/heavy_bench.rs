@@ -177,7 +177,7 @@ fn table(rows: &[Row], bare_s: f64, python: bool) -> String {
         let ratio =
             if r.name == "bare" { "—".to_string() } else { format!("{:.2}", (r.wall_s - bare_s) / heaptrack_added) };
         let allocs = r.allocs.map_or("—".to_string(), |a| a.to_string());
-        let file = if r.file_bytes > 0 { format!("{:.1} MB", r.file_bytes as f64 / 1e6) } else { "—".into() };
+        let file = if r.file_bytes > 0 { format!("{:.2} MB", r.file_bytes as f64 / 1e6) } else { "—".into() };
         match &r.report {
             Some(j) => {
                 let stacks = &j["stacks"]["user"];
