@@ -39,10 +39,22 @@ pub fn alloc_enter(ctx: ProbeContext) -> u32 {
 /// returned 0, again at the return. Which run this is: at the entry the instruction
 /// pointer is the probed address (`bpf_get_func_ip`), at the return it is the caller's
 /// return address. Returning 1 from the entry skips the return. (Written without aya's
-/// `#[uprobe]`, whose wrapper returns 0 whatever the program answers.)
+/// `#[uprobe]`, whose wrapper returns 0 whatever the program answers.) The freeing
+/// functions of the same file are on the same link, their cookie's kind a free: one link
+/// per file instead of two, so attaching and detaching wait for half the grace periods;
+/// their entry never asks for the return.
 #[unsafe(no_mangle)]
 #[unsafe(link_section = "uprobe")]
 pub fn alloc_session(ctx: *mut core::ffi::c_void) -> u32 {
+    // A free first, by its cookie: it only ever has an entry run, so it skips the test of
+    // which run this is.
+    let probe = ProbeContext::new(ctx);
+    // SAFETY: the helper only reads the attach cookie of this program's link.
+    let kind = unsafe { generated::bpf_get_attach_cookie(probe.as_ptr()) } as u8;
+    if kind == Kind::Free as u8 || kind == Kind::Munmap as u8 {
+        let _ = try_free(&probe, kind);
+        return 1;
+    }
     run_session(ctx, |c| try_alloc_enter(c, true), try_alloc_return)
 }
 
@@ -338,13 +350,19 @@ pub fn free_enter(ctx: ProbeContext) -> u32 {
 }
 
 pub(crate) fn try_free_enter(ctx: &ProbeContext) -> Result<(), ()> {
+    // SAFETY: the helper only reads the attach cookie.
+    let kind = unsafe { generated::bpf_get_attach_cookie(ctx.as_ptr()) } as u8;
+    try_free(ctx, kind)
+}
+
+/// A freeing call of `kind` (free or an unmapping).
+#[inline(always)]
+fn try_free(ctx: &ProbeContext, kind: u8) -> Result<(), ()> {
     let ptr: u64 = ctx.arg(0).ok_or(())?;
     if ptr == 0 {
         return Ok(());
     }
     let (id, tgid, tid) = pid_tgid();
-    // SAFETY: the helper only reads the attach cookie.
-    let kind = unsafe { generated::bpf_get_attach_cookie(ctx.as_ptr()) } as u8;
     let sampled_heap = config!(sample_bytes) != 0 && kind == Kind::Free as u8;
     // Sampled mode: only the frees of sampled blocks matter (most frees stop here, before
     // the traced-set lookup: a block of this process in the sampled set was allocated

@@ -42,7 +42,7 @@ fn both_attach_paths_count_every_allocation_exactly() {
     let dir = scratch("attach-paths");
     // This kernel (6.18) has uprobe sessions (6.13): the default path uses them.
     let paths = [
-        ("session", None, "uprobes attach through uprobe_multi links, a uprobe session for the allocating functions"),
+        ("session", None, "uprobes attach through uprobe_multi links, one uprobe session link per file"),
         ("multi", Some("multi"), "uprobes attach through uprobe_multi links\n"),
         ("perf", Some("perf"), "uprobes attach through one perf event per probe"),
     ];

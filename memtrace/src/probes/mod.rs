@@ -403,8 +403,9 @@ impl Probes {
         kept
     }
 
-    /// One link per program and file: the entry and return programs (or the session
-    /// program) at every allocating function, the free program at every freeing one.
+    /// One link per program and file: the entry and return programs at every allocating
+    /// function, the free program at every freeing one; or the session program at both
+    /// (it tells a free by its cookie's kind).
     fn attach_allocator_multi(&mut self, allocator: &Allocator, pid: Option<u32>) -> Result<()> {
         let flags = cookie_flags(allocator);
         let mut by_file: std::collections::BTreeMap<&std::path::Path, [Vec<(u64, u64)>; 2]> = Default::default();
@@ -413,8 +414,14 @@ impl Probes {
             by_file.entry(&point.path).or_default()[frees]
                 .push((point.offset + point.probe_offset, point.kind as u64 | flags));
         }
+        if self.attach_path == AttachPath::Session {
+            for points in by_file.values_mut() {
+                let frees = std::mem::take(&mut points[1]);
+                points[0].extend(frees);
+            }
+        }
         let links: &[(&'static str, usize, LinkKind)] = if self.attach_path == AttachPath::Session {
-            &[("alloc_session", 0, LinkKind::Session), ("free_enter", 1, LinkKind::Entry)]
+            &[("alloc_session", 0, LinkKind::Session)]
         } else {
             &[
                 ("alloc_enter", 0, LinkKind::Entry),

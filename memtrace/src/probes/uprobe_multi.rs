@@ -92,7 +92,7 @@ impl AttachPath {
 
     pub fn name(self) -> &'static str {
         match self {
-            Self::Session => "uprobe_multi links, a uprobe session for the allocating functions",
+            Self::Session => "uprobe_multi links, one uprobe session link per file",
             Self::Multi => "uprobe_multi links",
             Self::PerfEvents => "one perf event per probe",
         }

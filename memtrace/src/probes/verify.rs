@@ -77,8 +77,8 @@ impl Probes {
         if plan.allocators {
             if self.attach_path == AttachPath::Session {
                 // The session programs replace the entry and return programs (and their
-                // second half).
-                names.extend(["free_enter", "gpu_free"]);
+                // second half); `alloc_session` also takes the frees.
+                names.push("gpu_free");
                 names.extend(SESSION_PROGRAMS.iter().filter(|&&n| n != SESSION_FINISH.0 || self.user_stacks));
             } else {
                 names.extend(ALLOCATOR_PROGRAMS.iter().filter(|&&n| n != USER_FINISH.0 || self.user_stacks));
