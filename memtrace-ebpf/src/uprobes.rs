@@ -30,7 +30,9 @@ use crate::{
 
 #[uprobe]
 pub fn alloc_enter(ctx: ProbeContext) -> u32 {
-    let _ = try_alloc_enter(&ctx, false);
+    // SAFETY: the helper only reads the attach cookie of this program's link.
+    let cookie = unsafe { generated::bpf_get_attach_cookie(ctx.as_ptr()) };
+    let _ = try_alloc_enter(&ctx, cookie, false);
     0
 }
 
@@ -50,12 +52,13 @@ pub fn alloc_session(ctx: *mut core::ffi::c_void) -> u32 {
     // which run this is.
     let probe = ProbeContext::new(ctx);
     // SAFETY: the helper only reads the attach cookie of this program's link.
-    let kind = unsafe { generated::bpf_get_attach_cookie(probe.as_ptr()) } as u8;
+    let cookie = unsafe { generated::bpf_get_attach_cookie(probe.as_ptr()) };
+    let kind = cookie as u8;
     if kind == Kind::Free as u8 || kind == Kind::Munmap as u8 {
         let _ = try_free(&probe, kind);
         return 1;
     }
-    run_session(ctx, |c| try_alloc_enter(c, true), try_alloc_return)
+    run_session(ctx, |c| try_alloc_enter(c, cookie, true), try_alloc_return)
 }
 
 /// The body of a uprobe session program: at the return, `ret` and the second half; at the
@@ -97,13 +100,12 @@ fn is_session_return(ctx: &ProbeContext) -> bool {
 /// `INFLIGHT` for the return. Whether the return needs to run (`session`: the entry of
 /// [`alloc_session`], where calls the allocator makes to itself get no return to count
 /// down a depth with, and are left alone).
-pub(crate) fn try_alloc_enter(ctx: &ProbeContext, session: bool) -> Result<bool, ()> {
+/// An allocating call's entry; `cookie`: its link's attach cookie (kind, allocator, flags).
+pub(crate) fn try_alloc_enter(ctx: &ProbeContext, cookie: u64, session: bool) -> Result<bool, ()> {
     let (id, tgid, _) = pid_tgid();
     if !is_traced(tgid) {
         return Ok(false);
     }
-    // SAFETY: the helper only reads the attach cookie of this program's link.
-    let cookie = unsafe { generated::bpf_get_attach_cookie(ctx.as_ptr()) };
     let kind = cookie as u8;
     let glibc = if cookie & memtrace_common::cookie::GLIBC != 0 { inflight::GLIBC } else { 0 }
         | if cookie & memtrace_common::cookie::MIMALLOC != 0 { inflight::MIMALLOC } else { 0 };

@@ -156,6 +156,23 @@ impl<'a> Cursor<'a> {
     pub fn string(&mut self) -> Result<String, FormatError> {
         Ok(String::from_utf8_lossy(self.bytes()?).into_owned())
     }
+
+    /// The `N` streams of the rest of a payload [`Streams::join`] made: their lengths
+    /// (varints), then the streams, which must end the payload.
+    pub fn streams<const N: usize>(mut self) -> Result<[Cursor<'a>; N], FormatError> {
+        let mut lens = [0usize; N];
+        for len in &mut lens {
+            *len = self.len(1)?;
+        }
+        let mut streams: [Cursor<'a>; N] = std::array::from_fn(|_| Cursor::new(&[], self.base));
+        for (stream, &len) in streams.iter_mut().zip(&lens) {
+            *stream = Cursor::new(self.take(len)?, self.base);
+        }
+        if !self.is_empty() {
+            return Err(self.error("bytes after the last stream"));
+        }
+        Ok(streams)
+    }
 }
 
 #[cfg(test)]

@@ -596,19 +596,9 @@ pub fn decode_chunk(payload: &[u8], base: u64, version: u16, sink: &mut dyn FnMu
     if resolution == 0 || resolution > 1_000_000_000 {
         return Err(corrupt("time resolution out of range"));
     }
-    let mut lens = [0usize; STREAMS];
-    for len in &mut lens {
-        *len = head.len(1)?;
-    }
-    let mut streams: [Cursor<'_>; STREAMS] = std::array::from_fn(|_| Cursor::new(&[], base));
-    for (stream, &len) in streams.iter_mut().zip(&lens) {
-        *stream = Cursor::new(head.take(len)?, base);
-    }
-    if !head.is_empty() {
-        return Err(corrupt("bytes after the last stream"));
-    }
+    let mut streams: [Cursor<'_>; STREAMS] = head.streams()?;
     // Each event takes at least its tag byte: a count beyond that is corrupt.
-    if count as usize > lens[TAGS] {
+    if count as usize > streams[TAGS].rest().len() {
         return Err(corrupt("more events than tags"));
     }
     let mut st = DecodeState::new(version >= 5);

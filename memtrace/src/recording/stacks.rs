@@ -217,18 +217,7 @@ impl StackEncoder {
 
 /// Decodes a version-5 `Stacks` chunk.
 pub fn parse_columns(payload: &[u8], offset: u64) -> Result<Vec<FileStack>, FormatError> {
-    let mut head = Cursor::new(payload, offset);
-    let mut lens = [0usize; STREAMS];
-    for len in &mut lens {
-        *len = head.len(1)?;
-    }
-    let mut st: [Cursor<'_>; STREAMS] = std::array::from_fn(|_| Cursor::new(&[], offset));
-    for (stream, &len) in st.iter_mut().zip(&lens) {
-        *stream = Cursor::new(head.take(len)?, offset);
-    }
-    if !head.is_empty() {
-        return Err(head.error("bytes after the last stream"));
-    }
+    let mut st: [Cursor<'_>; STREAMS] = Cursor::new(payload, offset).streams()?;
     let mut nodes = Nodes::default();
     let mut siblings = Siblings::default();
     // The nodes of the previous stack, outermost first.
@@ -281,7 +270,7 @@ pub fn parse_columns(payload: &[u8], offset: u64) -> Result<Vec<FileStack>, Form
         out.push(nodes.stack(node, id, pid, truncated));
     }
     if st.iter().any(|c| !c.is_empty()) {
-        return Err(head.error("bytes after the last stack"));
+        return Err(st[HEADS].error("bytes after the last stack"));
     }
     Ok(out)
 }

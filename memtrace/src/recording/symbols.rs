@@ -101,18 +101,7 @@ impl SymbolEncoder {
 
 /// Decodes a version-5 `Symbols` chunk.
 pub fn parse_columns(payload: &[u8], offset: u64) -> Result<Vec<(SymbolKey, Vec<Symbol>)>, FormatError> {
-    let mut head = Cursor::new(payload, offset);
-    let mut lens = [0usize; STREAMS];
-    for len in &mut lens {
-        *len = head.len(1)?;
-    }
-    let mut st: [Cursor<'_>; STREAMS] = std::array::from_fn(|_| Cursor::new(&[], offset));
-    for (stream, &len) in st.iter_mut().zip(&lens) {
-        *stream = Cursor::new(head.take(len)?, offset);
-    }
-    if !head.is_empty() {
-        return Err(head.error("bytes after the last stream"));
-    }
+    let mut st: [Cursor<'_>; STREAMS] = Cursor::new(payload, offset).streams()?;
     let mut strings: Vec<String> = Vec::new();
     let mut string = |st: &mut [Cursor<'_>; STREAMS], stream: usize, back: u64| -> Result<String, FormatError> {
         if back == 0 {
@@ -162,7 +151,7 @@ pub fn parse_columns(payload: &[u8], offset: u64) -> Result<Vec<(SymbolKey, Vec<
         out.push((key, symbols));
     }
     if st.iter().any(|c| !c.is_empty()) {
-        return Err(head.error("bytes after the last symbol"));
+        return Err(st[KEYS].error("bytes after the last symbol"));
     }
     Ok(out)
 }
