@@ -39,6 +39,9 @@ pub struct PyProcInfo {
     /// 3.12+ `owner`: 3 marks a frame the loop keeps on the C stack (its start).
     pub f_owner: u16,
     pub co_code: u16,
+    /// The frame's globals (a module's dict): with the code object's address, it tells
+    /// whether a check read earlier is this code object's (`python.rs` of the probes).
+    pub f_globals: u16,
     /// 10..=13.
     pub minor: u16,
     /// `co_firstlineno`: the 8 bytes there tell a code object from another that took its
@@ -50,7 +53,7 @@ pub struct PyProcInfo {
     pub co_qualname: u16,
     pub co_linetable: u16,
     pub str_ascii_data: u16,
-    pub _pad: [u16; 2],
+    pub _pad: u16,
 }
 
 /// Bytes of a code object's file name and qualified name kept in a [`PyCodeRecord`].

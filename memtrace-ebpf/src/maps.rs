@@ -182,3 +182,23 @@ pub(crate) struct PyCodeKey {
 
 #[btf_map]
 pub(crate) static PY_CODES_SENT: LruHashMap<PyCodeKey, u8, 65536> = LruHashMap::new();
+
+/// The bytes at a code object's `co_firstlineno` as a walk read them, for a frame of that
+/// code object with those globals, cached per CPU (direct-mapped) for a few milliseconds
+/// (`python.rs`).
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub(crate) struct CachedCheck {
+    pub(crate) code: u64,
+    pub(crate) globals: u64,
+    pub(crate) check: u64,
+    /// When it was read (`bpf_ktime_get_ns`).
+    pub(crate) stamp: u64,
+    pub(crate) tgid: u32,
+    pub(crate) _pad: u32,
+}
+
+pub(crate) const PY_CHECK_SLOTS: u32 = 1024;
+
+#[btf_map]
+pub(crate) static PY_CHECKS: PerCpuArray<CachedCheck, { PY_CHECK_SLOTS as usize }> = PerCpuArray::new();

@@ -5,13 +5,14 @@
 //! `bpf_loop` step, each frame read in one copy. Each frame gives its code object and
 //! instruction index; the frame that started a C call of the evaluation loop is marked, so
 //! userspace can put each group of frames in place of its `_PyEval_EvalFrameDefault`. The
-//! first time a process's stack shows a code object, its names and line table are sent
+//! first time a process's new stack shows a code object, its names and line table are sent
 //! too ([`PyCodeRecord`]): code objects of modules being imported, and whole processes,
-//! are often gone by the time userspace reads the ring.
+//! are often gone by the time userspace reads the ring. The walk itself reads two words a
+//! frame and looks nothing up: a repeat stack is known by its hash.
 use core::{ffi::c_void, mem::size_of, ptr::addr_of_mut};
 
 use aya_ebpf::{
-    bindings::{BPF_NOEXIST, BPF_RB_FORCE_WAKEUP},
+    bindings::BPF_NOEXIST,
     helpers::{bpf_get_current_task, generated},
 };
 use memtrace_common::{
@@ -24,8 +25,8 @@ use memtrace_common::{
 
 use crate::{
     context::{pid_tgid, read_kernel_at, read_user_u64, scratch},
-    maps::{PY_CODES_SENT, PY_PROCS, PyCodeKey, Ring, STACKS_SENT},
-    ring::{emit_waking, this_ring},
+    maps::{CachedCheck, PY_CHECK_SLOTS, PY_CHECKS, PY_CODES_SENT, PY_PROCS, PyCodeKey, Ring, STACKS_SENT},
+    ring::{emit_deciding, this_ring, wakeup_flags},
 };
 
 /// Bytes of a frame read at once: every field the walk needs on 3.10 (`f_lasti` at 96) and
@@ -36,13 +37,19 @@ const PY_STACK_SEED: u64 = 0x5079_7468_6f6e_0001;
 /// Frames the owner test may skip on top of the frames kept (3.12+ entry frames).
 const MAX_STEPS: u32 = MAX_PY_FRAMES as u32 * 2;
 
+/// How long a code object's check read by one walk is trusted by later walks on the CPU.
+const CHECK_TRUSTED_NS: u64 = 4_000_000;
+
 /// The walk's state between `bpf_loop` steps (the frame count is in the scratch map).
 #[repr(C)]
 struct Walk {
     info: PyProcInfo,
     frame: u64,
     hash: u64,
-    tgid: u64,
+    /// When the walk started.
+    now: u64,
+    tgid: u32,
+    _pad: u32,
 }
 
 /// Walks the current thread's Python frames into `scratch.py_frames` when its process runs
@@ -67,7 +74,9 @@ pub extern "C" fn memtrace_walk_python(tgid: u64) -> u64 {
     if let Some(info) = (unsafe { PY_PROCS.get(tgid as u32) }).copied()
         && let Some(first) = innermost_frame(&info)
     {
-        let mut walk = Walk { info, frame: first, hash: PY_STACK_SEED, tgid };
+        // SAFETY: no preconditions.
+        let now = unsafe { generated::bpf_ktime_get_ns() };
+        let mut walk = Walk { info, frame: first, hash: PY_STACK_SEED, now, tgid: tgid as u32, _pad: 0 };
         // SAFETY: step is a BPF callback taking (index, ctx); ctx is the Walk on our stack.
         unsafe { generated::bpf_loop(MAX_STEPS, step as *mut c_void, &mut walk as *mut Walk as *mut c_void, 0) };
         if let Some(s) = scratch() {
@@ -78,10 +87,20 @@ pub extern "C" fn memtrace_walk_python(tgid: u64) -> u64 {
 }
 
 /// Sends the Python frames walked for the stack `hash` names, unless that stack was sent
-/// before (its record follows this one). A global function, for the same reason.
+/// before (its record follows this one), with the record of each code object among them
+/// that this process has not shown before (ahead of the stack, which names them). A
+/// repeat stack, most of them, costs one lookup here, not one per frame. A global
+/// function, for the same reason as the walk.
 #[inline(always)]
 pub(crate) fn send_python_once(hash: u64) {
     memtrace_send_python(hash);
+}
+
+/// State of the loop that sends a new stack's code records.
+#[repr(C)]
+struct SendCodes {
+    info: PyProcInfo,
+    tgid: u64,
 }
 
 #[inline(never)]
@@ -93,8 +112,18 @@ pub extern "C" fn memtrace_send_python(hash: u64) -> u64 {
     if n == 0 || unsafe { STACKS_SENT.get(hash) }.is_some() {
         return 0;
     }
-    let Some(ring) = this_ring() else { return 0 };
     let (_, tgid, _) = pid_tgid();
+    // SAFETY: the value is copied out at once.
+    if let Some(info) = (unsafe { PY_PROCS.get(tgid) }).copied() {
+        let mut codes = SendCodes { info, tgid: u64::from(tgid) };
+        // SAFETY: send_code_step is a BPF callback taking (index, ctx); ctx is the
+        // SendCodes on our stack.
+        unsafe {
+            generated::bpf_loop(n, send_code_step as *mut c_void, &mut codes as *mut SendCodes as *mut c_void, 0)
+        };
+    }
+    let Some(s) = scratch() else { return 0 };
+    let Some(ring) = this_ring() else { return 0 };
     s.py_header = PyStackHeader {
         rtype: RecordType::PyStack as u8,
         truncated: s.py_cut as u8,
@@ -106,16 +135,21 @@ pub extern "C" fn memtrace_send_python(hash: u64) -> u64 {
     let len = size_of::<PyStackHeader>() as u64 + u64::from(n) * size_of::<PyFrame>() as u64;
     let ring_ptr = ring as *const Ring as *mut c_void;
     // SAFETY: `len` bytes from the header are the header and `n` initialised frames of the
-    // per-CPU scratch value (py_frames follows py_header); the reader is woken at once, so
-    // that it reads the code objects while the process lives.
+    // per-CPU scratch value (py_frames follows py_header). It waits for the batch: the code
+    // records it names carry what userspace needs, and one that does not woke the reader.
     unsafe {
-        generated::bpf_ringbuf_output(
-            ring_ptr,
-            addr_of_mut!(s.py_header) as *mut c_void,
-            len,
-            BPF_RB_FORCE_WAKEUP as u64,
-        )
+        generated::bpf_ringbuf_output(ring_ptr, addr_of_mut!(s.py_header) as *mut c_void, len, wakeup_flags(ring))
     };
+    0
+}
+
+#[inline(never)]
+extern "C" fn send_code_step(index: u64, state: *mut c_void) -> i64 {
+    // SAFETY: bpf_loop hands back the pointer to the SendCodes on the caller's stack.
+    let codes = unsafe { &*(state as *const SendCodes) };
+    let Some(s) = scratch() else { return 1 };
+    let Some(frame) = s.py_frames.get(index as usize).copied() else { return 1 };
+    send_code_once(codes.tgid, frame.code, frame.check, &codes.info);
     0
 }
 
@@ -225,8 +259,8 @@ fn try_step(walk: &mut Walk) -> Option<()> {
     if info.minor == 10 || (info.f_entry != PY_NONE && field_u8(&s.py_buf, info.f_entry)? != 0) {
         flags |= py_frame_flags::GROUP_END;
     }
-    let check = read_user_u64(code.wrapping_add(u64::from(info.co_firstlineno))).unwrap_or(0);
-    send_code_once(walk.tgid, code, check, &info);
+    let globals = if info.f_globals == PY_NONE { None } else { field_u64(&s.py_buf, info.f_globals) };
+    let check = code_check(walk, code, globals);
     let n = s.py_n as usize;
     let Some(slot) = s.py_frames.get_mut(n) else {
         s.py_cut = 1;
@@ -239,6 +273,35 @@ fn try_step(walk: &mut Walk) -> Option<()> {
     Some(())
 }
 
+/// The bytes at `co_firstlineno` of code object `code`, run by a frame with `globals`:
+/// they tell a code object from one made later at the same address (a module's code, freed
+/// once the module ran, and the next module's at its address), in the stack hash and in
+/// the key of the records sent. The read costs as much as the frame's own, and the frames
+/// under the innermost repeat from one allocation to the next, so walks on this CPU reuse
+/// a read for CHECK_TRUSTED_NS when the frame shows the same code object and the same
+/// globals. A code object that took a freed one's address in the same module within
+/// those milliseconds is what that gives up (code compiled by `exec` at run time; the
+/// check itself does not tell those apart when their first lines are the same).
+#[inline(always)]
+fn code_check(walk: &Walk, code: u64, globals: Option<u64>) -> u64 {
+    let read = || read_user_u64(code.wrapping_add(u64::from(walk.info.co_firstlineno))).unwrap_or(0);
+    let Some(globals) = globals else { return read() };
+    let index = (stack_hash_step(code, u64::from(walk.tgid)) >> 40) as u32 & (PY_CHECK_SLOTS - 1);
+    let Some(entry) = PY_CHECKS.get_ptr_mut(index) else { return read() };
+    // SAFETY: this CPU's slot; a program nested on the CPU at worst costs a read.
+    let entry = unsafe { &mut *entry };
+    if entry.code == code
+        && entry.globals == globals
+        && entry.tgid == walk.tgid
+        && walk.now.wrapping_sub(entry.stamp) < CHECK_TRUSTED_NS
+    {
+        return entry.check;
+    }
+    let check = read();
+    *entry = CachedCheck { code, globals, check, stamp: walk.now, tgid: walk.tgid, _pad: 0 };
+    check
+}
+
 /// Sends the record of code object `code` of process `tgid`, unless it was sent before.
 #[inline(always)]
 fn send_code_once(tgid: u64, code: u64, check: u64, info: &PyProcInfo) {
@@ -248,9 +311,10 @@ fn send_code_once(tgid: u64, code: u64, check: u64, info: &PyProcInfo) {
         return;
     }
     let Some(ring) = this_ring() else { return };
-    // Wake the reader: the stack that shows it follows, and both are wanted while the
-    // process lives.
-    emit_waking::<PyCodeRecord>(ring, true, |r| {
+    // The reader is woken at once only for a record the probe could not read whole (a name
+    // not in ASCII, a line table over PY_LINETABLE_LEN): userspace reads the rest from the
+    // process, while it lives. Whole records wait for the batch, as events do.
+    emit_deciding::<PyCodeRecord>(ring, |r| {
         r.rtype = RecordType::PyCode as u8;
         r.pid = tgid as u32;
         r.code = code;
@@ -278,6 +342,7 @@ fn send_code_once(tgid: u64, code: u64, check: u64, info: &PyProcInfo) {
                 r.linetable_size = size;
             }
         }
+        r.filename_len == 0 || r.qualname_len == 0 || r.linetable_size != u64::from(r.linetable_len)
     });
 }
 

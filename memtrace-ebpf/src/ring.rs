@@ -56,7 +56,16 @@ pub(crate) fn emit<T: 'static>(ring: &Ring, fill: impl FnOnce(&mut T)) {
 /// As [`emit`]; `wake` wakes the reader at once (new processes: it attaches to them).
 #[inline(always)]
 pub(crate) fn emit_waking<T: 'static>(ring: &Ring, wake: bool, fill: impl FnOnce(&mut T)) {
-    let flags = if wake { BPF_RB_FORCE_WAKEUP as u64 } else { wakeup_flags(ring) };
+    emit_deciding::<T>(ring, |r| {
+        fill(r);
+        wake
+    })
+}
+
+/// As [`emit`]; the reader is woken at once when `fill` returns true (a record it must act
+/// on while the process lives), else per batch.
+#[inline(always)]
+pub(crate) fn emit_deciding<T: 'static>(ring: &Ring, fill: impl FnOnce(&mut T) -> bool) {
     match ring.reserve_untyped::<T>(0) {
         Some(mut entry) => {
             // SAFETY: the reservation is size_of::<T>() bytes, 8-byte aligned; every record
@@ -67,8 +76,8 @@ pub(crate) fn emit_waking<T: 'static>(ring: &Ring, wake: bool, fill: impl FnOnce
                 core::ptr::write_bytes(p, 0, 1);
                 &mut *p
             };
-            fill(record);
-            entry.submit(flags);
+            let wake = fill(record);
+            entry.submit(if wake { BPF_RB_FORCE_WAKEUP as u64 } else { wakeup_flags(ring) });
         }
         None => bump(counter::LOST_EVENTS),
     }

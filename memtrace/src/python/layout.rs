@@ -40,7 +40,7 @@ const fn probes(
     ts_thread_id: u16,
     ts_frame: u16,
     cframe_current: u16,
-    f: [u16; 5], // code, back, instr, entry, owner
+    f: [u16; 6], // code, back, instr, entry, owner, globals
     co_code: u16,
 ) -> PyProcInfo {
     PyProcInfo {
@@ -55,6 +55,7 @@ const fn probes(
         f_instr: f[2],
         f_entry: f[3],
         f_owner: f[4],
+        f_globals: f[5],
         co_code,
         minor,
         co_firstlineno: 0,
@@ -62,7 +63,7 @@ const fn probes(
         co_qualname: 0,
         co_linetable: 0,
         str_ascii_data: 0,
-        _pad: [0; 2],
+        _pad: 0,
     }
 }
 
@@ -83,8 +84,8 @@ pub const LAYOUTS: [Layout; 4] = [
         minor: 10,
         runtime_size: 672,
         tss_key: 588,
-        // PyFrameObject: f_back 24, f_code 32, f_lasti 96 (an index).
-        probes: probes(10, 176, 24, PY_NONE, [32, 24, 96, PY_NONE, PY_NONE], PY_NONE),
+        // PyFrameObject: f_back 24, f_code 32, f_globals 48, f_lasti 96 (an index).
+        probes: probes(10, 176, 24, PY_NONE, [32, 24, 96, PY_NONE, PY_NONE, 48], PY_NONE),
         code: CodeLayout {
             flags: 36,
             firstlineno: 40,
@@ -100,7 +101,8 @@ pub const LAYOUTS: [Layout; 4] = [
         minor: 11,
         runtime_size: 166_688,
         tss_key: 596,
-        probes: probes(11, 152, 56, 8, [32, 48, 56, 68, PY_NONE], 184),
+        // _PyInterpreterFrame: f_func 0, f_globals 8, f_code 32, previous 48, prev_instr 56.
+        probes: probes(11, 152, 56, 8, [32, 48, 56, 68, PY_NONE, 8], 184),
         code: CodeLayout {
             flags: 48,
             firstlineno: 72,
@@ -116,14 +118,16 @@ pub const LAYOUTS: [Layout; 4] = [
         minor: 12,
         runtime_size: 459_944,
         tss_key: 1548,
-        probes: probes(12, 136, 56, 0, [0, 8, 56, PY_NONE, 70], 192),
+        // _PyInterpreterFrame: f_code 0, previous 8, f_funcobj 16, f_globals 24.
+        probes: probes(12, 136, 56, 0, [0, 8, 56, PY_NONE, 70, 24], 192),
         code: CODE_312,
     },
     Layout {
         minor: 13,
         runtime_size: 283_320,
         tss_key: 2164,
-        probes: probes(13, 152, 72, PY_NONE, [0, 8, 56, PY_NONE, 70], 200),
+        // As 3.12 (f_executable for f_code); `_Py_DebugOffsets` does not publish f_globals.
+        probes: probes(13, 152, 72, PY_NONE, [0, 8, 56, PY_NONE, 70, 24], 200),
         code: CODE_312,
     },
 ];

@@ -135,32 +135,31 @@ impl PythonNames {
     }
 
     /// A code object as the probes read it. Where they could not read all of it (a name
-    /// not in ASCII, a line table over a KiB), the process is read while it lives.
+    /// not in ASCII, a line table over a KiB), the process is read while it lives; the
+    /// object read there must be the one the probe saw (the same first line, and names
+    /// and line table that agree with the record), else the record's part is kept: by the
+    /// time the reader gets there the object may be freed and its memory reused (a
+    /// module's code is freed once the module ran), and a mix of two objects' fields
+    /// would name frames with one function and another's lines.
     pub fn learn(&mut self, seen: crate::event::PyCodeSeen) {
         if self.codes.len() >= MAX_CODES {
             self.codes.clear();
         }
         let firstlineno = seen.check as i32;
-        let whole = match (&seen.filename, &seen.qualname) {
-            (Some(filename), Some(qualname)) => Some(Code {
-                qualname: qualname.clone(),
-                filename: filename.clone(),
-                firstlineno,
-                linetable: seen.linetable.clone(),
-                complete: seen.complete,
-            }),
-            _ => None,
+        let record = Code {
+            qualname: seen.qualname.clone().unwrap_or_default(),
+            filename: seen.filename.clone().unwrap_or_default(),
+            firstlineno,
+            linetable: seen.linetable.clone(),
+            complete: seen.complete,
         };
-        let code = match whole {
-            Some(c) if c.complete => Some(c),
-            partial => {
-                let layout = self.interpreter(seen.pid).map(|i| i.layout.code);
-                layout
-                    .and_then(|l| code::read_code(seen.pid, seen.code, &l))
-                    .filter(|c| c.firstlineno == firstlineno)
-                    .or(partial)
-            }
-        };
+        if seen.filename.is_some() && seen.qualname.is_some() && record.complete {
+            self.codes.insert((seen.pid, seen.code, seen.check), Some(record));
+            return;
+        }
+        let layout = self.interpreter(seen.pid).map(|i| i.layout.code);
+        let read = layout.and_then(|l| code::read_code(seen.pid, seen.code, &l));
+        let code = completed(&seen, record, read);
         self.codes.insert((seen.pid, seen.code, seen.check), code);
     }
 
@@ -216,6 +215,20 @@ impl PythonNames {
     }
 }
 
+/// The code object a partial record names: the one read from the process if it is the
+/// object the probe saw (same first line; its names and line table agree with what the
+/// record holds), else the record's part when it has both names, else none.
+fn completed(seen: &crate::event::PyCodeSeen, record: Code, read: Option<Code>) -> Option<Code> {
+    let same = |c: &Code| {
+        c.firstlineno == record.firstlineno
+            && c.linetable.starts_with(&record.linetable)
+            && seen.filename.as_ref().is_none_or(|f| *f == c.filename)
+            && seen.qualname.as_ref().is_none_or(|q| *q == c.qualname)
+    };
+    let named = seen.filename.is_some() && seen.qualname.is_some();
+    read.filter(same).or(named.then_some(record))
+}
+
 fn unknown(frame: &PyFrame) -> Named {
     Named { qualname: format!("[python code 0x{:x}]", frame.code), filename: "<unknown>".into(), line: 0 }
 }
@@ -265,5 +278,48 @@ mod tests {
         assert_eq!(function_of(&m), Some("K.f2"));
         let native = Module { id: 4, build_id: vec![1, 2, 3], path: "/lib/libc.so.6".into() };
         assert_eq!(function_of(&native), None);
+    }
+
+    /// A record the probe could not read whole is completed from the process only by the
+    /// object it saw: the memory of a freed code object, or another object made at its
+    /// address, must not lend it names or lines.
+    #[test]
+    fn a_partial_record_is_completed_only_by_the_same_object() {
+        let seen = crate::event::PyCodeSeen {
+            pid: 7,
+            code: 0x1000,
+            check: 1,
+            filename: Some("typing.py".into()),
+            qualname: Some("<module>".into()),
+            linetable: vec![1, 2, 3],
+            complete: false,
+        };
+        let record = Code {
+            qualname: "<module>".into(),
+            filename: "typing.py".into(),
+            firstlineno: 1,
+            linetable: vec![1, 2, 3],
+            complete: false,
+        };
+        let whole = Code { linetable: vec![1, 2, 3, 4, 5], complete: true, ..record.clone() };
+        assert_eq!(completed(&seen, record.clone(), Some(whole.clone())), Some(whole.clone()));
+        // Freed memory whose name pointer now reaches another string; another object at
+        // the address; another line table: the record's part stays.
+        for other in [
+            Code { qualname: "nd_grid".into(), ..whole.clone() },
+            Code { filename: "info.py".into(), ..whole.clone() },
+            Code { firstlineno: 40, ..whole.clone() },
+            Code { linetable: vec![9, 2, 3, 4], ..whole.clone() },
+        ] {
+            assert_eq!(completed(&seen, record.clone(), Some(other)), Some(record.clone()));
+        }
+        assert_eq!(completed(&seen, record.clone(), None), Some(record.clone()));
+        // Names the probe could not read come from the process, from the same first line.
+        let unnamed = crate::event::PyCodeSeen { qualname: None, ..seen.clone() };
+        let no_name = Code { qualname: String::new(), ..record.clone() };
+        let read = Code { qualname: "f\u{e9}".into(), ..whole.clone() };
+        assert_eq!(completed(&unnamed, no_name.clone(), Some(read.clone())), Some(read.clone()));
+        assert_eq!(completed(&unnamed, no_name.clone(), Some(Code { firstlineno: 2, ..read })), None);
+        assert_eq!(completed(&unnamed, no_name, None), None);
     }
 }
