@@ -98,10 +98,14 @@ struct Tree {
 }
 
 impl Tree {
-    /// The nodes `path` shares with the tree, outermost first, into `ids`.
-    fn shared(&self, path: &[Frame], ids: &mut Vec<u32>) {
+    /// The nodes `path` shares with the tree, outermost first, into `ids`. The frames it
+    /// shares with the previous stack (`prev`, whose nodes are `prev_ids`) are those nodes,
+    /// found without a lookup: most stacks differ from the one before only near the top.
+    fn shared(&self, path: &[Frame], prev: &[Frame], prev_ids: &[u32], ids: &mut Vec<u32>) {
         ids.clear();
-        let mut node = 0u32;
+        let common = path.iter().zip(prev).take_while(|(a, b)| a == b).count().min(prev_ids.len());
+        ids.extend_from_slice(&prev_ids[..common]);
+        let mut node = ids.last().copied().unwrap_or(0);
         while let Some(&next) = path.get(ids.len()).and_then(|&f| self.nodes.get(&(node, f))) {
             node = next;
             ids.push(node);
@@ -154,6 +158,8 @@ pub struct StackEncoder {
     tree: Tree,
     siblings: Siblings,
     path: Vec<Frame>,
+    /// The frames of the previous stack, outermost first.
+    prev_path: Vec<Frame>,
     /// The nodes of the previous stack, outermost first, and of this one.
     prev_ids: Vec<u32>,
     ids: Vec<u32>,
@@ -162,8 +168,9 @@ pub struct StackEncoder {
 
 impl StackEncoder {
     pub fn push(&mut self, s: &FileStack) {
+        std::mem::swap(&mut self.path, &mut self.prev_path);
         outermost_first(s, &mut self.path);
-        self.tree.shared(&self.path, &mut self.ids);
+        self.tree.shared(&self.path, &self.prev_path, &self.prev_ids, &mut self.ids);
         let shared = self.ids.len();
         let mut node = self.ids.last().copied().unwrap_or(0);
         let out = &mut self.streams;
@@ -207,6 +214,7 @@ impl StackEncoder {
         self.tree.nodes.clear();
         self.siblings.0.clear();
         self.prev_ids.clear();
+        self.prev_path.clear();
         self.prev_id = 0;
         if self.streams[HEADS].is_empty() {
             return Streams::default();
@@ -329,7 +337,7 @@ pub fn encode_tree_rows(stacks: &[FileStack]) -> Vec<u8> {
     for s in stacks {
         outermost_first(s, &mut path);
         let mut ids = Vec::new();
-        tree.shared(&path, &mut ids);
+        tree.shared(&path, &[], &[], &mut ids);
         let (mut node, shared) = (ids.last().copied().unwrap_or(0), ids.len());
         for v in [u64::from(s.id), u64::from(s.pid), u64::from(s.truncated), u64::from(node)] {
             put_varint(&mut out, v);

@@ -4,7 +4,7 @@
 //! (`Probes::set_python`) so they walk its frames, and listed in the recording with what
 //! was found (an unsupported version named, never guessed). The Python frames of each
 //! stack are named the moment it arrives, while the process still lives.
-use std::{collections::HashMap, path::Path};
+use std::path::Path;
 
 use super::Tracer;
 use crate::{
@@ -18,11 +18,11 @@ use crate::{
 pub(super) struct PythonState {
     names: PythonNames,
     /// Processes looked at since their last exec: whether the probes walk them.
-    walked: HashMap<u32, bool>,
+    walked: crate::FastMap<u32, bool>,
     /// What was found, once per (interpreter file, outcome).
     pub(super) found: Vec<PythonMeta>,
     /// Python frames waiting for the stack record that follows them, by stack hash.
-    pending: HashMap<u64, PyStack>,
+    pending: crate::FastMap<u64, PyStack>,
 }
 
 /// Python frames kept waiting for their stack (past it, the oldest are dropped).

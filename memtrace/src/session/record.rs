@@ -4,7 +4,7 @@
 //! exits, Ctrl-C/SIGTERM/SIGHUP, --duration, a write error) goes through the same
 //! finalization: detach, drain, symbolize, write stats and the end marker.
 use std::{
-    collections::{HashMap, HashSet},
+    collections::HashMap,
     fs::File,
     io::{self, BufWriter, IsTerminal as _, Write as _},
     path::{Path, PathBuf},
@@ -74,8 +74,8 @@ struct Recorder {
     writer: Writer<BufWriter<File>>,
     /// Stacks, modules and process names, as `top` names them too.
     namer: Namer,
-    user_frames: HashSet<FileFrame>,
-    kernel_addrs: HashSet<u64>,
+    user_frames: crate::FastSet<FileFrame>,
+    kernel_addrs: crate::FastSet<u64>,
     write_error: Option<io::Error>,
     /// Has read the kernel's symbols and the command's files' while the probes loaded;
     /// names every frame at the end. (The other objects a recording meets are read then,
@@ -328,8 +328,8 @@ pub fn record(opts: RecordOptions) -> Result<RecordSummary> {
     let mut recorder = Recorder {
         writer,
         namer: Namer::new(),
-        user_frames: HashSet::new(),
-        kernel_addrs: HashSet::new(),
+        user_frames: Default::default(),
+        kernel_addrs: Default::default(),
         write_error: None,
         symbols,
     };

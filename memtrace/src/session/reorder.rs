@@ -5,32 +5,13 @@ use std::{cmp::Reverse, collections::BinaryHeap};
 
 use crate::event::Event;
 
-struct Pending {
-    ts: u64,
-    seq: u64,
-    event: Event,
-}
-
-impl PartialEq for Pending {
-    fn eq(&self, other: &Self) -> bool {
-        (self.ts, self.seq) == (other.ts, other.seq)
-    }
-}
-impl Eq for Pending {}
-impl PartialOrd for Pending {
-    fn partial_cmp(&self, other: &Self) -> Option<std::cmp::Ordering> {
-        Some(self.cmp(other))
-    }
-}
-impl Ord for Pending {
-    fn cmp(&self, other: &Self) -> std::cmp::Ordering {
-        (self.ts, self.seq).cmp(&(other.ts, other.seq))
-    }
-}
-
+/// Events wait in `slots`; the heap orders small keys (time, arrival, slot), so a push or
+/// a pop moves 24-byte keys rather than whole events.
 #[derive(Default)]
 pub struct Reorder {
-    heap: BinaryHeap<Reverse<Pending>>,
+    heap: BinaryHeap<Reverse<(u64, u64, u32)>>,
+    slots: Vec<Option<Event>>,
+    free: Vec<u32>,
     seq: u64,
     released_up_to: u64,
     /// Events that arrived after a later one had been released (written out of order).
@@ -56,32 +37,67 @@ impl Reorder {
             self.late += 1;
         }
         self.seq += 1;
-        self.heap.push(Reverse(Pending { ts, seq: self.seq, event }));
+        let slot = match self.free.pop() {
+            Some(slot) => {
+                self.slots[slot as usize] = Some(event);
+                slot
+            }
+            None => {
+                self.slots.push(Some(event));
+                (self.slots.len() - 1) as u32
+            }
+        };
+        self.heap.push(Reverse((ts, self.seq, slot)));
+    }
+
+    /// The oldest event, out of the buffer.
+    fn pop(&mut self) -> Option<Event> {
+        let Reverse((ts, _, slot)) = self.heap.pop()?;
+        self.released_up_to = self.released_up_to.max(ts);
+        self.free.push(slot);
+        self.slots[slot as usize].take()
     }
 
     /// Releases, in time order, every event stamped before `watermark`.
     pub fn release(&mut self, watermark: u64, sink: &mut dyn FnMut(Event)) {
-        while let Some(Reverse(head)) = self.heap.peek() {
-            if head.ts >= watermark {
+        while let Some(Reverse((ts, _, _))) = self.heap.peek() {
+            if *ts >= watermark {
                 break;
             }
-            let Reverse(p) = self.heap.pop().expect("peeked");
-            self.released_up_to = self.released_up_to.max(p.ts);
-            sink(p.event);
+            if let Some(event) = self.pop() {
+                sink(event);
+            }
         }
+        self.shrink();
     }
 
     /// Releases the `count` oldest events, whatever their time (the buffer is full).
     pub fn release_oldest(&mut self, count: usize, sink: &mut dyn FnMut(Event)) {
         for _ in 0..count {
-            let Some(Reverse(p)) = self.heap.pop() else { break };
-            self.released_up_to = self.released_up_to.max(p.ts);
-            sink(p.event);
+            if self.heap.is_empty() {
+                break;
+            }
+            if let Some(event) = self.pop() {
+                sink(event);
+            }
         }
+        self.shrink();
     }
 
     pub fn release_all(&mut self, sink: &mut dyn FnMut(Event)) {
         self.release(u64::MAX, sink);
+    }
+
+    /// Gives back the slots of a burst once it has drained.
+    fn shrink(&mut self) {
+        if self.heap.is_empty() {
+            self.slots.clear();
+            self.free.clear();
+            if self.slots.capacity() > 1 << 16 {
+                self.slots.shrink_to(1 << 16);
+                self.free.shrink_to(1 << 16);
+            }
+        }
     }
 }
 

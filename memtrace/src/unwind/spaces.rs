@@ -7,7 +7,7 @@
 //! address space no process uses any more leave the trie but stay here a while, to name the
 //! frames of events still on their way.
 use std::{
-    collections::{HashMap, VecDeque},
+    collections::VecDeque,
     path::{Path, PathBuf},
     sync::Arc,
 };
@@ -72,8 +72,8 @@ const USER_ASID_BASE: u32 = 1 << 31;
 
 #[derive(Default)]
 pub struct Spaces {
-    asid_of: HashMap<u32, u32>,
-    spaces: HashMap<u32, Space>,
+    asid_of: crate::FastMap<u32, u32>,
+    spaces: crate::FastMap<u32, Space>,
     dead: VecDeque<u32>,
     next_user_asid: u32,
 }
@@ -316,7 +316,7 @@ pub(crate) mod tests {
     /// The probes' side, in memory: the LPM trie answered by longest prefix.
     #[derive(Default)]
     pub(crate) struct FakeProbes {
-        pub asids: HashMap<u32, u32>,
+        pub asids: std::collections::HashMap<u32, u32>,
         pub trie: BTreeMap<(u32, u64, u32), MappingValue>,
         pub tables: Vec<(Slot, usize)>,
     }
