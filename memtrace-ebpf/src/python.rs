@@ -2,13 +2,14 @@
 //! [`PY_PROCS`], the thread's `PyThreadState` is found through the pthread key CPython
 //! keeps it under (glibc's `pthread_getspecific`, read from the thread's fsbase: right
 //! whether or not the thread holds the GIL), and its frame chain is walked one frame per
-//! `bpf_loop` step, each frame read in one copy. Each frame gives its code object and
-//! instruction index; the frame that started a C call of the evaluation loop is marked, so
-//! userspace can put each group of frames in place of its `_PyEval_EvalFrameDefault`. The
-//! first time a process's new stack shows a code object, its names and line table are sent
-//! too ([`PyCodeRecord`]): code objects of modules being imported, and whole processes,
-//! are often gone by the time userspace reads the ring. The walk itself reads two words a
-//! frame and looks nothing up: a repeat stack is known by its hash.
+//! `bpf_loop` step, reading a KiB at a time (a frame and, on 3.11+, the callers below it
+//! on the thread's data stack). Each frame gives its code object and instruction index;
+//! the frame that started a C call of the evaluation loop is marked, so userspace can put
+//! each group of frames in place of its `_PyEval_EvalFrameDefault`. The first time a
+//! process's new stack shows a code object, its names and line table are sent too
+//! ([`PyCodeRecord`]): code objects of modules being imported, and whole processes, are
+//! often gone by the time userspace reads the ring. A repeat stack is known by its hash,
+//! and a code object's check is read once per few milliseconds ([`code_check`]).
 use core::{ffi::c_void, mem::size_of, ptr::addr_of_mut};
 
 use aya_ebpf::{
@@ -27,11 +28,14 @@ use crate::{
     context::{pid_tgid, read_kernel_at, read_user_u64, scratch},
     maps::{CachedCheck, PY_CHECK_SLOTS, PY_CHECKS, PY_CODES_SENT, PY_PROCS, PyCodeKey, Ring, STACKS_SENT},
     ring::{emit_deciding, this_ring, wakeup_flags},
+    stack::Scratch,
 };
 
-/// Bytes of a frame read at once: every field the walk needs on 3.10 (`f_lasti` at 96) and
-/// later versions (the first 72 bytes).
+/// Bytes of a frame the walk needs: every field on 3.10 (`f_lasti` at 96) and later
+/// versions (the first 72 bytes).
 pub(crate) const PY_FRAME_READ: usize = 104;
+/// Bytes read at once, ending with a frame's: its callers' frames below it come with it.
+pub(crate) const PY_WINDOW: usize = 1024;
 /// Seeds the hash of a stack's Python frames.
 const PY_STACK_SEED: u64 = 0x5079_7468_6f6e_0001;
 /// Frames the owner test may skip on top of the frames kept (3.12+ entry frames).
@@ -48,6 +52,9 @@ struct Walk {
     hash: u64,
     /// When the walk started.
     now: u64,
+    /// The user memory in `py_window`: from where, how many bytes (0: none yet).
+    win_start: u64,
+    win_len: u64,
     tgid: u32,
     _pad: u32,
 }
@@ -76,7 +83,8 @@ pub extern "C" fn memtrace_walk_python(tgid: u64) -> u64 {
     {
         // SAFETY: no preconditions.
         let now = unsafe { generated::bpf_ktime_get_ns() };
-        let mut walk = Walk { info, frame: first, hash: PY_STACK_SEED, now, tgid: tgid as u32, _pad: 0 };
+        let mut walk =
+            Walk { info, frame: first, hash: PY_STACK_SEED, now, win_start: 0, win_len: 0, tgid: tgid as u32, _pad: 0 };
         // SAFETY: step is a BPF callback taking (index, ctx); ctx is the Walk on our stack.
         unsafe { generated::bpf_loop(MAX_STEPS, step as *mut c_void, &mut walk as *mut Walk as *mut c_void, 0) };
         if let Some(s) = scratch() {
@@ -186,20 +194,24 @@ fn innermost_frame(info: &PyProcInfo) -> Option<u64> {
     (frame != 0).then_some(frame)
 }
 
-/// A u64 of the frame buffer at `off` (None past its end).
+/// A u64 of the frame at `at` in the window, `off` bytes in (None past the bytes read).
 #[inline(always)]
-fn field_u64(buf: &[u8; PY_FRAME_READ], off: u16) -> Option<u64> {
-    let off = usize::from(off);
-    if off > PY_FRAME_READ - 8 {
+fn window_u64(window: &[u8; PY_WINDOW], at: u64, off: u16, len: u64) -> Option<u64> {
+    let i = at.checked_add(u64::from(off))?;
+    if i > (PY_WINDOW - 8) as u64 || i + 8 > len {
         return None;
     }
-    // SAFETY: off + 8 <= PY_FRAME_READ; unaligned-safe read.
-    Some(unsafe { core::ptr::read_unaligned(buf.as_ptr().add(off) as *const u64) })
+    // SAFETY: i + 8 <= PY_WINDOW; unaligned-safe read.
+    Some(unsafe { core::ptr::read_unaligned(window.as_ptr().add(i as usize) as *const u64) })
 }
 
 #[inline(always)]
-fn field_u8(buf: &[u8; PY_FRAME_READ], off: u16) -> Option<u8> {
-    buf.get(usize::from(off)).copied()
+fn window_u8(window: &[u8; PY_WINDOW], at: u64, off: u16, len: u64) -> Option<u8> {
+    let i = at.checked_add(u64::from(off))?;
+    if i >= len {
+        return None;
+    }
+    window.get(i as usize).copied()
 }
 
 #[inline(never)]
@@ -212,6 +224,40 @@ extern "C" fn step(_index: u64, state: *mut c_void) -> i64 {
     }
 }
 
+/// Where the current frame's bytes are in `s.py_window` (read now, or by an earlier step:
+/// frames of 3.11+ are pushed on the thread's data stack one after the other, so a read of
+/// the bytes below a frame usually holds its caller too, and the next few). The window
+/// starts no lower than the frame's own page, which is mapped; a frame at the very end of
+/// a mapping is read alone, in its first 72 bytes (every field 3.11+ needs).
+#[inline(always)]
+fn frame_at(walk: &mut Walk, s: &mut Scratch) -> Option<u64> {
+    let frame = walk.frame;
+    let end = frame.checked_add(PY_FRAME_READ as u64)?;
+    if frame >= walk.win_start && end <= walk.win_start.wrapping_add(walk.win_len) {
+        return Some(frame - walk.win_start);
+    }
+    let start = end.saturating_sub(PY_WINDOW as u64).max(frame & !0xfff);
+    let len = end - start;
+    if len > PY_WINDOW as u64 {
+        return None;
+    }
+    let window = s.py_window.as_mut_ptr() as *mut c_void;
+    // SAFETY: reads at most PY_WINDOW bytes of user memory into the per-CPU window.
+    if unsafe { generated::bpf_probe_read_user(window, len as u32, start as *const c_void) } == 0 {
+        walk.win_start = start;
+        walk.win_len = len;
+        return Some(frame - start);
+    }
+    // SAFETY: as above, 72 bytes.
+    if unsafe { generated::bpf_probe_read_user(window, 72, frame as *const c_void) } == 0 {
+        walk.win_start = frame;
+        walk.win_len = 72;
+        return Some(0);
+    }
+    walk.win_len = 0;
+    None
+}
+
 #[inline(always)]
 fn try_step(walk: &mut Walk) -> Option<()> {
     if walk.frame == 0 {
@@ -219,27 +265,11 @@ fn try_step(walk: &mut Walk) -> Option<()> {
     }
     let s = scratch()?;
     let info = walk.info;
-    // SAFETY: reads PY_FRAME_READ bytes of user memory into the per-CPU buffer.
-    let mut ret = unsafe {
-        generated::bpf_probe_read_user(
-            s.py_buf.as_mut_ptr() as *mut c_void,
-            PY_FRAME_READ as u32,
-            walk.frame as *const c_void,
-        )
-    };
-    if ret != 0 {
-        // A 3.11+ frame at the very end of a mapping: its first 72 bytes hold every field.
-        // SAFETY: as above, fewer bytes.
-        ret = unsafe {
-            generated::bpf_probe_read_user(s.py_buf.as_mut_ptr() as *mut c_void, 72, walk.frame as *const c_void)
-        };
-        if ret != 0 {
-            return None;
-        }
-    }
-    let code = field_u64(&s.py_buf, info.f_code)?;
-    let back = field_u64(&s.py_buf, info.f_back)?;
-    if info.f_owner != PY_NONE && field_u8(&s.py_buf, info.f_owner)? == 3 {
+    let at = frame_at(walk, s)?;
+    let len = walk.win_len;
+    let code = window_u64(&s.py_window, at, info.f_code, len)?;
+    let back = window_u64(&s.py_window, at, info.f_back, len)?;
+    if info.f_owner != PY_NONE && window_u8(&s.py_window, at, info.f_owner, len)? == 3 {
         // An entry frame the evaluation loop keeps on the C stack: the group before it ends.
         let last = (s.py_n as usize).wrapping_sub(1);
         if let Some(f) = s.py_frames.get_mut(last) {
@@ -249,17 +279,17 @@ fn try_step(walk: &mut Walk) -> Option<()> {
         return Some(());
     }
     let lasti = if info.co_code == PY_NONE {
-        field_u64(&s.py_buf, info.f_instr)? as u32 as i32
+        window_u64(&s.py_window, at, info.f_instr, len)? as u32 as i32
     } else {
-        let at = field_u64(&s.py_buf, info.f_instr)?;
-        let delta = (at as i64).wrapping_sub(code.wrapping_add(u64::from(info.co_code)) as i64) / 2;
+        let instr = window_u64(&s.py_window, at, info.f_instr, len)?;
+        let delta = (instr as i64).wrapping_sub(code.wrapping_add(u64::from(info.co_code)) as i64) / 2;
         if (-1..=i64::from(i32::MAX)).contains(&delta) { delta as i32 } else { -2 }
     };
     let mut flags = 0;
-    if info.minor == 10 || (info.f_entry != PY_NONE && field_u8(&s.py_buf, info.f_entry)? != 0) {
+    if info.minor == 10 || (info.f_entry != PY_NONE && window_u8(&s.py_window, at, info.f_entry, len)? != 0) {
         flags |= py_frame_flags::GROUP_END;
     }
-    let globals = if info.f_globals == PY_NONE { None } else { field_u64(&s.py_buf, info.f_globals) };
+    let globals = if info.f_globals == PY_NONE { None } else { window_u64(&s.py_window, at, info.f_globals, len) };
     let check = code_check(walk, code, globals);
     let n = s.py_n as usize;
     let Some(slot) = s.py_frames.get_mut(n) else {

@@ -21,7 +21,7 @@ use memtrace_common::{
 use crate::{
     context::scratch,
     maps::{Ring, STACKS_SENT},
-    python::{PY_FRAME_READ, send_python_once, walk_python},
+    python::{PY_WINDOW, send_python_once, walk_python},
     ring::{bump, room_for_copy, wakeup_flags},
     syscall,
     unwind::{UserRegs, walk_user_tables},
@@ -51,8 +51,8 @@ pub(crate) struct Scratch {
     /// The Python frames of the stack (`python.rs`), after the header of their record.
     pub(crate) py_header: PyStackHeader,
     pub(crate) py_frames: [PyFrame; MAX_PY_FRAMES],
-    /// One Python frame, as read.
-    pub(crate) py_buf: [u8; PY_FRAME_READ],
+    /// User memory holding the Python frame being walked, and often its callers.
+    pub(crate) py_window: [u8; PY_WINDOW],
     /// Frames in `py_frames`, whether the depth bound cut the walk, and their hash: kept
     /// here rather than on the BPF stack, so the verifier sees values it does not know and
     /// checks the walk once, not once per possible count.
