@@ -98,6 +98,9 @@ struct Pending {
     record: StackRecord,
     since: Instant,
     bytes: usize,
+    /// The table its last walk stopped at: it is walked again once that one is ready, not
+    /// at every install (a cold start holds thousands while a hundred tables come in).
+    waiting_on: Option<store::Slot>,
 }
 
 /// (pid, address space, ranges) whose maps were handed out, remembered at most (then
@@ -372,18 +375,18 @@ impl Unwinder {
             );
         }
         match self.finish(&record, sink, false) {
-            Some(done) => Some(self.named(done)),
-            None => {
+            Ok(done) => Some(self.named(done)),
+            Err(waiting_on) => {
                 self.stats.waited += 1;
                 let bytes = record.miss.as_ref().map_or(0, |m| m.copy.len()) + 64 + record.user.len() * 40;
                 self.pending_bytes += bytes;
-                self.pending.push_back(Pending { record, since: Instant::now(), bytes });
+                self.pending.push_back(Pending { record, since: Instant::now(), bytes, waiting_on });
                 let mut out = Vec::new();
                 while self.pending_bytes > MAX_PENDING_BYTES {
                     let Some(p) = self.pending.pop_front() else { break };
                     self.pending_bytes -= p.bytes;
                     self.stats.gave_up += 1;
-                    if let Some(done) = self.finish(&p.record, sink, true) {
+                    if let Ok(done) = self.finish(&p.record, sink, true) {
                         out.push(done);
                     }
                 }
@@ -410,17 +413,26 @@ impl Unwinder {
         if installed == 0 && !timed_out {
             return out;
         }
-        for p in std::mem::take(&mut self.pending) {
+        for mut p in std::mem::take(&mut self.pending) {
             let give_up = p.since.elapsed() > MAX_WAIT;
+            let still_building =
+                p.waiting_on.is_some_and(|slot| matches!(self.store.state(slot), Some(TableState::Building)));
+            if still_building && !give_up {
+                self.pending.push_back(p);
+                continue;
+            }
             match self.finish(&p.record, sink, give_up) {
-                Some(done) => {
+                Ok(done) => {
                     if give_up {
                         self.stats.gave_up += 1;
                     }
                     self.pending_bytes -= p.bytes;
                     out.push(self.named(done));
                 }
-                None => self.pending.push_back(p),
+                Err(waiting_on) => {
+                    p.waiting_on = waiting_on;
+                    self.pending.push_back(p);
+                }
             }
         }
         out
@@ -435,7 +447,7 @@ impl Unwinder {
         let mut out = self.poll(sink);
         for p in std::mem::take(&mut self.pending) {
             self.stats.gave_up += 1;
-            if let Some(done) = self.finish(&p.record, sink, true) {
+            if let Ok(done) = self.finish(&p.record, sink, true) {
                 out.push(self.named(done));
             }
         }
@@ -443,10 +455,15 @@ impl Unwinder {
         out
     }
 
-    /// Walks the copy of `record` on; None if a table it needs is not ready (unless
-    /// `give_up`: then the walk ends there, truncated).
-    fn finish(&mut self, record: &StackRecord, sink: &mut dyn SpaceSink, give_up: bool) -> Option<StackRecord> {
-        let miss = record.miss.as_ref()?;
+    /// Walks the copy of `record` on; Err with the table's slot if a table it needs is not
+    /// ready (unless `give_up`: then the walk ends there, truncated).
+    fn finish(
+        &mut self,
+        record: &StackRecord,
+        sink: &mut dyn SpaceSink,
+        give_up: bool,
+    ) -> Result<StackRecord, Option<store::Slot>> {
+        let Some(miss) = record.miss.as_ref() else { return Err(None) };
         let asid = match miss.asid {
             0 => {
                 self.spaces.asid_of(record.pid).or_else(|| self.spaces.learn_process(record.pid, &mut self.store, sink))
@@ -487,18 +504,19 @@ impl Unwinder {
                 if let Some(slot) = waiting_on {
                     self.store.prioritize(slot);
                 }
-                end
+                (end, waiting_on)
             }
-            None => End::Truncated,
+            None => (End::Truncated, None),
         };
+        let (end, waiting_on) = end;
         if end == End::Wait {
-            return None;
+            return Err(waiting_on);
         }
         let truncated = end != End::Outermost;
         if truncated {
             self.stats.truncated += 1;
         }
-        Some(StackRecord {
+        Ok(StackRecord {
             hash: record.hash,
             pid: record.pid,
             kernel: record.kernel.clone(),
