@@ -44,8 +44,8 @@ pub struct PyProcInfo {
     pub f_globals: u16,
     /// 10..=13.
     pub minor: u16,
-    /// `co_firstlineno`: the 8 bytes there tell a code object from another that took its
-    /// address after it was freed.
+    /// `co_firstlineno`: with the frame's globals, it tells a code object from another that
+    /// took its address after it was freed (see [`PyFrame::check`]).
     pub co_firstlineno: u16,
     /// What a code record carries: `co_filename`, `co_qualname` (`co_name` on 3.10),
     /// `co_linetable`, and where a compact ASCII string's characters start.
@@ -96,8 +96,9 @@ pub struct PyFrame {
     pub lasti: i32,
     /// `py_frame_flags::*`.
     pub flags: u32,
-    /// The 8 bytes at the code object's `co_firstlineno` (its first line, then the next
-    /// field): with `code`, what names the code object.
+    /// The code object's `co_firstlineno` (low 32 bits) and a hash of the frame's globals
+    /// (high 32; where the version's layout has none, the 4 bytes after the first line):
+    /// with `code`, what names the code object.
     pub check: u64,
 }
 

@@ -170,8 +170,8 @@ pub(crate) static GPU_INFLIGHT: HashMap<u64, GpuInFlight, 16384> = HashMap::new(
 #[btf_map]
 pub(crate) static PY_PROCS: HashMap<u32, memtrace_common::python::PyProcInfo, 16384> = HashMap::new();
 
-/// A code object whose record was sent: (tgid, code address, the bytes at its
-/// `co_firstlineno`). Forgetting one only costs a resend.
+/// A code object whose record was sent: (tgid, code address, its check: the first line and
+/// a hash of the globals of the frame that showed it). Forgetting one only costs a resend.
 #[repr(C)]
 #[derive(Clone, Copy)]
 pub(crate) struct PyCodeKey {

@@ -290,7 +290,7 @@ fn try_step(walk: &mut Walk) -> Option<()> {
         flags |= py_frame_flags::GROUP_END;
     }
     let globals = if info.f_globals == PY_NONE { None } else { window_u64(&s.py_window, at, info.f_globals, len) };
-    let check = code_check(walk, code, globals);
+    let check = with_globals(code_check(walk, code, globals), globals);
     let n = s.py_n as usize;
     let Some(slot) = s.py_frames.get_mut(n) else {
         s.py_cut = 1;
@@ -330,6 +330,18 @@ fn code_check(walk: &Walk, code: u64, globals: Option<u64>) -> u64 {
     let check = read();
     *entry = CachedCheck { code, globals, check, stamp: walk.now, tgid: walk.tgid, _pad: 0 };
     check
+}
+
+/// A frame's check: its code object's first line (the low 32 bits, which userspace reads
+/// as such) and a hash of its globals (the high 32). Every module's `<module>` code starts
+/// at line 1, and the next module imported often gets the address of the last one's
+/// code, freed once it ran: the globals, the module's own dict, tell the two apart.
+#[inline(always)]
+fn with_globals(check: u64, globals: Option<u64>) -> u64 {
+    match globals {
+        Some(g) => (check & 0xffff_ffff) | (stack_hash_step(PY_STACK_SEED, g) & !0xffff_ffff),
+        None => check,
+    }
 }
 
 /// Sends the record of code object `code` of process `tgid`, unless it was sent before.

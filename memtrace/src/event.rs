@@ -192,8 +192,9 @@ pub struct PyStack {
     pub truncated: bool,
 }
 
-/// A Python code object of process `pid` at `code` (`check`: the bytes at its
-/// `co_firstlineno`), with what the probes could read of it.
+/// A Python code object of process `pid` at `code` (`check`: its `co_firstlineno` in the
+/// low 32 bits, a hash of its frame's globals in the high 32), with what the probes could
+/// read of it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct PyCodeSeen {
     pub pid: u32,

@@ -231,6 +231,39 @@ fn python_frames_off_keeps_the_interpreter_frames() {
     }
 }
 
+/// Modules imported one after another, each allocating on its first line: a module's code
+/// object is freed once the module ran, and the next one's (the same size, compiled from
+/// the same text but for a number) usually takes its address, with the same first line and
+/// instruction. Each allocation must still name its own module's file.
+#[test]
+fn each_imported_module_names_its_own_file() {
+    require_root();
+    let _sharing = sharing_the_machine();
+    let dir = scratch("python-modules");
+    let data = dir.join("rec.data");
+    const MODULES: u32 = 24;
+    for i in 0..MODULES {
+        std::fs::write(dir.join(format!("mod_{i:02}.py")), format!("X = bytearray({})\n", 2_000_000 + i)).unwrap();
+    }
+    let main: String = (0..MODULES).map(|i| format!("import mod_{i:02}\n")).collect();
+    std::fs::write(dir.join("main.py"), main).unwrap();
+    run(memtrace()
+        .args(["record", "-q", "--force", "--no-kernel", "-o"])
+        .arg(&data)
+        .arg("--")
+        .arg(PYTHON)
+        .arg("-B")
+        .arg(dir.join("main.py")));
+    let report = report_json(&data, &["--by", "stack"]);
+    for i in 0..MODULES {
+        // bytearray(n) asks malloc for n + 1 bytes.
+        let stacks = stacks_of(&report, 2_000_001 + u64::from(i));
+        assert_eq!(stacks.len(), 1, "module {i}: {stacks:#?}");
+        let python = python_part(&stacks[0].1);
+        assert_eq!(python.first(), Some(&format!("<module> (mod_{i:02}.py:1)")), "{python:#?}");
+    }
+}
+
 /// The line-table ports against CPython's own `co_lines()`, at every instruction of every
 /// code object of a few stdlib modules: Debian's python3, and the interpreters named in
 /// MEMTRACE_TEST_PYTHONS (colon-separated) where a developer has others.
