@@ -231,6 +231,38 @@ fn python_frames_off_keeps_the_interpreter_frames() {
     }
 }
 
+/// A deep Python recursion: the probes read the data stack a KiB at a time, each read
+/// holding several frames, across pages; every frame must come out, in order, at its line.
+#[test]
+fn a_deep_recursion_keeps_every_frame() {
+    require_root();
+    let _sharing = sharing_the_machine();
+    let dir = scratch("python-deep");
+    let data = dir.join("rec.data");
+    const DEPTH: usize = 90;
+    let script = dir.join("deep.py");
+    std::fs::write(
+        &script,
+        format!(
+            "def rec(n, pad=None):\n    if n == 0:\n        return bytearray(3_000_001)\n    return rec(n - 1, [n] * (n % 7))\nrec({DEPTH})\n"
+        ),
+    )
+    .unwrap();
+    run(memtrace()
+        .args(["record", "-q", "--force", "--no-kernel", "-o"])
+        .arg(&data)
+        .arg("--")
+        .arg(PYTHON)
+        .arg(&script));
+    let report = report_json(&data, &["--by", "stack"]);
+    let stacks = stacks_of(&report, 3_000_002);
+    assert_eq!(stacks.len(), 1, "{stacks:#?}");
+    let mut want = vec!["rec (deep.py:3)".to_string()];
+    want.extend(std::iter::repeat_n("rec (deep.py:4)".to_string(), DEPTH));
+    want.push("<module> (deep.py:5)".to_string());
+    assert_eq!(python_part(&stacks[0].1), want);
+}
+
 /// Modules imported one after another, each allocating on its first line: a module's code
 /// object is freed once the module ran, and the next one's (the same size, compiled from
 /// the same text but for a number) usually takes its address, with the same first line and
