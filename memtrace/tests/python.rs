@@ -231,6 +231,14 @@ fn python_frames_off_keeps_the_interpreter_frames() {
     }
 }
 
+/// Records Debian's python3 run with `args` (user allocations only) into `dir`; its report
+/// by stack.
+fn record_python(dir: &Path, args: &[&std::ffi::OsStr]) -> Value {
+    let data = dir.join("rec.data");
+    run(memtrace().args(["record", "-q", "--force", "--no-kernel", "-o"]).arg(&data).arg("--").arg(PYTHON).args(args));
+    report_json(&data, &["--by", "stack"])
+}
+
 /// A deep Python recursion: the probes read the data stack a KiB at a time, each read
 /// holding several frames, across pages; every frame must come out, in order, at its line.
 #[test]
@@ -238,7 +246,6 @@ fn a_deep_recursion_keeps_every_frame() {
     require_root();
     let _sharing = sharing_the_machine();
     let dir = scratch("python-deep");
-    let data = dir.join("rec.data");
     const DEPTH: usize = 90;
     let script = dir.join("deep.py");
     std::fs::write(
@@ -248,13 +255,7 @@ fn a_deep_recursion_keeps_every_frame() {
         ),
     )
     .unwrap();
-    run(memtrace()
-        .args(["record", "-q", "--force", "--no-kernel", "-o"])
-        .arg(&data)
-        .arg("--")
-        .arg(PYTHON)
-        .arg(&script));
-    let report = report_json(&data, &["--by", "stack"]);
+    let report = record_python(&dir, &[script.as_os_str()]);
     let stacks = stacks_of(&report, 3_000_002);
     assert_eq!(stacks.len(), 1, "{stacks:#?}");
     let mut want = vec!["rec (deep.py:3)".to_string()];
@@ -272,21 +273,13 @@ fn each_imported_module_names_its_own_file() {
     require_root();
     let _sharing = sharing_the_machine();
     let dir = scratch("python-modules");
-    let data = dir.join("rec.data");
     const MODULES: u32 = 24;
     for i in 0..MODULES {
         std::fs::write(dir.join(format!("mod_{i:02}.py")), format!("X = bytearray({})\n", 2_000_000 + i)).unwrap();
     }
     let main: String = (0..MODULES).map(|i| format!("import mod_{i:02}\n")).collect();
     std::fs::write(dir.join("main.py"), main).unwrap();
-    run(memtrace()
-        .args(["record", "-q", "--force", "--no-kernel", "-o"])
-        .arg(&data)
-        .arg("--")
-        .arg(PYTHON)
-        .arg("-B")
-        .arg(dir.join("main.py")));
-    let report = report_json(&data, &["--by", "stack"]);
+    let report = record_python(&dir, &["-B".as_ref(), dir.join("main.py").as_os_str()]);
     for i in 0..MODULES {
         // bytearray(n) asks malloc for n + 1 bytes.
         let stacks = stacks_of(&report, 2_000_001 + u64::from(i));

@@ -481,7 +481,7 @@ impl Unwinder {
         if ips.last() != Some(&miss.ip) {
             ips.push(miss.ip);
         }
-        let end = match asid {
+        let (end, waiting_on) = match asid {
             Some(asid) => {
                 let regs = Regs { ip: miss.ip, sp: miss.sp, bp: miss.bp, exact: miss.exact };
                 let memory = StackCopy { base: miss.sp, bytes: &miss.copy };
@@ -508,7 +508,6 @@ impl Unwinder {
             }
             None => (End::Truncated, None),
         };
-        let (end, waiting_on) = end;
         if end == End::Wait {
             return Err(waiting_on);
         }
