@@ -1,4 +1,4 @@
-//! Encoding of one `Events` chunk (format version 4): each field of the events in a stream
+//! Encoding of one `Events` chunk (format version 4 and later): each field of the events in a stream
 //! of its own (tags, times, tasks, addresses, sizes, stacks, the rest), so the deflate step
 //! meets runs of like values rather than interleaved fields. Each chunk starts from a clean
 //! state (base timestamp, empty task and call-site tables, zero address deltas), so chunks
@@ -14,21 +14,26 @@
 //!          tid follow)
 //! addrs    version 5: allocations, 0 and the zigzag delta from the end of the previous
 //!          allocation of its address space (its address + bytes allocated: an allocator
-//!          carving fresh memory hands out the next block there), or k (1-64): the address the k-th most recent free of the
-//!          space gave back and no allocation took since (glibc's tcache and fastbins hand
+//!          carving fresh memory hands out the next block there), or k (1-64): the address
+//!          the k-th most recent free of the space gave back and no allocation took since (glibc's tcache and fastbins hand
 //!          back the block freed last); frees, 0 and the zigzag delta from the previous free
 //!          of the space, or k: the block of the k-th most recent allocation of the chunk
 //!          still live (most blocks die young, in reverse order of birth). Version 4: the
-//!          zigzag delta from the previous address of the space, for both
+//!          zigzag delta from the previous address of the space, for both. Version 6
+//!          codes the kernel page space's addresses (`struct page` pointers) rotated right
+//!          by 6 bits, counting pages (`AddrRefs::key`)
 //! sizes    allocations: bytes requested, zigzag (allocated - requested)
-//! stacks   allocations: the stack id
+//! stacks   allocations: version 6, the zigzag delta from the stack id of the previous
+//!          allocation of its task (from 0); before, the stack id
 //! other    kernel events: CPU; kernel allocations: call-site index (new: the site follows),
 //!          GFP flags, zigzag node, order byte; GPU allocations: zigzag device; user
 //!          allocations with the allocator flag: its index byte; frees: the argument; task
 //!          events: parent pid, command, file name
 //! ```
 //! On the heavy Python bench the version-5 addresses take ~300 KB where version 4 took 414 KB
-//! (deflated).
+//! (deflated); version 6's page counts take 4 % off them, and its stack deltas take the
+//! stack stream from 154 KB to 32 KB (ids are numbered as stacks are first met, so a
+//! thread walking through new code makes ids one after another).
 //!
 //! Timestamps are kept to the recording's resolution (`Meta::time_resolution_ns`, 1 µs by
 //! default: below that the digits are noise, and they took most of a recording's bytes);
@@ -63,6 +68,10 @@ const STREAMS: usize = 7;
 
 /// Address spaces an address delta is kept per (`Kind::space`).
 const SPACES: usize = 8;
+/// The kernel's page space: its addresses are `struct page` pointers.
+const PAGE_SPACE: usize = memtrace_common::Space::Page as usize;
+/// log2 of `sizeof(struct page)` on 64-bit kernels: the stride of a page space's addresses.
+const PAGE_STRUCT_SHIFT: u32 = 6;
 
 fn space_index(kind: Kind) -> usize {
     kind.space() as usize % SPACES
@@ -184,6 +193,8 @@ impl Ranks {
 /// previous allocation and free of each space.
 #[derive(Default)]
 struct AddrRefs {
+    /// Version 6: the page space's addresses are coded as page keys ([`AddrRefs::key`]).
+    page_keys: bool,
     ranks: Ranks,
     /// (space, address) of each allocation number.
     blocks: Vec<(u8, u64)>,
@@ -201,6 +212,28 @@ impl AddrRefs {
         self.prev_free = [0; SPACES];
     }
 
+    /// The references of format `version` (none before 5).
+    fn for_version(version: u16) -> Option<Self> {
+        (version >= 5).then(|| Self { page_keys: version >= 6, ..Default::default() })
+    }
+
+    /// What an address is coded as. Kernel page events carry the page's `struct page`
+    /// pointer: 64 bytes apart per page, so from version 6 the page space's pointers are
+    /// rotated right by 6 bits (a bijection: neighbouring pages are 1 apart, and a pointer
+    /// off that stride still round-trips) and a block's end is its key plus its pages.
+    fn key(&self, space: usize, ptr: u64) -> u64 {
+        if self.page_keys && space == PAGE_SPACE { ptr.rotate_right(PAGE_STRUCT_SHIFT) } else { ptr }
+    }
+
+    fn address(&self, space: usize, key: u64) -> u64 {
+        if self.page_keys && space == PAGE_SPACE { key.rotate_left(PAGE_STRUCT_SHIFT) } else { key }
+    }
+
+    /// How far a block of `bytes` at `key` reaches, in keys.
+    fn span(&self, space: usize, bytes: u64) -> u64 {
+        if self.page_keys && space == PAGE_SPACE { bytes >> 12 } else { bytes }
+    }
+
     fn allocated(&mut self, space: usize, ptr: u64) -> usize {
         self.blocks.push((space as u8, ptr));
         self.ranks.push()
@@ -208,12 +241,59 @@ impl AddrRefs {
 
     /// The allocation at `ptr` has `bytes`: where the next one is expected.
     fn sized(&mut self, space: usize, ptr: u64, bytes: u64) {
-        self.alloc_end[space] = ptr.wrapping_add(bytes);
+        self.alloc_end[space] = ptr.wrapping_add(self.span(space, bytes));
     }
 
     fn freed(&mut self, space: usize, ptr: u64) {
         self.prev_free[space] = ptr;
         self.freed[space].push(ptr);
+    }
+}
+
+/// Version 6's stack ids: each allocation's as the zigzag delta from the previous
+/// allocation's of its task. Ids are numbered as stacks are first seen, and a program
+/// walking through new code (an interpreter's successive lines) makes new stacks one after
+/// another: on the heavy Python bench most deltas are +1 or 0, and the stream deflates to a
+/// fifth of the ids themselves. Earlier versions: the id.
+#[derive(Default)]
+struct TaskStacks {
+    deltas: bool,
+    /// By task index (the chunk's task table).
+    prev: Vec<u64>,
+    /// The current event's task index.
+    task: usize,
+}
+
+impl TaskStacks {
+    fn for_version(version: u16) -> Self {
+        Self { deltas: version >= 6, ..Default::default() }
+    }
+
+    fn clear(&mut self) {
+        self.prev.clear();
+        self.task = 0;
+    }
+
+    fn task_added(&mut self) {
+        self.prev.push(0);
+    }
+
+    fn put(&mut self, out: &mut Vec<u8>, stack: u64) {
+        if !self.deltas {
+            return put_varint(out, stack);
+        }
+        let prev = &mut self.prev[self.task];
+        put_signed(out, stack.wrapping_sub(*prev) as i64);
+        *prev = stack;
+    }
+
+    fn get(&mut self, c: &mut Cursor<'_>) -> Result<u64, FormatError> {
+        if !self.deltas {
+            return c.varint();
+        }
+        let prev = self.prev.get_mut(self.task).ok_or_else(|| c.error("stack of no task"))?;
+        *prev = prev.wrapping_add(c.signed()? as u64);
+        Ok(*prev)
     }
 }
 
@@ -225,6 +305,8 @@ pub(super) struct EncodeState {
     prev_task: Option<(u32, u32)>,
     prev_ptr: [u64; SPACES],
     task_index: HashMap<(u32, u32), u64>,
+    /// Version 6: each task's previous stack id, by task index, and the current task's.
+    stacks: TaskStacks,
     call_site_index: HashMap<u64, u64>,
     refs: Option<AddrRefs>,
     /// Version 5: the allocation number of each live block of the chunk.
@@ -232,15 +314,16 @@ pub(super) struct EncodeState {
 }
 
 impl EncodeState {
-    /// A state for version 5 (`refs`) or the older layouts.
-    pub(super) fn new(refs: bool) -> Self {
-        Self { refs: refs.then(AddrRefs::default), ..Default::default() }
+    /// A state for the layout of format `version` (references from version 5).
+    pub(super) fn new(version: u16) -> Self {
+        Self { refs: AddrRefs::for_version(version), stacks: TaskStacks::for_version(version), ..Default::default() }
     }
 
     fn clear(&mut self) {
         self.prev_task = None;
         self.prev_ptr = [0; SPACES];
         self.task_index.clear();
+        self.stacks.clear();
         self.call_site_index.clear();
         self.live.clear();
         if let Some(r) = &mut self.refs {
@@ -254,6 +337,7 @@ impl EncodeState {
             self.prev_ptr[space] = ptr;
             return;
         };
+        let ptr = r.key(space, ptr);
         let freed = &mut r.freed[space];
         match freed.iter().rev().take(FREED_WINDOW).position(|&p| p == ptr) {
             Some(k) => {
@@ -276,6 +360,7 @@ impl EncodeState {
             self.prev_ptr[space] = ptr;
             return;
         };
+        let ptr = r.key(space, ptr);
         match self.live.remove(&(space as u8, ptr)) {
             Some(n) => {
                 put_varint(out, r.ranks.rank(n));
@@ -305,16 +390,22 @@ pub(super) fn encode_event(out: &mut impl FieldsOut, st: &mut EncodeState, event
     put_signed(out.field(TIMES), time);
     if !same_task {
         let tasks = out.field(TASKS);
-        match st.task_index.get(&(pid, tid)) {
-            Some(&i) => put_varint(tasks, i),
+        let i = match st.task_index.get(&(pid, tid)) {
+            Some(&i) => {
+                put_varint(tasks, i);
+                i
+            }
             None => {
                 let i = st.task_index.len() as u64;
                 put_varint(tasks, i);
                 put_varint(tasks, u64::from(pid));
                 put_varint(tasks, u64::from(tid));
                 st.task_index.insert((pid, tid), i);
+                st.stacks.task_added();
+                i
             }
-        }
+        };
+        st.stacks.task = i as usize;
         st.prev_task = Some((pid, tid));
     }
     if flags != 0 {
@@ -329,7 +420,7 @@ pub(super) fn encode_event(out: &mut impl FieldsOut, st: &mut EncodeState, event
             st.put_alloc_addr(out.field(ADDRS), space, a.ptr, a.bytes_alloc);
             put_varint(out.field(SIZES), a.bytes_req);
             put_signed(out.field(SIZES), a.bytes_alloc.wrapping_sub(a.bytes_req) as i64);
-            put_varint(out.field(STACKS), a.stack);
+            st.stacks.put(out.field(STACKS), a.stack);
             let other = out.field(OTHER);
             if a.kind.is_kernel() {
                 match st.call_site_index.get(&a.call_site) {
@@ -376,15 +467,16 @@ pub(super) fn encode_event(out: &mut impl FieldsOut, st: &mut EncodeState, event
 pub(super) struct DecodeState {
     prev_task: Option<(u32, u32)>,
     tasks: Vec<(u32, u32)>,
+    stacks: TaskStacks,
     call_sites: Vec<u64>,
     prev_ptr: [u64; SPACES],
     refs: Option<AddrRefs>,
 }
 
 impl DecodeState {
-    /// A state for version 5 (`refs`) or the older layouts.
-    pub(super) fn new(refs: bool) -> Self {
-        Self { refs: refs.then(AddrRefs::default), ..Default::default() }
+    /// A state for the layout of format `version` (references from version 5).
+    pub(super) fn new(version: u16) -> Self {
+        Self { refs: AddrRefs::for_version(version), stacks: TaskStacks::for_version(version), ..Default::default() }
     }
 
     fn addr(&mut self, c: &mut Cursor<'_>, space: usize, free: bool) -> Result<u64, FormatError> {
@@ -403,7 +495,7 @@ impl DecodeState {
                 r.blocks[n].1
             };
             r.freed(space, ptr);
-            Ok(ptr)
+            Ok(r.address(space, ptr))
         } else {
             let ptr = if k == 0 {
                 r.alloc_end[space].wrapping_add(c.signed()? as u64)
@@ -415,7 +507,7 @@ impl DecodeState {
                 freed.remove(freed.len() - k as usize)
             };
             r.allocated(space, ptr);
-            Ok(ptr)
+            Ok(r.address(space, ptr))
         }
     }
 }
@@ -441,7 +533,9 @@ pub(super) fn decode_event<'a>(
             let pid = tasks.varint_u32()?;
             let tid = tasks.varint_u32()?;
             st.tasks.push((pid, tid));
+            st.stacks.task_added();
         }
+        st.stacks.task = i;
         *st.tasks.get(i).ok_or_else(|| corrupt("task reference out of range"))?
     };
     st.prev_task = Some((pid, tid));
@@ -476,9 +570,9 @@ pub(super) fn decode_event<'a>(
     let bytes_req = sizes.varint()?;
     let bytes_alloc = bytes_req.wrapping_add(sizes.signed()? as u64);
     if let Some(r) = &mut st.refs {
-        r.sized(space, ptr, bytes_alloc);
+        r.sized(space, r.key(space, ptr), bytes_alloc);
     }
-    let stack = inp.field(STACKS).varint()?;
+    let stack = st.stacks.get(inp.field(STACKS))?;
     let o = inp.field(OTHER);
     let (call_site, gfp_flags, node, order) = if kind.is_kernel() {
         let i = o.varint()? as usize;
@@ -533,23 +627,19 @@ pub struct EventEncoder {
 impl EventEncoder {
     /// An encoder keeping timestamps to `resolution_ns` (0 or 1: exact).
     pub fn new(resolution_ns: u64) -> Self {
-        Self::with_refs(resolution_ns, true)
+        Self::with_version(resolution_ns, super::VERSION)
     }
 
-    /// An encoder of version 4's layout (for the tests that make older recordings).
-    #[cfg(test)]
-    pub fn version_4(resolution_ns: u64) -> Self {
-        Self::with_refs(resolution_ns, false)
-    }
-
-    fn with_refs(resolution_ns: u64, refs: bool) -> Self {
+    /// An encoder of format `version`'s layout (4 or later; the tests make older
+    /// recordings with it).
+    pub(super) fn with_version(resolution_ns: u64, version: u16) -> Self {
         Self {
             streams: Default::default(),
             count: 0,
             base_ts: 0,
             resolution: resolution_ns.max(1),
             prev_ticks: 0,
-            state: EncodeState::new(refs),
+            state: EncodeState::new(version),
         }
     }
 
@@ -586,7 +676,7 @@ impl EventEncoder {
     }
 }
 
-/// Decodes a whole version-4 or -5 `Events` chunk payload, calling `sink` per event.
+/// Decodes a whole version-4 (or later) `Events` chunk payload, calling `sink` per event.
 pub fn decode_chunk(payload: &[u8], base: u64, version: u16, sink: &mut dyn FnMut(Event)) -> Result<u32, FormatError> {
     let corrupt = |reason: &str| FormatError::Corrupt { offset: base, reason: reason.to_string() };
     let mut head = Cursor::new(payload, base);
@@ -601,7 +691,7 @@ pub fn decode_chunk(payload: &[u8], base: u64, version: u16, sink: &mut dyn FnMu
     if count as usize > streams[TAGS].rest().len() {
         return Err(corrupt("more events than tags"));
     }
-    let mut st = DecodeState::new(version >= 5);
+    let mut st = DecodeState::new(version);
     let mut prev_ticks = 0i64;
     for _ in 0..count {
         let event = decode_event(&mut streams, &mut st, base, |delta| {

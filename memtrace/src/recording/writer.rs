@@ -14,8 +14,11 @@ use super::{
 };
 use crate::event::Event;
 
-/// Events chunks are cut at this many bytes.
-const EVENTS_CHUNK_BYTES: usize = 256 << 10;
+/// Events chunks are cut at this many bytes (before deflating), if the recorder's periodic
+/// flush has not cut them first. A chunk starts its references afresh, so larger ones cost
+/// less: on the heavy Python bench 1 MiB takes 3 % off the file where 256 KiB cut it every
+/// ~20k events.
+const EVENTS_CHUNK_BYTES: usize = 1 << 20;
 /// Payloads shorter than this are stored as they are.
 const DEFLATE_FROM_BYTES: usize = 256;
 /// zlib's level 6: on the heavy Python bench's recording (format 4), events and stacks deflate to
