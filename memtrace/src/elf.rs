@@ -54,6 +54,7 @@ impl ElfFile {
     /// first, then the full symbol table for static executables).
     pub fn function_offsets(&self, names: &[&str]) -> Result<HashMap<String, Function>> {
         let file = self.parse()?;
+        let wanted: std::collections::HashSet<&str> = names.iter().copied().collect();
         let mut found = HashMap::new();
         for symbol in file.dynamic_symbols().chain(file.symbols()) {
             if symbol.kind() != SymbolKind::Text || !symbol.is_definition() {
@@ -61,7 +62,7 @@ impl ElfFile {
             }
             let Ok(name) = symbol.name() else { continue };
             // Versioned dynamic names ("malloc@@GLIBC_2.2.5") are not in .dynsym names.
-            if !names.contains(&name) || found.contains_key(name) {
+            if !wanted.contains(name) || found.contains_key(name) {
                 continue;
             }
             if let Some(offset) = vaddr_to_file_offset(&file, symbol.address()) {
@@ -83,6 +84,26 @@ impl ElfFile {
             let Ok(name) = symbol.name() else { continue };
             if name.ends_with(suffix) && !found.iter().any(|f| f == name) {
                 found.push(name.to_string());
+            }
+        }
+        Ok(found)
+    }
+
+    /// The defined functions whose names start with one of `prefixes`, by name (no
+    /// allocation for the others: libarrow's 100k+ symbols took 107 ms read whole).
+    pub fn functions_starting_with(&self, prefixes: &[&str]) -> Result<HashMap<String, Function>> {
+        let file = self.parse()?;
+        let mut found = HashMap::new();
+        for symbol in file.dynamic_symbols().chain(file.symbols()) {
+            if symbol.kind() != SymbolKind::Text || !symbol.is_definition() {
+                continue;
+            }
+            let Ok(name) = symbol.name() else { continue };
+            if !prefixes.iter().any(|p| name.starts_with(p)) || found.contains_key(name) {
+                continue;
+            }
+            if let Some(offset) = vaddr_to_file_offset(&file, symbol.address()) {
+                found.insert(name.to_string(), Function { offset, size: symbol.size() });
             }
         }
         Ok(found)

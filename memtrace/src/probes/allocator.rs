@@ -299,10 +299,13 @@ pub fn prefixed(objects: &[PathBuf]) -> Vec<Allocator> {
         let Ok(elf) = ElfFile::open(path) else { continue };
         // Most libraries have no `…mallocx`: only those with one are read whole.
         let Ok(candidates) = elf.function_names_ending_with("mallocx") else { continue };
-        if candidates.iter().all(|n| n == "mallocx") {
+        let prefixes: Vec<&str> =
+            candidates.iter().filter_map(|n| n.strip_suffix("mallocx")).filter(|p| !p.is_empty()).collect();
+        if prefixes.is_empty() {
             continue;
         }
-        let Ok(functions) = elf.functions() else { continue };
+        // Only the functions that may belong to those prefixes.
+        let Ok(functions) = elf.functions_starting_with(&prefixes) else { continue };
         for prefix in jemalloc_prefixes(&functions) {
             let points = family_points(&elf, path, &functions, Family::Jemalloc, &prefix);
             found.push(Allocator {

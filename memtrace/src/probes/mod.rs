@@ -647,8 +647,7 @@ impl TableSink for Probes {
     }
 
     fn installer(&self) -> Option<crate::unwind::store::Installer> {
-        let outer = outer_fd(&self.ebpf, "TABLES").ok()?;
-        Some(Box::new(move |tables: &[(u32, Vec<u64>)]| install_tables(outer.as_fd(), tables)))
+        Some(Box::new(self.table_maps().ok()?))
     }
 
     fn register_file(&mut self, id: FileId, table: FileTable) -> Result<()> {

@@ -1,8 +1,9 @@
 //! The unwind tables of a session, one per file whatever the number of processes mapping
 //! it: a slot per file (its index in the probes' tables array), built off the event path
-//! by worker threads (or read from the disk cache), then installed in the probes by the
-//! thread that owns them ([`TableStore::poll`]). Userspace finishes stack copies with the
-//! same tables. Memory is bounded: past the cap a file gets an empty table (its frames end
+//! by worker threads (or read from the disk cache), then installed in the probes and
+//! registered with them by an install thread of the store's own, as soon as each build
+//! ends, whatever the thread that drains the rings is doing; [`TableStore::poll`] learns
+//! of them after. Userspace finishes stack copies with the same tables. Memory is bounded: past the cap a file gets an empty table (its frames end
 //! stacks, counted) and a warning names it.
 use std::{
     collections::HashMap,
@@ -57,6 +58,7 @@ struct Job {
     slot: Slot,
     key: FileKey,
     path: PathBuf,
+    asked: Instant,
 }
 
 /// The builds waiting for a worker. The newest goes first: a library's code runs right
@@ -95,6 +97,50 @@ struct Done {
     from_cache: bool,
     elapsed: Duration,
     path: PathBuf,
+    asked: Instant,
+}
+
+/// What became of a build: the table the probes get (empty without call-frame information
+/// or past the cap) and how it came.
+enum Outcome {
+    Built(Duration),
+    FromCache,
+    WithoutCfi,
+    OverCap,
+}
+
+/// A finished build ready for the probes, and its outcome.
+struct Finished {
+    slot: Slot,
+    table: Arc<Table>,
+    outcome: Outcome,
+    path: PathBuf,
+    asked: Instant,
+}
+
+impl Finished {
+    /// Takes a worker's result; `installed_bytes` counts the bytes given to the probes so
+    /// far, against `max_bytes`.
+    fn of(done: Done, installed_bytes: &mut u64, max_bytes: u64) -> Self {
+        let (table, outcome) = match done.table {
+            Some(t) if *installed_bytes + t.byte_size() as u64 > max_bytes => {
+                (Table::from_rows(&[], Vec::new()), Outcome::OverCap)
+            }
+            Some(t) if done.from_cache => (t, Outcome::FromCache),
+            Some(t) => (t, Outcome::Built(done.elapsed)),
+            None => (Table::from_rows(&[], Vec::new()), Outcome::WithoutCfi),
+        };
+        *installed_bytes += table.byte_size() as u64;
+        Self { slot: done.slot, table: Arc::new(table), outcome, path: done.path, asked: done.asked }
+    }
+}
+
+/// A table installed (or not: `result`) by the install thread; `registered` when the thread
+/// registered its file with the probes too (a file without an interpreter to wait for).
+struct Answer {
+    finished: Finished,
+    result: anyhow::Result<()>,
+    registered: bool,
 }
 
 /// Where tables go once built: the probes' array (the session's `Probes`).
@@ -105,9 +151,13 @@ pub trait TableSink {
     /// Installs each table (its slot, and its elements laid out as the probes read them);
     /// one result per table, in order.
     fn install_tables(&mut self, tables: &[(Slot, Vec<u64>)]) -> Vec<anyhow::Result<()>>;
-    /// The same, for a thread of the store's own: the kernel waits for an RCU grace period
-    /// (10-30 ms) at each install, and the thread that drains the rings must not wait with
-    /// it (the rings fill, stack copies find no room). None: install on the caller's thread.
+    /// A sink for a thread of the store's own, which installs and registers each table as
+    /// its build ends: the kernel waits for an RCU grace period (10-30 ms) at each install,
+    /// and the thread that drains the rings is busy for 100 ms and more at times (probes
+    /// attached to a library just loaded). Tables that went through it were in the probes
+    /// ~400 ms after they were asked for on the heavy Python bench's cold start, most of it
+    /// waiting for that thread, while stack copies waited for them and filled the rings.
+    /// None: install on the caller's thread.
     fn installer(&self) -> Option<Installer> {
         None
     }
@@ -118,40 +168,116 @@ pub trait TableSink {
 }
 
 /// Installs tables from another thread (see [`TableSink::installer`]).
-pub type Installer = Box<dyn FnMut(&[(Slot, Vec<u64>)]) -> Vec<anyhow::Result<()>> + Send>;
+pub type Installer = Box<dyn TableSink + Send>;
 
-/// The thread installing tables in the probes: batches in, one answer per table out.
+/// The thread that takes the workers' builds, installs them in the probes and registers
+/// their files: one answer per table out.
 struct InstallThread {
-    batches: mpsc::Sender<Vec<(Slot, Arc<Table>)>>,
-    answers: Receiver<(Slot, Arc<Table>, anyhow::Result<()>)>,
+    answers: Receiver<Answer>,
 }
 
 impl InstallThread {
-    fn start(mut install: Installer) -> Option<Self> {
-        let (batches, batch_rx) = mpsc::channel::<Vec<(Slot, Arc<Table>)>>();
+    /// Starts the thread on the workers' results; on failure hands them back.
+    fn start(
+        mut sink: Installer,
+        results: Receiver<Done>,
+        mut installed_bytes: u64,
+        max_bytes: u64,
+    ) -> Result<Self, Receiver<Done>> {
         let (answer_tx, answers) = mpsc::channel();
-        std::thread::Builder::new()
-            .name("memtrace-install".into())
-            .spawn(move || {
-                // Ends when the store (the sender) is gone.
-                while let Ok(mut batch) = batch_rx.recv() {
-                    // Every batch waiting joins this one: the installs of one call share
-                    // their grace periods, and batches installed one by one each waited
-                    // for their own (a cold start's small libraries queued here ~60 ms).
-                    while let Ok(more) = batch_rx.try_recv() {
-                        batch.extend(more);
-                    }
-                    let elements: Vec<(Slot, Vec<u64>)> = batch.iter().map(|(slot, t)| (*slot, t.elements())).collect();
-                    let results = install(&elements);
+        let (handoff_tx, handoff) = mpsc::channel::<Receiver<Done>>();
+        let spawned = std::thread::Builder::new().name("memtrace-install".into()).spawn(move || {
+            let Ok(results) = handoff.recv() else { return };
+            // Ends when the workers are gone (the store closed their queue).
+            while let Ok(first) = results.recv() {
+                // Every build waiting joins this batch: the installs of one call share
+                // their grace periods, and batches installed one by one each waited for
+                // their own (a cold start's small libraries queued ~60 ms).
+                let mut done: Vec<Finished> = vec![Finished::of(first, &mut installed_bytes, max_bytes)];
+                done.extend(results.try_iter().map(|d| Finished::of(d, &mut installed_bytes, max_bytes)));
+                for batch in batches(done) {
+                    let elements: Vec<(Slot, Vec<u64>)> = batch.iter().map(|f| (f.slot, f.table.elements())).collect();
+                    let results = sink.install_tables(&elements);
                     drop(elements);
-                    for ((slot, table), result) in batch.into_iter().zip(results) {
-                        let _ = answer_tx.send((slot, table, result));
+                    for (finished, result) in batch.into_iter().zip(results) {
+                        let registered = result.is_ok()
+                            && match registration(&finished.path, &finished.table, finished.slot) {
+                                // A program waits for its interpreter's table: the store's
+                                // thread registers it.
+                                Some((_, _, Some(_))) => false,
+                                Some((id, entry, None)) => {
+                                    if let Err(e) = sink.register_file(id, entry) {
+                                        log::debug!(
+                                            "registering the unwind table of {}: {e:#}",
+                                            finished.path.display()
+                                        );
+                                    }
+                                    true
+                                }
+                                None => true,
+                            };
+                        if answer_tx.send(Answer { finished, result, registered }).is_err() {
+                            return;
+                        }
                     }
                 }
-            })
-            .ok()?;
-        Some(Self { batches, answers })
+            }
+        });
+        match spawned {
+            Ok(_) => {
+                // The thread exists: it takes the results (sending cannot fail, it waits).
+                let _ = handoff_tx.send(results);
+                Ok(Self { answers })
+            }
+            Err(_) => Err(results),
+        }
     }
+}
+
+/// Splits finished builds into install batches of at most [`BATCH_BYTES`] each (a table
+/// larger than that alone): their elements are copied for the install.
+fn batches(done: Vec<Finished>) -> Vec<Vec<Finished>> {
+    let mut out: Vec<Vec<Finished>> = Vec::new();
+    let mut bytes = 0;
+    for f in done {
+        let size = f.table.byte_size();
+        match out.last_mut() {
+            Some(batch) if bytes + size <= BATCH_BYTES => {
+                bytes += size;
+                batch.push(f);
+            }
+            _ => {
+                bytes = size;
+                out.push(vec![f]);
+            }
+        }
+    }
+    out
+}
+
+/// How the probes learn of the file of `slot`: its identity, where its code lies, and
+/// the interpreter (ld.so) it asks for, whose table must be ready first. None: nothing to
+/// register (no identity, or an empty table: its frames end stacks).
+fn registration(path: &Path, table: &Table, slot: Slot) -> Option<(FileId, FileTable, Option<PathBuf>)> {
+    let id = kernel_file_id(path)?;
+    let text = table.segments.iter().filter(|s| s.executable).min_by_key(|s| s.vaddr).copied()?;
+    let entry = FileTable {
+        slot,
+        interp_slot: NO_SLOT,
+        delta: text.vaddr.wrapping_sub(text.file_offset),
+        exec_vaddr: text.vaddr,
+        exec_size: text.file_size,
+        interp_exec_vaddr: 0,
+        interp_exec_size: 0,
+    };
+    let interp = crate::elf::ElfFile::open(path).ok().and_then(|e| e.interpreter()).map(|interp| {
+        // The interpreter as the program will see it: under the same root.
+        match path.to_str().and_then(|p| p.strip_prefix("/proc/")).and_then(|p| p.split_once("/root/")) {
+            Some((pid, _)) => PathBuf::from(format!("/proc/{pid}/root{interp}")),
+            None => PathBuf::from(interp),
+        }
+    });
+    Some((id, entry, interp))
 }
 
 pub struct TableStore {
@@ -160,21 +286,24 @@ pub struct TableStore {
     /// Files (by path as opened) → their key, so a file seen again is not re-read.
     keys: HashMap<PathBuf, (FileKey, Arc<[Segment]>)>,
     jobs: SharedQueue,
-    results: Receiver<Done>,
+    /// The workers' results, until the install thread takes them.
+    results: Option<Receiver<Done>>,
     workers: Vec<JoinHandle<()>>,
-    /// Tables built but not installed yet.
-    ready: Vec<(Slot, Arc<Table>)>,
+    /// Builds taken here and not installed yet (without an install thread).
+    ready: Vec<Finished>,
     /// A path each slot's file was asked for by.
     paths: Vec<PathBuf>,
     /// Installed files not registered with the probes yet (their interpreter's table is
     /// not ready).
     unregistered: Vec<Slot>,
+    /// Tables asked for and not installed yet.
     pending_builds: usize,
-    /// The install thread, once a sink offered one, and the tables it holds.
+    /// The install thread, once a sink offered one.
     installing: Option<InstallThread>,
     /// When each slot's table was asked for.
     asked: Vec<Instant>,
-    in_flight: usize,
+    /// Bytes of the tables given to the probes here (without an install thread).
+    installed_bytes: u64,
     stats: StoreStats,
     max_bytes: u64,
     warned_cap: bool,
@@ -207,6 +336,7 @@ impl TableStore {
                                 from_cache,
                                 elapsed: started.elapsed(),
                                 path: job.path,
+                                asked: job.asked,
                             });
                         }
                     })
@@ -218,7 +348,7 @@ impl TableStore {
             states: Vec::new(),
             keys: HashMap::new(),
             jobs: queue,
-            results: done_rx,
+            results: Some(done_rx),
             workers,
             ready: Vec::new(),
             paths: Vec::new(),
@@ -226,7 +356,7 @@ impl TableStore {
             pending_builds: 0,
             installing: None,
             asked: Vec::new(),
-            in_flight: 0,
+            installed_bytes: 0,
             stats: StoreStats::default(),
             max_bytes,
             warned_cap: false,
@@ -262,14 +392,15 @@ impl TableStore {
             return None;
         }
         let slot = self.states.len() as Slot;
+        let asked = Instant::now();
         self.states.push(TableState::Building);
         self.paths.push(path.to_path_buf());
-        self.asked.push(Instant::now());
+        self.asked.push(asked);
         self.slots.insert(key.clone(), slot);
         self.pending_builds += 1;
         let (lock, ready) = &*self.jobs;
         if let Ok(mut q) = lock.lock() {
-            q.jobs.push(Job { slot, key, path: path.to_path_buf() });
+            q.jobs.push(Job { slot, key, path: path.to_path_buf(), asked });
             ready.notify_one();
         }
         Some((slot, segments))
@@ -300,97 +431,42 @@ impl TableStore {
 
     /// Whether every table asked for is built and installed.
     pub fn idle(&self) -> bool {
-        self.pending_builds == 0 && self.ready.is_empty() && self.in_flight == 0
+        self.pending_builds == 0 && self.ready.is_empty()
     }
 
-    /// Takes the builds that finished and installs them through `sink` (on the install
-    /// thread when the sink offers one: this call then never waits). Returns how many
-    /// tables became ready: userspace finishes stack copies with a table from then on,
-    /// the probes once it is installed and registered.
+    /// Learns of the tables installed since the last call (by the install thread, once the
+    /// sink offers one: this call then never waits), or takes the builds that finished and
+    /// installs them through `sink`. Returns how many tables became ready: userspace
+    /// finishes stack copies with them from then on.
     pub fn poll(&mut self, sink: &mut dyn TableSink) -> usize {
-        while let Ok(done) = self.results.try_recv() {
-            self.pending_builds = self.pending_builds.saturating_sub(1);
-            let ms = done.elapsed.as_millis() as u64;
-            let table = match done.table {
-                Some(t) => {
-                    if done.from_cache {
-                        self.stats.from_cache += 1;
-                    } else {
-                        self.stats.built += 1;
-                        self.stats.build_ms += ms;
-                        self.stats.longest_build_ms = self.stats.longest_build_ms.max(ms);
-                    }
-                    log::debug!(
-                        "unwind table of {}: {} rows, {} KiB, {} in {ms} ms",
-                        done.path.display(),
-                        t.rows.len(),
-                        t.byte_size() >> 10,
-                        if done.from_cache { "from the cache" } else { "built" }
-                    );
-                    t
-                }
-                None => {
-                    self.stats.without_cfi += 1;
-                    log::debug!("{} has no usable call-frame information: its frames end stacks", done.path.display());
-                    Table::from_rows(&[], Vec::new())
-                }
-            };
-            let table = if self.stats.bytes + table.byte_size() as u64 > self.max_bytes {
-                self.stats.over_cap += 1;
-                if !self.warned_cap {
-                    self.warned_cap = true;
-                    eprintln!(
-                        "memtrace: warning: unwind tables reached {} MiB: stacks through {} and later files are cut short there",
-                        self.max_bytes >> 20,
-                        done.path.display()
-                    );
-                }
-                Table::from_rows(&[], Vec::new())
-            } else {
-                table
-            };
-            self.ready.push((done.slot, Arc::new(table)));
-        }
-        if self.installing.is_none() {
-            self.installing = sink.installer().and_then(InstallThread::start);
+        if self.installing.is_none()
+            && let Some(installer) = sink.installer()
+            && let Some(results) = self.results.take()
+        {
+            match InstallThread::start(installer, results, self.installed_bytes, self.max_bytes) {
+                Ok(thread) => self.installing = Some(thread),
+                Err(results) => self.results = Some(results),
+            }
         }
         let mut installed = 0;
-        let mut ready = std::mem::take(&mut self.ready).into_iter().peekable();
-        while ready.peek().is_some() {
-            // A batch is installed at once (the sink overlaps the kernel's waits); its
-            // elements are copies, so a batch is bounded in bytes.
-            let mut batch = Vec::new();
-            let mut bytes = 0;
-            while let Some((slot, table)) =
-                ready.next_if(|(_, t)| batch.is_empty() || bytes + t.byte_size() <= BATCH_BYTES)
-            {
-                bytes += table.byte_size();
-                batch.push((slot, table));
-            }
-            match &self.installing {
-                Some(thread) => {
-                    // Userspace finishes copies with them at once.
-                    for (slot, table) in &batch {
-                        if let Some(state) = self.states.get_mut(*slot as usize) {
-                            *state = TableState::Ready(Arc::clone(table));
-                        }
-                    }
-                    installed += batch.len();
-                    self.in_flight += batch.len();
-                    if let Err(mpsc::SendError(batch)) = thread.batches.send(batch) {
-                        self.in_flight -= batch.len();
-                        self.installing = None;
-                        self.install_batch(batch, sink);
-                    }
-                }
-                None => installed += self.install_batch(batch, sink),
+        if let Some(thread) = &self.installing {
+            let answers: Vec<Answer> = thread.answers.try_iter().collect();
+            for Answer { finished, result, registered } in answers {
+                installed += 1;
+                self.installed(finished, result, registered);
             }
         }
-        if let Some(thread) = &self.installing {
-            let answers: Vec<_> = thread.answers.try_iter().collect();
-            for (slot, table, result) in answers {
-                self.in_flight = self.in_flight.saturating_sub(1);
-                self.installed(slot, table, result);
+        if let Some(results) = &self.results {
+            let (bytes, max) = (&mut self.installed_bytes, self.max_bytes);
+            self.ready.extend(results.try_iter().map(|done| Finished::of(done, bytes, max)));
+        }
+        for batch in batches(std::mem::take(&mut self.ready)) {
+            let elements: Vec<(Slot, Vec<u64>)> = batch.iter().map(|f| (f.slot, f.table.elements())).collect();
+            let results = sink.install_tables(&elements);
+            drop(elements);
+            for (finished, result) in batch.into_iter().zip(results) {
+                installed += 1;
+                self.installed(finished, result, false);
             }
         }
         if !self.unregistered.is_empty() {
@@ -403,22 +479,49 @@ impl TableStore {
         installed
     }
 
-    /// Installs `batch` through `sink`; returns how many tables it held.
-    fn install_batch(&mut self, batch: Vec<(Slot, Arc<Table>)>, sink: &mut dyn TableSink) -> usize {
-        let elements: Vec<(Slot, Vec<u64>)> = batch.iter().map(|(slot, table)| (*slot, table.elements())).collect();
-        let results = sink.install_tables(&elements);
-        drop(elements);
-        let mut installed = 0;
-        for ((slot, table), result) in batch.into_iter().zip(results) {
-            self.installed(slot, table, result);
-            installed += 1;
+    /// Counts a table installed in the probes (or not), marks it ready and, unless the
+    /// install thread did, queues its file's registration.
+    fn installed(&mut self, finished: Finished, result: anyhow::Result<()>, registered: bool) {
+        let Finished { slot, table, outcome, path, asked } = finished;
+        self.pending_builds = self.pending_builds.saturating_sub(1);
+        match outcome {
+            Outcome::Built(elapsed) => {
+                let ms = elapsed.as_millis() as u64;
+                self.stats.built += 1;
+                self.stats.build_ms += ms;
+                self.stats.longest_build_ms = self.stats.longest_build_ms.max(ms);
+                log::debug!(
+                    "unwind table of {}: {} rows, {} KiB, built in {ms} ms",
+                    path.display(),
+                    table.rows.len(),
+                    table.byte_size() >> 10
+                );
+            }
+            Outcome::FromCache => {
+                self.stats.from_cache += 1;
+                log::debug!(
+                    "unwind table of {}: {} rows, {} KiB, from the cache",
+                    path.display(),
+                    table.rows.len(),
+                    table.byte_size() >> 10
+                );
+            }
+            Outcome::WithoutCfi => {
+                self.stats.without_cfi += 1;
+                log::debug!("{} has no usable call-frame information: its frames end stacks", path.display());
+            }
+            Outcome::OverCap => {
+                self.stats.over_cap += 1;
+                if !self.warned_cap {
+                    self.warned_cap = true;
+                    eprintln!(
+                        "memtrace: warning: unwind tables reached {} MiB: stacks through {} and later files are cut short there",
+                        self.max_bytes >> 20,
+                        path.display()
+                    );
+                }
+            }
         }
-        installed
-    }
-
-    /// Counts a table installed in the probes (or not), marks it ready and queues its
-    /// file's registration.
-    fn installed(&mut self, slot: Slot, table: Arc<Table>, result: anyhow::Result<()>) {
         match result {
             Ok(()) => {
                 self.stats.bytes += table.byte_size() as u64;
@@ -426,11 +529,20 @@ impl TableStore {
             }
             Err(e) => log::warn!("installing the unwind table in slot {slot}: {e:#}"),
         }
+        if registered {
+            log::debug!(
+                "unwind table of {} in the probes {} ms after it was asked for",
+                path.display(),
+                asked.elapsed().as_millis()
+            );
+        }
         // Userspace finishes copies with it either way.
         if let Some(state) = self.states.get_mut(slot as usize) {
             *state = TableState::Ready(table);
         }
-        self.unregistered.push(slot);
+        if !registered {
+            self.unregistered.push(slot);
+        }
     }
 
     /// Registers the file of `slot` with the probes: its identity, where its code lies,
@@ -438,37 +550,19 @@ impl TableStore {
     fn register(&mut self, slot: Slot, sink: &mut dyn TableSink) -> bool {
         let Some(path) = self.paths.get(slot as usize).cloned() else { return true };
         let Some(TableState::Ready(table)) = self.state(slot).cloned() else { return true };
-        let Some(id) = kernel_file_id(&path) else { return true };
-        let Some(text) = table.segments.iter().filter(|s| s.executable).min_by_key(|s| s.vaddr).copied() else {
-            return true; // an empty table (no call-frame information): nothing to walk
-        };
-        let mut entry = FileTable {
-            slot,
-            interp_slot: NO_SLOT,
-            delta: text.vaddr.wrapping_sub(text.file_offset),
-            exec_vaddr: text.vaddr,
-            exec_size: text.file_size,
-            interp_exec_vaddr: 0,
-            interp_exec_size: 0,
-        };
-        if let Some(interp) = crate::elf::ElfFile::open(&path).ok().and_then(|e| e.interpreter()) {
-            // The interpreter as the program will see it: under the same root.
-            let interp = match path.to_str().and_then(|p| p.strip_prefix("/proc/")).and_then(|p| p.split_once("/root/"))
-            {
-                Some((pid, _)) => PathBuf::from(format!("/proc/{pid}/root{interp}")),
-                None => PathBuf::from(interp),
-            };
-            if let Some((interp_slot, _)) = self.request(&interp) {
-                match self.state(interp_slot) {
-                    Some(TableState::Ready(t)) => {
-                        if let Some(text) = t.segments.iter().filter(|s| s.executable).min_by_key(|s| s.vaddr) {
-                            entry.interp_slot = interp_slot;
-                            entry.interp_exec_vaddr = text.vaddr;
-                            entry.interp_exec_size = text.file_size;
-                        }
+        let Some((id, mut entry, interp)) = registration(&path, &table, slot) else { return true };
+        if let Some(interp) = interp
+            && let Some((interp_slot, _)) = self.request(&interp)
+        {
+            match self.state(interp_slot) {
+                Some(TableState::Ready(t)) => {
+                    if let Some(text) = t.segments.iter().filter(|s| s.executable).min_by_key(|s| s.vaddr) {
+                        entry.interp_slot = interp_slot;
+                        entry.interp_exec_vaddr = text.vaddr;
+                        entry.interp_exec_size = text.file_size;
                     }
-                    _ => return false,
                 }
+                _ => return false,
             }
         }
         log::debug!(
@@ -557,6 +651,8 @@ fn build_or_load(job: &Job, cache: Option<&DiskCache>) -> (Option<Table>, bool) 
 
 #[cfg(test)]
 mod tests {
+    use std::sync::Mutex;
+
     use super::*;
 
     #[derive(Default)]
@@ -584,6 +680,65 @@ mod tests {
         assert_eq!(store.stats().built, sink.0.len() as u64);
         let Some(TableState::Ready(table)) = store.state(slot) else { panic!("not ready") };
         assert!(table.rows.len() > 1000);
+    }
+
+    /// What a sink of the install-thread test was asked: (on the install thread, "install"
+    /// or "register", slot or inode).
+    type Asked = (bool, &'static str, u64);
+
+    /// What the sinks of the install-thread test saw, and on which thread.
+    #[derive(Clone, Default)]
+    struct Seen(Arc<Mutex<Vec<Asked>>>);
+
+    impl Seen {
+        fn note(&self, what: &'static str, n: u64) {
+            let on_install_thread = std::thread::current().name() == Some("memtrace-install");
+            self.0.lock().unwrap().push((on_install_thread, what, n));
+        }
+    }
+
+    impl TableSink for Seen {
+        fn install_tables(&mut self, tables: &[(Slot, Vec<u64>)]) -> Vec<anyhow::Result<()>> {
+            tables.iter().map(|(slot, _)| self.note("install", u64::from(*slot))).map(Ok).collect()
+        }
+        fn installer(&self) -> Option<Installer> {
+            Some(Box::new(self.clone()))
+        }
+        fn register_file(&mut self, id: FileId, _table: FileTable) -> anyhow::Result<()> {
+            self.note("register", id.ino);
+            Ok(())
+        }
+    }
+
+    #[test]
+    fn the_install_thread_installs_and_registers_libraries_as_their_builds_end() {
+        use std::os::unix::fs::MetadataExt as _;
+        let exe = std::env::current_exe().unwrap();
+        let maps = std::fs::read_to_string("/proc/self/maps").unwrap();
+        // The dynamic linker: a library without an interpreter of its own (libc has one).
+        let ld = maps.lines().filter_map(|l| l.split_whitespace().nth(5)).find(|p| p.contains("/ld-linux")).unwrap();
+        let ld = PathBuf::from(ld);
+        let mut store = TableStore::new(None, 2, DEFAULT_MAX_BYTES);
+        let exe_slot = store.request(&exe).unwrap().0;
+        let ld_slot = store.request(&ld).unwrap().0;
+        let mut sink = Seen::default();
+        assert!(store.wait_idle(&mut sink, Duration::from_secs(60)));
+        let seen = sink.0.lock().unwrap().clone();
+        let installs: Vec<_> = seen.iter().filter(|s| s.1 == "install").collect();
+        // The program and its interpreter, once each.
+        assert_eq!(installs.len(), 2, "{seen:?}");
+        assert!(installs.iter().all(|s| s.0), "every install on the install thread: {seen:?}");
+        assert!([exe_slot, ld_slot].iter().all(|&slot| installs.iter().any(|s| s.2 == u64::from(slot))));
+        let registered = |path: &Path| {
+            let ino = std::fs::metadata(path).unwrap().ino();
+            seen.iter().filter(|s| s.1 == "register" && s.2 == ino).map(|s| s.0).collect::<Vec<bool>>()
+        };
+        // A library is registered by the install thread, a program by the store's thread
+        // once its interpreter's table is ready.
+        assert_eq!(registered(&ld), [true], "{seen:?}");
+        assert_eq!(registered(&exe), [false], "{seen:?}");
+        assert_eq!(store.stats().built, 2);
+        assert!(matches!(store.state(ld_slot), Some(TableState::Ready(_))));
     }
 
     #[test]
