@@ -215,11 +215,11 @@ fn a_full_disk_stops_the_recording_and_keeps_what_was_written() {
     require_root();
     let dir = scratch("full");
     let mounted =
-        Command::new("mount").args(["-t", "tmpfs", "-o", "size=128k", "memtrace-full"]).arg(&dir).status().unwrap();
+        Command::new("mount").args(["-t", "tmpfs", "-o", "size=384k", "memtrace-full"]).arg(&dir).status().unwrap();
     assert!(mounted.success());
     let data = dir.join("full.data");
-    // Nanosecond times: the loop's 800,000 events (~500 KB) fill the 128 KiB a quarter of
-    // the way through, while it runs.
+    // Nanosecond times: the loop's 800,000 events fill the 384 KiB about half way through,
+    // while it runs (room for a few whole events chunks, each cut at 1 MiB of payload).
     let out = memtrace()
         .args(["record", "-q", "--exact-times", "-o"])
         .arg(&data)
