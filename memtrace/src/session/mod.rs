@@ -9,6 +9,7 @@
 //! Over 500 lines: the tracer's core (start, drain, stop) is one state machine; following, commands, the wake loop and the baseline are already in their own files.
 mod baseline;
 mod command;
+mod copies;
 mod follow;
 mod gpu;
 pub mod output;
@@ -175,6 +176,8 @@ pub struct Tracer {
     gpu: gpu::GpuState,
     /// The Python interpreters found in the traced processes.
     python: python::PythonState,
+    /// Finished stack copies named by their content.
+    copies: copies::CopyNames,
 }
 
 /// How long `-- CMD` waits for the unwind tables of its program before it starts (its
@@ -370,6 +373,7 @@ impl Tracer {
             ring_bytes: RingBytes::default(),
             gpu: Default::default(),
             python: Default::default(),
+            copies: Default::default(),
         };
         if let (Target::Pid(pid), true) = (&options.target, options.user) {
             // A running process may have loaded the CUDA driver already.
@@ -399,19 +403,29 @@ impl Tracer {
             sink.stack(stack);
             return;
         };
-        if let Some(done) = unwinder.accept(stack, &mut self.probes) {
-            Self::deliver(unwinder, done, sink);
+        let (hash, copy) = (stack.hash, stack.miss.is_some());
+        match unwinder.accept(stack, &mut self.probes) {
+            Some(done) if copy => Self::deliver_copy(unwinder, &mut self.copies, done, sink),
+            Some(done) => Self::deliver(unwinder, Some(done), sink),
+            None => self.copies.waiting(hash),
         }
     }
 
-    fn deliver(unwinder: &mut Unwinder, stack: StackRecord, sink: &mut dyn Sink) {
+    fn deliver(unwinder: &mut Unwinder, stack: Option<StackRecord>, sink: &mut dyn Sink) {
         for path in unwinder.take_new_files() {
             sink.file_seen(&path);
         }
         for (pid, maps) in unwinder.take_new_maps() {
             sink.maps_seen(pid, maps);
         }
-        sink.stack(stack);
+        if let Some(stack) = stack {
+            sink.stack(stack);
+        }
+    }
+
+    /// A finished stack copy, under its content's hash where it can be (once per content).
+    fn deliver_copy(unwinder: &mut Unwinder, copies: &mut copies::CopyNames, stack: StackRecord, sink: &mut dyn Sink) {
+        Self::deliver(unwinder, copies.finished(stack), sink);
     }
 
     /// Lets a paused command exec; says what is traced unless quiet.
@@ -504,11 +518,16 @@ impl Tracer {
         }
         if let Some(u) = self.unwinder.as_mut() {
             for done in u.poll(&mut self.probes) {
-                Self::deliver(u, done, sink);
+                Self::deliver_copy(u, &mut self.copies, done, sink);
             }
         }
-        let usable = &mut self.usable;
+        let (usable, copies) = (&mut self.usable, &mut self.copies);
         let mut forward = |mut e: Event| {
+            if let Event::Alloc(a) = &mut e
+                && a.stack != 0
+            {
+                a.stack = copies.released(a.stack);
+            }
             if usable.apply(&mut e) {
                 sink.event(e)
             }
@@ -535,10 +554,11 @@ impl Tracer {
         while self.drain(sink, true) > 0 {}
         if let Some(u) = self.unwinder.as_mut() {
             for done in u.flush(&mut self.probes) {
-                Self::deliver(u, done, sink);
+                Self::deliver_copy(u, &mut self.copies, done, sink);
             }
             u.save_programs_files();
         }
+        self.copies.clear();
         (teardown, counters)
     }
 }

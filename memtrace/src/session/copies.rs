@@ -1,0 +1,196 @@
+//! One stack for many copies. The probes give every stack copy (a walk that met a frame
+//! whose table was not ready) a hash of its own, used by the one allocation it came with;
+//! once finished, most copies are the same stack as others (a library's first calls while
+//! its table is built, a module's initialisation). This names each finished copy by its
+//! content instead, so the sinks name, symbolize and store each distinct stack once, and
+//! rewrites the hash of the allocation that used the copy to match.
+//!
+//! An allocation released to the sinks before its copy was finished (the copy waited longer
+//! than the time-ordering window for a table) keeps the copy's own hash, and the copy is
+//! then delivered under it, as without this.
+use memtrace_common::stack_hash_step;
+
+use crate::{
+    FastMap, FastSet,
+    event::{RawUserFrame, StackRecord},
+};
+
+/// Renames and delivered contents kept at most (a long `serve -a` meets copies all along).
+const MAX_RENAMED: usize = 1 << 20;
+const MAX_DELIVERED: usize = 1 << 18;
+
+/// Seeds the content hash: never the seed of a stack the probes walked.
+const CONTENT_SEED: u64 = 0x636f_7079_2d6f_6e65;
+
+#[derive(Default)]
+pub struct CopyNames {
+    /// Copies waiting for a table (by the hash the probes gave them).
+    waiting: FastSet<u64>,
+    /// Copies waiting whose allocation went out with their own hash.
+    released_early: FastSet<u64>,
+    /// Finished copies whose allocation has not gone out yet: their content's hash.
+    renamed: FastMap<u64, u64>,
+    /// Content hashes delivered to the sinks.
+    delivered: FastSet<u64>,
+    /// Copies delivered under their content's hash where another had been already.
+    pub merged: u64,
+}
+
+impl CopyNames {
+    /// A copy is waiting for a table.
+    pub fn waiting(&mut self, hash: u64) {
+        self.waiting.insert(hash);
+    }
+
+    /// A copy is finished (`stack`, under the probes' hash): the stack to deliver, under its
+    /// content's hash unless its allocation went out already; None when that content was
+    /// delivered before.
+    pub fn finished(&mut self, mut stack: StackRecord) -> Option<StackRecord> {
+        let hash = stack.hash;
+        self.waiting.remove(&hash);
+        if self.released_early.remove(&hash) {
+            return Some(stack);
+        }
+        let content = content_hash(&stack);
+        if self.renamed.len() >= MAX_RENAMED {
+            // Allocations lost in the rings leave their copy's rename behind: bounded.
+            self.renamed.clear();
+        }
+        self.renamed.insert(hash, content);
+        if self.delivered.len() >= MAX_DELIVERED {
+            // A content delivered again is only delivered twice; memory stays bounded.
+            self.delivered.clear();
+        }
+        if !self.delivered.insert(content) {
+            self.merged += 1;
+            return None;
+        }
+        stack.hash = content;
+        Some(stack)
+    }
+
+    /// The stack hash an allocation with stack `hash` goes out with.
+    pub fn released(&mut self, hash: u64) -> u64 {
+        if self.renamed.is_empty() && self.waiting.is_empty() {
+            return hash;
+        }
+        if let Some(content) = self.renamed.remove(&hash) {
+            return content;
+        }
+        if self.waiting.contains(&hash) {
+            self.released_early.insert(hash);
+        }
+        hash
+    }
+
+    /// Forgets what no allocation will ask for any more (at the end of a session).
+    pub fn clear(&mut self) {
+        self.waiting.clear();
+        self.released_early.clear();
+        self.renamed.clear();
+    }
+}
+
+/// A hash of everything a finished stack shows: its process, kernel and user frames, how
+/// it ended, its Python frames.
+fn content_hash(s: &StackRecord) -> u64 {
+    let mut h = stack_hash_step(CONTENT_SEED, u64::from(s.pid));
+    let flags = u64::from(s.truncated) | u64::from(s.joined_kernel) << 1 | (s.walk as u64) << 2;
+    h = stack_hash_step(h, flags);
+    h = stack_hash_step(h, s.kernel.len() as u64);
+    for &ip in &s.kernel {
+        h = stack_hash_step(h, ip);
+    }
+    h = stack_hash_step(h, s.user.len() as u64);
+    for f in &s.user {
+        h = match *f {
+            RawUserFrame::Ip(ip) => stack_hash_step(h, ip),
+            RawUserFrame::BuildId { build_id, offset } => {
+                let mut h = stack_hash_step(h, offset ^ (1 << 63));
+                for part in build_id.chunks(8) {
+                    let mut word = [0u8; 8];
+                    word[..part.len()].copy_from_slice(part);
+                    h = stack_hash_step(h, u64::from_le_bytes(word));
+                }
+                h
+            }
+        };
+    }
+    h = stack_hash_step(h, s.python.len() as u64);
+    for f in &s.python {
+        h = stack_hash_step(stack_hash_step(h, f.code), f.check);
+        h = stack_hash_step(h, u64::from(f.lasti as u32) | u64::from(f.flags) << 32);
+    }
+    h
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::event::UserWalk;
+
+    fn copy(hash: u64, user: &[u64]) -> StackRecord {
+        StackRecord {
+            hash,
+            pid: 7,
+            kernel: Vec::new(),
+            user: user.iter().map(|&ip| RawUserFrame::Ip(ip)).collect(),
+            walk: UserWalk::CallFrameInfo,
+            truncated: false,
+            joined_kernel: false,
+            miss: None,
+            asid: 1,
+            python: Vec::new(),
+            python_context: None,
+        }
+    }
+
+    #[test]
+    fn copies_of_one_stack_become_one_and_their_allocations_follow() {
+        let mut c = CopyNames::default();
+        let first = c.finished(copy(101, &[1, 2, 3])).expect("the first is delivered");
+        assert_ne!(first.hash, 101);
+        assert!(c.finished(copy(102, &[1, 2, 3])).is_none(), "the same content once");
+        let other = c.finished(copy(103, &[1, 2, 4])).expect("other content");
+        assert_ne!(other.hash, first.hash);
+        assert_eq!(c.released(101), first.hash);
+        assert_eq!(c.released(102), first.hash);
+        assert_eq!(c.released(103), other.hash);
+        assert_eq!(c.merged, 1);
+        // A hash no copy had is left alone, and the renames are forgotten once used.
+        assert_eq!(c.released(55), 55);
+        assert_eq!(c.released(101), 101);
+    }
+
+    #[test]
+    fn an_allocation_released_before_its_copy_is_finished_keeps_the_copys_hash() {
+        let mut c = CopyNames::default();
+        c.waiting(201);
+        assert_eq!(c.released(201), 201);
+        let s = c.finished(copy(201, &[1, 2, 3])).expect("delivered");
+        assert_eq!(s.hash, 201, "under the hash its allocation went out with");
+        // A later copy of the same content is still named by content.
+        let t = c.finished(copy(202, &[1, 2, 3])).expect("the content was not delivered");
+        assert_ne!(t.hash, 202);
+        assert_eq!(c.released(202), t.hash);
+    }
+
+    #[test]
+    fn what_a_stack_shows_tells_contents_apart() {
+        let base = copy(1, &[1, 2, 3]);
+        let mut truncated = base.clone();
+        truncated.truncated = true;
+        let mut kernel = base.clone();
+        kernel.kernel = vec![9];
+        let mut other_pid = base.clone();
+        other_pid.pid = 8;
+        let mut python = base.clone();
+        python.python = vec![memtrace_common::python::PyFrame { code: 5, lasti: 1, flags: 0, check: 2 }];
+        let hashes: std::collections::HashSet<u64> =
+            [&base, &truncated, &kernel, &other_pid, &python].map(content_hash).into();
+        assert_eq!(hashes.len(), 5);
+        let mut same = base.clone();
+        same.hash = 99;
+        assert_eq!(content_hash(&same), content_hash(&base), "the probes' hash is not content");
+    }
+}
