@@ -613,7 +613,10 @@ pub mod counter {
     /// Returns of malloc-family calls the probes ran for (a uprobe session skips the return
     /// of a call it does not record: an unsampled one, one the allocator makes to itself).
     pub const USER_RETURNS: u32 = 13;
-    pub const COUNT: u32 = 14;
+    /// Walks that met a frame without a table and went on from an anchor above it (a frame
+    /// of the thread's last whole walk still on the stack): only the gap is copied.
+    pub const UNWIND_ANCHORED: u32 = 14;
+    pub const COUNT: u32 = 15;
 }
 
 /// States of a tgid in the `TRACED` map.

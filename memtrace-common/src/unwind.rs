@@ -323,6 +323,15 @@ pub const MAX_TABLES: u32 = 4096;
 
 /// Registers of the frame where the probes' walk could not go on for want of a table (a
 /// mapping or file not known yet), and what follows: a copy of the stack from `sp`.
+///
+/// The walk may have gone on past the frames it had no table for, from an *anchor*: a
+/// frame of the same thread's last whole walk that is still on the stack, above the miss
+/// (its return address still in its slot). The frames from `resume_at` on are then the
+/// anchor's and its callers', and the copy covers the gap below them, not the whole stack:
+/// userspace walks the gap once the table is ready and joins the frames walked from the
+/// anchor where its walk lands on one of the first of them exactly (same stack pointer,
+/// same return address). A stale anchor (a frame returned since whose slot was not
+/// overwritten) is one frame off the real stack, and the walk lands on its caller.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct UnwindMiss {
@@ -338,8 +347,17 @@ pub struct UnwindMiss {
     pub _pad: [u8; 3],
     /// Bytes of user stack copied from `sp` that follow this header.
     pub copy_len: u32,
-    pub _pad2: u32,
+    /// Frames before the ones walked from an anchor (0: no anchor; the frames end at the
+    /// miss).
+    pub resume_at: u32,
+    /// The stack pointers of the first frames walked from the anchor (0 past the last):
+    /// each frame's return address lies just below its stack pointer.
+    pub resume_sps: [u64; RESUME_SPS],
 }
+
+/// Frames walked from an anchor whose stack pointers go with a copy (the copy reaches the
+/// last of them).
+pub const RESUME_SPS: usize = 2;
 
 /// Bytes of user stack sent with an [`UnwindMiss`].
 pub const UNWIND_COPY_BYTES: usize = 16384;
@@ -361,7 +379,7 @@ const _: () = {
     assert!(core::mem::size_of::<UnwindRule>() == 8);
     assert!(core::mem::size_of::<MappingKey>() == 16);
     assert!(core::mem::size_of::<MappingValue>() == 32);
-    assert!(core::mem::size_of::<UnwindMiss>() == 48);
+    assert!(core::mem::size_of::<UnwindMiss>() == 64);
     assert!(core::mem::size_of::<FileId>() == 16);
     assert!(core::mem::size_of::<FileTable>() == 48);
 };

@@ -8,7 +8,8 @@ use aya_ebpf::{
     macros::btf_map,
 };
 use memtrace_common::{
-    FILENAME_LEN, FileId, FileTable, InFlight, MAX_CPUS, MAX_TABLES, MappingKey, MappingValue, SampledKey, counter,
+    FILENAME_LEN, FileId, FileTable, InFlight, MAX_CPUS, MAX_STACK_DEPTH, MAX_TABLES, MappingKey, MappingValue,
+    SampledKey, counter,
 };
 
 use crate::stack::Scratch;
@@ -119,6 +120,27 @@ pub(crate) struct CachedRule {
 }
 
 pub(crate) const RULE_CACHE_SLOTS: u32 = 8192;
+
+/// The frames of this CPU's last table walk that did not miss (see [`Anchors`]).
+#[btf_map]
+pub(crate) static ANCHORS: PerCpuArray<Anchors, 1> = PerCpuArray::new();
+
+/// The frames (return address, stack pointer, frame pointer) of the last table walk on
+/// this CPU that met no frame without a table, and of the walk under way: two buffers, the
+/// walk under way writing the one `good` does not name. A later walk of the same thread
+/// that misses a table goes on from the innermost of these frames still on its stack
+/// (`unwind::anchor_step`).
+#[repr(C)]
+pub(crate) struct Anchors {
+    /// The thread and address space of the walk in buffer `good`, and its frame count.
+    pub(crate) tid: u32,
+    pub(crate) asid: u32,
+    pub(crate) n: u32,
+    pub(crate) good: u32,
+    pub(crate) ips: [[u64; MAX_STACK_DEPTH]; 2],
+    pub(crate) sps: [[u64; MAX_STACK_DEPTH]; 2],
+    pub(crate) bps: [[u64; MAX_STACK_DEPTH]; 2],
+}
 
 #[btf_map]
 pub(crate) static RULE_CACHE: PerCpuArray<CachedRule, { RULE_CACHE_SLOTS as usize }> = PerCpuArray::new();

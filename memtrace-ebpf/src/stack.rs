@@ -90,6 +90,18 @@ pub(crate) struct Scratch {
     pub(crate) win: [u64; STACK_WINDOW_WORDS],
     pub(crate) win_base: u64,
     pub(crate) win_words: u64,
+    /// The table walk under way (`unwind::walk_step`): frames so far, `phase`, the next
+    /// anchor to try and the tries left. Kept here rather than on the BPF stack, so the
+    /// verifier sees values it does not know and checks the walk step once, not once per
+    /// frame count.
+    pub(crate) walk_n: u32,
+    pub(crate) walk_phase: u32,
+    pub(crate) walk_anchor: u32,
+    pub(crate) walk_tries: u32,
+    /// The registers (ip, sp, bp) of the anchor the walk goes on from.
+    pub(crate) walk_resume: [u64; 3],
+    /// The highest stack pointer of a frame the walk met.
+    pub(crate) walk_top_sp: u64,
 }
 
 /// Words in the stack window: 2 KiB, a few frames of an interpreter's evaluation loop.
@@ -197,7 +209,7 @@ pub(crate) fn after_miss(ring: &Ring, hash: u64, user: UserPart) -> (u64, UserPa
         None => (
             stack_hash_step(hash, MISS_HASH_MARK),
             UserPart {
-                n: user.n,
+                n: (opaque(memtrace_frames_without_copy(user.n as u64)) as usize).min(MAX_STACK_DEPTH),
                 flags: (user.flags & !stack_flags::MISS) | stack_flags::TRUNCATED,
                 with_copy: false,
                 asid: user.asid,
@@ -312,10 +324,12 @@ pub(crate) fn append_stack_copy(scratch: &mut Scratch, off: usize) -> usize {
     let sp = scratch.miss.sp;
     let to_page_end = 4096 - (sp & 4095) as u32;
     let mut copied = 0u32;
-    // Every whole-page length the copy can have, longest first: the top of the stack (its
-    // outermost frames) lies in its last mapped page, which a shorter copy would miss.
+    // The gap below an anchor, which the walk found mapped; else every whole-page length
+    // the copy can have, longest first: the top of the stack (its outermost frames) lies in
+    // its last mapped page, which a shorter copy would miss.
     const _: () = assert!(UNWIND_COPY_BYTES == 4 * 4096, "one length per page below");
-    for want in [UNWIND_COPY_BYTES as u32, to_page_end + 12288, to_page_end + 8192, to_page_end + 4096, to_page_end] {
+    let gap = opaque(memtrace_copy_len()) as u32;
+    for want in [gap, to_page_end + 12288, to_page_end + 8192, to_page_end + 4096, to_page_end] {
         let want = want.min(UNWIND_COPY_BYTES as u32);
         // SAFETY: copy_off + UNWIND_COPY_BYTES <= STACK_RECORD_MAX; `want` is at most that.
         let ret = unsafe {
@@ -334,6 +348,47 @@ pub(crate) fn append_stack_copy(scratch: &mut Scratch, off: usize) -> usize {
     // SAFETY: off + size_of::<UnwindMiss>() = copy_off, within the buffer.
     unsafe { core::ptr::write_unaligned(scratch.record.as_mut_ptr().add(off) as *mut UnwindMiss, scratch.miss) };
     size_of::<UnwindMiss>() + copied as usize
+}
+
+/// `v` as a value the compiler knows nothing of: it would otherwise drop bounds checks
+/// on a global function's answer that it can prove from the function's body, and which
+/// the verifier, checking the function apart, needs.
+#[inline(always)]
+fn opaque(v: u64) -> u64 {
+    // SAFETY: a volatile read of a local.
+    unsafe { core::ptr::read_volatile(&v) }
+}
+
+/// Of the `n` frames of a walk that missed a table, those kept when no copy can go with
+/// them: the frames walked from an anchor are not kept without the gap below them. A global
+/// BPF function: one answer to the verifier, whichever way it was found.
+#[inline(never)]
+#[unsafe(no_mangle)]
+pub extern "C" fn memtrace_frames_without_copy(n: u64) -> u64 {
+    match scratch() {
+        Some(s) if s.miss.resume_at != 0 => u64::from(s.miss.resume_at).min(n),
+        _ => n,
+    }
+}
+
+/// How many bytes of stack a copy takes first: the gap below an anchor, up to the last
+/// frame walked from it whose stack pointer goes along (the walk of the gap may land on any
+/// of them); without an anchor, all it may. A global BPF function, as above.
+#[inline(never)]
+#[unsafe(no_mangle)]
+pub extern "C" fn memtrace_copy_len() -> u64 {
+    let Some(s) = scratch() else { return 0 };
+    if s.miss.resume_at == 0 {
+        return UNWIND_COPY_BYTES as u64;
+    }
+    let sp = s.miss.sp;
+    let mut top = sp;
+    for t in s.miss.resume_sps {
+        if t > top {
+            top = t;
+        }
+    }
+    top.wrapping_sub(sp).min(UNWIND_COPY_BYTES as u64)
 }
 
 /// Hash of the user stack of the current task, sending its frames if new.

@@ -17,8 +17,9 @@ use aya_ebpf::{
     programs::RetProbeContext,
 };
 use memtrace_common::{
-    FileId, FileTable, MAX_STACK_DEPTH, MappingKey, MappingValue, UPROBE_TRAMPOLINE_PAGE, UnwindMiss, UnwindRule,
-    counter, stack_flags, stack_hash_step,
+    FileId, FileTable, MAX_STACK_DEPTH, MappingKey, MappingValue, UNWIND_COPY_BYTES, UPROBE_TRAMPOLINE_PAGE,
+    UnwindMiss, UnwindRule, counter, stack_flags, stack_hash_step,
+    unwind::RESUME_SPS,
     unwind::{self, NO_SLOT, Regs, Step, decode_rule, encode_rule, kind, mapping_flags, table},
     unwind_mode,
 };
@@ -26,7 +27,8 @@ use memtrace_common::{
 use crate::{
     context::{pid_tgid, read_kernel_at, read_kernel_u64, read_user_u64, regs, scratch},
     maps::{
-        ASIDS, CachedRule, FILE_TABLES, INFLIGHT, MAPPINGS, NEXT_ASID, PROBE_BUSY, RULE_CACHE, RULE_CACHE_SLOTS, TABLES,
+        ANCHORS, ASIDS, CachedRule, FILE_TABLES, INFLIGHT, MAPPINGS, NEXT_ASID, PROBE_BUSY, RULE_CACHE,
+        RULE_CACHE_SLOTS, TABLES,
     },
     ring::{bump, bump_by},
     stack::{STACK_WINDOW_WORDS, Scratch},
@@ -237,16 +239,29 @@ pub(crate) struct WalkState {
     pub(crate) map_table: u32,
     pub(crate) map_flags: u32,
     pub(crate) asid: u32,
-    /// Frames in `scratch.user_ips`.
-    pub(crate) n: u32,
     /// `ip` is the exact instruction, not a return address.
     pub(crate) exact: u32,
     /// `stack_flags` the walk ended with.
     pub(crate) result: u32,
     /// Rules found in the per-CPU rule cache (counted once per walk, not per frame).
     pub(crate) cache_hits: u32,
+    /// The thread walked.
+    pub(crate) tid: u32,
     pub(crate) _pad: u32,
 }
+
+/// Phases of a table walk.
+mod phase {
+    /// Frame by frame from the registers.
+    pub(super) const WALK: u32 = 0;
+    /// Past a frame without a table: looking for an anchor above it.
+    pub(super) const SEARCH: u32 = 1;
+    /// Frame by frame again, from an anchor.
+    pub(super) const RESUMED: u32 = 2;
+}
+
+/// Anchors read from the stack at most per miss (each a `bpf_probe_read_user`).
+const ANCHOR_TRIES: u32 = 16;
 
 /// Why no rule was found for an address.
 enum NoRule {
@@ -368,22 +383,52 @@ extern "C" fn search_step(_index: u64, state: *mut c_void) -> i64 {
 /// One frame of the walk (a `bpf_loop` callback: verified once, whatever the depth).
 /// Records the frame, finds its rule and steps to the caller; returns 1 to stop.
 #[inline(never)]
-pub(crate) extern "C" fn walk_step(index: u64, state: *mut c_void) -> i64 {
+pub(crate) extern "C" fn walk_step(_index: u64, state: *mut c_void) -> i64 {
     // SAFETY: bpf_loop hands back the pointer to the WalkState on the caller's stack.
     let st = unsafe { &mut *(state as *mut WalkState) };
     let Some(scratch) = scratch() else { return 1 };
-    let i = index as usize;
+    if scratch.walk_phase == phase::SEARCH {
+        return match memtrace_anchor_step(u64::from(st.tid), u64::from(st.asid)) {
+            SEARCHING => 0,
+            ANCHORED => {
+                let Some(scratch) = crate::context::scratch() else { return 1 };
+                let [ip, sp, bp] = scratch.walk_resume;
+                st.ip = ip;
+                st.sp = sp;
+                st.bp = bp;
+                st.exact = 0;
+                // Past the last step the walk is cut at the depth limit.
+                st.result = stack_flags::TRUNCATED as u32;
+                0
+            }
+            _ => 1,
+        };
+    }
+    let i = scratch.walk_n as usize;
     if i >= MAX_STACK_DEPTH {
         return 1;
     }
     scratch.user_ips[i] = st.ip;
-    st.n = i as u32 + 1;
+    scratch.walk_n = i as u32 + 1;
     st.hash = stack_hash_step(st.hash, st.ip);
+    memtrace_note_frame(i as u64, st.ip, st.sp, st.bp);
     let regs = Regs { ip: st.ip, sp: st.sp, bp: st.bp, exact: st.exact != 0 };
     let rule = match rule_at(st, regs.lookup_addr()) {
         Ok(rule) => rule,
         Err(NoRule::NotYet(why)) => {
             bump(why);
+            if scratch.walk_phase == phase::RESUMED {
+                // A second frame without a table: the stack stops at the first, as without
+                // an anchor (a copy covers one gap).
+                memtrace_note_frame(i as u64, 0, 0, 0);
+                scratch.walk_n = scratch.miss.resume_at;
+                scratch.miss.resume_at = 0;
+                scratch.miss.resume_sps = [0; RESUME_SPS];
+                st.result = stack_flags::MISS as u32;
+                return 1;
+            }
+            // No anchor at a frame without a table: a walk from it would miss at once.
+            memtrace_note_frame(i as u64, 0, 0, 0);
             scratch.miss = UnwindMiss {
                 ip: regs.ip,
                 sp: regs.sp,
@@ -393,10 +438,15 @@ pub(crate) extern "C" fn walk_step(index: u64, state: *mut c_void) -> i64 {
                 exact: st.exact as u8,
                 _pad: [0; 3],
                 copy_len: 0,
-                _pad2: 0,
+                resume_at: 0,
+                resume_sps: [0; RESUME_SPS],
             };
             st.result = stack_flags::MISS as u32;
-            return 1;
+            // The thread's last whole walk on this CPU may still have frames above.
+            scratch.walk_phase = phase::SEARCH;
+            scratch.walk_anchor = 1;
+            scratch.walk_tries = ANCHOR_TRIES;
+            return 0;
         }
         Err(NoRule::Never) => {
             st.result = stack_flags::TRUNCATED as u32;
@@ -424,6 +474,83 @@ pub(crate) extern "C" fn walk_step(index: u64, state: *mut c_void) -> i64 {
         }
     }
 }
+
+/// One step of the search for an anchor after a miss (`scratch.miss`) by thread `tid` in
+/// address space `asid`: tries the next frame of the thread's last whole walk on this CPU.
+/// The innermost one above the miss, within a copy's reach, whose return address is still
+/// in its slot is taken: its registers go to `scratch.walk_resume`, and the copy will cover
+/// the gap below it. Stale frames can pass this check (a slot not overwritten since);
+/// userspace keeps the frames walked from an anchor only where its own walk of the gap
+/// lands on one of them. Returns [`SEARCHING`], [`NO_ANCHOR`] or [`ANCHORED`]. A global
+/// BPF function: the verifier checks it once, not once per state of the walk step.
+#[inline(never)]
+#[unsafe(no_mangle)]
+pub extern "C" fn memtrace_anchor_step(tid: u64, asid: u64) -> u64 {
+    let (Some(a), Some(scratch)) = (ANCHORS.get(0), scratch()) else { return NO_ANCHOR };
+    if u64::from(a.tid) != tid || u64::from(a.asid) != asid {
+        return NO_ANCHOR;
+    }
+    let good = a.good as usize & 1;
+    let j = scratch.walk_anchor as usize;
+    if j >= MAX_STACK_DEPTH || j as u32 >= a.n || scratch.walk_tries == 0 {
+        return NO_ANCHOR;
+    }
+    scratch.walk_anchor += 1;
+    let (ip, sp, bp) = (a.ips[good][j], a.sps[good][j], a.bps[good][j]);
+    let miss_sp = scratch.miss.sp;
+    if sp <= miss_sp {
+        return SEARCHING; // below the miss: the next one
+    }
+    if sp - miss_sp > UNWIND_COPY_BYTES as u64 {
+        return NO_ANCHOR; // the gap would not fit a copy
+    }
+    scratch.walk_tries -= 1;
+    if read_user_u64(sp.wrapping_sub(8)) != Some(ip) {
+        return SEARCHING;
+    }
+    bump(counter::UNWIND_ANCHORED);
+    scratch.miss.resume_at = scratch.walk_n;
+    scratch.walk_phase = phase::RESUMED;
+    scratch.walk_resume = [ip, sp, bp];
+    ANCHORED
+}
+
+/// Notes frame `i` of the walk under way as a possible anchor for the thread's later
+/// walks (sp 0: no frame there, the one whose table was missing), and, walked from an
+/// anchor, its stack pointer for the copy. A global BPF function, for the same reason as
+/// the anchor step.
+#[inline(never)]
+#[unsafe(no_mangle)]
+pub extern "C" fn memtrace_note_frame(i: u64, ip: u64, sp: u64, bp: u64) -> u64 {
+    let Some(scratch) = scratch() else { return 0 };
+    if scratch.walk_phase == phase::RESUMED {
+        let k = i.wrapping_sub(u64::from(scratch.miss.resume_at)) as usize;
+        if k < RESUME_SPS {
+            scratch.miss.resume_sps[k] = sp;
+        }
+    }
+    if sp > scratch.walk_top_sp {
+        scratch.walk_top_sp = sp;
+    }
+    let i = i as usize;
+    if i >= MAX_STACK_DEPTH {
+        return 0;
+    }
+    if let Some(a) = ANCHORS.get_ptr_mut(0) {
+        // SAFETY: this CPU's value; programs on one CPU do not run concurrently.
+        let a = unsafe { &mut *a };
+        let cur = (a.good ^ 1) as usize & 1;
+        a.ips[cur][i] = ip;
+        a.sps[cur][i] = sp;
+        a.bps[cur][i] = bp;
+    }
+    0
+}
+
+/// Answers of [`memtrace_anchor_step`].
+const SEARCHING: u64 = 0;
+const NO_ANCHOR: u64 = 1;
+const ANCHORED: u64 = 2;
 
 /// Bytes below the lowest address a step reads that a window also takes.
 const WINDOW_SLACK: u64 = 64;
@@ -515,7 +642,8 @@ pub(crate) fn walk_user_tables(scratch: &mut Scratch, tgid: u32, regs: UserRegs,
             exact: regs.exact as u8,
             _pad: [0; 3],
             copy_len: 0,
-            _pad2: 0,
+            resume_at: 0,
+            resume_sps: [0; RESUME_SPS],
         };
         return (1, stack_flags::MISS | stack_flags::USER_IPS, stack_hash_step(hash, regs.ip), known.unwrap_or(0));
     };
@@ -533,22 +661,112 @@ pub(crate) fn walk_user_tables(scratch: &mut Scratch, tgid: u32, regs: UserRegs,
         map_table: 0,
         map_flags: 0,
         asid,
-        n: 0,
         exact: regs.exact as u32,
         result: stack_flags::TRUNCATED as u32,
         cache_hits: 0,
+        tid: pid_tgid().2,
         _pad: 0,
     };
-    // SAFETY: walk_step is a BPF callback taking (index, ctx); ctx is our stack state.
+    // Volatile: the steps change these through their own reference to the scratch value,
+    // which the compiler cannot see across the helper call.
+    // SAFETY (the four accesses): fields of this CPU's scratch value.
     unsafe {
-        generated::bpf_loop(MAX_STACK_DEPTH as u32, walk_step as *mut c_void, addr_of_mut!(st) as *mut c_void, 0)
-    };
-    let n = (st.n as usize).min(MAX_STACK_DEPTH);
+        core::ptr::write_volatile(&mut scratch.walk_n, 0);
+        core::ptr::write_volatile(&mut scratch.walk_phase, phase::WALK);
+        core::ptr::write_volatile(&mut scratch.walk_top_sp, 0);
+    }
+    // SAFETY: walk_step is a BPF callback taking (index, ctx); ctx is our stack state.
+    unsafe { generated::bpf_loop(WALK_STEPS, walk_step as *mut c_void, addr_of_mut!(st) as *mut c_void, 0) };
+    let (n, walk_phase) =
+        unsafe { (core::ptr::read_volatile(&scratch.walk_n), core::ptr::read_volatile(&scratch.walk_phase)) };
+    let n = (n as usize).min(MAX_STACK_DEPTH);
     bump_by(counter::UNWIND_FRAMES, n as u64);
     bump_by(counter::UNWIND_CACHE_HITS, u64::from(st.cache_hits));
     if n < MAX_STACK_DEPTH {
         scratch.user_ips[n] = 0;
     }
     scratch.user_ips[MAX_STACK_DEPTH] = 0;
-    (n, st.result as u8 | stack_flags::USER_IPS, st.hash, asid)
+    let flags =
+        memtrace_end_walk(u64::from(walk_phase), u64::from(st.result), u64::from(st.tid), u64::from(asid), n as u64);
+    (n, flags as u8 | stack_flags::USER_IPS, st.hash, asid)
 }
+
+/// The `stack_flags` of a walk that ended in `walk_phase` with `result` after `n` frames.
+/// Its frames become the anchors of the thread's next walks: all of them for a walk that
+/// reached the outermost frame, else joined by the earlier anchors above its last frame
+/// (a walk cut short at a frame without a table knows only the inner part of the stack).
+/// A global BPF function: its answer is one value to the verifier, and what follows the
+/// walk is checked once, not once per way it ended.
+#[inline(never)]
+#[unsafe(no_mangle)]
+pub extern "C" fn memtrace_end_walk(walk_phase: u64, result: u64, tid: u64, asid: u64, n: u64) -> u64 {
+    let (miss, truncated) = (u64::from(stack_flags::MISS), u64::from(stack_flags::TRUNCATED));
+    let flags = match walk_phase as u32 {
+        // Frames from an anchor: the copy covers the gap; how the walk from it ended.
+        phase::RESUMED if result != miss => miss | (result & truncated),
+        phase::RESUMED | phase::SEARCH => miss,
+        _ => result,
+    };
+    let whole = walk_phase as u32 == phase::WALK && result == 0;
+    let (Some(a), Some(scratch)) = (ANCHORS.get_ptr_mut(0), scratch()) else { return flags };
+    // SAFETY: this CPU's value; programs on one CPU do not run concurrently.
+    let a = unsafe { &mut *a };
+    let mut n = n.min(MAX_STACK_DEPTH as u64) as u32;
+    if !whole && u64::from(a.tid) == tid && u64::from(a.asid) == asid {
+        let mut merge = Merge { from: 0, to: n, top_sp: scratch.walk_top_sp, good: a.good & 1, _pad: 0 };
+        // SAFETY: merge_step is a BPF callback taking (index, ctx); ctx is our stack state.
+        unsafe {
+            generated::bpf_loop(
+                MAX_STACK_DEPTH as u32,
+                merge_step as *mut c_void,
+                addr_of_mut!(merge) as *mut c_void,
+                0,
+            )
+        };
+        n = merge.to;
+    }
+    a.good ^= 1;
+    a.tid = tid as u32;
+    a.asid = asid as u32;
+    a.n = n;
+    flags
+}
+
+/// Appending the earlier anchors above a partial walk's last frame to it.
+#[repr(C)]
+struct Merge {
+    /// The next earlier anchor to look at, and where it goes.
+    from: u32,
+    to: u32,
+    top_sp: u64,
+    /// The buffer of the earlier anchors (the walk's is the other).
+    good: u32,
+    _pad: u32,
+}
+
+#[inline(never)]
+extern "C" fn merge_step(_index: u64, state: *mut c_void) -> i64 {
+    // SAFETY: bpf_loop hands back the pointer to the Merge on the caller's stack.
+    let m = unsafe { &mut *(state as *mut Merge) };
+    let Some(a) = ANCHORS.get_ptr_mut(0) else { return 1 };
+    // SAFETY: this CPU's value; programs on one CPU do not run concurrently.
+    let a = unsafe { &mut *a };
+    let (from, to) = (m.from as usize, m.to as usize);
+    if from >= MAX_STACK_DEPTH || to >= MAX_STACK_DEPTH || m.from >= a.n {
+        return 1;
+    }
+    m.from += 1;
+    let (good, cur) = (m.good as usize & 1, (m.good ^ 1) as usize & 1);
+    let sp = a.sps[good][from];
+    if sp > m.top_sp {
+        a.ips[cur][to] = a.ips[good][from];
+        a.sps[cur][to] = sp;
+        a.bps[cur][to] = a.bps[good][from];
+        m.to += 1;
+    }
+    0
+}
+
+/// `bpf_loop` steps of a walk at most: a step per frame, and per frame of the last whole
+/// walk an anchor search may pass.
+const WALK_STEPS: u32 = 2 * MAX_STACK_DEPTH as u32 + ANCHOR_TRIES;

@@ -138,6 +138,11 @@ pub struct StackMiss {
     pub exact: bool,
     /// User stack bytes from `sp` up.
     pub copy: Vec<u8>,
+    /// The user frames from this index on were walked from an anchor, above the gap the
+    /// copy covers (0: none), and the stack pointers of the first of them (0 past the last;
+    /// see `memtrace_common::UnwindMiss`).
+    pub resume_at: usize,
+    pub resume_sps: [u64; memtrace_common::unwind::RESUME_SPS],
 }
 
 /// Code a process mapped (see [`memtrace_common::MappingRecord`]).
@@ -424,6 +429,8 @@ pub fn decode(bytes: &[u8], cpu: u16) -> Result<Record, DecodeError> {
                     asid: m.asid,
                     exact: m.exact != 0,
                     copy: rest[size_of::<UnwindMiss>()..copy_need].to_vec(),
+                    resume_at: m.resume_at as usize,
+                    resume_sps: m.resume_sps,
                 })
             } else {
                 None

@@ -3,7 +3,8 @@
 //! middle of the run, frames larger than any stack copy — recorded and checked frame by
 //! frame; tables built once per file and shared by processes; the disk cache used, and
 //! rebuilt when an entry is damaged, of another version or not root's; the files a program
-//! used loaded before it runs again; memory bounded
+//! used loaded before it runs again; a library loaded deep in a stack larger than any copy
+//! joined to the frames above it (anchors); memory bounded
 //! under a flood; a short-lived process under `record -a` on a busy machine unwound whole.
 mod common;
 
@@ -210,6 +211,63 @@ fn frames_larger_than_any_copy_unwind_whole() {
     assert_eq!(main_sites.len(), 1, "one row for main's own site");
     assert_eq!(main_sites[0]["allocs"], 50);
     assert_eq!(main_sites[0]["truncated"], false);
+}
+
+/// `descend` recurses 60 frames of ~0.5 KiB (a stack of ~34 KiB, deeper than any copy),
+/// allocates there (a whole walk), loads the library given and runs its `deep_run`, whose
+/// 50 allocations come before its table can be ready.
+const DEEP_HOST: &str = r#"
+#include <dlfcn.h>
+#include <stdio.h>
+#include <stdlib.h>
+#define NOIPA __attribute__((noipa))
+volatile unsigned long sink;
+NOIPA void descend(int depth, const char *path) {
+    volatile char pad[512];
+    pad[depth % sizeof pad] = (char)depth;
+    if (depth > 0) { descend(depth - 1, path); sink += pad[0]; return; }
+    void *p = malloc(24); sink += (unsigned long)p; free(p);
+    void *lib = dlopen(path, RTLD_NOW);
+    if (!lib) { fprintf(stderr, "%s\n", dlerror()); exit(2); }
+    void (*run)(int) = (void (*)(int))dlsym(lib, "deep_run");
+    run(50);
+    sink += 1; /* not a tail call: the frame stays */
+}
+int main(int argc, char **argv) { descend(60, argv[1]); return 0; }
+"#;
+
+const DEEP_LIB: &str = r#"
+#include <stdlib.h>
+#define NOIPA __attribute__((noipa))
+volatile unsigned long deep_sink;
+NOIPA void *deep_leaf(void) { void *p = malloc(48); deep_sink += (unsigned long)p; return p; }
+NOIPA void *deep_mid(int i) { volatile char pad[64]; pad[i % 64] = 1; void *p = deep_leaf(); deep_sink += pad[0]; return p; }
+NOIPA void deep_run(int n) { for (int i = 0; i < n; i++) free(deep_mid(i)); }
+"#;
+
+#[test]
+fn a_library_loaded_deep_in_a_stack_deeper_than_a_copy_unwinds_whole() {
+    require_root();
+    let _sharing = sharing_the_machine();
+    let dir = scratch("deep-dlopen");
+    let lib = cc(&dir, "libdeep.so", DEEP_LIB, &["-shared", "-fPIC"]);
+    let host = cc(&dir, "deephost", DEEP_HOST, &["-ldl"]);
+    let data = dir.join("deep.data");
+    record(&data, &[("MEMTRACE_CACHE_DIR", dir.join("cache").to_str().unwrap())], &["-q"], &[&host, &lib]);
+    let report = report_json(&data, &["--by", "stack", "--domain", "user"]);
+    // The library's allocations came before its table: the probes walked on from a frame
+    // of the thread's earlier whole walk, and userspace joined the gap.
+    let recorder = &report["recorder"];
+    assert!(recorder["unwind_copies_anchored"].as_u64().unwrap() >= 1, "{recorder:#}");
+    let sites = sites_of(&report, "deep_leaf");
+    assert_eq!(sites.len(), 1, "one stack, one row: {sites:#?}");
+    assert_eq!((sites[0]["allocs"].as_u64(), sites[0]["truncated"].as_bool()), (Some(50), Some(false)));
+    let got = functions(sites[0]);
+    let mut want = vec!["deep_leaf", "deep_mid", "deep_run"];
+    want.extend(std::iter::repeat_n("descend", 61));
+    want.push("main");
+    assert_eq!(&got[..want.len()], &want[..], "{got:?}");
+    assert!(got[want.len()..].iter().any(|f| f.contains("__libc_start")), "reaches the start: {got:?}");
 }
 
 #[test]

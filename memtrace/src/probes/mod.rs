@@ -134,6 +134,8 @@ pub struct Counters {
     /// Ranges the probes added to address spaces themselves.
     pub ranges_installed: u64,
     pub unwind_reused: u64,
+    /// Walks that went on from an anchor past frames without a table.
+    pub unwind_anchored: u64,
     /// Malloc-family returns the probes ran for.
     pub user_returns: u64,
 }
@@ -570,6 +572,7 @@ impl Probes {
             unwind_cache_hits: sum(counter::UNWIND_CACHE_HITS)?,
             ranges_installed: sum(counter::RANGES_INSTALLED)?,
             unwind_reused: sum(counter::UNWIND_REUSED)?,
+            unwind_anchored: sum(counter::UNWIND_ANCHORED)?,
             user_returns: sum(counter::USER_RETURNS)?,
         })
     }

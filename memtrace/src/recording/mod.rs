@@ -179,6 +179,12 @@ pub struct Stats {
     pub unwind_copies_waited: u64,
     #[serde(default)]
     pub unwind_copies_gave_up: u64,
+    /// Copies of the gap below an anchor (the probes walked on past the frames without a
+    /// table): joined whole, and those whose walk missed the anchor (cut short there).
+    #[serde(default)]
+    pub unwind_copies_anchored: u64,
+    #[serde(default)]
+    pub unwind_copies_anchor_missed: u64,
     /// Per-file unwind tables: built here, read from the disk cache, files without
     /// call-frame information, files refused for the memory cap; bytes and rows installed
     /// in the probes; build time (all files, and the longest).

@@ -396,6 +396,8 @@ fn finish(
         unwind_budget_truncated: counters.unwind_budget,
         unwind_copies_waited: unwind.waited,
         unwind_copies_gave_up: unwind.gave_up,
+        unwind_copies_anchored: unwind.anchored,
+        unwind_copies_anchor_missed: unwind.anchor_missed,
         unwind_tables_built: unwind.tables.built,
         unwind_tables_cached: unwind.tables.from_cache,
         unwind_tables_without_cfi: unwind.tables.without_cfi,

@@ -23,7 +23,9 @@ use std::{
     time::{Duration, Instant},
 };
 
-use memtrace_common::{KERNEL_STACK_SEED, MISS_HASH_MARK, USER_STACK_SEED, stack_hash_step, unwind::Regs};
+use memtrace_common::{
+    KERNEL_STACK_SEED, MAX_STACK_DEPTH, MISS_HASH_MARK, USER_STACK_SEED, stack_hash_step, unwind::Regs,
+};
 
 use self::{
     cache::DiskCache,
@@ -73,6 +75,10 @@ pub struct UnwindStats {
     pub waited: u64,
     /// Copies that still ended truncated (code without tables, the end of the copy).
     pub truncated: u64,
+    /// Copies of the gap below an anchor whose walk landed on it (the stack joined whole),
+    /// and those whose walk did not (the stack ends in the gap).
+    pub anchored: u64,
+    pub anchor_missed: u64,
     /// Copies finished before their table was ready (the wait bound, the memory bound,
     /// the end of the session).
     pub gave_up: u64,
@@ -478,6 +484,19 @@ impl Unwinder {
                 RawUserFrame::BuildId { offset, .. } => offset,
             })
             .collect();
+        // Frames the probes walked from an anchor above the gap: kept aside, joined on if
+        // the walk of the gap lands on the anchor.
+        let from_anchor = match miss.resume_at {
+            0 => Vec::new(),
+            at if at < ips.len() => ips.split_off(at),
+            _ => Vec::new(),
+        };
+        let anchors: Vec<walk::Anchor> = from_anchor
+            .iter()
+            .zip(&miss.resume_sps)
+            .take_while(|&(_, &sp)| sp != 0)
+            .map(|(&ip, &sp)| walk::Anchor { sp, ip })
+            .collect();
         if ips.last() != Some(&miss.ip) {
             ips.push(miss.ip);
         }
@@ -487,7 +506,7 @@ impl Unwinder {
                 let memory = StackCopy { base: miss.sp, bytes: &miss.copy };
                 let (spaces, store) = (&self.spaces, &self.store);
                 let mut waiting_on = None;
-                let end = walk::walk(regs, &memory, &mut ips, miss.ret_addr, |addr| {
+                let end = walk::walk(regs, &memory, &mut ips, miss.ret_addr, &anchors, |addr| {
                     let Some(m) = spaces.find(asid, addr) else {
                         return Lookup::Rule(memtrace_common::UnwindRule::STOP);
                     };
@@ -511,7 +530,20 @@ impl Unwinder {
         if end == End::Wait {
             return Err(waiting_on);
         }
-        let truncated = end != End::Outermost;
+        let truncated = match end {
+            End::Anchored(k) => {
+                self.stats.anchored += 1;
+                let room = MAX_STACK_DEPTH.saturating_sub(ips.len());
+                ips.extend(from_anchor[k..].iter().take(room));
+                // How the probes' walk from the anchor ended.
+                record.truncated || from_anchor.len() - k > room
+            }
+            End::Outermost => false,
+            End::Truncated | End::Wait => true,
+        };
+        if !anchors.is_empty() && !matches!(end, End::Anchored(_)) {
+            self.stats.anchor_missed += 1;
+        }
         if truncated {
             self.stats.truncated += 1;
         }
@@ -650,7 +682,17 @@ mod tests {
             walk: UserWalk::CallFrameInfo,
             truncated: false,
             joined_kernel: false,
-            miss: Some(StackMiss { ip, sp, bp, ret_addr: 0, asid: 0, exact: true, copy }),
+            miss: Some(StackMiss {
+                ip,
+                sp,
+                bp,
+                ret_addr: 0,
+                asid: 0,
+                exact: true,
+                copy,
+                resume_at: 0,
+                resume_sps: [0; memtrace_common::unwind::RESUME_SPS],
+            }),
             asid: 0,
             python: Vec::new(),
             python_context: None,

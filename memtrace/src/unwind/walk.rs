@@ -39,17 +39,31 @@ pub enum End {
     Truncated,
     /// At a frame whose table is not ready.
     Wait,
+    /// On the anchor of this index.
+    Anchored(usize),
+}
+
+/// A frame the probes walked from an anchor after a miss (see
+/// `memtrace_common::UnwindMiss`): a walk of the gap below that lands on it exactly (same
+/// stack pointer, same return address) has reached the probes' frames.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Anchor {
+    pub sp: u64,
+    pub ip: u64,
 }
 
 /// Walks on from `regs`, whose instruction pointer is already the last of `ips`, appending
 /// the callers' up to [`MAX_STACK_DEPTH`] frames in all. `rule_at` gives the rule for a
 /// lookup address. A return address replaced by the uprobe trampoline is put back as
-/// `trampoline_for` (0: unknown, the walk stops).
+/// `trampoline_for` (0: unknown, the walk stops). The walk ends on the first of `anchors`
+/// it lands on ([`End::Anchored`] with its index; its frame not appended); past them all
+/// it goes on as without.
 pub fn walk(
     mut regs: Regs,
     memory: &StackCopy,
     ips: &mut Vec<u64>,
     trampoline_for: u64,
+    anchors: &[Anchor],
     mut rule_at: impl FnMut(u64) -> Lookup,
 ) -> End {
     loop {
@@ -59,6 +73,9 @@ pub fn walk(
         };
         match step(regs, rule, trampoline_for, |a| memory.read_u64(a)) {
             Step::Caller(next) => {
+                if let Some(k) = anchors.iter().position(|a| a.sp == next.sp && a.ip == next.ip) {
+                    return End::Anchored(k);
+                }
                 if ips.len() >= MAX_STACK_DEPTH {
                     return End::Truncated;
                 }
@@ -121,7 +138,7 @@ mod tests {
         let memory = StackCopy { base: BASE, bytes: &bytes };
         let mut ips = vec![0x4100];
         let regs = Regs { ip: 0x4100, sp: BASE, bp: 0, exact: false };
-        assert_eq!(walk(regs, &memory, &mut ips, 0, lookup(&rules)), End::Outermost);
+        assert_eq!(walk(regs, &memory, &mut ips, 0, &[], lookup(&rules)), End::Outermost);
         assert_eq!(ips, vec![0x4100, 0x5000, 0x6000, 0x7000]);
     }
 
@@ -131,13 +148,13 @@ mod tests {
         let memory = StackCopy { base: BASE, bytes: &bytes[..16] };
         let regs = Regs { ip: 0x1000, sp: BASE, bp: 0, exact: true };
         let mut ips = vec![0x1000];
-        assert_eq!(walk(regs, &memory, &mut ips, 0, |_| Lookup::Rule(UnwindRule::STOP)), End::Truncated);
+        assert_eq!(walk(regs, &memory, &mut ips, 0, &[], |_| Lookup::Rule(UnwindRule::STOP)), End::Truncated);
         assert_eq!(ips, vec![0x1000]);
         let r = rule(kind::CFA_SP, 16, 0);
-        assert_eq!(walk(regs, &memory, &mut ips, 0, |_| Lookup::Rule(r)), End::Truncated);
+        assert_eq!(walk(regs, &memory, &mut ips, 0, &[], |_| Lookup::Rule(r)), End::Truncated);
         assert_eq!(ips, vec![0x1000, 0x2000]);
         let mut ips = vec![0x1000];
-        assert_eq!(walk(regs, &memory, &mut ips, 0, |_| Lookup::Wait), End::Wait);
+        assert_eq!(walk(regs, &memory, &mut ips, 0, &[], |_| Lookup::Wait), End::Wait);
     }
 
     #[test]
@@ -147,7 +164,7 @@ mod tests {
         let regs = Regs { ip: 0x1000, sp: BASE, bp: BASE, exact: false };
         let mut ips = vec![0x1000];
         let r = rule(kind::CFA_BP, 16, -16);
-        assert_eq!(walk(regs, &memory, &mut ips, 0, |_| Lookup::Rule(r)), End::Truncated);
+        assert_eq!(walk(regs, &memory, &mut ips, 0, &[], |_| Lookup::Rule(r)), End::Truncated);
         assert_eq!(ips.len(), MAX_STACK_DEPTH);
 
         let bytes = stack(&[(BASE + 8, UPROBE_TRAMPOLINE_PAGE), (BASE + 24, 0x3000)]);
@@ -157,7 +174,7 @@ mod tests {
             [(0x1000, rule(kind::CFA_SP, 16, 0)), (0x1fff, rule(kind::CFA_SP, 16, 0)), (0x2fff, UnwindRule::OUTERMOST)]
                 .into();
         let mut ips = vec![0x1000];
-        assert_eq!(walk(regs, &memory, &mut ips, 0x2000, lookup(&rules)), End::Outermost);
+        assert_eq!(walk(regs, &memory, &mut ips, 0x2000, &[], lookup(&rules)), End::Outermost);
         assert_eq!(ips, vec![0x1000, 0x2000, 0x3000]);
     }
 
