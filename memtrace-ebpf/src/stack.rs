@@ -102,6 +102,9 @@ pub(crate) struct Scratch {
     pub(crate) walk_resume: [u64; 3],
     /// The highest stack pointer of a frame the walk met.
     pub(crate) walk_top_sp: u64,
+    /// The `stack_flags` the walk ends with so far.
+    pub(crate) walk_result: u32,
+    pub(crate) _pad_walk: u32,
 }
 
 /// Words in the stack window: 2 KiB, a few frames of an interpreter's evaluation loop.

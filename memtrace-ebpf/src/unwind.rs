@@ -241,13 +241,10 @@ pub(crate) struct WalkState {
     pub(crate) asid: u32,
     /// `ip` is the exact instruction, not a return address.
     pub(crate) exact: u32,
-    /// `stack_flags` the walk ended with.
-    pub(crate) result: u32,
     /// Rules found in the per-CPU rule cache (counted once per walk, not per frame).
     pub(crate) cache_hits: u32,
     /// The thread walked.
     pub(crate) tid: u32,
-    pub(crate) _pad: u32,
 }
 
 /// Phases of a table walk.
@@ -398,7 +395,7 @@ pub(crate) extern "C" fn walk_step(_index: u64, state: *mut c_void) -> i64 {
                 st.bp = bp;
                 st.exact = 0;
                 // Past the last step the walk is cut at the depth limit.
-                st.result = stack_flags::TRUNCATED as u32;
+                scratch.walk_result = stack_flags::TRUNCATED as u32;
                 0
             }
             _ => 1,
@@ -424,7 +421,7 @@ pub(crate) extern "C" fn walk_step(_index: u64, state: *mut c_void) -> i64 {
                 scratch.walk_n = scratch.miss.resume_at;
                 scratch.miss.resume_at = 0;
                 scratch.miss.resume_sps = [0; RESUME_SPS];
-                st.result = stack_flags::MISS as u32;
+                scratch.walk_result = stack_flags::MISS as u32;
                 return 1;
             }
             // No anchor at a frame without a table: a walk from it would miss at once.
@@ -441,7 +438,7 @@ pub(crate) extern "C" fn walk_step(_index: u64, state: *mut c_void) -> i64 {
                 resume_at: 0,
                 resume_sps: [0; RESUME_SPS],
             };
-            st.result = stack_flags::MISS as u32;
+            scratch.walk_result = stack_flags::MISS as u32;
             // The thread's last whole walk on this CPU may still have frames above.
             scratch.walk_phase = phase::SEARCH;
             scratch.walk_anchor = 1;
@@ -449,7 +446,7 @@ pub(crate) extern "C" fn walk_step(_index: u64, state: *mut c_void) -> i64 {
             return 0;
         }
         Err(NoRule::Never) => {
-            st.result = stack_flags::TRUNCATED as u32;
+            scratch.walk_result = stack_flags::TRUNCATED as u32;
             return 1;
         }
     };
@@ -461,15 +458,15 @@ pub(crate) extern "C" fn walk_step(_index: u64, state: *mut c_void) -> i64 {
             st.bp = next.bp;
             st.exact = next.exact as u32;
             // Past the last step the walk is cut at the depth limit.
-            st.result = stack_flags::TRUNCATED as u32;
+            scratch.walk_result = stack_flags::TRUNCATED as u32;
             0
         }
         Step::Outermost => {
-            st.result = 0;
+            scratch.walk_result = 0;
             1
         }
         Step::Stop => {
-            st.result = stack_flags::TRUNCATED as u32;
+            scratch.walk_result = stack_flags::TRUNCATED as u32;
             1
         }
     }
@@ -662,10 +659,8 @@ pub(crate) fn walk_user_tables(scratch: &mut Scratch, tgid: u32, regs: UserRegs,
         map_flags: 0,
         asid,
         exact: regs.exact as u32,
-        result: stack_flags::TRUNCATED as u32,
         cache_hits: 0,
         tid: pid_tgid().2,
-        _pad: 0,
     };
     // Volatile: the steps change these through their own reference to the scratch value,
     // which the compiler cannot see across the helper call.
@@ -674,11 +669,17 @@ pub(crate) fn walk_user_tables(scratch: &mut Scratch, tgid: u32, regs: UserRegs,
         core::ptr::write_volatile(&mut scratch.walk_n, 0);
         core::ptr::write_volatile(&mut scratch.walk_phase, phase::WALK);
         core::ptr::write_volatile(&mut scratch.walk_top_sp, 0);
+        core::ptr::write_volatile(&mut scratch.walk_result, stack_flags::TRUNCATED as u32);
     }
     // SAFETY: walk_step is a BPF callback taking (index, ctx); ctx is our stack state.
     unsafe { generated::bpf_loop(WALK_STEPS, walk_step as *mut c_void, addr_of_mut!(st) as *mut c_void, 0) };
-    let (n, walk_phase) =
-        unsafe { (core::ptr::read_volatile(&scratch.walk_n), core::ptr::read_volatile(&scratch.walk_phase)) };
+    let (n, walk_phase, result) = unsafe {
+        (
+            core::ptr::read_volatile(&scratch.walk_n),
+            core::ptr::read_volatile(&scratch.walk_phase),
+            core::ptr::read_volatile(&scratch.walk_result),
+        )
+    };
     let n = (n as usize).min(MAX_STACK_DEPTH);
     bump_by(counter::UNWIND_FRAMES, n as u64);
     bump_by(counter::UNWIND_CACHE_HITS, u64::from(st.cache_hits));
@@ -687,7 +688,7 @@ pub(crate) fn walk_user_tables(scratch: &mut Scratch, tgid: u32, regs: UserRegs,
     }
     scratch.user_ips[MAX_STACK_DEPTH] = 0;
     let flags =
-        memtrace_end_walk(u64::from(walk_phase), u64::from(st.result), u64::from(st.tid), u64::from(asid), n as u64);
+        memtrace_end_walk(u64::from(walk_phase), u64::from(result), u64::from(st.tid), u64::from(asid), n as u64);
     (n, flags as u8 | stack_flags::USER_IPS, st.hash, asid)
 }
 
