@@ -65,10 +65,19 @@ impl Marked {
 /// Prints `section` and puts it in place in BENCHMARKS.md, for a `cargo xtask bench <part>`
 /// run alone.
 fn update_benchmarks(what: &str, marked: &Marked, section: &str) -> Result<()> {
+    // The machine section above is the last full run's: say where this part ran.
+    let commit = output(Command::new("git").args(["-C"]).arg(workspace_root()).args(["rev-parse", "--short", "HEAD"]))
+        .map(|s| s.trim().to_string())
+        .unwrap_or_default();
+    let kernel = output(Command::new("uname").arg("-r")).map(|s| s.trim().to_string()).unwrap_or_default();
+    let cores = std::thread::available_parallelism().map_or(0, |n| n.get());
+    let section = format!(
+        "{section}\nThis part was measured alone (`cargo xtask bench`'s part) at {commit}, kernel {kernel}, {cores} cores.\n"
+    );
     println!("\n{section}");
     let path = workspace_root().join("BENCHMARKS.md");
     let doc = fs::read_to_string(&path).unwrap_or_default();
-    fs::write(&path, marked.replace(&doc, section))?;
+    fs::write(&path, marked.replace(&doc, &section))?;
     eprintln!("xtask bench: updated the {what} section of BENCHMARKS.md");
     Ok(())
 }
