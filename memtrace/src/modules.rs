@@ -50,6 +50,9 @@ pub struct ModuleTable {
     scanned_system_dirs: bool,
     /// Modules created since the last `take_new`.
     pending: Vec<u32>,
+    /// The module of each Python function (qualified name, file) met: a Python-heavy
+    /// program names the same few hundred functions in tens of thousands of stacks.
+    python_functions: FastMap<(std::sync::Arc<str>, std::sync::Arc<str>), u32>,
 }
 
 impl ModuleTable {
@@ -297,8 +300,16 @@ impl ModuleTable {
                 Spliced::Native(f) => f,
                 Spliced::Python(i) => {
                     let named = &context.names[i];
-                    let build_id = python::module_build_id(&named.qualname, &named.filename);
-                    let module = self.module_id(Some(build_id), Some(PathBuf::from(&named.filename)));
+                    let key = (named.qualname.clone(), named.filename.clone());
+                    let module = match self.python_functions.get(&key) {
+                        Some(&module) => module,
+                        None => {
+                            let build_id = python::module_build_id(&named.qualname, &named.filename);
+                            let module = self.module_id(Some(build_id), Some(PathBuf::from(&*named.filename)));
+                            self.python_functions.insert(key, module);
+                            module
+                        }
+                    };
                     FileFrame::Module { module, offset: u64::from(named.line) }
                 }
             })

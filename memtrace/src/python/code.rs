@@ -2,12 +2,13 @@
 //! name, first line and line table, from which each frame's line is computed. Once per
 //! (process, code object): the cache is dropped when the process execs or exits.
 use super::{detect::read_memory, layout::CodeLayout};
+use std::sync::Arc;
 
 /// What a frame shows of its code object.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Code {
-    pub qualname: String,
-    pub filename: String,
+    pub qualname: Arc<str>,
+    pub filename: Arc<str>,
     pub firstlineno: i32,
     pub linetable: Vec<u8>,
     /// The line table is whole (the probes send the first KiB of larger ones).
@@ -31,7 +32,7 @@ pub fn read_code(pid: u32, addr: u64, layout: &CodeLayout) -> Option<Code> {
     let filename = read_str(pid, u64_at(layout.filename)?, layout)?;
     let qualname = read_str(pid, u64_at(layout.qualname.unwrap_or(layout.name))?, layout)?;
     let linetable = read_bytes(pid, u64_at(layout.linetable)?).unwrap_or_default();
-    Some(Code { qualname, filename, firstlineno, linetable, complete: true })
+    Some(Code { qualname: qualname.into(), filename: filename.into(), firstlineno, linetable, complete: true })
 }
 
 /// A `str` object: compact ASCII (the usual case for names and paths) or compact

@@ -16,6 +16,8 @@ pub mod detect;
 pub mod layout;
 pub mod lines;
 
+use std::sync::Arc;
+
 use memtrace_common::python::{PyFrame, py_frame_flags};
 
 use crate::recording::Module;
@@ -78,8 +80,9 @@ pub fn splice<T: Copy>(native: &[T], is_eval: impl Fn(&T) -> bool, python: &[PyF
 /// A Python frame, named.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Named {
-    pub qualname: String,
-    pub filename: String,
+    /// Shared with the code object read (a stack's frames are named again and again).
+    pub qualname: Arc<str>,
+    pub filename: Arc<str>,
     /// 0: not known.
     pub line: u32,
 }
@@ -147,8 +150,8 @@ impl PythonNames {
         }
         let firstlineno = seen.check as i32;
         let record = Code {
-            qualname: seen.qualname.clone().unwrap_or_default(),
-            filename: seen.filename.clone().unwrap_or_default(),
+            qualname: seen.qualname.as_deref().unwrap_or_default().into(),
+            filename: seen.filename.as_deref().unwrap_or_default().into(),
             firstlineno,
             linetable: seen.linetable.clone(),
             complete: seen.complete,
@@ -222,15 +225,15 @@ fn completed(seen: &crate::event::PyCodeSeen, record: Code, read: Option<Code>) 
     let same = |c: &Code| {
         c.firstlineno == record.firstlineno
             && c.linetable.starts_with(&record.linetable)
-            && seen.filename.as_ref().is_none_or(|f| *f == c.filename)
-            && seen.qualname.as_ref().is_none_or(|q| *q == c.qualname)
+            && seen.filename.as_deref().is_none_or(|f| f == &*c.filename)
+            && seen.qualname.as_deref().is_none_or(|q| q == &*c.qualname)
     };
     let named = seen.filename.is_some() && seen.qualname.is_some();
     read.filter(same).or(named.then_some(record))
 }
 
 fn unknown(frame: &PyFrame) -> Named {
-    Named { qualname: format!("[python code 0x{:x}]", frame.code), filename: "<unknown>".into(), line: 0 }
+    Named { qualname: format!("[python code 0x{:x}]", frame.code).into(), filename: "<unknown>".into(), line: 0 }
 }
 
 #[cfg(test)]
@@ -316,7 +319,7 @@ mod tests {
         assert_eq!(completed(&seen, record.clone(), None), Some(record.clone()));
         // Names the probe could not read come from the process, from the same first line.
         let unnamed = crate::event::PyCodeSeen { qualname: None, ..seen.clone() };
-        let no_name = Code { qualname: String::new(), ..record.clone() };
+        let no_name = Code { qualname: "".into(), ..record.clone() };
         let read = Code { qualname: "f\u{e9}".into(), ..whole.clone() };
         assert_eq!(completed(&unnamed, no_name.clone(), Some(read.clone())), Some(read.clone()));
         assert_eq!(completed(&unnamed, no_name.clone(), Some(Code { firstlineno: 2, ..read })), None);
