@@ -685,6 +685,10 @@ pub struct ProbeConfig {
     pub track_kernel_live: u32,
     /// Add the children of traced processes to the traced set (`-- CMD`, `--follow-forks`).
     pub follow_children: u32,
+    /// Report the executable mappings traced processes make (the table walk learns its
+    /// files from them, and the Python frames their interpreter).
+    pub track_mappings: u32,
+    pub _pad: u32,
     pub kernel: KernelLayout,
     /// Size-weighted sampling of user allocations: each byte is sampled with probability
     /// 1/sample_bytes (0: every allocation is recorded).
@@ -702,6 +706,8 @@ impl ProbeConfig {
             wakeup_bytes: 0,
             track_kernel_live: 0,
             follow_children: 0,
+            track_mappings: 0,
+            _pad: 0,
             kernel: KernelLayout {
                 task_pid: 0,
                 task_tgid: 0,
@@ -814,7 +820,7 @@ const _: () = {
     assert!(core::mem::size_of::<UserFrame>() == 32);
     assert!(core::mem::size_of::<TaskRecord>() == 56 + COMM_LEN + FILENAME_LEN);
     assert!(core::mem::size_of::<KernelLayout>() == 22 * 4);
-    assert!(core::mem::size_of::<ProbeConfig>() == 32 + 22 * 4 + 8);
+    assert!(core::mem::size_of::<ProbeConfig>() == 40 + 22 * 4 + 8);
     assert!(core::mem::size_of::<CacheRecord>() == 16 + CACHE_NAME_LEN);
     assert!(core::mem::size_of::<SampledKey>() == 16);
     assert!(core::mem::size_of::<InFlight>() == 48);

@@ -11,7 +11,7 @@ use aya_ebpf::{
     helpers::generated,
     programs::RawTracePointContext,
 };
-use memtrace_common::{FILENAME_LEN, MappingRecord, RecordType, mapping_record, unwind_mode};
+use memtrace_common::{FILENAME_LEN, MappingRecord, RecordType, mapping_record};
 
 use crate::{
     context::{is_traced_or_pending, pid_tgid, read_kernel_at, read_kernel_u64, scratch},
@@ -55,7 +55,7 @@ const MAP_ANONYMOUS: u64 = 0x20;
 
 #[inline(always)]
 fn tracks_mappings(tgid: u32) -> bool {
-    config!(unwind_mode) != unwind_mode::FRAME_POINTERS && config!(user_stacks) != 0 && is_traced_or_pending(tgid)
+    config!(track_mappings) != 0 && is_traced_or_pending(tgid)
 }
 
 /// A user register of the syscall, from the `pt_regs` the raw syscall tracepoints give.

@@ -3,7 +3,9 @@
 //! command and by pid while it runs. Each allocation's stack must name the Python function
 //! and the exact line that made it, its callers up to `<module>`, and keep the native
 //! frames around them (malloc above, the zlib extension's frames under `h`). With
-//! `--python-frames off` the stacks hold the interpreter's own frames instead.
+//! `--python-frames off` the stacks hold the interpreter's own frames instead. A program
+//! embedding the interpreter through Debian's shared libpython gets its lines with either
+//! call graph.
 mod common;
 
 use std::{
@@ -228,6 +230,61 @@ fn python_frames_off_keeps_the_interpreter_frames() {
     assert!(!bytearrays.is_empty());
     for stack in bytearrays {
         assert!(stack.iter().any(|f| f.contains("_PyEval_EvalFrameDefault")), "{stack:#?}");
+    }
+}
+
+/// A program embedding CPython through Debian's shared libpython (as gdb, vim or a game
+/// engine do): the interpreter is found when the library is mapped, after the exec.
+const EMBEDDER: &str = r#"
+#include <Python.h>
+int main(int argc, char **argv) {
+    Py_Initialize();
+    FILE *f = fopen(argv[1], "r");
+    int rc = f ? PyRun_SimpleFileEx(f, argv[1], 1) : 2;
+    Py_Finalize();
+    return rc;
+}
+"#;
+
+/// The script's f() stacks name their Python lines whatever walks the native frames: with
+/// `--call-graph fp` too (the mapping of libpython is followed there as well; it was not,
+/// and frame-pointer stacks of a shared-libpython interpreter had no Python frame).
+#[test]
+fn an_embedded_interpreter_has_python_lines_with_either_call_graph() {
+    require_root();
+    let _sharing = sharing_the_machine();
+    let dir = scratch("python-embedded");
+    let src = dir.join("embed.c");
+    std::fs::write(&src, EMBEDDER).unwrap();
+    let embed = dir.join("embed");
+    let status = Command::new("cc")
+        .args(["-O2", "-I/usr/include/python3.11", "-o"])
+        .arg(&embed)
+        .arg(&src)
+        .arg("-lpython3.11")
+        .status()
+        .unwrap();
+    assert!(status.success(), "building the embedder (libpython3-dev)");
+    let l = lines();
+    let at = |name: &str, function: &str| format!("{function} (python_allocs.py:{})", l[name]);
+    for call_graph in ["dwarf", "fp"] {
+        let data = dir.join(format!("{call_graph}.data"));
+        run(memtrace()
+            .args(["record", "-q", "--no-kernel", "--call-graph", call_graph, "-o"])
+            .arg(&data)
+            .arg("--")
+            .arg(&embed)
+            .arg(script()));
+        let report = report_json(&data, &["--by", "stack"]);
+        let f = stacks_of(&report, 1_000_004);
+        assert_eq!(f.iter().map(|(n, _)| n).sum::<u64>(), 3, "{call_graph}: {f:#?}");
+        for (_, stack) in &f {
+            assert_eq!(
+                python_part(stack),
+                [at("f", "f"), at("main-f", "main"), at("module", "<module>")],
+                "{call_graph}: {stack:#?}"
+            );
+        }
     }
 }
 

@@ -139,6 +139,7 @@ const DEBIAN_PACKAGES: &[(&str, &str)] = &[
     ("libgoogle-perftools-dev", "allocator tests: tc_malloc_size"),
     ("musl-tools", "allocator tests: a static musl program"),
     ("python3", "Python frames tests: Debian's CPython traced from outside"),
+    ("libpython3-dev", "Python frames tests: a program embedding CPython through its shared library"),
     ("chromium", "the HTML report's test loads it in a real (headless) browser"),
     ("prometheus", "serve's tests: promtool checks /metrics, a real Prometheus scrapes it"),
 ];

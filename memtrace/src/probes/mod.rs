@@ -62,6 +62,8 @@ pub struct Settings {
     /// Size-weighted sampling of user allocations (mean bytes between samples).
     pub sample_bytes: Option<u64>,
     pub call_graph: CallGraph,
+    /// Report the executable mappings traced processes make (the mapping tracker).
+    pub track_mappings: bool,
 }
 
 /// Whether Python frames are walked (`--python-frames`).
@@ -263,6 +265,8 @@ impl Probes {
             wakeup_bytes: settings.ring_bytes / 4,
             track_kernel_live: u32::from(!settings.all_processes),
             follow_children: u32::from(settings.follow_children),
+            track_mappings: u32::from(settings.track_mappings),
+            _pad: 0,
             kernel,
             sample_bytes: settings.sample_bytes.unwrap_or(0),
         };

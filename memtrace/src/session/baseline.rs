@@ -20,6 +20,7 @@ pub fn run_baseline(argv: &[OsString], placed: bool, with_return: bool) -> Resul
         follow_children: false,
         sample_bytes: None,
         call_graph: CallGraph::Fp,
+        track_mappings: false,
     })?;
     let mut child = spawn::spawn_paused(argv).map_err(|e| anyhow!(CommandFailed(e)))?;
     if let Err(e) = probes.attach_empty(&allocator, child.pid, placed, with_return) {

@@ -273,6 +273,11 @@ impl Tracer {
             u.prepare_process(*pid);
         }
         before_load(&program_files)?;
+        // The mappings processes make: the table walk learns its files from them, and the
+        // Python frames their interpreter (a shared libpython is mapped after the exec),
+        // whichever way the native frames are walked.
+        let python = options.user && options.user_stacks && options.python_frames == crate::probes::PythonFrames::On;
+        let track_mappings = unwinder.is_some() || python;
         let mut probes = Probes::load(&probes::Settings {
             all_processes: matches!(options.target, Target::All),
             user_stacks: options.user_stacks,
@@ -281,6 +286,7 @@ impl Tracer {
             follow_children: is_command || options.follow_forks,
             sample_bytes: options.sample_bytes,
             call_graph: options.call_graph,
+            track_mappings,
         })?;
         let mut child = None;
         let target_pid = match &options.target {
@@ -299,7 +305,7 @@ impl Tracer {
         };
         let attached = (|| -> Result<()> {
             let plan = probes::verify::Plan {
-                mappings: unwinder.is_some(),
+                mappings: track_mappings,
                 kernel: options.kernel,
                 allocators: !found.is_empty(),
             };
@@ -308,7 +314,7 @@ impl Tracer {
                 None => probes.verify_ahead(plan)?,
             }
             probes.attach_task_tracepoints()?;
-            if unwinder.is_some() {
+            if track_mappings {
                 probes.attach_mapping_tracker()?;
             }
             if options.kernel {
