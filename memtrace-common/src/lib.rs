@@ -411,6 +411,8 @@ pub struct StackHeader {
     /// That address space (table walks; 0 for frame-pointer walks).
     pub asid: u32,
     pub _pad: u32,
+    /// The key of the stack's Python frames (`PyStackHeader::hash`; 0: none).
+    pub py_key: u64,
 }
 
 /// A user frame as `bpf_get_stack(BPF_F_USER_BUILD_ID)` reports it (`struct
@@ -688,7 +690,8 @@ pub struct ProbeConfig {
     /// Report the executable mappings traced processes make (the table walk learns its
     /// files from them, and the Python frames their interpreter).
     pub track_mappings: u32,
-    pub _pad: u32,
+    /// CPUs possible on this machine (the per-CPU maps' width).
+    pub cpus: u32,
     pub kernel: KernelLayout,
     /// Size-weighted sampling of user allocations: each byte is sampled with probability
     /// 1/sample_bytes (0: every allocation is recorded).
@@ -707,7 +710,7 @@ impl ProbeConfig {
             track_kernel_live: 0,
             follow_children: 0,
             track_mappings: 0,
-            _pad: 0,
+            cpus: 0,
             kernel: KernelLayout {
                 task_pid: 0,
                 task_tgid: 0,
@@ -816,7 +819,7 @@ const _: () = {
     assert!(core::mem::size_of::<UserAllocRecord>() == 48);
     assert!(core::mem::size_of::<FreeRecord>() == 32);
     assert!(core::mem::size_of::<KernelAllocRecord>() == 72);
-    assert!(core::mem::size_of::<StackHeader>() == 24);
+    assert!(core::mem::size_of::<StackHeader>() == 32);
     assert!(core::mem::size_of::<UserFrame>() == 32);
     assert!(core::mem::size_of::<TaskRecord>() == 56 + COMM_LEN + FILENAME_LEN);
     assert!(core::mem::size_of::<KernelLayout>() == 22 * 4);

@@ -102,8 +102,9 @@ pub struct PyFrame {
     pub check: u64,
 }
 
-/// The record of a stack's Python frames: `n` [`PyFrame`]s follow. Sent once per stack
-/// hash, just before the stack's own record, with the same `hash`.
+/// The record of a stack's Python frames: `n` [`PyFrame`]s follow. Sent just before the
+/// first stack record that names them, once per process and frames (`shared`), or once
+/// per stack hash when the probes' table of frames sent is full.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct PyStackHeader {
@@ -111,10 +112,19 @@ pub struct PyStackHeader {
     /// 1: the walk stopped at its depth bound (the outer frames are missing).
     pub truncated: u8,
     pub n: u8,
-    pub _pad: u8,
+    /// 1: `hash` is the key of these frames in their process, which every stack record
+    /// with them names (`StackHeader::py_key`) and which is sent once; 0: the hash of the
+    /// one stack they go with.
+    pub shared: u8,
     pub pid: u32,
     pub hash: u64,
 }
+
+/// Seeds the key of a process's Python frames (`PyStackHeader::shared`).
+pub const PY_SHARED_SEED: u64 = 0x7079_7368_6172_6564;
+
+/// Keys of shared Python frames the probes keep at most (and userspace with them).
+pub const PY_SENT_KEYS: u32 = 32768;
 
 /// `PyFrame::flags`.
 pub mod py_frame_flags {

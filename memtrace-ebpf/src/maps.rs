@@ -9,7 +9,7 @@ use aya_ebpf::{
 };
 use memtrace_common::{
     FILENAME_LEN, FileId, FileTable, InFlight, MAX_CPUS, MAX_STACK_DEPTH, MAX_TABLES, MappingKey, MappingValue,
-    SampledKey, counter,
+    SampledKey, counter, python::PY_SENT_KEYS,
 };
 
 use crate::stack::Scratch;
@@ -41,6 +41,12 @@ pub(crate) const PAGE_KEY: u64 = 1 << 63;
 /// Stack hashes whose frames were already sent. Forgetting one only costs a resend.
 #[btf_map]
 pub(crate) static STACKS_SENT: LruHashMap<u64, u8, 65536> = LruHashMap::new();
+
+/// Keys of the Python frames sent (`PyStackHeader::shared`), by process and frames: not
+/// an LRU, so that a key the probes hold is one userspace holds too (it forgets a
+/// process's keys when it exits, here and there); when full, frames go with each stack.
+#[btf_map]
+pub(crate) static PY_SENT: HashMap<u64, u8, { PY_SENT_KEYS as usize }> = HashMap::new();
 
 /// Slab caches whose name was already sent.
 #[btf_map]
@@ -126,10 +132,11 @@ pub(crate) const RULE_CACHE_SLOTS: u32 = 8192;
 pub(crate) static ANCHORS: PerCpuArray<Anchors, 1> = PerCpuArray::new();
 
 /// The frames (return address, stack pointer, frame pointer) of the last table walk on
-/// this CPU that met no frame without a table, and of the walk under way: two buffers, the
-/// walk under way writing the one `good` does not name. A later walk of the same thread
-/// that misses a table goes on from the innermost of these frames still on its stack
-/// (`unwind::anchor_step`).
+/// this CPU (joined by earlier ones above its last frame), and of the walk under way: two
+/// buffers, the walk under way writing the one `good` does not name. A later walk of the
+/// same thread that misses a table goes on from the innermost of these frames still on its
+/// stack (`unwind::memtrace_anchor_step`), taken from the CPU where that thread walked
+/// last.
 #[repr(C)]
 pub(crate) struct Anchors {
     /// The thread and address space of the walk in buffer `good`, and its frame count.
@@ -137,6 +144,8 @@ pub(crate) struct Anchors {
     pub(crate) asid: u32,
     pub(crate) n: u32,
     pub(crate) good: u32,
+    /// When that walk ended: a thread moved to another CPU left newer anchors there.
+    pub(crate) time: u64,
     pub(crate) ips: [[u64; MAX_STACK_DEPTH]; 2],
     pub(crate) sps: [[u64; MAX_STACK_DEPTH]; 2],
     pub(crate) bps: [[u64; MAX_STACK_DEPTH]; 2],

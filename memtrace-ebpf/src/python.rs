@@ -19,14 +19,15 @@ use aya_ebpf::{
 use memtrace_common::{
     RecordType,
     python::{
-        MAX_PY_FRAMES, PY_LINETABLE_LEN, PY_NONE, PyCodeRecord, PyFrame, PyProcInfo, PyStackHeader, py_frame_flags,
+        MAX_PY_FRAMES, PY_LINETABLE_LEN, PY_NONE, PY_SHARED_SEED, PyCodeRecord, PyFrame, PyProcInfo, PyStackHeader,
+        py_frame_flags,
     },
     stack_hash_step,
 };
 
 use crate::{
     context::{pid_tgid, read_kernel_at, read_user_u64, scratch},
-    maps::{CachedCheck, PY_CHECK_SLOTS, PY_CHECKS, PY_CODES_SENT, PY_PROCS, PyCodeKey, Ring, STACKS_SENT},
+    maps::{CachedCheck, PY_CHECK_SLOTS, PY_CHECKS, PY_CODES_SENT, PY_PROCS, PY_SENT, PyCodeKey, Ring, STACKS_SENT},
     ring::{emit_deciding, this_ring, wakeup_flags},
     stack::Scratch,
 };
@@ -95,13 +96,15 @@ pub extern "C" fn memtrace_walk_python(tgid: u64) -> u64 {
 }
 
 /// Sends the Python frames walked for the stack `hash` names, unless that stack was sent
-/// before (its record follows this one), with the record of each code object among them
-/// that this process has not shown before (ahead of the stack, which names them). A
-/// repeat stack, most of them, costs one lookup here, not one per frame. A global
-/// function, for the same reason as the walk.
+/// before (its record follows this one) or these frames of this process were, with the
+/// record of each code object among them that this process has not shown before (ahead of
+/// the stack, which names them). A repeat stack, most of them, costs one lookup here, not
+/// one per frame; a new stack with frames sent before (another native path under the same
+/// Python lines, a stack copy) two. Returns the key the stack's record names its frames by
+/// (0: none). A global function, for the same reason as the walk.
 #[inline(always)]
-pub(crate) fn send_python_once(hash: u64) {
-    memtrace_send_python(hash);
+pub(crate) fn send_python_once(hash: u64) -> u64 {
+    memtrace_send_python(hash)
 }
 
 /// State of the loop that sends a new stack's code records.
@@ -121,6 +124,19 @@ pub extern "C" fn memtrace_send_python(hash: u64) -> u64 {
         return 0;
     }
     let (_, tgid, _) = pid_tgid();
+    // The frames' key in this process, shared by every stack under them; when the table of
+    // keys sent is full, the stack's own hash (sent with the stack, as one record).
+    let shared = stack_hash_step(stack_hash_step(PY_SHARED_SEED, u64::from(tgid)), s.py_hash);
+    // SAFETY: plain byte value.
+    if unsafe { PY_SENT.get(shared) }.is_some() {
+        return shared;
+    }
+    let key = match PY_SENT.insert(shared, 1u8, BPF_NOEXIST as u64) {
+        Ok(()) => shared,
+        // Another CPU is sending them.
+        Err(e) if e == -EEXIST => return shared,
+        Err(_) => hash,
+    };
     // SAFETY: the value is copied out at once.
     if let Some(info) = (unsafe { PY_PROCS.get(tgid) }).copied() {
         let mut codes = SendCodes { info, tgid: u64::from(tgid) };
@@ -136,9 +152,9 @@ pub extern "C" fn memtrace_send_python(hash: u64) -> u64 {
         rtype: RecordType::PyStack as u8,
         truncated: s.py_cut as u8,
         n: n as u8,
-        _pad: 0,
+        shared: u8::from(key == shared),
         pid: tgid,
-        hash,
+        hash: key,
     };
     let len = size_of::<PyStackHeader>() as u64 + u64::from(n) * size_of::<PyFrame>() as u64;
     let ring_ptr = ring as *const Ring as *mut c_void;
@@ -148,8 +164,11 @@ pub extern "C" fn memtrace_send_python(hash: u64) -> u64 {
     unsafe {
         generated::bpf_ringbuf_output(ring_ptr, addr_of_mut!(s.py_header) as *mut c_void, len, wakeup_flags(ring))
     };
-    0
+    key
 }
+
+/// `EEXIST`: the error of a map insert whose key another program put there first.
+const EEXIST: i32 = 17;
 
 #[inline(never)]
 extern "C" fn send_code_step(index: u64, state: *mut c_void) -> i64 {

@@ -104,7 +104,8 @@ pub(crate) struct Scratch {
     pub(crate) walk_top_sp: u64,
     /// The `stack_flags` the walk ends with so far.
     pub(crate) walk_result: u32,
-    pub(crate) _pad_walk: u32,
+    /// The CPU whose anchors the search reads.
+    pub(crate) walk_anchor_cpu: u32,
 }
 
 /// Words in the stack window: 2 KiB, a few frames of an interpreter's evaluation loop.
@@ -141,6 +142,8 @@ pub(crate) struct UserPart {
     pub(crate) with_copy: bool,
     /// The address space of a table walk (0 otherwise).
     pub(crate) asid: u32,
+    /// The key of its Python frames (`python::send_python_once`; 0: none).
+    pub(crate) py_key: u64,
 }
 
 /// Walks the user stack the configured way: by the files' tables from `regs`, or by frame
@@ -160,14 +163,14 @@ pub(crate) fn walk_user(
         match regs {
             Some(regs) => {
                 let (n, flags, hash, asid) = walk_user_tables(scratch, tgid, regs, hash);
-                (UserPart { n, flags, with_copy: false, asid }, hash)
+                (UserPart { n, flags, with_copy: false, asid, py_key: 0 }, hash)
             }
-            None => (UserPart { n: 0, flags: 0, with_copy: false, asid: 0 }, hash),
+            None => (UserPart { n: 0, flags: 0, with_copy: false, asid: 0, py_key: 0 }, hash),
         }
     } else {
         let n = walk_user_ips(ctx, scratch);
         let hash = if n > 0 { hash_words(hash, scratch.user_ips.as_ptr()) } else { hash };
-        (UserPart { n, flags: 0, with_copy: false, asid: 0 }, hash)
+        (UserPart { n, flags: 0, with_copy: false, asid: 0, py_key: 0 }, hash)
     }
 }
 
@@ -216,6 +219,7 @@ pub(crate) fn after_miss(ring: &Ring, hash: u64, user: UserPart) -> (u64, UserPa
                 flags: (user.flags & !stack_flags::MISS) | stack_flags::TRUNCATED,
                 with_copy: false,
                 asid: user.asid,
+                py_key: 0,
             },
         ),
     }
@@ -294,6 +298,7 @@ pub(crate) fn send_stack_once(
         hash,
         asid: user.asid,
         _pad: 0,
+        py_key: user.py_key,
     };
     // SAFETY: the record buffer starts with room for a header; unaligned-safe write.
     unsafe { core::ptr::write_unaligned(scratch.record.as_mut_ptr() as *mut StackHeader, header) };
@@ -408,7 +413,7 @@ pub(crate) fn user_stack(ctx: &RetProbeContext, ring: &Ring, pid: u32) -> Option
         return None;
     }
     let (hash, user) = after_miss(ring, stack_hash_step(hash, python_hash), user);
-    send_python_once(hash);
+    let user = UserPart { py_key: send_python_once(hash), ..user };
     send_stack_once(ctx.as_ptr(), ring, scratch, hash, pid, 0, user);
     Some(hash)
 }
@@ -450,7 +455,7 @@ pub(crate) fn kernel_only_stack(ctx: *mut c_void, ring: &Ring, pid: u32, n_kerne
         return None;
     }
     let scratch = scratch()?;
-    let user = UserPart { n: 0, flags: stack_flags::KERNEL, with_copy: false, asid: 0 };
+    let user = UserPart { n: 0, flags: stack_flags::KERNEL, with_copy: false, asid: 0, py_key: 0 };
     send_stack_once(ctx, ring, scratch, hash, pid, n_kernel, user);
     Some(hash)
 }
@@ -494,7 +499,7 @@ fn user_part_in_syscall(
             core::ptr::read_volatile(&scratch.reuse_hash),
         )
     };
-    (UserPart { n: (n as usize).min(MAX_STACK_DEPTH), flags: flags as u8, with_copy: false, asid }, hash)
+    (UserPart { n: (n as usize).min(MAX_STACK_DEPTH), flags: flags as u8, with_copy: false, asid, py_key: 0 }, hash)
 }
 
 /// Joins the user stack of the task a kmem allocation ran for (and its Python frames) to
@@ -513,8 +518,8 @@ pub(crate) fn join_user_part(ctx: *mut c_void, ring: &Ring, pid: u32, n_kernel: 
         return None;
     }
     let (hash, user) = after_miss(ring, stack_hash_step(hash, python_hash), user);
-    send_python_once(hash);
-    let user = UserPart { flags: user.flags | stack_flags::KERNEL, ..user };
+    let py_key = send_python_once(hash);
+    let user = UserPart { flags: user.flags | stack_flags::KERNEL, py_key, ..user };
     send_stack_once(ctx, ring, scratch, hash, pid, n_kernel, user);
     Some(hash)
 }

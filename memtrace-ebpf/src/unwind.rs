@@ -17,7 +17,7 @@ use aya_ebpf::{
     programs::RetProbeContext,
 };
 use memtrace_common::{
-    FileId, FileTable, MAX_STACK_DEPTH, MappingKey, MappingValue, UNWIND_COPY_BYTES, UPROBE_TRAMPOLINE_PAGE,
+    FileId, FileTable, MAX_CPUS, MAX_STACK_DEPTH, MappingKey, MappingValue, UNWIND_COPY_BYTES, UPROBE_TRAMPOLINE_PAGE,
     UnwindMiss, UnwindRule, counter, stack_flags, stack_hash_step,
     unwind::RESUME_SPS,
     unwind::{self, NO_SLOT, Regs, Step, decode_rule, encode_rule, kind, mapping_flags, table},
@@ -27,7 +27,7 @@ use memtrace_common::{
 use crate::{
     context::{pid_tgid, read_kernel_at, read_kernel_u64, read_user_u64, regs, scratch},
     maps::{
-        ANCHORS, ASIDS, CachedRule, FILE_TABLES, INFLIGHT, MAPPINGS, NEXT_ASID, PROBE_BUSY, RULE_CACHE,
+        ANCHORS, ASIDS, Anchors, CachedRule, FILE_TABLES, INFLIGHT, MAPPINGS, NEXT_ASID, PROBE_BUSY, RULE_CACHE,
         RULE_CACHE_SLOTS, TABLES,
     },
     ring::{bump, bump_by},
@@ -439,9 +439,10 @@ pub(crate) extern "C" fn walk_step(_index: u64, state: *mut c_void) -> i64 {
                 resume_sps: [0; RESUME_SPS],
             };
             scratch.walk_result = stack_flags::MISS as u32;
-            // The thread's last whole walk on this CPU may still have frames above.
+            // The thread's earlier walks may have left frames above (the search picks the
+            // CPU whose anchors are its newest first).
             scratch.walk_phase = phase::SEARCH;
-            scratch.walk_anchor = 1;
+            scratch.walk_anchor = 0;
             scratch.walk_tries = ANCHOR_TRIES;
             return 0;
         }
@@ -483,10 +484,27 @@ pub(crate) extern "C" fn walk_step(_index: u64, state: *mut c_void) -> i64 {
 #[inline(never)]
 #[unsafe(no_mangle)]
 pub extern "C" fn memtrace_anchor_step(tid: u64, asid: u64) -> u64 {
-    let (Some(a), Some(scratch)) = (ANCHORS.get(0), scratch()) else { return NO_ANCHOR };
-    if u64::from(a.tid) != tid || u64::from(a.asid) != asid {
-        return NO_ANCHOR;
+    let Some(scratch) = scratch() else { return NO_ANCHOR };
+    if scratch.walk_anchor == 0 {
+        // First step: the anchors of the thread's newest walk, on whichever CPU.
+        let mut pick = Pick { tid: tid as u32, asid: asid as u32, cpu: u32::MAX, _pad: 0, time: 0 };
+        // SAFETY: pick_step is a BPF callback taking (index, ctx); ctx is our stack state.
+        unsafe {
+            generated::bpf_loop(
+                config!(cpus).min(MAX_CPUS),
+                pick_step as *mut c_void,
+                addr_of_mut!(pick) as *mut c_void,
+                0,
+            )
+        };
+        if pick.cpu == u32::MAX {
+            return NO_ANCHOR;
+        }
+        scratch.walk_anchor_cpu = pick.cpu;
+        scratch.walk_anchor = 1;
+        return SEARCHING;
     }
+    let Some(a) = anchors_of(scratch.walk_anchor_cpu) else { return NO_ANCHOR };
     let good = a.good as usize & 1;
     let j = scratch.walk_anchor as usize;
     if j >= MAX_STACK_DEPTH || j as u32 >= a.n || scratch.walk_tries == 0 {
@@ -540,6 +558,52 @@ pub extern "C" fn memtrace_note_frame(i: u64, ip: u64, sp: u64, bp: u64) -> u64 
         a.ips[cur][i] = ip;
         a.sps[cur][i] = sp;
         a.bps[cur][i] = bp;
+    }
+    0
+}
+
+/// The anchors of CPU `cpu` (another CPU's may be changing as they are read: what is read
+/// is checked against the stack, and userspace checks what the walk from it found).
+#[inline(always)]
+fn anchors_of(cpu: u32) -> Option<&'static Anchors> {
+    let key = 0u32;
+    // SAFETY: ANCHORS is a per-CPU array with one entry; the helper returns that CPU's
+    // value or null.
+    let p = unsafe {
+        generated::bpf_map_lookup_percpu_elem(
+            &ANCHORS as *const _ as *mut c_void,
+            &key as *const u32 as *const c_void,
+            cpu,
+        )
+    };
+    // SAFETY: non-null: a map value of type Anchors, valid while this program runs.
+    (!p.is_null()).then(|| unsafe { &*(p as *const Anchors) })
+}
+
+/// Looking for the CPU holding a thread's newest anchors.
+#[repr(C)]
+struct Pick {
+    tid: u32,
+    asid: u32,
+    /// The best CPU so far (u32::MAX: none), and when its walk ended.
+    cpu: u32,
+    _pad: u32,
+    time: u64,
+}
+
+#[inline(never)]
+extern "C" fn pick_step(index: u64, state: *mut c_void) -> i64 {
+    // SAFETY: bpf_loop hands back the pointer to the Pick on the caller's stack.
+    let p = unsafe { &mut *(state as *mut Pick) };
+    let cpu = index as u32;
+    if let Some(a) = anchors_of(cpu)
+        && a.tid == p.tid
+        && a.asid == p.asid
+        && a.n > 0
+        && (p.cpu == u32::MAX || a.time > p.time)
+    {
+        p.cpu = cpu;
+        p.time = a.time;
     }
     0
 }
@@ -730,6 +794,8 @@ pub extern "C" fn memtrace_end_walk(walk_phase: u64, result: u64, tid: u64, asid
     a.tid = tid as u32;
     a.asid = asid as u32;
     a.n = n;
+    // SAFETY: no preconditions.
+    a.time = unsafe { generated::bpf_ktime_get_ns() };
     flags
 }
 

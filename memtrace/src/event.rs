@@ -112,6 +112,8 @@ pub struct StackRecord {
     pub python: Vec<PyFrame>,
     /// Their names, read when the stack arrived (`session` fills it in).
     pub python_context: Option<std::sync::Arc<crate::python::PythonContext>>,
+    /// The key of the Python frames the probes sent for it (0: none).
+    pub py_key: u64,
 }
 
 /// How a stack's user frames were walked.
@@ -190,11 +192,14 @@ pub enum Record {
 /// The Python frames of a stack, innermost first.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct PyStack {
+    /// The key stack records name these frames by.
     pub hash: u64,
     pub pid: u32,
     pub frames: Vec<PyFrame>,
     /// The walk stopped at its depth bound.
     pub truncated: bool,
+    /// Shared by the stacks of the process with these frames (else one stack's own).
+    pub shared: bool,
 }
 
 /// A Python code object of process `pid` at `code` (`check`: its `co_firstlineno` in the
@@ -356,7 +361,13 @@ pub fn decode(bytes: &[u8], cpu: u16) -> Result<Record, DecodeError> {
                 .chunks_exact(size_of::<PyFrame>())
                 .map(|c| read::<PyFrame>(c, rtype))
                 .collect::<Result<Vec<_>, _>>()?;
-            Record::PyStack(PyStack { hash: h.hash, pid: h.pid, frames, truncated: h.truncated != 0 })
+            Record::PyStack(PyStack {
+                hash: h.hash,
+                pid: h.pid,
+                frames,
+                truncated: h.truncated != 0,
+                shared: h.shared != 0,
+            })
         }
         RecordType::PyCode => {
             let r: PyCodeRecord = read(bytes, rtype)?;
@@ -447,6 +458,7 @@ pub fn decode(bytes: &[u8], cpu: u16) -> Result<Record, DecodeError> {
                 asid: h.asid,
                 python: Vec::new(),
                 python_context: None,
+                py_key: h.py_key,
             })
         }
     })
@@ -523,6 +535,7 @@ pub(crate) mod tests {
             hash: 99,
             asid: 0,
             _pad: 0,
+            py_key: 0,
         };
         let mut bytes = bytes_of(&header);
         bytes.extend(0xffff_ffff_8100_0000u64.to_ne_bytes());
@@ -544,7 +557,8 @@ pub(crate) mod tests {
 
     #[test]
     fn decodes_python_frames_and_code_records() {
-        let header = PyStackHeader { rtype: RecordType::PyStack as u8, truncated: 1, n: 2, _pad: 0, pid: 7, hash: 99 };
+        let header =
+            PyStackHeader { rtype: RecordType::PyStack as u8, truncated: 1, n: 2, shared: 0, pid: 7, hash: 99 };
         let mut bytes = bytes_of(&header);
         let frames = [
             PyFrame { code: 0x7f00_0000_1000, lasti: 12, flags: 0, check: 3 },
@@ -591,6 +605,7 @@ pub(crate) mod tests {
             hash: 99,
             asid: 5,
             _pad: 0,
+            py_key: 0,
         };
         let mut bytes = bytes_of(&header);
         bytes.extend(0xffff_ffff_8100_0000u64.to_ne_bytes());

@@ -159,6 +159,7 @@ mod tests {
             miss: None,
             python: Vec::new(),
             python_context: None,
+            py_key: 0,
         };
         let stack = namer.stack(record.clone()).unwrap();
         assert_eq!(stack.id, 0);

@@ -261,6 +261,7 @@ pub fn section(memtrace: &Path) -> Result<String> {
         ("memtrace record, warm cache (any later run)", &[][..]),
         ("memtrace record --python-frames off", &["--python-frames", "off"][..]),
         ("memtrace record --call-graph fp", &["--call-graph", "fp"][..]),
+        ("memtrace record --call-graph fp --python-frames off", &["--call-graph", "fp", "--python-frames", "off"][..]),
         ("memtrace record --no-user-stacks", &["--no-user-stacks"][..]),
     ] {
         let row = median_row(RUNS, || memtrace_row(memtrace, name, &command, &cache, extra))?;
@@ -286,6 +287,19 @@ pub fn section(memtrace: &Path) -> Result<String> {
     });
 
     let mut out = table(&rows, bare_s, true);
+    // What walking the native frames by call-frame information costs against frame
+    // pointers, the same Python frames walked or not either way.
+    let added = |name: &str| rows.iter().find(|r| r.name == name).map(|r| r.wall_s - bare_s);
+    let ratio = |dwarf: &str, fp: &str| match (added(dwarf), added(fp)) {
+        (Some(d), Some(f)) if f > 0.0 => format!("{:.2}", d / f),
+        _ => "—".into(),
+    };
+    let _ = writeln!(
+        out,
+        "\n`--call-graph dwarf` added time ÷ `--call-graph fp` added time: {} with Python frames (warm cache), {} with `--python-frames off` on both.",
+        ratio("memtrace record, warm cache (any later run)", "memtrace record --call-graph fp"),
+        ratio("memtrace record --python-frames off", "memtrace record --call-graph fp --python-frames off"),
+    );
     let sqlite = sqlite_table(memtrace, &cache)?;
     let versions = Command::new(&python)
         .args(["-c", "import numpy, pandas, pyarrow, memray, sys; print(sys.version.split()[0], numpy.__version__, pandas.__version__, pyarrow.__version__, memray.__version__)"])

@@ -266,7 +266,7 @@ impl Probes {
             track_kernel_live: u32::from(!settings.all_processes),
             follow_children: u32::from(settings.follow_children),
             track_mappings: u32::from(settings.track_mappings),
-            _pad: 0,
+            cpus: possible_cpus()?,
             kernel,
             sample_bytes: settings.sample_bytes.unwrap_or(0),
         };
@@ -494,6 +494,17 @@ impl Probes {
             None => {
                 let _ = map.remove(&pid);
             }
+        }
+        Ok(())
+    }
+
+    /// Forgets keys of shared Python frames (their process exec'd or exited): their stacks'
+    /// frames are sent again should the keys come back.
+    pub fn forget_python_keys(&mut self, keys: &[u64]) -> Result<()> {
+        let mut map: aya::maps::HashMap<_, u64, u8> =
+            aya::maps::HashMap::try_from(self.ebpf.map_mut("PY_SENT").context("PY_SENT map")?)?;
+        for key in keys {
+            let _ = map.remove(key);
         }
         Ok(())
     }

@@ -182,6 +182,7 @@ fn exited_processes_stay_until_scraped_then_go_with_their_stacks() {
         miss: None,
         python: Vec::new(),
         python_context: None,
+        py_key: 0,
     });
     m.event(alloc(GONE, Kind::Malloc, 0x10, 100, 0xaaa, 1));
     m.event(alloc(GONE, Kind::Kmalloc, 0xffff_2000, 64, 0, 2));

@@ -142,6 +142,7 @@ mod tests {
             asid: 1,
             python: Vec::new(),
             python_context: None,
+            py_key: 0,
         }
     }
 

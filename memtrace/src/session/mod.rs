@@ -527,6 +527,7 @@ impl Tracer {
                 Self::deliver_copy(u, &mut self.copies, done, sink);
             }
         }
+        self.forget_python_keys();
         let (usable, copies) = (&mut self.usable, &mut self.copies);
         let mut forward = |mut e: Event| {
             if let Event::Alloc(a) = &mut e

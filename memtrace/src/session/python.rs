@@ -23,6 +23,26 @@ pub(super) struct PythonState {
     pub(super) found: Vec<PythonMeta>,
     /// Python frames waiting for the stack record that follows them, by stack hash.
     pending: crate::FastMap<u64, PyStack>,
+    /// Python frames shared by the stacks of a process (sent once), by key, named at their
+    /// first stack; at most as many as the probes' table of keys holds.
+    shared: crate::FastMap<u64, SharedFrames>,
+    /// The shared keys of each process: forgotten (here and in the probes) a while after
+    /// its exit or exec, once the stacks read with the news have been named.
+    keys_of: crate::FastMap<u32, Vec<u64>>,
+    /// Keys to forget, and since when their process exited or exec'd.
+    forget: std::collections::VecDeque<(std::time::Instant, Vec<u64>)>,
+}
+
+/// How long the shared Python frames of a process stay after its exit or exec: its stacks
+/// read in the same drain are named after the news is (and the other CPUs' rings may hold
+/// more for a while).
+const FORGET_AFTER: std::time::Duration = std::time::Duration::from_secs(1);
+
+struct SharedFrames {
+    frames: PyStack,
+    /// Their names (None until their first stack, or for an interpreter not known).
+    context: Option<std::sync::Arc<crate::python::PythonContext>>,
+    named: bool,
 }
 
 /// Python frames kept waiting for their stack (past it, the oldest are dropped).
@@ -76,6 +96,11 @@ impl Tracer {
 
     /// The Python frames of the stack whose record follows.
     pub(super) fn python_stack(&mut self, frames: PyStack) {
+        if frames.shared {
+            self.python.keys_of.entry(frames.pid).or_default().push(frames.hash);
+            self.python.shared.insert(frames.hash, SharedFrames { frames, context: None, named: false });
+            return;
+        }
         if self.python.pending.len() >= MAX_PENDING {
             self.python.pending.clear();
         }
@@ -84,15 +109,53 @@ impl Tracer {
 
     /// Gives a stack that just arrived its Python frames, named.
     pub(super) fn name_python(&mut self, stack: &mut StackRecord) {
-        let Some(python) = self.python.pending.remove(&stack.hash) else { return };
-        stack.truncated |= python.truncated;
-        stack.python_context = self.python.names.context(stack.pid, &python.frames).map(std::sync::Arc::new);
-        stack.python = python.frames;
+        if stack.py_key == 0 {
+            return;
+        }
+        if let Some(python) = self.python.pending.remove(&stack.py_key) {
+            stack.truncated |= python.truncated;
+            stack.python_context = self.python.names.context(stack.pid, &python.frames).map(std::sync::Arc::new);
+            stack.python = python.frames;
+            return;
+        }
+        let PythonState { shared, names, .. } = &mut self.python;
+        let Some(python) = shared.get_mut(&stack.py_key) else { return };
+        if !python.named {
+            python.context = names.context(python.frames.pid, &python.frames.frames).map(std::sync::Arc::new);
+            python.named = true;
+        }
+        stack.truncated |= python.frames.truncated;
+        stack.python_context = python.context.clone();
+        stack.python = python.frames.frames.clone();
+    }
+
+    /// Forgets the shared Python frames of the processes that exec'd or exited more than
+    /// [`FORGET_AFTER`] ago, here and in the probes, whose table of keys sent has room for
+    /// others then.
+    pub(super) fn forget_python_keys(&mut self) {
+        while self.python.forget.front().is_some_and(|(since, _)| since.elapsed() >= FORGET_AFTER) {
+            let Some((_, keys)) = self.python.forget.pop_front() else { break };
+            for key in &keys {
+                self.python.shared.remove(key);
+            }
+            if let Err(e) = self.probes.forget_python_keys(&keys) {
+                log::debug!("forgetting {} shared Python stacks: {e:#}", keys.len());
+            }
+        }
+    }
+
+    /// The shared Python frames of `pid` (it exited or exec'd) are forgotten a while from
+    /// now; those of its new program, if it exec'd, are its own.
+    fn forget_later(&mut self, pid: u32) {
+        if let Some(keys) = self.python.keys_of.remove(&pid) {
+            self.python.forget.push_back((std::time::Instant::now(), keys));
+        }
     }
 
     /// A process exec'd: its new program is looked at.
     pub(super) fn python_exec(&mut self, pid: u32) {
         self.python.names.forget(pid);
+        self.forget_later(pid);
         if self.python.walked.remove(&pid) == Some(true) {
             let _ = self.probes.set_python(pid, None);
         }
@@ -173,5 +236,6 @@ impl Tracer {
         if self.python.walked.remove(&pid) == Some(true) {
             let _ = self.probes.set_python(pid, None);
         }
+        self.forget_later(pid);
     }
 }

@@ -508,6 +508,7 @@ fn rows_rates_add_up_to_the_summarys_even_when_names_change() {
         miss: None,
         python: Vec::new(),
         python_context: None,
+        py_key: 0,
     });
     view.event(alloc(2000, 10, Kind::Malloc, 0x50_0000, 100));
     let second = view.snapshot(&opts, Duration::from_secs(1), 0);

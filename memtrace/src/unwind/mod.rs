@@ -559,6 +559,7 @@ impl Unwinder {
             asid: asid.unwrap_or(0),
             python: record.python.clone(),
             python_context: record.python_context.clone(),
+            py_key: record.py_key,
         })
     }
 
@@ -696,6 +697,7 @@ mod tests {
             asid: 0,
             python: Vec::new(),
             python_context: None,
+            py_key: 0,
         };
         // The process is learned on the spot; its tables are being built: the copy waits.
         assert!(unwinder.accept(record.clone(), &mut probes).is_none());
