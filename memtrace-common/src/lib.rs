@@ -616,7 +616,7 @@ pub mod counter {
     /// of a call it does not record: an unsampled one, one the allocator makes to itself).
     pub const USER_RETURNS: u32 = 13;
     /// Walks that met a frame without a table and went on from an anchor above it (a frame
-    /// of the thread's last whole walk still on the stack): only the gap is copied.
+    /// of the thread's earlier walks still on the stack): only the gap is copied.
     pub const UNWIND_ANCHORED: u32 = 14;
     pub const COUNT: u32 = 15;
 }

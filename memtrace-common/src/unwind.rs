@@ -325,7 +325,7 @@ pub const MAX_TABLES: u32 = 4096;
 /// mapping or file not known yet), and what follows: a copy of the stack from `sp`.
 ///
 /// The walk may have gone on past the frames it had no table for, from an *anchor*: a
-/// frame of the same thread's last whole walk that is still on the stack, above the miss
+/// frame of the same thread's earlier walks that is still on the stack, above the miss
 /// (its return address still in its slot). The frames from `resume_at` on are then the
 /// anchor's and its callers', and the copy covers the gap below them, not the whole stack:
 /// userspace walks the gap once the table is ready and joins the frames walked from the
@@ -344,7 +344,11 @@ pub struct UnwindMiss {
     pub asid: u32,
     /// 1: `ip` is the exact instruction (look the rule up at it), 0: a return address.
     pub exact: u8,
-    pub _pad: [u8; 3],
+    /// Bit k: the probes' walk from the k-th frame from the anchor found a frame from %rbp
+    /// before restoring %rbp from the stack, so it holds only with that frame's %rbp as
+    /// `resume_bps[k]` says.
+    pub bp_used: u8,
+    pub _pad: [u8; 2],
     /// Bytes of user stack copied from `sp` that follow this header.
     pub copy_len: u32,
     /// Frames before the ones walked from an anchor (0: no anchor; the frames end at the
@@ -353,6 +357,8 @@ pub struct UnwindMiss {
     /// The stack pointers of the first frames walked from the anchor (0 past the last):
     /// each frame's return address lies just below its stack pointer.
     pub resume_sps: [u64; RESUME_SPS],
+    /// Their %rbp as the probes had it.
+    pub resume_bps: [u64; RESUME_SPS],
 }
 
 /// Frames walked from an anchor whose stack pointers go with a copy (the copy reaches the
@@ -379,7 +385,7 @@ const _: () = {
     assert!(core::mem::size_of::<UnwindRule>() == 8);
     assert!(core::mem::size_of::<MappingKey>() == 16);
     assert!(core::mem::size_of::<MappingValue>() == 32);
-    assert!(core::mem::size_of::<UnwindMiss>() == 64);
+    assert!(core::mem::size_of::<UnwindMiss>() == 80);
     assert!(core::mem::size_of::<FileId>() == 16);
     assert!(core::mem::size_of::<FileTable>() == 48);
 };

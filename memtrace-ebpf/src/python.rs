@@ -17,7 +17,7 @@ use aya_ebpf::{
     helpers::{bpf_get_current_task, generated},
 };
 use memtrace_common::{
-    RecordType,
+    RecordType, counter,
     python::{
         MAX_PY_FRAMES, PY_LINETABLE_LEN, PY_NONE, PY_SHARED_SEED, PyCodeRecord, PyFrame, PyProcInfo, PyStackHeader,
         py_frame_flags,
@@ -28,7 +28,7 @@ use memtrace_common::{
 use crate::{
     context::{pid_tgid, read_kernel_at, read_user_u64, scratch},
     maps::{CachedCheck, PY_CHECK_SLOTS, PY_CHECKS, PY_CODES_SENT, PY_PROCS, PY_SENT, PyCodeKey, Ring, STACKS_SENT},
-    ring::{emit_deciding, this_ring, wakeup_flags},
+    ring::{bump, emit_deciding, this_ring, wakeup_flags},
     stack::Scratch,
 };
 
@@ -146,8 +146,10 @@ pub extern "C" fn memtrace_send_python(hash: u64) -> u64 {
             generated::bpf_loop(n, send_code_step as *mut c_void, &mut codes as *mut SendCodes as *mut c_void, 0)
         };
     }
-    let Some(s) = scratch() else { return 0 };
-    let Some(ring) = this_ring() else { return 0 };
+    let (Some(s), Some(ring)) = (scratch(), this_ring()) else {
+        forget_key(key, shared);
+        return 0;
+    };
     s.py_header = PyStackHeader {
         rtype: RecordType::PyStack as u8,
         truncated: s.py_cut as u8,
@@ -161,10 +163,24 @@ pub extern "C" fn memtrace_send_python(hash: u64) -> u64 {
     // SAFETY: `len` bytes from the header are the header and `n` initialised frames of the
     // per-CPU scratch value (py_frames follows py_header). It waits for the batch: the code
     // records it names carry what userspace needs, and one that does not woke the reader.
-    unsafe {
+    let sent = unsafe {
         generated::bpf_ringbuf_output(ring_ptr, addr_of_mut!(s.py_header) as *mut c_void, len, wakeup_flags(ring))
     };
+    if sent != 0 {
+        // The ring was full: the next stack with these frames sends them again.
+        forget_key(key, shared);
+        bump(counter::LOST_STACKS);
+        return 0;
+    }
     key
+}
+
+/// A shared key whose frames did not go out is not kept as sent.
+#[inline(always)]
+fn forget_key(key: u64, shared: u64) {
+    if key == shared {
+        let _ = PY_SENT.remove(shared);
+    }
 }
 
 /// `EEXIST`: the error of a map insert whose key another program put there first.

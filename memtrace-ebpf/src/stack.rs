@@ -106,6 +106,10 @@ pub(crate) struct Scratch {
     pub(crate) walk_result: u32,
     /// The CPU whose anchors the search reads.
     pub(crate) walk_anchor_cpu: u32,
+    /// Walking from an anchor: bit k, %rbp was restored from the stack by a frame from the
+    /// k-th from the anchor on (`unwind::memtrace_note_rule`).
+    pub(crate) walk_bp_restored: u8,
+    pub(crate) _pad_walk: [u8; 7],
 }
 
 /// Words in the stack window: 2 KiB, a few frames of an interpreter's evaluation loop.

@@ -421,6 +421,8 @@ pub(crate) extern "C" fn walk_step(_index: u64, state: *mut c_void) -> i64 {
                 scratch.walk_n = scratch.miss.resume_at;
                 scratch.miss.resume_at = 0;
                 scratch.miss.resume_sps = [0; RESUME_SPS];
+                scratch.miss.resume_bps = [0; RESUME_SPS];
+                scratch.miss.bp_used = 0;
                 scratch.walk_result = stack_flags::MISS as u32;
                 return 1;
             }
@@ -433,10 +435,12 @@ pub(crate) extern "C" fn walk_step(_index: u64, state: *mut c_void) -> i64 {
                 ret_addr: st.ret_addr,
                 asid: st.asid,
                 exact: st.exact as u8,
-                _pad: [0; 3],
+                bp_used: 0,
+                _pad: [0; 2],
                 copy_len: 0,
                 resume_at: 0,
                 resume_sps: [0; RESUME_SPS],
+                resume_bps: [0; RESUME_SPS],
             };
             scratch.walk_result = stack_flags::MISS as u32;
             // The thread's earlier walks may have left frames above (the search picks the
@@ -451,6 +455,7 @@ pub(crate) extern "C" fn walk_step(_index: u64, state: *mut c_void) -> i64 {
             return 1;
         }
     };
+    memtrace_note_rule(i as u64, u64::from(rule.kind), rule.rbp_offset as i64 as u64);
     cover_step(&regs, rule);
     match unwind::step(regs, rule, st.ret_addr, |addr| read_stack(scratch, addr)) {
         Step::Caller(next) => {
@@ -474,7 +479,10 @@ pub(crate) extern "C" fn walk_step(_index: u64, state: *mut c_void) -> i64 {
 }
 
 /// One step of the search for an anchor after a miss (`scratch.miss`) by thread `tid` in
-/// address space `asid`: tries the next frame of the thread's last whole walk on this CPU.
+/// address space `asid`: first picks the CPU holding the thread's newest anchors (its last
+/// walk's frames, joined by earlier ones above them), then tries them one by one, from the
+/// second (the first is the walk's innermost frame, an exact instruction, not a return
+/// address in a slot).
 /// The innermost one above the miss, within a copy's reach, whose return address is still
 /// in its slot is taken: its registers go to `scratch.walk_resume`, and the copy will cover
 /// the gap below it. Stale frames can pass this check (a slot not overwritten since);
@@ -526,6 +534,7 @@ pub extern "C" fn memtrace_anchor_step(tid: u64, asid: u64) -> u64 {
     bump(counter::UNWIND_ANCHORED);
     scratch.miss.resume_at = scratch.walk_n;
     scratch.walk_phase = phase::RESUMED;
+    scratch.walk_bp_restored = 0;
     scratch.walk_resume = [ip, sp, bp];
     ANCHORED
 }
@@ -542,6 +551,7 @@ pub extern "C" fn memtrace_note_frame(i: u64, ip: u64, sp: u64, bp: u64) -> u64 
         let k = i.wrapping_sub(u64::from(scratch.miss.resume_at)) as usize;
         if k < RESUME_SPS {
             scratch.miss.resume_sps[k] = sp;
+            scratch.miss.resume_bps[k] = bp;
         }
     }
     if sp > scratch.walk_top_sp {
@@ -604,6 +614,35 @@ extern "C" fn pick_step(index: u64, state: *mut c_void) -> i64 {
     {
         p.cpu = cpu;
         p.time = a.time;
+    }
+    0
+}
+
+/// Notes, walking from an anchor, whether frame `i`'s rule (of `kind`, restoring %rbp from
+/// `rbp_offset`, 0: keeping it) finds its frame from %rbp before %rbp was restored from the
+/// stack since each of the first frames from the anchor (`UnwindMiss::bp_used`): their
+/// %rbp is the anchor's as an earlier walk saw it, or read through a stale first frame, so
+/// userspace joins the frames from one of them only if its own walk has the same %rbp
+/// there, or none used it. A global BPF function: checked once.
+#[inline(never)]
+#[unsafe(no_mangle)]
+pub extern "C" fn memtrace_note_rule(i: u64, kind: u64, rbp_offset: u64) -> u64 {
+    let Some(scratch) = scratch() else { return 0 };
+    if scratch.walk_phase != phase::RESUMED {
+        return 0;
+    }
+    let k = i.wrapping_sub(u64::from(scratch.miss.resume_at));
+    if k >= 64 {
+        return 0;
+    }
+    // Bit j: frames from the j-th from the anchor on (those at or after it).
+    let since = (1u8 << (k + 1).min(RESUME_SPS as u64)) - 1;
+    let kind = kind as u8;
+    if kind == unwind::kind::CFA_BP || kind == unwind::kind::CFA_BP_DEREF {
+        scratch.miss.bp_used |= since & !scratch.walk_bp_restored;
+    }
+    if rbp_offset != 0 || kind == unwind::kind::SIGNAL {
+        scratch.walk_bp_restored |= since;
     }
     0
 }
@@ -701,10 +740,12 @@ pub(crate) fn walk_user_tables(scratch: &mut Scratch, tgid: u32, regs: UserRegs,
             ret_addr: regs.hidden_return,
             asid: known.unwrap_or(0),
             exact: regs.exact as u8,
-            _pad: [0; 3],
+            bp_used: 0,
+            _pad: [0; 2],
             copy_len: 0,
             resume_at: 0,
             resume_sps: [0; RESUME_SPS],
+            resume_bps: [0; RESUME_SPS],
         };
         return (1, stack_flags::MISS | stack_flags::USER_IPS, stack_hash_step(hash, regs.ip), known.unwrap_or(0));
     };
@@ -737,6 +778,7 @@ pub(crate) fn walk_user_tables(scratch: &mut Scratch, tgid: u32, regs: UserRegs,
     }
     // SAFETY: walk_step is a BPF callback taking (index, ctx); ctx is our stack state.
     unsafe { generated::bpf_loop(WALK_STEPS, walk_step as *mut c_void, addr_of_mut!(st) as *mut c_void, 0) };
+    // SAFETY: fields of this CPU's scratch value, read after the steps wrote them.
     let (n, walk_phase, result) = unsafe {
         (
             core::ptr::read_volatile(&scratch.walk_n),

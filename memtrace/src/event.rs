@@ -145,6 +145,10 @@ pub struct StackMiss {
     /// see `memtrace_common::UnwindMiss`).
     pub resume_at: usize,
     pub resume_sps: [u64; memtrace_common::unwind::RESUME_SPS],
+    /// Their %rbp as the probes had it, and (bit k) whether the probes' frames from the k-th
+    /// on hold only with it.
+    pub resume_bps: [u64; memtrace_common::unwind::RESUME_SPS],
+    pub bp_used: u8,
 }
 
 /// Code a process mapped (see [`memtrace_common::MappingRecord`]).
@@ -442,6 +446,8 @@ pub fn decode(bytes: &[u8], cpu: u16) -> Result<Record, DecodeError> {
                     copy: rest[size_of::<UnwindMiss>()..copy_need].to_vec(),
                     resume_at: m.resume_at as usize,
                     resume_sps: m.resume_sps,
+                    resume_bps: m.resume_bps,
+                    bp_used: m.bp_used,
                 })
             } else {
                 None

@@ -404,7 +404,24 @@ impl Tracer {
     /// by the unwinder before it reaches the sink, or kept there until the table it needs
     /// is built.
     fn on_stack(&mut self, mut stack: StackRecord, sink: &mut dyn Sink) {
-        self.name_python(&mut stack);
+        if !self.name_python(&mut stack) {
+            let (hash, copy) = (stack.hash, stack.miss.is_some());
+            match self.python_wait(stack) {
+                Some(cut) => stack = cut,
+                None => {
+                    if copy {
+                        // Its allocation may go out first: it keeps the copy's hash.
+                        self.copies.waiting(hash);
+                    }
+                    return;
+                }
+            }
+        }
+        self.on_named_stack(stack, sink);
+    }
+
+    /// A stack with its Python frames: on to the unwinder and the sink.
+    fn on_named_stack(&mut self, stack: StackRecord, sink: &mut dyn Sink) {
         let Some(unwinder) = self.unwinder.as_mut() else {
             sink.stack(stack);
             return;
@@ -522,6 +539,9 @@ impl Tracer {
         for s in stacks {
             self.on_stack(s, sink);
         }
+        for s in self.python_ready(everything) {
+            self.on_named_stack(s, sink);
+        }
         if let Some(u) = self.unwinder.as_mut() {
             for done in u.poll(&mut self.probes) {
                 Self::deliver_copy(u, &mut self.copies, done, sink);
@@ -565,6 +585,7 @@ impl Tracer {
             }
             u.save_programs_files();
         }
+        log::debug!("stack copies delivered as a stack met before: {}", self.copies.merged);
         self.copies.clear();
         (teardown, counters)
     }

@@ -31,7 +31,16 @@ pub(super) struct PythonState {
     keys_of: crate::FastMap<u32, Vec<u64>>,
     /// Keys to forget, and since when their process exited or exec'd.
     forget: std::collections::VecDeque<(std::time::Instant, Vec<u64>)>,
+    /// Stacks whose Python frames have not arrived yet, and since when.
+    waiting: std::collections::VecDeque<(std::time::Instant, StackRecord)>,
+    /// Processes that exited, and when: frames of theirs read after the news (from another
+    /// CPU's ring) go straight to be forgotten.
+    exited: crate::FastMap<u32, std::time::Instant>,
 }
+
+/// Stacks waiting for their Python frames at most, and for how long.
+const MAX_WAITING: usize = 4096;
+const WAIT_FOR_FRAMES: std::time::Duration = std::time::Duration::from_millis(500);
 
 /// How long the shared Python frames of a process stay after its exit or exec: its stacks
 /// read in the same drain are named after the news is (and the other CPUs' rings may hold
@@ -97,7 +106,11 @@ impl Tracer {
     /// The Python frames of the stack whose record follows.
     pub(super) fn python_stack(&mut self, frames: PyStack) {
         if frames.shared {
-            self.python.keys_of.entry(frames.pid).or_default().push(frames.hash);
+            if self.python.exited.contains_key(&frames.pid) {
+                self.python.forget.push_back((std::time::Instant::now(), vec![frames.hash]));
+            } else {
+                self.python.keys_of.entry(frames.pid).or_default().push(frames.hash);
+            }
             self.python.shared.insert(frames.hash, SharedFrames { frames, context: None, named: false });
             return;
         }
@@ -107,19 +120,20 @@ impl Tracer {
         self.python.pending.insert(frames.hash, frames);
     }
 
-    /// Gives a stack that just arrived its Python frames, named.
-    pub(super) fn name_python(&mut self, stack: &mut StackRecord) {
+    /// Gives a stack that just arrived its Python frames, named. False when they have not
+    /// arrived yet (the thread sent them on another CPU, whose ring is read later).
+    pub(super) fn name_python(&mut self, stack: &mut StackRecord) -> bool {
         if stack.py_key == 0 {
-            return;
+            return true;
         }
         if let Some(python) = self.python.pending.remove(&stack.py_key) {
             stack.truncated |= python.truncated;
             stack.python_context = self.python.names.context(stack.pid, &python.frames).map(std::sync::Arc::new);
             stack.python = python.frames;
-            return;
+            return true;
         }
         let PythonState { shared, names, .. } = &mut self.python;
-        let Some(python) = shared.get_mut(&stack.py_key) else { return };
+        let Some(python) = shared.get_mut(&stack.py_key) else { return false };
         if !python.named {
             python.context = names.context(python.frames.pid, &python.frames.frames).map(std::sync::Arc::new);
             python.named = true;
@@ -127,12 +141,43 @@ impl Tracer {
         stack.truncated |= python.frames.truncated;
         stack.python_context = python.context.clone();
         stack.python = python.frames.frames.clone();
+        true
+    }
+
+    /// Keeps a stack whose Python frames have not arrived, for [`Tracer::python_ready`];
+    /// gives it back (to go on without them, cut short) when too many wait.
+    pub(super) fn python_wait(&mut self, mut stack: StackRecord) -> Option<StackRecord> {
+        if self.python.waiting.len() >= MAX_WAITING {
+            stack.truncated = true;
+            return Some(stack);
+        }
+        self.python.waiting.push_back((std::time::Instant::now(), stack));
+        None
+    }
+
+    /// The waiting stacks whose Python frames arrived since, named, and those that waited
+    /// [`WAIT_FOR_FRAMES`] (all of them when `all`), cut short without.
+    pub(super) fn python_ready(&mut self, all: bool) -> Vec<StackRecord> {
+        let mut ready = Vec::new();
+        for (since, mut stack) in std::mem::take(&mut self.python.waiting) {
+            if self.name_python(&mut stack) {
+                ready.push(stack);
+            } else if all || since.elapsed() >= WAIT_FOR_FRAMES {
+                stack.truncated = true;
+                ready.push(stack);
+            } else {
+                self.python.waiting.push_back((since, stack));
+            }
+        }
+        ready
     }
 
     /// Forgets the shared Python frames of the processes that exec'd or exited more than
     /// [`FORGET_AFTER`] ago, here and in the probes, whose table of keys sent has room for
     /// others then.
     pub(super) fn forget_python_keys(&mut self) {
+        // A process's late frames come within the reorder window; its pid may come back.
+        self.python.exited.retain(|_, since| since.elapsed() < FORGET_AFTER * 10);
         while self.python.forget.front().is_some_and(|(since, _)| since.elapsed() >= FORGET_AFTER) {
             let Some((_, keys)) = self.python.forget.pop_front() else { break };
             for key in &keys {
@@ -219,6 +264,8 @@ impl Tracer {
     /// A traced process forked: the child runs the same interpreter, at the same
     /// addresses (nothing to read again).
     pub(super) fn python_fork(&mut self, child: u32, parent: u32) {
+        // A new process with a pid seen exiting before.
+        self.python.exited.remove(&child);
         self.python.names.fork(child, parent);
         if self.python.walked.get(&parent) == Some(&true)
             && let Some(info) = self.python.names.interpreter(child).map(|i| i.info)
@@ -237,5 +284,6 @@ impl Tracer {
             let _ = self.probes.set_python(pid, None);
         }
         self.forget_later(pid);
+        self.python.exited.insert(pid, std::time::Instant::now());
     }
 }

@@ -493,9 +493,10 @@ impl Unwinder {
         };
         let anchors: Vec<walk::Anchor> = from_anchor
             .iter()
-            .zip(&miss.resume_sps)
-            .take_while(|&(_, &sp)| sp != 0)
-            .map(|(&ip, &sp)| walk::Anchor { sp, ip })
+            .zip(miss.resume_sps.iter().zip(&miss.resume_bps))
+            .take_while(|&(_, (&sp, _))| sp != 0)
+            .enumerate()
+            .map(|(k, (&ip, (&sp, &bp)))| walk::Anchor { sp, ip, bp: (miss.bp_used >> k & 1 != 0).then_some(bp) })
             .collect();
         if ips.last() != Some(&miss.ip) {
             ips.push(miss.ip);
@@ -538,7 +539,8 @@ impl Unwinder {
                 // How the probes' walk from the anchor ended.
                 record.truncated || from_anchor.len() - k > room
             }
-            End::Outermost => false,
+            // How the Python frames ended counts too (`Tracer::name_python`).
+            End::Outermost => record.truncated,
             End::Truncated | End::Wait => true,
         };
         if !anchors.is_empty() && !matches!(end, End::Anchored(_)) {
@@ -693,6 +695,8 @@ mod tests {
                 copy,
                 resume_at: 0,
                 resume_sps: [0; memtrace_common::unwind::RESUME_SPS],
+                resume_bps: [0; memtrace_common::unwind::RESUME_SPS],
+                bp_used: 0,
             }),
             asid: 0,
             python: Vec::new(),

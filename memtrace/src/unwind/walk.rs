@@ -50,6 +50,8 @@ pub enum End {
 pub struct Anchor {
     pub sp: u64,
     pub ip: u64,
+    /// The %rbp the frame must have too (the probes' walk from it relied on it).
+    pub bp: Option<u64>,
 }
 
 /// Walks on from `regs`, whose instruction pointer is already the last of `ips`, appending
@@ -73,7 +75,10 @@ pub fn walk(
         };
         match step(regs, rule, trampoline_for, |a| memory.read_u64(a)) {
             Step::Caller(next) => {
-                if let Some(k) = anchors.iter().position(|a| a.sp == next.sp && a.ip == next.ip) {
+                if let Some(k) = anchors
+                    .iter()
+                    .position(|a| a.sp == next.sp && a.ip == next.ip && a.bp.is_none_or(|bp| bp == next.bp))
+                {
                     return End::Anchored(k);
                 }
                 if ips.len() >= MAX_STACK_DEPTH {
@@ -176,6 +181,37 @@ mod tests {
         let mut ips = vec![0x1000];
         assert_eq!(walk(regs, &memory, &mut ips, 0x2000, &[], lookup(&rules)), End::Outermost);
         assert_eq!(ips, vec![0x1000, 0x2000, 0x3000]);
+    }
+
+    /// A gap of two frames under an anchor: the walk lands on the frame with the anchor's
+    /// stack pointer and return address, and on one wanting a %rbp only with that %rbp.
+    #[test]
+    fn the_walk_of_a_gap_lands_on_an_anchor_only_where_it_matches() {
+        // 0x1000 (the miss) at BASE, frame of 0x20 → 0x2000; its frame of 0x10, saving
+        // %rbp at CFA-16 → 0x3000 (the anchor), at BASE + 0x30.
+        let saved_bp = 0xbeef;
+        let bytes = stack(&[(BASE + 0x18, 0x2000), (BASE + 0x20, saved_bp), (BASE + 0x28, 0x3000)]);
+        let memory = StackCopy { base: BASE, bytes: &bytes[..0x30] };
+        let rules: HashMap<u64, UnwindRule> =
+            [(0x1000, rule(kind::CFA_SP, 0x20, 0)), (0x1fff, rule(kind::CFA_SP, 0x10, -16))].into();
+        let regs = Regs { ip: 0x1000, sp: BASE, bp: 7, exact: true };
+        let landed = |anchor: Anchor| {
+            let mut ips = vec![0x1000];
+            let end = walk(regs, &memory, &mut ips, 0, &[anchor], lookup(&rules));
+            (end, ips)
+        };
+        let anchor = Anchor { sp: BASE + 0x30, ip: 0x3000, bp: None };
+        assert_eq!(landed(anchor), (End::Anchored(0), vec![0x1000, 0x2000]));
+        assert_eq!(landed(Anchor { bp: Some(saved_bp), ..anchor }).0, End::Anchored(0));
+        // Another %rbp there, another stack pointer, another return address: no landing
+        // (the walk goes on, and here leaves the copy).
+        for other in [
+            Anchor { bp: Some(saved_bp + 1), ..anchor },
+            Anchor { sp: BASE + 0x38, ..anchor },
+            Anchor { ip: 0x3001, ..anchor },
+        ] {
+            assert_eq!(landed(other).0, End::Truncated, "{other:?}");
+        }
     }
 
     #[test]
