@@ -29,7 +29,6 @@ use crate::{
     context::{pid_tgid, read_kernel_at, read_user_u64, scratch},
     maps::{CachedCheck, PY_CHECK_SLOTS, PY_CHECKS, PY_CODES_SENT, PY_PROCS, PY_SENT, PyCodeKey, Ring, STACKS_SENT},
     ring::{bump, emit_deciding, this_ring, wakeup_flags},
-    stack::Scratch,
 };
 
 /// Bytes of a frame the walk needs: every field on 3.10 (`f_lasti` at 96) and later
@@ -53,9 +52,6 @@ struct Walk {
     hash: u64,
     /// When the walk started.
     now: u64,
-    /// The user memory in `py_window`: from where, how many bytes (0: none yet).
-    win_start: u64,
-    win_len: u64,
     tgid: u32,
     _pad: u32,
 }
@@ -78,14 +74,14 @@ pub extern "C" fn memtrace_walk_python(tgid: u64) -> u64 {
     s.py_n = 0;
     s.py_cut = 0;
     s.py_hash = 0;
+    s.py_win_len = 0;
     // SAFETY: the value is copied out at once.
     if let Some(info) = (unsafe { PY_PROCS.get(tgid as u32) }).copied()
         && let Some(first) = innermost_frame(&info)
     {
         // SAFETY: no preconditions.
         let now = unsafe { generated::bpf_ktime_get_ns() };
-        let mut walk =
-            Walk { info, frame: first, hash: PY_STACK_SEED, now, win_start: 0, win_len: 0, tgid: tgid as u32, _pad: 0 };
+        let mut walk = Walk { info, frame: first, hash: PY_STACK_SEED, now, tgid: tgid as u32, _pad: 0 };
         // SAFETY: step is a BPF callback taking (index, ctx); ctx is the Walk on our stack.
         unsafe { generated::bpf_loop(MAX_STEPS, step as *mut c_void, &mut walk as *mut Walk as *mut c_void, 0) };
         if let Some(s) = scratch() {
@@ -259,38 +255,42 @@ extern "C" fn step(_index: u64, state: *mut c_void) -> i64 {
     }
 }
 
-/// Where the current frame's bytes are in `s.py_window` (read now, or by an earlier step:
-/// frames of 3.11+ are pushed on the thread's data stack one after the other, so a read of
-/// the bytes below a frame usually holds its caller too, and the next few). The window
-/// starts no lower than the frame's own page, which is mapped; a frame at the very end of
-/// a mapping is read alone, in its first 72 bytes (every field 3.11+ needs).
-#[inline(always)]
-fn frame_at(walk: &mut Walk, s: &mut Scratch) -> Option<u64> {
-    let frame = walk.frame;
-    let end = frame.checked_add(PY_FRAME_READ as u64)?;
-    if frame >= walk.win_start && end <= walk.win_start.wrapping_add(walk.win_len) {
-        return Some(frame - walk.win_start);
+/// Where the bytes of the frame at `frame` are in `s.py_window` (read now, or by an earlier
+/// step: frames of 3.11+ are pushed on the thread's data stack one after the other, so a
+/// read of the bytes below a frame usually holds its caller too, and the next few); the
+/// window's extent is in `s.py_win_start` and `s.py_win_len`. The window starts no lower
+/// than the frame's own page, which is mapped; a frame at the very end of a mapping is read
+/// alone, in its first 72 bytes (every field 3.11+ needs). Returns `u64::MAX` when the
+/// frame cannot be read. A global BPF function: the verifier checks its three ways once,
+/// not each with every state of the step after it.
+#[inline(never)]
+#[unsafe(no_mangle)]
+pub extern "C" fn memtrace_py_frame_at(frame: u64) -> u64 {
+    let Some(s) = scratch() else { return u64::MAX };
+    let Some(end) = frame.checked_add(PY_FRAME_READ as u64) else { return u64::MAX };
+    if frame >= s.py_win_start && end <= s.py_win_start.wrapping_add(s.py_win_len) {
+        return frame - s.py_win_start;
     }
     let start = end.saturating_sub(PY_WINDOW as u64).max(frame & !0xfff);
     let len = end - start;
     if len > PY_WINDOW as u64 {
-        return None;
+        return u64::MAX;
     }
     let window = s.py_window.as_mut_ptr() as *mut c_void;
     // SAFETY: reads at most PY_WINDOW bytes of user memory into the per-CPU window.
     if unsafe { generated::bpf_probe_read_user(window, len as u32, start as *const c_void) } == 0 {
-        walk.win_start = start;
-        walk.win_len = len;
-        return Some(frame - start);
+        s.py_win_start = start;
+        s.py_win_len = len;
+        return frame - start;
     }
     // SAFETY: as above, 72 bytes.
     if unsafe { generated::bpf_probe_read_user(window, 72, frame as *const c_void) } == 0 {
-        walk.win_start = frame;
-        walk.win_len = 72;
-        return Some(0);
+        s.py_win_start = frame;
+        s.py_win_len = 72;
+        return 0;
     }
-    walk.win_len = 0;
-    None
+    s.py_win_len = 0;
+    u64::MAX
 }
 
 #[inline(always)]
@@ -298,10 +298,13 @@ fn try_step(walk: &mut Walk) -> Option<()> {
     if walk.frame == 0 {
         return None;
     }
+    let at = memtrace_py_frame_at(walk.frame);
     let s = scratch()?;
+    if at == u64::MAX {
+        return None;
+    }
     let info = walk.info;
-    let at = frame_at(walk, s)?;
-    let len = walk.win_len;
+    let len = s.py_win_len;
     let code = window_u64(&s.py_window, at, info.f_code, len)?;
     let back = window_u64(&s.py_window, at, info.f_back, len)?;
     if info.f_owner != PY_NONE && window_u8(&s.py_window, at, info.f_owner, len)? == 3 {

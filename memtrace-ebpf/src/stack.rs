@@ -59,6 +59,9 @@ pub(crate) struct Scratch {
     pub(crate) py_n: u32,
     pub(crate) py_cut: u32,
     pub(crate) py_hash: u64,
+    /// The user memory in `py_window`: from where, how many bytes (0: none yet).
+    pub(crate) py_win_start: u64,
+    pub(crate) py_win_len: u64,
     /// The allocation records waiting for their stack in a tail-called program (`finish`).
     /// Kernel ones by nesting level: a kmem tracepoint can fire in an interrupt while the
     /// task's own allocation is between its two halves.
@@ -111,6 +114,13 @@ pub(crate) struct Scratch {
     pub(crate) walk_bp_restored: u8,
     pub(crate) _pad_walk: [u8; 7],
 }
+
+// The record buffer and the parts written into it are 8-byte aligned: the header and the
+// miss part are written with aligned stores (word moves the verifier checks once each,
+// not byte moves).
+const _: () = assert!(core::mem::offset_of!(Scratch, record).is_multiple_of(8));
+const _: () = assert!(size_of::<StackHeader>().is_multiple_of(8) && USER_PART_MAX_OFF.is_multiple_of(8));
+const _: () = assert!(size_of::<UserFrame>().is_multiple_of(8) && size_of::<UnwindMiss>().is_multiple_of(8));
 
 /// Words in the stack window: 2 KiB, a few frames of an interpreter's evaluation loop.
 pub(crate) const STACK_WINDOW_WORDS: usize = 256;
@@ -304,8 +314,8 @@ pub(crate) fn send_stack_once(
         _pad: 0,
         py_key: user.py_key,
     };
-    // SAFETY: the record buffer starts with room for a header; unaligned-safe write.
-    unsafe { core::ptr::write_unaligned(scratch.record.as_mut_ptr() as *mut StackHeader, header) };
+    // SAFETY: the record buffer starts with room for a header, 8-byte aligned (below).
+    unsafe { core::ptr::write(scratch.record.as_mut_ptr() as *mut StackHeader, header) };
     if len > STACK_RECORD_MAX {
         return;
     }
@@ -357,8 +367,9 @@ pub(crate) fn append_stack_copy(scratch: &mut Scratch, off: usize) -> usize {
         }
     }
     scratch.miss.copy_len = copied;
-    // SAFETY: off + size_of::<UnwindMiss>() = copy_off, within the buffer.
-    unsafe { core::ptr::write_unaligned(scratch.record.as_mut_ptr().add(off) as *mut UnwindMiss, scratch.miss) };
+    // SAFETY: off + size_of::<UnwindMiss>() = copy_off, within the buffer; `off` is the
+    // header and whole 8-byte frames, so the write is aligned (below).
+    unsafe { core::ptr::write(scratch.record.as_mut_ptr().add(off) as *mut UnwindMiss, scratch.miss) };
     size_of::<UnwindMiss>() + copied as usize
 }
 

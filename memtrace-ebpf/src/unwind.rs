@@ -30,7 +30,7 @@ use crate::{
         ANCHORS, ASIDS, Anchors, CachedRule, FILE_TABLES, INFLIGHT, MAPPINGS, NEXT_ASID, PROBE_BUSY, RULE_CACHE,
         RULE_CACHE_SLOTS, TABLES,
     },
-    ring::{bump, bump_by},
+    ring::{bump, bump_by, zero},
     stack::{STACK_WINDOW_WORDS, Scratch},
 };
 
@@ -247,6 +247,20 @@ pub(crate) struct WalkState {
     pub(crate) tid: u32,
 }
 
+/// Sets `miss` to a walk stopped at these registers: no copy, no anchor. Zeroed a word at
+/// a time, then filled (a struct literal's zeroed arrays became a byte-by-byte `memset`
+/// call the verifier followed on every pass over the walk step).
+#[inline(always)]
+fn set_miss(miss: &mut UnwindMiss, ip: u64, sp: u64, bp: u64, ret_addr: u64, asid: u32, exact: u8) {
+    zero(miss);
+    miss.ip = ip;
+    miss.sp = sp;
+    miss.bp = bp;
+    miss.ret_addr = ret_addr;
+    miss.asid = asid;
+    miss.exact = exact;
+}
+
 /// Phases of a table walk.
 mod phase {
     /// Frame by frame from the registers.
@@ -303,13 +317,45 @@ fn rule_at(st: &mut WalkState, addr: u64) -> Result<UnwindRule, NoRule> {
     if st.map_flags & (mapping_flags::NO_FILE | mapping_flags::NO_TABLE) != 0 {
         return Err(NoRule::Never);
     }
-    let Some(rows) = TABLES.get(st.map_table) else { return Err(NoRule::NotYet(counter::UNWIND_NO_TABLE)) };
+    let found = memtrace_table_rule(u64::from(st.map_table), addr.wrapping_sub(st.map_bias));
+    let rule = match found >> 32 {
+        0 => decode_rule(found as u32),
+        NO_TABLE_YET => return Err(NoRule::NotYet(counter::UNWIND_NO_TABLE)),
+        _ => return Err(NoRule::Never),
+    };
+    if let Some(entry) = slot {
+        // SAFETY: as above.
+        unsafe { *entry = CachedRule { addr, asid: st.asid, rule: found as u32 } };
+    }
+    Ok(rule)
+}
+
+/// [`memtrace_table_rule`]'s answers besides a rule (in the high half).
+const NO_RULE: u64 = 1;
+const NO_TABLE_YET: u64 = 2;
+
+/// The rule for file address `vaddr` in the table in `slot`: `encode_rule` of it, or
+/// `NO_RULE << 32`, or `NO_TABLE_YET << 32`. A global BPF function: the verifier checks the
+/// search once, on its own, not once per state of the walk step that calls it.
+#[inline(never)]
+#[unsafe(no_mangle)]
+pub extern "C" fn memtrace_table_rule(slot: u64, vaddr: u64) -> u64 {
+    match table_rule(slot as u32, vaddr) {
+        Ok(rule) => u64::from(encode_rule(rule)),
+        Err(NoRule::NotYet(_)) => NO_TABLE_YET << 32,
+        Err(NoRule::Never) => NO_RULE << 32,
+    }
+}
+
+#[inline(always)]
+fn table_rule(slot: u32, vaddr: u64) -> Result<UnwindRule, NoRule> {
+    let Some(rows) = TABLES.get(slot) else { return Err(NoRule::NotYet(counter::UNWIND_NO_TABLE)) };
     let get = |i: u32| rows.get(i).copied();
     let (Some(pc_base), Some(counts)) = (get(table::PC_BASE), get(table::COUNTS)) else {
         return Err(NoRule::Never);
     };
     let pages = counts as u32;
-    let rel = addr.wrapping_sub(st.map_bias).wrapping_sub(pc_base);
+    let rel = vaddr.wrapping_sub(pc_base);
     let page = rel >> table::PAGE_SHIFT;
     if page >= u64::from(pages) {
         return Err(NoRule::Never);
@@ -324,8 +370,7 @@ fn rule_at(st: &mut WalkState, addr: u64) -> Result<UnwindRule, NoRule> {
     }
     // The search of `memtrace_common::unwind::find_row`, one step per `bpf_loop`
     // iteration, so the verifier checks the step once instead of every unrolled one.
-    let mut search =
-        Search { slot: st.map_table, pages, lo: lo as u32, hi: hi as u32, pc: rel as u32, failed: 0, best: first };
+    let mut search = Search { slot, pages, lo: lo as u32, hi: hi as u32, pc: rel as u32, failed: 0, best: first };
     // SAFETY: search_step is a BPF callback taking (index, ctx); ctx is our stack state.
     unsafe {
         generated::bpf_loop(table::SEARCH_STEPS, search_step as *mut c_void, addr_of_mut!(search) as *mut c_void, 0)
@@ -333,12 +378,7 @@ fn rule_at(st: &mut WalkState, addr: u64) -> Result<UnwindRule, NoRule> {
     if search.failed != 0 || search.lo < search.hi {
         return Err(NoRule::Never);
     }
-    let rule = unwind::row_rule(search.best);
-    if let Some(entry) = slot {
-        // SAFETY: as above.
-        unsafe { *entry = CachedRule { addr, asid: st.asid, rule: encode_rule(rule) } };
-    }
-    Ok(rule)
+    Ok(unwind::row_rule(search.best))
 }
 
 /// A binary search among the rows of one page of a table, on the BPF stack between
@@ -419,29 +459,14 @@ pub(crate) extern "C" fn walk_step(_index: u64, state: *mut c_void) -> i64 {
                 // an anchor (a copy covers one gap).
                 memtrace_note_frame(i as u64, 0, 0, 0);
                 scratch.walk_n = scratch.miss.resume_at;
-                scratch.miss.resume_at = 0;
-                scratch.miss.resume_sps = [0; RESUME_SPS];
-                scratch.miss.resume_bps = [0; RESUME_SPS];
-                scratch.miss.bp_used = 0;
+                let m = scratch.miss;
+                set_miss(&mut scratch.miss, m.ip, m.sp, m.bp, m.ret_addr, m.asid, m.exact);
                 scratch.walk_result = stack_flags::MISS as u32;
                 return 1;
             }
             // No anchor at a frame without a table: a walk from it would miss at once.
             memtrace_note_frame(i as u64, 0, 0, 0);
-            scratch.miss = UnwindMiss {
-                ip: regs.ip,
-                sp: regs.sp,
-                bp: regs.bp,
-                ret_addr: st.ret_addr,
-                asid: st.asid,
-                exact: st.exact as u8,
-                bp_used: 0,
-                _pad: [0; 2],
-                copy_len: 0,
-                resume_at: 0,
-                resume_sps: [0; RESUME_SPS],
-                resume_bps: [0; RESUME_SPS],
-            };
+            set_miss(&mut scratch.miss, regs.ip, regs.sp, regs.bp, st.ret_addr, st.asid, st.exact as u8);
             scratch.walk_result = stack_flags::MISS as u32;
             // The thread's earlier walks may have left frames above (the search picks the
             // CPU whose anchors are its newest first).
@@ -733,20 +758,15 @@ pub(crate) fn walk_user_tables(scratch: &mut Scratch, tgid: u32, regs: UserRegs,
         scratch.user_ips[0] = regs.ip;
         scratch.user_ips[1] = 0;
         scratch.user_ips[MAX_STACK_DEPTH] = 0;
-        scratch.miss = UnwindMiss {
-            ip: regs.ip,
-            sp: regs.sp,
-            bp: regs.bp,
-            ret_addr: regs.hidden_return,
-            asid: known.unwrap_or(0),
-            exact: regs.exact as u8,
-            bp_used: 0,
-            _pad: [0; 2],
-            copy_len: 0,
-            resume_at: 0,
-            resume_sps: [0; RESUME_SPS],
-            resume_bps: [0; RESUME_SPS],
-        };
+        set_miss(
+            &mut scratch.miss,
+            regs.ip,
+            regs.sp,
+            regs.bp,
+            regs.hidden_return,
+            known.unwrap_or(0),
+            regs.exact as u8,
+        );
         return (1, stack_flags::MISS | stack_flags::USER_IPS, stack_hash_step(hash, regs.ip), known.unwrap_or(0));
     };
     // The stack is another one now (or has moved on).
