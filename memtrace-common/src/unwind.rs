@@ -365,6 +365,10 @@ pub struct UnwindMiss {
 /// last of them).
 pub const RESUME_SPS: usize = 2;
 
+/// Slots of each CPU's cache of rules found (the probes' `RULE_CACHE`, direct-mapped,
+/// sized for the possible CPUs at load).
+pub const RULE_CACHE_SLOTS: u32 = 8192;
+
 /// Bytes of user stack sent with an [`UnwindMiss`].
 pub const UNWIND_COPY_BYTES: usize = 16384;
 

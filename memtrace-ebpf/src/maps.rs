@@ -9,7 +9,7 @@ use aya_ebpf::{
 };
 use memtrace_common::{
     FILENAME_LEN, FileId, FileTable, InFlight, MAX_CPUS, MAX_STACK_DEPTH, MAX_TABLES, MappingKey, MappingValue,
-    SampledKey, counter, python::PY_SENT_KEYS,
+    RULE_CACHE_SLOTS, SampledKey, counter, python::PY_SENT_KEYS,
 };
 
 use crate::stack::Scratch;
@@ -125,8 +125,6 @@ pub(crate) struct CachedRule {
     pub(crate) rule: u32,
 }
 
-pub(crate) const RULE_CACHE_SLOTS: u32 = 8192;
-
 /// The frames of this CPU's last table walk that did not miss (see [`Anchors`]).
 #[btf_map]
 pub(crate) static ANCHORS: PerCpuArray<Anchors, 1> = PerCpuArray::new();
@@ -151,8 +149,11 @@ pub(crate) struct Anchors {
     pub(crate) bps: [[u64; MAX_STACK_DEPTH]; 2],
 }
 
+/// Each CPU's `RULE_CACHE_SLOTS` slots, from `cpu * RULE_CACHE_SLOTS` on (userspace sizes
+/// it for the possible CPUs at load). A plain array, not a per-CPU one: the kernel makes a
+/// per-CPU array's slots one allocation each, 8192 of them (~8 ms of every start).
 #[btf_map]
-pub(crate) static RULE_CACHE: PerCpuArray<CachedRule, { RULE_CACHE_SLOTS as usize }> = PerCpuArray::new();
+pub(crate) static RULE_CACHE: Array<CachedRule, { RULE_CACHE_SLOTS as usize }> = Array::new();
 
 /// `openat` in flight: pid_tgid → the user pointer to the file name.
 #[btf_map]

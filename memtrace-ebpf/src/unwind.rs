@@ -17,8 +17,8 @@ use aya_ebpf::{
     programs::RetProbeContext,
 };
 use memtrace_common::{
-    FileId, FileTable, MAX_CPUS, MAX_STACK_DEPTH, MappingKey, MappingValue, UNWIND_COPY_BYTES, UPROBE_TRAMPOLINE_PAGE,
-    UnwindMiss, UnwindRule, counter, stack_flags, stack_hash_step,
+    FileId, FileTable, MAX_CPUS, MAX_STACK_DEPTH, MappingKey, MappingValue, RULE_CACHE_SLOTS, UNWIND_COPY_BYTES,
+    UPROBE_TRAMPOLINE_PAGE, UnwindMiss, UnwindRule, counter, stack_flags, stack_hash_step,
     unwind::RESUME_SPS,
     unwind::{self, NO_SLOT, Regs, Step, decode_rule, encode_rule, kind, mapping_flags, table},
     unwind_mode,
@@ -27,8 +27,7 @@ use memtrace_common::{
 use crate::{
     context::{pid_tgid, read_kernel_at, read_kernel_u64, read_user_u64, regs, scratch},
     maps::{
-        ANCHORS, ASIDS, Anchors, CachedRule, FILE_TABLES, INFLIGHT, MAPPINGS, NEXT_ASID, PROBE_BUSY, RULE_CACHE,
-        RULE_CACHE_SLOTS, TABLES,
+        ANCHORS, ASIDS, Anchors, CachedRule, FILE_TABLES, INFLIGHT, MAPPINGS, NEXT_ASID, PROBE_BUSY, RULE_CACHE, TABLES,
     },
     ring::{bump, bump_by, zero},
     stack::{STACK_WINDOW_WORDS, Scratch},
@@ -290,7 +289,9 @@ fn cache_slot(addr: u64, asid: u32) -> u32 {
 /// The rule for lookup address `addr` of the walk's address space.
 #[inline(always)]
 fn rule_at(st: &mut WalkState, addr: u64) -> Result<UnwindRule, NoRule> {
-    let slot = RULE_CACHE.get_ptr_mut(cache_slot(addr, st.asid));
+    // SAFETY: the helper has no preconditions.
+    let cpu = unsafe { generated::bpf_get_smp_processor_id() };
+    let slot = RULE_CACHE.get_ptr_mut(cpu.wrapping_mul(RULE_CACHE_SLOTS) | cache_slot(addr, st.asid));
     if let Some(entry) = slot {
         // SAFETY: this CPU's slot; programs on one CPU do not run concurrently.
         let entry = unsafe { &*entry };

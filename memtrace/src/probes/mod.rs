@@ -35,8 +35,8 @@ use aya::{
 };
 use aya_obj::generated::bpf_map_type::{BPF_MAP_TYPE_ARRAY, BPF_MAP_TYPE_RINGBUF};
 use memtrace_common::{
-    FileId, FileTable, KernelLayout, Kind, MAX_CPUS, MappingKey, MappingValue, ProbeConfig, counter, traced,
-    unwind_mode,
+    FileId, FileTable, KernelLayout, Kind, MAX_CPUS, MappingKey, MappingValue, ProbeConfig, RULE_CACHE_SLOTS, counter,
+    traced, unwind_mode,
 };
 
 use self::btf::Btf;
@@ -274,6 +274,12 @@ impl Probes {
         let unlimited = libc::rlimit { rlim_cur: libc::RLIM_INFINITY, rlim_max: libc::RLIM_INFINITY };
         // SAFETY: a valid rlimit struct is passed; failure is harmless on newer kernels.
         unsafe { libc::setrlimit(libc::RLIMIT_MEMLOCK, &unlimited) };
+        // Sized at load: the rule cache for the CPUs there are; the sampled blocks' map only
+        // when sampling (a preallocated hash map of 256k entries is ~9 ms of every start).
+        loader.map_max_entries("RULE_CACHE", RULE_CACHE_SLOTS * config.cpus);
+        if settings.sample_bytes.is_none() {
+            loader.map_max_entries("SAMPLED_LIVE", 1);
+        }
         let mut ebpf = loader.override_global("CONFIG", &config, true).load(OBJECT).map_err(|e| {
             anyhow::anyhow!("loading the eBPF programs: {e} (is BTF available at /sys/kernel/btf/vmlinux?)")
         })?;
