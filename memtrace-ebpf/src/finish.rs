@@ -41,7 +41,9 @@ pub(crate) fn pend_kernel_alloc(fill: impl FnOnce(&mut KernelAllocRecord)) -> Re
     scratch.kernel_depth = level as u32 + 1;
     // The mask keeps the index's bound in the verifier's sight (KERNEL_NESTING is a power of two).
     let pending = &mut scratch.pending_kernel[level & (KERNEL_NESTING - 1)];
-    *pending = KernelAllocRecord::default();
+    // Zeroed a word at a time (`KernelAllocRecord::default()` became a byte-by-byte memset
+    // call, run for every kernel allocation).
+    crate::ring::zero(pending);
     fill(pending);
     Ok(Next::Finish)
 }

@@ -196,7 +196,15 @@ fn try_exit_mmap(start: u64) -> Result<(), ()> {
         r.len = args.len;
         r.file_offset = args.offset;
         if let Some(path) = path {
-            r.path = *path;
+            // One helper call (an assignment became a byte-by-byte memcpy call).
+            // SAFETY: both are FILENAME_LEN-byte arrays: the record's and the map value's.
+            unsafe {
+                generated::bpf_probe_read_kernel(
+                    r.path.as_mut_ptr() as *mut c_void,
+                    FILENAME_LEN as u32,
+                    path.as_ptr() as *const c_void,
+                )
+            };
         }
     });
     Ok(())
