@@ -9,6 +9,7 @@
 pub mod allocator;
 pub mod btf;
 pub mod cuda;
+pub mod layout_cache;
 mod outer;
 pub mod placement;
 pub mod uprobe_multi;
@@ -64,6 +65,9 @@ pub struct Settings {
     pub call_graph: CallGraph,
     /// Report the executable mappings traced processes make (the mapping tracker).
     pub track_mappings: bool,
+    /// Keep the kernel layout in the unwind cache's directory (`layout_cache`); off with
+    /// `--no-unwind-cache`.
+    pub layout_cache: bool,
 }
 
 /// Whether Python frames are walked (`--python-frames`).
@@ -245,17 +249,14 @@ impl Probes {
     /// Loads the programs and installs the rings. Nothing is attached yet.
     pub fn load(settings: &Settings) -> Result<Self> {
         check_privileges()?;
-        // The kernel's BTF is read twice, for the offsets the probes take from it (here) and
-        // for aya's relocations (`EbpfLoader::new`): ~150 ms each, so on two threads.
+        // The kernel's BTF, for the offsets the probes take from it, unless the cache holds
+        // them for this boot (aya's loader reads it only for objects with CO-RE
+        // relocations, which this one has none of).
         let started = std::time::Instant::now();
-        let layout = std::thread::spawn(move || {
-            let layout = Btf::vmlinux().and_then(|btf| kernel_layout(&btf));
-            log::debug!("kernel layout read in {} ms", started.elapsed().as_millis());
-            layout
-        });
+        let kernel =
+            layout_cache::layout_or(settings.layout_cache, || Btf::vmlinux().and_then(|btf| kernel_layout(&btf)))?;
+        log::debug!("kernel layout read in {} ms", started.elapsed().as_millis());
         let mut loader = EbpfLoader::new();
-        log::debug!("aya loader ready in {} ms", started.elapsed().as_millis());
-        let kernel = layout.join().map_err(|_| anyhow::anyhow!("reading the kernel's BTF failed"))??;
         let config = ProbeConfig {
             self_tgid: std::process::id(),
             trace_all: u32::from(settings.all_processes),

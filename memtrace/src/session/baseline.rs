@@ -21,6 +21,7 @@ pub fn run_baseline(argv: &[OsString], placed: bool, with_return: bool) -> Resul
         sample_bytes: None,
         call_graph: CallGraph::Fp,
         track_mappings: false,
+        layout_cache: true,
     })?;
     let mut child = spawn::spawn_paused(argv).map_err(|e| anyhow!(CommandFailed(e)))?;
     if let Err(e) = probes.attach_empty(&allocator, child.pid, placed, with_return) {

@@ -287,6 +287,7 @@ impl Tracer {
             sample_bytes: options.sample_bytes,
             call_graph: options.call_graph,
             track_mappings,
+            layout_cache: options.unwind.disk_cache,
         })?;
         let mut child = None;
         let target_pid = match &options.target {

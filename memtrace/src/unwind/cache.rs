@@ -272,7 +272,7 @@ const COMPANIONS_MAGIC: &str = "memtrace-unwind-companions";
 
 /// The bytes of a cache file, if it is one to trust: a regular file (not a symlink) owned
 /// by root or by us that no one else may write. Marks it recently used.
-fn read_trusted(path: &Path) -> Result<Vec<u8>, Rejected> {
+pub(crate) fn read_trusted(path: &Path) -> Result<Vec<u8>, Rejected> {
     let mut file = match OpenOptions::new().read(true).custom_flags(libc::O_NOFOLLOW).open(path) {
         Ok(f) => f,
         Err(e) if e.kind() == io::ErrorKind::NotFound => return Err(Rejected::Missing),
@@ -299,7 +299,7 @@ fn read_trusted(path: &Path) -> Result<Vec<u8>, Rejected> {
 }
 
 /// Writes `data` to `tmp` (new, 0600, synced) and renames it to `path`.
-fn write_atomically(tmp: &Path, path: &Path, data: &[u8]) -> io::Result<()> {
+pub(crate) fn write_atomically(tmp: &Path, path: &Path, data: &[u8]) -> io::Result<()> {
     let result = (|| {
         let mut f =
             OpenOptions::new().write(true).create_new(true).mode(0o600).custom_flags(libc::O_NOFOLLOW).open(tmp)?;

@@ -117,6 +117,9 @@ pub fn features() -> &'static Features {
 #[derive(Debug)]
 pub struct EbpfLoader<'a> {
     btf: Option<Cow<'a, Btf>>,
+    // memtrace: read the kernel's BTF in `load`, and only for an object with CO-RE
+    // relocations, unless `btf` was given (aya's main branch: `TargetBtf::System`).
+    system_btf: bool,
     default_map_pin_directory: Option<PathBuf>,
     globals: HashMap<&'a str, (&'a [u8], bool)>,
     // Max entries overrides the max_entries field of the map that matches the provided name
@@ -160,7 +163,8 @@ impl<'a> EbpfLoader<'a> {
     /// Creates a new loader instance.
     pub fn new() -> Self {
         Self {
-            btf: Btf::from_sys_fs().ok().map(Cow::Owned),
+            btf: None,
+            system_btf: true,
             default_map_pin_directory: None,
             globals: HashMap::new(),
             max_entries: HashMap::new(),
@@ -190,6 +194,7 @@ impl<'a> EbpfLoader<'a> {
     /// ```
     pub fn btf(&mut self, btf: Option<&'a Btf>) -> &mut Self {
         self.btf = btf.map(Cow::Borrowed);
+        self.system_btf = false;
         self
     }
 
@@ -419,6 +424,7 @@ impl<'a> EbpfLoader<'a> {
     pub fn load(&mut self, data: &[u8]) -> Result<Ebpf, EbpfError> {
         let Self {
             btf,
+            system_btf,
             default_map_pin_directory,
             globals,
             max_entries,
@@ -492,7 +498,10 @@ impl<'a> EbpfLoader<'a> {
             None
         };
 
-        if let Some(btf) = &btf {
+        let system = (btf.is_none() && *system_btf && obj.has_btf_relocations())
+            .then(Btf::from_sys_fs)
+            .and_then(Result::ok);
+        if let Some(btf) = btf.as_deref().or(system.as_ref()) {
             obj.relocate_btf(btf)?;
         }
 
