@@ -93,6 +93,8 @@ pub(crate) struct Scratch {
     pub(crate) win: [u64; STACK_WINDOW_WORDS],
     pub(crate) win_base: u64,
     pub(crate) win_words: u64,
+    /// The caller's registers (ip, sp, bp, exact) `unwind::memtrace_step_frame` found.
+    pub(crate) step_next: [u64; 4],
     /// The table walk under way (`unwind::walk_step`): frames so far, `phase`, the next
     /// anchor to try and the tries left. Kept here rather than on the BPF stack, so the
     /// verifier sees values it does not know and checks the walk step once, not once per

@@ -483,24 +483,58 @@ pub(crate) extern "C" fn walk_step(_index: u64, state: *mut c_void) -> i64 {
     };
     memtrace_note_rule(i as u64, u64::from(rule.kind), rule.rbp_offset as i64 as u64);
     cover_step(&regs, rule);
-    match unwind::step(regs, rule, st.ret_addr, |addr| read_stack(scratch, addr)) {
-        Step::Caller(next) => {
-            st.ip = next.ip;
-            st.sp = next.sp;
-            st.bp = next.bp;
-            st.exact = next.exact as u32;
+    let outcome = memtrace_step_frame(
+        regs.ip,
+        regs.sp,
+        regs.bp,
+        u64::from(encode_rule(rule)) | u64::from(regs.exact) << 32,
+        st.ret_addr,
+    );
+    let Some(scratch) = crate::context::scratch() else { return 1 };
+    match outcome {
+        STEP_CALLER => {
+            let [ip, sp, bp, exact] = scratch.step_next;
+            st.ip = ip;
+            st.sp = sp;
+            st.bp = bp;
+            st.exact = exact as u32;
             // Past the last step the walk is cut at the depth limit.
             scratch.walk_result = stack_flags::TRUNCATED as u32;
             0
         }
-        Step::Outermost => {
+        STEP_OUTERMOST => {
             scratch.walk_result = 0;
             1
         }
-        Step::Stop => {
+        _ => {
             scratch.walk_result = stack_flags::TRUNCATED as u32;
             1
         }
+    }
+}
+
+/// [`memtrace_step_frame`]'s answers.
+const STEP_CALLER: u64 = 0;
+const STEP_OUTERMOST: u64 = 1;
+const STEP_STOP: u64 = 2;
+
+/// Applies a rule (`encode_rule` of it, `exact` in bit 32) to the frame at `ip`, `sp`,
+/// `bp`: [`STEP_CALLER`] with the caller's registers in `scratch.step_next`, or
+/// [`STEP_OUTERMOST`], or [`STEP_STOP`]. A global BPF function: its ways through (the rule
+/// kinds, each stack read from the window or not) are checked once, on their own, not
+/// multiplied by every state of the walk step.
+#[inline(never)]
+#[unsafe(no_mangle)]
+pub extern "C" fn memtrace_step_frame(ip: u64, sp: u64, bp: u64, rule_exact: u64, ret_addr: u64) -> u64 {
+    let Some(scratch) = scratch() else { return STEP_STOP };
+    let regs = Regs { ip, sp, bp, exact: rule_exact >> 32 != 0 };
+    match unwind::step(regs, decode_rule(rule_exact as u32), ret_addr, |addr| read_stack(scratch, addr)) {
+        Step::Caller(next) => {
+            scratch.step_next = [next.ip, next.sp, next.bp, u64::from(next.exact)];
+            STEP_CALLER
+        }
+        Step::Outermost => STEP_OUTERMOST,
+        Step::Stop => STEP_STOP,
     }
 }
 
