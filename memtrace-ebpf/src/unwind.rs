@@ -20,7 +20,7 @@ use memtrace_common::{
     FileId, FileTable, MAX_CPUS, MAX_STACK_DEPTH, MappingKey, MappingValue, RULE_CACHE_SLOTS, UNWIND_COPY_BYTES,
     UPROBE_TRAMPOLINE_PAGE, UnwindMiss, UnwindRule, counter, stack_flags, stack_hash_step,
     unwind::RESUME_SPS,
-    unwind::{self, NO_SLOT, Regs, Step, decode_rule, encode_rule, kind, mapping_flags, table},
+    unwind::{self, NO_SLOT, Regs, Step, decode_rule, kind, mapping_flags, table},
     unwind_mode,
 };
 
@@ -286,9 +286,9 @@ fn cache_slot(addr: u64, asid: u32) -> u32 {
     (stack_hash_step(addr, u64::from(asid)) >> 40) as u32 & (RULE_CACHE_SLOTS - 1)
 }
 
-/// The rule for lookup address `addr` of the walk's address space.
+/// The rule for lookup address `addr` of the walk's address space (`encode_rule` of it).
 #[inline(always)]
-fn rule_at(st: &mut WalkState, addr: u64) -> Result<UnwindRule, NoRule> {
+fn rule_at(st: &mut WalkState, addr: u64) -> Result<u32, NoRule> {
     // SAFETY: the helper has no preconditions.
     let cpu = unsafe { generated::bpf_get_smp_processor_id() };
     let slot = RULE_CACHE.get_ptr_mut(cpu.wrapping_mul(RULE_CACHE_SLOTS) | cache_slot(addr, st.asid));
@@ -297,7 +297,7 @@ fn rule_at(st: &mut WalkState, addr: u64) -> Result<UnwindRule, NoRule> {
         let entry = unsafe { &*entry };
         if entry.addr == addr && entry.asid == st.asid {
             st.cache_hits += 1;
-            return Ok(decode_rule(entry.rule));
+            return Ok(entry.rule);
         }
     }
     if addr & !0xfff == UPROBE_TRAMPOLINE_PAGE {
@@ -320,13 +320,13 @@ fn rule_at(st: &mut WalkState, addr: u64) -> Result<UnwindRule, NoRule> {
     }
     let found = memtrace_table_rule(u64::from(st.map_table), addr.wrapping_sub(st.map_bias));
     let rule = match found >> 32 {
-        0 => decode_rule(found as u32),
+        0 => found as u32,
         NO_TABLE_YET => return Err(NoRule::NotYet(counter::UNWIND_NO_TABLE)),
         _ => return Err(NoRule::Never),
     };
     if let Some(entry) = slot {
         // SAFETY: as above.
-        unsafe { *entry = CachedRule { addr, asid: st.asid, rule: found as u32 } };
+        unsafe { *entry = CachedRule { addr, asid: st.asid, rule } };
     }
     Ok(rule)
 }
@@ -342,14 +342,14 @@ const NO_TABLE_YET: u64 = 2;
 #[unsafe(no_mangle)]
 pub extern "C" fn memtrace_table_rule(slot: u64, vaddr: u64) -> u64 {
     match table_rule(slot as u32, vaddr) {
-        Ok(rule) => u64::from(encode_rule(rule)),
+        Ok(rule) => u64::from(rule),
         Err(NoRule::NotYet(_)) => NO_TABLE_YET << 32,
         Err(NoRule::Never) => NO_RULE << 32,
     }
 }
 
 #[inline(always)]
-fn table_rule(slot: u32, vaddr: u64) -> Result<UnwindRule, NoRule> {
+fn table_rule(slot: u32, vaddr: u64) -> Result<u32, NoRule> {
     let Some(rows) = TABLES.get(slot) else { return Err(NoRule::NotYet(counter::UNWIND_NO_TABLE)) };
     let get = |i: u32| rows.get(i).copied();
     let (Some(pc_base), Some(counts)) = (get(table::PC_BASE), get(table::COUNTS)) else {
@@ -379,7 +379,8 @@ fn table_rule(slot: u32, vaddr: u64) -> Result<UnwindRule, NoRule> {
     if search.failed != 0 || search.lo < search.hi {
         return Err(NoRule::Never);
     }
-    Ok(unwind::row_rule(search.best))
+    // The row's low half is the rule, encoded.
+    Ok(search.best as u32)
 }
 
 /// A binary search among the rows of one page of a table, on the BPF stack between
@@ -451,8 +452,8 @@ pub(crate) extern "C" fn walk_step(_index: u64, state: *mut c_void) -> i64 {
     st.hash = stack_hash_step(st.hash, st.ip);
     memtrace_note_frame(i as u64, st.ip, st.sp, st.bp);
     let regs = Regs { ip: st.ip, sp: st.sp, bp: st.bp, exact: st.exact != 0 };
-    let rule = match rule_at(st, regs.lookup_addr()) {
-        Ok(rule) => rule,
+    let rule_bits = match rule_at(st, regs.lookup_addr()) {
+        Ok(bits) => bits,
         Err(NoRule::NotYet(why)) => {
             bump(why);
             if scratch.walk_phase == phase::RESUMED {
@@ -481,15 +482,11 @@ pub(crate) extern "C" fn walk_step(_index: u64, state: *mut c_void) -> i64 {
             return 1;
         }
     };
+    let rule = decode_rule(rule_bits);
     memtrace_note_rule(i as u64, u64::from(rule.kind), rule.rbp_offset as i64 as u64);
     cover_step(&regs, rule);
-    let outcome = memtrace_step_frame(
-        regs.ip,
-        regs.sp,
-        regs.bp,
-        u64::from(encode_rule(rule)) | u64::from(regs.exact) << 32,
-        st.ret_addr,
-    );
+    let outcome =
+        memtrace_step_frame(regs.ip, regs.sp, regs.bp, u64::from(rule_bits) | u64::from(regs.exact) << 32, st.ret_addr);
     let Some(scratch) = crate::context::scratch() else { return 1 };
     match outcome {
         STEP_CALLER => {

@@ -53,23 +53,9 @@ impl ElfFile {
     /// File offsets and sizes of the defined functions among `names` (dynamic symbols
     /// first, then the full symbol table for static executables).
     pub fn function_offsets(&self, names: &[&str]) -> Result<HashMap<String, Function>> {
-        let file = self.parse()?;
         let wanted: std::collections::HashSet<&str> = names.iter().copied().collect();
-        let mut found = HashMap::new();
-        for symbol in file.dynamic_symbols().chain(file.symbols()) {
-            if symbol.kind() != SymbolKind::Text || !symbol.is_definition() {
-                continue;
-            }
-            let Ok(name) = symbol.name() else { continue };
-            // Versioned dynamic names ("malloc@@GLIBC_2.2.5") are not in .dynsym names.
-            if !wanted.contains(name) || found.contains_key(name) {
-                continue;
-            }
-            if let Some(offset) = vaddr_to_file_offset(&file, symbol.address()) {
-                found.insert(name.to_string(), Function { offset, size: symbol.size() });
-            }
-        }
-        Ok(found)
+        // Versioned dynamic names ("malloc@@GLIBC_2.2.5") are not in .dynsym names.
+        self.functions_where(|name| wanted.contains(name))
     }
 
     /// The names of the defined functions ending in `suffix` (no allocation per symbol:
@@ -92,25 +78,17 @@ impl ElfFile {
     /// The defined functions whose names start with one of `prefixes`, by name (no
     /// allocation for the others: libarrow's 100k+ symbols took 107 ms read whole).
     pub fn functions_starting_with(&self, prefixes: &[&str]) -> Result<HashMap<String, Function>> {
-        let file = self.parse()?;
-        let mut found = HashMap::new();
-        for symbol in file.dynamic_symbols().chain(file.symbols()) {
-            if symbol.kind() != SymbolKind::Text || !symbol.is_definition() {
-                continue;
-            }
-            let Ok(name) = symbol.name() else { continue };
-            if !prefixes.iter().any(|p| name.starts_with(p)) || found.contains_key(name) {
-                continue;
-            }
-            if let Some(offset) = vaddr_to_file_offset(&file, symbol.address()) {
-                found.insert(name.to_string(), Function { offset, size: symbol.size() });
-            }
-        }
-        Ok(found)
+        self.functions_where(|name| prefixes.iter().any(|p| name.starts_with(p)))
     }
 
     /// Every defined function (dynamic symbols first, then the full symbol table), by name.
     pub fn functions(&self) -> Result<HashMap<String, Function>> {
+        self.functions_where(|_| true)
+    }
+
+    /// The defined functions whose names `keep` accepts, by name: the dynamic symbols
+    /// first, then the full symbol table; a name's first definition wins.
+    fn functions_where(&self, keep: impl Fn(&str) -> bool) -> Result<HashMap<String, Function>> {
         let file = self.parse()?;
         let mut found = HashMap::new();
         for symbol in file.dynamic_symbols().chain(file.symbols()) {
@@ -118,7 +96,7 @@ impl ElfFile {
                 continue;
             }
             let Ok(name) = symbol.name() else { continue };
-            if found.contains_key(name) {
+            if !keep(name) || found.contains_key(name) {
                 continue;
             }
             if let Some(offset) = vaddr_to_file_offset(&file, symbol.address()) {
