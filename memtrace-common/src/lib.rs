@@ -740,6 +740,10 @@ impl ProbeConfig {
     }
 }
 
+/// Entries of the probes' set of sampled blocks (`SAMPLED_LIVE`): allocated as they are
+/// used (`BPF_F_NO_PREALLOC`), so its size costs nothing at start.
+pub const SAMPLED_LIVE_ENTRIES: usize = 1 << 18;
+
 /// A sampled user block (sampled mode): its free must be reported, others' need not be.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -813,6 +817,8 @@ mod pod {
     unsafe impl aya::Pod for FileTable {}
     // SAFETY: as above.
     unsafe impl aya::Pod for python::PyProcInfo {}
+    // SAFETY: as above.
+    unsafe impl aya::Pod for SampledKey {}
 }
 
 const _: () = {

@@ -4,12 +4,13 @@
 //! tracker remembers between a file's open and its mmap, and the program arrays that lead
 //! to the second halves of the allocation programs.
 use aya_ebpf::{
+    bindings::BPF_F_NO_PREALLOC,
     btf_maps::{Array, ArrayOfMaps, HashMap, LpmTrie, LruHashMap, PerCpuArray, ProgramArray, RingBuf},
     macros::btf_map,
 };
 use memtrace_common::{
     FILENAME_LEN, FileId, FileTable, InFlight, MAX_CPUS, MAX_STACK_DEPTH, MAX_TABLES, MappingKey, MappingValue,
-    RULE_CACHE_SLOTS, SampledKey, counter, python::PY_SENT_KEYS,
+    RULE_CACHE_SLOTS, SAMPLED_LIVE_ENTRIES, SampledKey, counter, python::PY_SENT_KEYS,
 };
 
 use crate::stack::Scratch;
@@ -52,18 +53,22 @@ pub(crate) static PY_SENT: HashMap<u64, u8, { PY_SENT_KEYS as usize }> = HashMap
 #[btf_map]
 pub(crate) static CACHES_SENT: LruHashMap<u64, u8, 4096> = LruHashMap::new();
 
-/// Sampling switched on at run time (index 0: mean bytes, 0 = off) when the rings
-/// overflow; frees are then all still reported.
+/// Sampling switched on at run time when the rings overflow: index 0, the mean bytes (0:
+/// off); index 1, non-zero once userspace has put the blocks live at the switch into
+/// SAMPLED_LIVE, from when only the frees of blocks there are sent (before, all are).
 #[btf_map]
-pub(crate) static SAMPLE_OVERRIDE: Array<u64, 1> = Array::new();
+pub(crate) static SAMPLE_OVERRIDE: Array<u64, 2> = Array::new();
 
 /// Sampled mode: bytes left before the next sample, per CPU.
 #[btf_map]
 pub(crate) static SAMPLE_COUNTDOWN: PerCpuArray<i64, 1> = PerCpuArray::new();
 
-/// Sampled mode: the sampled user blocks still live (their frees are the only ones sent).
+/// Sampled mode (configured, or switched on under overload): the sampled user blocks still
+/// live (once frees are filtered, theirs are the only ones sent). Entries are allocated
+/// when inserted: preallocating 2^18 of them took ~9 ms of every start.
 #[btf_map]
-pub(crate) static SAMPLED_LIVE: HashMap<SampledKey, u8, 262144> = HashMap::new();
+pub(crate) static SAMPLED_LIVE: HashMap<SampledKey, u8, SAMPLED_LIVE_ENTRIES, { BPF_F_NO_PREALLOC as usize }> =
+    HashMap::new();
 
 #[btf_map]
 pub(crate) static SCRATCH: PerCpuArray<Scratch, 1> = PerCpuArray::new();

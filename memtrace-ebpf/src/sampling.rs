@@ -15,6 +15,13 @@ pub(crate) fn sampling_mean() -> u64 {
     SAMPLE_OVERRIDE.get(0).copied().unwrap_or(0)
 }
 
+/// Whether only the frees of blocks in SAMPLED_LIVE are sent: configured sampling, or the
+/// overload switch once the blocks live at the switch are in the map.
+#[inline(always)]
+pub(crate) fn frees_filtered() -> bool {
+    config!(sample_bytes) != 0 || SAMPLE_OVERRIDE.get(1).is_some_and(|f| *f != 0)
+}
+
 /// log2(1 + k/16) in Q16, for the exponential sampling intervals.
 pub(crate) const LOG2_1_PLUS: [u32; 17] =
     [0, 5732, 11136, 16248, 21098, 25711, 30109, 34312, 38336, 42196, 45904, 49472, 52911, 56229, 59434, 62534, 65536];

@@ -21,7 +21,7 @@ use crate::{
     finish::{Half, Next, finish_user_alloc, pend_user_alloc},
     maps::{INFLIGHT, SAMPLED_LIVE},
     ring::{bump, emit, this_ring},
-    sampling::{sample_hit, sampled_key, sampling_mean},
+    sampling::{frees_filtered, sample_hit, sampled_key, sampling_mean},
 };
 
 // ---------------------------------------------------------------------------------------
@@ -152,8 +152,11 @@ pub(crate) fn try_alloc_enter(ctx: &ProbeContext, cookie: u64, session: bool) ->
     let mean = sampling_mean();
     if mean != 0 {
         let has_old = ptr_arg != 0 && reallocating;
+        // Until frees are filtered (the overload switch's first phase), every old block's
+        // end is reported, as its free would be.
         // SAFETY: plain byte value.
-        let old_sampled = has_old && unsafe { SAMPLED_LIVE.get(sampled_key(tgid, ptr_arg)) }.is_some();
+        let old_sampled =
+            has_old && (!frees_filtered() || unsafe { SAMPLED_LIVE.get(sampled_key(tgid, ptr_arg)) }.is_some());
         sampling = if sample_hit(bytes_req, mean) { inflight::SAMPLE_NEW } else { 0 }
             | if old_sampled { inflight::OLD_SAMPLED } else { 0 };
         if sampling == 0 && !reallocating {
@@ -276,7 +279,7 @@ pub(crate) fn try_alloc_return(ctx: &RetProbeContext) -> Result<Next, ()> {
     };
     let ring = this_ring().ok_or(())?;
     let is_realloc = matches!(kind, Kind::Realloc | Kind::ReallocArray | Kind::Rallocx);
-    let sampling = config!(sample_bytes) != 0;
+    let sampling = sampling_mean() != 0;
     if is_realloc && state.ptr_arg != 0 && state.flags & inflight::OLD_SAMPLED != 0 {
         if ptr == 0 && state.bytes_req != 0 {
             return Ok(Next::Done); // failed: the old block is untouched
@@ -365,12 +368,13 @@ fn try_free(ctx: &ProbeContext, kind: u8) -> Result<(), ()> {
         return Ok(());
     }
     let (id, tgid, tid) = pid_tgid();
-    let sampled_heap = config!(sample_bytes) != 0 && kind == Kind::Free as u8;
+    let heap = kind == Kind::Free as u8;
+    let sampled_heap = heap && sampling_mean() != 0;
     // Sampled mode: only the frees of sampled blocks matter (most frees stop here, before
     // the traced-set lookup: a block of this process in the sampled set was allocated
-    // while it was traced).
+    // while it was traced). Under the overload switch's first phase all are still sent.
     // SAFETY: plain byte value.
-    if sampled_heap && unsafe { SAMPLED_LIVE.get(sampled_key(tgid, ptr)) }.is_none() {
+    if heap && frees_filtered() && unsafe { SAMPLED_LIVE.get(sampled_key(tgid, ptr)) }.is_none() {
         return Ok(());
     }
     if !is_traced(tgid) {

@@ -398,13 +398,14 @@ impl StackTable {
                     }
                     None => &s.kernel[..],
                 };
-                let mut named: Vec<Vec<Frame>> = kernel
-                    .iter()
-                    .map(|&a| self.name(SymbolKey::Kernel(a)))
-                    // The probe itself and the tracepoint's call into it are not the
-                    // kernel's code: the stack starts at the function that allocated.
-                    .skip_while(|chain| chain.iter().all(|f| is_probe_frame(&f.function)))
-                    .collect();
+                let mut named: Vec<Vec<Frame>> = kernel.iter().map(|&a| self.name(SymbolKey::Kernel(a))).collect();
+                // The probe itself and the tracepoint's call into it are not the kernel's
+                // code: the stack starts after the last of them. (The program's own frame
+                // comes first, and where the symbols hold no `bpf_prog_` names it takes
+                // the name of whatever kernel symbol precedes the JIT image.)
+                let lead = &named[..named.len().min(PROBE_FRAMES_MAX)];
+                let probe = lead.iter().rposition(|chain| chain.iter().all(|f| is_probe_frame(&f.function)));
+                named.drain(..probe.map_or(0, |i| i + 1));
                 // No call site (page allocations): start at the page allocator's caller.
                 if call_site == 0 {
                     let inside = named
@@ -452,6 +453,9 @@ impl StackTable {
         self.stacks.values().filter(|s| s.truncated).map(|s| u64::from(s.id) + 1).collect()
     }
 }
+
+/// How deep in a kernel stack the probe's own frames may reach.
+const PROBE_FRAMES_MAX: usize = 6;
 
 /// Kernel frames of the probe that took the stack (a raw tracepoint runs its programs from
 /// `bpf_trace_runN`).
@@ -526,6 +530,24 @@ mod tests {
             .insert(SymbolKey::Kernel(0xffff_0003), vec![Symbol { name: "alloc_pages".into(), ..Default::default() }]);
         let names: Vec<String> = t.frames(1, 0).iter().map(|f| f.function.clone()).collect();
         assert_eq!(&names[..2], ["do_thing", "alloc_pages"]);
+    }
+
+    #[test]
+    fn a_misnamed_program_frame_before_the_tracepoint_is_left_out() {
+        // Seen on a 6.18 kernel: the program's address named after the symbol before it.
+        let mut t = table();
+        t.symbols.insert(
+            SymbolKey::Kernel(0xffff_0001),
+            vec![Symbol { name: "__stop_runtime_ptr_USER_PTR_MAX".into(), ..Default::default() }],
+        );
+        t.symbols.insert(
+            SymbolKey::Kernel(0xffff_0002),
+            vec![Symbol { name: "bpf_trace_run4".into(), ..Default::default() }],
+        );
+        t.symbols
+            .insert(SymbolKey::Kernel(0xffff_0003), vec![Symbol { name: "alloc_pages".into(), ..Default::default() }]);
+        let names: Vec<String> = t.frames(1, 0).iter().map(|f| f.function.clone()).collect();
+        assert_eq!(names[0], "alloc_pages");
     }
 
     #[test]

@@ -14,7 +14,7 @@ for mode in default expandable; do
   echo "record $mode $(echo "$e - $s" | bc) rc=$?" >> $OUT/times.txt
   $M report -i $OUT/$mode.data --format json > $OUT/$mode.json 2>$OUT/$mode.json.err
   $M report -i $OUT/$mode.data --domain gpu --by function > $OUT/$mode.txt 2>&1
-  $M report -i $OUT/$mode.data --domain gpu --by stack -n 8 > $OUT/$mode-stacks.txt 2>&1
+  $M report -i $OUT/$mode.data --domain gpu --by stack --top 8 > $OUT/$mode-stacks.txt 2>&1
   rm -f $OUT/$mode.data
 done
 grep -h "uprobes attach\|CUDA driver" $OUT/rec-*.err | sort | uniq -c > $OUT/attach.txt

@@ -36,8 +36,8 @@ use aya::{
 };
 use aya_obj::generated::bpf_map_type::{BPF_MAP_TYPE_ARRAY, BPF_MAP_TYPE_RINGBUF};
 use memtrace_common::{
-    FileId, FileTable, KernelLayout, Kind, MAX_CPUS, MappingKey, MappingValue, ProbeConfig, RULE_CACHE_SLOTS, counter,
-    traced, unwind_mode,
+    FileId, FileTable, KernelLayout, Kind, MAX_CPUS, MappingKey, MappingValue, ProbeConfig, RULE_CACHE_SLOTS,
+    SampledKey, counter, traced, unwind_mode,
 };
 
 use self::btf::Btf;
@@ -278,9 +278,6 @@ impl Probes {
         // Sized at load: the rule cache for the CPUs there are; the sampled blocks' map only
         // when sampling (a preallocated hash map of 256k entries is ~9 ms of every start).
         loader.map_max_entries("RULE_CACHE", RULE_CACHE_SLOTS * config.cpus);
-        if settings.sample_bytes.is_none() {
-            loader.map_max_entries("SAMPLED_LIVE", 1);
-        }
         let mut ebpf = loader.override_global("CONFIG", &config, true).load(OBJECT).map_err(|e| {
             anyhow::anyhow!("loading the eBPF programs: {e} (is BTF available at /sys/kernel/btf/vmlinux?)")
         })?;
@@ -523,6 +520,24 @@ impl Probes {
             aya::maps::Array::try_from(self.ebpf.map_mut("SAMPLE_OVERRIDE").context("SAMPLE_OVERRIDE map")?)?;
         map.set(0, mean, 0)?;
         Ok(())
+    }
+
+    /// The overload switch's second phase: `blocks` (pid, address), live when sampling was
+    /// switched on, go into the probes' set of sampled blocks, and from then on only the
+    /// frees of blocks in that set are sent. Returns how many did not fit.
+    pub fn filter_frees(&mut self, blocks: impl Iterator<Item = (u32, u64)>) -> Result<u64> {
+        let mut live: aya::maps::HashMap<_, SampledKey, u8> =
+            aya::maps::HashMap::try_from(self.ebpf.map_mut("SAMPLED_LIVE").context("SAMPLED_LIVE map")?)?;
+        let mut failed = 0;
+        for (tgid, ptr) in blocks {
+            if live.insert(SampledKey { tgid, _pad: 0, ptr }, 1, 0).is_err() {
+                failed += 1;
+            }
+        }
+        let mut map: aya::maps::Array<_, u64> =
+            aya::maps::Array::try_from(self.ebpf.map_mut("SAMPLE_OVERRIDE").context("SAMPLE_OVERRIDE map")?)?;
+        map.set(1, 1, 0)?;
+        Ok(failed)
     }
 
     /// The benchmark baseline: empty programs at the naive attach points (malloc entry and

@@ -8,7 +8,7 @@ use std::{
 
 use memtrace_common::TaskEvent;
 
-use super::{Sink, Target, Tracer, monotonic_ns, probe_scope, tcmalloc_transfer_num_obj};
+use super::{Sink, Target, Tracer, monotonic_ns, overload, probe_scope, tcmalloc_transfer_num_obj};
 use crate::{
     event::TaskSpace,
     probes::{self, Allocator},
@@ -155,7 +155,7 @@ impl Tracer {
 
     /// Housekeeping between drains: allocators loaded with dlopen by followed processes
     /// (every 2 s), and the rings' losses (every 100 ms): when they overflow, sampling is
-    /// switched on rather than letting events drop.
+    /// switched on rather than letting events drop (`overload`).
     pub fn housekeeping(&mut self) {
         if self.options.user
             && !matches!(self.options.target, Target::All)
@@ -164,6 +164,12 @@ impl Tracer {
             self.last_scan = Instant::now();
             self.scan_for_dlopened_allocators();
         }
+        self.check_overload();
+    }
+
+    /// The rings' losses (every 100 ms, also between the drains of one wake: on many CPUs
+    /// one wake's drains take a second), the switch to sampling and its handover.
+    pub(super) fn check_overload(&mut self) {
         if self.last_loss_check.elapsed() >= Duration::from_millis(100) {
             self.last_loss_check = Instant::now();
             let lost = self.probes.counters().map(|c| c.lost_events).unwrap_or(0);
@@ -172,18 +178,45 @@ impl Tracer {
                 && self.options.sample_bytes.is_none()
                 && self.options.user
             {
-                const MEAN: u64 = 64 << 10;
-                if self.probes.set_sampling(MEAN).is_ok() {
-                    self.degraded = Some((monotonic_ns(), MEAN));
+                let mean = overload::MEAN;
+                if self.probes.set_sampling(mean).is_ok() {
+                    let now = monotonic_ns();
+                    self.overload.switch(now);
+                    self.degraded = Some((now, mean));
                     if !self.options.quiet {
                         eprintln!(
-                            "memtrace: the rings overflowed ({} events lost): sampling user allocations from now on (each byte with probability 1/{MEAN}); figures become estimates",
+                            "memtrace: the rings overflowed ({} events lost): sampling user allocations from now on (each byte with probability 1/{mean}); figures become estimates",
                             lost - self.lost_seen
                         );
+                        if self.overload.untrackable() {
+                            eprintln!(
+                                "memtrace: over {} user blocks were live at once: every free is still sent, so the rings may go on overflowing",
+                                overload::MAX_TRACKED
+                            );
+                        }
                     }
                 }
             }
             self.lost_seen = lost;
+        }
+        if let Some(handover) = self.overload.due(self.caught_up_ns) {
+            let (n, first) = (handover.blocks.len(), !self.overload.filtering());
+            match self.probes.filter_frees(handover.blocks.into_iter()) {
+                Ok(failed) => {
+                    self.overload.handed_over(failed);
+                    if first {
+                        log::debug!(
+                            "overload: {n} live blocks handed to the probes ({failed} did not fit); only sampled blocks' frees are sent from now on"
+                        );
+                    }
+                    if failed > 0 && !self.options.quiet {
+                        eprintln!(
+                            "memtrace: {failed} blocks live when sampling began did not fit in the probes' set: their frees will not be seen"
+                        );
+                    }
+                }
+                Err(e) => log::warn!("overload: handing the live blocks to the probes: {e:#}"),
+            }
         }
     }
 

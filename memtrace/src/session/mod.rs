@@ -2,7 +2,8 @@
 //! allocator, loads and attaches the probes (starting `-- CMD` paused until they are in
 //! place), then drains the per-CPU rings into a [`Sink`] — stack records at once, events in
 //! time order. This file owns the tracer's core (start, drain, stop); beside it:
-//! [`follow`] (forks, execs, dlopens, sampling on loss), [`command`] (signals, reaping),
+//! [`follow`] (forks, execs, dlopens, sampling on loss), [`overload`] (what that switch hands
+//! the probes), [`command`] (signals, reaping),
 //! [`wake`] (the loop it runs on), [`spawn`] (the paused command), [`reorder`] (time
 //! order), [`output`] (files written safely), [`record`] (the `record` subcommand).
 //!
@@ -13,6 +14,7 @@ mod copies;
 mod follow;
 mod gpu;
 pub mod output;
+pub mod overload;
 mod python;
 pub mod record;
 pub mod reorder;
@@ -162,6 +164,10 @@ pub struct Tracer {
     lost_seen: u64,
     /// When the rings overflowed and sampling was switched on: (timestamp, mean bytes).
     pub degraded: Option<(u64, u64)>,
+    /// The switch to sampling and the live blocks it hands to the probes.
+    overload: overload::Overload,
+    /// When the last drain that read every ring dry began.
+    caught_up_ns: u64,
     /// Events stamped later than this are dropped (set when stopping).
     cutoff_ns: Option<u64>,
     /// Ring records that did not decode.
@@ -367,6 +373,8 @@ impl Tracer {
             last_loss_check: Instant::now(),
             lost_seen: 0,
             degraded: None,
+            overload: overload::Overload::new(),
+            caught_up_ns: 0,
             allocator,
             target_pid,
             is_command,
@@ -479,6 +487,7 @@ impl Tracer {
         let mut n = 0;
         // Stacks wait until every ring is read: the mappings they need may be in another.
         let mut stacks = Vec::new();
+        let mut dry = true;
         for cpu in 0..self.probes.rings_mut().len() {
             let mut taken = 0;
             while taken < RING_BATCH
@@ -536,6 +545,10 @@ impl Tracer {
                     Err(_) => self.decode_errors += 1,
                 }
             }
+            dry &= taken < RING_BATCH;
+        }
+        if dry {
+            self.caught_up_ns = now;
         }
         for s in stacks {
             self.on_stack(s, sink);
@@ -549,7 +562,8 @@ impl Tracer {
             }
         }
         self.forget_python_keys();
-        let (usable, copies) = (&mut self.usable, &mut self.copies);
+        let (usable, copies, overload) = (&mut self.usable, &mut self.copies, &mut self.overload);
+        let watch = self.options.user && self.options.sample_bytes.is_none();
         let mut forward = |mut e: Event| {
             if let Event::Alloc(a) = &mut e
                 && a.stack != 0
@@ -557,6 +571,9 @@ impl Tracer {
                 a.stack = copies.released(a.stack);
             }
             if usable.apply(&mut e) {
+                if watch {
+                    overload.observe(&e);
+                }
                 sink.event(e)
             }
         };
@@ -569,6 +586,7 @@ impl Tracer {
                 self.reorder.release_oldest(self.reorder.len() - MAX_HELD_EVENTS / 2, &mut forward);
             }
         }
+        self.check_overload();
         n
     }
 

@@ -429,6 +429,15 @@ fn finish(
     };
     recorder.write_symbols();
     let usage = self_usage();
+    if log::log_enabled!(log::Level::Debug) {
+        // Where the resident memory is: the heap (anonymous) or the rings (shared).
+        let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
+        let fields: Vec<&str> = status
+            .lines()
+            .filter(|l| ["VmHWM:", "VmRSS:", "RssAnon:", "RssShmem:"].iter().any(|p| l.starts_with(p)))
+            .collect();
+        log::debug!("memory at the end: {}", fields.join(", ").split_whitespace().collect::<Vec<_>>().join(" "));
+    }
     let stats = Stats { recorder_cpu_ns: usage.0, recorder_peak_rss_bytes: usage.1, ..stats };
     let events = recorder.writer.events_written();
     let file = recorder.writer.finish(&stats).with_context(|| format!("finishing {}", opts.output.display()))?;

@@ -1,0 +1,136 @@
+#!/bin/bash
+# One device run (a lent machine with many CPUs and a GPU, as root): what memtrace does
+# there, written down in BENCHMARKS.md with the machine named. Nothing in CI runs it.
+# Needs, carried in .device/ (ignored): memtrace (stripped release build), alloc_workload,
+# heavy.py (the heavy bench's script) and heaptrack/ (Debian's heaptrack with its libraries:
+# bin/, lib/heaptrack/, deps/). Every step has its own time limit; the summary grows line by
+# line in $OUT/summary.txt and the logs are packed into $OUT/logs.tgz after every step.
+#   OUT=/some/dir xtask/gpu/device.sh [parts...]   (parts: info start gpu heavy torch loop rerun)
+cd "$(dirname "$0")/../.."
+D=$PWD/.device
+M=$D/memtrace
+PY=${PY:-$(command -v python3)}
+L=/tmp/mt-logs; mkdir -p $L
+T=/tmp/mt-data; mkdir -p $T
+export MEMTRACE_CACHE_DIR=/tmp/mt-cache
+S=$OUT/summary.txt
+say() { echo "$*" | tee -a $S; }
+pack() { tar czf $OUT/logs.tgz -C $L . 2>/dev/null; }
+now() { date +%s.%N; }
+since() { awk -v a="$1" -v b="$(now)" 'BEGIN{printf "%.2f", b-a}'; }
+# The head of a recording's JSON report, one line.
+summ() {
+  $M report --format json --top 1 -i "$1" > $L/$2.json 2>$L/$2.json.err
+  $PY - $L/$2.json <<'PYEOF'
+import json, sys
+try:
+    j = json.load(open(sys.argv[1]))
+except Exception as e:
+    print("  report:", e); sys.exit()
+u = j.get("stacks", {}).get("user", {}); k = j.get("stacks", {}).get("kernel", {}); r = j.get("recorder", {})
+w = u.get("allocs_with_stack") or 0; c = u.get("allocs_truncated") or 0
+kw = k.get("allocs_with_stack") or 0; kc = k.get("allocs_truncated") or 0
+t = j.get("totals", {})
+dom = " ".join(f"{d}:{v.get('allocs')}/{v.get('frees')}" for d, v in t.items() if isinstance(v, dict))
+print(f"  allocs(domain:allocs/frees) {dom}; user cut short {c}/{w} ({100*c/max(w,1):.2f} %); kernel cut short {kc}/{kw};"
+      f" python {u.get('allocs_with_python')}; lost {j.get('lost_events')}; copies {r.get('unwind_copies')};"
+      f" cpu {(r.get('cpu_ns') or 0)/1e9:.1f} s; peak RSS {(r.get('peak_rss_bytes') or 0)/1e6:.0f} MB;"
+      f" maps {(r.get('bpf_map_bytes') or 0)/1e6:.0f} MB; warnings {len(j.get('warnings', []))}")
+for wn in j.get("warnings", [])[:6]:
+    print("   warn:", str(wn)[:300])
+PYEOF
+}
+# rec NAME LIMIT [record args...] -- CMD: timed memtrace record, then its summary.
+rec() {
+  local name=$1 lim=$2; shift 2
+  local s=$(now)
+  MEMTRACE_LOG=debug timeout -s INT $lim $M record -q --force -o $T/$name.data "$@" > $L/$name.out 2> $L/$name.err
+  local rc=$?
+  say "$name: $(since $s) s rc=$rc $(ls -l $T/$name.data 2>/dev/null | awk '{printf "%.2f MB", $5/1e6}')"
+  summ $T/$name.data $name | tee -a $S
+  grep -h "TORCH_\|ns/pair" $L/$name.out | head -3 | sed 's/^/  out: /' | tee -a $S
+}
+bare() {
+  local name=$1 lim=$2; shift 2
+  local s=$(now)
+  timeout $lim "$@" > $L/$name.out 2> $L/$name.err
+  local rc=$?
+  say "$name: $(since $s) s rc=$rc $(grep -h 'TORCH_\|ns/pair' $L/$name.out | head -2 | tr '\n' ' ')"
+}
+heaptrack_run() {
+  local name=$1 lim=$2; shift 2
+  local s=$(now)
+  LD_LIBRARY_PATH=$D/heaptrack/deps timeout $lim $D/heaptrack/bin/heaptrack -o $T/$name "$@" > $L/$name.out 2> $L/$name.err
+  local rc=$?
+  say "$name: $(since $s) s rc=$rc $(grep -h 'TORCH_\|ns/pair' $L/$name.out | head -1)"
+  local f=$(ls $T/$name.* 2>/dev/null | head -1)
+  LD_LIBRARY_PATH=$D/heaptrack/deps $D/heaptrack/bin/heaptrack_print -f "$f" --print-peaks=0 --print-allocators=0 --print-temporary=0 2>&1 | grep "calls to allocation\|peak heap" | sed 's/^/  /' | tee -a $S
+}
+parts=${*:-info start gpu torch heavy loop}
+for part in $parts; do
+  say "== $part $(date +%T)"
+  case $part in
+  info)
+    { uname -a; nproc; free -g | head -2; $PY --version; $PY -c 'import torch,numpy,pandas,pyarrow;print("torch", torch.__version__, "cuda", torch.version.cuda, torch.cuda.is_available(), "numpy", numpy.__version__, "pandas", pandas.__version__, "pyarrow", pyarrow.__version__)';
+      nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader; ls -la /sys/kernel/btf/vmlinux; mount | grep -E 'tracefs|debugfs|bpf'; ulimit -l; ls /usr/lib/x86_64-linux-gnu/libcuda.so* 2>&1 | head -3; cat /proc/sys/kernel/perf_event_paranoid; } 2>&1 | tee -a $S ;;
+  start)
+    for i in 1 2 3; do rec true$i 30 -- /bin/true; done ;;
+  gpu)
+    for mode in default expandable; do
+      if [ $mode = expandable ]; then export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True; fi
+      bare gpu-bare-$mode 60 $PY xtask/gpu/torch_gpu.py
+      grep -h TORCH_STATS $L/gpu-bare-$mode.out | tee -a $S
+      rec gpu-$mode 100 -- $PY xtask/gpu/torch_gpu.py
+      grep -h TORCH_STATS $L/gpu-$mode.out | tee -a $S
+      $M report -i $T/gpu-$mode.data --domain gpu --by function --top 12 > $L/gpu-$mode-fn.txt 2>&1
+      $M report -i $T/gpu-$mode.data --domain gpu --by stack --top 6 > $L/gpu-$mode-stacks.txt 2>&1
+      head -40 $L/gpu-$mode-fn.txt >> $S
+      grep -h "uprobes attach\|CUDA\|cuda" $L/gpu-$mode.err | head -8 | sed 's/^/  log: /' | tee -a $S
+    done
+    unset PYTORCH_CUDA_ALLOC_CONF ;;
+  heavy)
+    for i in 1 2; do bare heavy-bare$i 60 $PY $D/heavy.py; done
+    heaptrack_run heavy-heaptrack 120 $PY $D/heavy.py
+    rec heavy-cold 120 -- $PY $D/heavy.py
+    rec heavy-warm1 120 -- $PY $D/heavy.py
+    rec heavy-warm2 120 -- $PY $D/heavy.py
+    rec heavy-fp 120 --call-graph fp -- $PY $D/heavy.py
+    grep -h "table\|unwind" $L/heavy-cold.err | tail -6 | sed 's/^/  log: /' | tee -a $S ;;
+  torch)
+    bare torch-bare 60 $PY xtask/gpu/torch_cpu.py
+    rec torch-cold 90 -- $PY xtask/gpu/torch_cpu.py
+    rec torch-warm 90 -- $PY xtask/gpu/torch_cpu.py
+    rec torch-ring64 90 --ring-size 64M -- $PY xtask/gpu/torch_cpu.py
+    heaptrack_run torch-heaptrack 100 $PY xtask/gpu/torch_cpu.py
+    grep -h "table\|unwind" $L/torch-cold.err | tail -6 | sed 's/^/  log: /' | tee -a $S ;;
+  rerun)
+    # After the overload switch's second phase: the PyTorch CPU script twice (cold, warm
+    # cache), 16 threads of malloc/free, the GPU script's functions, then the PyTorch
+    # script with 64 MiB rings and where its memory goes.
+    rec torch-1 90 -- $PY xtask/gpu/torch_cpu.py
+    rec torch-2 90 -- $PY xtask/gpu/torch_cpu.py
+    grep -h "overload\|memory at the end\|probe counters" $L/torch-2.err | cut -c1-400 | sed 's/^/  log: /' | tee -a $S
+    pack
+    bare loop-bare 60 $D/alloc_workload --loop 300000 --loop-threads 16
+    rec loop-dwarf 60 -- $D/alloc_workload --loop 300000 --loop-threads 16
+    grep -h "overload\|memory at the end" $L/loop-dwarf.err | sed 's/^/  log: /' | tee -a $S
+    rec gpu-default 100 -- $PY xtask/gpu/torch_gpu.py
+    $M report -i $T/gpu-default.data --domain gpu --by function --top 12 > $L/gpu-default-fn.txt 2>&1
+    $M report -i $T/gpu-default.data --domain gpu --by stack --top 6 > $L/gpu-default-stacks.txt 2>&1
+    head -30 $L/gpu-default-fn.txt >> $S
+    pack
+    rec torch-ring64 90 --ring-size 64M -- $PY xtask/gpu/torch_cpu.py
+    grep -h "memory at the end" $L/torch-ring64.err | sed 's/^/  log: /' | tee -a $S
+    timeout 40 $M dump -i $T/torch-ring64.data --stacks 2>/dev/null | grep -c '^stack=' | sed 's/^/  distinct stacks: /' | tee -a $S
+    timeout 40 $M report -i $T/torch-ring64.data --domain user --by stack --top 3 > $L/torch-ring64-stacks.txt 2>&1 ;;
+  loop)
+    bare loop-bare 60 $D/alloc_workload --loop 300000 --loop-threads 16
+    rec loop-dwarf 120 -- $D/alloc_workload --loop 300000 --loop-threads 16
+    rec loop-sampled 120 --sample-bytes 512k -- $D/alloc_workload --loop 300000 --loop-threads 16
+    rec loop-fp 120 --call-graph fp -- $D/alloc_workload --loop 300000 --loop-threads 16 ;;
+  esac
+  rm -f $T/*
+  pack
+done
+say "== done $(date +%T)"
+pack
