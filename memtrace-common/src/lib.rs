@@ -87,6 +87,10 @@ pub enum Kind {
     Mallocx = 13,
     /// jemalloc's `rallocx(ptr, size, flags)`.
     Rallocx = 14,
+    /// An `mmap` with `PROT_NONE`: address space reserved, no memory (the CUDA driver
+    /// reserves tens of GB at `cuInit`; allocators reserve their arenas so). Recorded by
+    /// the `mmap` probes; pairs with `munmap` like any mapping.
+    MmapReserved = 15,
     Free = 16,
     Munmap = 17,
     /// CUDA driver API (`Kind::is_gpu`): `cuMemAlloc_v2`.
@@ -142,6 +146,7 @@ impl Kind {
             12 => Self::NewAligned,
             13 => Self::Mallocx,
             14 => Self::Rallocx,
+            15 => Self::MmapReserved,
             16 => Self::Free,
             17 => Self::Munmap,
             18 => Self::GpuDevice,
@@ -186,7 +191,7 @@ impl Kind {
             | Self::Mallocx
             | Self::Rallocx
             | Self::Free => Space::Heap,
-            Self::Mmap | Self::Munmap => Space::Mmap,
+            Self::Mmap | Self::MmapReserved | Self::Munmap => Space::Mmap,
             Self::Kmalloc | Self::KmemCacheAlloc | Self::Kfree | Self::KmemCacheFree => Space::Slab,
             Self::PageAlloc | Self::PageFree => Space::Page,
             Self::GpuDevice
@@ -246,6 +251,7 @@ impl Kind {
             Self::Valloc => "valloc",
             Self::Pvalloc => "pvalloc",
             Self::Mmap => "mmap",
+            Self::MmapReserved => "mmap_reserve",
             Self::New => "new",
             Self::NewAligned => "new_aligned",
             Self::Mallocx => "mallocx",
@@ -762,6 +768,8 @@ pub mod inflight {
     /// The allocator is mimalloc 2.0 (release layout): aligned blocks' usable size is read
     /// from its segment and page metadata.
     pub const MIMALLOC: u8 = 8;
+    /// An `mmap` asking for `PROT_NONE`: recorded as [`super::Kind::MmapReserved`].
+    pub const NO_ACCESS: u8 = 16;
 }
 
 /// Attach cookies of the malloc-family probes: the `Kind` in the low byte, flags above,

@@ -165,9 +165,11 @@ pub(crate) fn try_alloc_enter(ctx: &ProbeContext, cookie: u64, session: bool) ->
             return Ok(false);
         }
     }
+    // PROT_NONE (0): address space only.
+    let no_access = if kind == Kind::Mmap as u8 && arg(2) == 0 { inflight::NO_ACCESS } else { 0 };
     let state = InFlight {
         kind,
-        flags: sampling | glibc,
+        flags: sampling | glibc | no_access,
         allocator: (cookie >> memtrace_common::cookie::ALLOCATOR_SHIFT) as u8,
         lg_align,
         depth: 0,
@@ -334,9 +336,14 @@ pub(crate) fn try_alloc_return(ctx: &RetProbeContext) -> Result<Next, ()> {
     } else {
         0
     };
+    let recorded_kind = if kind == Kind::Mmap && state.flags & inflight::NO_ACCESS != 0 {
+        Kind::MmapReserved as u8
+    } else {
+        state.kind
+    };
     pend_user_alloc(|r| {
         r.rtype = RecordType::UserAlloc as u8;
-        r.kind = state.kind;
+        r.kind = recorded_kind;
         r.allocator = state.allocator;
         r.flags = if exact { flags::USABLE_EXACT } else { 0 };
         r.pid = tgid;

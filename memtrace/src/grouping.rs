@@ -177,12 +177,12 @@ impl KindFilter {
             Self::Memalign => {
                 matches!(k, Kind::Memalign | Kind::AlignedAlloc | Kind::PosixMemalign | Kind::Valloc | Kind::Pvalloc)
             }
-            Self::Mmap => k == Kind::Mmap,
+            Self::Mmap => matches!(k, Kind::Mmap | Kind::MmapReserved),
             Self::Kmalloc => k == Kind::Kmalloc,
             Self::Cache => k == Kind::KmemCacheAlloc,
             Self::Page => k == Kind::PageAlloc,
             Self::User => !k.is_kernel() && !k.is_gpu(),
-            Self::Reserved => k == Kind::Mmap,
+            Self::Reserved => matches!(k, Kind::Mmap | Kind::MmapReserved),
             Self::Kernel => k.is_kernel(),
             Self::Gpu => k.is_gpu() && !k.is_gpu_address(),
             Self::Device => k == Kind::GpuDevice,

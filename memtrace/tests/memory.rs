@@ -276,3 +276,22 @@ fn differential_exports_hold_the_change() {
     let svg = String::from_utf8(svg.stdout).unwrap();
     assert!(svg.contains("memtrace: change in allocations") && svg.contains("wl_leak"));
 }
+
+#[test]
+fn address_space_reserved_with_prot_none_is_not_user_memory() {
+    require_root();
+    let dir = scratch("reserve");
+    let data = dir.join("reserve.data");
+    // 16 GiB of address space (as cuInit reserves), 1 MiB of memory.
+    run(memtrace().args(["record", "-q", "-o"]).arg(&data).arg("--").arg(workload()).args(["--reserve", "17179869184"]));
+    let report = report_json(&data, &["--by", "function"]);
+    let reserve = site(&report, "wl_reserve").expect("the reservation's site");
+    assert_eq!(reserve["domain"], "reserved", "{reserve:#}");
+    assert_eq!(reserve["live_bytes_req"], 17_179_869_184u64);
+    let rw = site(&report, "wl_map_rw").expect("the read-write mapping's site");
+    assert_eq!(rw["domain"], "user", "{rw:#}");
+    assert_eq!(rw["live_bytes_req"], 1u64 << 20);
+    let user = &report["totals"]["user"];
+    assert!(user["live_bytes_req"].as_u64().unwrap() < 1 << 30, "the reservation counted as user memory: {user:#}");
+    assert!(report["totals"]["reserved"]["live_bytes_req"].as_u64().unwrap() >= 17_179_869_184);
+}

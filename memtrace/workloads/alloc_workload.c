@@ -21,6 +21,8 @@
  * and exit: a tracer must see a child from its first instruction),
  * --peak (memory over time with a known peak, one thread; with --manifest FILE it writes
  * each site's figures, its bytes live at the peak and the peak's moment: see wl_peak_run),
+ * --reserve BYTES (reserve BYTES of address space with mmap(PROT_NONE) from wl_reserve, as the
+ * CUDA driver and allocators do, and map 1 MiB read-write from wl_map_rw; both stay mapped),
  * --sleep-ms MS (pause before starting), --wait-stdin (start once a line is read from
  * stdin), so a recorder can attach with --pid first.
  * --steady-leak (a service that leaks, for `memtrace serve`): a startup burst kept live
@@ -722,7 +724,28 @@ static const char *arg_string(int argc, char **argv, const char *name) {
     return NULL;
 }
 
+/* --reserve: address space without memory, beside a mapping that is memory. */
+NOINLINE static void *wl_reserve(size_t n) {
+    void *p = mmap(NULL, n, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    __asm__ volatile("" : : "r"(p) : "memory"); /* not a tail call: the frame stays */
+    return p;
+}
+
+NOINLINE static void *wl_map_rw(size_t n) {
+    void *p = mmap(NULL, n, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (p != MAP_FAILED)
+        memset(p, 1, n);
+    return p;
+}
+
 int main(int argc, char **argv) {
+    long reserve = arg_value(argc, argv, "--reserve", 0);
+    if (reserve > 0) {
+        void *r = wl_reserve((size_t)reserve);
+        void *w = wl_map_rw(1 << 20);
+        printf("reserved %ld bytes at %p, mapped 1 MiB at %p\n", reserve, r, w);
+        return r == MAP_FAILED || w == MAP_FAILED;
+    }
     long sleep_ms = arg_value(argc, argv, "--sleep-ms", 0);
     if (sleep_ms > 0)
         usleep((useconds_t)sleep_ms * 1000);

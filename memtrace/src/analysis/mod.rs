@@ -49,7 +49,9 @@ pub enum Domain {
 impl Domain {
     /// User, kernel or GPU, by kind (reserved mmaps are told apart by their stack).
     pub fn of(kind: Kind) -> Self {
-        if kind.is_kernel() {
+        if kind == Kind::MmapReserved {
+            Self::Reserved
+        } else if kind.is_kernel() {
             Self::Kernel
         } else if kind.is_gpu_address() {
             Self::GpuAddress
