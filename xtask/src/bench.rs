@@ -513,13 +513,15 @@ pub fn bench() -> Result<()> {
             .unwrap_or_default(),
     );
     let notes = fs::read_to_string(workspace_root().join("xtask/bench-notes.md")).unwrap_or_default();
+    // Figures from a lent machine (many CPUs, a GPU), which no bench run here can redo.
+    let device = fs::read_to_string(workspace_root().join("xtask/bench-device.md")).unwrap_or_default();
     let doc = format!(
         "# memtrace benchmarks\n\nWritten by `cargo xtask bench` (as root), which builds what it needs and measures \
          everything below in one session; rerun it to reproduce. Ratios compare figures of the same run.\n\n\
          ## Machine\n\n{machine}\n\n## Per malloc+free pair\n\nThe bundled workload's loop (`alloc_workload --loop N`: \
          malloc(32) then free, {TRACED_PAIRS} pairs traced, {BARE_PAIRS} bare); {RUNS} runs each; the added cost \
          is the median minus the bare median.\n\n{table}\n## Two designs for whole stacks without frame pointers\n\n\
-         {designs}\n## Stacks of a distribution binary\n\n{python}\n{}\n{}\n{}\n## Other figures\n\n{other}\n{}\n## Targets\n\n\
+         {designs}\n## Stacks of a distribution binary\n\n{python}\n{}\n{}\n{}\n## Other figures\n\n{other}\n{}\n{device}\n## Targets\n\n\
          {targets}\n{notes}",
         crate::heavy_bench::SECTION.wrapped(&heavy),
         crate::start_bench::SECTION.wrapped(&start),
