@@ -283,7 +283,12 @@ fn address_space_reserved_with_prot_none_is_not_user_memory() {
     let dir = scratch("reserve");
     let data = dir.join("reserve.data");
     // 16 GiB of address space (as cuInit reserves), 1 MiB of memory.
-    run(memtrace().args(["record", "-q", "-o"]).arg(&data).arg("--").arg(workload()).args(["--reserve", "17179869184"]));
+    run(memtrace()
+        .args(["record", "-q", "-o"])
+        .arg(&data)
+        .arg("--")
+        .arg(workload())
+        .args(["--reserve", "17179869184"]));
     let report = report_json(&data, &["--by", "function"]);
     let reserve = site(&report, "wl_reserve").expect("the reservation's site");
     assert_eq!(reserve["domain"], "reserved", "{reserve:#}");

@@ -135,7 +135,9 @@ impl UsableSizes {
     /// Completes `event`; false when it only repeats a free already reported.
     pub fn apply(&mut self, event: &mut Event) -> bool {
         match event {
-            Event::Alloc(a) if !a.kind.is_kernel() && !a.kind.is_gpu() && a.kind.space() != memtrace_common::Space::Mmap => {
+            Event::Alloc(a)
+                if !a.kind.is_kernel() && !a.kind.is_gpu() && a.kind.space() != memtrace_common::Space::Mmap =>
+            {
                 if let Some(tid) = self.freed_by.remove(&(a.pid, a.ptr)) {
                     self.last_free.remove(&tid);
                 }
