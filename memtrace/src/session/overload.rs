@@ -12,15 +12,11 @@
 //!
 //! Until the switch this file keeps the live user heap blocks (pid, address) of the
 //! traced processes, at most [`MAX_TRACKED`]: past that the switch stops at phase one.
-use std::{
-    collections::HashMap,
-    time::{Duration, Instant},
-};
+use std::time::{Duration, Instant};
 
-use foldhash::fast::RandomState;
 use memtrace_common::Space;
 
-use crate::event::Event;
+use crate::{FastMap, event::Event};
 
 /// The mean sampling period of the switch, in bytes.
 pub const MEAN: u64 = 64 << 10;
@@ -53,7 +49,7 @@ pub struct Handover {
 pub struct Overload {
     phase: Phase,
     /// Live user heap blocks: (pid, address).
-    live: HashMap<(u32, u64), (), RandomState>,
+    live: FastMap<(u32, u64), ()>,
     /// Pre-switch allocations read after phase two started: handed over at the next
     /// housekeeping.
     late: Vec<(u32, u64)>,
@@ -71,7 +67,7 @@ impl Default for Overload {
 
 impl Overload {
     pub fn new() -> Self {
-        Self { phase: Phase::Watching, live: HashMap::default(), late: Vec::new(), not_tracked: 0, untrackable: false }
+        Self { phase: Phase::Watching, live: FastMap::default(), late: Vec::new(), not_tracked: 0, untrackable: false }
     }
 
     /// Whether frees are filtered by the probes (phase two).
@@ -113,7 +109,7 @@ impl Overload {
     }
 
     fn give_up(&mut self) {
-        self.live = HashMap::default();
+        self.live = FastMap::default();
         self.untrackable = true;
         if matches!(self.phase, Phase::Sampling { .. }) {
             self.phase = Phase::SamplingOnly;

@@ -1,15 +1,38 @@
 //! Merging the per-CPU streams into one time order. Each ring is nearly sorted, but events
 //! of different CPUs interleave, and a realloc's free carries the time realloc was entered;
 //! so events wait here until no earlier one can still arrive.
-use std::{cmp::Reverse, collections::BinaryHeap};
+//!
+//! Waiting events are filed by time into buckets of [`BUCKET_NS`]; a bucket is sorted once,
+//! when it is released. (A binary heap of every waiting event was a fifth of the recorder's
+//! CPU time: ~40,000 events wait at 400,000 events/s, and each pop walked 15 levels of it.)
+use std::collections::VecDeque;
 
 use crate::event::Event;
 
-/// Events wait in `slots`; the heap orders small keys (time, arrival, slot), so a push or
-/// a pop moves 24-byte keys rather than whole events.
+/// The span of time of one bucket: about a millisecond.
+const BUCKET_NS: u64 = 1 << 20;
+
+/// (time, arrival, slot): arrival keeps events of one time in the order they came.
+type Key = (u64, u64, u32);
+
+#[derive(Default)]
+struct Bucket {
+    /// `time / BUCKET_NS` of its events.
+    id: u64,
+    keys: Vec<Key>,
+    /// Whether `keys` is in order (nothing came since the last release sorted it).
+    sorted: bool,
+}
+
+/// Events wait in `slots`; the buckets hold small keys, so sorting moves 24-byte keys rather
+/// than whole events.
 #[derive(Default)]
 pub struct Reorder {
-    heap: BinaryHeap<Reverse<(u64, u64, u32)>>,
+    /// By `id`, oldest first; only buckets holding events.
+    buckets: VecDeque<Bucket>,
+    /// Emptied buckets' vectors, reused.
+    spare: Vec<Vec<Key>>,
+    held: usize,
     slots: Vec<Option<Event>>,
     free: Vec<u32>,
     seq: u64,
@@ -24,11 +47,11 @@ impl Reorder {
     }
 
     pub fn len(&self) -> usize {
-        self.heap.len()
+        self.held
     }
 
     pub fn is_empty(&self) -> bool {
-        self.heap.is_empty()
+        self.held == 0
     }
 
     pub fn push(&mut self, event: Event) {
@@ -47,50 +70,83 @@ impl Reorder {
                 (self.slots.len() - 1) as u32
             }
         };
-        self.heap.push(Reverse((ts, self.seq, slot)));
-    }
-
-    /// The oldest event, out of the buffer.
-    fn pop(&mut self) -> Option<Event> {
-        let Reverse((ts, _, slot)) = self.heap.pop()?;
-        self.released_up_to = self.released_up_to.max(ts);
-        self.free.push(slot);
-        self.slots[slot as usize].take()
+        self.held += 1;
+        let id = ts / BUCKET_NS;
+        // Nearly always the newest bucket, or one just before it.
+        let at = self.buckets.iter().rposition(|b| b.id <= id);
+        let index = match at {
+            Some(i) if self.buckets[i].id == id => i,
+            _ => {
+                let i = at.map_or(0, |i| i + 1);
+                let keys = self.spare.pop().unwrap_or_default();
+                self.buckets.insert(i, Bucket { id, keys, sorted: true });
+                i
+            }
+        };
+        let bucket = &mut self.buckets[index];
+        if bucket.keys.last().is_some_and(|last| last.0 > ts) {
+            bucket.sorted = false;
+        }
+        bucket.keys.push((ts, self.seq, slot));
     }
 
     /// Releases, in time order, every event stamped before `watermark`.
     pub fn release(&mut self, watermark: u64, sink: &mut dyn FnMut(Event)) {
-        while let Some(Reverse((ts, _, _))) = self.heap.peek() {
-            if *ts >= watermark {
-                break;
-            }
-            if let Some(event) = self.pop() {
-                sink(event);
-            }
-        }
-        self.shrink();
+        self.release_while(sink, |ts, _| ts < watermark);
     }
 
     /// Releases the `count` oldest events, whatever their time (the buffer is full).
     pub fn release_oldest(&mut self, count: usize, sink: &mut dyn FnMut(Event)) {
-        for _ in 0..count {
-            if self.heap.is_empty() {
-                break;
-            }
-            if let Some(event) = self.pop() {
-                sink(event);
-            }
-        }
-        self.shrink();
+        self.release_while(sink, |_, n| n < count);
     }
 
     pub fn release_all(&mut self, sink: &mut dyn FnMut(Event)) {
         self.release(u64::MAX, sink);
     }
 
+    /// Releases the oldest events while `more(time, released so far)` holds.
+    fn release_while(&mut self, sink: &mut dyn FnMut(Event), more: impl Fn(u64, usize) -> bool) {
+        let mut n = 0;
+        while let Some(bucket) = self.buckets.front_mut() {
+            if !more(bucket.id.saturating_mul(BUCKET_NS), n) {
+                break;
+            }
+            if !bucket.sorted {
+                bucket.keys.sort_unstable();
+                bucket.sorted = true;
+            }
+            let mut released = 0;
+            for &(ts, _, slot) in &bucket.keys {
+                if !more(ts, n) {
+                    break;
+                }
+                self.released_up_to = self.released_up_to.max(ts);
+                self.free.push(slot);
+                if let Some(event) = self.slots[slot as usize].take() {
+                    sink(event);
+                }
+                n += 1;
+                released += 1;
+            }
+            self.held -= released;
+            if released == bucket.keys.len() {
+                let mut keys = std::mem::take(&mut bucket.keys);
+                self.buckets.pop_front();
+                keys.clear();
+                if self.spare.len() < 64 {
+                    self.spare.push(keys);
+                }
+            } else {
+                bucket.keys.drain(..released);
+                break;
+            }
+        }
+        self.shrink();
+    }
+
     /// Gives back the slots of a burst once it has drained.
     fn shrink(&mut self) {
-        if self.heap.is_empty() {
+        if self.held == 0 {
             self.slots.clear();
             self.free.clear();
             if self.slots.capacity() > 1 << 16 {
@@ -126,6 +182,41 @@ mod tests {
         r.release_all(&mut |e| out.push(e.ts_ns()));
         assert_eq!(out, [10, 20, 30, 25, 40, 50]);
         assert!(r.is_empty());
+    }
+
+    #[test]
+    fn events_across_buckets_and_out_of_order_within_one_come_out_sorted() {
+        let mut r = Reorder::new();
+        let times: Vec<u64> = (0..2000u64).map(|i| (i * 7919) % 5000 * 1000 + 3 * BUCKET_NS).collect();
+        for &ts in &times {
+            r.push(ev(ts));
+        }
+        assert_eq!(r.len(), 2000);
+        let mut out = Vec::new();
+        let half = 3 * BUCKET_NS + 2_500_000;
+        r.release(half, &mut |e| out.push(e.ts_ns()));
+        assert!(out.iter().all(|&t| t < half) && out.is_sorted());
+        assert_eq!(out.len(), times.iter().filter(|&&t| t < half).count());
+        // Pushed into the partly released bucket after its first release.
+        r.push(ev(half + 1));
+        r.push(ev(half));
+        r.release_oldest(3, &mut |e| out.push(e.ts_ns()));
+        r.release_all(&mut |e| out.push(e.ts_ns()));
+        assert!(out.is_sorted(), "in time order");
+        assert_eq!(out.len(), 2002);
+        assert!(r.is_empty() && r.late == 0);
+    }
+
+    #[test]
+    fn release_oldest_takes_exactly_that_many() {
+        let mut r = Reorder::new();
+        for ts in [5 * BUCKET_NS, 1, 2 * BUCKET_NS, 3] {
+            r.push(ev(ts));
+        }
+        let mut out = Vec::new();
+        r.release_oldest(3, &mut |e| out.push(e.ts_ns()));
+        assert_eq!(out, [1, 3, 2 * BUCKET_NS]);
+        assert_eq!(r.len(), 1);
     }
 
     #[test]

@@ -3,12 +3,13 @@
 //! call (the record's allocator index). Events must come in time order: a `realloc`'s
 //! usable size may depend on the old block's (tcmalloc, mimalloc), which is remembered per
 //! live block of those families.
-use std::collections::HashMap;
-
 use memtrace_common::{Kind, flags};
 
 use super::{Family, jemalloc, mimalloc, tcmalloc};
-use crate::event::{Alloc, Event, Free};
+use crate::{
+    FastMap,
+    event::{Alloc, Event, Free},
+};
 
 /// How one allocator's usable sizes are computed.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -107,15 +108,15 @@ const NESTED_FREE_NS: u64 = 50_000;
 pub struct UsableSizes {
     /// Per thread: the (pid, block) it freed last, while no allocation returned that block,
     /// and when.
-    last_free: HashMap<u32, ((u32, u64), u64)>,
+    last_free: FastMap<u32, ((u32, u64), u64)>,
     /// The reverse: which thread's last free a block is.
-    freed_by: HashMap<(u32, u64), u32>,
+    freed_by: FastMap<(u32, u64), u32>,
     /// By allocator index minus one.
     models: Vec<Model>,
     /// Live blocks of tcmalloc and mimalloc, per process: their usable size.
-    live: HashMap<u32, HashMap<u64, u64>>,
+    live: FastMap<u32, FastMap<u64, u64>>,
     /// A realloc's old block, by thread, between its free and its new block.
-    realloc_old: HashMap<u32, Option<u64>>,
+    realloc_old: FastMap<u32, Option<u64>>,
 }
 
 impl UsableSizes {
