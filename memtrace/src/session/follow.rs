@@ -199,11 +199,11 @@ impl Tracer {
             }
             self.lost_seen = lost;
         }
-        if let Some(handover) = self.overload.due(self.caught_up_ns) {
-            let (n, first) = (handover.blocks.len(), !self.overload.filtering());
-            match self.probes.filter_frees(handover.blocks.into_iter()) {
+        if let Some(blocks) = self.overload.due(self.caught_up_ns) {
+            let (n, first) = (blocks.len(), !self.overload.filtering());
+            match self.probes.filter_frees(blocks.into_iter()) {
                 Ok(failed) => {
-                    self.overload.handed_over(failed);
+                    self.overload.handed_over();
                     if first {
                         log::debug!(
                             "overload: {n} live blocks handed to the probes ({failed} did not fit); only sampled blocks' frees are sent from now on"

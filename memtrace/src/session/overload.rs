@@ -41,11 +41,6 @@ enum Phase {
     SamplingOnly,
 }
 
-/// What phase two hands to the probes.
-pub struct Handover {
-    pub blocks: Vec<(u32, u64)>,
-}
-
 pub struct Overload {
     phase: Phase,
     /// Live user heap blocks: (pid, address).
@@ -53,8 +48,6 @@ pub struct Overload {
     /// Pre-switch allocations read after phase two started: handed over at the next
     /// housekeeping.
     late: Vec<(u32, u64)>,
-    /// Blocks that did not fit in the probes' set (their frees go unseen).
-    pub not_tracked: u64,
     /// More than [`MAX_TRACKED`] blocks were live at once: no phase two.
     untrackable: bool,
 }
@@ -67,7 +60,7 @@ impl Default for Overload {
 
 impl Overload {
     pub fn new() -> Self {
-        Self { phase: Phase::Watching, live: FastMap::default(), late: Vec::new(), not_tracked: 0, untrackable: false }
+        Self { phase: Phase::Watching, live: FastMap::default(), late: Vec::new(), untrackable: false }
     }
 
     /// Whether frees are filtered by the probes (phase two).
@@ -139,25 +132,21 @@ impl Overload {
     /// (`caught_up_ns`: when the last such drain began), or the rings did not catch up
     /// within [`CATCH_UP`]. Returns the blocks to hand over; the caller then turns the
     /// filter on and calls [`Overload::handed_over`].
-    pub fn due(&mut self, caught_up_ns: u64) -> Option<Handover> {
+    pub fn due(&mut self, caught_up_ns: u64) -> Option<Vec<(u32, u64)>> {
         match self.phase {
             Phase::Sampling { since_ns, at } if caught_up_ns > since_ns || at.elapsed() >= CATCH_UP => {
-                let blocks = std::mem::take(&mut self.live).into_keys().collect();
-                Some(Handover { blocks })
+                Some(std::mem::take(&mut self.live).into_keys().collect())
             }
-            Phase::Filtering { .. } if !self.late.is_empty() => {
-                Some(Handover { blocks: std::mem::take(&mut self.late) })
-            }
+            Phase::Filtering { .. } if !self.late.is_empty() => Some(std::mem::take(&mut self.late)),
             _ => None,
         }
     }
 
-    /// The probes took a handover (`failed` blocks did not fit).
-    pub fn handed_over(&mut self, failed: u64) {
+    /// The probes took a handover.
+    pub fn handed_over(&mut self) {
         if let Phase::Sampling { since_ns, .. } = self.phase {
             self.phase = Phase::Filtering { since_ns };
         }
-        self.not_tracked += failed;
     }
 
     /// Live blocks followed (tests, debug).
@@ -212,15 +201,15 @@ mod tests {
         // Sampled after it: the probes track those themselves.
         o.observe(&alloc(1, 0x40, 12));
         assert!(o.due(9).is_none(), "rings not caught up yet");
-        let mut blocks = o.due(11).expect("due").blocks;
+        let mut blocks = o.due(11).expect("due");
         blocks.sort();
         assert_eq!(blocks, vec![(1, 0x30), (2, 0x10)]);
-        o.handed_over(0);
+        o.handed_over();
         assert!(o.filtering());
         // A pre-switch allocation read late is handed over on its own.
         o.observe(&alloc(3, 0x50, 8));
         o.observe(&alloc(3, 0x60, 13));
-        assert_eq!(o.due(20).expect("late").blocks, vec![(3, 0x50)]);
+        assert_eq!(o.due(20).expect("late"), vec![(3, 0x50)]);
         assert!(o.due(21).is_none());
     }
 
@@ -261,6 +250,6 @@ mod tests {
         o.observe(&alloc(1, 0x10, 1));
         assert!(o.switch(10));
         o.phase = Phase::Sampling { since_ns: 10, at: Instant::now() - CATCH_UP };
-        assert_eq!(o.due(0).expect("due").blocks, vec![(1, 0x10)]);
+        assert_eq!(o.due(0).expect("due"), vec![(1, 0x10)]);
     }
 }
