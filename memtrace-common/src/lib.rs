@@ -624,7 +624,10 @@ pub mod counter {
     /// Walks that met a frame without a table and went on from an anchor above it (a frame
     /// of the thread's earlier walks still on the stack): only the gap is copied.
     pub const UNWIND_ANCHORED: u32 = 14;
-    pub const COUNT: u32 = 15;
+    /// Frames a walk took from the thread's previous walk, their return addresses checked
+    /// on the stack, instead of stepping through each with its rule.
+    pub const UNWIND_FRAMES_REUSED: u32 = 15;
+    pub const COUNT: u32 = 16;
 }
 
 /// States of a tgid in the `TRACED` map.

@@ -22,6 +22,7 @@ mod kmem;
 mod mappings;
 mod maps;
 mod python;
+mod reuse;
 mod ring;
 mod sampling;
 mod stack;

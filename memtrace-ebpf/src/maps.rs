@@ -149,6 +149,10 @@ pub(crate) struct Anchors {
     pub(crate) good: u32,
     /// When that walk ended: a thread moved to another CPU left newer anchors there.
     pub(crate) time: u64,
+    /// That walk reached the outermost frame by itself (not joined by earlier anchors):
+    /// the next walk of the thread may reuse its frames (`reuse`).
+    pub(crate) whole: u32,
+    pub(crate) _pad: u32,
     pub(crate) ips: [[u64; MAX_STACK_DEPTH]; 2],
     pub(crate) sps: [[u64; MAX_STACK_DEPTH]; 2],
     pub(crate) bps: [[u64; MAX_STACK_DEPTH]; 2],

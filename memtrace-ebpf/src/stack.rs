@@ -115,6 +115,11 @@ pub(crate) struct Scratch {
     /// k-th from the anchor on (`unwind::memtrace_note_rule`).
     pub(crate) walk_bp_restored: u8,
     pub(crate) _pad_walk: [u8; 7],
+    /// Reusing the previous walk's outer frames (`reuse`): whether it may still be tried,
+    /// the previous walk's next frame to compare, and the hash of a stack completed so.
+    pub(crate) walk_reuse: u32,
+    pub(crate) walk_reuse_k: u32,
+    pub(crate) walk_reuse_hash: u64,
 }
 
 // The record buffer and the parts written into it are 8-byte aligned: the header and the

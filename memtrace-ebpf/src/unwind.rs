@@ -29,6 +29,7 @@ use crate::{
     maps::{
         ANCHORS, ASIDS, Anchors, CachedRule, FILE_TABLES, INFLIGHT, MAPPINGS, NEXT_ASID, PROBE_BUSY, RULE_CACHE, TABLES,
     },
+    reuse::{memtrace_begin_reuse, memtrace_reuse_frames},
     ring::{bump, bump_by, zero},
     stack::{STACK_WINDOW_WORDS, Scratch},
 };
@@ -451,6 +452,15 @@ pub(crate) extern "C" fn walk_step(_index: u64, state: *mut c_void) -> i64 {
     scratch.walk_n = i as u32 + 1;
     st.hash = stack_hash_step(st.hash, st.ip);
     memtrace_note_frame(i as u64, st.ip, st.sp, st.bp);
+    if scratch.walk_phase == phase::WALK
+        && st.exact == 0
+        && memtrace_reuse_frames(i as u64, st.ip, st.sp, st.bp, st.hash) != 0
+    {
+        let Some(scratch) = crate::context::scratch() else { return 1 };
+        st.hash = scratch.walk_reuse_hash;
+        scratch.walk_result = 0;
+        return 1;
+    }
     let regs = Regs { ip: st.ip, sp: st.sp, bp: st.bp, exact: st.exact != 0 };
     let rule_bits = match rule_at(st, regs.lookup_addr()) {
         Ok(bits) => bits,
@@ -766,7 +776,7 @@ pub extern "C" fn memtrace_cover_window(low: u64, high: u64) -> u64 {
 
 /// A word of the walked user stack: from the window when it holds it, else read alone.
 #[inline(always)]
-fn read_stack(scratch: &Scratch, addr: u64) -> Option<u64> {
+pub(crate) fn read_stack(scratch: &Scratch, addr: u64) -> Option<u64> {
     let index = addr.wrapping_sub(scratch.win_base) / 8;
     if addr & 7 == 0 && index < scratch.win_words {
         return scratch.win.get(index as usize & (STACK_WINDOW_WORDS - 1)).copied();
@@ -828,6 +838,7 @@ pub(crate) fn walk_user_tables(scratch: &mut Scratch, tgid: u32, regs: UserRegs,
         core::ptr::write_volatile(&mut scratch.walk_top_sp, 0);
         core::ptr::write_volatile(&mut scratch.walk_result, stack_flags::TRUNCATED as u32);
     }
+    memtrace_begin_reuse(u64::from(st.tid), u64::from(asid));
     // SAFETY: walk_step is a BPF callback taking (index, ctx); ctx is our stack state.
     unsafe { generated::bpf_loop(WALK_STEPS, walk_step as *mut c_void, addr_of_mut!(st) as *mut c_void, 0) };
     // SAFETY: fields of this CPU's scratch value, read after the steps wrote them.
@@ -885,6 +896,7 @@ pub extern "C" fn memtrace_end_walk(walk_phase: u64, result: u64, tid: u64, asid
         n = merge.to;
     }
     a.good ^= 1;
+    a.whole = whole as u32;
     a.tid = tid as u32;
     a.asid = asid as u32;
     a.n = n;

@@ -159,6 +159,18 @@ fn a_stack_through_libc_calling_back_into_the_program_is_whole() {
 }
 
 #[test]
+fn a_stack_that_parts_from_the_previous_one_above_a_shared_frame_is_its_own() {
+    // Twin callers of one path: the path's frames are where the previous allocation's
+    // were, the twin's return address is not (`reuse` checks it on the stack).
+    for (bytes, twin) in [(555, "wl_twin_a"), (666, "wl_twin_b")] {
+        let (names, truncated) = stack_of_size(bytes);
+        assert!(!truncated, "{names:?}");
+        assert_eq!(names[..4], ["wl_twin_inner", "wl_twin_mid", twin, "wl_stack_tests"], "{names:?}");
+        assert!(names.ends_with(&FROM_MAIN.map(String::from)), "{names:?}");
+    }
+}
+
+#[test]
 fn deep_stacks_are_whole_up_to_the_limit_and_marked_truncated_beyond() {
     // 100 recursive calls: 1 + 101 + 1 + 4 = 107 frames, all there.
     let (names, truncated) = stack_of_size(333);
@@ -177,4 +189,35 @@ fn deep_stacks_are_whole_up_to_the_limit_and_marked_truncated_beyond() {
     assert!(names[1..].iter().all(|n| n == "wl_recurse"), "{names:?}");
     let report = stacks_recording();
     assert_eq!(report["stacks"]["user"]["allocs_truncated"], 1, "{:#}", report["stacks"]);
+}
+
+#[test]
+fn a_walk_takes_the_frames_it_shares_with_the_previous_one_from_it() {
+    require_root();
+    let dir = scratch("unwind-reuse");
+    let data = dir.join("rec.data");
+    let pairs = 3000;
+    // The frame-pointer build, walked by table (the default): %rbp is the same at each
+    // frame from one allocation to the next, so the walks meet at the second frame.
+    let program = Path::new(env!("MEMTRACE_WORKLOAD_DIR")).join("alloc_workload");
+    run(memtrace()
+        .args(["record", "-q", "--no-kernel", "-o"])
+        .arg(&data)
+        .arg("--")
+        .arg(program)
+        .args(["--loop", &pairs.to_string()]));
+    let report = report_json(&data, &["--by", "stack", "--domain", "user"]);
+    let rows: Vec<&Value> =
+        report["sites"].as_array().unwrap().iter().filter(|s| s["frames"][0]["function"] == "loop_pair").collect();
+    // Every pair's stack whole and the same: one row.
+    assert_eq!(rows.len(), 1, "{rows:#?}");
+    assert_eq!((rows[0]["allocs"].as_u64(), rows[0]["truncated"].as_bool()), (Some(pairs), Some(false)));
+    let names = function_names(rows[0]);
+    assert_eq!(names, ["loop_pair", "loop_thread", "start_thread", "clone3"]);
+    // Above the innermost two frames, the loop's walks took their frames from the walk
+    // before (a thread moved to another CPU walks once in full there).
+    let recorder = &report["recorder"];
+    let reused = recorder["unwind_frames_reused"].as_u64().unwrap();
+    let shared = 2 * pairs;
+    assert!(reused >= shared * 9 / 10, "{reused} of {shared} frames reused: {recorder:#}");
 }

@@ -460,7 +460,7 @@ NOINLINE static void wl_dlopen_alloc(void *(*dl_malloc)(size_t), long n) {
 }
 
 /* --stacks: blocks whose stacks exercise an unwinder; tests know their sizes. */
-static void *stack_blocks[4];
+static void *stack_blocks[6];
 
 NOIPA static void *wl_signal_alloc(void) {
     void *p = malloc(111);
@@ -508,14 +508,47 @@ NOIPA static void *wl_recurse(int depth, size_t n) {
     return p;
 }
 
+/* Twin callers of one allocating path: under either, the path's frames lie at the same
+ * stack addresses with the same return addresses; only the return address into the twin
+ * differs. A walk that reuses the previous walk's frames above the place where the two
+ * meet must check them on the stack. */
+NOIPA static void *wl_twin_inner(size_t n) {
+    void *p = malloc(n);
+    touch(p, n);
+    return p;
+}
+
+NOIPA static void *wl_twin_mid(size_t n) {
+    void *p = wl_twin_inner(n);
+    __asm__ volatile("" ::: "memory"); /* keeps the call from becoming a jump */
+    sink ^= (uintptr_t)p;
+    return p;
+}
+
+NOIPA static void *wl_twin_a(size_t n) {
+    void *p = wl_twin_mid(n);
+    __asm__ volatile("" ::: "memory");
+    sink ^= (uintptr_t)n;
+    return p;
+}
+
+NOIPA static void *wl_twin_b(size_t n) {
+    void *p = wl_twin_mid(n);
+    __asm__ volatile("" ::: "memory");
+    sink ^= (uintptr_t)n + 1;
+    return p;
+}
+
 NOIPA static void wl_stack_tests(void) {
     wl_raise_site();
     wl_sort_site();
     stack_blocks[2] = wl_recurse(100, 333);
     stack_blocks[3] = wl_recurse(300, 444);
-    for (int i = 0; i < 4; i++)
+    stack_blocks[4] = wl_twin_a(555);
+    stack_blocks[5] = wl_twin_b(666);
+    for (int i = 0; i < 6; i++)
         free(stack_blocks[i]);
-    printf("stacks: 4 allocations\n");
+    printf("stacks: 6 allocations\n");
 }
 
 /* The first thing a forked child does: 10 allocations of 77 bytes, 7 of them freed. */

@@ -142,6 +142,7 @@ pub struct Counters {
     pub unwind_reused: u64,
     /// Walks that went on from an anchor past frames without a table.
     pub unwind_anchored: u64,
+    pub unwind_frames_reused: u64,
     /// Malloc-family returns the probes ran for.
     pub user_returns: u64,
 }
@@ -610,6 +611,7 @@ impl Probes {
             ranges_installed: sum(counter::RANGES_INSTALLED)?,
             unwind_reused: sum(counter::UNWIND_REUSED)?,
             unwind_anchored: sum(counter::UNWIND_ANCHORED)?,
+            unwind_frames_reused: sum(counter::UNWIND_FRAMES_REUSED)?,
             user_returns: sum(counter::USER_RETURNS)?,
         })
     }

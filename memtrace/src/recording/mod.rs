@@ -209,6 +209,10 @@ pub struct Stats {
     pub unwind_frames: u64,
     #[serde(default)]
     pub unwind_cache_hits: u64,
+    /// Of those frames, the ones taken from the thread's previous walk (their return
+    /// addresses checked on the stack) instead of being stepped through by rule.
+    #[serde(default)]
+    pub unwind_frames_reused: u64,
     /// User walks of kernel allocations not redone: an earlier allocation in the same
     /// syscall of the same task had walked that user stack.
     #[serde(default)]

@@ -247,6 +247,7 @@ pub fn render_json(a: &Summary, opts: &ReportOptions) -> Result<String> {
             },
             "unwind_frames": a.stats.unwind_frames,
             "unwind_cache_hits": a.stats.unwind_cache_hits,
+            "unwind_frames_reused": a.stats.unwind_frames_reused,
             "unwind_walks_reused": a.stats.unwind_walks_reused,
             "user_returns": a.stats.user_returns,
             "ring_bytes": a.stats.ring_bytes,

@@ -408,6 +408,7 @@ fn finish(
         unwind_longest_build_ms: unwind.tables.longest_build_ms,
         unwind_frames: counters.unwind_frames,
         unwind_cache_hits: counters.unwind_cache_hits,
+        unwind_frames_reused: counters.unwind_frames_reused,
         unwind_walks_reused: counters.unwind_reused,
         user_returns: counters.user_returns,
         ring_bytes: tracer.ring_bytes,

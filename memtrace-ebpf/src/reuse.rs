@@ -1,0 +1,169 @@
+//! Reusing the outer frames of the thread's previous walk. Consecutive allocations of a
+//! thread mostly share all but their innermost frames (an interpreter's evaluation loop,
+//! `main`, a request handler), so a table walk that reaches a frame of the previous whole
+//! walk on this CPU, the same return address at the same stack and frame pointers, takes
+//! the frames above it from that walk instead of stepping through each with its rule:
+//! each such frame's return address is still checked in its slot on the stack (one bulk
+//! read serves many), which costs a fraction of a step (rule lookup, rule, reads). A frame
+//! whose slot holds anything else ends the reuse and the walk goes on step by step.
+use core::{ffi::c_void, ptr::addr_of_mut};
+
+use aya_ebpf::helpers::generated;
+use memtrace_common::{MAX_STACK_DEPTH, counter, stack_hash_step};
+
+use crate::{
+    context::scratch,
+    maps::ANCHORS,
+    ring::bump_by,
+    unwind::{memtrace_cover_window, read_stack},
+};
+
+/// Prepares the walk of thread `tid` in address space `asid` to reuse the frames of this
+/// CPU's previous walk, when that walk was the same thread's and reached the outermost
+/// frame. A global BPF function: checked once.
+#[inline(never)]
+#[unsafe(no_mangle)]
+pub extern "C" fn memtrace_begin_reuse(tid: u64, asid: u64) -> u64 {
+    let Some(scratch) = scratch() else { return 0 };
+    scratch.walk_reuse = 0;
+    scratch.walk_reuse_k = 1;
+    let Some(a) = ANCHORS.get_ptr_mut(0) else { return 0 };
+    // SAFETY: this CPU's value; programs on one CPU do not run concurrently.
+    let a = unsafe { &*a };
+    if a.whole != 0 && u64::from(a.tid) == tid && u64::from(a.asid) == asid && a.n > 1 {
+        scratch.walk_reuse = 1;
+    }
+    0
+}
+
+/// Frame `i` of the walk under way is at `ip`, `sp`, `bp`, and `hash` names the stack up
+/// to it. When the previous walk had that frame too, its callers are checked on the stack
+/// and, all found, appended: returns 1 with `scratch.walk_n` and `scratch.walk_reuse_hash`
+/// set for the whole stack. Else 0, and the walk goes on step by step (after a check that
+/// failed, without another try: the stacks part there). A global BPF function: checked
+/// once, not once per state of the walk step.
+#[inline(never)]
+#[unsafe(no_mangle)]
+pub extern "C" fn memtrace_reuse_frames(i: u64, ip: u64, sp: u64, bp: u64, hash: u64) -> u64 {
+    let Some(scratch) = scratch() else { return 0 };
+    if scratch.walk_reuse == 0 {
+        return 0;
+    }
+    let Some(a) = ANCHORS.get_ptr_mut(0) else { return 0 };
+    // SAFETY: this CPU's value; programs on one CPU do not run concurrently.
+    let a = unsafe { &*a };
+    let good = a.good as usize & 1;
+    // The previous walk's frames go up the stack: skip those below this one (the first is
+    // never taken: it may be an exact instruction, not a return address).
+    let mut seek = Seek { k: scratch.walk_reuse_k, n: a.n, sp, good: good as u32, _pad: 0 };
+    // SAFETY: seek_step is a BPF callback taking (index, ctx); ctx is our stack state.
+    unsafe {
+        generated::bpf_loop(MAX_STACK_DEPTH as u32, seek_step as *mut c_void, addr_of_mut!(seek) as *mut c_void, 0)
+    };
+    scratch.walk_reuse_k = seek.k;
+    let k = seek.k as usize;
+    if seek.k >= a.n || k >= MAX_STACK_DEPTH {
+        scratch.walk_reuse = 0; // above the previous walk's outermost frame
+        return 0;
+    }
+    if a.sps[good][k] != sp || a.ips[good][k] != ip || a.bps[good][k] != bp {
+        return 0;
+    }
+    scratch.walk_reuse = 0;
+    let mut check = Check { from: seek.k + 1, to: i as u32 + 1, hash, top_sp: sp, good: good as u32, ok: 1 };
+    // SAFETY: check_step is a BPF callback taking (index, ctx); ctx is our stack state.
+    unsafe {
+        generated::bpf_loop(MAX_STACK_DEPTH as u32, check_step as *mut c_void, addr_of_mut!(check) as *mut c_void, 0)
+    };
+    if check.ok == 0 {
+        return 0;
+    }
+    let Some(scratch) = crate::context::scratch() else { return 0 };
+    bump_by(counter::UNWIND_FRAMES_REUSED, u64::from(check.to).wrapping_sub(i + 1));
+    scratch.walk_n = check.to;
+    scratch.walk_reuse_hash = check.hash;
+    if check.top_sp > scratch.walk_top_sp {
+        scratch.walk_top_sp = check.top_sp;
+    }
+    1
+}
+
+/// Looking for the previous walk's first frame at or above a stack pointer.
+#[repr(C)]
+struct Seek {
+    k: u32,
+    n: u32,
+    sp: u64,
+    good: u32,
+    _pad: u32,
+}
+
+#[inline(never)]
+extern "C" fn seek_step(_index: u64, state: *mut c_void) -> i64 {
+    // SAFETY: bpf_loop hands back the pointer to the Seek on the caller's stack.
+    let s = unsafe { &mut *(state as *mut Seek) };
+    let Some(a) = ANCHORS.get_ptr_mut(0) else { return 1 };
+    // SAFETY: this CPU's value; programs on one CPU do not run concurrently.
+    let a = unsafe { &*a };
+    let k = s.k as usize;
+    if s.k >= s.n || k >= MAX_STACK_DEPTH || a.sps[s.good as usize & 1][k] >= s.sp {
+        return 1;
+    }
+    s.k += 1;
+    0
+}
+
+/// Checking the previous walk's frames from `from` on against the stack and appending
+/// them to the walk under way at `to`.
+#[repr(C)]
+struct Check {
+    from: u32,
+    to: u32,
+    hash: u64,
+    top_sp: u64,
+    good: u32,
+    /// 0: a return address was not in its slot, or the depth bound was reached.
+    ok: u32,
+}
+
+#[inline(never)]
+extern "C" fn check_step(_index: u64, state: *mut c_void) -> i64 {
+    // SAFETY: bpf_loop hands back the pointer to the Check on the caller's stack.
+    let c = unsafe { &mut *(state as *mut Check) };
+    let Some(a) = ANCHORS.get_ptr_mut(0) else {
+        c.ok = 0;
+        return 1;
+    };
+    // SAFETY: this CPU's value; programs on one CPU do not run concurrently.
+    let a = unsafe { &mut *a };
+    if c.from >= a.n {
+        return 1; // all there
+    }
+    let (from, to) = (c.from as usize, c.to as usize);
+    if from >= MAX_STACK_DEPTH || to >= MAX_STACK_DEPTH {
+        c.ok = 0;
+        return 1;
+    }
+    let (good, cur) = (c.good as usize & 1, (c.good ^ 1) as usize & 1);
+    let (ip, sp, bp) = (a.ips[good][from], a.sps[good][from], a.bps[good][from]);
+    // A return address lies just below its frame's stack pointer (the caller's CFA).
+    let slot = sp.wrapping_sub(8);
+    memtrace_cover_window(slot, sp);
+    let Some(scratch) = crate::context::scratch() else {
+        c.ok = 0;
+        return 1;
+    };
+    if read_stack(scratch, slot) != Some(ip) {
+        c.ok = 0;
+        return 1;
+    }
+    scratch.user_ips[to] = ip;
+    a.ips[cur][to] = ip;
+    a.sps[cur][to] = sp;
+    a.bps[cur][to] = bp;
+    c.hash = stack_hash_step(c.hash, ip);
+    c.top_sp = sp;
+    c.from += 1;
+    c.to += 1;
+    0
+}
