@@ -259,13 +259,11 @@ impl GroupKey {
             GroupBy::Stack => Self::Stack(domain, origin.stack, origin.call_site, 0),
             GroupBy::Process => Self::Process(domain, origin.pid),
             GroupBy::Site | GroupBy::Function => {
-                let frames = stacks.frames(origin.stack, origin.call_site);
-                let python = (by == GroupBy::Function && domain != Domain::Kernel)
-                    .then(|| frames.iter().find(|f| f.python))
-                    .flatten();
-                match (python.or_else(|| first_frame(domain, &frames)), by) {
-                    (Some(f), GroupBy::Site) => Self::Site(domain, f.module.clone(), f.address),
-                    (Some(f), _) => Self::Function(domain, f.function.clone()),
+                // Only the frame the row is named after: every distinct stack comes here.
+                let python = by == GroupBy::Function && domain != Domain::Kernel;
+                match (stacks.key_frame(origin.stack, origin.call_site, domain, python), by) {
+                    (Some(f), GroupBy::Site) => Self::Site(domain, f.module, f.address),
+                    (Some(f), _) => Self::Function(domain, f.function),
                     (None, _) => Self::Site(domain, format!("[no stack: {}]", origin.kind.name()), 0),
                 }
             }

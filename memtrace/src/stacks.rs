@@ -12,6 +12,7 @@ use std::{
 use serde::Serialize;
 
 use crate::{
+    analysis::Domain,
     recording::{FileFrame, FileStack, Module, Symbol, SymbolKey},
     symbolize::Symbolizer,
 };
@@ -243,7 +244,7 @@ impl StackTable {
     /// stacks (id + 1). A stack is one row, however many ids it was recorded under.
     pub fn duplicates(&self) -> HashMap<u64, u64> {
         type Content<'a> = (u32, &'a [u64], &'a [FileFrame], bool);
-        let mut first: HashMap<Content<'_>, u64> = HashMap::new();
+        let mut first: crate::FastMap<Content<'_>, u64> = crate::FastMap::default();
         let mut out = HashMap::new();
         for s in self.stacks.values() {
             let reference = u64::from(s.id) + 1;
@@ -380,11 +381,49 @@ impl StackTable {
 
     /// The named frames of an allocation, innermost first: the kernel part (starting at
     /// `call_site` when it is on the stack), then the user part. Falls back to the call
-    /// site alone when the stack is unknown.
+    /// site alone when the stack is unknown. Kept for the next call (`top` and `serve` name
+    /// the same rows again and again).
     pub fn frames(&mut self, stack: u64, call_site: u64) -> Vec<Frame> {
         if let Some(f) = self.cache.get(&(stack, call_site)) {
             return f.clone();
         }
+        let out = self.named(stack, call_site, usize::MAX);
+        self.cache.insert((stack, call_site), out.clone());
+        out
+    }
+
+    /// [`Self::frames`], not kept: a report names each of its rows once.
+    pub fn frames_once(&self, stack: u64, call_site: u64) -> Vec<Frame> {
+        self.named(stack, call_site, usize::MAX)
+    }
+
+    /// The first frames of [`Self::frames`]: the whole kernel part and the names of the
+    /// first `user` addresses of the user part (not kept). A report names its rows from
+    /// these before it knows which rows it shows: a label shows three frames, and naming
+    /// every frame of every stack of a heavy program took gigabytes.
+    pub fn frames_prefix(&self, stack: u64, call_site: u64, user: usize) -> Vec<Frame> {
+        self.named(stack, call_site, user)
+    }
+
+    /// The frame a row of `domain` is named after ([`crate::grouping::first_frame`] of
+    /// [`Self::frames`]), or with `python` the stack's first Python frame if it has one,
+    /// naming no other user frame.
+    pub fn key_frame(&self, stack: u64, call_site: u64, domain: Domain, python: bool) -> Option<Frame> {
+        if python
+            && let Some(s) = stack.checked_sub(1).and_then(|id| self.stacks.get(&(id as u32)))
+            && let Some(&frame) = s.user.iter().find(|f| {
+                matches!(f, FileFrame::Module { module, .. }
+                    if self.modules.get(module).is_some_and(|m| crate::python::function_of(m).is_some()))
+            })
+        {
+            return self.name(SymbolKey::User(frame)).into_iter().next();
+        }
+        crate::grouping::first_frame(domain, &self.named(stack, call_site, 1)).cloned()
+    }
+
+    /// The frames of [`Self::frames`], with the names of the first `user` addresses of the
+    /// user part only.
+    fn named(&self, stack: u64, call_site: u64, user: usize) -> Vec<Frame> {
         let mut out = Vec::new();
         let recorded = stack.checked_sub(1).and_then(|id| self.stacks.get(&(id as u32)));
         match recorded {
@@ -417,14 +456,13 @@ impl StackTable {
                     }
                 }
                 out.extend(named.into_iter().flatten());
-                for frame in &s.user {
+                for frame in s.user.iter().take(user) {
                     out.extend(self.name(SymbolKey::User(*frame)));
                 }
             }
             None if call_site != 0 => out.extend(self.name(SymbolKey::Kernel(call_site))),
             None => {}
         }
-        self.cache.insert((stack, call_site), out.clone());
         out
     }
 
@@ -508,6 +546,37 @@ mod tests {
         assert_eq!(names, ["do_thing", "0xffff0003", "helper", "main", "[unknown] 0x7f00"]);
         assert!(frames[2].inlined && !frames[3].inlined);
         assert_eq!(frames[3].to_string(), "main (a.c:9)");
+    }
+
+    #[test]
+    fn a_rows_key_frame_and_label_prefix_agree_with_the_whole_stack() {
+        let mut t = table();
+        // A Python frame (a module standing for a Python function) above the native ones.
+        let build_id = crate::python::module_build_id("run", "/app/job.py");
+        t.modules.insert(1, Module { id: 1, build_id, path: "/app/job.py".into() });
+        if let Some(s) = t.stacks.get_mut(&0) {
+            s.user.push(FileFrame::Module { module: 1, offset: 12 });
+        }
+        for call_site in [0, 0xffff_0002, 0xdead] {
+            for stack in [0, 1, 7] {
+                let whole = t.frames(stack, call_site);
+                for domain in [Domain::User, Domain::Kernel] {
+                    let key = t.key_frame(stack, call_site, domain, false);
+                    assert_eq!(key.as_ref(), crate::grouping::first_frame(domain, &whole), "{stack} {call_site:x}");
+                    let python = t.key_frame(stack, call_site, domain, true);
+                    let expected = whole.iter().find(|f| f.python).or(crate::grouping::first_frame(domain, &whole));
+                    assert_eq!(python.as_ref(), expected, "{stack} {call_site:x}");
+                }
+                for user in 0..4 {
+                    let prefix = t.frames_prefix(stack, call_site, user);
+                    assert!(whole.starts_with(&prefix), "{prefix:?} of {whole:?}");
+                }
+                assert_eq!(t.frames_once(stack, call_site), whole);
+            }
+        }
+        // The Python frame is found without naming the native frames below it.
+        let f = t.key_frame(1, 0, Domain::User, true).unwrap();
+        assert!(f.python, "{f:?}");
     }
 
     #[test]

@@ -23,7 +23,7 @@ use super::{
 use crate::{
     analysis::{Analyzer, Domain, EXCLUDED, LiveBlock, Origin, Stats, Timeline, Totals},
     event::Event,
-    grouping::{Filters, GroupBy, GroupKey, domain_of, label},
+    grouping::{Filters, GroupBy, GroupKey, LABEL_FRAMES, domain_of, label},
     recording::{self, Meta},
     stacks::{Frame, StackTable},
 };
@@ -401,7 +401,13 @@ pub fn analyze(path: &Path, opts: &ReportOptions) -> Result<Summary> {
         if stats.allocs == 0 && stats.failed == 0 {
             continue;
         }
-        let frames = table.frames(info.stack, info.call_site);
+        // A label's frames now; the whole stack only for the rows shown (below). The
+        // warnings after `record` show none.
+        let frames = if opts.top == Some(0) {
+            Vec::new()
+        } else {
+            table.frames_prefix(info.stack, info.call_site, LABEL_FRAMES + 1)
+        };
         rows.push(GroupRow {
             domain: info.key.domain(),
             truncated: table.is_truncated(info.stack),
@@ -430,6 +436,9 @@ pub fn analyze(path: &Path, opts: &ReportOptions) -> Result<Summary> {
     sort_rows(&mut rows, opts.sort);
     if let Some(n) = opts.top {
         rows.truncate(n);
+    }
+    for row in &mut rows {
+        row.frames = table.frames_once(row.stack, row.call_site);
     }
 
     let end_ts = last_ts.max(stats.end_monotonic_ns);
@@ -569,9 +578,6 @@ fn leak_rows(
         }
     }
     let mut rows: Vec<LeakRow> = by_stack.into_values().collect();
-    for r in &mut rows {
-        r.frames = table.frames(r.stack, r.call_site);
-    }
     let totals = LeakTotals {
         blocks: rows.iter().map(|r| r.blocks).sum(),
         bytes_req: rows.iter().map(|r| r.bytes_req).sum(),
@@ -585,6 +591,9 @@ fn leak_rows(
     });
     if let Some(n) = opts.top {
         rows.truncate(n);
+    }
+    for r in &mut rows {
+        r.frames = table.frames_once(r.stack, r.call_site);
     }
     (rows, totals)
 }
