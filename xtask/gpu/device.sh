@@ -5,7 +5,7 @@
 # heavy.py (the heavy bench's script) and heaptrack/ (Debian's heaptrack with its libraries:
 # bin/, lib/heaptrack/, deps/). Every step has its own time limit; the summary grows line by
 # line in $OUT/summary.txt and the logs are packed into $OUT/logs.tgz after every step.
-#   OUT=/some/dir xtask/gpu/device.sh [parts...]   (parts: info start gpu heavy torch loop rerun)
+#   OUT=/some/dir xtask/gpu/device.sh [parts...]   (parts: info start gpu heavy torch loop rerun round3)
 cd "$(dirname "$0")/../.."
 D=$PWD/.device
 M=$D/memtrace
@@ -123,6 +123,30 @@ for part in $parts; do
     grep -h "memory at the end" $L/torch-ring64.err | sed 's/^/  log: /' | tee -a $S
     timeout 40 $M dump -i $T/torch-ring64.data --stacks 2>/dev/null | grep -c '^stack=' | sed 's/^/  distinct stacks: /' | tee -a $S
     timeout 40 $M report -i $T/torch-ring64.data --domain user --by stack --top 3 > $L/torch-ring64-stacks.txt 2>&1 ;;
+  round3)
+    # After the frame reuse and the report fix: the heavy script (warm cache) beside
+    # heaptrack, one record as users run it (not -q), the PyTorch CPU script with the
+    # default rings (overload switch, reserved domain), with 64 MiB rings (memory with
+    # ~1 M distinct stacks) and the time and memory of a report of that recording.
+    for i in 1 2; do bare heavy-bare$i 60 $PY $D/heavy.py; done
+    heaptrack_run heavy-heaptrack 120 $PY $D/heavy.py
+    for i in 0 1 2; do rec heavy-warm$i 120 -- $PY $D/heavy.py; done
+    rec heavy-fp 120 --call-graph fp -- $PY $D/heavy.py
+    grep -h "probe counters" $L/heavy-warm2.err | grep -o "unwind_frames: [0-9]*\|unwind_frames_reused: [0-9]*" | tr '\n' ' ' | sed 's/^/  log: /' | tee -a $S; echo | tee -a $S
+    s=$(now); $M record --force -o $T/heavy-loud.data -- $PY $D/heavy.py > $L/heavy-loud.out 2> $L/heavy-loud.err
+    say "heavy-loud (not -q): $(since $s) s"; grep -h "exited" $L/heavy-loud.err | tee -a $S
+    pack
+    rec torch-1 90 -- $PY xtask/gpu/torch_cpu.py
+    grep -h "overload\|memory at the end" $L/torch-1.err | cut -c1-300 | sed 's/^/  log: /' | tee -a $S
+    timeout 60 $M report -i $T/torch-1.data --top 4 2>&1 | head -24 | tee -a $S
+    pack
+    rec torch-ring64 90 --ring-size 64M -- $PY xtask/gpu/torch_cpu.py
+    grep -h "memory at the end" $L/torch-ring64.err | sed 's/^/  log: /' | tee -a $S
+    $PY -c "import resource,subprocess,sys,time; t=time.time(); r=subprocess.run(sys.argv[1:],stdout=subprocess.DEVNULL,timeout=150); print(f'  report of torch-ring64: {time.time()-t:.2f} s rc={r.returncode} maxrss {resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss/1024:.0f} MB')" $M report -i $T/torch-ring64.data --top 10 2>&1 | tee -a $S
+    pack
+    bare loop-bare 60 $D/alloc_workload --loop 300000 --loop-threads 16
+    rec loop-dwarf 60 -- $D/alloc_workload --loop 300000 --loop-threads 16
+    grep -h "overload" $L/loop-dwarf.err | sed 's/^/  log: /' | tee -a $S ;;
   loop)
     bare loop-bare 60 $D/alloc_workload --loop 300000 --loop-threads 16
     rec loop-dwarf 120 -- $D/alloc_workload --loop 300000 --loop-threads 16
