@@ -6,6 +6,9 @@
 //! each such frame's return address is still checked in its slot on the stack (one bulk
 //! read serves many), which costs a fraction of a step (rule lookup, rule, reads). A frame
 //! whose slot holds anything else ends the reuse and the walk goes on step by step.
+//! Saved registers are not checked again: a caller whose frame is found from a restored
+//! %rbp is taken where the previous walk found it, which is right unless every return
+//! address above the meeting frame is unchanged while a saved %rbp between them is not.
 use core::{ffi::c_void, ptr::addr_of_mut};
 
 use aya_ebpf::helpers::generated;

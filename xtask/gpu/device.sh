@@ -5,7 +5,7 @@
 # heavy.py (the heavy bench's script) and heaptrack/ (Debian's heaptrack with its libraries:
 # bin/, lib/heaptrack/, deps/). Every step has its own time limit; the summary grows line by
 # line in $OUT/summary.txt and the logs are packed into $OUT/logs.tgz after every step.
-#   OUT=/some/dir xtask/gpu/device.sh [parts...]   (parts: info start gpu heavy torch loop rerun round3)
+#   OUT=/some/dir xtask/gpu/device.sh [parts...]   (parts: info start gpu heavy torch loop rerun round3 cold)
 cd "$(dirname "$0")/../.."
 D=$PWD/.device
 M=$D/memtrace
@@ -147,6 +147,16 @@ for part in $parts; do
     bare loop-bare 60 $D/alloc_workload --loop 300000 --loop-threads 16
     rec loop-dwarf 60 -- $D/alloc_workload --loop 300000 --loop-threads 16
     grep -h "overload" $L/loop-dwarf.err | sed 's/^/  log: /' | tee -a $S ;;
+  cold)
+    # The first run on the machine (no cached tables) with the default rings (4 MiB on 16
+    # CPUs) and with 8 MiB: does a burst of stack copies overflow the Python thread's ring?
+    for i in 1 2; do bare heavy-bare$i 60 $PY $D/heavy.py; done
+    for r in 4M 8M; do for i in 1 2; do
+      rm -rf $MEMTRACE_CACHE_DIR; rec cold$r-$i 120 --ring-size $r -- $PY $D/heavy.py
+      grep -h "overload" $L/cold$r-$i.err | cut -c1-200 | sed 's/^/  log: /' | tee -a $S
+    done; done
+    rec warm4M 120 -- $PY $D/heavy.py
+    for i in 1 2 3; do rec true$i 30 -- /bin/true; done ;;
   loop)
     bare loop-bare 60 $D/alloc_workload --loop 300000 --loop-threads 16
     rec loop-dwarf 120 -- $D/alloc_workload --loop 300000 --loop-threads 16
