@@ -14,7 +14,7 @@ pub mod unwind;
 
 pub use unwind::{
     FileId, FileTable, KERNEL_STACK_SEED, MAX_TABLES, MISS_HASH_MARK, MappingKey, MappingValue, RULE_CACHE_SLOTS,
-    UNWIND_COPY_BYTES, UPROBE_TRAMPOLINE_PAGE, USER_STACK_SEED, UnwindMiss, UnwindRule, stack_hash_step,
+    TABLE_MAPS, UNWIND_COPY_BYTES, UPROBE_TRAMPOLINE_PAGE, USER_STACK_SEED, UnwindMiss, UnwindRule, stack_hash_step,
 };
 
 /// Deepest stack either side walks. The kernel part and frame-pointer walks are bounded

@@ -318,8 +318,14 @@ pub struct FileTable {
 
 pub const NO_SLOT: u32 = u32::MAX;
 
-/// Tables the tables array holds at most.
+/// Tables (files) a session holds at most: their slots are `0..MAX_TABLES`.
 pub const MAX_TABLES: u32 = 4096;
+
+/// Entries of the probes' array of table maps: a table's own map at its slot, and past
+/// `MAX_TABLES` the maps installed ahead of need (`SLOT_MAPS` says which one a slot's
+/// table was written into): an install into the array waits for an RCU grace period,
+/// writing into a map already there does not.
+pub const TABLE_MAPS: u32 = 2 * MAX_TABLES;
 
 /// Registers of the frame where the probes' walk could not go on for want of a table (a
 /// mapping or file not known yet), and what follows: a copy of the stack from `sp`.

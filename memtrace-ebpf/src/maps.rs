@@ -10,7 +10,7 @@ use aya_ebpf::{
 };
 use memtrace_common::{
     FILENAME_LEN, FileId, FileTable, InFlight, MAX_CPUS, MAX_STACK_DEPTH, MAX_TABLES, MappingKey, MappingValue,
-    RULE_CACHE_SLOTS, SAMPLED_LIVE_ENTRIES, SampledKey, counter, python::PY_SENT_KEYS,
+    RULE_CACHE_SLOTS, SAMPLED_LIVE_ENTRIES, SampledKey, TABLE_MAPS, counter, python::PY_SENT_KEYS,
 };
 
 use crate::stack::Scratch;
@@ -105,9 +105,14 @@ pub(crate) static MAPPINGS: LpmTrie<MappingKey, MappingValue, 262144> = LpmTrie:
 pub(crate) const TABLE_FLAGS: usize = (1 << 12) | (1 << 10);
 
 /// One unwind table per file (`memtrace_common::unwind::table` says how it is laid out),
-/// by slot; a slot with no map: the table is not built yet.
+/// at its slot, or in a map installed ahead of need past `MAX_TABLES` ([`SLOT_MAPS`]); no
+/// map there: the table is not built yet.
 #[btf_map]
-pub(crate) static TABLES: ArrayOfMaps<Array<u64, 1, TABLE_FLAGS>, { MAX_TABLES as usize }> = ArrayOfMaps::new();
+pub(crate) static TABLES: ArrayOfMaps<Array<u64, 1, TABLE_FLAGS>, { TABLE_MAPS as usize }> = ArrayOfMaps::new();
+
+/// Slot → the entry of [`TABLES`] its table was written into (0: its own slot's).
+#[btf_map]
+pub(crate) static SLOT_MAPS: Array<u32, { MAX_TABLES as usize }> = Array::new();
 
 /// Files whose table is installed: the probes add their mappings to an address space at
 /// exec and mmap, before userspace hears of them.

@@ -27,7 +27,8 @@ use memtrace_common::{
 use crate::{
     context::{pid_tgid, read_kernel_at, read_kernel_u64, read_user_u64, regs, scratch},
     maps::{
-        ANCHORS, ASIDS, Anchors, CachedRule, FILE_TABLES, INFLIGHT, MAPPINGS, NEXT_ASID, PROBE_BUSY, RULE_CACHE, TABLES,
+        ANCHORS, ASIDS, Anchors, CachedRule, FILE_TABLES, INFLIGHT, MAPPINGS, NEXT_ASID, PROBE_BUSY, RULE_CACHE,
+        SLOT_MAPS, TABLES,
     },
     reuse::{memtrace_begin_reuse, memtrace_reuse_frames},
     ring::{bump, bump_by, zero},
@@ -351,6 +352,11 @@ pub extern "C" fn memtrace_table_rule(slot: u64, vaddr: u64) -> u64 {
 
 #[inline(always)]
 fn table_rule(slot: u32, vaddr: u64) -> Result<u32, NoRule> {
+    // The map the slot's table was written into, if not its own.
+    let slot = match SLOT_MAPS.get(slot) {
+        Some(&entry) if entry != 0 => entry,
+        _ => slot,
+    };
     let Some(rows) = TABLES.get(slot) else { return Err(NoRule::NotYet(counter::UNWIND_NO_TABLE)) };
     let get = |i: u32| rows.get(i).copied();
     let (Some(pc_base), Some(counts)) = (get(table::PC_BASE), get(table::COUNTS)) else {

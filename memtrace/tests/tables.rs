@@ -140,14 +140,19 @@ fn a_big_library_loaded_mid_run_has_whole_stacks() {
     let host = cc(&dir, "host", HOST, &["-ldl"]);
     let data = dir.join("big.data");
     let cache = dir.join("cache");
-    run(memtrace()
+    let out = run(memtrace()
         .env("MEMTRACE_CACHE_DIR", &cache)
+        .env("MEMTRACE_LOG", "debug")
         .args(["record", "-q", "--no-kernel", "-o"])
         .arg(&data)
         .arg("--")
         .arg(&host)
         .arg(&lib)
         .arg("300"));
+    // Built mid-run, the library's table (~100 KiB) went into a map installed ahead of
+    // need: in the probes without waiting for a grace period.
+    let log = String::from_utf8_lossy(&out.stderr);
+    assert!(log.lines().any(|l| l.contains("libbig.so: its unwind table written into a map installed ahead")), "{log}");
     let report = report_json(&data, &["--by", "stack", "--domain", "user"]);
     for (leaf, size, chain) in [("big_leaf_a", 100, 0), ("big_leaf_b", 200, 100)] {
         let sites = sites_of(&report, leaf);

@@ -156,7 +156,11 @@ for part in $parts; do
       grep -h "overload" $L/cold$r-$i.err | cut -c1-200 | sed 's/^/  log: /' | tee -a $S
     done; done
     rec warm4M 120 -- $PY $D/heavy.py
-    for i in 1 2 3; do rec true$i 30 -- /bin/true; done ;;
+    for i in 1 2 3; do rec true$i 30 -- /bin/true; done
+    for f in $L/cold4M-*.err; do
+      grep -h "in the probes" $f | grep -o "[0-9]* ms after" | sort -n | awk '{a[NR]=$1} END {printf "  %s: tables in the probes after (ms): n=%d min=%d p50=%d p90=%d max=%d; ", FILENAME, NR, a[1], a[int(NR/2)], a[int(NR*0.9)], a[NR]}' FILENAME=$(basename $f) | tee -a $S
+      echo "placed ahead: $(grep -c 'installed ahead' $f)" | tee -a $S
+    done ;;
   loop)
     bare loop-bare 60 $D/alloc_workload --loop 300000 --loop-threads 16
     rec loop-dwarf 120 -- $D/alloc_workload --loop 300000 --loop-threads 16

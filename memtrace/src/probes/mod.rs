@@ -12,6 +12,7 @@ pub mod cuda;
 pub mod layout_cache;
 mod outer;
 pub mod placement;
+mod pool;
 pub mod uprobe_multi;
 pub mod verify;
 
@@ -25,7 +26,7 @@ use anyhow::{Context as _, Result, bail};
 use aya::{
     Ebpf, EbpfLoader,
     maps::{
-        HashMap, Map, MapData, PerCpuArray, RingBuf,
+        Array, HashMap, Map, MapData, PerCpuArray, RingBuf,
         lpm_trie::{Key, LpmTrie},
     },
     programs::{
@@ -180,6 +181,9 @@ pub struct Probes {
     kernel_stacks: bool,
     /// The second-half programs installed in their program arrays (`verify`).
     finishes: Vec<&'static str>,
+    /// Table maps installed ahead of need ([`pool`]), filled while the programs are
+    /// verified; the install thread takes them.
+    table_pool: std::sync::Mutex<Option<pool::TablePool>>,
     _logger: Option<aya_log::EbpfLogger<&'static dyn log::Log>>,
 }
 
@@ -287,7 +291,7 @@ impl Probes {
         let (rings, rings_installing) = install_rings(&mut ebpf, settings.ring_bytes)?;
         let attach_path = AttachPath::choose();
         log::debug!("uprobes attach through {}", attach_path.name());
-        Ok(Self {
+        let mut probes = Self {
             ebpf,
             rings,
             rings_installing,
@@ -297,8 +301,16 @@ impl Probes {
             user_stacks: settings.user_stacks,
             kernel_stacks: settings.kernel_stacks,
             finishes: Vec::new(),
+            table_pool: std::sync::Mutex::new(None),
             _logger: logger,
-        })
+        };
+        if settings.call_graph == CallGraph::Dwarf && (settings.user_stacks || settings.kernel_stacks) {
+            match probes.pool() {
+                Ok(pool) => probes.table_pool = std::sync::Mutex::new(Some(pool)),
+                Err(e) => log::debug!("unwind tables go into maps of their own: {e:#}"),
+            }
+        }
+        Ok(probes)
     }
 
     /// Waits until every ring is in the outer array: a program attached before would find
@@ -682,14 +694,19 @@ fn table_map(slot: u32, elements: &[u64]) -> Result<MapData> {
 
 impl TableSink for Probes {
     fn install_tables(&mut self, tables: &[(u32, Vec<u64>)]) -> Vec<Result<()>> {
+        let tables: Vec<(u32, &[u64])> = tables.iter().map(|(slot, e)| (*slot, &e[..])).collect();
         match outer_fd(&self.ebpf, "TABLES") {
-            Ok(outer) => install_tables(outer.as_fd(), tables),
+            Ok(outer) => install_tables(outer.as_fd(), &tables),
             Err(e) => tables.iter().map(|_| Err(anyhow::anyhow!("{e:#}"))).collect(),
         }
     }
 
+    /// The install thread's maps, with maps installed ahead of need for the tables that
+    /// fit them ([`pool`]).
     fn installer(&self) -> Option<crate::unwind::store::Installer> {
-        Some(Box::new(self.table_maps().ok()?))
+        let mut maps = self.table_maps().ok()?;
+        maps.pool = self.table_pool.lock().ok().and_then(|mut p| p.take());
+        Some(Box::new(maps))
     }
 
     fn register_file(&mut self, id: FileId, table: FileTable) -> Result<()> {
@@ -705,11 +722,17 @@ impl TableSink for Probes {
 pub struct TableMaps {
     tables: std::os::fd::OwnedFd,
     file_tables: HashMap<MapData, FileId, FileTable>,
+    pool: Option<pool::TablePool>,
 }
 
 impl TableSink for TableMaps {
     fn install_tables(&mut self, tables: &[(u32, Vec<u64>)]) -> Vec<Result<()>> {
-        install_tables(self.tables.as_fd(), tables)
+        let tables: Vec<(u32, &[u64])> = tables.iter().map(|(slot, e)| (*slot, &e[..])).collect();
+        install_tables(self.tables.as_fd(), &tables)
+    }
+
+    fn place_table(&mut self, slot: u32, elements: &[u64]) -> Option<Result<()>> {
+        self.pool.as_mut()?.place(slot, elements)
     }
 
     fn register_file(&mut self, id: FileId, table: FileTable) -> Result<()> {
@@ -728,13 +751,26 @@ impl Probes {
             }
             _ => bail!("FILE_TABLES is not a hash map"),
         };
-        Ok(TableMaps { tables: outer_fd(&self.ebpf, "TABLES")?, file_tables })
+        Ok(TableMaps { tables: outer_fd(&self.ebpf, "TABLES")?, file_tables, pool: None })
+    }
+
+    /// Maps installed ahead of need for the tables built from now on, and the thread that
+    /// keeps them ready.
+    fn pool(&self) -> Result<pool::TablePool> {
+        let slot_maps = match self.ebpf.map("SLOT_MAPS").context("SLOT_MAPS map")? {
+            Map::Array(data) => {
+                let fd = data.fd().as_fd().try_clone_to_owned().context("duplicating the descriptor of SLOT_MAPS")?;
+                Array::try_from(Map::Array(MapData::from_fd(fd)?))?
+            }
+            _ => bail!("SLOT_MAPS is not an array"),
+        };
+        pool::TablePool::start(outer_fd(&self.ebpf, "TABLES")?, slot_maps)
     }
 }
 
 /// Creates each table's map, fills it and installs it in the outer array `outer` at its
 /// slot; one result per table, in order.
-fn install_tables(outer: BorrowedFd<'_>, tables: &[(u32, Vec<u64>)]) -> Vec<Result<()>> {
+fn install_tables(outer: BorrowedFd<'_>, tables: &[(u32, &[u64])]) -> Vec<Result<()>> {
     let maps: Vec<Result<MapData>> = tables.iter().map(|(slot, elements)| table_map(*slot, elements)).collect();
     let entries: Vec<_> = tables
         .iter()

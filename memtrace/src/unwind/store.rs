@@ -10,7 +10,7 @@ use std::{
     path::{Path, PathBuf},
     sync::{
         Arc, Condvar, Mutex,
-        mpsc::{self, Receiver},
+        mpsc::{self, Receiver, Sender},
     },
     thread::JoinHandle,
     time::{Duration, Instant},
@@ -147,6 +147,9 @@ struct Answer {
 /// Bytes of table elements copied for one batch of installs.
 const BATCH_BYTES: usize = 8 << 20;
 
+/// The largest table a sink may put in the probes at once ([`TableSink::place_table`]).
+pub const PLACEABLE_BYTES: usize = 1 << 20;
+
 pub trait TableSink {
     /// Installs each table (its slot, and its elements laid out as the probes read them);
     /// one result per table, in order.
@@ -159,6 +162,11 @@ pub trait TableSink {
     /// waiting for that thread, while stack copies waited for them and filled the rings.
     /// None: install on the caller's thread.
     fn installer(&self) -> Option<Installer> {
+        None
+    }
+    /// Puts one table in the probes at once if it can (written into a map installed ahead
+    /// of need, no grace period to wait for); None: install it with the others.
+    fn place_table(&mut self, _slot: Slot, _elements: &[u64]) -> Option<anyhow::Result<()>> {
         None
     }
     /// Tells the probes a file's table is installed, so they add its mappings themselves.
@@ -195,28 +203,36 @@ impl InstallThread {
                 // their own (a cold start's small libraries queued ~60 ms).
                 let mut done: Vec<Finished> = vec![Finished::of(first, &mut installed_bytes, max_bytes)];
                 done.extend(results.try_iter().map(|d| Finished::of(d, &mut installed_bytes, max_bytes)));
-                for batch in batches(done) {
+                // Those that fit a map installed ahead go in now, and are answered before
+                // the others' installs wait for their grace period.
+                let mut rest = Vec::new();
+                for f in done {
+                    let placed = if f.table.byte_size() <= PLACEABLE_BYTES {
+                        sink.place_table(f.slot, &f.table.elements())
+                    } else {
+                        None
+                    };
+                    match placed {
+                        Some(result) => {
+                            if result.is_ok() {
+                                log::debug!(
+                                    "{}: its unwind table written into a map installed ahead",
+                                    f.path.display()
+                                );
+                            }
+                            if !answer(&mut sink, &answer_tx, f, result) {
+                                return;
+                            }
+                        }
+                        None => rest.push(f),
+                    }
+                }
+                for batch in batches(rest) {
                     let elements: Vec<(Slot, Vec<u64>)> = batch.iter().map(|f| (f.slot, f.table.elements())).collect();
                     let results = sink.install_tables(&elements);
                     drop(elements);
                     for (finished, result) in batch.into_iter().zip(results) {
-                        let registered = result.is_ok()
-                            && match registration(&finished.path, &finished.table, finished.slot) {
-                                // A program waits for its interpreter's table: the store's
-                                // thread registers it.
-                                Some((_, _, Some(_))) => false,
-                                Some((id, entry, None)) => {
-                                    if let Err(e) = sink.register_file(id, entry) {
-                                        log::debug!(
-                                            "registering the unwind table of {}: {e:#}",
-                                            finished.path.display()
-                                        );
-                                    }
-                                    true
-                                }
-                                None => true,
-                            };
-                        if answer_tx.send(Answer { finished, result, registered }).is_err() {
+                        if !answer(&mut sink, &answer_tx, finished, result) {
                             return;
                         }
                     }
@@ -232,6 +248,24 @@ impl InstallThread {
             Err(_) => Err(results),
         }
     }
+}
+
+/// Registers an installed table's file with the probes (unless it waits for its
+/// interpreter's table: the store's thread registers it then) and answers the store; false
+/// when the store is gone.
+fn answer(sink: &mut Installer, answers: &Sender<Answer>, finished: Finished, result: anyhow::Result<()>) -> bool {
+    let registered = result.is_ok()
+        && match registration(&finished.path, &finished.table, finished.slot) {
+            Some((_, _, Some(_))) => false,
+            Some((id, entry, None)) => {
+                if let Err(e) = sink.register_file(id, entry) {
+                    log::debug!("registering the unwind table of {}: {e:#}", finished.path.display());
+                }
+                true
+            }
+            None => true,
+        };
+    answers.send(Answer { finished, result, registered }).is_ok()
 }
 
 /// Splits finished builds into install batches of at most [`BATCH_BYTES`] each (a table
