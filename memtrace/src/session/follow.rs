@@ -132,18 +132,28 @@ impl Tracer {
 
     /// An object a followed process mapped: its allocators (its malloc family, prefixed
     /// jemallocs) get probes in every followed process.
+    /// The object is looked into on a thread of its own (`objects`): the probes are
+    /// attached when [`Self::attach_found_allocators`] takes the answer.
     pub(super) fn check_object(&mut self, object: PathBuf) {
         if !self.checked_objects.insert(object.clone()) {
             return;
         }
         let id = probes::allocator::file_id(&object);
-        let mut found = probes::allocator::prefixed(std::slice::from_ref(&object));
-        if !self.allocators.iter().any(|a| a.file_id == id && a.prefix == self.options.symbol_prefix)
-            && let Ok(primary) = probes::allocator::resolve(std::slice::from_ref(&object), &self.options.symbol_prefix)
-            && primary.file_id == id
-        {
-            found.insert(0, primary);
+        let known = self.allocators.iter().any(|a| a.file_id == id && a.prefix == self.options.symbol_prefix);
+        if let Some(found) = self.objects.ask(object, &self.options.symbol_prefix, known) {
+            self.attach_allocators(found);
         }
+    }
+
+    /// The allocators found in objects looked into since the last call get their probes.
+    pub(super) fn attach_found_allocators(&mut self) {
+        let found = self.objects.found();
+        if !found.is_empty() {
+            self.attach_allocators(found);
+        }
+    }
+
+    fn attach_allocators(&mut self, found: Vec<probes::Allocator>) {
         for allocator in found {
             let allocator = self.register(allocator);
             for p in self.followed.clone() {
@@ -164,6 +174,7 @@ impl Tracer {
             self.last_scan = Instant::now();
             self.scan_for_dlopened_allocators();
         }
+        self.attach_found_allocators();
         self.check_overload();
     }
 

@@ -13,6 +13,7 @@ mod command;
 mod copies;
 mod follow;
 mod gpu;
+mod objects;
 pub mod output;
 pub mod overload;
 mod python;
@@ -154,8 +155,9 @@ pub struct Tracer {
     usable: UsableSizes,
     /// Processes followed (targets and their children), for the dlopen scan.
     followed: HashSet<u32>,
-    /// Objects already checked for an allocator.
+    /// Objects already checked for an allocator, and the thread looking into them.
     checked_objects: HashSet<PathBuf>,
+    objects: objects::ObjectChecks,
     /// Programs (and what they preload) whose allocators were resolved (exec'd again and
     /// again: resolved once).
     resolved_programs: HashMap<(PathBuf, Vec<PathBuf>), Vec<Allocator>>,
@@ -360,6 +362,7 @@ impl Tracer {
             usable,
             followed: target_pid.into_iter().collect(),
             checked_objects: HashSet::new(),
+            objects: objects::ObjectChecks::new(),
             resolved_programs: program
                 .as_ref()
                 .and_then(|p| std::fs::canonicalize(p).ok())
@@ -510,6 +513,7 @@ impl Tracer {
                 match record {
                     Ok(Record::Stack(s)) => stacks.push(s),
                     Ok(Record::Mapping(m)) => {
+                        let handling = std::time::Instant::now();
                         self.on_code_mapped(&m);
                         if let Some(path) = &m.path {
                             self.python_mapped(m.pid, std::path::Path::new(path));
@@ -524,6 +528,11 @@ impl Tracer {
                         {
                             let object = procfs::path_in_process(m.pid, Path::new(path));
                             self.check_object(object);
+                        }
+                        let took = handling.elapsed();
+                        if took > std::time::Duration::from_millis(10) {
+                            // The rings wait meanwhile.
+                            log::debug!("mapping of {:?} in {}: handled in {} ms", m.path, m.pid, took.as_millis());
                         }
                     }
                     Ok(Record::Cache { cache, name }) => sink.cache_seen(cache, &name),
@@ -550,6 +559,7 @@ impl Tracer {
         if dry {
             self.caught_up_ns = now;
         }
+        self.attach_found_allocators();
         for s in stacks {
             self.on_stack(s, sink);
         }
