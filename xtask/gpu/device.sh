@@ -5,7 +5,7 @@
 # heavy.py (the heavy bench's script) and heaptrack/ (Debian's heaptrack with its libraries:
 # bin/, lib/heaptrack/, deps/). Every step has its own time limit; the summary grows line by
 # line in $OUT/summary.txt and the logs are packed into $OUT/logs.tgz after every step.
-#   OUT=/some/dir xtask/gpu/device.sh [parts...]   (parts: info start gpu heavy torch loop rerun round3 cold)
+#   OUT=/some/dir xtask/gpu/device.sh [parts...]   (parts: info start gpu heavy torch loop rerun round3 cold warm ab)
 cd "$(dirname "$0")/../.."
 D=$PWD/.device
 M=$D/memtrace
@@ -160,6 +160,18 @@ for part in $parts; do
     for f in $L/cold4M-*.err; do
       grep -h "in the probes" $f | grep -o "[0-9]* ms after" | sort -n | awk '{a[NR]=$1} END {printf "  %s: tables in the probes after (ms): n=%d min=%d p50=%d p90=%d max=%d; ", FILENAME, NR, a[1], a[int(NR/2)], a[int(NR*0.9)], a[NR]}' FILENAME=$(basename $f) | tee -a $S
       echo "placed ahead: $(grep -c 'installed ahead' $f)" | tee -a $S
+    done ;;
+  warm)
+    # The heavy script with a warm cache, three times, beside bare and heaptrack runs.
+    rec fill 120 -- $PY $D/heavy.py
+    for i in 1 2 3; do bare heavy-bare$i 60 $PY $D/heavy.py; rec heavy-warm$i 120 -- $PY $D/heavy.py; done
+    for i in 1 2; do heaptrack_run heavy-heaptrack$i 120 $PY $D/heavy.py; done ;;
+  ab)
+    # The heavy script, warm cache, alternating this build and an older one ($D/memtrace-old).
+    rec fill 120 -- $PY $D/heavy.py
+    for i in 1 2 3; do
+      rec new$i 120 -- $PY $D/heavy.py
+      M0=$M; M=$D/memtrace-old; rec old$i 120 -- $PY $D/heavy.py; M=$M0
     done ;;
   loop)
     bare loop-bare 60 $D/alloc_workload --loop 300000 --loop-threads 16
