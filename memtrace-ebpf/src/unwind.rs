@@ -460,6 +460,7 @@ pub(crate) extern "C" fn walk_step(_index: u64, state: *mut c_void) -> i64 {
     memtrace_note_frame(i as u64, st.ip, st.sp, st.bp);
     if scratch.walk_phase == phase::WALK
         && st.exact == 0
+        && scratch.walk_reuse != 0
         && memtrace_reuse_frames(i as u64, st.ip, st.sp, st.bp, st.hash) != 0
     {
         let Some(scratch) = crate::context::scratch() else { return 1 };

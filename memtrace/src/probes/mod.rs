@@ -694,9 +694,8 @@ fn table_map(slot: u32, elements: &[u64]) -> Result<MapData> {
 
 impl TableSink for Probes {
     fn install_tables(&mut self, tables: &[(u32, Vec<u64>)]) -> Vec<Result<()>> {
-        let tables: Vec<(u32, &[u64])> = tables.iter().map(|(slot, e)| (*slot, &e[..])).collect();
         match outer_fd(&self.ebpf, "TABLES") {
-            Ok(outer) => install_tables(outer.as_fd(), &tables),
+            Ok(outer) => install_tables(outer.as_fd(), tables),
             Err(e) => tables.iter().map(|_| Err(anyhow::anyhow!("{e:#}"))).collect(),
         }
     }
@@ -727,8 +726,7 @@ pub struct TableMaps {
 
 impl TableSink for TableMaps {
     fn install_tables(&mut self, tables: &[(u32, Vec<u64>)]) -> Vec<Result<()>> {
-        let tables: Vec<(u32, &[u64])> = tables.iter().map(|(slot, e)| (*slot, &e[..])).collect();
-        install_tables(self.tables.as_fd(), &tables)
+        install_tables(self.tables.as_fd(), tables)
     }
 
     fn place_table(&mut self, slot: u32, elements: &[u64]) -> Option<Result<()>> {
@@ -770,7 +768,7 @@ impl Probes {
 
 /// Creates each table's map, fills it and installs it in the outer array `outer` at its
 /// slot; one result per table, in order.
-fn install_tables(outer: BorrowedFd<'_>, tables: &[(u32, &[u64])]) -> Vec<Result<()>> {
+fn install_tables(outer: BorrowedFd<'_>, tables: &[(u32, Vec<u64>)]) -> Vec<Result<()>> {
     let maps: Vec<Result<MapData>> = tables.iter().map(|(slot, elements)| table_map(*slot, elements)).collect();
     let entries: Vec<_> = tables
         .iter()

@@ -131,9 +131,9 @@ impl Tracer {
     }
 
     /// An object a followed process mapped: its allocators (its malloc family, prefixed
-    /// jemallocs) get probes in every followed process.
-    /// The object is looked into on a thread of its own (`objects`): the probes are
-    /// attached when [`Self::attach_found_allocators`] takes the answer.
+    /// jemallocs) get probes in every followed process. The object is looked into on a
+    /// thread of its own (`objects`): the probes are attached when
+    /// [`Self::attach_found_allocators`] takes the answer.
     pub(super) fn check_object(&mut self, object: PathBuf) {
         if !self.checked_objects.insert(object.clone()) {
             return;
