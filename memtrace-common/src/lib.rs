@@ -627,7 +627,15 @@ pub mod counter {
     /// Frames a walk took from the thread's previous walk, their return addresses checked
     /// on the stack, instead of stepping through each with its rule.
     pub const UNWIND_FRAMES_REUSED: u32 = 15;
-    pub const COUNT: u32 = 16;
+    /// Kernel stacks taken from an earlier unwind of the same path, every frame's return
+    /// address found in its slot, instead of being unwound.
+    pub const KSTACKS_REUSED: u32 = 16;
+    /// Kernel stacks unwound anyway (one reuse in 64 per CPU) and found the same as kept.
+    pub const KSTACKS_CHECKED: u32 = 17;
+    /// Kernel stacks unwound anyway that differed from the kept frames whose slots all
+    /// matched: the path is always unwound from then on.
+    pub const KSTACKS_DIFFERED: u32 = 18;
+    pub const COUNT: u32 = 19;
 }
 
 /// States of a tgid in the `TRACED` map.
@@ -672,6 +680,8 @@ pub struct KernelLayout {
     /// tell a kmem program that a task has run on its CPU since it entered its syscall.
     pub task_nvcsw: u32,
     pub task_nivcsw: u32,
+    /// `task_struct.stack`: the lowest address of the task's kernel stack.
+    pub task_stack: u32,
 }
 
 /// Written by userspace into the programs' `.rodata` before load; the verifier then treats
@@ -701,6 +711,9 @@ pub struct ProbeConfig {
     pub track_mappings: u32,
     /// CPUs possible on this machine (the per-CPU maps' width).
     pub cpus: u32,
+    /// Take a repeat kernel stack from its earlier unwind when its return addresses are
+    /// all in their slots (`kstack`), rather than unwinding it.
+    pub kernel_stack_reuse: u32,
     pub kernel: KernelLayout,
     /// Size-weighted sampling of user allocations: each byte is sampled with probability
     /// 1/sample_bytes (0: every allocation is recorded).
@@ -720,6 +733,7 @@ impl ProbeConfig {
             follow_children: 0,
             track_mappings: 0,
             cpus: 0,
+            kernel_stack_reuse: 0,
             kernel: KernelLayout {
                 task_pid: 0,
                 task_tgid: 0,
@@ -743,6 +757,7 @@ impl ProbeConfig {
                 binprm_file: 0,
                 task_nvcsw: 0,
                 task_nivcsw: 0,
+                task_stack: 0,
             },
             sample_bytes: 0,
         }
@@ -839,8 +854,8 @@ const _: () = {
     assert!(core::mem::size_of::<StackHeader>() == 32);
     assert!(core::mem::size_of::<UserFrame>() == 32);
     assert!(core::mem::size_of::<TaskRecord>() == 56 + COMM_LEN + FILENAME_LEN);
-    assert!(core::mem::size_of::<KernelLayout>() == 22 * 4);
-    assert!(core::mem::size_of::<ProbeConfig>() == 40 + 22 * 4 + 8);
+    assert!(core::mem::size_of::<KernelLayout>() == 23 * 4);
+    assert!(core::mem::size_of::<ProbeConfig>() == 44 + 23 * 4 + 8);
     assert!(core::mem::size_of::<CacheRecord>() == 16 + CACHE_NAME_LEN);
     assert!(core::mem::size_of::<SampledKey>() == 16);
     assert!(core::mem::size_of::<InFlight>() == 48);

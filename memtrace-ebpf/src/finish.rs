@@ -9,7 +9,7 @@ use aya_ebpf::{
     macros::{raw_tracepoint, uretprobe},
     programs::{RawTracePointContext, RetProbeContext},
 };
-use memtrace_common::{KernelAllocRecord, MAX_STACK_DEPTH, UserAllocRecord, counter, flags};
+use memtrace_common::{KernelAllocRecord, MAX_STACK_DEPTH, UserAllocRecord, counter, flags, stack_hash_step};
 
 use crate::{
     context::scratch,
@@ -141,7 +141,9 @@ fn try_kmem_finish(ctx: &RawTracePointContext) -> Result<(), ()> {
     let pid = pending.pid;
     let ring = this_ring().ok_or(())?;
     let ctx_ptr = aya_ebpf::EbpfContext::as_ptr(ctx);
-    let (n_kernel, hash) = kernel_part(ctx_ptr, pid).ok_or(())?;
+    // The kernel stack kept for a path is found by the allocation's kind and call site.
+    let seed = stack_hash_step(u64::from(pending.kind), pending.call_site);
+    let (n_kernel, hash) = kernel_part(ctx_ptr, pid, seed).ok_or(())?;
     if pid != 0 && config!(user_stacks) != 0 {
         let scratch = scratch().ok_or(())?;
         scratch.pending_kernel_hash[level & (KERNEL_NESTING - 1)] = hash;

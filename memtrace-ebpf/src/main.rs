@@ -19,6 +19,7 @@ mod context;
 mod finish;
 mod gpu;
 mod kmem;
+mod kstack;
 mod mappings;
 mod maps;
 mod python;

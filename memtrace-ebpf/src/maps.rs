@@ -13,7 +13,10 @@ use memtrace_common::{
     RULE_CACHE_SLOTS, SAMPLED_LIVE_ENTRIES, SampledKey, TABLE_MAPS, counter, python::PY_SENT_KEYS,
 };
 
-use crate::stack::Scratch;
+use crate::{
+    kstack::{KStackSet, KStackWork},
+    stack::Scratch,
+};
 
 pub(crate) const RING_TEMPLATE_BYTES: usize = 1 << 20;
 
@@ -72,6 +75,15 @@ pub(crate) static SAMPLED_LIVE: HashMap<SampledKey, u8, SAMPLED_LIVE_ENTRIES, { 
 
 #[btf_map]
 pub(crate) static SCRATCH: PerCpuArray<Scratch, 1> = PerCpuArray::new();
+
+/// Kernel stacks kept with the slots of their return addresses (`kstack`), by kind, call
+/// site and syscall.
+#[btf_map]
+pub(crate) static KSTACKS: LruHashMap<u64, KStackSet, 2048> = LruHashMap::new();
+
+/// `kstack`'s per-CPU working space.
+#[btf_map]
+pub(crate) static KSTACK_WORK: PerCpuArray<KStackWork, 1> = PerCpuArray::new();
 
 /// Index 0: `kmem_finish`, the second half of the kmem allocation programs (`finish`);
 /// index 1: `kmem_user`, which `kmem_finish` tail-calls for the user part of the stack. A

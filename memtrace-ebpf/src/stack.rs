@@ -20,6 +20,7 @@ use memtrace_common::{
 
 use crate::{
     context::scratch,
+    kstack,
     maps::{Ring, STACKS_SENT},
     python::{PY_WINDOW, send_python_once, walk_python},
     ring::{bump, room_for_copy, wakeup_flags},
@@ -120,6 +121,9 @@ pub(crate) struct Scratch {
     pub(crate) walk_reuse: u32,
     pub(crate) walk_reuse_k: u32,
     pub(crate) walk_reuse_hash: u64,
+    /// Frames of the kernel part being taken (`kernel_part`).
+    pub(crate) kernel_n: u32,
+    pub(crate) _pad_kernel: u32,
 }
 
 // The record buffer and the parts written into it are 8-byte aligned: the header and the
@@ -444,22 +448,34 @@ pub(crate) fn user_stack(ctx: &RetProbeContext, ring: &Ring, pid: u32) -> Option
 /// `scratch.record`, their count, and the stack hash so far (seeded with `pid`, closed by
 /// the separator from the user part). None when kernel stacks are off.
 #[inline(always)]
-pub(crate) fn kernel_part(ctx: *mut c_void, pid: u32) -> Option<(usize, u64)> {
+pub(crate) fn kernel_part(ctx: *mut c_void, pid: u32, seed: u64) -> Option<(usize, u64)> {
     if config!(kernel_stacks) == 0 {
         return None;
     }
     let scratch = scratch()?;
     let kernel_off = size_of::<StackHeader>();
-    // SAFETY: kernel_off + KERNEL_FRAMES_BYTES <= STACK_RECORD_MAX.
-    let n = unsafe {
-        generated::bpf_get_stack(
-            ctx,
-            scratch.record.as_mut_ptr().add(kernel_off) as *mut c_void,
-            KERNEL_FRAMES_BYTES as u32,
-            0,
-        )
-    };
-    let n_kernel = if n <= 0 { 0 } else { (n as usize / 8).min(MAX_STACK_DEPTH) };
+    kstack::note_arguments(ctx);
+    let reused = kstack::memtrace_kstack_taken(seed);
+    if reused != 0 {
+        scratch.kernel_n = reused as u32;
+    } else {
+        // SAFETY: kernel_off + KERNEL_FRAMES_BYTES <= STACK_RECORD_MAX.
+        let n = unsafe {
+            generated::bpf_get_stack(
+                ctx,
+                scratch.record.as_mut_ptr().add(kernel_off) as *mut c_void,
+                KERNEL_FRAMES_BYTES as u32,
+                0,
+            )
+        };
+        let n_kernel = if n <= 0 { 0 } else { (n as usize / 8).min(MAX_STACK_DEPTH) };
+        scratch.kernel_n = n_kernel as u32;
+        kstack::memtrace_kstack_unwound(n_kernel as u64);
+    }
+    // Read back from memory either way: the two ways end in one state for the verifier,
+    // and the hash below is verified once, not once per way.
+    // SAFETY: a field of this CPU's scratch, just written.
+    let n_kernel = unsafe { core::ptr::read_volatile(&scratch.kernel_n) } as usize & MAX_STACK_DEPTH;
     let mut hash = stack_hash_step(KERNEL_STACK_SEED, pid as u64);
     if n_kernel > 0 {
         // SAFETY: the kernel frames were just written (zero-padded) at kernel_off.

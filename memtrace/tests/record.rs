@@ -105,6 +105,68 @@ fn kernel_allocations_in_one_syscall_share_its_walk_and_never_another_syscalls()
     assert!(reused > 0, "no walk was reused: {:#}", report["recorder"]);
 }
 
+/// The kernel allocations of `--kernel-sites 400` (200 pipes from each of two callers), per
+/// whole stack: kernel and user frames by name, with their allocation counts.
+fn pipe_stacks(data: &std::path::Path) -> (std::collections::BTreeMap<Vec<(String, bool)>, u64>, Value) {
+    let report = report_json(data, &["--by", "stack", "--domain", "kernel"]);
+    assert_clean(&report);
+    let mut stacks = std::collections::BTreeMap::new();
+    for row in report["sites"].as_array().unwrap() {
+        let frames = row["frames"].as_array().unwrap();
+        // The pipes' own allocations (not the page faults of the workload's first touches,
+        // which come when they come).
+        let has = |name: &str| frames.iter().any(|f| f["function"].as_str().is_some_and(|g| g.starts_with(name)));
+        if !(has("pipe_site_a") || has("pipe_site_b")) || !has("do_pipe2") {
+            continue;
+        }
+        let key: Vec<(String, bool)> =
+            frames.iter().map(|f| (f["function"].as_str().unwrap_or("").to_string(), f["kernel"] == true)).collect();
+        *stacks.entry(key).or_insert(0) += row["allocs"].as_u64().unwrap();
+    }
+    (stacks, report)
+}
+
+/// A repeat kernel stack is taken from its path's first unwind when every frame's return
+/// address is in its slot on the stack (`kstack`), not unwound again: the same stacks with
+/// the same counts as when every one is unwound, most of them taken so, none found
+/// different when checked.
+#[test]
+fn repeat_kernel_stacks_are_taken_from_their_first_unwind_exactly() {
+    require_root();
+    let _sharing = sharing_the_machine();
+    let dir = scratch("kernel-stack-reuse");
+    let mut runs = Vec::new();
+    for reuse in ["on", "off"] {
+        let data = dir.join(format!("{reuse}.data"));
+        run(memtrace()
+            .env("MEMTRACE_KERNEL_STACK_REUSE", reuse)
+            .args(["record", "-q", "-o"])
+            .arg(&data)
+            .arg("--")
+            .arg(workload())
+            .args(["--kernel-sites", "400"]));
+        runs.push(pipe_stacks(&data));
+    }
+    let ((taken, report), (unwound, unwound_report)) = (&runs[0], &runs[1]);
+    // Each pipe makes the same allocations from the same path: some 16 stacks, 200 or 400
+    // allocations each (the two callers of pipe() in user space tell them apart).
+    let big: Vec<u64> = unwound.values().copied().filter(|&n| n >= 200).collect();
+    assert!(big.len() >= 8 && big.iter().all(|n| n % 200 == 0), "{unwound:#?}");
+    let differ: Vec<_> = taken
+        .iter()
+        .filter(|(k, n)| unwound.get(*k) != Some(n))
+        .chain(unwound.iter().filter(|(k, n)| taken.get(*k) != Some(n)))
+        .collect();
+    assert!(differ.is_empty(), "stacks taken from their first unwind differ from unwound ones: {differ:#?}");
+    let recorder = &report["recorder"];
+    let kernel_allocs = report["totals"]["kernel"]["allocs"].as_u64().unwrap();
+    let reused = recorder["kernel_stacks_reused"].as_u64().unwrap();
+    assert!(reused * 2 > kernel_allocs, "{reused} of {kernel_allocs} kernel stacks taken: {recorder:#}");
+    assert!(recorder["kernel_stacks_checked"].as_u64().unwrap() > 0, "{recorder:#}");
+    assert_eq!(recorder["kernel_stacks_differed"], 0, "{recorder:#}");
+    assert_eq!(unwound_report["recorder"]["kernel_stacks_reused"], 0);
+}
+
 /// The kernel allocates on the probes' behalf in the traced process (the copies of the
 /// pages breakpoints are written into, return probes' instances): those allocations are
 /// not the program's. A program that only mallocs and frees shows none of them, and the

@@ -144,6 +144,11 @@ pub struct Counters {
     /// Walks that went on from an anchor past frames without a table.
     pub unwind_anchored: u64,
     pub unwind_frames_reused: u64,
+    /// Kernel stacks taken from an earlier unwind of their path; unwound anyway and found
+    /// the same; found different.
+    pub kstacks_reused: u64,
+    pub kstacks_checked: u64,
+    pub kstacks_differed: u64,
     /// Malloc-family returns the probes ran for.
     pub user_returns: u64,
 }
@@ -250,6 +255,14 @@ fn possible_cpus() -> Result<u32> {
     Ok(n)
 }
 
+/// Whether the probes take a repeat kernel stack from its earlier unwind (the default), or
+/// unwind every one (`MEMTRACE_KERNEL_STACK_REUSE=off`, to compare).
+fn kernel_stack_reuse() -> bool {
+    let off = std::env::var("MEMTRACE_KERNEL_STACK_REUSE").is_ok_and(|v| matches!(v.trim(), "off" | "0" | "no"));
+    log::debug!("kernel stacks: {}", if off { "every one unwound" } else { "a repeat taken from its earlier unwind" });
+    !off
+}
+
 impl Probes {
     /// Loads the programs and installs the rings. Nothing is attached yet.
     pub fn load(settings: &Settings) -> Result<Self> {
@@ -273,6 +286,7 @@ impl Probes {
             follow_children: u32::from(settings.follow_children),
             track_mappings: u32::from(settings.track_mappings),
             cpus: possible_cpus()?,
+            kernel_stack_reuse: u32::from(kernel_stack_reuse()),
             kernel,
             sample_bytes: settings.sample_bytes.unwrap_or(0),
         };
@@ -624,6 +638,9 @@ impl Probes {
             unwind_reused: sum(counter::UNWIND_REUSED)?,
             unwind_anchored: sum(counter::UNWIND_ANCHORED)?,
             unwind_frames_reused: sum(counter::UNWIND_FRAMES_REUSED)?,
+            kstacks_reused: sum(counter::KSTACKS_REUSED)?,
+            kstacks_checked: sum(counter::KSTACKS_CHECKED)?,
+            kstacks_differed: sum(counter::KSTACKS_DIFFERED)?,
             user_returns: sum(counter::USER_RETURNS)?,
         })
     }
@@ -674,6 +691,7 @@ fn kernel_layout(btf: &Btf) -> Result<KernelLayout> {
         binprm_file: f("linux_binprm", "file")?,
         task_nvcsw: f("task_struct", "nvcsw")?,
         task_nivcsw: f("task_struct", "nivcsw")?,
+        task_stack: f("task_struct", "stack")?,
     })
 }
 

@@ -213,6 +213,16 @@ pub struct Stats {
     /// addresses checked on the stack) instead of being stepped through by rule.
     #[serde(default)]
     pub unwind_frames_reused: u64,
+    /// Kernel stacks taken from an earlier unwind of the same path (every frame's return
+    /// address found in its slot on the stack) instead of being unwound.
+    #[serde(default)]
+    pub kernel_stacks_reused: u64,
+    /// Of those, unwound anyway to check them (one in 64 per CPU): the same, and not (a
+    /// path found different is always unwound from then on).
+    #[serde(default)]
+    pub kernel_stacks_checked: u64,
+    #[serde(default)]
+    pub kernel_stacks_differed: u64,
     /// User walks of kernel allocations not redone: an earlier allocation in the same
     /// syscall of the same task had walked that user stack.
     #[serde(default)]

@@ -2,7 +2,9 @@
 //! allocation (it was traced mid-run, or its allocator was probed after it started) or of
 //! its allocations have a stack cut short (code without unwind information, frame pointers
 //! missing, no room for stack copies), a warning names the process and the likely cause.
-//! `report` (text and JSON `warnings`) and the end of `record` print the same lines.
+//! And when a kernel stack taken from an earlier unwind of its path was caught differing
+//! from an unwind. `report` (text and JSON `warnings`) and the end of `record` print the
+//! same lines.
 use std::{
     collections::{BTreeMap, HashMap},
     path::Path,
@@ -44,6 +46,10 @@ const SHARE: f64 = 0.05;
 /// Fewer events than this are not enough to judge a share.
 const MIN_EVENTS: u64 = 20;
 
+/// One kernel stack taken from an earlier unwind in this many (per CPU) is unwound anyway
+/// and compared (the probes' `kstack::CHECK_EVERY`).
+const KERNEL_CHECK_EVERY: u64 = 64;
+
 /// What one process's user-space events say about how completely it was seen.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct ProcessTally {
@@ -65,6 +71,15 @@ pub fn under_counting(
     stats: &Stats,
 ) -> Vec<String> {
     let mut out = Vec::new();
+    if stats.kernel_stacks_differed > 0 {
+        out.push(format!(
+            "{} kernel stacks taken from an earlier unwind of their path differed from an unwind when checked: up to \
+             {} kernel stacks before each of them may name the wrong callers (those paths are always unwound since; \
+             MEMTRACE_KERNEL_STACK_REUSE=off unwinds every one)",
+            stats.kernel_stacks_differed,
+            KERNEL_CHECK_EVERY - 1
+        ));
+    }
     for (&pid, t) in tallies {
         let name = match comms.get(&pid) {
             Some(comm) => format!("process {comm} [{pid}]"),
@@ -144,5 +159,9 @@ mod tests {
         tallies
             .insert(7, ProcessTally { frees: 1000, unmatched_frees: 200, started_traced: true, ..Default::default() });
         assert!(under_counting(&tallies, &comms, &meta, &Stats::default())[0].contains("probed after it started"));
+        let differed = Stats { kernel_stacks_differed: 2, ..Default::default() };
+        let w = under_counting(&BTreeMap::new(), &comms, &meta, &differed);
+        assert_eq!(w.len(), 1, "{w:#?}");
+        assert!(w[0].starts_with("2 kernel stacks taken from an earlier unwind"), "{}", w[0]);
     }
 }

@@ -376,6 +376,13 @@ fn finish(
     }
     let unwind = tracer.unwind_stats().unwrap_or_default();
     log::debug!("unwinder: {unwind:?}");
+    log::debug!(
+        "kernel stacks: {} taken from an earlier unwind of their path; {} more unwound to check them, {} of which \
+         differed",
+        counters.kstacks_reused,
+        counters.kstacks_checked + counters.kstacks_differed,
+        counters.kstacks_differed
+    );
     let stats = Stats {
         lost_events: counters.lost_events,
         lost_events_per_cpu: counters.lost_events_per_cpu.clone(),
@@ -409,6 +416,9 @@ fn finish(
         unwind_frames: counters.unwind_frames,
         unwind_cache_hits: counters.unwind_cache_hits,
         unwind_frames_reused: counters.unwind_frames_reused,
+        kernel_stacks_reused: counters.kstacks_reused,
+        kernel_stacks_checked: counters.kstacks_checked,
+        kernel_stacks_differed: counters.kstacks_differed,
         unwind_walks_reused: counters.unwind_reused,
         user_returns: counters.user_returns,
         ring_bytes: tracer.ring_bytes,

@@ -1,0 +1,459 @@
+//! Kernel stacks without the kernel's unwinder, for a path seen before. The kernel's
+//! unwinder (ORC, behind `bpf_get_stack`) is most of what a kmem event costs, ~3 µs, for
+//! stacks that repeat (a `pipe()` makes the same nine allocations on every call). An
+//! unwind is a function of the return addresses on the task's kernel stack: from the same
+//! place, the same addresses in the same slots give the same frames. So a path's first
+//! unwind is kept with the slot of each frame's return address, found on the stack
+//! (`learn`), and the next event of the same allocation kind, call site and syscall reads
+//! its stack once and, when every slot of a kept path holds that path's address, takes the
+//! kept frames (`memtrace_kstack_taken`). Else the stack is unwound and learned too; each
+//! key keeps [`KSTACK_WAYS`] paths (one call site reached several ways in one syscall).
+//!
+//! Slots are counted from the tracepoint's arguments (on the stack of `bpf_trace_runN`),
+//! except the outermost frame's, counted from the task's user registers: the syscall entry
+//! moves the rest of the stack by a random offset on every call
+//! (`CONFIG_RANDOMIZE_KSTACK_OFFSET`), between its own frame and the next.
+//!
+//! A slot is found by value: the highest word holding the frame's address below its
+//! caller's slot. A copy of a return address the path itself made (a caller's `_RET_IP_`
+//! kept on the stack) holds the same value whenever the slot does; a stale copy would
+//! not, so one reuse in [`CHECK_EVERY`] on each CPU is unwound anyway and compared, and a
+//! key caught differing is always unwound from then on (counted, and reported). The frames
+//! below the arguments (the probe's own: the helper, the program, `bpf_trace_runN`) are
+//! not read; they are the same for every event of a tracepoint, whose kind is in the key.
+//! Interrupt stacks, stacks of [`KSTACK_FRAMES`] frames or more or deeper than 16 KiB, and
+//! paths whose frames are not all found are always unwound.
+use core::{
+    ffi::c_void,
+    mem::size_of,
+    ptr::{addr_of, addr_of_mut, read_volatile, write_volatile},
+};
+
+use aya_ebpf::{bindings::pt_regs, helpers::generated};
+use memtrace_common::{MAX_STACK_DEPTH, StackHeader, counter, stack_hash_step};
+
+use crate::{
+    context::{read_kernel_at, read_kernel_u64, scratch},
+    maps::{KSTACK_WORK, KSTACKS},
+    ring::bump,
+};
+
+/// Frames of a kernel stack kept: fewer than this.
+pub(crate) const KSTACK_FRAMES: usize = 64;
+/// Paths kept per key.
+pub(crate) const KSTACK_WAYS: usize = 4;
+/// Words of stack read: a whole task stack (16 KiB on x86-64).
+pub(crate) const WINDOW_WORDS: usize = 2048;
+const WINDOW_BYTES: u64 = (WINDOW_WORDS * 8) as u64;
+/// The probe's own frames below the tracepoint's arguments, at most.
+const INNER_FRAMES_MAX: u32 = 4;
+/// The slot of a frame below the arguments.
+const NOT_READ: u16 = u16::MAX;
+/// One reuse in this many (per CPU) is unwound anyway and compared.
+const CHECK_EVERY: u32 = 64;
+/// Failed learns after which a key with no path kept stops learning.
+const LEARN_TRIES: u32 = 16;
+const _: () = assert!(CHECK_EVERY.is_power_of_two() && WINDOW_WORDS.is_power_of_two());
+const _: () = assert!(KSTACK_FRAMES.is_power_of_two() && KSTACK_WAYS.is_power_of_two());
+const _: () = assert!(KSTACK_FRAMES <= MAX_STACK_DEPTH);
+
+/// A kernel stack kept: its frames and where each frame's return address lies.
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub(crate) struct KStack {
+    /// Frames; 0: none kept in this way.
+    pub(crate) n: u32,
+    /// Frames below the arguments (not checked).
+    pub(crate) first: u32,
+    /// Words from the user registers down to the outermost frame's slot.
+    pub(crate) top_slot: u32,
+    pub(crate) _pad: u32,
+    /// Word of each other frame's return address, from the arguments ([`NOT_READ`] for
+    /// those below `first`).
+    pub(crate) slots: [u16; KSTACK_FRAMES],
+    /// The frames, zero after the last.
+    pub(crate) ips: [u64; KSTACK_FRAMES],
+}
+
+/// The paths kept for one key.
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub(crate) struct KStackSet {
+    /// The way the next path learned goes into.
+    pub(crate) next: u32,
+    /// Learns that found no path (the key stops learning after [`LEARN_TRIES`]).
+    pub(crate) failed: u32,
+    /// 1: a reuse was caught differing from an unwind; the key is always unwound.
+    pub(crate) differed: u32,
+    pub(crate) _pad: u32,
+    pub(crate) ways: [KStack; KSTACK_WAYS],
+}
+
+/// Per-CPU working space: the stack read, the place and key of the event under way, and
+/// the set being learned when its key has none yet.
+#[repr(C)]
+pub(crate) struct KStackWork {
+    pub(crate) win: [u64; WINDOW_WORDS],
+    pub(crate) fresh: KStackSet,
+    /// The tracepoint's arguments and the task's user registers, as numbers.
+    pub(crate) base: u64,
+    pub(crate) top: u64,
+    pub(crate) key: u64,
+    /// What follows an unwind (`Then`), and the way a reuse to compare came from.
+    pub(crate) then: u32,
+    pub(crate) way: u32,
+    /// Reuses on this CPU, for [`CHECK_EVERY`].
+    pub(crate) ticks: u32,
+    pub(crate) _pad: u32,
+}
+
+/// What `memtrace_kstack_unwound` does with the frames just unwound.
+#[repr(u32)]
+enum Then {
+    /// Nothing (no place for this event, or a key always unwound).
+    Nothing = 0,
+    /// Learn them for the key.
+    Learn = 1,
+    /// Compare them with the way `KStackWork::way`, whose slots all matched.
+    Compare = 2,
+}
+
+/// `i` as a frame index, masked where the verifier sees it (the compiler drops a mask it
+/// can prove needless, and indexes with a register the verifier knows less of).
+#[inline(always)]
+fn masked(i: usize) -> usize {
+    // SAFETY: a volatile read of a local.
+    unsafe { read_volatile(&i) & (KSTACK_FRAMES - 1) }
+}
+
+#[inline(always)]
+fn work() -> Option<&'static mut KStackWork> {
+    // SAFETY: per-CPU value, used by one program at a time on this CPU.
+    KSTACK_WORK.get_ptr_mut(0).map(|p| unsafe { &mut *p })
+}
+
+#[inline(always)]
+fn set_of(key: u64) -> Option<&'static mut KStackSet> {
+    // SAFETY: a map value pointer, used while this program runs.
+    KSTACKS.get_ptr_mut(key).map(|p| unsafe { &mut *p })
+}
+
+/// `p` as a number (a pointer stored in a map value reads back as a scalar; the programs
+/// load with the privilege that allows it).
+#[inline(always)]
+fn as_number<T>(slot: &mut u64, p: *const T) -> u64 {
+    // SAFETY: volatile accesses to a field of this CPU's work space.
+    unsafe {
+        write_volatile(slot, p as u64);
+        read_volatile(slot)
+    }
+}
+
+/// Notes where the kmem event's tracepoint arguments `ctx` lie, for [`memtrace_kstack_taken`].
+#[inline(always)]
+pub(crate) fn note_arguments(ctx: *mut c_void) {
+    if let Some(w) = work() {
+        as_number(&mut w.base, ctx);
+    }
+}
+
+/// Words of stack between the noted arguments and the task's user registers.
+#[inline(always)]
+fn depth_words(w: &KStackWork) -> u64 {
+    w.top.wrapping_sub(w.base) / 8
+}
+
+/// For the kmem event whose arguments were noted, with key seed `seed` (kind and call
+/// site): when a path kept for its key is on the stack again, writes its frames to
+/// `scratch.record` after the header and returns their count. Else 0: the caller unwinds
+/// and calls [`memtrace_kstack_unwound`]. A global BPF function: checked once.
+#[inline(never)]
+#[unsafe(no_mangle)]
+pub extern "C" fn memtrace_kstack_taken(seed: u64) -> u64 {
+    let Some(w) = work() else { return 0 };
+    w.then = Then::Nothing as u32;
+    if config!(kernel_stack_reuse) == 0 {
+        return 0;
+    }
+    // SAFETY: both helpers take the current task, which stays valid while we run.
+    let regs = unsafe { generated::bpf_task_pt_regs(generated::bpf_get_current_task_btf()) } as *const pt_regs;
+    if regs.is_null() {
+        return 0;
+    }
+    let base = w.base;
+    let top = as_number(&mut w.top, regs);
+    // The arguments must lie on the task's stack, below its user registers (not on an
+    // interrupt stack).
+    // SAFETY: no preconditions; the task stays valid while this program runs.
+    let task = unsafe { generated::bpf_get_current_task() };
+    let Some(bottom) = read_kernel_at::<u64>(task, config!(kernel.task_stack)) else { return 0 };
+    if base < bottom || base >= top || top - base >= WINDOW_BYTES || top - base < 8 {
+        return 0;
+    }
+    // SAFETY: a field address only; the read is checked.
+    let syscall = read_kernel_u64(unsafe { addr_of!((*regs).orig_rax) }).unwrap_or(u64::MAX);
+    let key = stack_hash_step(seed, syscall);
+    w.key = key;
+    let Some(set) = set_of(key) else {
+        w.then = Then::Learn as u32;
+        return 0;
+    };
+    if set.differed != 0 {
+        return 0;
+    }
+    if set.failed < LEARN_TRIES || set.ways.iter().any(|way| way.n != 0) {
+        w.then = Then::Learn as u32;
+    }
+    // The stack from the arguments up to the highest slot but the outermost of any path
+    // kept (the outermost lies above the syscall entry's random offset: read apart).
+    let depth = (top - base) / 8;
+    let mut reach = 0u64;
+    for kept in &set.ways {
+        let n = kept.n as usize;
+        if (2..KSTACK_FRAMES).contains(&n) {
+            // SAFETY: `masked` keeps the index below KSTACK_FRAMES.
+            let highest = u64::from(unsafe { *kept.slots.get_unchecked(masked(n - 2)) }) + 1;
+            if highest > reach && highest <= depth {
+                reach = highest;
+            }
+        }
+    }
+    if reach == 0 {
+        return 0;
+    }
+    // SAFETY: at most WINDOW_BYTES bytes into the window; the source read is checked.
+    let ret = unsafe {
+        generated::bpf_probe_read_kernel(
+            w.win.as_mut_ptr() as *mut c_void,
+            (reach * 8) as u32 & (WINDOW_BYTES as u32 - 1),
+            base as *const c_void,
+        )
+    };
+    if ret != 0 {
+        return 0;
+    }
+    let mut found = KSTACK_WAYS;
+    for way in 0..KSTACK_WAYS {
+        if matches(w, &set.ways[way], top, depth.min(reach)) {
+            found = way;
+            break;
+        }
+    }
+    if found == KSTACK_WAYS {
+        return 0;
+    }
+    w.way = found as u32;
+    w.ticks = w.ticks.wrapping_add(1);
+    if w.ticks & (CHECK_EVERY - 1) == 0 {
+        w.then = Then::Compare as u32;
+        return 0;
+    }
+    w.then = Then::Nothing as u32;
+    let Some(scratch) = scratch() else { return 0 };
+    let kept = &set.ways[found & (KSTACK_WAYS - 1)];
+    let n = (kept.n as u64).min(KSTACK_FRAMES as u64 - 1);
+    // SAFETY: the frames and the zero after them, at most KSTACK_FRAMES words, from the
+    // kept path into the record after its header, which has room for MAX_STACK_DEPTH >=
+    // KSTACK_FRAMES frames there.
+    unsafe {
+        generated::bpf_probe_read_kernel(
+            scratch.record.as_mut_ptr().add(size_of::<StackHeader>()) as *mut c_void,
+            ((n as u32 + 1) * 8).min((KSTACK_FRAMES * 8) as u32),
+            addr_of!(kept.ips) as *const c_void,
+        )
+    };
+    bump(counter::KSTACKS_REUSED);
+    n
+}
+
+/// Whether `kept` is a path whose every slot holds its address: the outermost read below
+/// the user registers at `top`, the others in the window's `words` words.
+#[inline(always)]
+fn matches(w: &KStackWork, kept: &KStack, top: u64, words: u64) -> bool {
+    let n = kept.n as usize;
+    if !(2..KSTACK_FRAMES).contains(&n) || kept.top_slot == 0 {
+        return false;
+    }
+    let outer = top.wrapping_sub(u64::from(kept.top_slot) * 8);
+    // SAFETY: a checked read of a word of the task's stack.
+    // SAFETY: `masked` keeps the index below KSTACK_FRAMES.
+    if read_kernel_u64(outer as *const u64) != Some(unsafe { *kept.ips.get_unchecked(masked(n - 1)) }) {
+        return false;
+    }
+    // The frames below `first` are marked by their slot: a test of `i >= first` would
+    // refine `first` once per frame for the verifier, and its states would not merge.
+    for i in 0..KSTACK_FRAMES - 1 {
+        if i + 1 >= n {
+            break;
+        }
+        let slot = kept.slots[i];
+        if slot != NOT_READ && (u64::from(slot) >= words || w.win[slot as usize & (WINDOW_WORDS - 1)] != kept.ips[i]) {
+            return false;
+        }
+    }
+    true
+}
+
+/// After an unwind of `n` frames into `scratch.record` (after the header, zero-padded):
+/// learns them for the event's key, or compares them with the path that was to be taken.
+/// A global BPF function: checked once.
+#[inline(never)]
+#[unsafe(no_mangle)]
+pub extern "C" fn memtrace_kstack_unwound(n: u64) -> u64 {
+    let Some(w) = work() else { return 0 };
+    let then = w.then;
+    w.then = Then::Nothing as u32;
+    let Some(scratch) = scratch() else { return 0 };
+    // SAFETY: the record has room for MAX_STACK_DEPTH >= KSTACK_FRAMES frames after its
+    // header.
+    let frames = unsafe { scratch.record.as_ptr().add(size_of::<StackHeader>()) } as *const u64;
+    let n = n as usize;
+    if then == Then::Compare as u32 {
+        let Some(set) = set_of(w.key) else { return 0 };
+        let kept = &set.ways[w.way as usize & (KSTACK_WAYS - 1)];
+        let mut same = kept.n as usize == n;
+        // Stopping at the first difference or at `n` keeps the verifier's states to one a
+        // frame (a test of `i < n` that goes on refines `n` once per frame).
+        for i in 0..KSTACK_FRAMES {
+            if !same || i >= n {
+                break;
+            }
+            // SAFETY: i < KSTACK_FRAMES, within the record's frames.
+            if kept.ips[i] != unsafe { *frames.add(i) } {
+                same = false;
+            }
+        }
+        if same {
+            bump(counter::KSTACKS_CHECKED);
+        } else {
+            bump(counter::KSTACKS_DIFFERED);
+            set.differed = 1;
+        }
+    } else if then == Then::Learn as u32 {
+        learn(w, frames, n);
+    }
+    0
+}
+
+/// Finds the slots of the `n` frames just unwound on the stack and keeps them for the key,
+/// in the key's next way (or counts a failed learn).
+#[inline(always)]
+fn learn(w: &mut KStackWork, frames: *const u64, n: usize) {
+    let key = w.key;
+    let depth = depth_words(w);
+    let existing = set_of(key);
+    if existing.is_none() {
+        // A way with no frames is skipped whatever else it holds.
+        w.fresh.differed = 0;
+        for way in 0..KSTACK_WAYS {
+            w.fresh.ways[way].n = 0;
+        }
+    }
+    let entry = &mut w.fresh.ways[0];
+    entry.n = 0;
+    // SAFETY: KSTACK_FRAMES words of the caller's buffer into the entry's frames.
+    unsafe {
+        generated::bpf_probe_read_kernel(
+            addr_of_mut!(entry.ips) as *mut c_void,
+            (KSTACK_FRAMES * 8) as u32,
+            frames as *const c_void,
+        )
+    };
+    if (2..KSTACK_FRAMES).contains(&n) && depth >= 1 {
+        // The window holds the stack from the arguments up (read by the taken check, or
+        // not yet when the key is new).
+        // SAFETY: at most WINDOW_BYTES bytes into the window; the source read is checked.
+        let ret = unsafe {
+            generated::bpf_probe_read_kernel(
+                w.win.as_mut_ptr() as *mut c_void,
+                (depth * 8) as u32 & (WINDOW_BYTES as u32 - 1),
+                w.base as *const c_void,
+            )
+        };
+        if ret == 0 {
+            let mut scan = Scan { word: depth as u32, frame: n as u32 - 1, all: 0, _pad: 0 };
+            // SAFETY: scan_step is a BPF callback taking (index, ctx); ctx is our stack state.
+            unsafe {
+                generated::bpf_loop(WINDOW_WORDS as u32, scan_step as *mut c_void, addr_of_mut!(scan) as *mut c_void, 0)
+            };
+            // Frames n-1 down to `scan.frame + 1` were found; those below were not (below the
+            // arguments), unless all were.
+            let first = if scan.all != 0 { 0 } else { scan.frame + 1 };
+            // SAFETY: `masked` keeps the index below KSTACK_FRAMES.
+            let outer = u64::from(unsafe { *entry.slots.get_unchecked(masked(n - 1)) });
+            if first <= INNER_FRAMES_MAX && first + 1 < n as u32 && outer < depth {
+                for i in 0..INNER_FRAMES_MAX as usize {
+                    if i >= first as usize {
+                        break;
+                    }
+                    entry.slots[i] = NOT_READ;
+                }
+                entry.n = n as u32;
+                entry.first = first;
+                entry.top_slot = (depth - outer) as u32;
+            }
+        }
+    }
+    let learned = entry.n != 0;
+    match existing {
+        Some(set) => {
+            if learned {
+                let way = set.next as usize & (KSTACK_WAYS - 1);
+                set.next = set.next.wrapping_add(1);
+                // SAFETY: one kept path from this CPU's work space into the map value.
+                unsafe {
+                    generated::bpf_probe_read_kernel(
+                        addr_of_mut!(set.ways[way]) as *mut c_void,
+                        size_of::<KStack>() as u32,
+                        addr_of!(w.fresh.ways[0]) as *const c_void,
+                    )
+                };
+            } else {
+                set.failed = set.failed.saturating_add(1);
+            }
+        }
+        None => {
+            w.fresh.next = 1;
+            w.fresh.failed = u32::from(!learned);
+            // Borrowed: by value, the set (2.6 KiB) would be copied onto the 512-byte stack.
+            #[allow(clippy::needless_borrows_for_generic_args)]
+            let _ = KSTACKS.insert(key, &w.fresh, 0);
+        }
+    }
+}
+
+/// Looking down the stack for the frames' return addresses, outermost first.
+#[repr(C)]
+struct Scan {
+    /// Words of the window not looked at yet (the next is `word - 1`).
+    word: u32,
+    /// The frame looked for.
+    frame: u32,
+    /// 1: every frame was found. (No count of them: a count known at each step would
+    /// keep the verifier from seeing the steps converge.)
+    all: u32,
+    _pad: u32,
+}
+
+#[inline(never)]
+extern "C" fn scan_step(_index: u64, state: *mut c_void) -> i64 {
+    // SAFETY: bpf_loop hands back the pointer to the Scan on the caller's stack.
+    let s = unsafe { &mut *(state as *mut Scan) };
+    let Some(w) = work() else { return 1 };
+    if s.word == 0 {
+        return 1;
+    }
+    s.word -= 1;
+    let frame = s.frame as usize & (KSTACK_FRAMES - 1);
+    let entry = &mut w.fresh.ways[0];
+    if w.win[s.word as usize & (WINDOW_WORDS - 1)] != entry.ips[frame] {
+        return 0;
+    }
+    entry.slots[frame] = s.word as u16;
+    if s.frame == 0 {
+        s.all = 1;
+        return 1;
+    }
+    s.frame -= 1;
+    0
+}
