@@ -187,6 +187,9 @@ pub struct Totals {
     /// Frees of blocks already freed: the allocator releasing its own caches (glibc's
     /// per-thread cache at thread exit), not the program's frees.
     pub allocator_frees: u64,
+    /// Frees in a forked child of blocks its parent allocated before the fork (the child's
+    /// copy of the parent's heap): the parent's allocations, not counted again.
+    pub inherited_frees: u64,
 }
 
 /// A block not yet freed.
@@ -243,6 +246,9 @@ pub struct Analyzer<G: FnMut(&Origin) -> u32> {
     /// pid → current address-space instance.
     instances: HashMap<u32, u32>,
     next_instance: u32,
+    /// Forked processes, until they exec or exit: the parent's address space (instance)
+    /// and the time of the fork.
+    forked_from: HashMap<u32, (u32, u64)>,
     /// tid → its most recent allocation, for spotting temporaries.
     last_alloc: HashMap<u32, (SpaceKey, u64)>,
     pub last_ts: u64,
@@ -291,6 +297,7 @@ impl<G: FnMut(&Origin) -> u32> Analyzer<G> {
             unmatched_by_pid: HashMap::new(),
             instances: HashMap::new(),
             next_instance: 1,
+            forked_from: HashMap::new(),
             last_alloc: HashMap::new(),
             last_ts: 0,
             first_ts: None,
@@ -358,6 +365,11 @@ impl<G: FnMut(&Origin) -> u32> Analyzer<G> {
                     && let Some((_, n)) = self.pending_unmatched.remove(&t.tid)
                 {
                     self.totals.entry(Domain::User).or_default().allocator_frees += n;
+                }
+                if t.event == TaskEvent::Fork
+                    && let Some(&parent) = self.instances.get(&t.ppid)
+                {
+                    self.forked_from.insert(t.pid, (parent, t.ts_ns));
                 }
                 let ends_space = match t.event {
                     TaskEvent::Exec => true,
@@ -544,6 +556,9 @@ impl<G: FnMut(&Origin) -> u32> Analyzer<G> {
             None if space.0 == Space::Heap && self.recent_frees.get(&space.1).is_some_and(|r| r.contains(f.ptr)) => {
                 self.totals(f.kind, 0).allocator_frees += 1;
             }
+            None if space.0 == Space::Heap && self.inherited(f.pid, f.ptr) => {
+                self.totals(f.kind, 0).inherited_frees += 1;
+            }
             // Decided later: at thread exit glibc frees its per-thread cache, chunks the
             // program never saw included; such frees come after the thread's last allocation.
             None if space.0 == Space::Heap => self.pending_unmatched.entry(f.tid).or_insert((f.pid, 0)).1 += 1,
@@ -551,9 +566,21 @@ impl<G: FnMut(&Origin) -> u32> Analyzer<G> {
         }
     }
 
+    /// Whether `ptr`, freed by `pid` without an allocation of its own, is a block of the
+    /// parent `pid` was forked from, allocated before the fork (still live there, or freed
+    /// there since).
+    fn inherited(&self, pid: u32, ptr: u64) -> bool {
+        let Some(&(parent, forked_at)) = self.forked_from.get(&pid) else { return false };
+        match self.heap.get(&parent).and_then(|m| m.get(&ptr)) {
+            Some(block) => block.ts_ns <= forked_at,
+            None => self.recent_frees.get(&parent).is_some_and(|r| r.contains(ptr)),
+        }
+    }
+
     /// The process's address space is gone: its live blocks stay counted as live (leaked at
     /// exit) but can no longer be freed; later events of the pid start a new space.
     fn end_process(&mut self, pid: u32, ts_ns: u64) {
+        self.forked_from.remove(&pid);
         let Some(instance) = self.instances.remove(&pid) else {
             return;
         };

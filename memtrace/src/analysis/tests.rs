@@ -317,3 +317,35 @@ fn gpu_blocks_pair_in_their_own_spaces_and_failures_are_not_allocations() {
     assert_eq!(a.groups[3].failed, 1);
     assert_eq!(a.groups[3].allocs, 0);
 }
+
+fn task(ts: u64, event: TaskEvent, pid: u32, ppid: u32) -> Event {
+    Event::Task(Task { ts_ns: ts, event, flags: 0, pid, tid: pid, ppid, comm: String::new(), filename: String::new() })
+}
+
+#[test]
+fn a_forked_child_freeing_its_parents_blocks_is_not_an_unmatched_free() {
+    let a = run(&[
+        alloc(1, 1, 1, Kind::Malloc, 0x1000, 8, 24, 1),
+        alloc(2, 1, 1, Kind::Malloc, 0x2000, 8, 24, 1),
+        alloc(3, 1, 1, Kind::Malloc, 0x3000, 8, 24, 1),
+        free(4, 1, 1, Kind::Free, 0x3000),
+        task(5, TaskEvent::Fork, 2, 1),
+        // The parent allocates after the fork: not the child's.
+        alloc(6, 1, 1, Kind::Malloc, 0x4000, 8, 24, 1),
+        // The child frees its copies of blocks from before the fork (one the parent has
+        // freed since), a block the parent allocated after it, and one nobody allocated.
+        free(7, 2, 2, Kind::Free, 0x1000),
+        free(8, 1, 1, Kind::Free, 0x2000),
+        free(9, 2, 2, Kind::Free, 0x2000),
+        free(10, 2, 2, Kind::Free, 0x4000),
+        free(11, 2, 2, Kind::Free, 0x9000),
+        // After an exec the child's space is its own: nothing is inherited.
+        task(12, TaskEvent::Exec, 2, 0),
+        free(13, 2, 2, Kind::Free, 0x1000),
+    ]);
+    let user = &a.totals[&Domain::User];
+    assert_eq!((user.inherited_frees, user.unmatched_frees), (2, 3), "{user:?}");
+    // The parent's blocks stay the parent's: 0x1000 still live there, 0x2000 freed once.
+    assert_eq!((user.stats.frees, user.stats.live_allocs), (2, 2));
+    assert_eq!(a.unmatched_by_pid.get(&2), Some(&3));
+}
