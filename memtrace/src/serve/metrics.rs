@@ -222,6 +222,7 @@ pub struct SelfFigures {
     pub live_blocks_limit: u64,
     pub untracked_allocations: u64,
     pub unmatched_frees: u64,
+    pub inherited_frees: u64,
     pub stacks: u64,
     pub stacks_limit: u64,
     pub stack_table_full: u64,
@@ -413,6 +414,13 @@ fn self_families(s: &SelfFigures, f: &mut Families) {
         "Frees of blocks not followed (allocated before tracing began, or not followed).",
         None,
         Value::Count(s.unmatched_frees),
+    );
+    f.one(
+        "memtrace_inherited_frees",
+        "Frees in forked children of blocks their parent allocated (the child's copy of its heap): the parent's, \
+         not counted again.",
+        None,
+        Value::Count(s.inherited_frees),
     );
     f.one("memtrace_stacks", "Distinct stacks kept.", None, Value::Gauge(s.stacks as i64));
     f.one(

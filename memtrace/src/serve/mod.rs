@@ -138,6 +138,7 @@ impl Shared {
             live_blocks_limit: limits.max_live_blocks as u64,
             untracked_allocations: counters.untracked,
             unmatched_frees: counters.unmatched_frees,
+            inherited_frees: counters.inherited_frees,
             stacks: usage.stacks as u64,
             stacks_limit: limits.max_stacks as u64,
             stack_table_full: counters.stacks_dropped,

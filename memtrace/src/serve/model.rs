@@ -278,6 +278,9 @@ pub struct Counters {
     pub untracked: u64,
     /// Frees of blocks not followed (allocated before tracing, or not followed).
     pub unmatched_frees: u64,
+    /// Frees in a forked child of blocks of its parent (its copy of the parent's heap):
+    /// the parent's, neither counted again nor unmatched.
+    pub inherited_frees: u64,
     /// Allocations whose stack was not interned: the stack table was full.
     pub stacks_dropped: u64,
     pub processes_dropped: u64,
@@ -330,6 +333,9 @@ pub struct Model {
     processes: HashMap<u32, Process>,
     /// pid → its live instance.
     current: HashMap<u32, u32>,
+    /// Forked processes, until they exec or exit: the instance of the parent whose heap
+    /// they started with a copy of.
+    forked_from: HashMap<u32, u32>,
     /// Processes that exited lately: the kernel still allocates on their behalf while
     /// tearing them down; that is not a new process (a new one with the pid forks first).
     exited: HashMap<u32, Instant>,
@@ -358,6 +364,7 @@ impl Model {
             limits,
             processes: HashMap::new(),
             current: HashMap::new(),
+            forked_from: HashMap::new(),
             exited: HashMap::new(),
             next_instance: 1,
             kernel: HashMap::new(),
@@ -520,7 +527,7 @@ impl Model {
             return;
         }
         let Some(p) = self.current.get(&f.pid).and_then(|i| self.processes.get_mut(i)) else {
-            self.counters.unmatched_frees += 1;
+            self.count_unmatched(f);
             return;
         };
         if matches!(space, Space::Heap | Space::GpuMemory | Space::GpuHandle | Space::GpuReserve) {
@@ -529,7 +536,7 @@ impl Model {
                     p.retire(&block);
                     self.live_blocks -= 1;
                 }
-                None => self.counters.unmatched_frees += 1,
+                None => self.count_unmatched(f),
             }
             return;
         }
@@ -541,6 +548,17 @@ impl Model {
                 p.retire(&block);
                 self.live_blocks -= 1;
             }
+        }
+    }
+
+    /// A free of a block the process was not seen allocating: its parent's, when it was
+    /// forked from a process whose heap holds the address; else unmatched.
+    fn count_unmatched(&mut self, f: &Free) {
+        let parent = self.forked_from.get(&f.pid).and_then(|i| self.processes.get(i));
+        if f.kind.space() == Space::Heap && parent.is_some_and(|p| p.heap.contains_key(&f.ptr)) {
+            self.counters.inherited_frees += 1;
+        } else {
+            self.counters.unmatched_frees += 1;
         }
     }
 
@@ -556,6 +574,9 @@ impl Model {
             TaskEvent::Fork => {
                 self.end(t.pid);
                 self.exited.remove(&t.pid);
+                if let Some(&parent) = self.current.get(&t.ppid) {
+                    self.forked_from.insert(t.pid, parent);
+                }
             }
             TaskEvent::Rename if t.tid == t.pid => {
                 if let Some(p) = self.current.get(&t.pid).and_then(|i| self.processes.get_mut(i)) {
@@ -569,6 +590,7 @@ impl Model {
     /// The live instance of `pid` ended (exit, exec): its user blocks are freed with its
     /// address space; its figures stay until it is dropped.
     fn end(&mut self, pid: u32) {
+        self.forked_from.remove(&pid);
         let Some(instance) = self.current.remove(&pid) else { return };
         let Some(p) = self.processes.get_mut(&instance) else { return };
         p.exited = Some(Instant::now());

@@ -102,6 +102,16 @@ fn the_model_pairs_frees_with_their_sites() {
     assert_eq!(s[0].0.stack, StackRef(1), "the first stack interned is id 0");
     assert_eq!(m.counters.unmatched_frees, 1);
     assert_eq!(m.usage().live_blocks, 2);
+    // A forked child frees its copy of a parent's block: the parent's stays live.
+    let mut fork = task(GONE + 1, TaskEvent::Fork, 0);
+    if let Event::Task(t) = &mut fork {
+        t.ppid = GONE;
+    }
+    m.event(fork);
+    m.event(free(GONE + 1, Kind::Free, 0x20, 0));
+    m.event(free(GONE + 1, Kind::Free, 0x998, 0));
+    assert_eq!((m.counters.inherited_frees, m.counters.unmatched_frees), (1, 2));
+    assert_eq!(m.usage().live_blocks, 2);
     // An allocation at a live address: the earlier block's free was missed.
     m.event(alloc(GONE, Kind::Malloc, 0x20, 10, 0xaaa, 4));
     let s = stats(&mut m, GONE);
