@@ -14,10 +14,13 @@
 //! moves the rest of the stack by a random offset on every call
 //! (`CONFIG_RANDOMIZE_KSTACK_OFFSET`), between its own frame and the next.
 //!
-//! A slot is found by value: the highest word holding the frame's address below its
-//! caller's slot. A copy of a return address the path itself made (a caller's `_RET_IP_`
-//! kept on the stack) holds the same value whenever the slot does; a stale copy would
-//! not, so one reuse in [`CHECK_EVERY`] on each CPU is unwound anyway and compared, and a
+//! A slot is found by value. The outermost frame's is the highest word holding its
+//! address (just below the user registers); the others', the lowest word holding each
+//! address above the previous frame's, from the arguments up: above a slot, in the
+//! syscall's random offset, lie copies left by earlier calls that ran higher; below one,
+//! mostly copies the path itself made (a caller's `_RET_IP_` kept on the stack), which
+//! hold the same value whenever the slot does. A stale copy would not, so one reuse in
+//! [`CHECK_EVERY`] on each CPU is unwound anyway and compared, and a
 //! key caught differing is always unwound from then on (counted, and reported). The frames
 //! below the arguments (the probe's own: the helper, the program, `bpf_trace_runN`) are
 //! not read; they are the same for every event of a tracepoint, whose kind is in the key.
@@ -52,7 +55,12 @@ const NOT_READ: u16 = u16::MAX;
 /// One reuse in this many (per CPU) is unwound anyway and compared.
 const CHECK_EVERY: u32 = 64;
 /// Failed learns after which a key with no path kept stops learning.
-const LEARN_TRIES: u32 = 16;
+const LEARN_TRIES: u32 = 64;
+/// The outermost frame's slot lies this close below the user registers at most (the
+/// entry's call of `do_syscall_64` or of an exception handler: 1 word), above the
+/// syscall's random offset; a path whose outermost frame is elsewhere (a truncated
+/// unwind) is not kept.
+const TOP_SLOT_MAX: u64 = 4;
 const _: () = assert!(CHECK_EVERY.is_power_of_two() && WINDOW_WORDS.is_power_of_two());
 const _: () = assert!(KSTACK_FRAMES.is_power_of_two() && KSTACK_WAYS.is_power_of_two());
 const _: () = assert!(KSTACK_FRAMES <= MAX_STACK_DEPTH);
@@ -67,7 +75,9 @@ pub(crate) struct KStack {
     pub(crate) first: u32,
     /// Words from the user registers down to the outermost frame's slot.
     pub(crate) top_slot: u32,
-    pub(crate) _pad: u32,
+    /// Even while the way is whole; odd while a CPU writes it (a sequence count: a reader
+    /// that copied it between two equal even readings has a whole copy).
+    pub(crate) seq: u32,
     /// Word of each other frame's return address, from the arguments ([`NOT_READ`] for
     /// those below `first`).
     pub(crate) slots: [u16; KSTACK_FRAMES],
@@ -95,16 +105,17 @@ pub(crate) struct KStackSet {
 pub(crate) struct KStackWork {
     pub(crate) win: [u64; WINDOW_WORDS],
     pub(crate) fresh: KStackSet,
+    /// This CPU's copy of the way being matched (and then taken or compared): other CPUs
+    /// may write the map's meanwhile.
+    pub(crate) cand: KStack,
     /// The tracepoint's arguments and the task's user registers, as numbers.
     pub(crate) base: u64,
     pub(crate) top: u64,
     pub(crate) key: u64,
-    /// What follows an unwind (`Then`), and the way a reuse to compare came from.
+    /// What follows an unwind (`Then`).
     pub(crate) then: u32,
-    pub(crate) way: u32,
     /// Reuses on this CPU, for [`CHECK_EVERY`].
     pub(crate) ticks: u32,
-    pub(crate) _pad: u32,
 }
 
 /// What `memtrace_kstack_unwound` does with the frames just unwound.
@@ -114,7 +125,7 @@ enum Then {
     Nothing = 0,
     /// Learn them for the key.
     Learn = 1,
-    /// Compare them with the way `KStackWork::way`, whose slots all matched.
+    /// Compare them with the way copied to `KStackWork::cand`, whose slots all matched.
     Compare = 2,
 }
 
@@ -155,12 +166,6 @@ pub(crate) fn note_arguments(ctx: *mut c_void) {
     if let Some(w) = work() {
         as_number(&mut w.base, ctx);
     }
-}
-
-/// Words of stack between the noted arguments and the task's user registers.
-#[inline(always)]
-fn depth_words(w: &KStackWork) -> u64 {
-    w.top.wrapping_sub(w.base) / 8
 }
 
 /// For the kmem event whose arguments were noted, with key seed `seed` (kind and call
@@ -234,7 +239,7 @@ pub extern "C" fn memtrace_kstack_taken(seed: u64) -> u64 {
     }
     let mut found = KSTACK_WAYS;
     for way in 0..KSTACK_WAYS {
-        if matches(w, &set.ways[way], top, depth.min(reach)) {
+        if set.ways[way].n != 0 && copy_way(&mut w.cand, &set.ways[way]) && matches(w, top, depth.min(reach)) {
             found = way;
             break;
         }
@@ -242,7 +247,6 @@ pub extern "C" fn memtrace_kstack_taken(seed: u64) -> u64 {
     if found == KSTACK_WAYS {
         return 0;
     }
-    w.way = found as u32;
     w.ticks = w.ticks.wrapping_add(1);
     if w.ticks & (CHECK_EVERY - 1) == 0 {
         w.then = Then::Compare as u32;
@@ -250,7 +254,7 @@ pub extern "C" fn memtrace_kstack_taken(seed: u64) -> u64 {
     }
     w.then = Then::Nothing as u32;
     let Some(scratch) = scratch() else { return 0 };
-    let kept = &set.ways[found & (KSTACK_WAYS - 1)];
+    let kept = &w.cand;
     let n = (kept.n as u64).min(KSTACK_FRAMES as u64 - 1);
     // SAFETY: the frames and the zero after them, at most KSTACK_FRAMES words, from the
     // kept path into the record after its header, which has room for MAX_STACK_DEPTH >=
@@ -266,10 +270,32 @@ pub extern "C" fn memtrace_kstack_taken(seed: u64) -> u64 {
     n
 }
 
-/// Whether `kept` is a path whose every slot holds its address: the outermost read below
-/// the user registers at `top`, the others in the window's `words` words.
+/// Copies `way` into `to` whole: false while a CPU is writing it.
 #[inline(always)]
-fn matches(w: &KStackWork, kept: &KStack, top: u64, words: u64) -> bool {
+fn copy_way(to: &mut KStack, way: &KStack) -> bool {
+    // SAFETY: volatile reads of a field of a map value.
+    let before = unsafe { read_volatile(&way.seq) };
+    if before & 1 != 0 {
+        return false;
+    }
+    // SAFETY: one kept path from the map value into this CPU's work space.
+    let ret = unsafe {
+        generated::bpf_probe_read_kernel(
+            to as *mut KStack as *mut c_void,
+            size_of::<KStack>() as u32,
+            way as *const KStack as *const c_void,
+        )
+    };
+    // SAFETY: as above.
+    ret == 0 && unsafe { read_volatile(&way.seq) } == before
+}
+
+/// Whether the way copied to `w.cand` is a path whose every slot holds its address: the
+/// outermost read below the user registers at `top`, the others in the window's `words`
+/// words.
+#[inline(always)]
+fn matches(w: &KStackWork, top: u64, words: u64) -> bool {
+    let kept = &w.cand;
     let n = kept.n as usize;
     if !(2..KSTACK_FRAMES).contains(&n) || kept.top_slot == 0 {
         return false;
@@ -301,7 +327,9 @@ fn matches(w: &KStackWork, kept: &KStack, top: u64, words: u64) -> bool {
 #[unsafe(no_mangle)]
 pub extern "C" fn memtrace_kstack_unwound(n: u64) -> u64 {
     let Some(w) = work() else { return 0 };
-    let then = w.then;
+    // Read at once: a kmem event in an interrupt on this CPU may run its own programs
+    // before this one ends (and leaves `then` at Nothing for a later one).
+    let (then, base, top, key) = (w.then, w.base, w.top, w.key);
     w.then = Then::Nothing as u32;
     let Some(scratch) = scratch() else { return 0 };
     // SAFETY: the record has room for MAX_STACK_DEPTH >= KSTACK_FRAMES frames after its
@@ -309,8 +337,8 @@ pub extern "C" fn memtrace_kstack_unwound(n: u64) -> u64 {
     let frames = unsafe { scratch.record.as_ptr().add(size_of::<StackHeader>()) } as *const u64;
     let n = n as usize;
     if then == Then::Compare as u32 {
-        let Some(set) = set_of(w.key) else { return 0 };
-        let kept = &set.ways[w.way as usize & (KSTACK_WAYS - 1)];
+        let Some(set) = set_of(key) else { return 0 };
+        let kept = &w.cand;
         let mut same = kept.n as usize == n;
         // Stopping at the first difference or at `n` keeps the verifier's states to one a
         // frame (a test of `i < n` that goes on refines `n` once per frame).
@@ -330,7 +358,7 @@ pub extern "C" fn memtrace_kstack_unwound(n: u64) -> u64 {
             set.differed = 1;
         }
     } else if then == Then::Learn as u32 {
-        learn(w, frames, n);
+        learn(w, frames, n, base, top, key);
     }
     0
 }
@@ -338,15 +366,15 @@ pub extern "C" fn memtrace_kstack_unwound(n: u64) -> u64 {
 /// Finds the slots of the `n` frames just unwound on the stack and keeps them for the key,
 /// in the key's next way (or counts a failed learn).
 #[inline(always)]
-fn learn(w: &mut KStackWork, frames: *const u64, n: usize) {
-    let key = w.key;
-    let depth = depth_words(w);
+fn learn(w: &mut KStackWork, frames: *const u64, n: usize, base: u64, top: u64, key: u64) {
+    let depth = top.wrapping_sub(base) / 8;
     let existing = set_of(key);
     if existing.is_none() {
         // A way with no frames is skipped whatever else it holds.
         w.fresh.differed = 0;
         for way in 0..KSTACK_WAYS {
             w.fresh.ways[way].n = 0;
+            w.fresh.ways[way].seq = 0;
         }
     }
     let entry = &mut w.fresh.ways[0];
@@ -359,7 +387,7 @@ fn learn(w: &mut KStackWork, frames: *const u64, n: usize) {
             frames as *const c_void,
         )
     };
-    if (2..KSTACK_FRAMES).contains(&n) && depth >= 1 {
+    if (2..KSTACK_FRAMES).contains(&n) && (1..WINDOW_WORDS as u64).contains(&depth) {
         // The window holds the stack from the arguments up (read by the taken check, or
         // not yet when the key is new).
         // SAFETY: at most WINDOW_BYTES bytes into the window; the source read is checked.
@@ -367,7 +395,7 @@ fn learn(w: &mut KStackWork, frames: *const u64, n: usize) {
             generated::bpf_probe_read_kernel(
                 w.win.as_mut_ptr() as *mut c_void,
                 (depth * 8) as u32 & (WINDOW_BYTES as u32 - 1),
-                w.base as *const c_void,
+                base as *const c_void,
             )
         };
         if ret == 0 {
@@ -381,7 +409,12 @@ fn learn(w: &mut KStackWork, frames: *const u64, n: usize) {
             let first = if scan.all != 0 { 0 } else { scan.frame + 1 };
             // SAFETY: `masked` keeps the index below KSTACK_FRAMES.
             let outer = u64::from(unsafe { *entry.slots.get_unchecked(masked(n - 1)) });
-            if first <= INNER_FRAMES_MAX && first + 1 < n as u32 && outer < depth {
+            if first <= INNER_FRAMES_MAX
+                && first + 1 < n as u32
+                && outer < depth
+                && depth - outer <= TOP_SLOT_MAX
+                && place_rising(first, n as u32, outer as u32)
+            {
                 for i in 0..INNER_FRAMES_MAX as usize {
                     if i >= first as usize {
                         break;
@@ -400,14 +433,23 @@ fn learn(w: &mut KStackWork, frames: *const u64, n: usize) {
             if learned {
                 let way = set.next as usize & (KSTACK_WAYS - 1);
                 set.next = set.next.wrapping_add(1);
+                let kept = &mut set.ways[way];
+                // Odd while written (see `copy_way`), the copy's included.
+                // SAFETY: volatile accesses to a field of a map value.
+                let seq = unsafe { read_volatile(&kept.seq) } | 1;
+                // SAFETY: as above.
+                unsafe { write_volatile(&mut kept.seq, seq) };
+                w.fresh.ways[0].seq = seq;
                 // SAFETY: one kept path from this CPU's work space into the map value.
                 unsafe {
                     generated::bpf_probe_read_kernel(
-                        addr_of_mut!(set.ways[way]) as *mut c_void,
+                        kept as *mut KStack as *mut c_void,
                         size_of::<KStack>() as u32,
                         addr_of!(w.fresh.ways[0]) as *const c_void,
                     )
                 };
+                // SAFETY: as above.
+                unsafe { write_volatile(&mut kept.seq, seq.wrapping_add(1)) };
             } else {
                 set.failed = set.failed.saturating_add(1);
             }
@@ -420,6 +462,54 @@ fn learn(w: &mut KStackWork, frames: *const u64, n: usize) {
             let _ = KSTACKS.insert(key, &w.fresh, 0);
         }
     }
+}
+
+/// Places frames `first` to `n - 2` again, looking up the stack from the arguments: each
+/// at the lowest word holding its address above the previous one's, below the outermost
+/// frame's slot. The look down that found `first` and the outermost slot takes the highest
+/// word, and the syscall's random offset, between the outermost frame and the rest, holds
+/// copies left there by earlier calls that ran higher; copies below a slot are mostly the
+/// path's own (a caller's `_RET_IP_` kept on the stack), which hold the same address
+/// whenever the slot does. Whether every frame was placed.
+#[inline(always)]
+fn place_rising(first: u32, n: u32, outer: u32) -> bool {
+    let mut rise = Rise { word: 0, frame: first, last: n - 1, words: outer };
+    // SAFETY: rise_step is a BPF callback taking (index, ctx); ctx is our stack state.
+    unsafe { generated::bpf_loop(WINDOW_WORDS as u32, rise_step as *mut c_void, addr_of_mut!(rise) as *mut c_void, 0) };
+    rise.frame == rise.last
+}
+
+/// Looking up the stack for the frames' return addresses, innermost first.
+#[repr(C)]
+struct Rise {
+    /// The next word of the window to look at.
+    word: u32,
+    /// The frame looked for.
+    frame: u32,
+    /// The outermost frame (not looked for).
+    last: u32,
+    /// The outermost frame's slot: the words looked at end there.
+    words: u32,
+}
+
+#[inline(never)]
+extern "C" fn rise_step(_index: u64, state: *mut c_void) -> i64 {
+    // SAFETY: bpf_loop hands back the pointer to the Rise on the caller's stack.
+    let s = unsafe { &mut *(state as *mut Rise) };
+    let Some(w) = work() else { return 1 };
+    if s.frame >= s.last || s.word >= s.words {
+        return 1;
+    }
+    let word = s.word as usize & (WINDOW_WORDS - 1);
+    s.word += 1;
+    let frame = s.frame as usize & (KSTACK_FRAMES - 1);
+    let entry = &mut w.fresh.ways[0];
+    if w.win[word] != entry.ips[frame] {
+        return 0;
+    }
+    entry.slots[frame] = word as u16;
+    s.frame += 1;
+    0
 }
 
 /// Looking down the stack for the frames' return addresses, outermost first.
