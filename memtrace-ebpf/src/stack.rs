@@ -510,7 +510,11 @@ fn user_part_in_syscall(
     hash: u64,
 ) -> (UserPart, u64) {
     let key = [regs.ip, regs.sp, regs.bp, regs.hidden_return];
-    if syscall::current(scratch).is_some_and(|seq| scratch.reuse_seq == seq && scratch.reuse_regs == key) {
+    // Compared word by word with no early exit: `==` on the arrays became a call of the
+    // byte-at-a-time `memcmp`, run for every kmem event.
+    let r = &scratch.reuse_regs;
+    let same_regs = ((r[0] ^ key[0]) | (r[1] ^ key[1]) | (r[2] ^ key[2]) | (r[3] ^ key[3])) == 0;
+    if syscall::current(scratch).is_some_and(|seq| scratch.reuse_seq == seq && same_regs) {
         bump(counter::UNWIND_REUSED);
         scratch.reuse_hash = hash_words(hash, scratch.user_ips.as_ptr());
     } else {
