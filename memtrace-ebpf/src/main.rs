@@ -18,6 +18,7 @@ mod config;
 mod context;
 mod finish;
 mod gpu;
+mod inflight;
 mod kmem;
 mod kstack;
 mod mappings;

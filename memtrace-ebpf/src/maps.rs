@@ -1,5 +1,6 @@
-//! Every map the programs share, declared once: the per-CPU rings, loss counters, the
-//! traced set, in-flight allocator calls, kernel blocks of traced tasks, sampling state,
+//! Every map the programs share, declared once (but the threads' in-flight allocator
+//! calls, in task storage: `inflight`): the per-CPU rings, loss counters, the
+//! traced set, kernel blocks of traced tasks, sampling state,
 //! the unwinder's address spaces, per-file tables and rule cache, and what the mapping
 //! tracker remembers between a file's open and its mmap, and the program arrays that lead
 //! to the second halves of the allocation programs.
@@ -9,8 +10,8 @@ use aya_ebpf::{
     macros::btf_map,
 };
 use memtrace_common::{
-    FILENAME_LEN, FileId, FileTable, InFlight, MAX_CPUS, MAX_STACK_DEPTH, MAX_TABLES, MappingKey, MappingValue,
-    RULE_CACHE_SLOTS, SAMPLED_LIVE_ENTRIES, SampledKey, TABLE_MAPS, counter, python::PY_SENT_KEYS,
+    FILENAME_LEN, FileId, FileTable, MAX_CPUS, MAX_STACK_DEPTH, MAX_TABLES, MappingKey, MappingValue, RULE_CACHE_SLOTS,
+    SAMPLED_LIVE_ENTRIES, SampledKey, TABLE_MAPS, counter, python::PY_SENT_KEYS,
 };
 
 use crate::{
@@ -27,10 +28,6 @@ pub(crate) type Ring = RingBuf<u8, RING_TEMPLATE_BYTES>;
 
 #[btf_map]
 pub(crate) static COUNTERS: PerCpuArray<u64, { counter::COUNT as usize }> = PerCpuArray::new();
-
-/// Allocation calls between entry and return, by pid_tgid.
-#[btf_map]
-pub(crate) static INFLIGHT: HashMap<u64, InFlight, 65536> = HashMap::new();
 
 /// tgid → `traced::*` state, when not tracing every process.
 #[btf_map]

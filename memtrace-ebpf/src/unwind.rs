@@ -27,8 +27,8 @@ use memtrace_common::{
 use crate::{
     context::{pid_tgid, read_kernel_at, read_kernel_u64, read_user_u64, regs, scratch},
     maps::{
-        ANCHORS, ASIDS, Anchors, CachedRule, FILE_TABLES, INFLIGHT, MAPPINGS, NEXT_ASID, PROBE_BUSY, RULE_CACHE,
-        SLOT_MAPS, TABLES,
+        ANCHORS, ASIDS, Anchors, CachedRule, FILE_TABLES, MAPPINGS, NEXT_ASID, PROBE_BUSY, RULE_CACHE, SLOT_MAPS,
+        TABLES,
     },
     reuse::{memtrace_begin_reuse, memtrace_reuse_frames},
     ring::{bump, bump_by, zero},
@@ -74,9 +74,7 @@ impl UserRegs {
         if ip == 0 || ip >= 1 << 47 {
             return None;
         }
-        let (id, _, _) = pid_tgid();
-        // SAFETY: copied out at once.
-        let hidden_return = match unsafe { INFLIGHT.get(id) } {
+        let hidden_return = match crate::inflight::current() {
             Some(s) if s.depth == 0 => s.ret_addr,
             _ => 0,
         };

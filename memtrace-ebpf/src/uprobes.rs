@@ -19,7 +19,7 @@ use memtrace_common::{FreeRecord, InFlight, Kind, RecordType, counter, flags, in
 use crate::{
     context::{is_traced, pid_tgid, read_user_u64, regs},
     finish::{Half, Next, finish_user_alloc, pend_user_alloc},
-    maps::{INFLIGHT, SAMPLED_LIVE},
+    maps::SAMPLED_LIVE,
     ring::{bump, emit, this_ring},
     sampling::{frees_filtered, sample_hit, sampled_key, sampling_mean},
 };
@@ -96,13 +96,13 @@ fn is_session_return(ctx: &ProbeContext) -> bool {
     ip != probed
 }
 
-/// The entry of an allocating call: its arguments and sampling decision, kept in
-/// `INFLIGHT` for the return. Whether the return needs to run (`session`: the entry of
-/// [`alloc_session`], where calls the allocator makes to itself get no return to count
-/// down a depth with, and are left alone).
+/// The entry of an allocating call: its arguments and sampling decision, kept in the
+/// thread's task storage (`inflight`) for the return. Whether the return needs to run
+/// (`session`: the entry of [`alloc_session`], where calls the allocator makes to itself
+/// get no return to count down a depth with, and are left alone).
 /// An allocating call's entry; `cookie`: its link's attach cookie (kind, allocator, flags).
 pub(crate) fn try_alloc_enter(ctx: &ProbeContext, cookie: u64, session: bool) -> Result<bool, ()> {
-    let (id, tgid, _) = pid_tgid();
+    let (_, tgid, _) = pid_tgid();
     if !is_traced(tgid) {
         return Ok(false);
     }
@@ -111,9 +111,7 @@ pub(crate) fn try_alloc_enter(ctx: &ProbeContext, cookie: u64, session: bool) ->
         | if cookie & memtrace_common::cookie::MIMALLOC != 0 { inflight::MIMALLOC } else { 0 };
     // SAFETY: ctx is this probe's pt_regs.
     let sp = unsafe { (*regs(ctx)).rsp };
-    // SAFETY: the value is copied out and written back whole.
-    if let Some(state) = INFLIGHT.get_ptr_mut(id) {
-        let state = unsafe { &mut *state };
+    if let Some(state) = crate::inflight::current() {
         if sp < state.sp {
             // Called from inside another allocator call (realloc → malloc): not the user's.
             if !session {
@@ -181,7 +179,7 @@ pub(crate) fn try_alloc_enter(ctx: &ProbeContext, cookie: u64, session: bool) ->
         // The return probe plants its trampoline here after this program runs.
         ret_addr: read_user_u64(sp).unwrap_or(0),
     };
-    if INFLIGHT.insert(id, state, BPF_ANY as u64).is_err() {
+    if !crate::inflight::enter(state) {
         bump(counter::LOST_INFLIGHT);
         return Ok(false);
     }
@@ -242,20 +240,17 @@ pub(crate) fn mimalloc_usable_size(ptr: u64) -> Option<u64> {
 
 pub(crate) fn try_alloc_return(ctx: &RetProbeContext) -> Result<Next, ()> {
     bump(counter::USER_RETURNS);
-    let (id, tgid, tid) = pid_tgid();
-    // SAFETY: copied out at once.
-    let state = *unsafe { INFLIGHT.get(id) }.ok_or(())?;
+    let (_, tgid, tid) = pid_tgid();
+    let current = crate::inflight::current().ok_or(())?;
+    let state = *current;
     // SAFETY: ctx is the return probe's pt_regs.
     let sp = unsafe { (*regs(ctx)).rsp };
     if sp < state.sp + 8 {
         // The return of a nested allocator call.
-        if let Some(s) = INFLIGHT.get_ptr_mut(id) {
-            // SAFETY: the entry belongs to this thread.
-            unsafe { (*s).depth = (*s).depth.saturating_sub(1) };
-        }
+        current.depth = current.depth.saturating_sub(1);
         return Ok(Next::Done);
     }
-    let _ = INFLIGHT.remove(id);
+    crate::inflight::leave();
     if sp != state.sp + 8 {
         return Ok(Next::Done); // stale entry: its return was missed
     }
@@ -374,7 +369,7 @@ fn try_free(ctx: &ProbeContext, kind: u8) -> Result<(), ()> {
     if ptr == 0 {
         return Ok(());
     }
-    let (id, tgid, tid) = pid_tgid();
+    let (_, tgid, tid) = pid_tgid();
     let heap = kind == Kind::Free as u8;
     let sampled_heap = heap && sampling_mean() != 0;
     // Sampled mode: only the frees of sampled blocks matter (most frees stop here, before
@@ -387,8 +382,7 @@ fn try_free(ctx: &ProbeContext, kind: u8) -> Result<(), ()> {
     if !is_traced(tgid) {
         return Ok(());
     }
-    // SAFETY: copied out at once.
-    if let Some(state) = unsafe { INFLIGHT.get(id) } {
+    if let Some(state) = crate::inflight::current() {
         // SAFETY: ctx is this probe's pt_regs.
         if unsafe { (*regs(ctx)).rsp } < state.sp {
             return Ok(()); // the allocator freeing inside realloc: reported by realloc

@@ -297,6 +297,9 @@ impl Probes {
         // Sized at load: the rule cache for the CPUs there are; the sampled blocks' map only
         // when sampling (a preallocated hash map of 256k entries is ~9 ms of every start).
         loader.map_max_entries("RULE_CACHE", RULE_CACHE_SLOTS * config.cpus);
+        // The threads' in-flight allocator calls are task storage, which aya creates but
+        // has no type for (the probes alone use it).
+        loader.allow_unsupported_maps();
         let mut ebpf = loader.override_global("CONFIG", &config, true).load(OBJECT).map_err(|e| {
             anyhow::anyhow!("loading the eBPF programs: {e} (is BTF available at /sys/kernel/btf/vmlinux?)")
         })?;
