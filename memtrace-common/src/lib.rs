@@ -21,6 +21,10 @@ pub use unwind::{
 /// by `perf_event_max_stack` (127 by default) as well; the table walk is not: Python
 /// programs commonly run 150–250 native frames deep.
 pub const MAX_STACK_DEPTH: usize = 255;
+
+/// One kernel stack taken from an earlier unwind of its path in this many (per CPU) is
+/// unwound anyway and compared (the probes' `kstack`; the report's warning says so).
+pub const KSTACK_CHECK_EVERY: u32 = 64;
 /// Size of the outer array that holds one ring buffer per CPU.
 pub const MAX_CPUS: u32 = 1024;
 /// Length of `task->comm`.

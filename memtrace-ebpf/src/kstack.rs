@@ -20,7 +20,7 @@
 //! syscall's random offset, lie copies left by earlier calls that ran higher; below one,
 //! mostly copies the path itself made (a caller's `_RET_IP_` kept on the stack), which
 //! hold the same value whenever the slot does. A stale copy would not, so one reuse in
-//! [`CHECK_EVERY`] on each CPU is unwound anyway and compared, and a
+//! [`KSTACK_CHECK_EVERY`] on each CPU is unwound anyway and compared, and a
 //! key caught differing is always unwound from then on (counted, and reported). The frames
 //! below the arguments (the probe's own: the helper, the program, `bpf_trace_runN`) are
 //! not read; they are the same for every event of a tracepoint, whose kind is in the key.
@@ -33,7 +33,7 @@ use core::{
 };
 
 use aya_ebpf::{bindings::pt_regs, helpers::generated};
-use memtrace_common::{MAX_STACK_DEPTH, StackHeader, counter, stack_hash_step};
+use memtrace_common::{KSTACK_CHECK_EVERY, MAX_STACK_DEPTH, StackHeader, counter, stack_hash_step};
 
 use crate::{
     context::{read_kernel_at, read_kernel_u64, scratch},
@@ -52,8 +52,6 @@ const WINDOW_BYTES: u64 = (WINDOW_WORDS * 8) as u64;
 const INNER_FRAMES_MAX: u32 = 4;
 /// The slot of a frame below the arguments.
 const NOT_READ: u16 = u16::MAX;
-/// One reuse in this many (per CPU) is unwound anyway and compared.
-const CHECK_EVERY: u32 = 64;
 /// Failed learns after which a key with no path kept stops learning.
 const LEARN_TRIES: u32 = 64;
 /// The outermost frame's slot lies this close below the user registers at most (the
@@ -61,7 +59,7 @@ const LEARN_TRIES: u32 = 64;
 /// syscall's random offset; a path whose outermost frame is elsewhere (a truncated
 /// unwind) is not kept.
 const TOP_SLOT_MAX: u64 = 4;
-const _: () = assert!(CHECK_EVERY.is_power_of_two() && WINDOW_WORDS.is_power_of_two());
+const _: () = assert!(KSTACK_CHECK_EVERY.is_power_of_two() && WINDOW_WORDS.is_power_of_two());
 const _: () = assert!(KSTACK_FRAMES.is_power_of_two() && KSTACK_WAYS.is_power_of_two());
 const _: () = assert!(KSTACK_FRAMES <= MAX_STACK_DEPTH);
 
@@ -71,15 +69,14 @@ const _: () = assert!(KSTACK_FRAMES <= MAX_STACK_DEPTH);
 pub(crate) struct KStack {
     /// Frames; 0: none kept in this way.
     pub(crate) n: u32,
-    /// Frames below the arguments (not checked).
-    pub(crate) first: u32,
+    pub(crate) _pad: u32,
     /// Words from the user registers down to the outermost frame's slot.
     pub(crate) top_slot: u32,
     /// Even while the way is whole; odd while a CPU writes it (a sequence count: a reader
     /// that copied it between two equal even readings has a whole copy).
     pub(crate) seq: u32,
     /// Word of each other frame's return address, from the arguments ([`NOT_READ`] for
-    /// those below `first`).
+    /// the probe's own frames below them).
     pub(crate) slots: [u16; KSTACK_FRAMES],
     /// The frames, zero after the last.
     pub(crate) ips: [u64; KSTACK_FRAMES],
@@ -114,7 +111,7 @@ pub(crate) struct KStackWork {
     pub(crate) key: u64,
     /// What follows an unwind (`Then`).
     pub(crate) then: u32,
-    /// Reuses on this CPU, for [`CHECK_EVERY`].
+    /// Reuses on this CPU, for [`KSTACK_CHECK_EVERY`].
     pub(crate) ticks: u32,
 }
 
@@ -248,7 +245,7 @@ pub extern "C" fn memtrace_kstack_taken(seed: u64) -> u64 {
         return 0;
     }
     w.ticks = w.ticks.wrapping_add(1);
-    if w.ticks & (CHECK_EVERY - 1) == 0 {
+    if w.ticks & (KSTACK_CHECK_EVERY - 1) == 0 {
         w.then = Then::Compare as u32;
         return 0;
     }
@@ -306,8 +303,9 @@ fn matches(w: &KStackWork, top: u64, words: u64) -> bool {
     if read_kernel_u64(outer as *const u64) != Some(unsafe { *kept.ips.get_unchecked(masked(n - 1)) }) {
         return false;
     }
-    // The frames below `first` are marked by their slot: a test of `i >= first` would
-    // refine `first` once per frame for the verifier, and its states would not merge.
+    // The frames below the arguments are marked by their slot, not counted: a test of
+    // `i >= first` would refine `first` once per frame for the verifier, and its states
+    // would not merge.
     for i in 0..KSTACK_FRAMES - 1 {
         if i + 1 >= n {
             break;
@@ -422,7 +420,6 @@ fn learn(w: &mut KStackWork, frames: *const u64, n: usize, base: u64, top: u64, 
                     entry.slots[i] = NOT_READ;
                 }
                 entry.n = n as u32;
-                entry.first = first;
                 entry.top_slot = (depth - outer) as u32;
             }
         }

@@ -46,10 +46,6 @@ const SHARE: f64 = 0.05;
 /// Fewer events than this are not enough to judge a share.
 const MIN_EVENTS: u64 = 20;
 
-/// One kernel stack taken from an earlier unwind in this many (per CPU) is unwound anyway
-/// and compared (the probes' `kstack::CHECK_EVERY`).
-const KERNEL_CHECK_EVERY: u64 = 64;
-
 /// What one process's user-space events say about how completely it was seen.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct ProcessTally {
@@ -77,7 +73,7 @@ pub fn under_counting(
              {} kernel stacks before each of them may name the wrong callers (those paths are always unwound since; \
              MEMTRACE_KERNEL_STACK_REUSE=off unwinds every one)",
             stats.kernel_stacks_differed,
-            KERNEL_CHECK_EVERY - 1
+            memtrace_common::KSTACK_CHECK_EVERY - 1
         ));
     }
     for (&pid, t) in tallies {
