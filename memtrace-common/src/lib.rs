@@ -686,6 +686,17 @@ pub struct KernelLayout {
     pub task_nivcsw: u32,
     /// `task_struct.stack`: the lowest address of the task's kernel stack.
     pub task_stack: u32,
+    /// Where the uprobe machinery keeps the return addresses its return probes replaced
+    /// (`task_struct.utask->return_instances`, a list, newest first, of `return_instance`
+    /// with `stack`, `orig_ret_vaddr`, `next`): a stack walk during an allocator call puts
+    /// back the one the trampoline stands for.
+    pub task_utask: u32,
+    pub utask_return_instances: u32,
+    pub ri_stack: u32,
+    pub ri_orig_ret_vaddr: u32,
+    pub ri_next: u32,
+    /// Keeps `ProbeConfig::sample_bytes` aligned with no padding.
+    pub _pad: u32,
 }
 
 /// Written by userspace into the programs' `.rodata` before load; the verifier then treats
@@ -762,6 +773,12 @@ impl ProbeConfig {
                 task_nvcsw: 0,
                 task_nivcsw: 0,
                 task_stack: 0,
+                task_utask: 0,
+                utask_return_instances: 0,
+                ri_stack: 0,
+                ri_orig_ret_vaddr: 0,
+                ri_next: 0,
+                _pad: 0,
             },
             sample_bytes: 0,
         }
@@ -792,6 +809,10 @@ pub mod inflight {
     pub const MIMALLOC: u8 = 8;
     /// An `mmap` asking for `PROT_NONE`: recorded as [`super::Kind::MmapReserved`].
     pub const NO_ACCESS: u8 = 16;
+    /// `InFlight::traced`: not known yet (a new thread's storage), or as last looked up.
+    pub const TRACED_UNKNOWN: u32 = 0;
+    pub const TRACED_NO: u32 = 1;
+    pub const TRACED_YES: u32 = 2;
 }
 
 /// Attach cookies of the malloc-family probes: the `Kind` in the low byte, flags above,
@@ -823,10 +844,11 @@ pub struct InFlight {
     pub bytes_req: u64,
     /// realloc/reallocarray: the old block; posix_memalign: where the result is stored.
     pub ptr_arg: u64,
-    /// The caller's return address, which the return probe replaces on the stack with the
-    /// uprobe trampoline's until the call returns: stack walks during the call (kernel
-    /// allocations, page faults in the allocator) put it back.
-    pub ret_addr: u64,
+    /// Whether the thread's process is traced (`inflight::TRACED_*`), as the traced set said
+    /// when its generation (`TRACED_GEN`) was `traced_gen`: kept across calls, so a call
+    /// costs one lookup of this storage rather than one of the traced set too.
+    pub traced_gen: u32,
+    pub traced: u32,
 }
 
 #[cfg(feature = "user")]
@@ -858,8 +880,8 @@ const _: () = {
     assert!(core::mem::size_of::<StackHeader>() == 32);
     assert!(core::mem::size_of::<UserFrame>() == 32);
     assert!(core::mem::size_of::<TaskRecord>() == 56 + COMM_LEN + FILENAME_LEN);
-    assert!(core::mem::size_of::<KernelLayout>() == 23 * 4);
-    assert!(core::mem::size_of::<ProbeConfig>() == 44 + 23 * 4 + 8);
+    assert!(core::mem::size_of::<KernelLayout>() == 29 * 4);
+    assert!(core::mem::size_of::<ProbeConfig>() == 44 + 29 * 4 + 8);
     assert!(core::mem::size_of::<CacheRecord>() == 16 + CACHE_NAME_LEN);
     assert!(core::mem::size_of::<SampledKey>() == 16);
     assert!(core::mem::size_of::<InFlight>() == 48);

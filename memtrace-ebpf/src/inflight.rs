@@ -10,7 +10,9 @@ use aya_ebpf::{
     bindings::{BPF_F_NO_PREALLOC, BPF_LOCAL_STORAGE_GET_F_CREATE, bpf_map_type::BPF_MAP_TYPE_TASK_STORAGE},
     helpers::generated,
 };
-use memtrace_common::InFlight;
+use memtrace_common::{InFlight, inflight};
+
+use crate::{context::is_traced, maps::TRACED_GEN};
 
 /// A task storage map's BTF definition: the loader reads the map's type, key, value and
 /// flags from these fields' types.
@@ -68,18 +70,51 @@ pub(crate) fn current() -> Option<&'static mut InFlight> {
     (state.sp != 0).then_some(state)
 }
 
-/// Records that the current thread entered the call `state`; false when its storage could
-/// not be had (out of memory, or a program on this CPU holds the storage lock).
+/// What a malloc-family probe knows of the current thread: whether its process `tgid` is
+/// traced and, if so, its storage (`sp` 0: in no call).
+pub(crate) enum Thread {
+    Untraced,
+    /// Traced; its storage, or None where the thread has none and `create` was false (it
+    /// is then in no call) or none could be had (out of memory, or a program on this CPU
+    /// holds the storage lock).
+    Traced(Option<&'static mut InFlight>),
+}
+
+/// Whether the current thread's process `tgid` is traced, from the answer its storage
+/// keeps while the traced set has not changed (one lookup, of the storage the probe needs
+/// anyway), else from the traced set, the answer then kept. With `create`, a traced thread
+/// without storage gets one (the entry of a call about to be recorded).
 #[inline(always)]
-pub(crate) fn enter(state: InFlight) -> bool {
-    match INFLIGHT.current(true) {
-        Some(p) => {
-            // SAFETY: as in `current`.
-            unsafe { *p = state };
-            true
-        }
-        None => false,
+pub(crate) fn traced_thread(tgid: u32, create: bool) -> Thread {
+    if config!(trace_all) != 0 {
+        return if is_traced(tgid) { Thread::Traced(slot(create)) } else { Thread::Untraced };
     }
+    // Read before the traced set: a change made after this read shows as a new generation
+    // next time, whichever answer the set gave now.
+    let generation = TRACED_GEN.get(0).copied().unwrap_or(0);
+    let Some(state) = slot(false) else {
+        if !is_traced(tgid) {
+            return Thread::Untraced;
+        }
+        let mut state = if create { slot(true) } else { None };
+        if let Some(s) = state.as_deref_mut() {
+            s.traced_gen = generation;
+            s.traced = inflight::TRACED_YES;
+        }
+        return Thread::Traced(state);
+    };
+    if state.traced == inflight::TRACED_UNKNOWN || state.traced_gen != generation {
+        state.traced = if is_traced(tgid) { inflight::TRACED_YES } else { inflight::TRACED_NO };
+        state.traced_gen = generation;
+    }
+    if state.traced == inflight::TRACED_YES { Thread::Traced(Some(state)) } else { Thread::Untraced }
+}
+
+/// The current thread's storage, whatever it holds; created zeroed first when `create`.
+#[inline(always)]
+fn slot(create: bool) -> Option<&'static mut InFlight> {
+    // SAFETY: the thread's own value: a thread runs one program at a time.
+    INFLIGHT.current(create).map(|p| unsafe { &mut *p })
 }
 
 /// The current thread's call returned.

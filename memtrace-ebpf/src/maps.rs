@@ -33,6 +33,21 @@ pub(crate) static COUNTERS: PerCpuArray<u64, { counter::COUNT as usize }> = PerC
 #[btf_map]
 pub(crate) static TRACED: HashMap<u32, u32, 16384> = HashMap::new();
 
+/// Changes after every change of [`TRACED`] (by the probes or by userspace, the map first):
+/// a thread's answer kept in its task storage (`inflight::traced_thread`) holds while this
+/// reads as it did when the answer was looked up.
+#[btf_map]
+pub(crate) static TRACED_GEN: Array<u32, 1> = Array::new();
+
+/// Marks a change of [`TRACED`] (after it is made).
+#[inline(always)]
+pub(crate) fn traced_changed() {
+    if let Some(g) = TRACED_GEN.get_ptr_mut(0) {
+        // SAFETY: a word of a global array; CPUs racing here change it all the same.
+        unsafe { core::ptr::write_volatile(g, (*g).wrapping_add(1)) };
+    }
+}
+
 /// Kernel blocks allocated by traced tasks (pid mode), so their frees are seen from any
 /// context. Pages (keyed by their `struct page`) carry [`PAGE_KEY`].
 #[btf_map]
@@ -42,6 +57,12 @@ pub(crate) const PAGE_KEY: u64 = 1 << 63;
 /// Stack hashes whose frames were already sent. Forgetting one only costs a resend.
 #[btf_map]
 pub(crate) static STACKS_SENT: LruHashMap<u64, u8, 65536> = LruHashMap::new();
+
+/// Changes whenever a stack record could not be sent (its hash left [`STACKS_SENT`]): each
+/// CPU's memory of the stacks it saw sent (`Scratch::sent_recent`) holds only while this
+/// reads as it did when they were remembered.
+#[btf_map]
+pub(crate) static STACKS_LOST_GEN: Array<u64, 1> = Array::new();
 
 /// Keys of the Python frames sent (`PyStackHeader::shared`), by process and frames: not
 /// an LRU, so that a key the probes hold is one userspace holds too (it forgets a
@@ -166,7 +187,10 @@ pub(crate) struct Anchors {
     /// That walk reached the outermost frame by itself (not joined by earlier anchors):
     /// the next walk of the thread may reuse its frames (`reuse`).
     pub(crate) whole: u32,
-    pub(crate) _pad: u32,
+    /// That walk's first frame was an exact instruction (a kmem walk from the syscall's
+    /// registers), not a return address: a later walk from a return address at the same
+    /// place is not the same frame, and takes nothing from it at its first frame.
+    pub(crate) first_exact: u32,
     pub(crate) ips: [[u64; MAX_STACK_DEPTH]; 2],
     pub(crate) sps: [[u64; MAX_STACK_DEPTH]; 2],
     pub(crate) bps: [[u64; MAX_STACK_DEPTH]; 2],

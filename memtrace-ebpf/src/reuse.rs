@@ -35,6 +35,12 @@ pub extern "C" fn memtrace_begin_reuse(tid: u64, asid: u64) -> u64 {
     let a = unsafe { &*a };
     if a.whole != 0 && u64::from(a.tid) == tid && u64::from(a.asid) == asid && a.n > 1 {
         scratch.walk_reuse = 1;
+        // A first frame that was a return address can be met again at the walk's own
+        // first frame: the same allocation site called again from the same place, the
+        // whole stack taken without a single step.
+        if a.first_exact == 0 {
+            scratch.walk_reuse_k = 0;
+        }
     }
     0
 }
@@ -56,8 +62,8 @@ pub extern "C" fn memtrace_reuse_frames(i: u64, ip: u64, sp: u64, bp: u64, hash:
     // SAFETY: this CPU's value; programs on one CPU do not run concurrently.
     let a = unsafe { &*a };
     let good = a.good as usize & 1;
-    // The previous walk's frames go up the stack: skip those below this one (the first is
-    // never taken: it may be an exact instruction, not a return address).
+    // The previous walk's frames go up the stack: skip those below this one (its first is
+    // skipped when it was an exact instruction, not a return address: `begin_reuse`).
     let mut seek = Seek { k: scratch.walk_reuse_k, n: a.n, sp, good: good as u32, _pad: 0 };
     // SAFETY: seek_step is a BPF callback taking (index, ctx); ctx is our stack state.
     unsafe {
@@ -168,5 +174,109 @@ extern "C" fn check_step(_index: u64, state: *mut c_void) -> i64 {
     c.top_sp = sp;
     c.from += 1;
     c.to += 1;
+    0
+}
+
+/// The thread's stack exactly as its previous walk on this CPU found it: the first frame
+/// at the same return address, stack and frame pointers (so the same function, at the
+/// same depth, called from the same place), and every caller's return address still in
+/// its slot. Then the frames and hash come from that walk, `scratch.walk_n` and
+/// `scratch.walk_reuse_hash` are set, the anchors stay as they are, and 1 is returned;
+/// else 0, and the walk goes on as usual. The same check as [`memtrace_reuse_frames`]
+/// at the first frame, without the walk's steps around it: most allocations of a loop
+/// or a request handler come from one place again and again. `hash` names the stack
+/// before its first frame. A global BPF function: checked once.
+#[inline(never)]
+#[unsafe(no_mangle)]
+pub extern "C" fn memtrace_repeat_walk(ip: u64, sp: u64, bp: u64, hash: u64) -> u64 {
+    let Some(scratch) = scratch() else { return 0 };
+    // `begin_reuse` found a whole walk of this thread and address space whose first frame
+    // was a return address.
+    if scratch.walk_reuse == 0 || scratch.walk_reuse_k != 0 {
+        return 0;
+    }
+    let Some(a) = ANCHORS.get_ptr_mut(0) else { return 0 };
+    // SAFETY: this CPU's value; programs on one CPU do not run concurrently.
+    let a = unsafe { &mut *a };
+    let good = a.good as usize & 1;
+    if a.ips[good][0] != ip || a.sps[good][0] != sp || a.bps[good][0] != bp {
+        return 0;
+    }
+    let n = a.n;
+    if n < 2 || n as usize > MAX_STACK_DEPTH {
+        return 0;
+    }
+    // Every slot in one read when they lie within a window of each other.
+    let top = a.sps[good][(n as usize - 1) & (MAX_STACK_DEPTH - 1)];
+    memtrace_cover_window(a.sps[good][1].wrapping_sub(8), top);
+    // The first index (1) comes from the map value, unknown to the verifier: a constant
+    // would be followed through every step, a new state each, never converging.
+    let first = scratch.walk_reuse_k + 1;
+    let mut r = Repeat { i: first, n, hash: stack_hash_step(hash, ip), good: good as u32, ok: 1 };
+    // SAFETY: repeat_step is a BPF callback taking (index, ctx); ctx is our stack state.
+    unsafe {
+        generated::bpf_loop(MAX_STACK_DEPTH as u32, repeat_step as *mut c_void, addr_of_mut!(r) as *mut c_void, 0)
+    };
+    if r.ok == 0 {
+        // The stacks part somewhere above the first frame: the walk's reuse tries again
+        // from the next frame on.
+        return 0;
+    }
+    let Some(scratch) = crate::context::scratch() else { return 0 };
+    scratch.user_ips[0] = ip;
+    bump_by(counter::UNWIND_FRAMES_REUSED, u64::from(n) - 1);
+    scratch.walk_n = n;
+    scratch.walk_reuse_hash = r.hash;
+    a.time = match core::mem::replace(&mut scratch.walk_time, 0) {
+        // SAFETY: no preconditions.
+        0 => unsafe { generated::bpf_ktime_get_ns() },
+        t => t,
+    };
+    1
+}
+
+/// Checking the previous walk's frames from the second on against the stack.
+#[repr(C)]
+struct Repeat {
+    i: u32,
+    n: u32,
+    hash: u64,
+    good: u32,
+    /// 0: a return address was not in its slot.
+    ok: u32,
+}
+
+#[inline(never)]
+extern "C" fn repeat_step(_index: u64, state: *mut c_void) -> i64 {
+    // SAFETY: bpf_loop hands back the pointer to the Repeat on the caller's stack.
+    let r = unsafe { &mut *(state as *mut Repeat) };
+    let i = r.i as usize;
+    if r.i >= r.n || i >= MAX_STACK_DEPTH {
+        return 1; // all there
+    }
+    let (Some(a), Some(scratch)) = (ANCHORS.get_ptr_mut(0), crate::context::scratch()) else {
+        r.ok = 0;
+        return 1;
+    };
+    // SAFETY: this CPU's value; programs on one CPU do not run concurrently.
+    let a = unsafe { &*a };
+    let good = r.good as usize & 1;
+    let (ip, sp) = (a.ips[good][i], a.sps[good][i]);
+    // A return address lies just below its frame's stack pointer (the caller's CFA).
+    let slot = sp.wrapping_sub(8);
+    if slot.wrapping_sub(scratch.win_base) / 8 >= scratch.win_words {
+        memtrace_cover_window(slot, sp);
+    }
+    let Some(scratch) = crate::context::scratch() else {
+        r.ok = 0;
+        return 1;
+    };
+    if read_stack(scratch, slot) != Some(ip) {
+        r.ok = 0;
+        return 1;
+    }
+    scratch.user_ips[i] = ip;
+    r.hash = stack_hash_step(r.hash, ip);
+    r.i += 1;
     0
 }

@@ -21,9 +21,9 @@ use memtrace_common::{
 use crate::{
     context::scratch,
     kstack,
-    maps::{Ring, STACKS_SENT},
+    maps::{Ring, STACKS_LOST_GEN, STACKS_SENT},
     python::{PY_WINDOW, send_python_once, walk_python},
-    ring::{bump, room_for_copy, wakeup_flags},
+    ring::{bump, room_for_copy, wakeup_flags, zero},
     syscall,
     unwind::{UserRegs, walk_user_tables},
 };
@@ -124,7 +124,19 @@ pub(crate) struct Scratch {
     /// Frames of the kernel part being taken (`kernel_part`).
     pub(crate) kernel_n: u32,
     pub(crate) _pad_kernel: u32,
+    /// Stack hashes this CPU saw in [`STACKS_SENT`] or sent itself, by their low bits: a
+    /// repeat stack, most of them, skips the shared map's lookup. Valid while
+    /// [`STACKS_LOST_GEN`] reads `sent_gen`.
+    pub(crate) sent_recent: [u64; SENT_RECENT],
+    pub(crate) sent_gen: u64,
+    /// The time of the event the next walk is for, when its first half read the clock
+    /// already (0: the walk reads it): when the thread's anchors were left.
+    pub(crate) walk_time: u64,
 }
+
+/// Entries of `Scratch::sent_recent` (a power of two).
+pub(crate) const SENT_RECENT: usize = 16;
+const _: () = assert!(SENT_RECENT.is_power_of_two());
 
 // The record buffer and the parts written into it are 8-byte aligned: the header and the
 // miss part are written with aligned stores (word moves the verifier checks once each,
@@ -266,8 +278,12 @@ pub(crate) fn send_stack_once(
 ) {
     let with_copy = user.with_copy;
     if !with_copy {
+        if sent_recently(scratch, hash) {
+            return;
+        }
         // SAFETY: value is a plain byte.
         if unsafe { STACKS_SENT.get(hash) }.is_some() {
+            remember_sent(scratch, hash);
             return;
         }
         if STACKS_SENT.insert(hash, 1u8, BPF_NOEXIST as u64).is_err() {
@@ -340,9 +356,36 @@ pub(crate) fn send_stack_once(
     if ret != 0 {
         if !with_copy {
             let _ = STACKS_SENT.remove(hash);
+            // Every CPU's memory of sent stacks is forgotten: one may have seen this hash
+            // in the map before it left.
+            if let Some(g) = STACKS_LOST_GEN.get_ptr_mut(0) {
+                // SAFETY: a word of a global array; a race between CPUs changes it all
+                // the same.
+                unsafe { core::ptr::write_volatile(g, (*g).wrapping_add(1)) };
+            }
         }
         bump(counter::LOST_STACKS);
+    } else if !with_copy {
+        remember_sent(scratch, hash);
     }
+}
+
+/// Whether this CPU saw stack `hash` sent, as [`STACKS_SENT`] said, since no stack record
+/// was lost; forgets all it saw when one was.
+#[inline(always)]
+fn sent_recently(scratch: &mut Scratch, hash: u64) -> bool {
+    let lost_gen = STACKS_LOST_GEN.get(0).copied().unwrap_or(0);
+    if scratch.sent_gen != lost_gen {
+        zero(&mut scratch.sent_recent);
+        scratch.sent_gen = lost_gen;
+        return false;
+    }
+    hash != 0 && scratch.sent_recent[hash as usize & (SENT_RECENT - 1)] == hash
+}
+
+#[inline(always)]
+fn remember_sent(scratch: &mut Scratch, hash: u64) {
+    scratch.sent_recent[hash as usize & (SENT_RECENT - 1)] = hash;
 }
 
 /// Appends `scratch.miss` and a copy of the user stack from its stack pointer to the
@@ -433,6 +476,7 @@ pub(crate) fn user_stack(ctx: &RetProbeContext, ring: &Ring, pid: u32) -> Option
     }
     let python_hash = walk_python(pid);
     let scratch = scratch()?;
+    scratch.walk_time = scratch.pending_user.ts_ns;
     let seed = stack_hash_step(USER_STACK_SEED, pid as u64);
     let (user, hash) = walk_user(ctx.as_ptr(), scratch, pid, Some(UserRegs::of_return(ctx)), seed);
     if user.n == 0 {

@@ -11,7 +11,7 @@ use memtrace_common::{COMM_LEN, RecordType, TaskEvent, TaskRecord, flags, traced
 
 use crate::{
     context::{is_traced, is_traced_or_pending, pid_tgid, read_kernel_at, read_kernel_str},
-    maps::{Ring, TRACED},
+    maps::{Ring, TRACED, traced_changed},
     ring::{emit_waking, this_ring},
     unwind::{asid_of, begin_address_space, end_address_space, file_table, install_range, share_address_space},
 };
@@ -66,6 +66,7 @@ fn try_task_newtask(ctx: &RawTracePointContext) -> Result<(), ()> {
             // Children of traced processes are traced from their first instruction
             // (record -- CMD; --follow-forks).
             let _ = TRACED.insert(child_tgid, traced::ACTIVE, BPF_ANY as u64);
+            traced_changed();
         }
     }
     let ring = this_ring().ok_or(())?;
@@ -116,6 +117,7 @@ fn try_exec(ctx: &RawTracePointContext) -> Result<(), ()> {
         match unsafe { TRACED.get(tgid) } {
             Some(&traced::PENDING_EXEC) => {
                 let _ = TRACED.insert(tgid, traced::ACTIVE, BPF_ANY as u64);
+                traced_changed();
             }
             Some(_) => {}
             None => return Ok(()),
@@ -171,6 +173,7 @@ fn try_exit(ctx: &RawTracePointContext) -> Result<(), ()> {
     if group_dead {
         if config!(trace_all) == 0 {
             let _ = TRACED.remove(tgid);
+            traced_changed();
         }
         end_address_space(tgid);
     }

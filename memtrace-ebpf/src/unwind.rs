@@ -30,7 +30,7 @@ use crate::{
         ANCHORS, ASIDS, Anchors, CachedRule, FILE_TABLES, MAPPINGS, NEXT_ASID, PROBE_BUSY, RULE_CACHE, SLOT_MAPS,
         TABLES,
     },
-    reuse::{memtrace_begin_reuse, memtrace_reuse_frames},
+    reuse::{memtrace_begin_reuse, memtrace_repeat_walk, memtrace_reuse_frames},
     ring::{bump, bump_by, zero},
     stack::{STACK_WINDOW_WORDS, Scratch},
 };
@@ -75,11 +75,40 @@ impl UserRegs {
             return None;
         }
         let hidden_return = match crate::inflight::current() {
-            Some(s) if s.depth == 0 => s.ret_addr,
+            Some(s) if s.depth == 0 => memtrace_hidden_return(s.sp),
             _ => 0,
         };
         Some(Self { ip, sp, bp, exact: true, hidden_return })
     }
+}
+
+/// Return instances of the current task looked at, newest first, for the one an
+/// allocator call in progress left (there are more only when other return probes of the
+/// task, ours or another tool's, fired inside it).
+const RETURN_INSTANCES_SEEN: usize = 4;
+
+/// The return address the uprobe trampoline stands for in the slot at `slot` (the stack
+/// pointer at the probed function's entry), from the uprobe machinery's own record of it
+/// (0: not found). Read only when a walk meets an allocator call in progress (a kernel
+/// allocation inside malloc), not at every entry. A global BPF function: checked once.
+#[inline(never)]
+#[unsafe(no_mangle)]
+pub extern "C" fn memtrace_hidden_return(slot: u64) -> u64 {
+    let layout = config!(kernel);
+    // SAFETY: no preconditions; the task stays valid while this program runs.
+    let task = unsafe { generated::bpf_get_current_task() };
+    let Some(utask) = read_kernel_at::<u64>(task, layout.task_utask).filter(|&u| u != 0) else { return 0 };
+    let mut ri = read_kernel_at::<u64>(utask, layout.utask_return_instances).unwrap_or(0);
+    for _ in 0..RETURN_INSTANCES_SEEN {
+        if ri == 0 {
+            return 0;
+        }
+        if read_kernel_at::<u64>(ri, layout.ri_stack) == Some(slot) {
+            return read_kernel_at::<u64>(ri, layout.ri_orig_ret_vaddr).unwrap_or(0);
+        }
+        ri = read_kernel_at::<u64>(ri, layout.ri_next).unwrap_or(0);
+    }
+    0
 }
 
 /// The address space of `tgid` (None: not known yet, a process that existed before
@@ -848,8 +877,12 @@ pub(crate) fn walk_user_tables(scratch: &mut Scratch, tgid: u32, regs: UserRegs,
         core::ptr::write_volatile(&mut scratch.walk_result, stack_flags::TRUNCATED as u32);
     }
     memtrace_begin_reuse(u64::from(st.tid), u64::from(asid));
-    // SAFETY: walk_step is a BPF callback taking (index, ctx); ctx is our stack state.
-    unsafe { generated::bpf_loop(WALK_STEPS, walk_step as *mut c_void, addr_of_mut!(st) as *mut c_void, 0) };
+    // The same stack as the thread's previous walk here: taken whole, no step.
+    let repeated = !regs.exact && memtrace_repeat_walk(regs.ip, regs.sp, regs.bp, hash) != 0;
+    if !repeated {
+        // SAFETY: walk_step is a BPF callback taking (index, ctx); ctx is our stack state.
+        unsafe { generated::bpf_loop(WALK_STEPS, walk_step as *mut c_void, addr_of_mut!(st) as *mut c_void, 0) };
+    }
     // SAFETY: fields of this CPU's scratch value, read after the steps wrote them.
     let (n, walk_phase, result) = unsafe {
         (
@@ -865,8 +898,13 @@ pub(crate) fn walk_user_tables(scratch: &mut Scratch, tgid: u32, regs: UserRegs,
         scratch.user_ips[n] = 0;
     }
     scratch.user_ips[MAX_STACK_DEPTH] = 0;
-    let flags =
-        memtrace_end_walk(u64::from(walk_phase), u64::from(result), u64::from(st.tid), u64::from(asid), n as u64);
+    if repeated {
+        // The anchors are the previous walk's, still true: nothing to note.
+        // SAFETY: a field of this CPU's scratch value, written by the repeat.
+        return (n, stack_flags::USER_IPS, unsafe { core::ptr::read_volatile(&scratch.walk_reuse_hash) }, asid);
+    }
+    let phase_exact = u64::from(walk_phase) | u64::from(regs.exact) << FIRST_EXACT_SHIFT;
+    let flags = memtrace_end_walk(phase_exact, u64::from(result), u64::from(st.tid), u64::from(asid), n as u64);
     (n, flags as u8 | stack_flags::USER_IPS, st.hash, asid)
 }
 
@@ -875,10 +913,12 @@ pub(crate) fn walk_user_tables(scratch: &mut Scratch, tgid: u32, regs: UserRegs,
 /// reached the outermost frame, else joined by the earlier anchors above its last frame
 /// (a walk cut short at a frame without a table knows only the inner part of the stack).
 /// A global BPF function: its answer is one value to the verifier, and what follows the
-/// walk is checked once, not once per way it ended.
+/// walk is checked once, not once per way it ended. Bit [`FIRST_EXACT_SHIFT`] of
+/// `phase_exact`: the walk's first frame was an exact instruction.
 #[inline(never)]
 #[unsafe(no_mangle)]
-pub extern "C" fn memtrace_end_walk(walk_phase: u64, result: u64, tid: u64, asid: u64, n: u64) -> u64 {
+pub extern "C" fn memtrace_end_walk(phase_exact: u64, result: u64, tid: u64, asid: u64, n: u64) -> u64 {
+    let walk_phase = phase_exact & 0xff;
     let (miss, truncated) = (u64::from(stack_flags::MISS), u64::from(stack_flags::TRUNCATED));
     let flags = match walk_phase as u32 {
         // Frames from an anchor: the copy covers the gap; how the walk from it ended.
@@ -906,13 +946,20 @@ pub extern "C" fn memtrace_end_walk(walk_phase: u64, result: u64, tid: u64, asid
     }
     a.good ^= 1;
     a.whole = whole as u32;
+    a.first_exact = (phase_exact >> FIRST_EXACT_SHIFT) as u32 & 1;
     a.tid = tid as u32;
     a.asid = asid as u32;
     a.n = n;
-    // SAFETY: no preconditions.
-    a.time = unsafe { generated::bpf_ktime_get_ns() };
+    a.time = match core::mem::replace(&mut scratch.walk_time, 0) {
+        // SAFETY: no preconditions.
+        0 => unsafe { generated::bpf_ktime_get_ns() },
+        t => t,
+    };
     flags
 }
+
+/// Where `memtrace_end_walk` finds whether the walk's first frame was exact.
+const FIRST_EXACT_SHIFT: u32 = 8;
 
 /// Appending the earlier anchors above a partial walk's last frame to it.
 #[repr(C)]

@@ -17,8 +17,9 @@ use aya_ebpf::{
 use memtrace_common::{FreeRecord, InFlight, Kind, RecordType, counter, flags, inflight};
 
 use crate::{
-    context::{is_traced, pid_tgid, read_user_u64, regs},
+    context::{pid_tgid, regs},
     finish::{Half, Next, finish_user_alloc, pend_user_alloc},
+    inflight::Thread,
     maps::SAMPLED_LIVE,
     ring::{bump, emit, this_ring},
     sampling::{frees_filtered, sample_hit, sampled_key, sampling_mean},
@@ -48,9 +49,15 @@ pub fn alloc_enter(ctx: ProbeContext) -> u32 {
 #[unsafe(no_mangle)]
 #[unsafe(link_section = "uprobe")]
 pub fn alloc_session(ctx: *mut core::ffi::c_void) -> u32 {
-    // A free first, by its cookie: it only ever has an entry run, so it skips the test of
-    // which run this is.
+    // The return first: it needs no cookie (the entry left its kind in the task storage).
     let probe = ProbeContext::new(ctx);
+    if is_session_return(&probe) {
+        let at_return = RetProbeContext::new(ctx);
+        if try_alloc_return(&at_return) == Ok(Next::Finish) {
+            finish_user_alloc(&at_return, Half::Session);
+        }
+        return 0;
+    }
     // SAFETY: the helper only reads the attach cookie of this program's link.
     let cookie = unsafe { generated::bpf_get_attach_cookie(probe.as_ptr()) };
     let kind = cookie as u8;
@@ -58,7 +65,10 @@ pub fn alloc_session(ctx: *mut core::ffi::c_void) -> u32 {
         let _ = try_free(&probe, kind);
         return 1;
     }
-    run_session(ctx, |c| try_alloc_enter(c, cookie, true), try_alloc_return)
+    match try_alloc_enter(&probe, cookie, true) {
+        Ok(true) => 0,
+        _ => 1,
+    }
 }
 
 /// The body of a uprobe session program: at the return, `ret` and the second half; at the
@@ -103,15 +113,18 @@ fn is_session_return(ctx: &ProbeContext) -> bool {
 /// An allocating call's entry; `cookie`: its link's attach cookie (kind, allocator, flags).
 pub(crate) fn try_alloc_enter(ctx: &ProbeContext, cookie: u64, session: bool) -> Result<bool, ()> {
     let (_, tgid, _) = pid_tgid();
-    if !is_traced(tgid) {
+    let Thread::Traced(slot) = crate::inflight::traced_thread(tgid, true) else { return Ok(false) };
+    let Some(slot) = slot else {
+        bump(counter::LOST_INFLIGHT);
         return Ok(false);
-    }
+    };
     let kind = cookie as u8;
     let glibc = if cookie & memtrace_common::cookie::GLIBC != 0 { inflight::GLIBC } else { 0 }
         | if cookie & memtrace_common::cookie::MIMALLOC != 0 { inflight::MIMALLOC } else { 0 };
     // SAFETY: ctx is this probe's pt_regs.
     let sp = unsafe { (*regs(ctx)).rsp };
-    if let Some(state) = crate::inflight::current() {
+    if slot.sp != 0 {
+        let state = &mut *slot;
         if sp < state.sp {
             // Called from inside another allocator call (realloc → malloc): not the user's.
             if !session {
@@ -165,24 +178,21 @@ pub(crate) fn try_alloc_enter(ctx: &ProbeContext, cookie: u64, session: bool) ->
     }
     // PROT_NONE (0): address space only.
     let no_access = if kind == Kind::Mmap as u8 && arg(2) == 0 { inflight::NO_ACCESS } else { 0 };
-    let state = InFlight {
+    *slot = InFlight {
         kind,
         flags: sampling | glibc | no_access,
         allocator: (cookie >> memtrace_common::cookie::ALLOCATOR_SHIFT) as u8,
         lg_align,
         depth: 0,
         sp,
+        // Only a reallocation's free (of the old block) is timed at the entry.
         // SAFETY: no preconditions.
-        ts_entry: unsafe { bpf_ktime_get_ns() },
+        ts_entry: if reallocating { unsafe { bpf_ktime_get_ns() } } else { 0 },
         bytes_req,
         ptr_arg,
-        // The return probe plants its trampoline here after this program runs.
-        ret_addr: read_user_u64(sp).unwrap_or(0),
+        traced_gen: slot.traced_gen,
+        traced: slot.traced,
     };
-    if !crate::inflight::enter(state) {
-        bump(counter::LOST_INFLIGHT);
-        return Ok(false);
-    }
     Ok(true)
 }
 
@@ -379,10 +389,8 @@ fn try_free(ctx: &ProbeContext, kind: u8) -> Result<(), ()> {
     if heap && frees_filtered() && unsafe { SAMPLED_LIVE.get(sampled_key(tgid, ptr)) }.is_none() {
         return Ok(());
     }
-    if !is_traced(tgid) {
-        return Ok(());
-    }
-    if let Some(state) = crate::inflight::current() {
+    let Thread::Traced(slot) = crate::inflight::traced_thread(tgid, false) else { return Ok(()) };
+    if let Some(state) = slot.filter(|s| s.sp != 0) {
         // SAFETY: ctx is this probe's pt_regs.
         if unsafe { (*regs(ctx)).rsp } < state.sp {
             return Ok(()); // the allocator freeing inside realloc: reported by realloc

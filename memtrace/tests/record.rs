@@ -75,6 +75,37 @@ fn record_command_counts_every_allocation_exactly() {
     assert_kernel_side(&report);
 }
 
+/// A kernel allocation made inside an allocator call (the heap's first growth: `brk` and
+/// page faults under the first `calloc`) has the allocator's caller above it: the return
+/// probe's trampoline stands in that frame's return slot until the call returns, and the
+/// walk puts back the address the uprobe machinery keeps for it.
+#[test]
+fn a_kernel_allocation_inside_an_allocator_call_has_the_callers_above_the_call() {
+    require_root();
+    let _sharing = sharing_the_machine();
+    let dir = scratch("inside-allocator");
+    let data = dir.join("inside.data");
+    run(memtrace().args(["record", "-q", "-o"]).arg(&data).arg("--").arg(workload()).args([
+        "--threads",
+        "1",
+        "--iterations",
+        "10",
+    ]));
+    let report = report_json(&data, &["--by", "stack", "--domain", "kernel"]);
+    assert_clean(&report);
+    let allocator = ["__libc_calloc", "__libc_malloc", "calloc", "malloc"];
+    let whole = report["sites"].as_array().unwrap().iter().any(|row| {
+        let frames = row["frames"].as_array().unwrap();
+        frames.windows(2).any(|w| {
+            w[0]["kernel"] == false
+                && allocator.iter().any(|a| w[0]["function"] == *a)
+                && w[1]["module"] == "alloc_workload"
+                && frames.last().is_some_and(|f| f["function"] == "_start" || f["function"] == "clone3")
+        })
+    });
+    assert!(whole, "no kernel allocation inside an allocator call reaches its caller: {:#}", report["sites"]);
+}
+
 /// The kmem programs walk a task's user stack once per syscall and reuse it for the
 /// syscall's other allocations: pipes made alternately from two callers, with the same
 /// registers at each syscall, must each keep their own caller, every one of them.

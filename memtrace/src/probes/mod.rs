@@ -353,6 +353,11 @@ impl Probes {
         let mut map: HashMap<_, u32, u32> = HashMap::try_from(self.ebpf.map_mut("TRACED").context("TRACED map")?)?;
         let state = if pending_exec { traced::PENDING_EXEC } else { traced::ACTIVE };
         map.insert(tgid, state, 0).context("adding the target to the traced set")?;
+        // After the set: threads' kept answers (`inflight::traced_thread`) are looked up again.
+        let mut generation: Array<_, u32> =
+            Array::try_from(self.ebpf.map_mut("TRACED_GEN").context("TRACED_GEN map")?)?;
+        let next = generation.get(&0, 0).context("reading the traced set's generation")?.wrapping_add(1);
+        generation.set(0, next, 0).context("marking the traced set changed")?;
         Ok(())
     }
 
@@ -695,6 +700,12 @@ fn kernel_layout(btf: &Btf) -> Result<KernelLayout> {
         task_nvcsw: f("task_struct", "nvcsw")?,
         task_nivcsw: f("task_struct", "nivcsw")?,
         task_stack: f("task_struct", "stack")?,
+        task_utask: f("task_struct", "utask")?,
+        utask_return_instances: f("uprobe_task", "return_instances")?,
+        ri_stack: f("return_instance", "stack")?,
+        ri_orig_ret_vaddr: f("return_instance", "orig_ret_vaddr")?,
+        ri_next: f("return_instance", "next")?,
+        _pad: 0,
     })
 }
 
