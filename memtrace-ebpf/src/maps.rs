@@ -122,6 +122,21 @@ pub(crate) static SESSION_FINISH: ProgramArray<1> = ProgramArray::new();
 #[btf_map]
 pub(crate) static ASIDS: HashMap<u32, u32, 65536> = HashMap::new();
 
+/// Changes after every change of [`ASIDS`] or of `PY_PROCS` (by the probes or by
+/// userspace, the map first): each CPU's memory of the last process it walked a stack of
+/// (`Scratch::proc_*`) holds while this reads as it did when that was looked up.
+#[btf_map]
+pub(crate) static PROC_GEN: Array<u32, 1> = Array::new();
+
+/// Marks a change of [`ASIDS`] or `PY_PROCS` (after it is made).
+#[inline(always)]
+pub(crate) fn process_changed() {
+    if let Some(g) = PROC_GEN.get_ptr_mut(0) {
+        // SAFETY: a word of a global array; CPUs racing here change it all the same.
+        unsafe { core::ptr::write_volatile(g, (*g).wrapping_add(1)) };
+    }
+}
+
 /// Execs counted per CPU, for new address-space ids.
 #[btf_map]
 pub(crate) static NEXT_ASID: PerCpuArray<u32, 1> = PerCpuArray::new();

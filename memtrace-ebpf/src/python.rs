@@ -80,6 +80,10 @@ pub extern "C" fn memtrace_walk_python(tgid: u64) -> u64 {
         core::ptr::write_volatile(&mut s.py_hash, 0);
         core::ptr::write_volatile(&mut s.py_win_len, 0);
     }
+    // Most processes run no interpreter: known without a lookup.
+    if !crate::unwind::process_facts(s, tgid as u32).1 {
+        return 0;
+    }
     // SAFETY: the value is copied out at once.
     if let Some(info) = (unsafe { PY_PROCS.get(tgid as u32) }).copied()
         && let Some(first) = innermost_frame(&info)

@@ -206,7 +206,8 @@ pub extern "C" fn memtrace_repeat_walk(ip: u64, sp: u64, bp: u64, hash: u64) -> 
     if n < 2 || n as usize > MAX_STACK_DEPTH {
         return 0;
     }
-    // Every slot in one read when they lie within a window of each other.
+    // Every slot in one read when they lie within a window of each other (a whole window:
+    // reading just the span they cover measured slower).
     let top = a.sps[good][(n as usize - 1) & (MAX_STACK_DEPTH - 1)];
     memtrace_cover_window(a.sps[good][1].wrapping_sub(8), top);
     // The first index (1) comes from the map value, unknown to the verifier: a constant

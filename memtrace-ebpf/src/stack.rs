@@ -132,6 +132,12 @@ pub(crate) struct Scratch {
     /// The time of the event the next walk is for, when its first half read the clock
     /// already (0: the walk reads it): when the thread's anchors were left.
     pub(crate) walk_time: u64,
+    /// The last process this CPU walked a stack of (`unwind::process_facts`): its tgid, its
+    /// address space, `proc_flags`, and the generation they were looked up in.
+    pub(crate) proc_tgid: u32,
+    pub(crate) proc_asid: u32,
+    pub(crate) proc_flags: u32,
+    pub(crate) proc_gen: u32,
 }
 
 /// Entries of `Scratch::sent_recent` (a power of two).

@@ -27,8 +27,8 @@ use memtrace_common::{
 use crate::{
     context::{pid_tgid, read_kernel_at, read_kernel_u64, read_user_u64, regs, scratch},
     maps::{
-        ANCHORS, ASIDS, Anchors, CachedRule, FILE_TABLES, MAPPINGS, NEXT_ASID, PROBE_BUSY, RULE_CACHE, SLOT_MAPS,
-        TABLES,
+        ANCHORS, ASIDS, Anchors, CachedRule, FILE_TABLES, MAPPINGS, NEXT_ASID, PROBE_BUSY, PROC_GEN, PY_PROCS,
+        RULE_CACHE, SLOT_MAPS, TABLES, process_changed,
     },
     reuse::{memtrace_begin_reuse, memtrace_repeat_walk, memtrace_reuse_frames},
     ring::{bump, bump_by, zero},
@@ -142,6 +142,7 @@ pub(crate) fn begin_address_space(tgid: u32) {
         return;
     }
     let _ = ASIDS.insert(tgid, new_asid(), BPF_ANY as u64);
+    process_changed();
 }
 
 /// A forked child starts with its parent's address space.
@@ -152,11 +153,43 @@ pub(crate) fn share_address_space(child: u32, parent: u32) {
     }
     if let Some(asid) = asid_of(parent) {
         let _ = ASIDS.insert(child, asid, BPF_NOEXIST as u64);
+        process_changed();
     }
 }
 
 pub(crate) fn end_address_space(tgid: u32) {
     let _ = ASIDS.remove(tgid);
+    process_changed();
+}
+
+/// What a stack walk needs to know of process `tgid`: its address space (None: not known
+/// yet) and whether it runs a Python interpreter userspace described (`PY_PROCS`). From
+/// this CPU's memory of the last process it walked while [`PROC_GEN`] is unchanged, else
+/// looked up and remembered: two hash lookups per stack become one array read.
+#[inline(always)]
+pub(crate) fn process_facts(scratch: &mut Scratch, tgid: u32) -> (Option<u32>, bool) {
+    let generation = PROC_GEN.get(0).copied().unwrap_or(0);
+    let flags = scratch.proc_flags;
+    if flags & proc_flags::VALID != 0 && scratch.proc_tgid == tgid && scratch.proc_gen == generation {
+        return ((flags & proc_flags::ASID != 0).then_some(scratch.proc_asid), flags & proc_flags::PYTHON != 0);
+    }
+    let asid = asid_of(tgid);
+    // SAFETY: only whether the entry exists is read.
+    let python = unsafe { PY_PROCS.get(tgid) }.is_some();
+    scratch.proc_tgid = tgid;
+    scratch.proc_gen = generation;
+    scratch.proc_asid = asid.unwrap_or(0);
+    scratch.proc_flags = proc_flags::VALID
+        | if asid.is_some() { proc_flags::ASID } else { 0 }
+        | if python { proc_flags::PYTHON } else { 0 };
+    (asid, python)
+}
+
+/// `Scratch::proc_flags`.
+pub(crate) mod proc_flags {
+    pub(crate) const VALID: u32 = 1;
+    pub(crate) const ASID: u32 = 2;
+    pub(crate) const PYTHON: u32 = 4;
 }
 
 /// The identity of a `struct file`.
@@ -824,7 +857,7 @@ pub(crate) fn read_stack(scratch: &Scratch, addr: u64) -> Option<u64> {
 /// hash and the address space.
 #[inline(always)]
 pub(crate) fn walk_user_tables(scratch: &mut Scratch, tgid: u32, regs: UserRegs, hash: u64) -> (usize, u8, u64, u32) {
-    let known = asid_of(tgid);
+    let (known, _) = process_facts(scratch, tgid);
     let Some(asid) = known.filter(|_| config!(unwind_mode) != unwind_mode::COPY_ALWAYS) else {
         // A process not learned yet (or every stack sent as a copy, the perf-style design
         // kept to measure against): the first frame is a miss.

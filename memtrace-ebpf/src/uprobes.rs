@@ -49,15 +49,10 @@ pub fn alloc_enter(ctx: ProbeContext) -> u32 {
 #[unsafe(no_mangle)]
 #[unsafe(link_section = "uprobe")]
 pub fn alloc_session(ctx: *mut core::ffi::c_void) -> u32 {
-    // The return first: it needs no cookie (the entry left its kind in the task storage).
+    // A free first, by its cookie: it only ever has an entry run, so it skips the test of
+    // which run this is (frees are every other call, and under sampling most returns are
+    // skipped: the cookie is the cheaper thing to read first).
     let probe = ProbeContext::new(ctx);
-    if is_session_return(&probe) {
-        let at_return = RetProbeContext::new(ctx);
-        if try_alloc_return(&at_return) == Ok(Next::Finish) {
-            finish_user_alloc(&at_return, Half::Session);
-        }
-        return 0;
-    }
     // SAFETY: the helper only reads the attach cookie of this program's link.
     let cookie = unsafe { generated::bpf_get_attach_cookie(probe.as_ptr()) };
     let kind = cookie as u8;
@@ -65,10 +60,7 @@ pub fn alloc_session(ctx: *mut core::ffi::c_void) -> u32 {
         let _ = try_free(&probe, kind);
         return 1;
     }
-    match try_alloc_enter(&probe, cookie, true) {
-        Ok(true) => 0,
-        _ => 1,
-    }
+    run_session(ctx, |c| try_alloc_enter(c, cookie, true), try_alloc_return)
 }
 
 /// The body of a uprobe session program: at the return, `ret` and the second half; at the
@@ -112,13 +104,42 @@ fn is_session_return(ctx: &ProbeContext) -> bool {
 /// get no return to count down a depth with, and are left alone).
 /// An allocating call's entry; `cookie`: its link's attach cookie (kind, allocator, flags).
 pub(crate) fn try_alloc_enter(ctx: &ProbeContext, cookie: u64, session: bool) -> Result<bool, ()> {
+    let kind = cookie as u8;
+    let arg = |n: usize| -> u64 { ctx.arg::<u64>(n).unwrap_or(0) };
+    // log2 of an alignment argument (0: none or not a power of two).
+    let lg = |a: u64| -> u8 { if a.is_power_of_two() { a.trailing_zeros() as u8 } else { 0 } };
+    let (bytes_req, ptr_arg, lg_align) = match Kind::from_u8(kind) {
+        Some(Kind::Malloc | Kind::New) => (arg(0), 0, 0),
+        Some(Kind::Valloc | Kind::Pvalloc) => (arg(0), 0, 12),
+        Some(Kind::Calloc) => (arg(0).wrapping_mul(arg(1)), 0, 0),
+        Some(Kind::Realloc) => (arg(1), arg(0), 0),
+        Some(Kind::ReallocArray) => (arg(1).wrapping_mul(arg(2)), arg(0), 0),
+        Some(Kind::PosixMemalign) => (arg(2), arg(0), lg(arg(1))),
+        Some(Kind::AlignedAlloc | Kind::Memalign) => (arg(1), 0, lg(arg(0))),
+        Some(Kind::NewAligned) => (arg(0), 0, lg(arg(1))),
+        // jemalloc's flags: the low six bits are lg(alignment).
+        Some(Kind::Mallocx) => (arg(0), 0, (arg(1) & 63) as u8),
+        Some(Kind::Rallocx) => (arg(1), arg(0), (arg(2) & 63) as u8),
+        Some(Kind::Mmap) => (arg(1), 0, 0),
+        _ => return Err(()),
+    };
+    let reallocating = matches!(Kind::from_u8(kind), Some(Kind::Realloc | Kind::ReallocArray | Kind::Rallocx));
+    let mean = sampling_mean();
+    // Sampling, where an unsampled call skips its return (a session): most calls are drawn
+    // out here, before anything is looked up. A call that is not the user's (the allocator
+    // calling itself, a process not traced) draws too: the bytes it adds to this CPU's
+    // countdown leave every other byte's chance of being sampled as it was (the gaps between
+    // samples are memoryless). A reallocation draws below, once its old block is known.
+    let drawn = session && mean != 0 && !reallocating;
+    if drawn && !sample_hit(bytes_req, mean) {
+        return Ok(false);
+    }
     let (_, tgid, _) = pid_tgid();
     let Thread::Traced(slot) = crate::inflight::traced_thread(tgid, true) else { return Ok(false) };
     let Some(slot) = slot else {
         bump(counter::LOST_INFLIGHT);
         return Ok(false);
     };
-    let kind = cookie as u8;
     let glibc = if cookie & memtrace_common::cookie::GLIBC != 0 { inflight::GLIBC } else { 0 }
         | if cookie & memtrace_common::cookie::MIMALLOC != 0 { inflight::MIMALLOC } else { 0 };
     // SAFETY: ctx is this probe's pt_regs.
@@ -140,28 +161,10 @@ pub(crate) fn try_alloc_enter(ctx: &ProbeContext, cookie: u64, session: bool) ->
         }
         // Otherwise the entry is stale (its return was never seen): replace it.
     }
-    let arg = |n: usize| -> u64 { ctx.arg::<u64>(n).unwrap_or(0) };
-    // log2 of an alignment argument (0: none or not a power of two).
-    let lg = |a: u64| -> u8 { if a.is_power_of_two() { a.trailing_zeros() as u8 } else { 0 } };
-    let (bytes_req, ptr_arg, lg_align) = match Kind::from_u8(kind) {
-        Some(Kind::Malloc | Kind::New) => (arg(0), 0, 0),
-        Some(Kind::Valloc | Kind::Pvalloc) => (arg(0), 0, 12),
-        Some(Kind::Calloc) => (arg(0).wrapping_mul(arg(1)), 0, 0),
-        Some(Kind::Realloc) => (arg(1), arg(0), 0),
-        Some(Kind::ReallocArray) => (arg(1).wrapping_mul(arg(2)), arg(0), 0),
-        Some(Kind::PosixMemalign) => (arg(2), arg(0), lg(arg(1))),
-        Some(Kind::AlignedAlloc | Kind::Memalign) => (arg(1), 0, lg(arg(0))),
-        Some(Kind::NewAligned) => (arg(0), 0, lg(arg(1))),
-        // jemalloc's flags: the low six bits are lg(alignment).
-        Some(Kind::Mallocx) => (arg(0), 0, (arg(1) & 63) as u8),
-        Some(Kind::Rallocx) => (arg(1), arg(0), (arg(2) & 63) as u8),
-        Some(Kind::Mmap) => (arg(1), 0, 0),
-        _ => return Err(()),
-    };
-    let reallocating = matches!(Kind::from_u8(kind), Some(Kind::Realloc | Kind::ReallocArray | Kind::Rallocx));
     let mut sampling = inflight::SAMPLE_NEW | inflight::OLD_SAMPLED;
-    let mean = sampling_mean();
-    if mean != 0 {
+    if drawn {
+        sampling = inflight::SAMPLE_NEW;
+    } else if mean != 0 {
         let has_old = ptr_arg != 0 && reallocating;
         // Until frees are filtered (the overload switch's first phase), every old block's
         // end is reported, as its free would be.
@@ -172,7 +175,8 @@ pub(crate) fn try_alloc_enter(ctx: &ProbeContext, cookie: u64, session: bool) ->
             | if old_sampled { inflight::OLD_SAMPLED } else { 0 };
         if sampling == 0 && !reallocating {
             // Nothing of this call is recorded: its return finds no state. (realloc keeps
-            // an empty state, so the malloc it may tail-call does not draw a second chance.)
+            // an empty state, so the malloc it may tail-call, whatever it draws, finds the
+            // call already decided: no second chance.)
             return Ok(false);
         }
     }

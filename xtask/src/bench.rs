@@ -59,6 +59,45 @@ pub(crate) fn measure(name: &'static str, note: &'static str, mut make: impl FnM
     Ok(Config { name, note, min, median })
 }
 
+/// Rounds of the per-pair table: each runs every configuration once.
+const PAIR_RUNS: usize = 7;
+
+/// A configuration to measure: its name, what it is, and how to start a run of it.
+pub(crate) struct Candidate<'a> {
+    name: &'static str,
+    note: &'static str,
+    make: Box<dyn FnMut() -> Command + 'a>,
+}
+
+impl<'a> Candidate<'a> {
+    pub(crate) fn new(name: &'static str, note: &'static str, make: impl FnMut() -> Command + 'a) -> Self {
+        Self { name, note, make: Box::new(make) }
+    }
+}
+
+/// Measures the candidates in `runs` rounds, each running every one of them once in turn:
+/// a slow spell of the machine (a shared VM's neighbours, frequency changes) then falls on
+/// every configuration alike rather than on whichever ran during it, and the ratios of
+/// their medians hold across runs of the bench.
+pub(crate) fn measure_interleaved(mut candidates: Vec<Candidate<'_>>, runs: usize) -> Result<Vec<Config>> {
+    let mut values = vec![Vec::with_capacity(runs); candidates.len()];
+    for round in 0..runs {
+        for (c, v) in candidates.iter_mut().zip(&mut values) {
+            v.push(run_for_figure(&mut (c.make)())?);
+        }
+        eprintln!("xtask bench: round {}/{runs} done", round + 1);
+    }
+    Ok(candidates
+        .into_iter()
+        .zip(values)
+        .map(|(c, v)| {
+            let (min, median) = min_median(v);
+            eprintln!("xtask bench: {:<40} min {min:>9.1}  median {median:>9.1} ns/pair", c.name);
+            Config { name: c.name, note: c.note, min, median }
+        })
+        .collect())
+}
+
 fn version(cmd: &str, arg: &str) -> String {
     Command::new(cmd)
         .arg(arg)
@@ -273,62 +312,72 @@ pub fn bench() -> Result<()> {
     let bpftrace_script = format!("uprobe:{LIBC}:malloc {{}} uretprobe:{LIBC}:malloc {{}} uprobe:{LIBC}:free {{}}");
     let workload_cmd = format!("{} --loop {TRACED_PAIRS}", workload.display());
 
-    eprintln!("xtask bench: per malloc+free pair, {RUNS} runs each");
-    let bare = measure("bare", "no tracing", || {
+    eprintln!("xtask bench: per malloc+free pair, {PAIR_RUNS} rounds, every configuration once per round");
+    let bare_cmd = || {
         let mut c = Command::new(&workload);
         c.args(["--loop", BARE_PAIRS]);
         c
-    })?;
-    let naive = measure(
-        "empty probes, naive (entry+return, free entry)",
-        "the floor of any uprobe tracer probing function entries",
-        || traced(&["bench-baseline"]),
+    };
+    let bpftrace_cmd = || {
+        let mut c = Command::new("bpftrace");
+        c.args(["-e", &bpftrace_script, "-c", &workload_cmd]);
+        c
+    };
+    let heaptrack_cmd = || {
+        let mut c = Command::new("heaptrack");
+        c.arg("-o").arg(dir.join("heaptrack")).arg(&workload).args(["--loop", TRACED_PAIRS]);
+        c
+    };
+    let nofp_cmd = || {
+        let mut c = Command::new(&memtrace);
+        c.args(["record", "-q", "--force", "-o", &scratch_str])
+            .arg("--")
+            .arg(&nofp_workload)
+            .args(["--loop", TRACED_PAIRS]);
+        c
+    };
+    let mut measured = measure_interleaved(
+        vec![
+            Candidate::new("bare", "no tracing", bare_cmd),
+            Candidate::new(
+                "empty probes, naive (entry+return, free entry)",
+                "the floor of any uprobe tracer probing function entries",
+                || traced(&["bench-baseline"]),
+            ),
+            Candidate::new("empty probes, placed", "same three empty probes where memtrace puts its own", || {
+                traced(&["bench-baseline", "--placed"])
+            }),
+            Candidate::new(
+                "empty entry probes only, placed",
+                "no return probe: an unsampled call at best (uprobe sessions skip it)",
+                || traced(&["bench-baseline", "--placed", "--no-return"]),
+            ),
+            Candidate::new("bpftrace, same three probes", "bpftrace 0.17, empty actions", bpftrace_cmd),
+            Candidate::new("heaptrack (LD_PRELOAD)", "in-process, libunwind stacks", heaptrack_cmd),
+            Candidate::new(
+                "memtrace record --call-graph fp",
+                "full capture, user stacks by frame pointers (the fast path; this loop has them)",
+                || traced(&["record", "-q", "--force", "--call-graph", "fp", "-o", &scratch_str]),
+            ),
+            Candidate::new(
+                "memtrace record (full capture)",
+                "every allocation and free, stacks (call-frame information), sizes, kernel too",
+                || traced(&["record", "-q", "--force", "-o", &scratch_str]),
+            ),
+            Candidate::new(
+                "memtrace record, loop built without frame pointers",
+                "same, on alloc_workload_nofp (-fomit-frame-pointer)",
+                nofp_cmd,
+            ),
+            Candidate::new("memtrace record --sample-bytes 512k", "size-weighted sampling", || {
+                traced(&["record", "-q", "--force", "--sample-bytes", "512k", "-o", &scratch_str])
+            }),
+        ],
+        PAIR_RUNS,
     )?;
-    let configs = vec![
-        measure("empty probes, placed", "same three empty probes where memtrace puts its own", || {
-            traced(&["bench-baseline", "--placed"])
-        })?,
-        measure(
-            "empty entry probes only, placed",
-            "no return probe: an unsampled call at best (uprobe sessions skip it)",
-            || traced(&["bench-baseline", "--placed", "--no-return"]),
-        )?,
-        measure("bpftrace, same three probes", "bpftrace 0.17, empty actions", || {
-            let mut c = Command::new("bpftrace");
-            c.args(["-e", &bpftrace_script, "-c", &workload_cmd]);
-            c
-        })?,
-        measure("heaptrack (LD_PRELOAD)", "in-process, libunwind stacks", || {
-            let mut c = Command::new("heaptrack");
-            c.arg("-o").arg(dir.join("heaptrack")).arg(&workload).args(["--loop", TRACED_PAIRS]);
-            c
-        })?,
-        measure(
-            "memtrace record --call-graph fp",
-            "full capture, user stacks by frame pointers (the fast path; this loop has them)",
-            || traced(&["record", "-q", "--force", "--call-graph", "fp", "-o", &scratch_str]),
-        )?,
-        measure(
-            "memtrace record (full capture)",
-            "every allocation and free, stacks (call-frame information), sizes, kernel too",
-            || traced(&["record", "-q", "--force", "-o", &scratch_str]),
-        )?,
-        measure(
-            "memtrace record, loop built without frame pointers",
-            "same, on alloc_workload_nofp (-fomit-frame-pointer)",
-            || {
-                let mut c = Command::new(&memtrace);
-                c.args(["record", "-q", "--force", "-o", &scratch_str])
-                    .arg("--")
-                    .arg(&nofp_workload)
-                    .args(["--loop", TRACED_PAIRS]);
-                c
-            },
-        )?,
-        measure("memtrace record --sample-bytes 512k", "size-weighted sampling", || {
-            traced(&["record", "-q", "--force", "--sample-bytes", "512k", "-o", &scratch_str])
-        })?,
-    ];
+    let configs = measured.split_off(2);
+    let naive = measured.pop().context("the naive probes' figures")?;
+    let bare = measured.pop().context("the bare figures")?;
 
     // Kernel allocations: pipe()+close() pairs, bare and under record -a (with and without
     // kernel stacks, the costly part).
@@ -519,8 +568,8 @@ pub fn bench() -> Result<()> {
         "# memtrace benchmarks\n\nWritten by `cargo xtask bench` (as root), which builds what it needs and measures \
          everything below in one session; rerun it to reproduce. Ratios compare figures of the same run.\n\n\
          ## Machine\n\n{machine}\n\n## Per malloc+free pair\n\nThe bundled workload's loop (`alloc_workload --loop N`: \
-         malloc(32) then free, {TRACED_PAIRS} pairs traced, {BARE_PAIRS} bare); {RUNS} runs each; the added cost \
-         is the median minus the bare median.\n\n{table}\n## Two designs for whole stacks without frame pointers\n\n\
+         malloc(32) then free, {TRACED_PAIRS} pairs traced, {BARE_PAIRS} bare); {PAIR_RUNS} rounds, each running \
+         every configuration once in turn; the added cost is the median minus the bare median.\n\n{table}\n## Two designs for whole stacks without frame pointers\n\n\
          {designs}\n## Stacks of a distribution binary\n\n{python}\n{}\n{}\n{}\n## Other figures\n\n{other}\n{}\n{device}\n## Targets\n\n\
          {targets}\n{notes}",
         crate::heavy_bench::SECTION.wrapped(&heavy),

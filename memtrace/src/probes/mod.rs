@@ -354,10 +354,16 @@ impl Probes {
         let state = if pending_exec { traced::PENDING_EXEC } else { traced::ACTIVE };
         map.insert(tgid, state, 0).context("adding the target to the traced set")?;
         // After the set: threads' kept answers (`inflight::traced_thread`) are looked up again.
+        self.bump_generation("TRACED_GEN")
+    }
+
+    /// Changes the generation word `name` after a change of the maps it stands for: the
+    /// probes' remembered answers from them are looked up again.
+    fn bump_generation(&mut self, name: &str) -> Result<()> {
         let mut generation: Array<_, u32> =
-            Array::try_from(self.ebpf.map_mut("TRACED_GEN").context("TRACED_GEN map")?)?;
-        let next = generation.get(&0, 0).context("reading the traced set's generation")?.wrapping_add(1);
-        generation.set(0, next, 0).context("marking the traced set changed")?;
+            Array::try_from(self.ebpf.map_mut(name).with_context(|| format!("{name} map"))?)?;
+        let next = generation.get(&0, 0).with_context(|| format!("reading {name}"))?.wrapping_add(1);
+        generation.set(0, next, 0).with_context(|| format!("writing {name}"))?;
         Ok(())
     }
 
@@ -534,7 +540,7 @@ impl Probes {
                 let _ = map.remove(&pid);
             }
         }
-        Ok(())
+        self.bump_generation("PROC_GEN")
     }
 
     /// Forgets keys of shared Python frames (their process exec'd or exited): their stacks'
@@ -851,7 +857,10 @@ impl SpaceSink for Probes {
     fn set_asid(&mut self, pid: u32, asid: u32, only_if_absent: bool) -> Result<u32> {
         let mut map: HashMap<_, u32, u32> = HashMap::try_from(self.ebpf.map_mut("ASIDS").context("ASIDS map")?)?;
         match map.insert(pid, asid, if only_if_absent { NOEXIST } else { 0 }) {
-            Ok(()) => Ok(asid),
+            Ok(()) => {
+                self.bump_generation("PROC_GEN")?;
+                Ok(asid)
+            }
             Err(e) if only_if_absent => {
                 map.get(&pid, 0).map_err(|_| anyhow::anyhow!("setting the address space of {pid}: {e}"))
             }
