@@ -12,6 +12,9 @@
 //! early exit is explicit and the verifier sees one return path.
 #![no_std]
 #![no_main]
+// BPF_ATOMIC adds (core's atomic types have no read-modify-write on this target).
+#![allow(internal_features)]
+#![feature(core_intrinsics)]
 
 #[macro_use]
 mod config;

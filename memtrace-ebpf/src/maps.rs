@@ -91,6 +91,15 @@ pub(crate) static SAMPLE_COUNTDOWN: PerCpuArray<i64, 1> = PerCpuArray::new();
 pub(crate) static SAMPLED_LIVE: HashMap<SampledKey, u8, SAMPLED_LIVE_ENTRIES, { BPF_F_NO_PREALLOC as usize }> =
     HashMap::new();
 
+/// Configured sampling: how many blocks in [`SAMPLED_LIVE`] hash to each slot
+/// (`sampling::filter_slot`), so that most frees, of blocks never sampled, are turned away
+/// by one array read instead of a hash lookup. Counted atomically by the probes alone
+/// (under the overload switch userspace fills `SAMPLED_LIVE` too, and the set is asked
+/// directly).
+#[btf_map]
+pub(crate) static SAMPLED_FILTER: Array<u64, { SAMPLED_FILTER_SLOTS as usize }> = Array::new();
+pub(crate) const SAMPLED_FILTER_SLOTS: u32 = 16384;
+
 #[btf_map]
 pub(crate) static SCRATCH: PerCpuArray<Scratch, 1> = PerCpuArray::new();
 

@@ -1,9 +1,9 @@
 //! Size-weighted sampling of user allocations: each byte is sampled with probability
 //! 1/mean, by a per-CPU countdown drawn from an exponential distribution.
-use aya_ebpf::helpers::generated;
+use aya_ebpf::{bindings::BPF_NOEXIST, helpers::generated};
 use memtrace_common::SampledKey;
 
-use crate::maps::{SAMPLE_COUNTDOWN, SAMPLE_OVERRIDE};
+use crate::maps::{SAMPLE_COUNTDOWN, SAMPLE_OVERRIDE, SAMPLED_FILTER, SAMPLED_FILTER_SLOTS, SAMPLED_LIVE};
 
 /// The sampling period in force: configured, or switched on by userspace under load.
 #[inline(always)]
@@ -62,4 +62,61 @@ pub(crate) fn sample_hit(size: u64, mean: u64) -> bool {
 #[inline(always)]
 pub(crate) fn sampled_key(tgid: u32, ptr: u64) -> SampledKey {
     SampledKey { tgid, _pad: 0, ptr }
+}
+
+/// The slot of `SAMPLED_FILTER` that block `key` counts in.
+#[inline(always)]
+fn filter_slot(key: &SampledKey) -> u32 {
+    const _: () = assert!(SAMPLED_FILTER_SLOTS.is_power_of_two());
+    let h = (key.ptr ^ (u64::from(key.tgid) << 47)).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+    (h >> 40) as u32 & (SAMPLED_FILTER_SLOTS - 1)
+}
+
+/// Whether block `key` may be in `SAMPLED_LIVE` (false: certainly not). Only sampling
+/// configured from the start keeps the filter; otherwise true, and the set is asked.
+#[inline(always)]
+pub(crate) fn may_be_sampled(key: &SampledKey) -> bool {
+    if config!(sample_bytes) == 0 {
+        return true;
+    }
+    SAMPLED_FILTER.get(filter_slot(key)).is_none_or(|&n| n != 0)
+}
+
+/// Adds block `key` to `SAMPLED_LIVE` (and its count to the filter); false when the set is
+/// full.
+#[inline(always)]
+pub(crate) fn insert_sampled(key: SampledKey) -> bool {
+    if SAMPLED_LIVE.insert(key, 1u8, BPF_NOEXIST as u64).is_err() {
+        // Already there (an address handed out again before its free was seen: counted
+        // once), or the set is full.
+        // SAFETY: plain byte value.
+        return unsafe { SAMPLED_LIVE.get(key) }.is_some();
+    }
+    filter_add(&key, 1);
+    true
+}
+
+/// Removes block `key` from `SAMPLED_LIVE` (and its count from the filter); whether it was
+/// there.
+#[inline(always)]
+pub(crate) fn remove_sampled(key: SampledKey) -> bool {
+    if SAMPLED_LIVE.remove(key).is_err() {
+        return false;
+    }
+    filter_add(&key, u64::MAX); // -1
+    true
+}
+
+#[inline(always)]
+fn filter_add(key: &SampledKey, delta: u64) {
+    if config!(sample_bytes) == 0 {
+        return;
+    }
+    if let Some(slot) = SAMPLED_FILTER.get_ptr_mut(filter_slot(key)) {
+        // SAFETY: a word of a global array, changed atomically (BPF_ATOMIC add): CPUs count
+        // into it at once.
+        unsafe {
+            core::intrinsics::atomic_xadd::<u64, u64, { core::intrinsics::AtomicOrdering::Relaxed }>(slot, delta)
+        };
+    }
 }

@@ -9,7 +9,6 @@
 //! return probe's trap.
 use aya_ebpf::{
     EbpfContext,
-    bindings::BPF_ANY,
     helpers::{bpf_ktime_get_ns, bpf_probe_read_user, generated},
     macros::{uprobe, uretprobe},
     programs::{ProbeContext, RetProbeContext},
@@ -22,7 +21,9 @@ use crate::{
     inflight::Thread,
     maps::SAMPLED_LIVE,
     ring::{bump, emit, this_ring},
-    sampling::{frees_filtered, sample_hit, sampled_key, sampling_mean},
+    sampling::{
+        frees_filtered, insert_sampled, may_be_sampled, remove_sampled, sample_hit, sampled_key, sampling_mean,
+    },
 };
 
 // ---------------------------------------------------------------------------------------
@@ -169,8 +170,9 @@ pub(crate) fn try_alloc_enter(ctx: &ProbeContext, cookie: u64, session: bool) ->
         // Until frees are filtered (the overload switch's first phase), every old block's
         // end is reported, as its free would be.
         // SAFETY: plain byte value.
-        let old_sampled =
-            has_old && (!frees_filtered() || unsafe { SAMPLED_LIVE.get(sampled_key(tgid, ptr_arg)) }.is_some());
+        let old_key = sampled_key(tgid, ptr_arg);
+        let old_sampled = has_old
+            && (!frees_filtered() || may_be_sampled(&old_key) && unsafe { SAMPLED_LIVE.get(old_key) }.is_some());
         sampling = if sample_hit(bytes_req, mean) { inflight::SAMPLE_NEW } else { 0 }
             | if old_sampled { inflight::OLD_SAMPLED } else { 0 };
         if sampling == 0 && !reallocating {
@@ -296,7 +298,7 @@ pub(crate) fn try_alloc_return(ctx: &RetProbeContext) -> Result<Next, ()> {
             return Ok(Next::Done); // failed: the old block is untouched
         }
         if sampling {
-            let _ = SAMPLED_LIVE.remove(sampled_key(tgid, state.ptr_arg));
+            remove_sampled(sampled_key(tgid, state.ptr_arg));
         }
         // The old block is gone: freed (size 0) or replaced by the new one.
         emit::<FreeRecord>(ring, |r| {
@@ -312,7 +314,7 @@ pub(crate) fn try_alloc_return(ctx: &RetProbeContext) -> Result<Next, ()> {
     if ptr == 0 || state.flags & inflight::SAMPLE_NEW == 0 {
         return Ok(Next::Done);
     }
-    if sampling && SAMPLED_LIVE.insert(sampled_key(tgid, ptr), 1u8, BPF_ANY as u64).is_err() {
+    if sampling && !insert_sampled(sampled_key(tgid, ptr)) {
         bump(counter::LOST_SAMPLED_LIVE);
     }
     let (bytes_alloc, exact) = if kind == Kind::Mmap {
@@ -389,8 +391,10 @@ fn try_free(ctx: &ProbeContext, kind: u8) -> Result<(), ()> {
     // Sampled mode: only the frees of sampled blocks matter (most frees stop here, before
     // the traced-set lookup: a block of this process in the sampled set was allocated
     // while it was traced). Under the overload switch's first phase all are still sent.
+    // Configured sampling asks its filter first: most frees are of blocks never sampled.
+    let key = sampled_key(tgid, ptr);
     // SAFETY: plain byte value.
-    if heap && frees_filtered() && unsafe { SAMPLED_LIVE.get(sampled_key(tgid, ptr)) }.is_none() {
+    if heap && frees_filtered() && (!may_be_sampled(&key) || unsafe { SAMPLED_LIVE.get(key) }.is_none()) {
         return Ok(());
     }
     let Thread::Traced(slot) = crate::inflight::traced_thread(tgid, false) else { return Ok(()) };
@@ -401,7 +405,7 @@ fn try_free(ctx: &ProbeContext, kind: u8) -> Result<(), ()> {
         }
     }
     if sampled_heap {
-        let _ = SAMPLED_LIVE.remove(sampled_key(tgid, ptr));
+        remove_sampled(key);
     }
     let pages = if kind == Kind::Munmap as u8 { length_in_pages(ctx) } else { 0 };
     send_free(kind, tgid, tid, ptr, pages)

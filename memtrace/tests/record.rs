@@ -363,7 +363,12 @@ fn sampled_recording_estimates_the_true_figures() {
     assert_eq!(report["lost_events"], 0);
     // Blocks far larger than the sampling period are always sampled, standing for one.
     let large = manifest["sites"].as_array().unwrap().iter().find(|s| s["function"] == "wl_malloc_large").unwrap();
-    assert_eq!(site(&report, "wl_malloc_large").unwrap()["allocs"], large["allocs"]);
+    let large_site = site(&report, "wl_malloc_large").unwrap();
+    assert_eq!(large_site["allocs"], large["allocs"]);
+    // ... and so are their frees: every sampled block's free is sent, none of the others'.
+    assert!(large["frees"].as_u64().unwrap() > 0);
+    assert_eq!(large_site["frees"], large["frees"], "{large_site:#}");
+    assert_eq!(large_site["live_allocs"], large["live_allocs"], "{large_site:#}");
     // The rest are estimates: unbiased, within a few standard errors.
     let sum = |v: &Value, f: &str| -> f64 {
         v["sites"]
