@@ -115,9 +115,15 @@ raw_tracepoint_program!(sys_exit, |ctx| try_sys_exit(ctx));
 /// sys_exit(struct pt_regs *regs, long ret): closes the CPU's syscall window; learns what
 /// a traced task's `openat` or executable `mmap` gave.
 fn try_sys_exit(ctx: &RawTracePointContext) -> Result<(), ()> {
-    let regs: *const pt_regs = ctx.arg(0);
-    // SAFETY: the address of a field of the kernel's pt_regs; the read is checked.
-    let nr = read_kernel_u64(unsafe { core::ptr::addr_of!((*regs).orig_rax) });
+    // The syscall's number, from the task's user registers as a typed kernel pointer: a
+    // direct load, where a checked read of the tracepoint's untyped pointer cost a helper
+    // call on every syscall (the return trampoline's, once per traced allocation, most).
+    // SAFETY: both helpers take the current task, which stays valid while we run, and a
+    // task in a syscall has user registers (never null here); the verifier checks the
+    // load against the BTF of pt_regs and makes it a faulting-safe one.
+    let nr = Some(unsafe {
+        (*(generated::bpf_task_pt_regs(generated::bpf_get_current_task_btf()) as *const pt_regs)).orig_rax
+    });
     if nr.is_some_and(is_uprobe_syscall) {
         // No window was opened for it (`try_sys_enter`); the one it would close, if any,
         // belongs to a syscall that has already left.
