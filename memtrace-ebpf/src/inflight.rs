@@ -82,8 +82,9 @@ pub(crate) enum Thread {
 
 /// Whether the current thread's process `tgid` is traced, from the answer its storage
 /// keeps while the traced set has not changed (one lookup, of the storage the probe needs
-/// anyway), else from the traced set, the answer then kept. With `create`, a traced thread
-/// without storage gets one (the entry of a call about to be recorded).
+/// anyway), else from the traced set, the answer then kept. With `create`, under `-a`, a
+/// thread without storage gets one (the entry of a call about to be recorded); otherwise
+/// every thread does, to keep its answer.
 #[inline(always)]
 pub(crate) fn traced_thread(tgid: u32, create: bool) -> Thread {
     if config!(trace_all) != 0 {
@@ -91,17 +92,12 @@ pub(crate) fn traced_thread(tgid: u32, create: bool) -> Thread {
     }
     // Read before the traced set: a change made after this read shows as a new generation
     // next time, whichever answer the set gave now.
-    let generation = TRACED_GEN.get(0).copied().unwrap_or(0);
-    let Some(state) = slot(false) else {
-        if !is_traced(tgid) {
-            return Thread::Untraced;
-        }
-        let mut state = if create { slot(true) } else { None };
-        if let Some(s) = state.as_deref_mut() {
-            s.traced_gen = generation;
-            s.traced = inflight::TRACED_YES;
-        }
-        return Thread::Traced(state);
+    let generation = TRACED_GEN.get(0).copied().unwrap_or(0) as u32;
+    // Every thread that calls the allocator gets storage, untraced ones too (the probes
+    // of a file see every process): their answer is kept as well, one lookup per call.
+    let Some(state) = slot(true) else {
+        // No storage to be had: the traced set alone.
+        return if is_traced(tgid) { Thread::Traced(None) } else { Thread::Untraced };
     };
     if state.traced == inflight::TRACED_UNKNOWN || state.traced_gen != generation {
         state.traced = if is_traced(tgid) { inflight::TRACED_YES } else { inflight::TRACED_NO };

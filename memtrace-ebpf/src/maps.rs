@@ -37,15 +37,23 @@ pub(crate) static TRACED: HashMap<u32, u32, 16384> = HashMap::new();
 /// a thread's answer kept in its task storage (`inflight::traced_thread`) holds while this
 /// reads as it did when the answer was looked up.
 #[btf_map]
-pub(crate) static TRACED_GEN: Array<u32, 1> = Array::new();
+pub(crate) static TRACED_GEN: Array<u64, 1> = Array::new();
+
+/// Adds one to a generation word, atomically: the add is also a full barrier, so the
+/// change it marks is visible to any CPU that sees the new generation, and racing CPUs
+/// cannot leave it unchanged.
+#[inline(always)]
+pub(crate) fn bump_generation(word: Option<*mut u64>) {
+    if let Some(g) = word {
+        // SAFETY: a word of a global array map, changed by a BPF atomic add.
+        unsafe { core::intrinsics::atomic_xadd::<u64, u64, { core::intrinsics::AtomicOrdering::SeqCst }>(g, 1) };
+    }
+}
 
 /// Marks a change of [`TRACED`] (after it is made).
 #[inline(always)]
 pub(crate) fn traced_changed() {
-    if let Some(g) = TRACED_GEN.get_ptr_mut(0) {
-        // SAFETY: a word of a global array; CPUs racing here change it all the same.
-        unsafe { core::ptr::write_volatile(g, (*g).wrapping_add(1)) };
-    }
+    bump_generation(TRACED_GEN.get_ptr_mut(0));
 }
 
 /// Kernel blocks allocated by traced tasks (pid mode), so their frees are seen from any
@@ -135,15 +143,12 @@ pub(crate) static ASIDS: HashMap<u32, u32, 65536> = HashMap::new();
 /// userspace, the map first): each CPU's memory of the last process it walked a stack of
 /// (`Scratch::proc_*`) holds while this reads as it did when that was looked up.
 #[btf_map]
-pub(crate) static PROC_GEN: Array<u32, 1> = Array::new();
+pub(crate) static PROC_GEN: Array<u64, 1> = Array::new();
 
 /// Marks a change of [`ASIDS`] or `PY_PROCS` (after it is made).
 #[inline(always)]
 pub(crate) fn process_changed() {
-    if let Some(g) = PROC_GEN.get_ptr_mut(0) {
-        // SAFETY: a word of a global array; CPUs racing here change it all the same.
-        unsafe { core::ptr::write_volatile(g, (*g).wrapping_add(1)) };
-    }
+    bump_generation(PROC_GEN.get_ptr_mut(0));
 }
 
 /// Execs counted per CPU, for new address-space ids.

@@ -208,7 +208,11 @@ pub extern "C" fn memtrace_repeat_walk(ip: u64, sp: u64, bp: u64, hash: u64) -> 
     }
     // Every slot in one read when they lie within a window of each other (a whole window:
     // reading just the span they cover measured slower).
-    let top = a.sps[good][(n as usize - 1) & (MAX_STACK_DEPTH - 1)];
+    // The index read back from memory: knowing n's range, LLVM turned the bounds test into
+    // arithmetic the verifier could not bound.
+    // SAFETY: a volatile read of a local.
+    let last = unsafe { core::ptr::read_volatile(&(n as usize - 1)) };
+    let top = a.sps[good].get(last).copied().unwrap_or(0);
     memtrace_cover_window(a.sps[good][1].wrapping_sub(8), top);
     // The first index (1) comes from the map value, unknown to the verifier: a constant
     // would be followed through every step, a new state each, never converging.
@@ -219,8 +223,11 @@ pub extern "C" fn memtrace_repeat_walk(ip: u64, sp: u64, bp: u64, hash: u64) -> 
         generated::bpf_loop(MAX_STACK_DEPTH as u32, repeat_step as *mut c_void, addr_of_mut!(r) as *mut c_void, 0)
     };
     if r.ok == 0 {
-        // The stacks part somewhere above the first frame: the walk's reuse tries again
-        // from the next frame on.
+        // The stacks part somewhere above the first frame: the walk's reuse tries from the
+        // previous walk's second frame on, not this check again.
+        if let Some(scratch) = crate::context::scratch() {
+            scratch.walk_reuse_k = 1;
+        }
         return 0;
     }
     let Some(scratch) = crate::context::scratch() else { return 0 };

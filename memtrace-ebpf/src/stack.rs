@@ -364,11 +364,7 @@ pub(crate) fn send_stack_once(
             let _ = STACKS_SENT.remove(hash);
             // Every CPU's memory of sent stacks is forgotten: one may have seen this hash
             // in the map before it left.
-            if let Some(g) = STACKS_LOST_GEN.get_ptr_mut(0) {
-                // SAFETY: a word of a global array; a race between CPUs changes it all
-                // the same.
-                unsafe { core::ptr::write_volatile(g, (*g).wrapping_add(1)) };
-            }
+            crate::maps::bump_generation(STACKS_LOST_GEN.get_ptr_mut(0));
         }
         bump(counter::LOST_STACKS);
     } else if !with_copy {
@@ -485,6 +481,8 @@ pub(crate) fn user_stack(ctx: &RetProbeContext, ring: &Ring, pid: u32) -> Option
     scratch.walk_time = scratch.pending_user.ts_ns;
     let seed = stack_hash_step(USER_STACK_SEED, pid as u64);
     let (user, hash) = walk_user(ctx.as_ptr(), scratch, pid, Some(UserRegs::of_return(ctx)), seed);
+    // Not left for a later walk when this one ended before noting its anchors.
+    scratch.walk_time = 0;
     if user.n == 0 {
         return None;
     }

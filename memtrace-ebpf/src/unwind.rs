@@ -165,7 +165,7 @@ pub(crate) fn end_address_space(tgid: u32) {
 /// looked up and remembered: two hash lookups per stack become one array read.
 #[inline(always)]
 pub(crate) fn process_facts(scratch: &mut Scratch, tgid: u32) -> (Option<u32>, bool) {
-    let generation = PROC_GEN.get(0).copied().unwrap_or(0);
+    let generation = PROC_GEN.get(0).copied().unwrap_or(0) as u32;
     let flags = scratch.proc_flags;
     if flags & proc_flags::VALID != 0 && scratch.proc_tgid == tgid && scratch.proc_gen == generation {
         return ((flags & proc_flags::ASID != 0).then_some(scratch.proc_asid), flags & proc_flags::PYTHON != 0);

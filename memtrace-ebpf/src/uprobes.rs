@@ -128,9 +128,12 @@ pub(crate) fn try_alloc_enter(ctx: &ProbeContext, cookie: u64, session: bool) ->
     let mean = sampling_mean();
     // Sampling, where an unsampled call skips its return (a session): most calls are drawn
     // out here, before anything is looked up. A call that is not the user's (the allocator
-    // calling itself, a process not traced) draws too: the bytes it adds to this CPU's
-    // countdown leave every other byte's chance of being sampled as it was (the gaps between
-    // samples are memoryless). A reallocation draws below, once its old block is known.
+    // calling itself inside a recorded call, a process not traced) draws too: the bytes it
+    // adds to this CPU's countdown leave every other byte's chance of being sampled as it
+    // was (the gaps between samples are memoryless). (As before this draw moved here, a
+    // probed call made inside an unsampled one, which left no state, is drawn as a call
+    // of its own: glibc's mmap under a large malloc, say.) A reallocation draws below,
+    // once its old block is known.
     let drawn = session && mean != 0 && !reallocating;
     if drawn && !sample_hit(bytes_req, mean) {
         return Ok(false);

@@ -104,7 +104,9 @@ fn stop(mut child: Child) -> Result<()> {
     Ok(())
 }
 
-pub fn section(memtrace: &Path, workloads: &Path) -> Result<String> {
+/// The section's text, and memtrace's added cost with its defaults ÷ bpftrace's
+/// `@[kstack, ustack] = count()` on the allocation tracepoints (issue #13's target).
+pub fn section(memtrace: &Path, workloads: &Path) -> Result<(String, Option<f64>)> {
     let workload = workloads.join("alloc_workload");
     let dir = target_dir().join("bench");
     let data = dir.join("system.data");
@@ -197,7 +199,12 @@ pub fn section(memtrace: &Path, workloads: &Path) -> Result<String> {
          userspace; bpftrace only counts in a map. Kernel stacks are the kernel's own unwinder (ORC) for \
          both: `bpf_get_stack` for memtrace, `bpf_get_stackid` for bpftrace."
     );
-    Ok(out)
+    let defaults = configs.iter().position(|c| c.name.starts_with("memtrace record -a (defaults"));
+    let ratio = match (defaults, reference) {
+        (Some(d), Some(r)) if added(r) > 0.0 => Some(added(d) / added(r)),
+        _ => None,
+    };
+    Ok((out, ratio))
 }
 
 /// `cargo xtask bench system`: this section alone, replaced in BENCHMARKS.md.
@@ -207,5 +214,5 @@ pub fn run_alone() -> Result<()> {
     crate::ensure_tools(&[("bpftrace", "bpftrace"), ("perf", "linux-perf")])?;
     let (memtrace, workloads) = build_release()?;
     fs::create_dir_all(target_dir().join("bench"))?;
-    crate::update_benchmarks("system-wide", &SECTION, &section(&memtrace, &workloads)?)
+    crate::update_benchmarks("system-wide", &SECTION, &section(&memtrace, &workloads)?.0)
 }

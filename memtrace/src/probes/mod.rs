@@ -360,7 +360,7 @@ impl Probes {
     /// Changes the generation word `name` after a change of the maps it stands for: the
     /// probes' remembered answers from them are looked up again.
     fn bump_generation(&mut self, name: &str) -> Result<()> {
-        let mut generation: Array<_, u32> =
+        let mut generation: Array<_, u64> =
             Array::try_from(self.ebpf.map_mut(name).with_context(|| format!("{name} map"))?)?;
         let next = generation.get(&0, 0).with_context(|| format!("reading {name}"))?.wrapping_add(1);
         generation.set(0, next, 0).with_context(|| format!("writing {name}"))?;
