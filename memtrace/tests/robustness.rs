@@ -213,6 +213,9 @@ fn output_paths_that_cannot_be_written_fail_clearly() {
 #[test]
 fn a_full_disk_stops_the_recording_and_keeps_what_was_written() {
     require_root();
+    // Beside the every-core load below, the reader fell behind the faster probes and the
+    // disk filled only when the recording was finished (a CI run): not side by side.
+    let _sharing = sharing_the_machine();
     let dir = scratch("full");
     let mounted =
         Command::new("mount").args(["-t", "tmpfs", "-o", "size=384k", "memtrace-full"]).arg(&dir).status().unwrap();
@@ -478,6 +481,8 @@ fn memtraces_memory_stays_bounded_under_many_live_blocks() {
 #[test]
 fn sustained_load_on_every_core_is_accounted_for() {
     require_root();
+    // Every core busy for 20 s: the other tests' recorders would fall behind meanwhile.
+    let _alone = alone_on_the_machine();
     let dir = scratch("sustained");
     let data = dir.join("s.data");
     let out = run(memtrace().args(["record", "-q", "--no-kernel", "-o"]).arg(&data).arg("--").arg(workload()).args([
