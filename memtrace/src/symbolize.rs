@@ -4,6 +4,7 @@
 //! keeps the symbolizer on a thread of its own, so that its caches (the kernel's symbols,
 //! each object's tables) fill while a recording runs rather than after it.
 use std::{
+    borrow::Cow,
     path::{Path, PathBuf},
     sync::mpsc,
     thread::JoinHandle,
@@ -42,16 +43,38 @@ fn chain(sym: &blazesym::symbolize::Sym<'_>) -> Vec<Symbol> {
     let mut out = Vec::with_capacity(sym.inlined.len() + 1);
     for inlined in sym.inlined.iter().rev() {
         let (file, line) = location(inlined.code_info.as_ref());
-        out.push(Symbol { name: inlined.name.to_string(), file, line, inlined: true });
+        out.push(Symbol { name: demangle(&inlined.name).into_owned(), file, line, inlined: true });
     }
     let (file, line) = location(sym.code_info.as_deref());
-    out.push(Symbol { name: sym.name.to_string(), file, line, inlined: false });
+    out.push(Symbol { name: demangle(&sym.name).into_owned(), file, line, inlined: false });
     out
+}
+
+/// A function's name as people read it: mangled Rust and C++ names (`_R…`, `_ZN…17h…E`,
+/// `_Z…`) demangled, any other name as it is. blazesym's own demangling (off here) also ran
+/// names of no known language through the C++ demangler, which reads a lone type code as a
+/// type: C functions named `a`, `b`, `i` or `v` came out as `signed char`, `bool`, `int`
+/// and `void`.
+pub fn demangle(name: &str) -> Cow<'_, str> {
+    if (name.starts_with("_R") || name.starts_with("_ZN"))
+        && let Ok(d) = rustc_demangle::try_demangle(name)
+    {
+        return Cow::Owned(format!("{d:#}"));
+    }
+    if name.starts_with("_Z")
+        && let Ok(sym) = cpp_demangle::Symbol::new(name)
+        && let Ok(d) = sym.demangle()
+    {
+        return Cow::Owned(d);
+    }
+    Cow::Borrowed(name)
 }
 
 impl Symbolizer {
     pub fn new() -> Self {
-        Self { blaze: Blaze::builder().enable_code_info(true).enable_inlined_fns(true).enable_demangling(true).build() }
+        Self {
+            blaze: Blaze::builder().enable_code_info(true).enable_inlined_fns(true).enable_demangling(false).build(),
+        }
     }
 
     fn run(&self, src: &Source<'_>, input: Input<&[u64]>, n: usize) -> Vec<Vec<Symbol>> {
@@ -194,6 +217,18 @@ mod tests {
         let outer = result[0].last().unwrap();
         assert!(outer.name.contains("a_function_with_a_distinctive_name"), "{result:?}");
         assert!(outer.file.as_deref().unwrap_or("").ends_with("symbolize.rs"), "{result:?}");
+    }
+
+    #[test]
+    fn only_mangled_names_are_demangled() {
+        // C functions whose names are also C++ type codes stay as they are.
+        for name in ["a", "b", "c", "i", "v", "main", "_start", "malloc", "_Zfoo"] {
+            assert_eq!(demangle(name), name);
+        }
+        assert_eq!(demangle("_Z3fooi"), "foo(int)");
+        assert_eq!(demangle("_ZN3foo3barEv"), "foo::bar()");
+        assert_eq!(demangle("_ZN4core3ptr13drop_in_place17h0123456789abcdefE"), "core::ptr::drop_in_place");
+        assert_eq!(demangle("_RNvNtCs1234_7mycrate3foo3bar"), "mycrate::foo::bar");
     }
 
     #[test]
