@@ -396,22 +396,15 @@ pub fn analyze(path: &Path, opts: &ReportOptions) -> Result<Summary> {
         (analyzer.groups, analyzer.totals, analyzer.first_ts, analyzer.last_ts, analyzer.events);
     let infos = grouper.infos;
 
-    let mut rows: Vec<GroupRow> = Vec::with_capacity(infos.len());
-    for (group, (info, stats)) in infos.iter().zip(groups).enumerate() {
-        if stats.allocs == 0 && stats.failed == 0 {
-            continue;
-        }
-        // A label's frames now; the whole stack only for the rows shown (below). The
-        // warnings after `record` show none.
-        let frames = if opts.top == Some(0) {
-            Vec::new()
-        } else {
-            table.frames_prefix(info.stack, info.call_site, LABEL_FRAMES + 1)
-        };
-        rows.push(GroupRow {
+    // The groups with something to show, in the order `--sort` asks.
+    let mut candidates: Vec<(usize, Stats)> =
+        groups.into_iter().enumerate().filter(|(_, s)| s.allocs != 0 || s.failed != 0).collect();
+    let row_of = |group: usize, stats: Stats, frames: Vec<Frame>, label: String| {
+        let info = &infos[group];
+        GroupRow {
             domain: info.key.domain(),
             truncated: table.is_truncated(info.stack),
-            label: label(&info.key, &frames, &comms),
+            label,
             frames,
             kinds: info.kinds.clone(),
             pids: info.pids.clone(),
@@ -426,17 +419,40 @@ pub fn analyze(path: &Path, opts: &ReportOptions) -> Result<Summary> {
                 .checked_sub(1)
                 .and_then(|i| recorded_allocators.get(usize::from(i)))
                 .map(|a| a.family.clone()),
-        });
-    }
-    // No rows asked for (the warnings after `record`): no names to tell apart, and no
-    // reading of the kernel's symbols for them.
-    if opts.top != Some(0) {
+        }
+    };
+    let mut rows: Vec<GroupRow> = if opts.by == GroupBy::Site && opts.top != Some(0) {
+        // Call sites are named before they are sorted: two rows of one name are told apart
+        // by what they show (`sites::disambiguate`). A label's frames now; the whole stack
+        // only for the rows shown (below).
+        let mut rows: Vec<GroupRow> = candidates
+            .into_iter()
+            .map(|(group, stats)| {
+                let info = &infos[group];
+                let frames = table.frames_prefix(info.stack, info.call_site, LABEL_FRAMES + 1);
+                let name = label(&info.key, &frames, &comms);
+                row_of(group, stats, frames, name)
+            })
+            .collect();
         sites::disambiguate(&mut rows, opts.by);
-    }
-    sort_rows(&mut rows, opts.sort);
-    if let Some(n) = opts.top {
-        rows.truncate(n);
-    }
+        rows.sort_by(|a, b| row_order(opts.sort, &a.stats, &b.stats));
+        rows.truncate(opts.top.unwrap_or(usize::MAX));
+        rows
+    } else {
+        // Other rows are made and named once sorted, only those shown: a report by stack of
+        // a million stacks named them all (gigabytes). The warnings after `record` show none.
+        candidates.sort_by(|a, b| row_order(opts.sort, &a.1, &b.1));
+        candidates.truncate(opts.top.unwrap_or(usize::MAX));
+        candidates
+            .into_iter()
+            .map(|(group, stats)| {
+                let info = &infos[group];
+                let frames = table.frames_prefix(info.stack, info.call_site, LABEL_FRAMES + 1);
+                let name = label(&info.key, &frames, &comms);
+                row_of(group, stats, Vec::new(), name)
+            })
+            .collect()
+    };
     for row in &mut rows {
         row.frames = table.frames_once(row.stack, row.call_site);
     }
@@ -516,13 +532,10 @@ pub fn sort_value(key: SortKey, s: &Stats) -> f64 {
     }
 }
 
-/// Largest first; ties by bytes allocated.
-fn sort_rows(rows: &mut [GroupRow], key: SortKey) {
-    rows.sort_by(|a, b| {
-        sort_value(key, &b.stats)
-            .total_cmp(&sort_value(key, &a.stats))
-            .then(b.stats.bytes_alloc.cmp(&a.stats.bytes_alloc))
-    });
+/// The order of rows: largest first; ties by bytes allocated (a stable sort keeps the
+/// order groups were met in after that).
+fn row_order(key: SortKey, a: &Stats, b: &Stats) -> std::cmp::Ordering {
+    sort_value(key, b).total_cmp(&sort_value(key, a)).then(b.bytes_alloc.cmp(&a.bytes_alloc))
 }
 
 /// The figure leak rows are sorted by, as `--sort` names it for groups: blocks, bytes
