@@ -197,7 +197,11 @@ const PID_TABLES_WAIT: Duration = Duration::from_secs(2);
 /// are ready meanwhile (each install waits for an RCU grace period, which the
 /// verification's CPU time hides).
 fn verify_installing_tables(probes: &mut Probes, plan: probes::verify::Plan, unwinder: &mut Unwinder) -> Result<()> {
-    let mut maps = probes.table_maps()?;
+    // The store's install thread starts at once (with the maps installed ahead of need):
+    // installs made on this thread held it for a batch's grace periods, 70–200 ms past the
+    // end of the verification when a warm cache had a hundred tables to install.
+    let installer = std::cell::RefCell::new(crate::unwind::store::TableSink::installer(&*probes));
+    let mut maps = Handoff { maps: probes.table_maps()?, installer };
     std::thread::scope(|scope| {
         let verifying = scope.spawn(|| probes.verify_ahead(plan));
         while !verifying.is_finished() {
@@ -206,6 +210,34 @@ fn verify_installing_tables(probes: &mut Probes, plan: probes::verify::Plan, unw
         }
         verifying.join().map_err(|_| anyhow!("verifying the probes panicked"))?
     })
+}
+
+/// The tables' maps while the probes are verified, handing the store its install thread.
+struct Handoff {
+    maps: probes::TableMaps,
+    installer: std::cell::RefCell<Option<crate::unwind::store::Installer>>,
+}
+
+impl crate::unwind::store::TableSink for Handoff {
+    fn install_tables(&mut self, tables: &[(u32, Vec<u64>)]) -> Vec<Result<()>> {
+        self.maps.install_tables(tables)
+    }
+
+    fn installer(&self) -> Option<crate::unwind::store::Installer> {
+        self.installer.borrow_mut().take()
+    }
+
+    fn place_table(&mut self, slot: u32, elements: &[u64]) -> Option<Result<()>> {
+        self.maps.place_table(slot, elements)
+    }
+
+    fn register_file(
+        &mut self,
+        id: memtrace_common::unwind::FileId,
+        table: memtrace_common::unwind::FileTable,
+    ) -> Result<()> {
+        self.maps.register_file(id, table)
+    }
 }
 
 impl Tracer {
@@ -322,17 +354,28 @@ impl Tracer {
                 Some(u) => verify_installing_tables(&mut probes, plan, u)?,
                 None => probes.verify_ahead(plan)?,
             }
+            let started = Instant::now();
             probes.attach_task_tracepoints()?;
             if track_mappings {
                 probes.attach_mapping_tracker()?;
             }
+            let tracepoints = started.elapsed();
             if options.kernel {
                 probes.attach_kernel()?;
             }
+            let kernel = started.elapsed();
             for allocator in &found {
                 probes.attach_allocator(allocator, probe_scope(&probes, options, target_pid))?;
                 probes.load_cuda_programs()?;
             }
+            log::debug!(
+                "attached in {} ms: task and mapping tracepoints {} ms, kernel {} ms, {} allocators {} ms",
+                started.elapsed().as_millis(),
+                tracepoints.as_millis(),
+                (kernel - tracepoints).as_millis(),
+                found.len(),
+                (started.elapsed() - kernel).as_millis()
+            );
             Ok(())
         })();
         if let Err(e) = attached {
@@ -343,15 +386,17 @@ impl Tracer {
         }
         let attached_to = probe_scope(&probes, options, target_pid).unwrap_or(0);
         if let Some(u) = unwinder.as_mut() {
-            let wait = match &options.target {
+            let started = Instant::now();
+            let ready = match &options.target {
                 Target::Pid(pid) => {
                     u.learn_process(*pid, &mut probes);
-                    PID_TABLES_WAIT
+                    u.wait_tables(&mut probes, PID_TABLES_WAIT)
                 }
-                _ => COMMAND_TABLES_WAIT,
+                Target::Command(_) => u.wait_startup_tables(&mut probes, COMMAND_TABLES_WAIT),
+                Target::All => u.wait_tables(&mut probes, COMMAND_TABLES_WAIT),
             };
-            let started = Instant::now();
-            if !u.wait_tables(&mut probes, wait) {
+            let wait = if matches!(options.target, Target::Pid(_)) { PID_TABLES_WAIT } else { COMMAND_TABLES_WAIT };
+            if !ready {
                 log::debug!("unwind tables still building after {wait:?}: early stacks are finished from copies");
             }
             log::debug!("unwind tables ready in {} ms: {:?}", started.elapsed().as_millis(), u.stats().tables);

@@ -611,6 +611,21 @@ impl TableStore {
     }
 
     /// Waits until every requested table is installed, or `timeout` passes.
+    /// Waits (at most `timeout`) until the tables of `slots` are installed (or failed).
+    pub fn wait_slots(&mut self, slots: &[Slot], sink: &mut dyn TableSink, timeout: Duration) -> bool {
+        let deadline = Instant::now() + timeout;
+        loop {
+            self.poll(sink);
+            if slots.iter().all(|&s| !matches!(self.state(s), Some(TableState::Building))) {
+                return true;
+            }
+            if Instant::now() >= deadline {
+                return false;
+            }
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    }
+
     pub fn wait_idle(&mut self, sink: &mut dyn TableSink, timeout: Duration) -> bool {
         let deadline = Instant::now() + timeout;
         loop {
