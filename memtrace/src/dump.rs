@@ -186,11 +186,11 @@ fn write_events(path: &Path, mut table: Option<&mut StackTable>, out: &mut dyn W
 
 /// Every stack of the recording, numbered as events refer to them (`stack=N`).
 fn write_stacks(table: &mut StackTable, out: &mut dyn Write) -> std::io::Result<()> {
-    let ids: Vec<(u32, u32, bool)> = table.stacks.values().map(|s| (s.id, s.pid, s.truncated)).collect();
+    let ids = table.stack_list();
     for (id, pid, truncated) in ids {
         let reference = u64::from(id) + 1;
         writeln!(out, "stack={reference} pid={pid}{}", if truncated { " (cut short)" } else { "" })?;
-        for f in table.frames(reference, 0) {
+        for f in table.frames_once(reference, 0) {
             writeln!(out, "{}", frame_line(&f))?;
         }
         writeln!(out)?;

@@ -36,6 +36,7 @@ pub mod report;
 pub mod serve;
 pub mod session;
 pub mod sizes;
+pub mod stack_store;
 pub mod stacks;
 pub mod symbolize;
 pub mod top;

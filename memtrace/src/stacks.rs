@@ -14,6 +14,7 @@ use serde::Serialize;
 use crate::{
     analysis::Domain,
     recording::{FileFrame, FileStack, Module, Symbol, SymbolKey},
+    stack_store::{Frame as StoreFrame, StackRef, StackStore},
     symbolize::Symbolizer,
 };
 
@@ -91,7 +92,7 @@ fn module_name(path: &str) -> String {
 
 #[derive(Default)]
 pub struct StackTable {
-    pub stacks: BTreeMap<u32, FileStack>,
+    stacks: StackStore,
     pub modules: BTreeMap<u32, Module>,
     pub symbols: HashMap<SymbolKey, Vec<Symbol>>,
     /// Names computed for (stack id, call site).
@@ -178,11 +179,65 @@ const ALLOCATOR_MAPPERS: &[&str] = &[
 
 impl StackTable {
     pub fn new(
-        stacks: BTreeMap<u32, FileStack>,
+        stacks: impl IntoIterator<Item = (u32, FileStack)>,
         modules: BTreeMap<u32, Module>,
         symbols: impl IntoIterator<Item = (SymbolKey, Vec<Symbol>)>,
     ) -> Self {
-        Self { stacks, modules, symbols: symbols.into_iter().collect(), cache: HashMap::new(), allocator: None }
+        let mut store = StackStore::default();
+        for (_, s) in stacks {
+            store.insert(&s);
+        }
+        Self::with_store(store, modules, symbols)
+    }
+
+    /// A table of the stacks in `store` (done adding: [`StackStore::settle`]).
+    pub fn with_store(
+        mut store: StackStore,
+        modules: BTreeMap<u32, Module>,
+        symbols: impl IntoIterator<Item = (SymbolKey, Vec<Symbol>)>,
+    ) -> Self {
+        store.settle();
+        Self { stacks: store, modules, symbols: symbols.into_iter().collect(), cache: HashMap::new(), allocator: None }
+    }
+
+    /// Adds (or replaces) a stack.
+    pub fn insert_stack(&mut self, s: FileStack) {
+        self.stacks.insert(&s);
+    }
+
+    /// Forgets a stack (the agent's eviction).
+    pub fn remove_stack(&mut self, id: u32) {
+        self.stacks.remove(id);
+        self.cache.retain(|&(stack, _), _| stack != u64::from(id) + 1);
+    }
+
+    pub fn stack_count(&self) -> usize {
+        self.stacks.len()
+    }
+
+    /// Every stack: (id, pid, cut short), by id.
+    pub fn stack_list(&self) -> Vec<(u32, u32, bool)> {
+        self.stacks.iter().map(|s| (s.id, s.pid, s.truncated)).collect()
+    }
+
+    /// The stack events refer to as `stack` (id + 1).
+    pub fn stack(&self, stack: u64) -> Option<StackRef<'_>> {
+        stack.checked_sub(1).and_then(|id| self.stacks.get(u32::try_from(id).ok()?))
+    }
+
+    /// Every address the stacks name (each once): kernel addresses, and user frames in a
+    /// module.
+    pub fn symbol_keys(&self) -> impl Iterator<Item = SymbolKey> + '_ {
+        self.stacks.distinct_frames().filter_map(|f| match f {
+            StoreFrame::Kernel(a) => Some(SymbolKey::Kernel(a)),
+            StoreFrame::User(f @ FileFrame::Module { .. }) => Some(SymbolKey::User(f)),
+            StoreFrame::User(FileFrame::Address(_)) => None,
+        })
+    }
+
+    /// Forgets the names computed for rows, so they are named again from the symbols.
+    pub fn clear_names(&mut self) {
+        self.cache.clear();
     }
 
     /// The object the recording's allocator was found in (its `allocator`), to tell the
@@ -197,10 +252,10 @@ impl StackTable {
     /// program, in one of the functions known to map for themselves.
     pub fn is_reserved_mmap(&self, stack: u64) -> bool {
         let Some(allocator) = self.allocator.as_deref() else { return false };
-        let Some(s) = stack.checked_sub(1).and_then(|id| self.stacks.get(&(id as u32))) else { return false };
+        let Some(s) = self.stack(stack) else { return false };
         // Only the innermost user frame is named: not the whole stack, which a recording
         // of a big program would otherwise build (and keep) for each of its stacks.
-        let Some(&innermost) = s.user.first() else { return false };
+        let Some(innermost) = s.user().next() else { return false };
         let chain = self.name(SymbolKey::User(innermost));
         let Some(first) = chain.first() else { return false };
         if allocator.contains(".so") {
@@ -215,7 +270,7 @@ impl StackTable {
         if self.allocator.is_none() {
             return HashSet::new();
         }
-        self.stacks.keys().map(|&id| u64::from(id) + 1).filter(|&s| self.is_reserved_mmap(s)).collect()
+        self.stacks.iter().map(|s| u64::from(s.id) + 1).filter(|&s| self.is_reserved_mmap(s)).collect()
     }
 
     /// Every stack (id + 1) with a kernel frame in the uprobe machinery
@@ -224,8 +279,8 @@ impl StackTable {
     pub fn uprobe_stacks(&self) -> HashSet<u64> {
         let mut machinery: HashMap<u64, bool> = HashMap::new();
         let mut out = HashSet::new();
-        for (&id, s) in &self.stacks {
-            let hit = s.kernel.iter().any(|&addr| {
+        for s in self.stacks.iter() {
+            let hit = s.kernel().any(|addr| {
                 *machinery.entry(addr).or_insert_with(|| {
                     self.symbols
                         .get(&SymbolKey::Kernel(addr))
@@ -233,7 +288,7 @@ impl StackTable {
                 })
             });
             if hit {
-                out.insert(u64::from(id) + 1);
+                out.insert(u64::from(s.id) + 1);
             }
         }
         out
@@ -243,30 +298,7 @@ impl StackTable {
     /// copy is defined under the event's own id) → the first such id, as events refer to
     /// stacks (id + 1). A stack is one row, however many ids it was recorded under.
     pub fn duplicates(&self) -> HashMap<u64, u64> {
-        // Stacks sorted by a hash of their content, then compared within runs of one hash:
-        // 16 bytes per stack, where a map keyed by the content held 150 MB for a million.
-        fn content(s: &FileStack) -> (u32, &[u64], &[FileFrame], bool) {
-            (s.pid, &s.kernel, &s.user, s.truncated)
-        }
-        use std::hash::BuildHasher as _;
-        let hasher = foldhash::fast::FixedState::with_seed(0x6d74_6475_7073);
-        let mut hashed: Vec<(u64, u32)> = self.stacks.values().map(|s| (hasher.hash_one(content(s)), s.id)).collect();
-        hashed.sort_unstable();
-        let mut out = HashMap::new();
-        for run in hashed.chunk_by(|a, b| a.0 == b.0).filter(|run| run.len() > 1) {
-            // Within a run, ids ascend: each stack's canonical id is the first with its frames.
-            let mut firsts: Vec<&FileStack> = Vec::new();
-            for &(_, id) in run {
-                let s = &self.stacks[&id];
-                match firsts.iter().find(|f| content(f) == content(s)) {
-                    Some(f) => {
-                        out.insert(u64::from(s.id) + 1, u64::from(f.id) + 1);
-                    }
-                    None => firsts.push(s),
-                }
-            }
-        }
-        out
+        self.stacks.duplicates().into_iter().map(|(id, first)| (u64::from(id) + 1, u64::from(first) + 1)).collect()
     }
 
     /// Symbolizes locally every frame the recording has no symbol for. Returns how many
@@ -274,19 +306,20 @@ impl StackTable {
     pub fn fill_missing_symbols(&mut self) -> usize {
         let mut by_module: HashMap<u32, HashSet<u64>> = HashMap::new();
         let mut kernel: HashSet<u64> = HashSet::new();
-        for stack in self.stacks.values() {
-            for &addr in &stack.kernel {
-                if !self.symbols.contains_key(&SymbolKey::Kernel(addr)) {
+        for key in self.symbol_keys() {
+            if self.symbols.contains_key(&key) {
+                continue;
+            }
+            match key {
+                SymbolKey::Kernel(addr) => {
                     kernel.insert(addr);
                 }
-            }
-            for frame in &stack.user {
-                if let FileFrame::Module { module, offset } = *frame
-                    && !self.symbols.contains_key(&SymbolKey::User(*frame))
-                    && self.modules.get(&module).is_none_or(|m| crate::python::function_of(m).is_none())
+                SymbolKey::User(FileFrame::Module { module, offset })
+                    if self.modules.get(&module).is_none_or(|m| crate::python::function_of(m).is_none()) =>
                 {
                     by_module.entry(module).or_default().insert(offset);
                 }
+                SymbolKey::User(_) => {}
             }
         }
         if by_module.is_empty() && kernel.is_empty() {
@@ -423,8 +456,8 @@ impl StackTable {
     /// naming no other user frame.
     pub fn key_frame(&self, stack: u64, call_site: u64, domain: Domain, python: bool) -> Option<Frame> {
         if python
-            && let Some(s) = stack.checked_sub(1).and_then(|id| self.stacks.get(&(id as u32)))
-            && let Some(&frame) = s.user.iter().find(|f| {
+            && let Some(s) = self.stack(stack)
+            && let Some(frame) = s.user().find(|f| {
                 matches!(f, FileFrame::Module { module, .. }
                     if self.modules.get(module).is_some_and(|m| crate::python::function_of(m).is_some()))
             })
@@ -438,17 +471,17 @@ impl StackTable {
     /// user part only.
     fn named(&self, stack: u64, call_site: u64, user: usize) -> Vec<Frame> {
         let mut out = Vec::new();
-        let recorded = stack.checked_sub(1).and_then(|id| self.stacks.get(&(id as u32)));
-        match recorded {
+        match self.stack(stack) {
             Some(s) => {
-                let start = if call_site != 0 { s.kernel.iter().position(|&a| a == call_site) } else { None };
+                let all_kernel: Vec<u64> = s.kernel().collect();
+                let start = if call_site != 0 { all_kernel.iter().position(|&a| a == call_site) } else { None };
                 let kernel = match start {
-                    Some(i) => &s.kernel[i..],
+                    Some(i) => &all_kernel[i..],
                     None if call_site != 0 => {
                         out.extend(self.name(SymbolKey::Kernel(call_site)));
-                        &s.kernel[..0]
+                        &all_kernel[..0]
                     }
-                    None => &s.kernel[..],
+                    None => &all_kernel[..],
                 };
                 let mut named: Vec<Vec<Frame>> = kernel.iter().map(|&a| self.name(SymbolKey::Kernel(a))).collect();
                 // The probe itself and the tracepoint's call into it are not the kernel's
@@ -469,8 +502,8 @@ impl StackTable {
                     }
                 }
                 out.extend(named.into_iter().flatten());
-                for frame in s.user.iter().take(user) {
-                    out.extend(self.name(SymbolKey::User(*frame)));
+                for frame in s.user().take(user) {
+                    out.extend(self.name(SymbolKey::User(frame)));
                 }
             }
             None if call_site != 0 => out.extend(self.name(SymbolKey::Kernel(call_site))),
@@ -482,7 +515,7 @@ impl StackTable {
     /// Whether the stack's walk was cut (depth limit, code without unwind information, or
     /// it left the code).
     pub fn is_truncated(&self, stack: u64) -> bool {
-        stack.checked_sub(1).and_then(|id| self.stacks.get(&(id as u32))).is_some_and(|s| s.truncated)
+        self.stack(stack).is_some_and(|s| s.truncated)
     }
 
     /// The stack references (id + 1) of every stack with a Python frame.
@@ -493,15 +526,15 @@ impl StackTable {
             return HashSet::new();
         }
         self.stacks
-            .values()
-            .filter(|s| s.user.iter().any(|f| matches!(f, FileFrame::Module { module, .. } if python.contains(module))))
+            .iter()
+            .filter(|s| s.user().any(|f| matches!(f, FileFrame::Module { module, .. } if python.contains(&module))))
             .map(|s| u64::from(s.id) + 1)
             .collect()
     }
 
     /// The stack references (id + 1, as events carry them) of every truncated stack.
     pub fn truncated_stacks(&self) -> HashSet<u64> {
-        self.stacks.values().filter(|s| s.truncated).map(|s| u64::from(s.id) + 1).collect()
+        self.stacks.iter().filter(|s| s.truncated).map(|s| u64::from(s.id) + 1).collect()
     }
 }
 
@@ -569,7 +602,7 @@ mod tests {
             stack(15, 1, 0x20, false), // as 9
             stack(20, 1, 0x10, false), // as 3
         ];
-        let table = StackTable::new(stacks.into_iter().map(|s| (s.id, s)).collect(), BTreeMap::new(), []);
+        let table = StackTable::new(stacks.into_iter().map(|s| (s.id, s)), BTreeMap::new(), []);
         let mut found: Vec<(u64, u64)> = table.duplicates().into_iter().collect();
         found.sort_unstable();
         assert_eq!(found, [(8, 4), (16, 10), (21, 4)]);
@@ -591,8 +624,9 @@ mod tests {
         // A Python frame (a module standing for a Python function) above the native ones.
         let build_id = crate::python::module_build_id("run", "/app/job.py");
         t.modules.insert(1, Module { id: 1, build_id, path: "/app/job.py".into() });
-        if let Some(s) = t.stacks.get_mut(&0) {
+        if let Some(mut s) = t.stack(1).map(|s| s.to_file_stack()) {
             s.user.push(FileFrame::Module { module: 1, offset: 12 });
+            t.insert_stack(s);
         }
         for call_site in [0, 0xffff_0002, 0xdead] {
             for stack in [0, 1, 7] {
@@ -688,19 +722,13 @@ mod tests {
     fn mmaps_from_inside_the_allocators_library_are_reserved() {
         let mut t = table();
         t.modules.insert(1, Module { id: 1, build_id: vec![], path: "/usr/lib/x86_64-linux-gnu/libc.so.6".into() });
-        t.stacks.insert(
-            1,
-            FileStack {
-                id: 1,
-                pid: 1,
-                kernel: vec![],
-                user: vec![
-                    FileFrame::Module { module: 1, offset: 0x90 },
-                    FileFrame::Module { module: 0, offset: 0x10 },
-                ],
-                truncated: false,
-            },
-        );
+        t.insert_stack(FileStack {
+            id: 1,
+            pid: 1,
+            kernel: vec![],
+            user: vec![FileFrame::Module { module: 1, offset: 0x90 }, FileFrame::Module { module: 0, offset: 0x10 }],
+            truncated: false,
+        });
         assert!(!t.is_reserved_mmap(2), "no allocator known");
         t.set_allocator(Some("/lib/x86_64-linux-gnu/libc.so.6"));
         assert!(t.is_reserved_mmap(2), "pthread_create's stack, from libc");

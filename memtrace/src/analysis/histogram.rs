@@ -51,6 +51,7 @@ impl Histogram {
         let base = self.base as usize;
         if self.counts.is_empty() {
             self.base = b as u32;
+            self.counts.reserve_exact(1);
             self.counts.push(n);
         } else if b < base {
             self.counts.splice(0..0, std::iter::repeat_n(0, base - b));

@@ -52,6 +52,9 @@ impl SizeHistogram {
             Ok(i) => &mut self.bins[i].1,
             Err(i) => {
                 let (min_size, max_size) = bounds(k);
+                // Most rows see one size class: room for one (a row per stack of a heavy
+                // program's million stacks held room for four, 190 MB).
+                self.bins.reserve_exact(1);
                 self.bins.insert(i, (k, SizeBin { min_size, max_size, ..Default::default() }));
                 &mut self.bins[i].1
             }

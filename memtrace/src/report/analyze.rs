@@ -397,8 +397,9 @@ pub fn analyze(path: &Path, opts: &ReportOptions) -> Result<Summary> {
     let infos = grouper.infos;
 
     // The groups with something to show, in the order `--sort` asks.
-    let mut candidates: Vec<(usize, Stats)> =
-        groups.into_iter().enumerate().filter(|(_, s)| s.allocs != 0 || s.failed != 0).collect();
+    let mut groups = groups;
+    let mut candidates: Vec<usize> =
+        (0..groups.len()).filter(|&g| groups[g].allocs != 0 || groups[g].failed != 0).collect();
     let row_of = |group: usize, stats: Stats, frames: Vec<Frame>, label: String| {
         let info = &infos[group];
         GroupRow {
@@ -427,11 +428,11 @@ pub fn analyze(path: &Path, opts: &ReportOptions) -> Result<Summary> {
         // only for the rows shown (below).
         let mut rows: Vec<GroupRow> = candidates
             .into_iter()
-            .map(|(group, stats)| {
+            .map(|group| {
                 let info = &infos[group];
                 let frames = table.frames_prefix(info.stack, info.call_site, LABEL_FRAMES + 1);
                 let name = label(&info.key, &frames, &comms);
-                row_of(group, stats, frames, name)
+                row_of(group, std::mem::take(&mut groups[group]), frames, name)
             })
             .collect();
         sites::disambiguate(&mut rows, opts.by);
@@ -441,15 +442,15 @@ pub fn analyze(path: &Path, opts: &ReportOptions) -> Result<Summary> {
     } else {
         // Other rows are made and named once sorted, only those shown: a report by stack of
         // a million stacks named them all (gigabytes). The warnings after `record` show none.
-        candidates.sort_by(|a, b| row_order(opts.sort, &a.1, &b.1));
+        candidates.sort_by(|&a, &b| row_order(opts.sort, &groups[a], &groups[b]));
         candidates.truncate(opts.top.unwrap_or(usize::MAX));
         candidates
             .into_iter()
-            .map(|(group, stats)| {
+            .map(|group| {
                 let info = &infos[group];
                 let frames = table.frames_prefix(info.stack, info.call_site, LABEL_FRAMES + 1);
                 let name = label(&info.key, &frames, &comms);
-                row_of(group, stats, Vec::new(), name)
+                row_of(group, std::mem::take(&mut groups[group]), Vec::new(), name)
             })
             .collect()
     };

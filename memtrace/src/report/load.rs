@@ -7,7 +7,8 @@ use anyhow::{Context as _, Result};
 
 use crate::{
     event::Event,
-    recording::{self, FileStack, FormatError, Meta, Module, Reader, Symbol, SymbolKey},
+    recording::{self, FormatError, Meta, Module, Reader, Symbol, SymbolKey},
+    stack_store::StackStore,
     stacks::StackTable,
 };
 
@@ -26,7 +27,9 @@ pub struct Definitions {
 pub fn read_definitions(path: &Path) -> Result<Definitions> {
     let mut reader = Reader::open(path).with_context(|| format!("reading {}", path.display()))?;
     let meta = reader.meta.clone();
-    let mut stacks: BTreeMap<u32, FileStack> = BTreeMap::new();
+    // Stacks go into the shared tree as each chunk is read: a heavy program's million
+    // stacks held as vectors of frames first took gigabytes.
+    let mut stacks = StackStore::default();
     let mut modules: BTreeMap<u32, Module> = BTreeMap::new();
     let mut symbols: Vec<(SymbolKey, Vec<Symbol>)> = Vec::new();
     let mut stats = recording::Stats::default();
@@ -36,7 +39,7 @@ pub fn read_definitions(path: &Path) -> Result<Definitions> {
         match reader.next_chunk() {
             Ok(None) => break,
             Ok(Some(chunk)) => match chunk {
-                recording::Chunk::Stacks(s) => stacks.extend(s.into_iter().map(|s| (s.id, s))),
+                recording::Chunk::Stacks(s) => s.iter().for_each(|s| stacks.insert(s)),
                 recording::Chunk::Modules(m) => modules.extend(m.into_iter().map(|m| (m.id, m))),
                 recording::Chunk::Symbols(s) => symbols.extend(s),
                 recording::Chunk::Stats(s) => stats = *s,
@@ -54,7 +57,7 @@ pub fn read_definitions(path: &Path) -> Result<Definitions> {
             "the recording was not finalized (memtrace stopped abruptly); the report covers what was written".into(),
         );
     }
-    Ok(Definitions { meta, stacks: StackTable::new(stacks, modules, symbols), stats, finalized, warnings })
+    Ok(Definitions { meta, stacks: StackTable::with_store(stacks, modules, symbols), stats, finalized, warnings })
 }
 
 /// Streams every event of a recording to `sink`; stops quietly at the first damaged chunk

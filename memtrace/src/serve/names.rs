@@ -59,7 +59,7 @@ impl Names {
     /// Takes in what the model collected.
     pub(super) fn integrate(&mut self, pending: Pending) {
         for id in pending.evicted {
-            self.table.stacks.remove(&id);
+            self.table.remove_stack(id);
         }
         for m in pending.modules {
             self.usable.remove(&m.id);
@@ -79,7 +79,7 @@ impl Names {
             self.want(SymbolKey::Kernel(addr));
         }
         for s in pending.stacks {
-            self.table.stacks.insert(s.id, s);
+            self.table.insert_stack(s);
         }
     }
 
@@ -103,16 +103,7 @@ impl Names {
     fn work(&mut self) -> Work {
         if self.rescan {
             self.rescan = false;
-            let keys: Vec<SymbolKey> = self
-                .table
-                .stacks
-                .values()
-                .flat_map(|s| {
-                    s.kernel.iter().map(|&a| SymbolKey::Kernel(a)).chain(
-                        s.user.iter().filter(|f| matches!(f, FileFrame::Module { .. })).map(|&f| SymbolKey::User(f)),
-                    )
-                })
-                .collect();
+            let keys: Vec<SymbolKey> = self.table.symbol_keys().collect();
             for key in keys {
                 self.want(key);
             }
@@ -152,8 +143,7 @@ impl Names {
 
     /// Rebuilds the table so the frames it cached are named again.
     fn refresh(&mut self) {
-        let t = std::mem::take(&mut self.table);
-        self.table = StackTable::new(t.stacks, t.modules, t.symbols);
+        self.table.clear_names();
     }
 
     /// The frames of a site, innermost first (see [`StackTable::frames`]).
@@ -163,7 +153,7 @@ impl Names {
 
     /// Stacks known, for the self metrics.
     pub fn stacks(&self) -> usize {
-        self.table.stacks.len()
+        self.table.stack_count()
     }
 
     pub fn symbols(&self) -> usize {

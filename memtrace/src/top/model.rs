@@ -258,7 +258,7 @@ impl Sink for LiveView {
         for m in self.namer.modules.take_new() {
             self.table.modules.insert(m.id, m);
         }
-        self.table.stacks.insert(stack.id, stack);
+        self.table.insert_stack(stack);
         self.unnamed = true;
     }
 
