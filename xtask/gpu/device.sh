@@ -5,7 +5,7 @@
 # heavy.py (the heavy bench's script) and heaptrack/ (Debian's heaptrack with its libraries:
 # bin/, lib/heaptrack/, deps/). Every step has its own time limit; the summary grows line by
 # line in $OUT/summary.txt and the logs are packed into $OUT/logs.tgz after every step.
-#   OUT=/some/dir xtask/gpu/device.sh [parts...]   (parts: info start gpu heavy torch loop rerun round3 cold warm ab)
+#   OUT=/some/dir xtask/gpu/device.sh [parts...]   (parts: info start gpu heavy torch loop rerun round3 round4 report cold warm ab)
 cd "$(dirname "$0")/../.."
 D=$PWD/.device
 M=$D/memtrace
@@ -147,6 +147,47 @@ for part in $parts; do
     bare loop-bare 60 $D/alloc_workload --loop 300000 --loop-threads 16
     rec loop-dwarf 60 -- $D/alloc_workload --loop 300000 --loop-threads 16
     grep -h "overload" $L/loop-dwarf.err | sed 's/^/  log: /' | tee -a $S ;;
+  round4)
+    # After the probe-cost work of issue #13 (repeat stacks checked, not walked; caches
+    # behind generation words; the sampling draw first): the very first run on the machine
+    # (cold cache) and a second cold one, then warm runs of this build and the previous
+    # device build ($D/memtrace-old) alternating beside bare and heaptrack, the malloc+free
+    # loop on 1 and 16 threads, the PyTorch CPU script and /bin/true.
+    rec cold1 120 -- $PY $D/heavy.py
+    rm -rf $MEMTRACE_CACHE_DIR; rec cold2 120 -- $PY $D/heavy.py
+    pack
+    for i in 1 2 3; do
+      bare heavy-bare$i 60 $PY $D/heavy.py
+      rec heavy-new$i 120 -- $PY $D/heavy.py
+      M0=$M; M=$D/memtrace-old; rec heavy-old$i 120 -- $PY $D/heavy.py; M=$M0
+    done
+    for i in 1 2; do heaptrack_run heavy-heaptrack$i 120 $PY $D/heavy.py; done
+    rec heavy-fp 120 --call-graph fp -- $PY $D/heavy.py
+    grep -h "probe counters" $L/heavy-new3.err | grep -o "unwind_frames: [0-9]*\|unwind_frames_reused: [0-9]*\|unwind_reused: [0-9]*" | tr '\n' ' ' | sed 's/^/  log: /' | tee -a $S; echo | tee -a $S
+    pack
+    for th in 1 16; do
+      bare loop$th-bare 60 $D/alloc_workload --loop 300000 --loop-threads $th
+      rec loop$th-new 60 -- $D/alloc_workload --loop 300000 --loop-threads $th
+      M0=$M; M=$D/memtrace-old; rec loop$th-old 60 -- $D/alloc_workload --loop 300000 --loop-threads $th; M=$M0
+      rec loop$th-sampled 60 --sample-bytes 512k -- $D/alloc_workload --loop 300000 --loop-threads $th
+    done
+    grep -h "overload" $L/loop16-new.err | cut -c1-200 | sed 's/^/  log: /' | tee -a $S
+    pack
+    for i in 1 2 3; do rec true$i 30 -- /bin/true; done
+    bare torch-bare 60 $PY xtask/gpu/torch_cpu.py
+    rec torch-new 90 -- $PY xtask/gpu/torch_cpu.py
+    grep -h "overload\|memory at the end" $L/torch-new.err | cut -c1-300 | sed 's/^/  log: /' | tee -a $S
+    pack
+    M0=$M; M=$D/memtrace-old; rec torch-old 90 -- $PY xtask/gpu/torch_cpu.py; M=$M0 ;;
+  report)
+    # A report of a recording with about a million distinct stacks (the PyTorch CPU script
+    # with 64 MiB rings): time and peak memory, this build and the previous ($D/memtrace-old),
+    # by call site and by stack.
+    rec torch-ring64 120 --ring-size 64M -- $PY xtask/gpu/torch_cpu.py
+    pack
+    for by in site stack; do for b in memtrace memtrace-old; do
+      $PY -c "import resource,subprocess,sys,time; t=time.time(); r=subprocess.run(sys.argv[1:],stdout=subprocess.DEVNULL,timeout=200); print(f'  report --by $by ($b): {time.time()-t:.2f} s rc={r.returncode} maxrss {resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss/1024:.0f} MB')" $D/$b report -i $T/torch-ring64.data --by $by --top 10 2>&1 | tee -a $S
+    done; done ;;
   cold)
     # The first run on the machine (no cached tables) with the default rings (4 MiB on 16
     # CPUs) and with 8 MiB: does a burst of stack copies overflow the Python thread's ring?
@@ -170,8 +211,10 @@ for part in $parts; do
     # The heavy script, warm cache, alternating this build and an older one ($D/memtrace-old).
     rec fill 120 -- $PY $D/heavy.py
     for i in 1 2 3; do
+      bare bare$i 60 $PY $D/heavy.py
       rec new$i 120 -- $PY $D/heavy.py
       M0=$M; M=$D/memtrace-old; rec old$i 120 -- $PY $D/heavy.py; M=$M0
+      grep -h "tables ready" $L/new$i.err $L/old$i.err | cut -c1-60 | sed 's/^/  log: /' | tee -a $S
     done ;;
   loop)
     bare loop-bare 60 $D/alloc_workload --loop 300000 --loop-threads 16
