@@ -61,6 +61,11 @@ impl ElfFile {
     /// The names of the defined functions ending in `suffix` (no allocation per symbol:
     /// cheap enough for every library a process maps).
     pub fn function_names_ending_with(&self, suffix: &str) -> Result<Vec<String>> {
+        self.function_names_where(|name| name.ends_with(suffix))
+    }
+
+    /// The names of the defined functions `keep` accepts, each once.
+    pub fn function_names_where(&self, keep: impl Fn(&str) -> bool) -> Result<Vec<String>> {
         let file = self.parse()?;
         let mut found: Vec<String> = Vec::new();
         for symbol in file.dynamic_symbols().chain(file.symbols()) {
@@ -68,7 +73,7 @@ impl ElfFile {
                 continue;
             }
             let Ok(name) = symbol.name() else { continue };
-            if name.ends_with(suffix) && !found.iter().any(|f| f == name) {
+            if keep(name) && !found.iter().any(|f| f == name) {
                 found.push(name.to_string());
             }
         }

@@ -1,7 +1,8 @@
 //! Allocators other than glibc's, for real: the bundled workload under each Debian allocator
 //! preloaded (jemalloc, mimalloc, tcmalloc) must be counted exactly, with each allocator's
 //! own usable sizes; C++ new/delete once each; a prefixed jemalloc found without flags;
-//! an allocator preloaded by a wrapper found at the exec; and the size models equal to the
+//! a mimalloc linked into a Rust program (memtrace's own) found by its own names; an
+//! allocator preloaded by a wrapper found at the exec; and the size models equal to the
 //! real libraries' usable sizes for every size to 4 MiB.
 mod common;
 
@@ -162,6 +163,57 @@ fn a_prefixed_jemalloc_in_a_library_is_found_without_flags() {
     // (not 700 second reports; a stray free of the start-up may remain)
     let allocator_frees = report["totals"]["user"]["allocator_frees"].as_u64().unwrap();
     assert!(allocator_frees < 10, "{:#}", report["totals"]);
+}
+
+/// memtrace itself is a Rust program whose global allocator is the `mimalloc` crate:
+/// mimalloc linked in under its own names, reached through `mi_malloc_aligned` & co., while
+/// `malloc` stays glibc's.
+#[test]
+fn a_mimalloc_linked_into_a_rust_program_is_found_and_counted() {
+    require_root();
+    let _sharing = sharing_the_machine();
+    let bin = Path::new(env!("CARGO_BIN_EXE_memtrace"));
+    let found = memtrace::probes::allocator::prefixed(&[bin.to_path_buf()]);
+    let mi = found.iter().find(|a| a.prefix == "mi_").unwrap_or_else(|| panic!("{found:#?}"));
+    assert_eq!(mi.family, Family::Mimalloc);
+    let names: Vec<&str> = mi.points.iter().flat_map(|p| p.symbols.iter().map(String::as_str)).collect();
+    for f in ["mi_malloc_aligned", "mi_realloc_aligned", "mi_free"] {
+        assert!(names.contains(&f), "{names:?}");
+    }
+    // A shared mimalloc that is the program's malloc is found as such, not twice.
+    let shared = memtrace::probes::allocator::prefixed(&[library("libmimalloc.so.2")]);
+    assert!(shared.iter().all(|a| a.prefix != "mi_"), "{shared:#?}");
+
+    // memtrace recording memtrace reading a recording.
+    let dir = scratch("rust-mimalloc");
+    let (inner, outer) = (dir.join("inner.data"), dir.join("outer.data"));
+    run(memtrace().args(["record", "-q", "--no-kernel", "-o"]).arg(&inner).arg("--").arg(workload()).args(ARGS));
+    run(memtrace()
+        .args(["record", "-q", "--no-kernel", "-o"])
+        .arg(&outer)
+        .arg("--")
+        .arg(bin)
+        .arg("report")
+        .arg("-i")
+        .arg(&inner));
+    let report = report_json(&outer, &["--by", "function"]);
+    let allocators = report["allocators"].as_array().unwrap();
+    let row = allocators.iter().find(|a| a["prefix"] == "mi_").unwrap_or_else(|| panic!("{allocators:#?}"));
+    assert_eq!(row["family"], "mimalloc");
+    let (allocs, frees) = (row["allocs"].as_u64().unwrap(), row["frees"].as_u64().unwrap());
+    assert!(allocs > 1000, "{row:#}");
+    // Reading a recording frees nearly all it allocated before it exits.
+    assert!(frees * 10 > allocs * 9, "{row:#}");
+    let user = &report["totals"]["user"];
+    assert!(user["unmatched_frees"].as_u64().unwrap() < 10, "{user:#}");
+    // Its allocations are named after memtrace's own functions.
+    let sites = report["sites"].as_array().unwrap();
+    let functions: Vec<&str> = sites
+        .iter()
+        .flat_map(|s| s["frames"].as_array().into_iter().flatten())
+        .filter_map(|f| f["function"].as_str())
+        .collect();
+    assert!(functions.iter().any(|f| f.starts_with("memtrace::report")), "{functions:#?}");
 }
 
 #[test]

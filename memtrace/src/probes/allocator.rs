@@ -5,10 +5,11 @@
 //! mimalloc, tcmalloc, musl) is recognised by its symbol set, which says which functions to
 //! probe (its own C++ operators included) and how usable sizes are known. Any module may
 //! also carry a prefixed jemalloc (`je_`, `_rjem_`, `duckdb_je_`, ...), found by its
-//! `{p}mallocx`/`{p}sdallocx`/`{p}mallctl` siblings. `mmap`/`munmap` come from whichever
-//! object defines them (libc).
+//! `{p}mallocx`/`{p}sdallocx`/`{p}mallctl` siblings, or a mimalloc under its own names
+//! (`mi_malloc_aligned`, `mi_free`: Rust's `mimalloc` crate). `mmap`/`munmap` come from
+//! whichever object defines them (libc).
 //!
-//! Over 500 lines: each allocator family's symbol set and the dynamic linker's lookup order are read together; tests from line 542.
+//! Over 500 lines: each allocator family's symbol set and the dynamic linker's lookup order are read together; tests from line 601.
 use std::{
     collections::{HashMap, HashSet, VecDeque},
     env, fs,
@@ -297,8 +298,19 @@ pub fn prefixed(objects: &[PathBuf]) -> Vec<Allocator> {
     let mut found = Vec::new();
     for path in objects {
         let Ok(elf) = ElfFile::open(path) else { continue };
-        // Most libraries have no `…mallocx`: only those with one are read whole.
-        let Ok(candidates) = elf.function_names_ending_with("mallocx") else { continue };
+        // Most libraries have no `…mallocx` and no `mi_free`: only those with one are read
+        // whole.
+        let Ok(candidates) = elf.function_names_where(|n| n.ends_with("mallocx") || n == "mi_free" || n == "malloc")
+        else {
+            continue;
+        };
+        let has = |name: &str| candidates.iter().any(|n| n == name);
+        if has("mi_free")
+            && !has("malloc")
+            && let Some(mimalloc) = linked_mimalloc(&elf, path)
+        {
+            found.push(mimalloc);
+        }
         let prefixes: Vec<&str> =
             candidates.iter().filter_map(|n| n.strip_suffix("mallocx")).filter(|p| !p.is_empty()).collect();
         if prefixes.is_empty() {
@@ -322,6 +334,45 @@ pub fn prefixed(objects: &[PathBuf]) -> Vec<Allocator> {
         }
     }
     found
+}
+
+/// mimalloc's own entry points, for a mimalloc linked into an object without taking over
+/// `malloc` (Rust's `mimalloc` crate: its global allocator calls `mi_malloc_aligned`,
+/// `mi_zalloc_aligned`, `mi_realloc_aligned` and `mi_free`, and the linker keeps only
+/// those). Each allocating one takes the size first, as `malloc`; each reallocating one the
+/// block then the size, as `realloc`. None of them calls another (they go through the
+/// `mi_heap_*` functions), but `mi_free` inside a reallocation, as in the shared library.
+const MIMALLOC_OWN: &[(&str, Kind)] = &[
+    ("mi_malloc", Kind::Malloc),
+    ("mi_zalloc", Kind::Malloc),
+    ("mi_calloc", Kind::Calloc),
+    ("mi_realloc", Kind::Realloc),
+    ("mi_malloc_aligned", Kind::Malloc),
+    ("mi_zalloc_aligned", Kind::Malloc),
+    ("mi_realloc_aligned", Kind::Realloc),
+    ("mi_free", Kind::Free),
+];
+
+/// The mimalloc linked into `path` under its own names (see [`MIMALLOC_OWN`]), if it has
+/// `mi_free` and an allocating entry point.
+fn linked_mimalloc(elf: &ElfFile, path: &Path) -> Option<Allocator> {
+    let functions = elf.functions_starting_with(&["mi_"]).ok()?;
+    let named: Vec<(String, Function, Kind)> =
+        MIMALLOC_OWN.iter().filter_map(|&(n, k)| functions.get(n).map(|&f| (n.to_string(), f, k))).collect();
+    if !named.iter().any(|(_, _, k)| *k != Kind::Free) || !functions.contains_key("mi_free") {
+        return None;
+    }
+    Some(Allocator {
+        file_id: file_id(path),
+        object: path.to_path_buf(),
+        glibc: false,
+        family: Family::Mimalloc,
+        prefix: "mi_".into(),
+        index: 0,
+        mimalloc_pages: false,
+        found: true,
+        points: group_by_offset(elf, path, named),
+    })
 }
 
 /// (device, inode) of a file, following symlinks (and /proc/PID/root).
