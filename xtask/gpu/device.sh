@@ -5,7 +5,7 @@
 # heavy.py (the heavy bench's script) and heaptrack/ (Debian's heaptrack with its libraries:
 # bin/, lib/heaptrack/, deps/). Every step has its own time limit; the summary grows line by
 # line in $OUT/summary.txt and the logs are packed into $OUT/logs.tgz after every step.
-#   OUT=/some/dir xtask/gpu/device.sh [parts...]   (parts: info start gpu heavy torch loop rerun round3 round4 report cold warm ab)
+#   OUT=/some/dir xtask/gpu/device.sh [parts...]   (parts: info start gpu heavy torch loop rerun round3 round4 report overload cold warm ab)
 cd "$(dirname "$0")/../.."
 D=$PWD/.device
 M=$D/memtrace
@@ -188,6 +188,16 @@ for part in $parts; do
     for by in site stack; do for b in memtrace memtrace-old; do
       $PY -c "import resource,subprocess,sys,time; t=time.time(); r=subprocess.run(sys.argv[1:],stdout=subprocess.DEVNULL,timeout=200); print(f'  report --by $by ($b): {time.time()-t:.2f} s rc={r.returncode} maxrss {resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss/1024:.0f} MB')" $D/$b report -i $T/torch-ring64.data --by $by --top 10 2>&1 | tee -a $S
     done; done ;;
+  overload)
+    # 16 threads of malloc+free outrun the reader: how much is lost before the overload
+    # switch's second phase, this build and the previous ($D/memtrace-old).
+    bare loop16-bare 60 $D/alloc_workload --loop 300000 --loop-threads 16
+    for i in 1 2; do
+      rec loop16-new$i 60 -- $D/alloc_workload --loop 300000 --loop-threads 16
+      grep -h "overload:" $L/loop16-new$i.err | cut -c1-120 | sed 's/^/  log: /' | tee -a $S
+      M0=$M; M=$D/memtrace-old; rec loop16-old$i 60 -- $D/alloc_workload --loop 300000 --loop-threads 16; M=$M0
+      grep -h "overload:" $L/loop16-old$i.err | cut -c1-120 | sed 's/^/  log: /' | tee -a $S
+    done ;;
   cold)
     # The first run on the machine (no cached tables) with the default rings (4 MiB on 16
     # CPUs) and with 8 MiB: does a burst of stack copies overflow the Python thread's ring?
