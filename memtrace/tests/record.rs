@@ -291,6 +291,10 @@ fn record_all_traces_processes_started_later() {
     let report = report_json(&data, &["--by", "function", "--pid", &pid]);
     assert_eq!(report["lost_events"], 0);
     assert_matches_manifest(&report, &manifest(&manifest_path));
+    // The mimalloc linked into memtrace is not probed system-wide: every allocation of the
+    // recorder itself would trap.
+    let allocators = report["allocators"].as_array().unwrap();
+    assert!(allocators.iter().all(|a| a["prefix"] != "mi_"), "{allocators:#?}");
 }
 
 #[test]

@@ -266,7 +266,15 @@ impl Tracer {
             }
             (Target::Command(_), Some(program), true) => probes::allocator::all_for_executable(program, None, prefix)
                 .with_context(|| program.display().to_string())?,
-            _ => probes::allocator::all_for_process(std::process::id(), prefix)?,
+            // Every process's: the C library's, as memtrace itself maps it. Not the mimalloc
+            // linked into memtrace's own executable, which would probe every process running
+            // it, this one included, and trap on each of its own allocations.
+            _ => {
+                let own = probes::allocator::file_id(Path::new("/proc/self/exe"));
+                let mut all = probes::allocator::all_for_process(std::process::id(), prefix)?;
+                all.retain(|a| a.file_id != own);
+                all
+            }
         };
         let mut usable = UsableSizes::default();
         // tcmalloc's classes follow TCMALLOC_TRANSFER_NUM_OBJ in the target's environment.
