@@ -125,6 +125,11 @@ pub fn spawn_paused(argv: &[OsString]) -> Result<PausedChild, SpawnError> {
             if n != 1 {
                 libc::_exit(127); // memtrace went away before releasing us
             }
+            // The command starts with Ctrl-C's default action, whatever memtrace was started
+            // with (a background job of a script ignores SIGINT, and an ignored signal stays
+            // ignored across exec): a SIGINT passed on must reach it.
+            libc::signal(libc::SIGINT, libc::SIG_DFL);
+            libc::signal(libc::SIGQUIT, libc::SIG_DFL);
             libc::execve(path_c.as_ptr(), arg_ptrs.as_ptr(), env_ptrs.as_ptr());
             let errno = *libc::__errno_location();
             libc::write(err_write.as_raw_fd(), (&raw const errno).cast(), size_of::<i32>());
