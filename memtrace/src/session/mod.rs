@@ -395,15 +395,14 @@ impl Tracer {
         let attached_to = probe_scope(&probes, options, target_pid).unwrap_or(0);
         if let Some(u) = unwinder.as_mut() {
             let started = Instant::now();
-            let ready = match &options.target {
+            let (ready, wait) = match &options.target {
                 Target::Pid(pid) => {
                     u.learn_process(*pid, &mut probes);
-                    u.wait_tables(&mut probes, PID_TABLES_WAIT)
+                    (u.wait_tables(&mut probes, PID_TABLES_WAIT), PID_TABLES_WAIT)
                 }
-                Target::Command(_) => u.wait_startup_tables(&mut probes, COMMAND_TABLES_WAIT),
-                Target::All => u.wait_tables(&mut probes, COMMAND_TABLES_WAIT),
+                Target::Command(_) => (u.wait_startup_tables(&mut probes, COMMAND_TABLES_WAIT), COMMAND_TABLES_WAIT),
+                Target::All => (u.wait_tables(&mut probes, COMMAND_TABLES_WAIT), COMMAND_TABLES_WAIT),
             };
-            let wait = if matches!(options.target, Target::Pid(_)) { PID_TABLES_WAIT } else { COMMAND_TABLES_WAIT };
             if !ready {
                 log::debug!("unwind tables still building after {wait:?}: early stacks are finished from copies");
             }

@@ -613,30 +613,27 @@ impl TableStore {
     /// Waits until every requested table is installed, or `timeout` passes.
     /// Waits (at most `timeout`) until the tables of `slots` are installed (or failed).
     pub fn wait_slots(&mut self, slots: &[Slot], sink: &mut dyn TableSink, timeout: Duration) -> bool {
+        self.wait_until(sink, timeout, |store| {
+            slots.iter().all(|&s| !matches!(store.state(s), Some(TableState::Building)))
+        })
+    }
+
+    pub fn wait_idle(&mut self, sink: &mut dyn TableSink, timeout: Duration) -> bool {
+        self.wait_until(sink, timeout, Self::idle)
+    }
+
+    /// Polls until `done` (true) or `timeout` has passed (false).
+    fn wait_until(&mut self, sink: &mut dyn TableSink, timeout: Duration, done: impl Fn(&Self) -> bool) -> bool {
         let deadline = Instant::now() + timeout;
         loop {
             self.poll(sink);
-            if slots.iter().all(|&s| !matches!(self.state(s), Some(TableState::Building))) {
+            if done(self) {
                 return true;
             }
             if Instant::now() >= deadline {
                 return false;
             }
             std::thread::sleep(Duration::from_millis(1));
-        }
-    }
-
-    pub fn wait_idle(&mut self, sink: &mut dyn TableSink, timeout: Duration) -> bool {
-        let deadline = Instant::now() + timeout;
-        loop {
-            self.poll(sink);
-            if self.idle() {
-                return true;
-            }
-            if Instant::now() >= deadline {
-                return false;
-            }
-            std::thread::sleep(Duration::from_millis(2));
         }
     }
 }
