@@ -38,8 +38,9 @@ pub const MAGIC: &[u8; 8] = b"MEMTRACE";
 /// 3: chunks may be deflated ([`COMPRESSED`]). 4: events field by field, timestamps to a
 /// resolution, stacks as a tree of frames. 5: addresses by reference to the chunk's earlier
 /// allocations and frees, stacks field by field. 6: kernel pages' addresses counted in
-/// pages (`struct page` strides). Versions 2 to 5 are read as ever.
-pub const VERSION: u16 = 6;
+/// pages (`struct page` strides). 7: an allocation's address by reference to the freed
+/// blocks of its own size first. Versions 2 to 6 are read as ever.
+pub const VERSION: u16 = 7;
 pub const HEADER_LEN: usize = 16;
 pub const CLOCK_MONOTONIC: u8 = 1;
 /// Chunks larger than this (stored or inflated) are treated as corruption.

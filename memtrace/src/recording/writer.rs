@@ -21,10 +21,12 @@ use crate::event::Event;
 const EVENTS_CHUNK_BYTES: usize = 1 << 20;
 /// Payloads shorter than this are stored as they are.
 const DEFLATE_FROM_BYTES: usize = 256;
-/// zlib's level 6: on the heavy Python bench's recording (format 4), events and stacks deflate to
-/// 27 % less than at level 1 (1.64 MB against 2.2 MB) for ~60 ms more over the whole run;
-/// level 9 saves 2 % more for 2.5× the time.
-const DEFLATE_LEVEL: u32 = 6;
+/// zlib's level 7: on the heavy Python bench's recording (format 4), level 6 deflated events and
+/// stacks to 27 % less than level 1 (1.64 MB against 2.2 MB) for ~60 ms more over the
+/// whole run; level 7 takes 1 % more off the heavy bench's file (format 7) and 5 % off the
+/// sustained bench's for about the same time; level 8 saves 1 % more than 7 on the heavy
+/// bench but doubles the time on the sustained bench's 38 M events (10.5 → 21 s).
+const DEFLATE_LEVEL: u32 = 7;
 
 /// `payload` deflated behind its length, when that is smaller. A deflate block ends at each
 /// of `ends` (a sync flush), so each stream of a chunk gets Huffman codes of its own: 3 %

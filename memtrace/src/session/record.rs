@@ -43,7 +43,11 @@ pub struct RecordSummary {
 }
 
 const DRAIN_INTERVAL: Duration = Duration::from_millis(20);
-const FLUSH_INTERVAL: Duration = Duration::from_millis(500);
+/// How often pending events and definitions are written out, at most: what a SIGKILL of
+/// memtrace can lose. Every events chunk starts its references afresh, so longer chunks
+/// are smaller: on the heavy Python bench 1 s takes 2.3 % off the file that 500 ms made
+/// (9 events chunks → 5); chunks are also cut at 1 MiB of encoded events.
+const FLUSH_INTERVAL: Duration = Duration::from_secs(1);
 
 fn realtime_ns() -> u64 {
     std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos() as u64).unwrap_or(0)
