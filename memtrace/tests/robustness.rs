@@ -424,6 +424,39 @@ fn an_allocator_loaded_with_dlopen_is_found() {
     assert_eq!(s["bytes_alloc"], 700 * 48, "not glibc: allocated = requested");
 }
 
+#[test]
+fn an_allocator_loaded_with_dlopen_is_found_at_its_mapping_whatever_the_stacks() {
+    require_root();
+    let dir = scratch("dlopen-nostacks");
+    let lib = workload_dir().join("libbump_alloc.so");
+    // The library's allocator is used 400 ms after the dlopen: well before the 2 s scan of
+    // the process's maps, so only the mapping seen in the kernel finds it in time.
+    for (name, flags) in
+        [("no-user-stacks", &["--no-user-stacks"][..]), ("fp", &["--call-graph", "fp", "--python-frames", "off"])]
+    {
+        let data = dir.join(format!("{name}.data"));
+        run(memtrace()
+            .args(["record", "-q", "--no-kernel"])
+            .args(flags)
+            .arg("-o")
+            .arg(&data)
+            .arg("--")
+            .arg(workload())
+            .arg("--dlopen")
+            .arg(&lib)
+            .arg("700")
+            .args(["--dlopen-wait-ms", "400"]));
+        let report = report_json(&data, &[]);
+        let allocators = report["allocators"].as_array().unwrap();
+        let bump = allocators
+            .iter()
+            .find(|a| a["module"].as_str().is_some_and(|m| m.ends_with("libbump_alloc.so")))
+            .unwrap_or_else(|| panic!("{name}: {allocators:#?}"));
+        assert_eq!(bump["allocs"], 700, "{name}: {bump:#}");
+        assert_eq!(bump["bytes_req"], 700 * 48, "{name}: {bump:#}");
+    }
+}
+
 // ---------------------------------------------------------------------------------------
 // Load and faults.
 // ---------------------------------------------------------------------------------------

@@ -10,7 +10,7 @@
  * the overhead benchmark),
  * --kernel-loop N (N pipe()+close() pairs: kernel allocations on behalf of the task),
  * --kernel-sites N (N pipe()+close() pairs, from pipe_site_a and pipe_site_b in turn),
- * --dlopen LIB N (load the allocator library LIB with dlopen, wait 3 s, then make N
+ * --dlopen LIB N (load the allocator library LIB with dlopen, wait 3 s (--dlopen-wait-ms), then make N
  * allocations with its malloc, through dlsym: a second allocator memtrace must find;
  * with --dlopen-prefix P, its P##malloc, and each block is freed with its P##free),
  * --custom N (N allocations from a tiny allocator of its own, mt_malloc/mt_free: what
@@ -850,7 +850,7 @@ int main(int argc, char **argv) {
             fprintf(stderr, "no %smalloc in %s\n", prefix ? prefix : "", dl);
             return 2;
         }
-        sleep(3);
+        usleep((useconds_t)arg_value(argc, argv, "--dlopen-wait-ms", 3000) * 1000);
         long n = 0;
         for (int i = 1; i + 2 < argc + 1; i++)
             if (strcmp(argv[i], "--dlopen") == 0 && i + 2 < argc)

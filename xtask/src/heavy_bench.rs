@@ -154,7 +154,12 @@ fn memtrace_row(memtrace: &Path, name: &str, command: &[&OsStr], cache: &Path, e
     // inherits through fork and exec in `ru_maxrss`) and the machine's memory pressure.
     let out = Command::new(memtrace).args(["report", "--format", "json", "--top", "1", "-i"]).arg(&data).output()?;
     let mut report: serde_json::Value = serde_json::from_slice(&out.stdout).context("memtrace report --format json")?;
-    let allocs = report["totals"]["user"]["allocs"].as_u64();
+    // The C library's malloc family, which heaptrack's preloaded library intercepts; the
+    // allocators bundled in libraries (pyarrow's mimalloc) are listed apart.
+    let glibc = report["allocators"]
+        .as_array()
+        .map(|all| all.iter().filter(|a| a["family"] == "glibc").filter_map(|a| a["allocs"].as_u64()).sum::<u64>());
+    let allocs = glibc.filter(|&n| n > 0).or(report["totals"]["user"]["allocs"].as_u64());
     // The share of user allocations whose stack holds a Python frame.
     let user = &report["stacks"]["user"];
     let (with, total) =
@@ -300,6 +305,27 @@ pub fn section(memtrace: &Path) -> Result<String> {
         ratio("memtrace record, warm cache (any later run)", "memtrace record --call-graph fp"),
         ratio("memtrace record --python-frames off", "memtrace record --call-graph fp --python-frames off"),
     );
+    // The other allocators the warm run found (heaptrack sees none of their calls).
+    let others: Vec<String> = rows
+        .iter()
+        .find(|r| r.name == "memtrace record, warm cache (any later run)")
+        .and_then(|r| r.report.as_ref()?["allocators"].as_array().cloned())
+        .unwrap_or_default()
+        .iter()
+        .filter(|a| a["family"] != "glibc" && a["allocs"].as_u64().unwrap_or(0) > 0)
+        .map(|a| {
+            let module = a["module"].as_str().unwrap_or("?").rsplit('/').next().unwrap_or("?").to_string();
+            format!("{} allocations of the {} in {module}", a["allocs"], a["family"].as_str().unwrap_or("?"))
+        })
+        .collect();
+    if !others.is_empty() {
+        let _ = writeln!(
+            out,
+            "
+Beside the C library's malloc family counted above, memtrace found and counted {} (the warm run), which an LD_PRELOAD tracer does not see.",
+            others.join(", ")
+        );
+    }
     let sqlite = sqlite_table(memtrace, &cache)?;
     let versions = Command::new(&python)
         .args(["-c", "import numpy, pandas, pyarrow, memray, sys; print(sys.version.split()[0], numpy.__version__, pandas.__version__, pyarrow.__version__, memray.__version__)"])
@@ -314,7 +340,7 @@ pub fn section(memtrace: &Path) -> Result<String> {
          the probes could not walk because a library's unwind table was not ready yet (they are finished in \
          userspace from a copy of the stack); the cold run builds every table (and fills the cache), later \
          runs load a program's tables before it maps the libraries. heaptrack counts calls to allocation \
-         functions; memtrace counts allocations of the malloc family; \"with a Python frame\" is the share of \
+         functions; memtrace's count is of the C library's malloc family; \"with a Python frame\" is the share of \
          them whose stack names the Python function and line (the rest run before the script's first line, \
          in interpreter start-up and shutdown, or in threads running no Python); `--python-frames off` \
          shows what walking them costs; `serve` writes no file and \

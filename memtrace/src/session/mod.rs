@@ -321,11 +321,16 @@ impl Tracer {
             u.prepare_process(*pid);
         }
         before_load(&program_files)?;
-        // The mappings processes make: the table walk learns its files from them, and the
+        // The mappings processes make: the table walk learns its files from them, the
         // Python frames their interpreter (a shared libpython is mapped after the exec),
-        // whichever way the native frames are walked.
+        // whichever way the native frames are walked, and the traced processes the
+        // allocators of the libraries they load with dlopen, whatever the stacks (without
+        // them a library's allocator was found by the scan of the processes' maps every 2 s:
+        // pyarrow's mimalloc, loaded and used within a second of a script's start, went
+        // unseen with `--no-user-stacks` and its arenas showed as 1.1 GiB of user mmaps).
         let python = options.user && options.user_stacks && options.python_frames == crate::probes::PythonFrames::On;
-        let track_mappings = unwinder.is_some() || python;
+        let loads_allocators = options.user && !matches!(options.target, Target::All);
+        let track_mappings = unwinder.is_some() || python || loads_allocators;
         let mut probes = Probes::load(&probes::Settings {
             all_processes: matches!(options.target, Target::All),
             user_stacks: options.user_stacks,
