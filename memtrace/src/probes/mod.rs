@@ -630,6 +630,12 @@ impl Probes {
         Detaching::start(links)
     }
 
+    /// Events lost so far, on every CPU: one map read (for checks between batches).
+    pub fn lost_events(&self) -> Result<u64> {
+        let map: PerCpuArray<_, u64> = PerCpuArray::try_from(self.ebpf.map("COUNTERS").context("COUNTERS map")?)?;
+        Ok(map.get(&counter::LOST_EVENTS, 0)?.iter().sum())
+    }
+
     pub fn counters(&self) -> Result<Counters> {
         let map: PerCpuArray<_, u64> = PerCpuArray::try_from(self.ebpf.map("COUNTERS").context("COUNTERS map")?)?;
         let per_cpu = |i: u32| -> Result<Vec<u64>> { Ok(map.get(&i, 0)?.iter().copied().collect()) };

@@ -183,33 +183,47 @@ impl Tracer {
     pub(super) fn check_overload(&mut self) {
         if self.last_loss_check.elapsed() >= Duration::from_millis(100) {
             self.last_loss_check = Instant::now();
-            let lost = self.probes.counters().map(|c| c.lost_events).unwrap_or(0);
-            if lost > self.lost_seen
-                && self.degraded.is_none()
-                && self.options.sample_bytes.is_none()
-                && self.options.user
-            {
-                let mean = overload::MEAN;
-                if self.probes.set_sampling(mean).is_ok() {
-                    let now = monotonic_ns();
-                    self.overload.switch(now);
-                    self.degraded = Some((now, mean));
-                    if !self.options.quiet {
+            self.switch_on_loss();
+        }
+        self.hand_over_live_blocks();
+    }
+
+    /// Whether a loss would switch to sampling now (it has not, and nothing else samples).
+    pub(super) fn may_switch(&self) -> bool {
+        self.degraded.is_none() && self.options.sample_bytes.is_none() && self.options.user
+    }
+
+    /// Phase one of the switch (`overload`): at the first events lost, user allocations
+    /// are sampled from now on. Cheap enough (one map read) to run between the batches of
+    /// a drain: on 16 CPUs a drain of every ring takes a few hundred milliseconds, and a
+    /// burst overflowing them ran on unsampled meanwhile.
+    pub(super) fn switch_on_loss(&mut self) {
+        let lost = self.probes.lost_events().unwrap_or(self.lost_seen);
+        if lost > self.lost_seen && self.may_switch() {
+            let mean = overload::MEAN;
+            if self.probes.set_sampling(mean).is_ok() {
+                let now = monotonic_ns();
+                self.overload.switch(now);
+                self.degraded = Some((now, mean));
+                if !self.options.quiet {
+                    eprintln!(
+                        "memtrace: the rings overflowed ({} events lost): sampling user allocations from now on (each byte with probability 1/{mean}); figures become estimates",
+                        lost - self.lost_seen
+                    );
+                    if self.overload.untrackable() {
                         eprintln!(
-                            "memtrace: the rings overflowed ({} events lost): sampling user allocations from now on (each byte with probability 1/{mean}); figures become estimates",
-                            lost - self.lost_seen
+                            "memtrace: over {} user blocks were live at once: every free is still sent, so the rings may go on overflowing",
+                            overload::MAX_TRACKED
                         );
-                        if self.overload.untrackable() {
-                            eprintln!(
-                                "memtrace: over {} user blocks were live at once: every free is still sent, so the rings may go on overflowing",
-                                overload::MAX_TRACKED
-                            );
-                        }
                     }
                 }
             }
-            self.lost_seen = lost;
         }
+        self.lost_seen = lost;
+    }
+
+    /// Phase two of the switch, once due: the blocks live at the switch go to the probes.
+    fn hand_over_live_blocks(&mut self) {
         if let Some(blocks) = self.overload.due(self.caught_up_ns) {
             let (n, first) = (blocks.len(), !self.overload.filtering());
             match self.probes.filter_frees(blocks.into_iter()) {

@@ -101,6 +101,9 @@ const REORDER_LAG_NS: u64 = 100_000_000;
 /// Records read from one ring per drain: what one drain holds in memory is bounded,
 /// whatever the rings' size (a ring that has more is read again at once).
 pub const RING_BATCH: usize = 1 << 15;
+/// Records read from a ring between two looks at the losses while sampling is not on yet
+/// (`Tracer::switch_on_loss`): ~2 ms of reading.
+const LOSS_CHECK_RECORDS: usize = 4096;
 /// Events waiting to be put in time order, at most (beyond, the oldest are released before
 /// their time: memory stays bounded under any load).
 const MAX_HELD_EVENTS: usize = 1 << 21;
@@ -559,6 +562,9 @@ impl Tracer {
             {
                 n += 1;
                 taken += 1;
+                if taken % LOSS_CHECK_RECORDS == 0 && self.may_switch() {
+                    self.switch_on_loss();
+                }
                 let (len, record) = record;
                 let bytes = &mut self.ring_bytes;
                 match &record {
