@@ -318,7 +318,20 @@ fn a_deep_recursion_keeps_every_frame() {
     let mut want = vec!["rec (deep.py:3)".to_string()];
     want.extend(std::iter::repeat_n("rec (deep.py:4)".to_string(), DEPTH));
     want.push("<module> (deep.py:5)".to_string());
-    assert_eq!(python_part(&stacks[0].1), want);
+    // Seen once in a clean-clone CI run under the suite's load (not reproduced since, with
+    // or without lost events): the stack came without its Python frames. Say what the
+    // recording knew if it happens again.
+    assert_eq!(
+        python_part(&stacks[0].1),
+        want,
+        "frames {:#?}\nlost {} / {}\nstacks {:#}\npython {:#}\nrecorder {:#}",
+        stacks[0].1,
+        report["lost_events"],
+        report["lost_stacks"],
+        report["stacks"],
+        report["python"],
+        report["recorder"]
+    );
 }
 
 /// Modules imported one after another, each allocating on its first line: a module's code
