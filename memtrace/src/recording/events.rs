@@ -671,11 +671,10 @@ impl DecodeState {
             r.freed(space, ptr, bytes);
             Ok(r.address(space, ptr))
         } else {
-            let window = FREED_WINDOW as u64;
             let ptr = match k {
                 0 => Some(r.alloc_end[space].wrapping_add(c.signed()? as u64)),
                 1..=FREED_WINDOW_U64 if r.v7 => r.freed[space].take_by_size(bytes, k as usize - 1),
-                _ if r.v7 => r.freed[space].take((k - window - 1) as usize, true),
+                _ if r.v7 => r.freed[space].take((k - FREED_WINDOW_U64 - 1) as usize, true),
                 _ => r.freed[space].take(k as usize - 1, false),
             }
             .ok_or_else(|| c.error("reuse of an address not freed"))?;

@@ -696,6 +696,22 @@ proptest! {
     }
 }
 
+/// One `Events` chunk of `events` in the layout of `enc`.
+fn encode_chunk(mut enc: events::EventEncoder, events: &[Event]) -> Vec<u8> {
+    for e in events {
+        enc.push(e);
+    }
+    enc.take().bytes
+}
+
+/// The bytes of `b` deflated as the writer does (level 6 here: the ratios between layouts
+/// are what the tests compare).
+fn deflated_len(b: &[u8]) -> usize {
+    let mut e = flate2::write::DeflateEncoder::new(Vec::new(), flate2::Compression::new(6));
+    std::io::Write::write_all(&mut e, b).unwrap();
+    e.finish().unwrap().len()
+}
+
 #[test]
 fn addresses_named_by_reference_cost_less_than_deltas() {
     // A heap's life: blocks freed young, in reverse order of birth, their addresses handed
@@ -728,12 +744,7 @@ fn addresses_named_by_reference_cost_less_than_deltas() {
     events.push(alloc(ts + 20, Kind::Malloc, 0x6000, 8));
     events.push(free(ts + 30, Kind::Free, 0x6000));
     events.push(free(ts + 40, Kind::Free, 0x5555_0000_0000));
-    let encode = |mut enc: events::EventEncoder| {
-        for e in &events {
-            enc.push(e);
-        }
-        enc.take().bytes
-    };
+    let encode = |enc| encode_chunk(enc, &events);
     let (v5, v4) = (encode(events::EventEncoder::new(1)), encode(events::EventEncoder::with_version(1, 4)));
     let mut decoded = Vec::new();
     events::decode_chunk(&v5, 0, VERSION, &mut |e| decoded.push(e)).unwrap();
@@ -741,12 +752,12 @@ fn addresses_named_by_reference_cost_less_than_deltas() {
     decoded.clear();
     events::decode_chunk(&v4, 0, 4, &mut |e| decoded.push(e)).unwrap();
     assert_eq!(decoded, events);
-    let deflate = |b: &[u8]| {
-        let mut e = flate2::write::DeflateEncoder::new(Vec::new(), flate2::Compression::new(6));
-        std::io::Write::write_all(&mut e, b).unwrap();
-        e.finish().unwrap().len()
-    };
-    assert!(deflate(&v5) * 3 < deflate(&v4) * 2, "version 5 {} bytes, version 4 {}", deflate(&v5), deflate(&v4));
+    assert!(
+        deflated_len(&v5) * 3 < deflated_len(&v4) * 2,
+        "version 5 {} bytes, version 4 {}",
+        deflated_len(&v5),
+        deflated_len(&v4)
+    );
 }
 
 #[test]
@@ -780,25 +791,20 @@ fn allocations_name_freed_blocks_of_their_size_and_frees_follow_allocation_order
             free_lists.entry(size).or_default().push(ptr);
         }
     }
-    let encode = |mut enc: events::EventEncoder| {
-        for e in &events {
-            enc.push(e);
-        }
-        enc.take().bytes
-    };
+    let encode = |enc| encode_chunk(enc, &events);
     let (v7, v6) = (encode(events::EventEncoder::new(1)), encode(events::EventEncoder::with_version(1, 6)));
     for (bytes, version) in [(&v7, VERSION), (&v6, 6)] {
         let mut decoded = Vec::new();
         events::decode_chunk(bytes, 0, version, &mut |e| decoded.push(e)).unwrap();
         assert_eq!(decoded, events, "version {version}");
     }
-    let deflate = |b: &[u8]| {
-        let mut e = flate2::write::DeflateEncoder::new(Vec::new(), flate2::Compression::new(6));
-        std::io::Write::write_all(&mut e, b).unwrap();
-        e.finish().unwrap().len()
-    };
     // 2.9 KB against 7.5 KB when written.
-    assert!(deflate(&v7) * 2 < deflate(&v6), "version 7 {} bytes, version 6 {}", deflate(&v7), deflate(&v6));
+    assert!(
+        deflated_len(&v7) * 2 < deflated_len(&v6),
+        "version 7 {} bytes, version 6 {}",
+        deflated_len(&v7),
+        deflated_len(&v6)
+    );
 }
 
 #[test]
@@ -834,27 +840,22 @@ fn page_addresses_are_coded_by_page_not_by_byte() {
     }
     events.push(alloc(ts + 10, Kind::PageAlloc, vmemmap + 3, 4096));
     events.push(free(ts + 20, Kind::PageFree, vmemmap + 3));
-    let encode = |mut enc: events::EventEncoder| {
-        for e in &events {
-            enc.push(e);
-        }
-        enc.take().bytes
-    };
+    let encode = |enc| encode_chunk(enc, &events);
     let (v6, v5) = (encode(events::EventEncoder::with_version(1, 6)), encode(events::EventEncoder::with_version(1, 5)));
     for (bytes, version) in [(&v6, 6), (&v5, 5)] {
         let mut decoded = Vec::new();
         events::decode_chunk(bytes, 0, version, &mut |e| decoded.push(e)).unwrap();
         assert_eq!(decoded, events, "version {version}");
     }
-    let deflate = |b: &[u8]| {
-        let mut e = flate2::write::DeflateEncoder::new(Vec::new(), flate2::Compression::new(6));
-        std::io::Write::write_all(&mut e, b).unwrap();
-        e.finish().unwrap().len()
-    };
     // A jump across memory takes a byte less counted in pages (on the bench: 4 % of the
     // address stream).
     assert!(v6.len() + 500 <= v5.len(), "version 6 {} bytes, version 5 {}", v6.len(), v5.len());
-    assert!(deflate(&v6) < deflate(&v5), "version 6 {} bytes, version 5 {}", deflate(&v6), deflate(&v5));
+    assert!(
+        deflated_len(&v6) < deflated_len(&v5),
+        "version 6 {} bytes, version 5 {}",
+        deflated_len(&v6),
+        deflated_len(&v5)
+    );
 }
 
 #[test]
@@ -882,12 +883,7 @@ fn stack_ids_are_coded_per_task_as_deltas() {
         }
         events.push(e);
     }
-    let encode = |mut enc: events::EventEncoder| {
-        for e in &events {
-            enc.push(e);
-        }
-        enc.take().bytes
-    };
+    let encode = |enc| encode_chunk(enc, &events);
     let (v6, v5) = (encode(events::EventEncoder::with_version(1, 6)), encode(events::EventEncoder::with_version(1, 5)));
     for (bytes, version) in [(&v6, 6), (&v5, 5)] {
         let mut decoded = Vec::new();
