@@ -198,12 +198,20 @@ pub(crate) struct CachedRule {
 #[btf_map]
 pub(crate) static ANCHORS: PerCpuArray<Anchors, 1> = PerCpuArray::new();
 
-/// The frames (return address, stack pointer, frame pointer) of the last table walk on
-/// this CPU (joined by earlier ones above its last frame), and of the walk under way: two
-/// buffers, the walk under way writing the one `good` does not name. A later walk of the
-/// same thread that misses a table goes on from the innermost of these frames still on its
-/// stack (`unwind::memtrace_anchor_step`), taken from the CPU where that thread walked
-/// last.
+/// Buffers of walked frames each CPU keeps in [`Anchors`] (a power of two: indices are masked).
+pub(crate) const ANCHOR_BUFFERS: usize = 4;
+
+/// The frames (return address, stack pointer, frame pointer) of the last table walks on
+/// this CPU, and of the walk under way: [`ANCHOR_BUFFERS`] buffers. `good` names the last
+/// walk's (joined by earlier ones above its last frame); the walk under way writes `cur`,
+/// the least recently used of the others. A later walk of the same thread that misses a
+/// table goes on from the innermost of `good`'s frames still on its stack
+/// (`unwind::memtrace_anchor_step`), taken from the CPU where that thread walked last; one
+/// whose first frame is the first frame of any buffer's whole walk, with every return
+/// address above still in its slot, takes that walk's frames without a step
+/// (`reuse::memtrace_repeat_walk`): a thread alternating between a few allocation sites
+/// (a B-tree insert's node, cell and overflow buffers) repeats one of its last few stacks
+/// far more often than its very last one.
 #[repr(C)]
 pub(crate) struct Anchors {
     /// The thread and address space of the walk in buffer `good`, and its frame count.
@@ -220,9 +228,47 @@ pub(crate) struct Anchors {
     /// registers), not a return address: a later walk from a return address at the same
     /// place is not the same frame, and takes nothing from it at its first frame.
     pub(crate) first_exact: u32,
-    pub(crate) ips: [[u64; MAX_STACK_DEPTH]; 2],
-    pub(crate) sps: [[u64; MAX_STACK_DEPTH]; 2],
-    pub(crate) bps: [[u64; MAX_STACK_DEPTH]; 2],
+    /// The buffer the next walk writes: never `good`.
+    pub(crate) cur: u32,
+    pub(crate) _pad: u32,
+    /// Per buffer, the walk it holds: its thread, address space and frame count (0 when a
+    /// repeat cannot take it: cut short, joined, or from an exact first frame), and when
+    /// it was last walked or repeated.
+    pub(crate) buf_tid: [u32; ANCHOR_BUFFERS],
+    pub(crate) buf_asid: [u32; ANCHOR_BUFFERS],
+    pub(crate) buf_n: [u32; ANCHOR_BUFFERS],
+    pub(crate) _pad_buf: [u32; ANCHOR_BUFFERS],
+    pub(crate) buf_used: [u64; ANCHOR_BUFFERS],
+    pub(crate) ips: [[u64; MAX_STACK_DEPTH]; ANCHOR_BUFFERS],
+    pub(crate) sps: [[u64; MAX_STACK_DEPTH]; ANCHOR_BUFFERS],
+    pub(crate) bps: [[u64; MAX_STACK_DEPTH]; ANCHOR_BUFFERS],
+}
+
+impl Anchors {
+    /// `good` and `cur` as indices.
+    #[inline(always)]
+    pub(crate) fn good_cur(&self) -> (usize, usize) {
+        (self.good as usize & (ANCHOR_BUFFERS - 1), self.cur as usize & (ANCHOR_BUFFERS - 1))
+    }
+
+    /// Makes buffer `j`, which holds a walk that ended (or was repeated) at `time`, the
+    /// newest, and `cur` the least recently used of the others.
+    #[inline(always)]
+    pub(crate) fn make_newest(&mut self, j: usize, time: u64) {
+        let j = j & (ANCHOR_BUFFERS - 1);
+        self.good = j as u32;
+        self.time = time;
+        self.buf_used[j] = time;
+        let mut pick = (j + 1) & (ANCHOR_BUFFERS - 1);
+        let mut k = 0;
+        while k < ANCHOR_BUFFERS {
+            if k != j && self.buf_used[k] < self.buf_used[pick] {
+                pick = k;
+            }
+            k += 1;
+        }
+        self.cur = pick as u32;
+    }
 }
 
 /// Each CPU's `RULE_CACHE_SLOTS` slots, from `cpu * RULE_CACHE_SLOTS` on (userspace sizes

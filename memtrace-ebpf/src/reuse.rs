@@ -16,23 +16,31 @@ use memtrace_common::{MAX_STACK_DEPTH, counter, stack_hash_step};
 
 use crate::{
     context::scratch,
-    maps::ANCHORS,
+    maps::{ANCHOR_BUFFERS, ANCHORS},
     ring::bump_by,
     unwind::{memtrace_cover_window, read_stack},
 };
 
-/// Prepares the walk of thread `tid` in address space `asid` to reuse the frames of this
-/// CPU's previous walk, when that walk was the same thread's and reached the outermost
-/// frame. A global BPF function: checked once.
+/// Prepares the walk of thread `tid` in address space `asid` from `ip`, `sp`, `bp` to reuse
+/// the frames of this CPU's previous walk, when that walk was the same thread's and
+/// reached the outermost frame, and notes the buffer whose whole walk of the thread starts
+/// at the same frame (`scratch.walk_repeat`; the previous walk's first). A global BPF
+/// function: checked once.
 #[inline(never)]
 #[unsafe(no_mangle)]
-pub extern "C" fn memtrace_begin_reuse(tid: u64, asid: u64) -> u64 {
+pub extern "C" fn memtrace_begin_reuse(tid: u64, asid: u64, ip: u64, sp: u64, bp: u64) -> u64 {
     let Some(scratch) = scratch() else { return 0 };
     scratch.walk_reuse = 0;
     scratch.walk_reuse_k = 1;
+    scratch.walk_repeat = ANCHOR_BUFFERS as u32;
     let Some(a) = ANCHORS.get_ptr_mut(0) else { return 0 };
     // SAFETY: this CPU's value; programs on one CPU do not run concurrently.
-    let a = unsafe { &*a };
+    let a = unsafe { &mut *a };
+    let (good, cur) = a.good_cur();
+    if cur == good {
+        // Only in a value no walk ended in yet.
+        a.cur = ((good + 1) & (ANCHOR_BUFFERS - 1)) as u32;
+    }
     if a.whole != 0 && u64::from(a.tid) == tid && u64::from(a.asid) == asid && a.n > 1 {
         scratch.walk_reuse = 1;
         // A first frame that was a return address can be met again at the walk's own
@@ -41,6 +49,25 @@ pub extern "C" fn memtrace_begin_reuse(tid: u64, asid: u64) -> u64 {
         if a.first_exact == 0 {
             scratch.walk_reuse_k = 0;
         }
+    }
+    let same = |j: usize| {
+        a.buf_n[j] > 1
+            && u64::from(a.buf_tid[j]) == tid
+            && u64::from(a.buf_asid[j]) == asid
+            && a.ips[j][0] == ip
+            && a.sps[j][0] == sp
+            && a.bps[j][0] == bp
+    };
+    if same(good) {
+        scratch.walk_repeat = good as u32;
+        return 0;
+    }
+    let mut j = 0;
+    while j < ANCHOR_BUFFERS {
+        if j != good && same(j) {
+            scratch.walk_repeat = j as u32;
+        }
+        j += 1;
     }
     0
 }
@@ -61,7 +88,7 @@ pub extern "C" fn memtrace_reuse_frames(i: u64, ip: u64, sp: u64, bp: u64, hash:
     let Some(a) = ANCHORS.get_ptr_mut(0) else { return 0 };
     // SAFETY: this CPU's value; programs on one CPU do not run concurrently.
     let a = unsafe { &*a };
-    let good = a.good as usize & 1;
+    let (good, cur) = a.good_cur();
     // The previous walk's frames go up the stack: skip those below this one (its first is
     // skipped when it was an exact instruction, not a return address: `begin_reuse`).
     let mut seek = Seek { k: scratch.walk_reuse_k, n: a.n, sp, good: good as u32, _pad: 0 };
@@ -79,7 +106,16 @@ pub extern "C" fn memtrace_reuse_frames(i: u64, ip: u64, sp: u64, bp: u64, hash:
         return 0;
     }
     scratch.walk_reuse = 0;
-    let mut check = Check { from: seek.k + 1, to: i as u32 + 1, hash, top_sp: sp, good: good as u32, ok: 1 };
+    let mut check = Check {
+        from: seek.k + 1,
+        to: i as u32 + 1,
+        hash,
+        top_sp: sp,
+        good: good as u32,
+        cur: cur as u32,
+        ok: 1,
+        _pad: 0,
+    };
     // SAFETY: check_step is a BPF callback taking (index, ctx); ctx is our stack state.
     unsafe {
         generated::bpf_loop(MAX_STACK_DEPTH as u32, check_step as *mut c_void, addr_of_mut!(check) as *mut c_void, 0)
@@ -115,7 +151,7 @@ extern "C" fn seek_step(_index: u64, state: *mut c_void) -> i64 {
     // SAFETY: this CPU's value; programs on one CPU do not run concurrently.
     let a = unsafe { &*a };
     let k = s.k as usize;
-    if s.k >= s.n || k >= MAX_STACK_DEPTH || a.sps[s.good as usize & 1][k] >= s.sp {
+    if s.k >= s.n || k >= MAX_STACK_DEPTH || a.sps[s.good as usize & (ANCHOR_BUFFERS - 1)][k] >= s.sp {
         return 1;
     }
     s.k += 1;
@@ -130,9 +166,12 @@ struct Check {
     to: u32,
     hash: u64,
     top_sp: u64,
+    /// The previous walk's buffer, and the walk under way's.
     good: u32,
+    cur: u32,
     /// 0: a return address was not in its slot, or the depth bound was reached.
     ok: u32,
+    _pad: u32,
 }
 
 #[inline(never)]
@@ -153,15 +192,17 @@ extern "C" fn check_step(_index: u64, state: *mut c_void) -> i64 {
         c.ok = 0;
         return 1;
     }
-    let (good, cur) = (c.good as usize & 1, (c.good ^ 1) as usize & 1);
+    let (good, cur) = (c.good as usize & (ANCHOR_BUFFERS - 1), c.cur as usize & (ANCHOR_BUFFERS - 1));
     let (ip, sp, bp) = (a.ips[good][from], a.sps[good][from], a.bps[good][from]);
     // A return address lies just below its frame's stack pointer (the caller's CFA).
     let slot = sp.wrapping_sub(8);
-    memtrace_cover_window(slot, sp);
     let Some(scratch) = crate::context::scratch() else {
         c.ok = 0;
         return 1;
     };
+    if slot.wrapping_sub(scratch.win_base) / 8 >= scratch.win_words {
+        memtrace_cover_window(slot, sp);
+    }
     if read_stack(scratch, slot) != Some(ip) {
         c.ok = 0;
         return 1;
@@ -177,32 +218,29 @@ extern "C" fn check_step(_index: u64, state: *mut c_void) -> i64 {
     0
 }
 
-/// The thread's stack exactly as its previous walk on this CPU found it: the first frame
-/// at the same return address, stack and frame pointers (so the same function, at the
-/// same depth, called from the same place), and every caller's return address still in
-/// its slot. Then the frames and hash come from that walk, `scratch.walk_n` and
-/// `scratch.walk_reuse_hash` are set, the anchors stay as they are, and 1 is returned;
-/// else 0, and the walk goes on as usual. The same check as [`memtrace_reuse_frames`]
-/// at the first frame, without the walk's steps around it: most allocations of a loop
-/// or a request handler come from one place again and again. `hash` names the stack
-/// before its first frame. A global BPF function: checked once.
+/// The thread's stack exactly as one of its last walks on this CPU found it (the buffer
+/// `begin_reuse` noted): the first frame at the same return address, stack and frame
+/// pointers (so the same function, at the same depth, called from the same place), and
+/// every caller's return address still in its slot. Then the frames and hash come from
+/// that walk, `scratch.walk_n` and `scratch.walk_reuse_hash` are set, the buffer becomes
+/// the newest (its anchors still true) and 1 is returned; else 0, and the walk goes on as
+/// usual. The same check as [`memtrace_reuse_frames`] at the first frame, without the
+/// walk's steps around it: most allocations of a loop or a request handler come from one
+/// of a few places again and again. `hash` names the stack before its first frame. A
+/// global BPF function: checked once.
 #[inline(never)]
 #[unsafe(no_mangle)]
-pub extern "C" fn memtrace_repeat_walk(ip: u64, sp: u64, bp: u64, hash: u64) -> u64 {
+pub extern "C" fn memtrace_repeat_walk(ip: u64, hash: u64) -> u64 {
     let Some(scratch) = scratch() else { return 0 };
-    // `begin_reuse` found a whole walk of this thread and address space whose first frame
-    // was a return address.
-    if scratch.walk_reuse == 0 || scratch.walk_reuse_k != 0 {
+    let j = scratch.walk_repeat as usize;
+    if j >= ANCHOR_BUFFERS {
         return 0;
     }
     let Some(a) = ANCHORS.get_ptr_mut(0) else { return 0 };
     // SAFETY: this CPU's value; programs on one CPU do not run concurrently.
     let a = unsafe { &mut *a };
-    let good = a.good as usize & 1;
-    if a.ips[good][0] != ip || a.sps[good][0] != sp || a.bps[good][0] != bp {
-        return 0;
-    }
-    let n = a.n;
+    let j = j & (ANCHOR_BUFFERS - 1);
+    let n = a.buf_n[j];
     if n < 2 || n as usize > MAX_STACK_DEPTH {
         return 0;
     }
@@ -212,20 +250,23 @@ pub extern "C" fn memtrace_repeat_walk(ip: u64, sp: u64, bp: u64, hash: u64) -> 
     // arithmetic the verifier could not bound.
     // SAFETY: a volatile read of a local.
     let last = unsafe { core::ptr::read_volatile(&(n as usize - 1)) };
-    let top = a.sps[good].get(last).copied().unwrap_or(0);
-    memtrace_cover_window(a.sps[good][1].wrapping_sub(8), top);
+    let top = a.sps[j].get(last).copied().unwrap_or(0);
+    memtrace_cover_window(a.sps[j][1].wrapping_sub(8), top);
     // The first index (1) comes from the map value, unknown to the verifier: a constant
     // would be followed through every step, a new state each, never converging.
-    let first = scratch.walk_reuse_k + 1;
-    let mut r = Repeat { i: first, n, hash: stack_hash_step(hash, ip), good: good as u32, ok: 1 };
+    // SAFETY: a volatile read of a field of this CPU's scratch value.
+    let first = unsafe { core::ptr::read_volatile(&scratch.walk_zero) } + 1;
+    let mut r = Repeat { i: first, n, hash: stack_hash_step(hash, ip), buf: j as u32, ok: 1 };
     // SAFETY: repeat_step is a BPF callback taking (index, ctx); ctx is our stack state.
     unsafe {
         generated::bpf_loop(MAX_STACK_DEPTH as u32, repeat_step as *mut c_void, addr_of_mut!(r) as *mut c_void, 0)
     };
     if r.ok == 0 {
-        // The stacks part somewhere above the first frame: the walk's reuse tries from the
-        // previous walk's second frame on, not this check again.
-        if let Some(scratch) = crate::context::scratch() {
+        // The stacks part somewhere above the first frame: when that was the previous
+        // walk, the walk's reuse tries from its second frame on, not this check again.
+        if let Some(scratch) = crate::context::scratch()
+            && j == a.good_cur().0
+        {
             scratch.walk_reuse_k = 1;
         }
         return 0;
@@ -235,11 +276,18 @@ pub extern "C" fn memtrace_repeat_walk(ip: u64, sp: u64, bp: u64, hash: u64) -> 
     bump_by(counter::UNWIND_FRAMES_REUSED, u64::from(n) - 1);
     scratch.walk_n = n;
     scratch.walk_reuse_hash = r.hash;
-    a.time = match core::mem::replace(&mut scratch.walk_time, 0) {
+    let time = match core::mem::replace(&mut scratch.walk_time, 0) {
         // SAFETY: no preconditions.
         0 => unsafe { generated::bpf_ktime_get_ns() },
         t => t,
     };
+    // The buffer's walk is the thread's last now, whole.
+    a.tid = a.buf_tid[j];
+    a.asid = a.buf_asid[j];
+    a.n = n;
+    a.whole = 1;
+    a.first_exact = 0;
+    a.make_newest(j, time);
     1
 }
 
@@ -249,7 +297,8 @@ struct Repeat {
     i: u32,
     n: u32,
     hash: u64,
-    good: u32,
+    /// The buffer of the walk repeated.
+    buf: u32,
     /// 0: a return address was not in its slot.
     ok: u32,
 }
@@ -268,8 +317,8 @@ extern "C" fn repeat_step(_index: u64, state: *mut c_void) -> i64 {
     };
     // SAFETY: this CPU's value; programs on one CPU do not run concurrently.
     let a = unsafe { &*a };
-    let good = r.good as usize & 1;
-    let (ip, sp) = (a.ips[good][i], a.sps[good][i]);
+    let buf = r.buf as usize & (ANCHOR_BUFFERS - 1);
+    let (ip, sp) = (a.ips[buf][i], a.sps[buf][i]);
     // A return address lies just below its frame's stack pointer (the caller's CFA).
     let slot = sp.wrapping_sub(8);
     if slot.wrapping_sub(scratch.win_base) / 8 >= scratch.win_words {

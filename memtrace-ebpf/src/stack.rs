@@ -121,6 +121,11 @@ pub(crate) struct Scratch {
     pub(crate) walk_reuse: u32,
     pub(crate) walk_reuse_k: u32,
     pub(crate) walk_reuse_hash: u64,
+    /// The anchor buffer whose whole walk starts with the first frame of the walk under
+    /// way (`reuse::memtrace_repeat_walk`), or `ANCHOR_BUFFERS`: none.
+    pub(crate) walk_repeat: u32,
+    /// Always 0, never written: a zero neither the compiler nor the verifier knows.
+    pub(crate) walk_zero: u32,
     /// Frames of the kernel part being taken (`kernel_part`).
     pub(crate) kernel_n: u32,
     pub(crate) _pad_kernel: u32,

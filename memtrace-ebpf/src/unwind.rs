@@ -24,8 +24,8 @@ use memtrace_common::{
 use crate::{
     context::{pid_tgid, read_kernel_at, read_user_u64, regs, scratch},
     maps::{
-        ANCHORS, ASIDS, Anchors, CachedRule, FILE_TABLES, MAPPINGS, NEXT_ASID, PROBE_BUSY, PROC_GEN, PY_PROCS,
-        RULE_CACHE, SLOT_MAPS, TABLES, process_changed,
+        ANCHOR_BUFFERS, ANCHORS, ASIDS, Anchors, CachedRule, FILE_TABLES, MAPPINGS, NEXT_ASID, PROBE_BUSY, PROC_GEN,
+        PY_PROCS, RULE_CACHE, SLOT_MAPS, TABLES, process_changed,
     },
     reuse::{memtrace_begin_reuse, memtrace_repeat_walk, memtrace_reuse_frames},
     ring::{bump, bump_by, zero},
@@ -644,7 +644,7 @@ pub extern "C" fn memtrace_anchor_step(tid: u64, asid: u64) -> u64 {
         return SEARCHING;
     }
     let Some(a) = anchors_of(scratch.walk_anchor_cpu) else { return NO_ANCHOR };
-    let good = a.good as usize & 1;
+    let good = a.good_cur().0;
     let j = scratch.walk_anchor as usize;
     if j >= MAX_STACK_DEPTH || j as u32 >= a.n || scratch.walk_tries == 0 {
         return NO_ANCHOR;
@@ -695,7 +695,7 @@ pub extern "C" fn memtrace_note_frame(i: u64, ip: u64, sp: u64, bp: u64) -> u64 
     if let Some(a) = ANCHORS.get_ptr_mut(0) {
         // SAFETY: this CPU's value; programs on one CPU do not run concurrently.
         let a = unsafe { &mut *a };
-        let cur = (a.good ^ 1) as usize & 1;
+        let cur = a.good_cur().1;
         a.ips[cur][i] = ip;
         a.sps[cur][i] = sp;
         a.bps[cur][i] = bp;
@@ -906,9 +906,9 @@ pub(crate) fn walk_user_tables(scratch: &mut Scratch, tgid: u32, regs: UserRegs,
         core::ptr::write_volatile(&mut scratch.walk_top_sp, 0);
         core::ptr::write_volatile(&mut scratch.walk_result, stack_flags::TRUNCATED as u32);
     }
-    memtrace_begin_reuse(u64::from(st.tid), u64::from(asid));
-    // The same stack as the thread's previous walk here: taken whole, no step.
-    let repeated = !regs.exact && memtrace_repeat_walk(regs.ip, regs.sp, regs.bp, hash) != 0;
+    memtrace_begin_reuse(u64::from(st.tid), u64::from(asid), regs.ip, regs.sp, regs.bp);
+    // The same stack as one of the thread's last walks here: taken whole, no step.
+    let repeated = !regs.exact && memtrace_repeat_walk(regs.ip, hash) != 0;
     if !repeated {
         // SAFETY: walk_step is a BPF callback taking (index, ctx); ctx is our stack state.
         unsafe { generated::bpf_loop(WALK_STEPS, walk_step as *mut c_void, addr_of_mut!(st) as *mut c_void, 0) };
@@ -962,7 +962,8 @@ pub extern "C" fn memtrace_end_walk(phase_exact: u64, result: u64, tid: u64, asi
     let a = unsafe { &mut *a };
     let mut n = n.min(MAX_STACK_DEPTH as u64) as u32;
     if !whole && u64::from(a.tid) == tid && u64::from(a.asid) == asid {
-        let mut merge = Merge { from: 0, to: n, top_sp: scratch.walk_top_sp, good: a.good & 1, _pad: 0 };
+        let (good, cur) = a.good_cur();
+        let mut merge = Merge { from: 0, to: n, top_sp: scratch.walk_top_sp, good: good as u32, cur: cur as u32 };
         // SAFETY: merge_step is a BPF callback taking (index, ctx); ctx is our stack state.
         unsafe {
             generated::bpf_loop(
@@ -974,17 +975,23 @@ pub extern "C" fn memtrace_end_walk(phase_exact: u64, result: u64, tid: u64, asi
         };
         n = merge.to;
     }
-    a.good ^= 1;
+    let first_exact = (phase_exact >> FIRST_EXACT_SHIFT) as u32 & 1;
     a.whole = whole as u32;
-    a.first_exact = (phase_exact >> FIRST_EXACT_SHIFT) as u32 & 1;
+    a.first_exact = first_exact;
     a.tid = tid as u32;
     a.asid = asid as u32;
     a.n = n;
-    a.time = match core::mem::replace(&mut scratch.walk_time, 0) {
+    let time = match core::mem::replace(&mut scratch.walk_time, 0) {
         // SAFETY: no preconditions.
         0 => unsafe { generated::bpf_ktime_get_ns() },
         t => t,
     };
+    // The walk's buffer: a repeat may take it when it is whole from a return address.
+    let cur = a.good_cur().1;
+    a.buf_tid[cur] = tid as u32;
+    a.buf_asid[cur] = asid as u32;
+    a.buf_n[cur] = if whole && first_exact == 0 { n } else { 0 };
+    a.make_newest(cur, time);
     flags
 }
 
@@ -998,9 +1005,9 @@ struct Merge {
     from: u32,
     to: u32,
     top_sp: u64,
-    /// The buffer of the earlier anchors (the walk's is the other).
+    /// The buffer of the earlier anchors, and the walk's.
     good: u32,
-    _pad: u32,
+    cur: u32,
 }
 
 #[inline(never)]
@@ -1015,7 +1022,7 @@ extern "C" fn merge_step(_index: u64, state: *mut c_void) -> i64 {
         return 1;
     }
     m.from += 1;
-    let (good, cur) = (m.good as usize & 1, (m.good ^ 1) as usize & 1);
+    let (good, cur) = (m.good as usize & (ANCHOR_BUFFERS - 1), m.cur as usize & (ANCHOR_BUFFERS - 1));
     let sp = a.sps[good][from];
     if sp > m.top_sp {
         a.ips[cur][to] = a.ips[good][from];

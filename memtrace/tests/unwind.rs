@@ -221,3 +221,44 @@ fn a_walk_takes_the_frames_it_shares_with_the_previous_one_from_it() {
     let shared = 2 * pairs;
     assert!(reused >= shared * 9 / 10, "{reused} of {shared} frames reused: {recorder:#}");
 }
+
+/// A thread calling a few allocation sites in turn (a B-tree insert's buffers): each
+/// site's stack repeats every fourth walk, not at the next one. The walks take them whole
+/// from the CPU's last walks, checked on the stack: exact counts, whole stacks, one row a
+/// site, and almost no frame stepped through by its rule.
+#[test]
+fn a_stack_repeated_from_one_of_the_last_walks_is_taken_whole() {
+    require_root();
+    let dir = scratch("unwind-cycle");
+    let data = dir.join("rec.data");
+    let rounds = 2000u64;
+    // Without frame pointers: every stepped frame is a table walk's step.
+    let program = Path::new(env!("MEMTRACE_WORKLOAD_DIR")).join("alloc_workload_nofp");
+    run(memtrace()
+        .args(["record", "-q", "--no-kernel", "-o"])
+        .arg(&data)
+        .arg("--")
+        .arg(program)
+        .args(["--cycle", &rounds.to_string()]));
+    let report = report_json(&data, &["--by", "stack", "--domain", "user"]);
+    let sites = report["sites"].as_array().unwrap();
+    for (site, bytes) in [("cycle_site_a", 24), ("cycle_site_b", 40), ("cycle_site_c", 56), ("cycle_site_d", 72)] {
+        let rows: Vec<&Value> = sites.iter().filter(|s| s["frames"][0]["function"] == site).collect();
+        assert_eq!(rows.len(), 1, "{site}: {rows:#?}");
+        let row = rows[0];
+        assert_eq!(
+            (row["allocs"].as_u64(), row["bytes_req"].as_u64(), row["truncated"].as_bool()),
+            (Some(rounds), Some(rounds * bytes), Some(false)),
+            "{site}: {row:#}"
+        );
+        let names = function_names(row);
+        assert_eq!(names[..3], [site, "wl_cycle", "main"], "{site}: {names:?}");
+    }
+    // Each walk after a site's first took the whole stack from one of the last four: of
+    // the frames below `main`'s caller and above the first, none stepped.
+    let recorder = &report["recorder"];
+    let (frames, reused) =
+        (recorder["unwind_frames"].as_u64().unwrap(), recorder["unwind_frames_reused"].as_u64().unwrap());
+    assert!(frames >= 4 * rounds * 4, "{recorder:#}");
+    assert!(frames - reused <= 4 * rounds * 11 / 10, "{reused} of {frames} frames reused: {recorder:#}");
+}

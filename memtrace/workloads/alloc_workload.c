@@ -10,6 +10,8 @@
  * the overhead benchmark),
  * --kernel-loop N (N pipe()+close() pairs: kernel allocations on behalf of the task),
  * --kernel-sites N (N pipe()+close() pairs, from pipe_site_a and pipe_site_b in turn),
+ * --cycle N (N rounds of four malloc sites called in turn, cycle_site_a to _d: 24, 40, 56
+ * and 72 bytes, freed at each round's end),
  * --dlopen LIB N (load the allocator library LIB with dlopen, wait 3 s (--dlopen-wait-ms), then make N
  * allocations with its malloc, through dlsym: a second allocator memtrace must find;
  * with --dlopen-prefix P, its P##malloc, and each block is freed with its P##free),
@@ -404,6 +406,47 @@ NOINLINE static void pipe_site_a(void) {
 NOINLINE static void pipe_site_b(void) {
     kernel_pair();
     pipe_site_calls[1]++;
+}
+
+/* Four allocation sites called in turn from one loop, as a B-tree insert allocates its
+ * node, cell, overflow and cursor buffers: each site's stack repeats every fourth call.
+ * Each counts its calls after the call, which keeps the four functions different. */
+static volatile long cycle_calls[4];
+
+NOINLINE static void *cycle_site_a(size_t n) {
+    void *p = malloc(n);
+    cycle_calls[0]++;
+    return p;
+}
+
+NOINLINE static void *cycle_site_b(size_t n) {
+    void *p = malloc(n);
+    cycle_calls[1]++;
+    return p;
+}
+
+NOINLINE static void *cycle_site_c(size_t n) {
+    void *p = malloc(n);
+    cycle_calls[2]++;
+    return p;
+}
+
+NOINLINE static void *cycle_site_d(size_t n) {
+    void *p = malloc(n);
+    cycle_calls[3]++;
+    return p;
+}
+
+/* `rounds` rounds of the four sites (24, 40, 56 and 72 bytes), each round's blocks freed
+ * at its end. */
+NOINLINE static void wl_cycle(long rounds) {
+    for (long i = 0; i < rounds; i++) {
+        void *p[4] = {cycle_site_a(24), cycle_site_b(40), cycle_site_c(56), cycle_site_d(72)};
+        for (int k = 0; k < 4; k++) {
+            sink ^= (uintptr_t)p[k];
+            free(p[k]);
+        }
+    }
 }
 
 /* A tiny bump allocator with its own entry points, standing in for jemalloc & co. */
@@ -884,6 +927,11 @@ int main(int argc, char **argv) {
             else
                 pipe_site_a();
         }
+        return 0;
+    }
+    long cycle = arg_value(argc, argv, "--cycle", 0);
+    if (cycle > 0) {
+        wl_cycle(cycle);
         return 0;
     }
     long kernel_loop = arg_value(argc, argv, "--kernel-loop", 0);
