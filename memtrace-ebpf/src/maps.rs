@@ -239,9 +239,19 @@ pub(crate) struct Anchors {
     pub(crate) buf_n: [u32; ANCHOR_BUFFERS],
     pub(crate) _pad_buf: [u32; ANCHOR_BUFFERS],
     pub(crate) buf_used: [u64; ANCHOR_BUFFERS],
-    pub(crate) ips: [[u64; MAX_STACK_DEPTH]; ANCHOR_BUFFERS],
-    pub(crate) sps: [[u64; MAX_STACK_DEPTH]; ANCHOR_BUFFERS],
-    pub(crate) bps: [[u64; MAX_STACK_DEPTH]; ANCHOR_BUFFERS],
+    /// Each buffer's frames, innermost first.
+    pub(crate) frames: [[AnchorFrame; MAX_STACK_DEPTH]; ANCHOR_BUFFERS],
+}
+
+/// A walked frame: its return address (or exact instruction), stack and frame pointers,
+/// side by side: a check of a frame reads one cache line and a copy writes one (three
+/// arrays of each made it six, in a value bigger than the L1 cache).
+#[repr(C)]
+#[derive(Clone, Copy)]
+pub(crate) struct AnchorFrame {
+    pub(crate) ip: u64,
+    pub(crate) sp: u64,
+    pub(crate) bp: u64,
 }
 
 impl Anchors {

@@ -54,9 +54,9 @@ pub extern "C" fn memtrace_begin_reuse(tid: u64, asid: u64, ip: u64, sp: u64, bp
         a.buf_n[j] > 1
             && u64::from(a.buf_tid[j]) == tid
             && u64::from(a.buf_asid[j]) == asid
-            && a.ips[j][0] == ip
-            && a.sps[j][0] == sp
-            && a.bps[j][0] == bp
+            && a.frames[j][0].ip == ip
+            && a.frames[j][0].sp == sp
+            && a.frames[j][0].bp == bp
     };
     if same(good) {
         scratch.walk_repeat = good as u32;
@@ -102,7 +102,8 @@ pub extern "C" fn memtrace_reuse_frames(i: u64, ip: u64, sp: u64, bp: u64, hash:
         scratch.walk_reuse = 0; // above the previous walk's outermost frame
         return 0;
     }
-    if a.sps[good][k] != sp || a.ips[good][k] != ip || a.bps[good][k] != bp {
+    let f = a.frames[good][k];
+    if f.sp != sp || f.ip != ip || f.bp != bp {
         return 0;
     }
     scratch.walk_reuse = 0;
@@ -151,7 +152,7 @@ extern "C" fn seek_step(_index: u64, state: *mut c_void) -> i64 {
     // SAFETY: this CPU's value; programs on one CPU do not run concurrently.
     let a = unsafe { &*a };
     let k = s.k as usize;
-    if s.k >= s.n || k >= MAX_STACK_DEPTH || a.sps[s.good as usize & (ANCHOR_BUFFERS - 1)][k] >= s.sp {
+    if s.k >= s.n || k >= MAX_STACK_DEPTH || a.frames[s.good as usize & (ANCHOR_BUFFERS - 1)][k].sp >= s.sp {
         return 1;
     }
     s.k += 1;
@@ -193,7 +194,8 @@ extern "C" fn check_step(_index: u64, state: *mut c_void) -> i64 {
         return 1;
     }
     let (good, cur) = (c.good as usize & (ANCHOR_BUFFERS - 1), c.cur as usize & (ANCHOR_BUFFERS - 1));
-    let (ip, sp, bp) = (a.ips[good][from], a.sps[good][from], a.bps[good][from]);
+    let frame = a.frames[good][from];
+    let (ip, sp) = (frame.ip, frame.sp);
     // A return address lies just below its frame's stack pointer (the caller's CFA).
     let slot = sp.wrapping_sub(8);
     let Some(scratch) = crate::context::scratch() else {
@@ -208,9 +210,7 @@ extern "C" fn check_step(_index: u64, state: *mut c_void) -> i64 {
         return 1;
     }
     scratch.user_ips[to] = ip;
-    a.ips[cur][to] = ip;
-    a.sps[cur][to] = sp;
-    a.bps[cur][to] = bp;
+    a.frames[cur][to] = frame;
     c.hash = stack_hash_step(c.hash, ip);
     c.top_sp = sp;
     c.from += 1;
@@ -250,8 +250,8 @@ pub extern "C" fn memtrace_repeat_walk(ip: u64, hash: u64) -> u64 {
     // arithmetic the verifier could not bound.
     // SAFETY: a volatile read of a local.
     let last = unsafe { core::ptr::read_volatile(&(n as usize - 1)) };
-    let top = a.sps[j].get(last).copied().unwrap_or(0);
-    memtrace_cover_window(a.sps[j][1].wrapping_sub(8), top);
+    let top = a.frames[j].get(last).map_or(0, |f| f.sp);
+    memtrace_cover_window(a.frames[j][1].sp.wrapping_sub(8), top);
     // The first index (1) comes from the map value, unknown to the verifier: a constant
     // would be followed through every step, a new state each, never converging.
     // SAFETY: a volatile read of a field of this CPU's scratch value.
@@ -318,7 +318,7 @@ extern "C" fn repeat_step(_index: u64, state: *mut c_void) -> i64 {
     // SAFETY: this CPU's value; programs on one CPU do not run concurrently.
     let a = unsafe { &*a };
     let buf = r.buf as usize & (ANCHOR_BUFFERS - 1);
-    let (ip, sp) = (a.ips[buf][i], a.sps[buf][i]);
+    let (ip, sp) = (a.frames[buf][i].ip, a.frames[buf][i].sp);
     // A return address lies just below its frame's stack pointer (the caller's CFA).
     let slot = sp.wrapping_sub(8);
     if slot.wrapping_sub(scratch.win_base) / 8 >= scratch.win_words {

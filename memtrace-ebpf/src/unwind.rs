@@ -24,8 +24,8 @@ use memtrace_common::{
 use crate::{
     context::{pid_tgid, read_kernel_at, read_user_u64, regs, scratch},
     maps::{
-        ANCHOR_BUFFERS, ANCHORS, ASIDS, Anchors, CachedRule, FILE_TABLES, MAPPINGS, NEXT_ASID, PROBE_BUSY, PROC_GEN,
-        PY_PROCS, RULE_CACHE, SLOT_MAPS, TABLES, process_changed,
+        ANCHOR_BUFFERS, ANCHORS, ASIDS, AnchorFrame, Anchors, CachedRule, FILE_TABLES, MAPPINGS, NEXT_ASID, PROBE_BUSY,
+        PROC_GEN, PY_PROCS, RULE_CACHE, SLOT_MAPS, TABLES, process_changed,
     },
     reuse::{memtrace_begin_reuse, memtrace_repeat_walk, memtrace_reuse_frames},
     ring::{bump, bump_by, zero},
@@ -650,7 +650,7 @@ pub extern "C" fn memtrace_anchor_step(tid: u64, asid: u64) -> u64 {
         return NO_ANCHOR;
     }
     scratch.walk_anchor += 1;
-    let (ip, sp, bp) = (a.ips[good][j], a.sps[good][j], a.bps[good][j]);
+    let AnchorFrame { ip, sp, bp } = a.frames[good][j];
     let miss_sp = scratch.miss.sp;
     if sp <= miss_sp {
         return SEARCHING; // below the miss: the next one
@@ -696,9 +696,7 @@ pub extern "C" fn memtrace_note_frame(i: u64, ip: u64, sp: u64, bp: u64) -> u64 
         // SAFETY: this CPU's value; programs on one CPU do not run concurrently.
         let a = unsafe { &mut *a };
         let cur = a.good_cur().1;
-        a.ips[cur][i] = ip;
-        a.sps[cur][i] = sp;
-        a.bps[cur][i] = bp;
+        a.frames[cur][i] = AnchorFrame { ip, sp, bp };
     }
     0
 }
@@ -1023,11 +1021,9 @@ extern "C" fn merge_step(_index: u64, state: *mut c_void) -> i64 {
     }
     m.from += 1;
     let (good, cur) = (m.good as usize & (ANCHOR_BUFFERS - 1), m.cur as usize & (ANCHOR_BUFFERS - 1));
-    let sp = a.sps[good][from];
-    if sp > m.top_sp {
-        a.ips[cur][to] = a.ips[good][from];
-        a.sps[cur][to] = sp;
-        a.bps[cur][to] = a.bps[good][from];
+    let frame = a.frames[good][from];
+    if frame.sp > m.top_sp {
+        a.frames[cur][to] = frame;
         m.to += 1;
     }
     0
