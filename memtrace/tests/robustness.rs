@@ -233,9 +233,19 @@ fn a_full_disk_stops_the_recording_and_keeps_what_was_written() {
         .unwrap();
     let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
     assert_eq!(out.status.code(), Some(1), "{stderr}");
-    assert!(stderr.contains("No space left on device") && stderr.contains("keeps the events written"), "{stderr}");
+    // Whether the disk fills while the command runs or while the last events, the
+    // symbols and the summary are written at the end (the reader behind on a busy
+    // machine), the error is the same and counts what the file kept.
+    assert!(stderr.contains("No space left on device"), "{stderr}");
+    let kept: u64 = stderr
+        .split("; the file keeps the ")
+        .nth(1)
+        .and_then(|rest| rest.split(' ').next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("no count of the events kept: {stderr}"));
     let report = report_json(&data, &[]);
-    assert!(report["events"].as_u64().unwrap() > 1000, "the complete part reads");
+    let read = report["events"].as_u64().unwrap();
+    assert!(read > 1000 && read >= kept, "the complete part reads: {read} events, {kept} said kept");
     Command::new("umount").arg(&dir).status().unwrap();
 }
 

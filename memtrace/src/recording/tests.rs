@@ -949,3 +949,66 @@ fn references_to_blocks_and_frames_that_do_not_exist_are_corrupt() {
         assert!(stacks::parse_columns(&payload, 0).is_err(), "{reference}");
     }
 }
+
+/// A disk that takes `room` bytes, then fails every write as a full one does.
+struct SmallDisk {
+    bytes: std::rc::Rc<std::cell::RefCell<Vec<u8>>>,
+    room: usize,
+}
+
+impl std::io::Write for SmallDisk {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        let mut bytes = self.bytes.borrow_mut();
+        let n = buf.len().min(self.room - bytes.len());
+        if n == 0 && !buf.is_empty() {
+            return Err(std::io::Error::from_raw_os_error(libc::ENOSPC));
+        }
+        bytes.extend_from_slice(&buf[..n]);
+        Ok(n)
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+/// Writes `events` as the recorder does (a flush now and then, the pending ones, the
+/// end) until a write fails; the events counted as flushed before it, if one did.
+fn write_until_full<W: std::io::Write>(mut w: Writer<W>, events: &[Event]) -> Option<u64> {
+    for (i, e) in events.iter().enumerate() {
+        if w.event(e).is_err() || (i % 3_000 == 2_999 && w.flush().is_err()) {
+            return Some(w.events_flushed());
+        }
+    }
+    if w.flush().is_err() {
+        return Some(w.events_flushed());
+    }
+    let kept = w.events_flushed();
+    assert_eq!(kept, events.len() as u64, "all flushed");
+    w.finish(&Stats::default()).err().map(|_| kept)
+}
+
+#[test]
+fn a_full_disk_keeps_at_least_the_events_counted_as_flushed() {
+    let events = many_events();
+    let whole = {
+        let bytes = std::rc::Rc::default();
+        let disk = SmallDisk { bytes: std::rc::Rc::clone(&bytes), room: usize::MAX };
+        assert_eq!(write_until_full(Writer::new(disk, &meta()).unwrap(), &events), None);
+        bytes.borrow().len()
+    };
+    let mut counted = Vec::new();
+    for room in (300..whole).step_by(whole / 41) {
+        let bytes = std::rc::Rc::default();
+        let disk = SmallDisk { bytes: std::rc::Rc::clone(&bytes), room };
+        let Ok(w) = Writer::new(std::io::BufWriter::with_capacity(4096, disk), &meta()) else { continue };
+        let kept = write_until_full(w, &events).expect("a disk too small for the recording fails a write");
+        let rec = read_all(&bytes.borrow()[..]).unwrap();
+        assert!(rec.events.len() as u64 >= kept, "{room}: read {} of {kept}", rec.events.len());
+        assert!(events.starts_with(&rec.events));
+        assert!(!rec.finalized);
+        counted.push(kept);
+    }
+    // The count grows with the room, and is not always zero.
+    assert!(counted.windows(2).all(|w| w[0] <= w[1]) && counted.last() > Some(&0), "{counted:?}");
+}

@@ -57,6 +57,10 @@ pub struct Writer<W: Write> {
     symbols: SymbolEncoder,
     bytes_written: u64,
     events_written: u64,
+    /// Events in the chunks handed to `out` so far, and in those `out` took whole (its
+    /// last successful flush): what a reader finds if a later write fails.
+    events_chunked: u64,
+    events_flushed: u64,
 }
 
 impl<W: Write> Writer<W> {
@@ -77,6 +81,8 @@ impl<W: Write> Writer<W> {
             symbols: SymbolEncoder::default(),
             bytes_written: HEADER_LEN as u64,
             events_written: 0,
+            events_chunked: 0,
+            events_flushed: 0,
         };
         let json = serde_json::to_vec(meta).map_err(io::Error::other)?;
         writer.chunk(ChunkKind::Meta, &json, &[])?;
@@ -110,6 +116,12 @@ impl<W: Write> Writer<W> {
 
     pub fn events_written(&self) -> u64 {
         self.events_written
+    }
+
+    /// Events whose chunks reached the output whole: after a failed write, the events a
+    /// reader of the file still finds.
+    pub fn events_flushed(&self) -> u64 {
+        self.events_flushed
     }
 
     pub fn event(&mut self, event: &Event) -> io::Result<()> {
@@ -149,15 +161,22 @@ impl<W: Write> Writer<W> {
         if !self.events.is_empty() {
             let streams = self.events.take();
             self.chunk(ChunkKind::Events, &streams.bytes, &streams.ends)?;
+            self.events_chunked = self.events_written;
         }
-        self.out.flush()
+        self.flush_out()
+    }
+
+    fn flush_out(&mut self) -> io::Result<()> {
+        self.out.flush()?;
+        self.events_flushed = self.events_chunked;
+        Ok(())
     }
 
     pub fn stats(&mut self, stats: &Stats) -> io::Result<()> {
         self.flush()?;
         let json = serde_json::to_vec(stats).map_err(io::Error::other)?;
         self.chunk(ChunkKind::Stats, &json, &[])?;
-        self.out.flush()
+        self.flush_out()
     }
 
     /// Writes everything pending and hands back the output, without finalizing.

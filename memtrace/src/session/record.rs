@@ -11,7 +11,7 @@ use std::{
     time::{Duration, Instant},
 };
 
-use anyhow::{Context as _, Result, bail};
+use anyhow::{Context as _, Result};
 
 use super::{Sink, TraceOptions, Tracer, Wake, WakeLoop, block_on, monotonic_ns, output};
 use crate::{
@@ -346,6 +346,15 @@ pub fn record(opts: RecordOptions) -> Result<RecordSummary> {
     finish(tracer, recorder, &opts, reason, started)
 }
 
+/// A write that failed (a full disk, an I/O error): the recording stops, and the file
+/// keeps the whole chunks written before, which `report` reads.
+fn write_failed(opts: &RecordOptions, events: u64, e: &io::Error) -> anyhow::Error {
+    anyhow::anyhow!(
+        "writing {}: {e}; the file keeps the {events} events written before the failure",
+        opts.output.display()
+    )
+}
+
 fn finish(
     mut tracer: Tracer,
     mut recorder: Recorder,
@@ -372,11 +381,7 @@ fn finish(
         StopReason::WriteFailed => "writing the recording failed".into(),
     };
     if let Some(e) = recorder.write_error.take() {
-        let events = recorder.writer.events_written();
-        bail!(
-            "writing {}: {e}; the file keeps the events written before the failure (about {events})",
-            opts.output.display()
-        );
+        return Err(write_failed(opts, recorder.writer.events_flushed(), &e));
     }
     let unwind = tracer.unwind_stats().unwrap_or_default();
     log::debug!("unwinder: {unwind:?}");
@@ -455,7 +460,12 @@ fn finish(
     }
     let stats = Stats { recorder_cpu_ns: usage.0, recorder_peak_rss_bytes: usage.1, ..stats };
     let events = recorder.writer.events_written();
-    let file = recorder.writer.finish(&stats).with_context(|| format!("finishing {}", opts.output.display()))?;
+    // The pending events first, so that a failure counts the events kept exactly.
+    if let Err(e) = recorder.writer.flush() {
+        return Err(write_failed(opts, recorder.writer.events_flushed(), &e));
+    }
+    let kept = recorder.writer.events_flushed();
+    let file = recorder.writer.finish(&stats).map_err(|e| write_failed(opts, kept, &e))?;
     let bytes = file.get_ref().metadata().map(|m| m.len()).unwrap_or(0);
     let exit_code = match reason {
         StopReason::TargetExited(Some(code)) => code,
