@@ -337,7 +337,8 @@ pub const TABLE_MAPS: u32 = 2 * MAX_TABLES;
 /// userspace walks the gap once the table is ready and joins the frames walked from the
 /// anchor where its walk lands on one of the first of them exactly (same stack pointer,
 /// same return address). A stale anchor (a frame returned since whose slot was not
-/// overwritten) is one frame off the real stack, and the walk lands on its caller.
+/// overwritten) is off the real stack, and the walk lands on a later one of the first
+/// [`RESUME_SPS`] frames walked from it: the first one on the real stack.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct UnwindMiss {
@@ -368,8 +369,11 @@ pub struct UnwindMiss {
 }
 
 /// Frames walked from an anchor whose stack pointers go with a copy (the copy reaches the
-/// last of them).
-pub const RESUME_SPS: usize = 2;
+/// last of them within its slack). Eight, not two: a function whose locals are left
+/// unwritten keeps the return addresses of the frames that returned before it was called,
+/// several stale anchors in a row; the walk of the gap lands on the first real frame
+/// among the eight. `bp_used` has a bit for each.
+pub const RESUME_SPS: usize = 8;
 
 /// Slots of each CPU's cache of rules found (the probes' `RULE_CACHE`, direct-mapped,
 /// sized for the possible CPUs at load).
@@ -395,7 +399,7 @@ const _: () = {
     assert!(core::mem::size_of::<UnwindRule>() == 8);
     assert!(core::mem::size_of::<MappingKey>() == 16);
     assert!(core::mem::size_of::<MappingValue>() == 32);
-    assert!(core::mem::size_of::<UnwindMiss>() == 80);
+    assert!(core::mem::size_of::<UnwindMiss>() == 48 + 16 * RESUME_SPS && RESUME_SPS <= 8);
     assert!(core::mem::size_of::<FileId>() == 16);
     assert!(core::mem::size_of::<FileTable>() == 48);
 };

@@ -455,9 +455,11 @@ pub extern "C" fn memtrace_frames_without_copy(n: u64) -> u64 {
     }
 }
 
-/// How many bytes of stack a copy takes first: the gap below an anchor, up to the last
-/// frame walked from it whose stack pointer goes along (the walk of the gap may land on any
-/// of them); without an anchor, all it may. A global BPF function, as above.
+/// How many bytes of stack a copy takes first: the gap below an anchor, up to the second
+/// frame walked from it, and on to the later frames whose stack pointers go along within
+/// [`COPY_SLACK`] of it (the walk of the gap may land on any of them: on a later one when
+/// the first ones are stale frames in the locals of a function of the gap); without an
+/// anchor, all it may. A global BPF function, as above.
 #[inline(never)]
 #[unsafe(no_mangle)]
 pub extern "C" fn memtrace_copy_len() -> u64 {
@@ -467,13 +469,25 @@ pub extern "C" fn memtrace_copy_len() -> u64 {
     }
     let sp = s.miss.sp;
     let mut top = sp;
-    for t in s.miss.resume_sps {
+    let mut limit = u64::MAX;
+    for (k, t) in s.miss.resume_sps.into_iter().enumerate() {
+        if t > limit {
+            break;
+        }
         if t > top {
             top = t;
+        }
+        if k == 1 {
+            limit = top.saturating_add(COPY_SLACK);
         }
     }
     top.wrapping_sub(sp).min(UNWIND_COPY_BYTES as u64)
 }
+
+/// How far past the second frame walked from an anchor a copy reaches for the later ones:
+/// stale frames lie in the locals of one function, rarely larger, and copies reaching all
+/// eight frames of deep Python stacks are larger than the rings need while tables build.
+const COPY_SLACK: u64 = 1024;
 
 /// Hash of the user stack of the current task, sending its frames if new.
 #[inline(always)]

@@ -765,7 +765,7 @@ pub extern "C" fn memtrace_note_rule(i: u64, kind: u64, rbp_offset: u64) -> u64 
         return 0;
     }
     // Bit j: frames from the j-th from the anchor on (those at or after it).
-    let since = (1u8 << (k + 1).min(RESUME_SPS as u64)) - 1;
+    let since = ((1u16 << (k + 1).min(RESUME_SPS as u64)) - 1) as u8;
     let kind = kind as u8;
     if kind == unwind::kind::CFA_BP || kind == unwind::kind::CFA_BP_DEREF {
         scratch.miss.bp_used |= since & !scratch.walk_bp_restored;

@@ -284,6 +284,78 @@ fn a_library_loaded_deep_in_a_stack_deeper_than_a_copy_unwinds_whole() {
     assert!(got[want.len()..].iter().any(|f| f.contains("__libc_start")), "reaches the start: {got:?}");
 }
 
+/// As `DEEP_HOST`, but the thread's last whole walk before the library's allocations
+/// went three frames deeper (`stale_a` → `stale_b` → `stale_c` → malloc) than the
+/// function that then calls into the library, `big_frame`, whose unwritten locals keep
+/// those frames' return addresses in their slots: three stale anchors in a row.
+const STALE_HOST: &str = r#"
+#include <dlfcn.h>
+#include <stdio.h>
+#include <stdlib.h>
+#define NOIPA __attribute__((noipa))
+volatile unsigned long sink;
+void *kept;
+NOIPA void *stale_c(void) { void *p = malloc(24); sink += (unsigned long)p; return p; }
+NOIPA void *stale_b(void) { volatile char pad[32]; pad[0] = 1; void *p = stale_c(); sink += pad[0]; return p; }
+NOIPA void *stale_a(void) { volatile char pad[32]; pad[0] = 1; void *p = stale_b(); sink += pad[0]; return p; }
+NOIPA void big_frame(void (*run)(int)) {
+    volatile char locals[2048]; /* only the lowest byte written: the stale frames stay */
+    locals[0] = 0;
+    run(50);
+    sink += locals[0];
+}
+NOIPA void descend(int depth, const char *path) {
+    volatile char pad[512];
+    pad[depth % sizeof pad] = (char)depth;
+    if (depth > 0) { descend(depth - 1, path); sink += pad[0]; return; }
+    void *lib = dlopen(path, RTLD_NOW);
+    if (!lib) { fprintf(stderr, "%s\n", dlerror()); exit(2); }
+    void (*run)(int) = (void (*)(int))dlsym(lib, "deep_run");
+    kept = stale_a();
+    big_frame(run);
+    free(kept);
+    sink += 1;
+}
+int main(int argc, char **argv) { descend(60, argv[1]); return 0; }
+"#;
+
+#[test]
+fn a_library_called_under_several_stale_anchors_unwinds_whole() {
+    require_root();
+    let _sharing = sharing_the_machine();
+    let dir = scratch("stale-anchors");
+    let lib = cc(&dir, "libdeep.so", DEEP_LIB, &["-shared", "-fPIC"]);
+    let host = cc(&dir, "stalehost", STALE_HOST, &["-ldl"]);
+    let data = dir.join("stale.data");
+    // As in the test above, the path is taken only where the library's allocations come
+    // before its table: repeated, a fresh cache each time, until a copy had anchors.
+    let mut report = Value::Null;
+    for attempt in 0..4 {
+        let cache = dir.join(format!("cache{attempt}"));
+        record(&data, &[("MEMTRACE_CACHE_DIR", cache.to_str().unwrap())], &["-q"], &[&host, &lib]);
+        report = report_json(&data, &["--by", "stack", "--domain", "user"]);
+        let recorder = &report["recorder"];
+        let tried = recorder["unwind_copies_anchored"].as_u64().unwrap()
+            + recorder["unwind_copies_anchor_missed"].as_u64().unwrap();
+        if tried >= 1 {
+            break;
+        }
+    }
+    let recorder = &report["recorder"];
+    // With the stack pointers of only the first two frames from the anchor, every copy
+    // missed (its walk of the gap passed them both, then ran out of copy).
+    assert!(recorder["unwind_copies_anchored"].as_u64().unwrap() >= 1, "{recorder:#}");
+    assert_eq!(recorder["unwind_copies_anchor_missed"], 0, "{recorder:#}");
+    let sites = sites_of(&report, "deep_leaf");
+    assert_eq!(sites.len(), 1, "one stack, one row: {sites:#?}");
+    assert_eq!((sites[0]["allocs"].as_u64(), sites[0]["truncated"].as_bool()), (Some(50), Some(false)));
+    let got = functions(sites[0]);
+    let mut want = vec!["deep_leaf", "deep_mid", "deep_run", "big_frame"];
+    want.extend(std::iter::repeat_n("descend", 61));
+    want.push("main");
+    assert_eq!(&got[..want.len()], &want[..], "{got:?}");
+}
+
 #[test]
 fn processes_of_one_program_share_its_table_and_the_cache_serves_the_next_run() {
     require_root();
