@@ -105,7 +105,7 @@ pub struct StackRecord {
     /// A kernel stack joined with its task's user stack (even when no kernel frame came).
     pub joined_kernel: bool,
     /// The probes' walk stopped for want of a table: where, and a copy of the stack.
-    pub miss: Option<StackMiss>,
+    pub miss: Option<Box<StackMiss>>,
     /// The address space the user frames belong to (table walks; 0 otherwise).
     pub asid: u32,
     /// Python frames of the thread, innermost first (processes running an interpreter).
@@ -460,7 +460,7 @@ pub fn decode(bytes: &[u8], cpu: u16) -> Result<Record, DecodeError> {
                 walk: if user_ips { UserWalk::CallFrameInfo } else { UserWalk::FramePointers },
                 truncated: h.flags & stack_flags::TRUNCATED != 0,
                 joined_kernel: h.flags & stack_flags::KERNEL != 0,
-                miss,
+                miss: miss.map(Box::new),
                 asid: h.asid,
                 python: Vec::new(),
                 python_context: None,

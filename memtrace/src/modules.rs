@@ -320,6 +320,9 @@ impl ModuleTable {
         let checked = walk == UserWalk::FramePointers;
         let mut frames = Vec::with_capacity(raw.len());
         let mut truncated = false;
+        // The module of the frame before: most frames are in their caller's file, and
+        // hashing the build id of each was a cost of its own in deep stacks.
+        let mut last: Option<([u8; 20], u32)> = None;
         for &frame in raw {
             let resolved = match frame {
                 // No object file is a terabyte long: the walk went astray.
@@ -328,7 +331,12 @@ impl ModuleTable {
                     break;
                 }
                 RawUserFrame::BuildId { build_id, offset } => {
-                    FileFrame::Module { module: self.module_for_build_id(pid, &build_id), offset }
+                    let module = match last {
+                        Some((id, module)) if id == build_id => module,
+                        _ => self.module_for_build_id(pid, &build_id),
+                    };
+                    last = Some((build_id, module));
+                    FileFrame::Module { module, offset }
                 }
                 RawUserFrame::Ip(ip) => match self.mapping_for(pid, ip) {
                     Place::File(path, offset) => {
