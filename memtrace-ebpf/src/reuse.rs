@@ -18,7 +18,7 @@ use crate::{
     context::scratch,
     maps::{ANCHOR_BUFFERS, ANCHORS},
     ring::bump_by,
-    unwind::{memtrace_cover_window, read_stack},
+    unwind::{memtrace_cover_window, still_in_slot},
 };
 
 /// Prepares the walk of thread `tid` in address space `asid` from `ip`, `sp`, `bp` to reuse
@@ -196,19 +196,10 @@ extern "C" fn check_step(_index: u64, state: *mut c_void) -> i64 {
     let (good, cur) = (c.good as usize & (ANCHOR_BUFFERS - 1), c.cur as usize & (ANCHOR_BUFFERS - 1));
     let frame = a.frames[good][from];
     let (ip, sp) = (frame.ip, frame.sp);
-    // A return address lies just below its frame's stack pointer (the caller's CFA).
-    let slot = sp.wrapping_sub(8);
-    let Some(scratch) = crate::context::scratch() else {
+    let Some(scratch) = still_in_slot(ip, sp) else {
         c.ok = 0;
         return 1;
     };
-    if slot.wrapping_sub(scratch.win_base) / 8 >= scratch.win_words {
-        memtrace_cover_window(slot, sp);
-    }
-    if read_stack(scratch, slot) != Some(ip) {
-        c.ok = 0;
-        return 1;
-    }
     scratch.user_ips[to] = ip;
     a.frames[cur][to] = frame;
     c.hash = stack_hash_step(c.hash, ip);
@@ -311,7 +302,7 @@ extern "C" fn repeat_step(_index: u64, state: *mut c_void) -> i64 {
     if r.i >= r.n || i >= MAX_STACK_DEPTH {
         return 1; // all there
     }
-    let (Some(a), Some(scratch)) = (ANCHORS.get_ptr_mut(0), crate::context::scratch()) else {
+    let Some(a) = ANCHORS.get_ptr_mut(0) else {
         r.ok = 0;
         return 1;
     };
@@ -319,19 +310,10 @@ extern "C" fn repeat_step(_index: u64, state: *mut c_void) -> i64 {
     let a = unsafe { &*a };
     let buf = r.buf as usize & (ANCHOR_BUFFERS - 1);
     let (ip, sp) = (a.frames[buf][i].ip, a.frames[buf][i].sp);
-    // A return address lies just below its frame's stack pointer (the caller's CFA).
-    let slot = sp.wrapping_sub(8);
-    if slot.wrapping_sub(scratch.win_base) / 8 >= scratch.win_words {
-        memtrace_cover_window(slot, sp);
-    }
-    let Some(scratch) = crate::context::scratch() else {
+    let Some(scratch) = still_in_slot(ip, sp) else {
         r.ok = 0;
         return 1;
     };
-    if read_stack(scratch, slot) != Some(ip) {
-        r.ok = 0;
-        return 1;
-    }
     scratch.user_ips[i] = ip;
     r.hash = stack_hash_step(r.hash, ip);
     r.i += 1;

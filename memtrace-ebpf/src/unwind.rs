@@ -846,6 +846,23 @@ pub(crate) fn read_stack(scratch: &Scratch, addr: u64) -> Option<u64> {
     read_user_u64(addr)
 }
 
+/// The CPU's scratch, if return address `ip` of a frame taken from an earlier walk is still
+/// in its slot, just below the frame's stack pointer `sp` (the caller's CFA): the slot read
+/// through the stack window, moved first to cover it when it lies outside.
+#[inline(always)]
+pub(crate) fn still_in_slot(ip: u64, sp: u64) -> Option<&'static mut Scratch> {
+    let slot = sp.wrapping_sub(8);
+    let outside = {
+        let scratch = scratch()?;
+        slot.wrapping_sub(scratch.win_base) / 8 >= scratch.win_words
+    };
+    if outside {
+        memtrace_cover_window(slot, sp);
+    }
+    let scratch = scratch()?;
+    (read_stack(scratch, slot) == Some(ip)).then_some(scratch)
+}
+
 /// Walks the user stack of process `tgid` from `regs` into `scratch.user_ips`,
 /// continuing `hash` with each frame. Returns the frame count, `stack_flags` (TRUNCATED, or
 /// MISS with `scratch.miss` holding the registers of the frame that had no table), the
