@@ -250,6 +250,23 @@ NOIPA void *deep_mid(int i) { volatile char pad[64]; pad[i % 64] = 1; void *p = 
 NOIPA void deep_run(int n) { for (int i = 0; i < n; i++) free(deep_mid(i)); }
 "#;
 
+/// Records `cmd` into `data` (a fresh unwind cache each time) and reports its user stacks,
+/// up to four times until `taken` says the recorder's figures show the path under test:
+/// a library's allocations coming before its table is ready. On a busy machine the
+/// program can be off its CPU long enough for the table to be ready first.
+fn record_until_copies(dir: &Path, data: &Path, cmd: &[&Path], taken: impl Fn(&Value) -> bool) -> Value {
+    let mut report = Value::Null;
+    for attempt in 0..4 {
+        let cache = dir.join(format!("cache{attempt}"));
+        record(data, &[("MEMTRACE_CACHE_DIR", cache.to_str().unwrap())], &["-q"], cmd);
+        report = report_json(data, &["--by", "stack", "--domain", "user"]);
+        if taken(&report["recorder"]) {
+            break;
+        }
+    }
+    report
+}
+
 #[test]
 fn a_library_loaded_deep_in_a_stack_deeper_than_a_copy_unwinds_whole() {
     require_root();
@@ -257,20 +274,11 @@ fn a_library_loaded_deep_in_a_stack_deeper_than_a_copy_unwinds_whole() {
     let dir = scratch("deep-dlopen");
     let lib = cc(&dir, "libdeep.so", DEEP_LIB, &["-shared", "-fPIC"]);
     let host = cc(&dir, "deephost", DEEP_HOST, &["-ldl"]);
-    let data = dir.join("deep.data");
     // The library's allocations come before its table: the probes walk on from a frame of
-    // the thread's earlier whole walk, and userspace joins the gap. On a busy machine the
-    // host can be off its CPU long enough for the table to be ready first (then nothing
-    // is anchored): the run is repeated, a fresh cache each time, until the path is taken.
-    let mut report = Value::Null;
-    for attempt in 0..4 {
-        let cache = dir.join(format!("cache{attempt}"));
-        record(&data, &[("MEMTRACE_CACHE_DIR", cache.to_str().unwrap())], &["-q"], &[&host, &lib]);
-        report = report_json(&data, &["--by", "stack", "--domain", "user"]);
-        if report["recorder"]["unwind_copies_anchored"].as_u64().unwrap() >= 1 {
-            break;
-        }
-    }
+    // the thread's earlier whole walk, and userspace joins the gap.
+    let report = record_until_copies(&dir, &dir.join("deep.data"), &[&host, &lib], |recorder| {
+        recorder["unwind_copies_anchored"].as_u64().unwrap() >= 1
+    });
     let recorder = &report["recorder"];
     assert!(recorder["unwind_copies_anchored"].as_u64().unwrap() >= 1, "{recorder:#}");
     let sites = sites_of(&report, "deep_leaf");
@@ -326,21 +334,11 @@ fn a_library_called_under_several_stale_anchors_unwinds_whole() {
     let dir = scratch("stale-anchors");
     let lib = cc(&dir, "libdeep.so", DEEP_LIB, &["-shared", "-fPIC"]);
     let host = cc(&dir, "stalehost", STALE_HOST, &["-ldl"]);
-    let data = dir.join("stale.data");
-    // As in the test above, the path is taken only where the library's allocations come
-    // before its table: repeated, a fresh cache each time, until a copy had anchors.
-    let mut report = Value::Null;
-    for attempt in 0..4 {
-        let cache = dir.join(format!("cache{attempt}"));
-        record(&data, &[("MEMTRACE_CACHE_DIR", cache.to_str().unwrap())], &["-q"], &[&host, &lib]);
-        report = report_json(&data, &["--by", "stack", "--domain", "user"]);
-        let recorder = &report["recorder"];
-        let tried = recorder["unwind_copies_anchored"].as_u64().unwrap()
-            + recorder["unwind_copies_anchor_missed"].as_u64().unwrap();
-        if tried >= 1 {
-            break;
-        }
-    }
+    // Until a copy had anchors, landed or not.
+    let report = record_until_copies(&dir, &dir.join("stale.data"), &[&host, &lib], |recorder| {
+        recorder["unwind_copies_anchored"].as_u64().unwrap() + recorder["unwind_copies_anchor_missed"].as_u64().unwrap()
+            >= 1
+    });
     let recorder = &report["recorder"];
     // With the stack pointers of only the first two frames from the anchor, every copy
     // missed (its walk of the gap passed them both, then ran out of copy).

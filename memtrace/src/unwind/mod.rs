@@ -140,9 +140,6 @@ pub struct Unwinder {
     startup: Vec<Slot>,
 }
 
-/// A path to `path` as process `pid` sees it, from here (the process may be gone, or in
-/// another mount namespace).
-/// Whether the mapping of `ip` in `asid` is a file's.
 /// A mapping as `Unwinder::named` found it for a frame, for the frames after it.
 #[derive(Clone, Copy)]
 struct Named {
@@ -153,6 +150,8 @@ struct Named {
     has_path: bool,
 }
 
+/// A path to `path` as process `pid` sees it, from here (the process may be gone, or in
+/// another mount namespace).
 fn readable_path(pid: u32, path: &str) -> Option<PathBuf> {
     if !path.starts_with('/') {
         return None;
