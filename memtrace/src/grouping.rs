@@ -1,6 +1,6 @@
 //! The grouping vocabulary shared by `report`, `top` and `export`: what a row stands for
 //! ([`GroupBy`], [`GroupKey`]), which allocations count ([`DomainFilter`], [`KindFilter`],
-//! [`Filters`]), and how a row is named on one line ([`label`]).
+//! [`Filters`]), and how a row is named on one line ([`label`], [`shared_label`]).
 use std::collections::HashMap;
 
 use clap::ValueEnum;
@@ -327,6 +327,32 @@ pub fn label(key: &GroupKey, frames: &[Frame], comms: &HashMap<u32, String>) -> 
     }
 }
 
+/// A row's name on one line from the stacks of all its allocations (`stacks[0]` is the one
+/// it shows). A call site reached from several places is not named after one of them: it
+/// shows the frames all its stacks share from the site on, then where they part
+/// `[N callers]`, N the distinct frames there (`xmalloc ← [37 callers]`, where one stack's
+/// callers would have named a caller of a few of its allocations for all of them). Other
+/// rows, and sites whose stacks agree on every frame a label shows, are named as [`label`].
+pub fn shared_label(key: &GroupKey, stacks: &[Vec<Frame>], comms: &HashMap<u32, String>) -> String {
+    let lead = stacks.first().map_or(&[][..], |s| &s[..]);
+    if !matches!(key, GroupKey::Site(..)) || stacks.len() < 2 {
+        return label(key, lead, comms);
+    }
+    let domain = key.domain();
+    let shown: Vec<Vec<String>> = stacks
+        .iter()
+        .map(|s| site_frames(domain, s).iter().take(LABEL_FRAMES).map(|f| f.to_string()).collect())
+        .collect();
+    let first = &shown[0];
+    let shared = (0..LABEL_FRAMES).take_while(|&k| shown.iter().all(|s| s.get(k) == first.get(k))).count();
+    if shared == LABEL_FRAMES || shared == 0 || shown.iter().all(|s| s.len() <= shared) {
+        return label(key, lead, comms);
+    }
+    let parted: std::collections::HashSet<&String> = shown.iter().filter_map(|s| s.get(shared)).collect();
+    let n = parted.len();
+    format!("{} ← [{n} caller{}]", first[..shared].join(" ← "), if n == 1 { "" } else { "s" })
+}
+
 /// A process's name: its command name; the idle task's (`swapper`, whose context kernel
 /// allocations in interrupts run in) for pid 0; else `pid N`.
 pub fn process_name(pid: u32, comms: &HashMap<u32, String>) -> String {
@@ -379,6 +405,38 @@ mod tests {
         assert_eq!(label(&GroupKey::Function(Domain::User, "a".into()), &frames, &comms), "a");
         let none = GroupKey::Site(Domain::User, "[no stack: malloc]".into(), 0);
         assert_eq!(label(&none, &[], &comms), "[no stack: malloc]");
+    }
+
+    #[test]
+    fn a_site_reached_from_several_places_names_only_what_its_stacks_share() {
+        let comms = HashMap::new();
+        let key = GroupKey::Site(Domain::User, "app".into(), 0x10);
+        let stack = |names: &[&str]| names.iter().map(|n| frame(n, false)).collect::<Vec<_>>();
+        let (a, b, c) = (stack(&["xmalloc", "f", "main"]), stack(&["xmalloc", "g", "main"]), stack(&["xmalloc", "h"]));
+        assert_eq!(shared_label(&key, &[a.clone(), b.clone(), c], &comms), "xmalloc (app.c:7) ← [3 callers]");
+        // Shared callers are shown up to where the stacks part; a stack ending there does
+        // not count as a caller.
+        let (d, e) = (stack(&["xmalloc", "f", "g", "main"]), stack(&["xmalloc", "f", "h", "main"]));
+        let short = stack(&["xmalloc", "f"]);
+        assert_eq!(
+            shared_label(&key, &[d.clone(), e, short.clone()], &comms),
+            "xmalloc (app.c:7) ← f (app.c:7) ← [2 callers]"
+        );
+        assert_eq!(shared_label(&key, &[d.clone(), short], &comms), "xmalloc (app.c:7) ← f (app.c:7) ← [1 caller]");
+        // Stacks that agree on every frame a label shows, or one stack, are named as `label`.
+        let f = stack(&["xmalloc", "f", "g", "other"]);
+        assert_eq!(shared_label(&key, &[d.clone(), f], &comms), label(&key, &d, &comms));
+        assert_eq!(shared_label(&key, &[a.clone(), a.clone()], &comms), label(&key, &a, &comms));
+        assert_eq!(shared_label(&key, std::slice::from_ref(&b), &comms), label(&key, &b, &comms));
+        // Kernel sites part the same way; other rows are named by their first stack.
+        let k = |names: &[&str]| names.iter().map(|n| frame(n, true)).collect::<Vec<_>>();
+        let ksite = GroupKey::Site(Domain::Kernel, "[kernel]".into(), 0x10);
+        assert_eq!(
+            shared_label(&ksite, &[k(&["kmalloc", "x"]), k(&["kmalloc", "y"])], &comms),
+            "kmalloc ← [2 callers]"
+        );
+        let by_fn = GroupKey::Function(Domain::User, "xmalloc".into());
+        assert_eq!(shared_label(&by_fn, &[a, b], &comms), "xmalloc");
     }
 
     #[test]

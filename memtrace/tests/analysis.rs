@@ -301,3 +301,43 @@ fn a_real_python_program_renders_as_a_flame_graph() {
     let svg = String::from_utf8(out.stdout).unwrap();
     assert!(svg.contains("<svg") && svg.contains("python3"));
 }
+
+/// A call site reached from two places (an allocation wrapper, as GCC's `xmalloc`): its row
+/// is named after what its stacks share and says how many callers they part into, not
+/// after one caller's stack; by stack, each caller is a row of its own.
+#[test]
+fn a_wrapper_called_from_two_places_names_neither_caller_for_both() {
+    require_root();
+    let dir = scratch("wrapped");
+    let data = dir.join("wrapped.data");
+    let rounds = 300u64;
+    run(memtrace()
+        .args(["record", "-q", "--no-kernel", "-o"])
+        .arg(&data)
+        .arg("--")
+        .arg(workload())
+        .args(["--wrapped", &rounds.to_string()]));
+    let by_site = report_json(&data, &["--domain", "user"]);
+    let rows: Vec<&Value> =
+        by_site["sites"].as_array().unwrap().iter().filter(|s| s["frames"][0]["function"] == "wl_xmalloc").collect();
+    assert_eq!(rows.len(), 1, "{rows:#?}");
+    assert_eq!((rows[0]["allocs"].as_u64(), rows[0]["bytes_req"].as_u64()), (Some(2 * rounds), Some(2 * rounds * 48)));
+    let label = rows[0]["site"].as_str().unwrap();
+    assert!(label.starts_with("wl_xmalloc (alloc_workload.c:") && label.ends_with(") ← [2 callers]"), "{label}");
+
+    let by_stack = report_json(&data, &["--by", "stack", "--domain", "user"]);
+    let mut callers: Vec<(String, u64)> = by_stack["sites"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|s| s["frames"][0]["function"] == "wl_xmalloc")
+        .map(|s| (s["frames"][1]["function"].as_str().unwrap().to_string(), s["allocs"].as_u64().unwrap()))
+        .collect();
+    callers.sort();
+    assert_eq!(callers, [("wl_wrapped_a".to_string(), rounds), ("wl_wrapped_b".to_string(), rounds)]);
+
+    // `report`'s text shows the same name.
+    let out = run(memtrace().args(["report", "--domain", "user", "--wide", "-i"]).arg(&data));
+    let text = String::from_utf8(out.stdout).unwrap();
+    assert!(text.contains(") ← [2 callers]\n"), "{text}");
+}

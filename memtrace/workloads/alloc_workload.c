@@ -12,6 +12,8 @@
  * --kernel-sites N (N pipe()+close() pairs, from pipe_site_a and pipe_site_b in turn),
  * --cycle N (N rounds of four malloc sites called in turn, cycle_site_a to _d: 24, 40, 56
  * and 72 bytes, freed at each round's end),
+ * --wrapped N (N rounds of malloc(48) through one wrapper, wl_xmalloc, called from
+ * wl_wrapped_a and wl_wrapped_b in turn, each block freed at once),
  * --dlopen LIB N (load the allocator library LIB with dlopen, wait 3 s (--dlopen-wait-ms), then make N
  * allocations with its malloc, through dlsym: a second allocator memtrace must find;
  * with --dlopen-prefix P, its P##malloc, and each block is freed with its P##free),
@@ -447,6 +449,31 @@ NOINLINE static void wl_cycle(long rounds) {
             free(p[k]);
         }
     }
+}
+
+/* One allocation wrapper (as GCC's xmalloc, CPython's PyMem_Malloc) called from two
+ * places: its call site's row must not be named after either caller alone. Each caller
+ * counts its calls after the call, which keeps the two functions different. */
+static volatile long wrapped_calls[2];
+
+NOINLINE static void *wl_xmalloc(size_t n) {
+    void *p = malloc(n);
+    if (!p)
+        abort();
+    sink ^= (uintptr_t)p;
+    return p;
+}
+
+NOINLINE static void *wl_wrapped_a(void) {
+    void *p = wl_xmalloc(48);
+    wrapped_calls[0]++;
+    return p;
+}
+
+NOINLINE static void *wl_wrapped_b(void) {
+    void *p = wl_xmalloc(48);
+    wrapped_calls[1]++;
+    return p;
 }
 
 /* A tiny bump allocator with its own entry points, standing in for jemalloc & co. */
@@ -932,6 +959,14 @@ int main(int argc, char **argv) {
     long cycle = arg_value(argc, argv, "--cycle", 0);
     if (cycle > 0) {
         wl_cycle(cycle);
+        return 0;
+    }
+    long wrapped = arg_value(argc, argv, "--wrapped", 0);
+    if (wrapped > 0) {
+        for (long i = 0; i < wrapped; i++) {
+            free(wl_wrapped_a());
+            free(wl_wrapped_b());
+        }
         return 0;
     }
     long kernel_loop = arg_value(argc, argv, "--kernel-loop", 0);

@@ -23,7 +23,7 @@ use super::{
 use crate::{
     analysis::{Analyzer, Domain, EXCLUDED, LiveBlock, Origin, Stats, Timeline, Totals},
     event::Event,
-    grouping::{Filters, GroupBy, GroupKey, LABEL_FRAMES, domain_of, label},
+    grouping::{Filters, GroupBy, GroupKey, LABEL_FRAMES, domain_of, label, shared_label},
     recording::{self, Meta},
     stacks::{Frame, StackTable},
 };
@@ -152,6 +152,9 @@ struct GroupInfo {
     pids: Vec<u32>,
     allocator: u8,
     devices: Vec<i32>,
+    /// Grouped by site: each distinct (stack, call site) of its allocations, the first
+    /// included, to name the row by what they share (`grouping::shared_label`).
+    stacks: Vec<(u64, u64)>,
 }
 
 /// Assigns allocations to groups (the analyzer's grouping function) and remembers each
@@ -163,6 +166,8 @@ struct Grouper<'a> {
     stacks: &'a mut StackTable,
     infos: Vec<GroupInfo>,
     index: HashMap<GroupKey, u32>,
+    /// Grouped by site: the (stack, call site) pairs met so far.
+    seen_stacks: HashSet<(u64, u64)>,
 }
 
 impl Grouper<'_> {
@@ -188,9 +193,16 @@ impl Grouper<'_> {
                 pids: Vec::new(),
                 allocator: o.allocator,
                 devices: Vec::new(),
+                stacks: Vec::new(),
             });
         }
         let info = &mut self.infos[g as usize];
+        if self.by == GroupBy::Site
+            && (info.stacks.is_empty() || info.stack != o.stack || info.call_site != o.call_site)
+            && self.seen_stacks.insert((o.stack, o.call_site))
+        {
+            info.stacks.push((o.stack, o.call_site));
+        }
         // The stack a group shows: a whole one if any of its allocations has one.
         if info.stack != o.stack
             && self.stacks.is_truncated(info.stack)
@@ -264,6 +276,7 @@ pub fn analyze(path: &Path, opts: &ReportOptions) -> Result<Summary> {
         stacks: &mut table,
         infos: Vec::new(),
         index: HashMap::new(),
+        seen_stacks: HashSet::new(),
     };
 
     let mut tallies: BTreeMap<u32, ProcessTally> = BTreeMap::new();
@@ -431,7 +444,14 @@ pub fn analyze(path: &Path, opts: &ReportOptions) -> Result<Summary> {
             .map(|group| {
                 let info = &infos[group];
                 let frames = table.frames_prefix(info.stack, info.call_site, LABEL_FRAMES + 1);
-                let name = label(&info.key, &frames, &comms);
+                let mut stacks = vec![frames.clone()];
+                stacks.extend(
+                    info.stacks
+                        .iter()
+                        .filter(|&&s| s != (info.stack, info.call_site))
+                        .map(|&(stack, call_site)| table.frames_prefix(stack, call_site, LABEL_FRAMES + 1)),
+                );
+                let name = shared_label(&info.key, &stacks, &comms);
                 row_of(group, std::mem::take(&mut groups[group]), frames, name)
             })
             .collect();

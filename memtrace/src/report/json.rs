@@ -113,6 +113,10 @@ struct JsonSite<'a> {
     /// Python functions; `frames` is one of the row's stacks).
     #[serde(skip_serializing_if = "Option::is_none")]
     function: Option<String>,
+    /// `--by site`: the row's name as the text report prints it: the site and the callers
+    /// all its stacks share, then `[N callers]` where they part (`frames` is one of them).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    site: Option<String>,
     /// Live at the moment of the domain's peak.
     live_bytes_req_at_peak: u64,
     live_allocs_at_peak: u64,
@@ -188,6 +192,7 @@ pub fn render_json(a: &Summary, opts: &ReportOptions) -> Result<String> {
                 leaked_at_exit: s.leaked_at_exit,
                 process: (a.by == GroupBy::Process).then(|| g.label.clone()),
                 function: (a.by == GroupBy::Function).then(|| g.label.clone()),
+                site: (a.by == GroupBy::Site).then(|| g.label.clone()),
                 live_bytes_req_at_peak: s.live_bytes_req_at_peak,
                 live_allocs_at_peak: s.live_allocs_at_peak,
                 size_histogram: json_memory::size_histogram(&s.sizes),

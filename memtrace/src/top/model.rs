@@ -12,7 +12,7 @@ use std::{
 use crate::{
     analysis::{Analyzer, Domain, Origin, Stats},
     event::{Event, StackRecord},
-    grouping::{DomainFilter, GroupBy, GroupKey, label, matches_text},
+    grouping::{DomainFilter, GroupBy, GroupKey, LABEL_FRAMES, label, matches_text, shared_label},
     naming::Namer,
     session::Sink,
     stacks::{Frame, StackTable},
@@ -23,6 +23,9 @@ type Grouping = Box<dyn FnMut(&Origin) -> u32>;
 
 /// Allocations, frees and bytes requested.
 type Activity = (u64, u64, u64);
+
+/// A stack and its call site (the pair an origin's frames come from).
+type StackRef = (u64, u64);
 
 pub struct LiveView {
     analyzer: Analyzer<Grouping>,
@@ -181,7 +184,9 @@ impl LiveView {
         let origins: Vec<(Origin, u32)> = self.analyzer.origins().map(|(o, g)| (*o, g)).collect();
         // Per key: figures, an origin to name it by, and what happened since the last
         // snapshot (allocations, frees, bytes requested).
-        let mut groups: HashMap<GroupKey, (Stats, Origin, Activity)> = HashMap::new();
+        // Grouped by site, also each distinct (stack, call site) of the key's origins, to
+        // name the row by what they share (`grouping::shared_label`).
+        let mut groups: HashMap<GroupKey, (Stats, Origin, Activity, Vec<StackRef>)> = HashMap::new();
         let mut since: Activity = (0, 0, 0);
         for (origin, g) in origins {
             let stats = &self.analyzer.groups[g as usize];
@@ -194,15 +199,31 @@ impl LiveView {
             }
             since = (since.0 + delta.0, since.1 + delta.1, since.2 + delta.2);
             let key = GroupKey::of(&origin, view.by, &mut self.table);
-            let entry = groups.entry(key).or_insert_with(|| (Stats::default(), origin, (0, 0, 0)));
+            let entry = groups.entry(key).or_insert_with(|| (Stats::default(), origin, (0, 0, 0), Vec::new()));
             entry.0.merge(stats);
             entry.2 = (entry.2.0 + delta.0, entry.2.1 + delta.1, entry.2.2 + delta.2);
+            if view.by == GroupBy::Site {
+                entry.3.push((origin.stack, origin.call_site));
+            }
         }
         let filter = view.filter.to_lowercase();
         let mut rows = Vec::with_capacity(groups.len());
-        for (key, (stats, origin, delta)) in groups {
+        for (key, (stats, origin, delta, mut stacks)) in groups {
             let frames = self.table.frames(origin.stack, origin.call_site);
-            let label = label(&key, &frames, &self.comms);
+            stacks.sort_unstable();
+            stacks.dedup();
+            let label = if stacks.len() > 1 {
+                let mut named = vec![frames.clone()];
+                named.extend(
+                    stacks
+                        .iter()
+                        .filter(|&&s| s != (origin.stack, origin.call_site))
+                        .map(|&(stack, call_site)| self.table.frames_prefix(stack, call_site, LABEL_FRAMES + 1)),
+                );
+                shared_label(&key, &named, &self.comms)
+            } else {
+                label(&key, &frames, &self.comms)
+            };
             if !matches_text(&filter, &label, &frames) {
                 continue;
             }
