@@ -299,6 +299,7 @@ pub fn bench() -> Result<()> {
         ("bpftrace", "bpftrace"),
         ("heaptrack", "heaptrack"),
         ("sqlite3", "sqlite3"),
+        ("gcc", "gcc"),
         ("perf", "linux-perf"),
     ])?;
     let (memtrace, workloads) = build_release()?;

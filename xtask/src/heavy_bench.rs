@@ -3,7 +3,8 @@
 //! pointers, from PyPI into a venv under target/bench) — bare, under heaptrack, under
 //! memray, and under memtrace with a cold and a warm unwind cache and with frame pointers:
 //! wall time, what each counted, how whole memtrace's stacks are, what it lost, its own CPU
-//! and memory. Figures from one session on one machine; nothing here passes or fails.
+//! and memory; then two Debian programs (sqlite3, GCC's cc1) bare, under heaptrack and
+//! under memtrace. Figures from one session on one machine; nothing here passes or fails.
 use std::{
     ffi::OsStr,
     fmt::Write as _,
@@ -326,7 +327,8 @@ Beside the C library's malloc family counted above, memtrace found and counted {
             others.join(", ")
         );
     }
-    let sqlite = sqlite_table(memtrace, &cache)?;
+    let sqlite = native_table(memtrace, &cache, &sqlite()?)?;
+    let cc1 = native_table(memtrace, &cache, &cc1()?)?;
     let versions = Command::new(&python)
         .args(["-c", "import numpy, pandas, pyarrow, memray, sys; print(sys.version.split()[0], numpy.__version__, pandas.__version__, pyarrow.__version__, memray.__version__)"])
         .output()
@@ -355,53 +357,123 @@ Beside the C library's malloc family counted above, memtrace found and counted {
          warm unwind cache. Its allocations are many, small and short-lived, from shallow stacks: the case where an \
          in-process tracer's cheap call beats two traps per allocation.\n"
     );
+    let _ = write!(
+        out,
+        "\n### A Debian C++ program with deep recursive stacks: GCC's cc1\n\n{cc1}\n`cc1 -quiet -O2 heavy-cc1.c -o /dev/null` \
+         (GCC 12's compiler proper from Debian, a C++ program without frame pointers; the source is `c_source` in \
+         `xtask/src/heavy_bench.rs`: {CC1_FUNCTIONS} functions whose expressions nest 4 to 25 deep, through which the \
+         parser and folders recurse): millions of allocations through `xmalloc`/`xcalloc`/`operator new` from a few \
+         hundred callers, stacks up to ~250 frames. Every row is the median of 3 runs; memtrace ran with a warm unwind \
+         cache. memtrace keeps up to 255 frames of a stack (deeper ones are cut there and counted as cut short); \
+         heaptrack keeps at most 64 (`Trace::MAX_SIZE`) and says nothing of the rest; `perf` 127 by default \
+         (`kernel.perf_event_max_stack`).\n"
+    );
     Ok(out)
 }
 
-/// The sqlite3 rows: bare, heaptrack, memtrace (warm cache, then by frame pointers).
-fn sqlite_table(memtrace: &Path, cache: &Path) -> Result<String> {
-    let dir = target_dir().join("bench");
-    let sql = dir.join("heavy.sql");
+/// A Debian program the section measures beside the Python script.
+struct Native {
+    /// What the progress lines call it.
+    name: &'static str,
+    program: PathBuf,
+    args: Vec<String>,
+}
+
+impl Native {
+    fn command(&self) -> Command {
+        let mut c = Command::new(&self.program);
+        c.args(&self.args);
+        c
+    }
+}
+
+/// The sqlite3 shell running [`SQL`] in memory.
+fn sqlite() -> Result<Native> {
+    let sql = target_dir().join("bench").join("heavy.sql");
     fs::write(&sql, SQL)?;
-    let read = format!(".read {}", sql.display());
-    let sqlite = |c: &mut Command| {
-        c.args([":memory:", &read]);
-    };
-    let bare: Vec<f64> = (0..3)
-        .map(|_| {
-            let mut c = Command::new("sqlite3");
-            sqlite(&mut c);
-            timed(&mut c)
-        })
-        .collect::<Result<_>>()?;
+    Ok(Native {
+        name: "sqlite3",
+        program: "/usr/bin/sqlite3".into(),
+        args: vec![":memory:".into(), format!(".read {}", sql.display())],
+    })
+}
+
+/// GCC's compiler proper (`cc1`, a C++ program from Debian's gcc, without frame pointers)
+/// compiling [`c_source`] at -O2.
+fn cc1() -> Result<Native> {
+    let out = Command::new("gcc").arg("-print-prog-name=cc1").output().context("gcc -print-prog-name=cc1")?;
+    let program = PathBuf::from(String::from_utf8_lossy(&out.stdout).trim());
+    if !program.is_absolute() || !program.exists() {
+        bail!("gcc names no cc1 ({})", program.display());
+    }
+    let src = target_dir().join("bench").join("heavy-cc1.c");
+    fs::write(&src, c_source(CC1_FUNCTIONS))?;
+    Ok(Native {
+        name: "cc1",
+        program,
+        args: ["-quiet", "-O2", &src.display().to_string(), "-o", "/dev/null"].map(String::from).to_vec(),
+    })
+}
+
+/// Functions in the C file cc1 compiles.
+const CC1_FUNCTIONS: usize = 300;
+
+/// A C file of `functions` functions, each filling and folding an array with an expression
+/// nested 4 to 25 deep (GCC's parser and folders recurse through each level), and one
+/// function calling them all: millions of allocations, stacks up to ~250 frames deep.
+pub fn c_source(functions: usize) -> String {
+    let mut out = String::new();
+    for f in 0..functions {
+        let mut e = "x".to_string();
+        for d in 0..4 + (f % 8) * 3 {
+            e = if d % 3 == 0 { format!("({e} + {}) * (y ^ {d})", d % 7) } else { format!("({e} - y)") };
+        }
+        let _ = writeln!(
+            out,
+            "static int g{f}(int x, int y) {{ int a[8]; for (int i = 0; i < 8; i++) a[i] = {e} + i; int s = 0; \
+             for (int i = 0; i < 8; i++) s += a[i] * (i + {f}); if (s > {f}) return s; \
+             switch (s & 3) {{ case 0: return s + x; case 1: return s - y; default: return s ^ {f}; }} }}"
+        );
+    }
+    out.push_str("int entry(int x, int y) {\n    int s = 0;\n");
+    for f in 0..functions {
+        let _ = writeln!(out, "    s += g{f}(x + {f}, y);");
+    }
+    out.push_str("    return s;\n}\n");
+    out
+}
+
+/// A Debian program's rows: bare, heaptrack, memtrace (warm cache, then by frame pointers).
+fn native_table(memtrace: &Path, cache: &Path, native: &Native) -> Result<String> {
+    let dir = target_dir().join("bench");
+    let name = native.name;
+    let bare: Vec<f64> = (0..RUNS).map(|_| timed(&mut native.command())).collect::<Result<_>>()?;
     let bare_s = {
         let mut b = bare;
         b.sort_by(f64::total_cmp);
-        b[1]
+        b[RUNS / 2]
     };
-    eprintln!("xtask bench: heavy: sqlite3 bare {bare_s:.2} s");
+    eprintln!("xtask bench: heavy: {name} bare {bare_s:.2} s");
     let mut rows = vec![Row { name: "bare".into(), wall_s: bare_s, allocs: None, report: None, file_bytes: 0 }];
-    let ht = dir.join("sqlite-heaptrack");
+    let ht = dir.join(format!("{name}-heaptrack"));
     let wall_s = median_wall(|| {
         let _ = fs::remove_file(ht.with_extension("zst"));
-        let mut c = Command::new("heaptrack");
-        c.arg("-o").arg(&ht).arg("/usr/bin/sqlite3");
-        sqlite(&mut c);
-        timed(&mut c)
+        timed(Command::new("heaptrack").arg("-o").arg(&ht).arg(&native.program).args(&native.args))
     })?;
     let ht_file = ht.with_extension("zst");
     let allocs = heaptrack_allocs(&ht_file);
     let file_bytes = fs::metadata(&ht_file).map(|m| m.len()).unwrap_or(0);
-    eprintln!("xtask bench: heavy: sqlite3 under heaptrack {wall_s:.2} s, {allocs:?} allocations");
+    eprintln!("xtask bench: heavy: {name} under heaptrack {wall_s:.2} s, {allocs:?} allocations");
     rows.push(Row { name: "heaptrack (LD_PRELOAD, libunwind)".into(), wall_s, allocs, report: None, file_bytes });
-    let command = [OsStr::new("/usr/bin/sqlite3"), OsStr::new(":memory:"), OsStr::new(&read)];
-    // The first run fills the cache with sqlite3's tables; the rows are the later runs.
+    let mut command = vec![native.program.as_os_str()];
+    command.extend(native.args.iter().map(OsStr::new));
+    // The first run fills the cache with the program's tables; the rows are the later runs.
     memtrace_row(memtrace, "warm-up", &command, cache, &[])?;
-    for (name, extra) in
+    for (row_name, extra) in
         [("memtrace record (warm cache)", &[][..]), ("memtrace record --call-graph fp", &["--call-graph", "fp"][..])]
     {
-        let row = median_row(RUNS, || memtrace_row(memtrace, name, &command, cache, extra))?;
-        eprintln!("xtask bench: heavy: sqlite3 under {name} {:.2} s", row.wall_s);
+        let row = median_row(RUNS, || memtrace_row(memtrace, row_name, &command, cache, extra))?;
+        eprintln!("xtask bench: heavy: {name} under {row_name} {:.2} s", row.wall_s);
         rows.push(row);
     }
     Ok(table(&rows, bare_s, false))
@@ -411,7 +483,7 @@ fn sqlite_table(memtrace: &Path, cache: &Path) -> Result<String> {
 pub fn run_alone() -> Result<()> {
     crate::require_root("bench")?;
     crate::setup()?;
-    crate::ensure_tools(&[("heaptrack", "heaptrack"), ("sqlite3", "sqlite3")])?;
+    crate::ensure_tools(&[("heaptrack", "heaptrack"), ("sqlite3", "sqlite3"), ("gcc", "gcc")])?;
     let (memtrace, _) = build_release()?;
     fs::create_dir_all(target_dir().join("bench"))?;
     crate::update_benchmarks("heavy-programs", &SECTION, &section(&memtrace)?)
@@ -420,6 +492,23 @@ pub fn run_alone() -> Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_c_source_nests_as_said_and_compiles() {
+        let src = c_source(16);
+        assert_eq!(src.matches("static int g").count(), 16);
+        // Function 7 nests 4 + 7 * 3 = 25 deep: 25 parentheses open before its `x`.
+        let g7 = src.lines().find(|l| l.starts_with("static int g7(")).unwrap();
+        let expr = &g7[g7.find("a[i] = ").unwrap() + 7..];
+        assert_eq!(expr.chars().take_while(|&c| c == '(').count(), 25, "{expr}");
+        let dir = std::env::temp_dir().join(format!("memtrace-c-source-{}", std::process::id()));
+        fs::create_dir_all(&dir).unwrap();
+        let file = dir.join("gen.c");
+        fs::write(&file, &src).unwrap();
+        let out = Command::new("gcc").args(["-fsyntax-only", "-Wall", "-Werror"]).arg(&file).output().unwrap();
+        let _ = fs::remove_dir_all(&dir);
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    }
 
     #[test]
     fn the_section_is_replaced_in_place_or_appended() {
