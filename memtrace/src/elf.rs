@@ -7,7 +7,7 @@ use anyhow::{Context as _, Result};
 use memmap2::Mmap;
 use object::{
     Endianness, Object as _, ObjectSymbol as _, SymbolKind, elf,
-    read::elf::{Dyn as _, ElfFile64, FileHeader as _, ProgramHeader as _},
+    read::elf::{Dyn as _, ElfFile64, FileHeader as _, ProgramHeader as _, VersionTable},
 };
 
 /// A function in an ELF file: where its code starts in the file, and its size (0 when
@@ -109,6 +109,22 @@ impl ElfFile {
             }
         }
         Ok(found)
+    }
+
+    /// Whether the dynamic symbols define `name`, answered by the GNU hash table: a lookup,
+    /// where reading every dynamic symbol took milliseconds per big library. None when the
+    /// file has no such table (then only [`Self::function_offsets`] tells).
+    pub fn dynamic_defines(&self, name: &str) -> Option<bool> {
+        let file = self.parse().ok()?;
+        let endian = file.endian();
+        let (table, _) = file.elf_section_table().gnu_hash(endian, file.data()).ok()??;
+        let symbols = file.elf_dynamic_symbol_table();
+        if symbols.is_empty() {
+            return None;
+        }
+        let versions = VersionTable::default();
+        let hash = elf::gnu_hash(name.as_bytes());
+        Some(table.find(endian, name.as_bytes(), hash, None, symbols, &versions).is_some())
     }
 
     /// A defined symbol of any kind (data too: `_PyRuntime`, `Py_Version`): its virtual
@@ -233,6 +249,24 @@ mod tests {
         assert!(offsets["free"].offset > 0);
         assert!(!offsets.contains_key("no_such_function"));
         assert_eq!(libc.build_id().map(|id| id.len()), Some(20));
+    }
+
+    #[test]
+    fn the_hash_table_answers_what_the_dynamic_symbols_define() {
+        let libc = ElfFile::open(&libc_path()).unwrap();
+        // Every function the full read finds defined, the lookup finds too; names not
+        // defined (or only imported) it does not.
+        let names = libc.function_names_where(|_| true).unwrap();
+        assert!(names.len() > 1000, "{}", names.len());
+        for name in &names {
+            assert_eq!(libc.dynamic_defines(name), Some(true), "{name}");
+        }
+        for name in ["cuInit", "no_such_function", "_dl_find_object_never", ""] {
+            assert_eq!(libc.dynamic_defines(name), Some(false), "{name}");
+        }
+        // Our own executable imports malloc without defining it.
+        let exe = ElfFile::open(&std::env::current_exe().unwrap()).unwrap();
+        assert_ne!(exe.dynamic_defines("malloc"), Some(true));
     }
 
     #[test]

@@ -20,8 +20,12 @@ use memtrace_common::{MAX_TABLES, TABLE_MAPS};
 use super::{outer, write_mmapped};
 
 /// Sizes kept ready (elements of 8 bytes) and how many of each: small libraries are the
-/// many (a Cython module's table is a few KiB), 5.5 MiB in all.
-const CLASSES: [(u32, usize); 4] = [(2 << 10, 32), (8 << 10, 16), (32 << 10, 8), (128 << 10, 2)];
+/// many (a Cython module's table is a few KiB), 12 MiB in all. Sized by a program with
+/// many libraries: PostgreSQL's server maps 40, whose tables need 25, 16, 9 and 5 maps of
+/// these sizes (its own is one of the largest, 584 KiB). With 32/16/8/2, the libraries
+/// took the largest maps and its own table waited ~90 ms in a map of its own while its
+/// first allocations needed stack copies.
+const CLASSES: [(u32, usize); 4] = [(2 << 10, 32), (8 << 10, 24), (32 << 10, 16), (128 << 10, 6)];
 
 /// A map installed ahead: its entry in the array of table maps.
 struct Ready {
@@ -58,8 +62,7 @@ impl TablePool {
         for (class, ready) in self.installed.try_iter() {
             self.free[class].push(ready);
         }
-        let class =
-            (0..CLASSES.len()).find(|&c| CLASSES[c].0 as usize >= elements.len().max(1) && !self.free[c].is_empty())?;
+        let class = class_for(elements.len(), |c| !self.free[c].is_empty())?;
         let ready = self.free[class].pop()?;
         let _ = self.used.send(class);
         let placed = write_mmapped(&ready.map, elements)
@@ -67,6 +70,14 @@ impl TablePool {
             .and_then(|()| self.slot_maps.set(slot, ready.entry, 0).context("pointing a slot at its table"));
         Some(placed)
     }
+}
+
+/// The size class a table of `elements` goes into, given which classes have a map ready:
+/// the smallest that holds it, else the next; a small table does not take a map a big one
+/// will need (it goes into a map of its own).
+fn class_for(elements: usize, ready: impl Fn(usize) -> bool) -> Option<usize> {
+    let fits = (0..CLASSES.len()).find(|&c| CLASSES[c].0 as usize >= elements.max(1))?;
+    (fits..CLASSES.len().min(fits + 2)).find(|&c| ready(c))
 }
 
 /// The pool's thread: fills every class, then replaces each map used, a batch at a time
@@ -121,12 +132,27 @@ mod tests {
     use super::*;
 
     #[test]
+    fn a_table_takes_its_own_size_or_the_next_never_a_bigger_one() {
+        let all = |_: usize| true;
+        assert_eq!(class_for(0, all), Some(0));
+        assert_eq!(class_for(2 << 10, all), Some(0));
+        assert_eq!(class_for((2 << 10) + 1, all), Some(1));
+        assert_eq!(class_for(128 << 10, all), Some(3));
+        assert_eq!(class_for((128 << 10) + 1, all), None, "too big for any");
+        assert_eq!(class_for(100, |c| c != 0), Some(1));
+        assert_eq!(class_for(100, |c| c >= 2), None, "the largest maps stay for large tables");
+        assert_eq!(class_for(20 << 10, |c| c != 2), Some(3));
+        assert_eq!(class_for(20 << 10, |c| c < 3), Some(2));
+        assert_eq!(class_for(100 << 10, |c| c < 3), None);
+    }
+
+    #[test]
     fn classes_grow_and_fit_the_array() {
         assert!(CLASSES.windows(2).all(|w| w[0].0 < w[1].0));
         let kept: usize = CLASSES.iter().map(|c| c.1).sum();
         assert!(kept < (TABLE_MAPS - MAX_TABLES) as usize / 8, "room for many replacements");
         let bytes: u64 = CLASSES.iter().map(|&(n, k)| u64::from(n) * 8 * k as u64).sum();
-        assert!(bytes <= 6 << 20, "{bytes} bytes kept ready");
+        assert!(bytes <= 12 << 20, "{bytes} bytes kept ready");
         // The install thread offers the pool every table up to this size.
         assert_eq!(CLASSES[CLASSES.len() - 1].0 as usize * 8, crate::unwind::store::PLACEABLE_BYTES);
     }

@@ -8,7 +8,7 @@ use std::{
 
 use memtrace_common::TaskEvent;
 
-use super::{Sink, Target, Tracer, monotonic_ns, overload, probe_scope, tcmalloc_transfer_num_obj};
+use super::{Sink, Target, Tracer, monotonic_ns, objects, overload, probe_scope, tcmalloc_transfer_num_obj};
 use crate::{
     event::TaskSpace,
     probes::{self, Allocator},
@@ -115,18 +115,43 @@ impl Tracer {
             return; // a program seen before: its allocator is attached for everyone
         }
         let canonical = std::fs::canonicalize(&exe).unwrap_or_else(|_| exe.clone());
-        let prefix = &self.options.symbol_prefix;
         // What the new program preloads is in its own environment (`env LD_PRELOAD=... prog`).
         let preload = procfs::ld_preload(pid);
-        let resolved = self
-            .resolved_programs
-            .entry((canonical, preload.clone()))
-            .or_insert_with(|| probes::allocator::all_for_executable(&exe, Some(&preload), prefix).unwrap_or_default())
-            .clone();
+        match self.resolved_programs.get(&(canonical, preload.clone())) {
+            Some(resolved) => {
+                let resolved = resolved.clone();
+                self.attach_for_program(pid, resolved);
+            }
+            // Looked into on the objects' thread: the program's first mappings, behind its
+            // exec in the rings, reach the unwinder meanwhile.
+            None => {
+                if let Some(found) = self.objects.ask_program(pid, exe, preload, &self.options.symbol_prefix) {
+                    self.take_found(found);
+                }
+            }
+        }
+    }
+
+    /// The allocators an exec'd program uses get probes for its process.
+    fn attach_for_program(&mut self, pid: u32, resolved: Vec<Allocator>) {
         let scope = probe_scope(&self.probes, &self.options, Some(pid)).unwrap_or(0);
         for allocator in resolved {
             let allocator = self.register(allocator);
             self.attach(scope, &allocator);
+        }
+    }
+
+    /// What a look on the objects' thread found gets its probes: an object's allocators in
+    /// every followed process, a program's in its process (and remembered for the
+    /// program's later processes).
+    fn take_found(&mut self, found: objects::Found) {
+        match found {
+            objects::Found::Object(allocators) => self.attach_allocators(allocators),
+            objects::Found::Program { pid, exe, preload, allocators } => {
+                let canonical = std::fs::canonicalize(&exe).unwrap_or(exe);
+                self.resolved_programs.insert((canonical, preload), allocators.clone());
+                self.attach_for_program(pid, allocators);
+            }
         }
     }
 
@@ -141,15 +166,15 @@ impl Tracer {
         let id = probes::allocator::file_id(&object);
         let known = self.allocators.iter().any(|a| a.file_id == id && a.prefix == self.options.symbol_prefix);
         if let Some(found) = self.objects.ask(object, &self.options.symbol_prefix, known) {
-            self.attach_allocators(found);
+            self.take_found(found);
         }
     }
 
-    /// The allocators found in objects looked into since the last call get their probes.
+    /// The allocators found in objects and programs looked into since the last call get
+    /// their probes.
     pub(super) fn attach_found_allocators(&mut self) {
-        let found = self.objects.found();
-        if !found.is_empty() {
-            self.attach_allocators(found);
+        for found in self.objects.found() {
+            self.take_found(found);
         }
     }
 

@@ -1,7 +1,10 @@
-//! Looking for allocators in the objects traced processes load (dlopen), on a thread of
-//! its own. Reading a big library's symbols held the thread that drains the rings for
-//! 20–150 ms per library (libarrow: 150 ms on the 2-core VM; importing pyarrow loads
-//! several such), and the rings of a program importing them overflowed meanwhile. The
+//! Looking for allocators in the objects traced processes load (dlopen) and in the
+//! programs they exec, on a thread of its own. Reading a big library's symbols held the
+//! thread that drains the rings for 20–150 ms per library (libarrow: 150 ms on the 2-core
+//! VM; importing pyarrow loads several such), and the rings of a program importing them
+//! overflowed meanwhile; a new program's search (its executable and every library it
+//! needs, in the dynamic linker's order: PostgreSQL's server, 40 of them) held it ~30 ms,
+//! while the program's first mappings waited behind it and its stacks needed copies. The
 //! answers are taken between drains, and the probes attached then.
 use std::{
     path::PathBuf,
@@ -12,16 +15,31 @@ use crate::probes::allocator::{self, Allocator};
 
 /// One object to look into.
 struct Ask {
-    object: PathBuf,
+    what: What,
     /// The symbol prefix of `record --symbol-prefix`.
     prefix: String,
-    /// Its own malloc family is known already: look for prefixed jemallocs only.
-    skip_primary: bool,
+}
+
+enum What {
+    /// A mapped object. `skip_primary`: its own malloc family is known already: look for
+    /// prefixed jemallocs only.
+    Object { object: PathBuf, skip_primary: bool },
+    /// The program process `pid` exec'd, with what it preloads.
+    Program { pid: u32, exe: PathBuf, preload: Vec<PathBuf> },
+}
+
+/// What a look found.
+pub(super) enum Found {
+    /// In a mapped object: for every followed process.
+    Object(Vec<Allocator>),
+    /// In an exec'd program: for process `pid`, and any later process of that program
+    /// (`exe`, `preload`).
+    Program { pid: u32, exe: PathBuf, preload: Vec<PathBuf>, allocators: Vec<Allocator> },
 }
 
 pub(super) struct ObjectChecks {
     asks: Option<Sender<Ask>>,
-    answers: Receiver<Vec<Allocator>>,
+    answers: Receiver<Found>,
     /// Asked for and not answered yet.
     pending: usize,
 }
@@ -45,8 +63,19 @@ impl ObjectChecks {
 
     /// Looks into `object` for allocators; the answer comes from [`Self::found`] (at
     /// once, when the thread could not be started).
-    pub(super) fn ask(&mut self, object: PathBuf, prefix: &str, skip_primary: bool) -> Option<Vec<Allocator>> {
-        let ask = Ask { object, prefix: prefix.to_string(), skip_primary };
+    pub(super) fn ask(&mut self, object: PathBuf, prefix: &str, skip_primary: bool) -> Option<Found> {
+        self.send(Ask { what: What::Object { object, skip_primary }, prefix: prefix.to_string() })
+    }
+
+    /// Looks for the allocators the program `exe` that process `pid` exec'd uses (with
+    /// `preload`): its executable and the libraries it needs, in the dynamic linker's
+    /// order. The answer comes from [`Self::found`] (at once, when the thread could not be
+    /// started).
+    pub(super) fn ask_program(&mut self, pid: u32, exe: PathBuf, preload: Vec<PathBuf>, prefix: &str) -> Option<Found> {
+        self.send(Ask { what: What::Program { pid, exe, preload }, prefix: prefix.to_string() })
+    }
+
+    fn send(&mut self, ask: Ask) -> Option<Found> {
         match &self.asks {
             Some(asks) => match asks.send(ask) {
                 Ok(()) => {
@@ -59,32 +88,39 @@ impl ObjectChecks {
         }
     }
 
-    /// The allocators found since the last call.
-    pub(super) fn found(&mut self) -> Vec<Allocator> {
+    /// What the looks answered since the last call found.
+    pub(super) fn found(&mut self) -> Vec<Found> {
         if self.pending == 0 {
             return Vec::new();
         }
-        let mut out = Vec::new();
-        for found in self.answers.try_iter() {
-            self.pending -= 1;
-            out.extend(found);
-        }
-        out
+        let found: Vec<Found> = self.answers.try_iter().collect();
+        self.pending -= found.len();
+        found
     }
 }
 
-/// The allocators of one object: its own malloc family (unless known already), then
-/// prefixed jemallocs.
-fn look_into(ask: &Ask) -> Vec<Allocator> {
-    let objects = std::slice::from_ref(&ask.object);
-    let mut found = allocator::prefixed(objects);
-    if !ask.skip_primary
-        && let Ok(primary) = allocator::resolve(objects, &ask.prefix)
-        && primary.file_id == allocator::file_id(&ask.object)
-    {
-        found.insert(0, primary);
+/// An object's allocators (its own malloc family unless known already, then prefixed
+/// jemallocs), or a program's.
+fn look_into(ask: &Ask) -> Found {
+    match &ask.what {
+        What::Object { object, skip_primary } => {
+            let objects = std::slice::from_ref(object);
+            let mut found = allocator::prefixed(objects);
+            if !skip_primary
+                && let Ok(primary) = allocator::resolve(objects, &ask.prefix)
+                && primary.file_id == allocator::file_id(object)
+            {
+                found.insert(0, primary);
+            }
+            Found::Object(found)
+        }
+        What::Program { pid, exe, preload } => Found::Program {
+            pid: *pid,
+            exe: exe.clone(),
+            preload: preload.clone(),
+            allocators: allocator::all_for_executable(exe, Some(preload), &ask.prefix).unwrap_or_default(),
+        },
     }
-    found
 }
 
 #[cfg(test)]
@@ -95,13 +131,15 @@ mod tests {
     fn an_object_without_allocators_answers_empty_and_a_missing_one_too() {
         let mut checks = ObjectChecks::new();
         for object in ["/nonexistent/libnothing.so", "/proc/self/status"] {
-            if let Some(now) = checks.ask(PathBuf::from(object), "", false) {
+            if let Some(Found::Object(now)) = checks.ask(PathBuf::from(object), "", false) {
                 assert!(now.is_empty());
             }
         }
         let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
         while checks.pending > 0 && std::time::Instant::now() < deadline {
-            assert!(checks.found().is_empty());
+            for found in checks.found() {
+                assert!(matches!(found, Found::Object(ref a) if a.is_empty()));
+            }
             std::thread::sleep(std::time::Duration::from_millis(1));
         }
         assert_eq!(checks.pending, 0, "both answered");
@@ -115,12 +153,34 @@ mod tests {
             .find(|p| p.exists());
         let Some(libc) = libc else { return };
         let mut checks = ObjectChecks::new();
-        let mut found = checks.ask(libc.clone(), "", false).unwrap_or_default();
+        let mut found: Vec<Found> = checks.ask(libc.clone(), "", false).into_iter().collect();
         let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
         while found.is_empty() && std::time::Instant::now() < deadline {
             found = checks.found();
             std::thread::sleep(std::time::Duration::from_millis(1));
         }
+        let Some(Found::Object(found)) = found.pop() else { panic!("no answer for {libc:?}") };
         assert!(found.iter().any(|a| a.file_id == allocator::file_id(&libc)), "{libc:?}");
+    }
+
+    #[test]
+    fn a_program_is_answered_with_its_process_and_the_c_library() {
+        let exe = PathBuf::from("/bin/sh");
+        let mut checks = ObjectChecks::new();
+        let mut found: Vec<Found> = checks.ask_program(42, exe.clone(), Vec::new(), "").into_iter().collect();
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        while found.is_empty() && std::time::Instant::now() < deadline {
+            found = checks.found();
+            std::thread::sleep(std::time::Duration::from_millis(1));
+        }
+        let Some(Found::Program { pid, exe: answered, preload, allocators }) = found.pop() else {
+            panic!("no answer for {exe:?}")
+        };
+        assert_eq!((pid, &answered, preload.len()), (42, &exe, 0));
+        assert!(
+            allocators.iter().any(|a| a.family == crate::sizes::Family::Glibc),
+            "{:?}",
+            allocators.iter().map(|a| a.describe()).collect::<Vec<_>>()
+        );
     }
 }

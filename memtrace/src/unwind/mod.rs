@@ -346,6 +346,11 @@ impl Unwinder {
                 asked += 1;
             }
         }
+        // The program's own table is built (read) first: every stack of it goes through
+        // its code, and the first table built takes a map installed ahead.
+        if let Some((slot, _)) = self.store.request(program) {
+            self.store.prioritize(slot);
+        }
         if asked > 0 {
             log::debug!("{}: loading the tables of {asked} files it used before", program.display());
         }
