@@ -331,8 +331,9 @@ pub fn label(key: &GroupKey, frames: &[Frame], comms: &HashMap<u32, String>) -> 
 /// it shows). A call site reached from several places is not named after one of them: it
 /// shows the frames all its stacks share from the site on, then where they part
 /// `[N callers]`, N the distinct frames there (`xmalloc ← [37 callers]`, where one stack's
-/// callers would have named a caller of a few of its allocations for all of them). Other
-/// rows, and sites whose stacks agree on every frame a label shows, are named as [`label`].
+/// callers would have named a caller of a few of its allocations for all of them). A stack
+/// that ends sooner (cut short) parts from none. Other rows, and sites whose stacks agree
+/// on every frame a label shows, are named as [`label`] (by their longest stack).
 pub fn shared_label(key: &GroupKey, stacks: &[Vec<Frame>], comms: &HashMap<u32, String>) -> String {
     let lead = stacks.first().map_or(&[][..], |s| &s[..]);
     if !matches!(key, GroupKey::Site(..)) || stacks.len() < 2 {
@@ -343,14 +344,21 @@ pub fn shared_label(key: &GroupKey, stacks: &[Vec<Frame>], comms: &HashMap<u32, 
         .iter()
         .map(|s| site_frames(domain, s).iter().take(LABEL_FRAMES).map(|f| f.to_string()).collect())
         .collect();
-    let first = &shown[0];
-    let shared = (0..LABEL_FRAMES).take_while(|&k| shown.iter().all(|s| s.get(k) == first.get(k))).count();
-    if shared == LABEL_FRAMES || shared == 0 || shown.iter().all(|s| s.len() <= shared) {
-        return label(key, lead, comms);
+    let mut shared: Vec<&String> = Vec::new();
+    while shared.len() < LABEL_FRAMES {
+        let at: std::collections::BTreeSet<&String> = shown.iter().filter_map(|s| s.get(shared.len())).collect();
+        match at.len() {
+            0 => break,
+            1 => shared.extend(at),
+            n if !shared.is_empty() => {
+                let shared: Vec<&str> = shared.iter().map(|s| s.as_str()).collect();
+                return format!("{} ← [{n} callers]", shared.join(" ← "));
+            }
+            _ => break,
+        }
     }
-    let parted: std::collections::HashSet<&String> = shown.iter().filter_map(|s| s.get(shared)).collect();
-    let n = parted.len();
-    format!("{} ← [{n} caller{}]", first[..shared].join(" ← "), if n == 1 { "" } else { "s" })
+    let longest = stacks.iter().max_by_key(|s| site_frames(domain, s).len()).map_or(lead, |s| &s[..]);
+    label(key, longest, comms)
 }
 
 /// A process's name: its command name; the idle task's (`swapper`, whose context kernel
@@ -414,15 +422,15 @@ mod tests {
         let stack = |names: &[&str]| names.iter().map(|n| frame(n, false)).collect::<Vec<_>>();
         let (a, b, c) = (stack(&["xmalloc", "f", "main"]), stack(&["xmalloc", "g", "main"]), stack(&["xmalloc", "h"]));
         assert_eq!(shared_label(&key, &[a.clone(), b.clone(), c], &comms), "xmalloc (app.c:7) ← [3 callers]");
-        // Shared callers are shown up to where the stacks part; a stack ending there does
-        // not count as a caller.
+        // Shared callers are shown up to where the stacks part; a stack ending sooner (cut
+        // short) parts from none.
         let (d, e) = (stack(&["xmalloc", "f", "g", "main"]), stack(&["xmalloc", "f", "h", "main"]));
         let short = stack(&["xmalloc", "f"]);
         assert_eq!(
             shared_label(&key, &[d.clone(), e, short.clone()], &comms),
             "xmalloc (app.c:7) ← f (app.c:7) ← [2 callers]"
         );
-        assert_eq!(shared_label(&key, &[d.clone(), short], &comms), "xmalloc (app.c:7) ← f (app.c:7) ← [1 caller]");
+        assert_eq!(shared_label(&key, &[short, d.clone()], &comms), label(&key, &d, &comms), "named by the longest");
         // Stacks that agree on every frame a label shows, or one stack, are named as `label`.
         let f = stack(&["xmalloc", "f", "g", "other"]);
         assert_eq!(shared_label(&key, &[d.clone(), f], &comms), label(&key, &d, &comms));
