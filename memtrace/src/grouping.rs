@@ -12,6 +12,9 @@ use crate::{
     stacks::{Frame, StackTable},
 };
 
+/// How the name of the row of allocations without a stack begins.
+const NO_STACK: &str = "[no stack: ";
+
 /// What a row stands for.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, ValueEnum, Default, Serialize)]
 #[serde(rename_all = "lowercase")]
@@ -264,7 +267,7 @@ impl GroupKey {
                 match (stacks.key_frame(origin.stack, origin.call_site, domain, python), by) {
                     (Some(f), GroupBy::Site) => Self::Site(domain, f.module, f.address),
                     (Some(f), _) => Self::Function(domain, f.function),
-                    (None, _) => Self::Site(domain, format!("[no stack: {}]", origin.kind.name()), 0),
+                    (None, _) => Self::Site(domain, format!("{NO_STACK}{}]", origin.kind.name()), 0),
                 }
             }
         }
@@ -277,6 +280,11 @@ impl GroupKey {
             Self::Stack(domain, stack, call_site, _) => Self::Stack(domain, stack, call_site, pid),
             other => other,
         }
+    }
+
+    /// The row of allocations without a frame of their domain (`[no stack: malloc]`).
+    pub fn is_stackless(&self) -> bool {
+        matches!(self, Self::Site(_, module, 0) if module.starts_with(NO_STACK))
     }
 
     pub fn domain(&self) -> Domain {
@@ -314,7 +322,7 @@ pub fn label(key: &GroupKey, frames: &[Frame], comms: &HashMap<u32, String>) -> 
     match key {
         GroupKey::Process(_, pid) => format!("{} [{pid}]", process_name(*pid, comms)),
         GroupKey::Function(_, name) => name.clone(),
-        GroupKey::Site(_, module, _) if frames.is_empty() => module.clone(),
+        GroupKey::Site(_, module, _) if frames.is_empty() || key.is_stackless() => module.clone(),
         _ => {
             let domain = key.domain();
             let frames = site_frames(domain, frames);
@@ -336,7 +344,9 @@ pub fn label(key: &GroupKey, frames: &[Frame], comms: &HashMap<u32, String>) -> 
 /// on every frame a label shows, are named as [`label`] (by their longest stack).
 pub fn shared_label(key: &GroupKey, stacks: &[Vec<Frame>], comms: &HashMap<u32, String>) -> String {
     let lead = stacks.first().map_or(&[][..], |s| &s[..]);
-    if !matches!(key, GroupKey::Site(..)) || stacks.len() < 2 {
+    // Not a site row, one stack, or the row of allocations without a user frame
+    // (`[no stack: malloc]`): named as always.
+    if !matches!(key, GroupKey::Site(..)) || key.is_stackless() || stacks.len() < 2 {
         return label(key, lead, comms);
     }
     let domain = key.domain();
@@ -444,7 +454,13 @@ mod tests {
             "kmalloc ← [2 callers]"
         );
         let by_fn = GroupKey::Function(Domain::User, "xmalloc".into());
-        assert_eq!(shared_label(&by_fn, &[a, b], &comms), "xmalloc");
+        assert_eq!(shared_label(&by_fn, &[a.clone(), b], &comms), "xmalloc");
+        // Allocations without a user frame keep their row's name whatever else their
+        // stacks hold (kernel frames of a system call).
+        let none = GroupKey::Site(Domain::User, "[no stack: mmap]".into(), 0);
+        let syscall = vec![frame("__x64_sys_mmap", true)];
+        assert_eq!(shared_label(&none, &[vec![], syscall.clone(), a], &comms), "[no stack: mmap]");
+        assert_eq!(shared_label(&none, &[syscall.clone(), syscall], &comms), "[no stack: mmap]");
     }
 
     #[test]

@@ -467,6 +467,28 @@ impl StackTable {
         crate::grouping::first_frame(domain, &self.named(stack, call_site, 1)).cloned()
     }
 
+    /// What the names [`Self::frames_prefix`] gives with `user` depend on, as numbers: two
+    /// stacks with the same key name the same frames there, so a row's label is named once
+    /// per key, not once per stack. A user row's key is its first `user` user frames; a
+    /// kernel row's (`kernel`) also its call site and kernel part, whose first frames the
+    /// naming picks by what they are.
+    pub fn prefix_key(&self, stack: u64, call_site: u64, user: usize, kernel: bool) -> Vec<u64> {
+        let mut key = Vec::with_capacity(2 * user + 2);
+        let Some(s) = self.stack(stack) else { return key };
+        if kernel {
+            key.push(call_site);
+            key.extend(s.kernel());
+            key.push(0);
+        }
+        for frame in s.user().take(user) {
+            match frame {
+                FileFrame::Module { module, offset } => key.extend([u64::from(module) | 1 << 63, offset]),
+                FileFrame::Address(a) => key.extend([1 << 62, a]),
+            }
+        }
+        key
+    }
+
     /// The frames of [`Self::frames`], with the names of the first `user` addresses of the
     /// user part only.
     fn named(&self, stack: u64, call_site: u64, user: usize) -> Vec<Frame> {

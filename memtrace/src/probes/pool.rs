@@ -57,7 +57,8 @@ impl TablePool {
     }
 
     /// Writes the table of `slot` into a ready map that holds it and points the slot there:
-    /// None when no ready map is big enough (install it in a map of its own).
+    /// None when no ready map of its size or the next is left (install it in a map of its
+    /// own).
     pub fn place(&mut self, slot: u32, elements: &[u64]) -> Option<Result<()>> {
         for (class, ready) in self.installed.try_iter() {
             self.free[class].push(ready);

@@ -152,9 +152,11 @@ struct GroupInfo {
     pids: Vec<u32>,
     allocator: u8,
     devices: Vec<i32>,
-    /// Grouped by site: each distinct (stack, call site) of its allocations, the first
-    /// included, to name the row by what they share (`grouping::shared_label`).
+    /// Grouped by site: a (stack, call site) of its allocations per distinct
+    /// [`StackTable::prefix_key`], the first included, to name the row by what they share
+    /// (`grouping::shared_label`), and those keys.
     stacks: Vec<(u64, u64)>,
+    prefixes: HashSet<Vec<u64>>,
 }
 
 /// Assigns allocations to groups (the analyzer's grouping function) and remembers each
@@ -166,8 +168,11 @@ struct Grouper<'a> {
     stacks: &'a mut StackTable,
     infos: Vec<GroupInfo>,
     index: HashMap<GroupKey, u32>,
-    /// Grouped by site: the (stack, call site) pairs met so far.
-    seen_stacks: HashSet<(u64, u64)>,
+    /// Rows are named by site: keep what names them (`GroupInfo::stacks`); not for a
+    /// report that shows no row.
+    name_sites: bool,
+    /// The (group, stack, call site) triples met so far, when naming sites.
+    seen_stacks: HashSet<(u32, u64, u64)>,
 }
 
 impl Grouper<'_> {
@@ -194,14 +199,18 @@ impl Grouper<'_> {
                 allocator: o.allocator,
                 devices: Vec::new(),
                 stacks: Vec::new(),
+                prefixes: HashSet::new(),
             });
         }
         let info = &mut self.infos[g as usize];
-        if self.by == GroupBy::Site
+        if self.name_sites
             && (info.stacks.is_empty() || info.stack != o.stack || info.call_site != o.call_site)
-            && self.seen_stacks.insert((o.stack, o.call_site))
+            && self.seen_stacks.insert((g, o.stack, o.call_site))
         {
-            info.stacks.push((o.stack, o.call_site));
+            let kernel = info.key.domain() == Domain::Kernel;
+            if info.prefixes.insert(self.stacks.prefix_key(o.stack, o.call_site, LABEL_FRAMES + 1, kernel)) {
+                info.stacks.push((o.stack, o.call_site));
+            }
         }
         // The stack a group shows: a whole one if any of its allocations has one.
         if info.stack != o.stack
@@ -276,6 +285,7 @@ pub fn analyze(path: &Path, opts: &ReportOptions) -> Result<Summary> {
         stacks: &mut table,
         infos: Vec::new(),
         index: HashMap::new(),
+        name_sites: opts.by == GroupBy::Site && opts.top != Some(0),
         seen_stacks: HashSet::new(),
     };
 

@@ -117,18 +117,23 @@ impl Tracer {
         let canonical = std::fs::canonicalize(&exe).unwrap_or_else(|_| exe.clone());
         // What the new program preloads is in its own environment (`env LD_PRELOAD=... prog`).
         let preload = procfs::ld_preload(pid);
-        match self.resolved_programs.get(&(canonical, preload.clone())) {
-            Some(resolved) => {
-                let resolved = resolved.clone();
-                self.attach_for_program(pid, resolved);
-            }
-            // Looked into on the objects' thread: the program's first mappings, behind its
-            // exec in the rings, reach the unwinder meanwhile.
-            None => {
-                if let Some(found) = self.objects.ask_program(pid, exe, preload, &self.options.symbol_prefix) {
-                    self.take_found(found);
-                }
-            }
+        let key = (canonical, preload);
+        if let Some(resolved) = self.resolved_programs.get(&key) {
+            let resolved = resolved.clone();
+            self.attach_for_program(pid, resolved);
+            return;
+        }
+        // Looked into on the objects' thread: the program's first mappings, behind its exec
+        // in the rings, reach the unwinder meanwhile. Until then its own allocator (a static
+        // binary's, a bundled jemalloc) is not probed; the installed libraries are already.
+        if let Some(waiting) = self.programs_in_flight.get_mut(&key) {
+            waiting.push(pid);
+            return;
+        }
+        self.programs_in_flight.insert(key.clone(), vec![pid]);
+        let (canonical, preload) = key;
+        if let Some(found) = self.objects.ask_program(pid, (exe, canonical), preload, &self.options.symbol_prefix) {
+            self.take_found(found);
         }
     }
 
@@ -147,10 +152,14 @@ impl Tracer {
     fn take_found(&mut self, found: objects::Found) {
         match found {
             objects::Found::Object(allocators) => self.attach_allocators(allocators),
-            objects::Found::Program { pid, exe, preload, allocators } => {
-                let canonical = std::fs::canonicalize(&exe).unwrap_or(exe);
-                self.resolved_programs.insert((canonical, preload), allocators.clone());
-                self.attach_for_program(pid, allocators);
+            objects::Found::Program { pid, canonical, preload, allocators } => {
+                let key = (canonical, preload);
+                let pids = self.programs_in_flight.remove(&key).unwrap_or_else(|| vec![pid]);
+                let Some(allocators) = allocators else { return };
+                self.resolved_programs.insert(key, allocators.clone());
+                for pid in pids {
+                    self.attach_for_program(pid, allocators.clone());
+                }
             }
         }
     }

@@ -164,6 +164,9 @@ pub struct Tracer {
     /// Programs (and what they preload) whose allocators were resolved (exec'd again and
     /// again: resolved once).
     resolved_programs: HashMap<(PathBuf, Vec<PathBuf>), Vec<Allocator>>,
+    /// Programs being looked into on the objects' thread, and the processes that exec'd
+    /// them meanwhile (`make -j` starting the compiler several times): one search each.
+    programs_in_flight: HashMap<(PathBuf, Vec<PathBuf>), Vec<u32>>,
     last_scan: Instant,
     last_loss_check: Instant,
     lost_seen: u64,
@@ -423,6 +426,7 @@ impl Tracer {
             followed: target_pid.into_iter().collect(),
             checked_objects: HashSet::new(),
             objects: objects::ObjectChecks::new(),
+            programs_in_flight: HashMap::new(),
             resolved_programs: program
                 .as_ref()
                 .and_then(|p| std::fs::canonicalize(p).ok())

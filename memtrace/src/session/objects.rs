@@ -24,8 +24,9 @@ enum What {
     /// A mapped object. `skip_primary`: its own malloc family is known already: look for
     /// prefixed jemallocs only.
     Object { object: PathBuf, skip_primary: bool },
-    /// The program process `pid` exec'd, with what it preloads.
-    Program { pid: u32, exe: PathBuf, preload: Vec<PathBuf> },
+    /// The program process `pid` exec'd (`exe` as the process names it, `canonical` the
+    /// session's key for it), with what it preloads.
+    Program { pid: u32, exe: PathBuf, canonical: PathBuf, preload: Vec<PathBuf> },
 }
 
 /// What a look found.
@@ -33,8 +34,9 @@ pub(super) enum Found {
     /// In a mapped object: for every followed process.
     Object(Vec<Allocator>),
     /// In an exec'd program: for process `pid`, and any later process of that program
-    /// (`exe`, `preload`).
-    Program { pid: u32, exe: PathBuf, preload: Vec<PathBuf>, allocators: Vec<Allocator> },
+    /// (`canonical`, `preload`). None when the program could not be read (the process
+    /// exited, its file was replaced): not an answer to remember.
+    Program { pid: u32, canonical: PathBuf, preload: Vec<PathBuf>, allocators: Option<Vec<Allocator>> },
 }
 
 pub(super) struct ObjectChecks {
@@ -67,12 +69,18 @@ impl ObjectChecks {
         self.send(Ask { what: What::Object { object, skip_primary }, prefix: prefix.to_string() })
     }
 
-    /// Looks for the allocators the program `exe` that process `pid` exec'd uses (with
-    /// `preload`): its executable and the libraries it needs, in the dynamic linker's
-    /// order. The answer comes from [`Self::found`] (at once, when the thread could not be
-    /// started).
-    pub(super) fn ask_program(&mut self, pid: u32, exe: PathBuf, preload: Vec<PathBuf>, prefix: &str) -> Option<Found> {
-        self.send(Ask { what: What::Program { pid, exe, preload }, prefix: prefix.to_string() })
+    /// Looks for the allocators the program `exe` (known to the session as `canonical`)
+    /// that process `pid` exec'd uses with `preload`: its executable and the libraries it
+    /// needs, in the dynamic linker's order. The answer comes from [`Self::found`] (at
+    /// once, when the thread could not be started).
+    pub(super) fn ask_program(
+        &mut self,
+        pid: u32,
+        (exe, canonical): (PathBuf, PathBuf),
+        preload: Vec<PathBuf>,
+        prefix: &str,
+    ) -> Option<Found> {
+        self.send(Ask { what: What::Program { pid, exe, canonical, preload }, prefix: prefix.to_string() })
     }
 
     fn send(&mut self, ask: Ask) -> Option<Found> {
@@ -114,11 +122,11 @@ fn look_into(ask: &Ask) -> Found {
             }
             Found::Object(found)
         }
-        What::Program { pid, exe, preload } => Found::Program {
+        What::Program { pid, exe, canonical, preload } => Found::Program {
             pid: *pid,
-            exe: exe.clone(),
+            canonical: canonical.clone(),
             preload: preload.clone(),
-            allocators: allocator::all_for_executable(exe, Some(preload), &ask.prefix).unwrap_or_default(),
+            allocators: allocator::all_for_executable(exe, Some(preload), &ask.prefix).ok(),
         },
     }
 }
@@ -164,19 +172,36 @@ mod tests {
     }
 
     #[test]
-    fn a_program_is_answered_with_its_process_and_the_c_library() {
-        let exe = PathBuf::from("/bin/sh");
+    fn a_program_that_cannot_be_read_is_answered_with_nothing_to_remember() {
+        let exe = PathBuf::from("/nonexistent/program");
         let mut checks = ObjectChecks::new();
-        let mut found: Vec<Found> = checks.ask_program(42, exe.clone(), Vec::new(), "").into_iter().collect();
+        let mut found: Vec<Found> =
+            checks.ask_program(7, (exe.clone(), exe.clone()), Vec::new(), "").into_iter().collect();
         let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
         while found.is_empty() && std::time::Instant::now() < deadline {
             found = checks.found();
             std::thread::sleep(std::time::Duration::from_millis(1));
         }
-        let Some(Found::Program { pid, exe: answered, preload, allocators }) = found.pop() else {
+        assert!(matches!(found.pop(), Some(Found::Program { pid: 7, allocators: None, .. })));
+    }
+
+    #[test]
+    fn a_program_is_answered_with_its_process_and_the_c_library() {
+        let exe = PathBuf::from("/bin/sh");
+        let mut checks = ObjectChecks::new();
+        let canonical = std::fs::canonicalize(&exe).unwrap();
+        let mut found: Vec<Found> =
+            checks.ask_program(42, (exe.clone(), canonical.clone()), Vec::new(), "").into_iter().collect();
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        while found.is_empty() && std::time::Instant::now() < deadline {
+            found = checks.found();
+            std::thread::sleep(std::time::Duration::from_millis(1));
+        }
+        let Some(Found::Program { pid, canonical: answered, preload, allocators }) = found.pop() else {
             panic!("no answer for {exe:?}")
         };
-        assert_eq!((pid, &answered, preload.len()), (42, &exe, 0));
+        assert_eq!((pid, &answered, preload.len()), (42, &canonical, 0));
+        let allocators = allocators.expect("/bin/sh is readable");
         assert!(
             allocators.iter().any(|a| a.family == crate::sizes::Family::Glibc),
             "{:?}",

@@ -24,8 +24,13 @@ type Grouping = Box<dyn FnMut(&Origin) -> u32>;
 /// Allocations, frees and bytes requested.
 type Activity = (u64, u64, u64);
 
-/// A stack and its call site (the pair an origin's frames come from).
-type StackRef = (u64, u64);
+/// A site row's distinct label prefixes (`StackTable::prefix_key`), and a (stack, call
+/// site) of each, the row's first origin's first.
+#[derive(Default)]
+struct Prefixes {
+    keys: std::collections::HashSet<Vec<u64>>,
+    stacks: Vec<(u64, u64)>,
+}
 
 pub struct LiveView {
     analyzer: Analyzer<Grouping>,
@@ -184,9 +189,10 @@ impl LiveView {
         let origins: Vec<(Origin, u32)> = self.analyzer.origins().map(|(o, g)| (*o, g)).collect();
         // Per key: figures, an origin to name it by, and what happened since the last
         // snapshot (allocations, frees, bytes requested).
-        // Grouped by site, also each distinct (stack, call site) of the key's origins, to
-        // name the row by what they share (`grouping::shared_label`).
-        let mut groups: HashMap<GroupKey, (Stats, Origin, Activity, Vec<StackRef>)> = HashMap::new();
+        // Grouped by site, also a (stack, call site) of the key's origins per distinct
+        // `StackTable::prefix_key`, to name the row by what they share
+        // (`grouping::shared_label`): named once per key, not once per stack.
+        let mut groups: HashMap<GroupKey, (Stats, Origin, Activity, Prefixes)> = HashMap::new();
         let mut since: Activity = (0, 0, 0);
         for (origin, g) in origins {
             let stats = &self.analyzer.groups[g as usize];
@@ -199,19 +205,20 @@ impl LiveView {
             }
             since = (since.0 + delta.0, since.1 + delta.1, since.2 + delta.2);
             let key = GroupKey::of(&origin, view.by, &mut self.table);
-            let entry = groups.entry(key).or_insert_with(|| (Stats::default(), origin, (0, 0, 0), Vec::new()));
+            let kernel = key.domain() == Domain::Kernel;
+            let entry = groups.entry(key).or_insert_with(|| (Stats::default(), origin, (0, 0, 0), Prefixes::default()));
             entry.0.merge(stats);
             entry.2 = (entry.2.0 + delta.0, entry.2.1 + delta.1, entry.2.2 + delta.2);
-            if view.by == GroupBy::Site {
-                entry.3.push((origin.stack, origin.call_site));
+            if view.by == GroupBy::Site
+                && entry.3.keys.insert(self.table.prefix_key(origin.stack, origin.call_site, LABEL_FRAMES + 1, kernel))
+            {
+                entry.3.stacks.push((origin.stack, origin.call_site));
             }
         }
         let filter = view.filter.to_lowercase();
         let mut rows = Vec::with_capacity(groups.len());
-        for (key, (stats, origin, delta, mut stacks)) in groups {
+        for (key, (stats, origin, delta, Prefixes { stacks, .. })) in groups {
             let frames = self.table.frames(origin.stack, origin.call_site);
-            stacks.sort_unstable();
-            stacks.dedup();
             let label = if stacks.len() > 1 {
                 let mut named = vec![frames.clone()];
                 named.extend(
