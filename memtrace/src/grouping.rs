@@ -371,6 +371,26 @@ pub fn shared_label(key: &GroupKey, stacks: &[Vec<Frame>], comms: &HashMap<u32, 
     label(key, longest, comms)
 }
 
+/// The name of a row that shows `frames` (of its first stack and call site, `first`) and
+/// holds the stacks `held` too (`first` may be among them): [`shared_label`] of them all,
+/// each of the others named as far as a label needs.
+pub fn row_label(
+    key: &GroupKey,
+    frames: &[Frame],
+    first: (u64, u64),
+    held: &[(u64, u64)],
+    stacks: &StackTable,
+    comms: &HashMap<u32, String>,
+) -> String {
+    let mut named = vec![frames.to_vec()];
+    named.extend(
+        held.iter()
+            .filter(|&&s| s != first)
+            .map(|&(stack, call_site)| stacks.frames_prefix(stack, call_site, LABEL_FRAMES + 1)),
+    );
+    shared_label(key, &named, comms)
+}
+
 /// A process's name: its command name; the idle task's (`swapper`, whose context kernel
 /// allocations in interrupts run in) for pid 0; else `pid N`.
 pub fn process_name(pid: u32, comms: &HashMap<u32, String>) -> String {

@@ -23,7 +23,7 @@ use super::{
 use crate::{
     analysis::{Analyzer, Domain, EXCLUDED, LiveBlock, Origin, Stats, Timeline, Totals},
     event::Event,
-    grouping::{Filters, GroupBy, GroupKey, LABEL_FRAMES, domain_of, label, shared_label},
+    grouping::{Filters, GroupBy, GroupKey, LABEL_FRAMES, domain_of, label, row_label},
     recording::{self, Meta},
     stacks::{Frame, StackTable},
 };
@@ -454,14 +454,7 @@ pub fn analyze(path: &Path, opts: &ReportOptions) -> Result<Summary> {
             .map(|group| {
                 let info = &infos[group];
                 let frames = table.frames_prefix(info.stack, info.call_site, LABEL_FRAMES + 1);
-                let mut stacks = vec![frames.clone()];
-                stacks.extend(
-                    info.stacks
-                        .iter()
-                        .filter(|&&s| s != (info.stack, info.call_site))
-                        .map(|&(stack, call_site)| table.frames_prefix(stack, call_site, LABEL_FRAMES + 1)),
-                );
-                let name = shared_label(&info.key, &stacks, &comms);
+                let name = row_label(&info.key, &frames, (info.stack, info.call_site), &info.stacks, &table, &comms);
                 row_of(group, std::mem::take(&mut groups[group]), frames, name)
             })
             .collect();

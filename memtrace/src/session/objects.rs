@@ -153,6 +153,18 @@ mod tests {
         assert_eq!(checks.pending, 0, "both answered");
     }
 
+    /// The answer of the one look asked for: `now` when it came at once, else the
+    /// thread's (waiting up to 10 s).
+    fn first_answer(checks: &mut ObjectChecks, now: Option<Found>) -> Option<Found> {
+        let mut found: Vec<Found> = now.into_iter().collect();
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        while found.is_empty() && std::time::Instant::now() < deadline {
+            found = checks.found();
+            std::thread::sleep(std::time::Duration::from_millis(1));
+        }
+        found.pop()
+    }
+
     #[test]
     fn the_c_library_is_found_on_the_thread() {
         let libc = ["/lib/x86_64-linux-gnu/libc.so.6", "/usr/lib/x86_64-linux-gnu/libc.so.6"]
@@ -161,13 +173,8 @@ mod tests {
             .find(|p| p.exists());
         let Some(libc) = libc else { return };
         let mut checks = ObjectChecks::new();
-        let mut found: Vec<Found> = checks.ask(libc.clone(), "", false).into_iter().collect();
-        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
-        while found.is_empty() && std::time::Instant::now() < deadline {
-            found = checks.found();
-            std::thread::sleep(std::time::Duration::from_millis(1));
-        }
-        let Some(Found::Object(found)) = found.pop() else { panic!("no answer for {libc:?}") };
+        let now = checks.ask(libc.clone(), "", false);
+        let Some(Found::Object(found)) = first_answer(&mut checks, now) else { panic!("no answer for {libc:?}") };
         assert!(found.iter().any(|a| a.file_id == allocator::file_id(&libc)), "{libc:?}");
     }
 
@@ -175,14 +182,8 @@ mod tests {
     fn a_program_that_cannot_be_read_is_answered_with_nothing_to_remember() {
         let exe = PathBuf::from("/nonexistent/program");
         let mut checks = ObjectChecks::new();
-        let mut found: Vec<Found> =
-            checks.ask_program(7, (exe.clone(), exe.clone()), Vec::new(), "").into_iter().collect();
-        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
-        while found.is_empty() && std::time::Instant::now() < deadline {
-            found = checks.found();
-            std::thread::sleep(std::time::Duration::from_millis(1));
-        }
-        assert!(matches!(found.pop(), Some(Found::Program { pid: 7, allocators: None, .. })));
+        let now = checks.ask_program(7, (exe.clone(), exe.clone()), Vec::new(), "");
+        assert!(matches!(first_answer(&mut checks, now), Some(Found::Program { pid: 7, allocators: None, .. })));
     }
 
     #[test]
@@ -190,14 +191,9 @@ mod tests {
         let exe = PathBuf::from("/bin/sh");
         let mut checks = ObjectChecks::new();
         let canonical = std::fs::canonicalize(&exe).unwrap();
-        let mut found: Vec<Found> =
-            checks.ask_program(42, (exe.clone(), canonical.clone()), Vec::new(), "").into_iter().collect();
-        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
-        while found.is_empty() && std::time::Instant::now() < deadline {
-            found = checks.found();
-            std::thread::sleep(std::time::Duration::from_millis(1));
-        }
-        let Some(Found::Program { pid, canonical: answered, preload, allocators }) = found.pop() else {
+        let now = checks.ask_program(42, (exe.clone(), canonical.clone()), Vec::new(), "");
+        let Some(Found::Program { pid, canonical: answered, preload, allocators }) = first_answer(&mut checks, now)
+        else {
             panic!("no answer for {exe:?}")
         };
         assert_eq!((pid, &answered, preload.len()), (42, &canonical, 0));

@@ -12,7 +12,7 @@ use std::{
 use crate::{
     analysis::{Analyzer, Domain, Origin, Stats},
     event::{Event, StackRecord},
-    grouping::{DomainFilter, GroupBy, GroupKey, LABEL_FRAMES, label, matches_text, shared_label},
+    grouping::{DomainFilter, GroupBy, GroupKey, LABEL_FRAMES, matches_text, row_label},
     naming::Namer,
     session::Sink,
     stacks::{Frame, StackTable},
@@ -219,18 +219,7 @@ impl LiveView {
         let mut rows = Vec::with_capacity(groups.len());
         for (key, (stats, origin, delta, Prefixes { stacks, .. })) in groups {
             let frames = self.table.frames(origin.stack, origin.call_site);
-            let label = if stacks.len() > 1 {
-                let mut named = vec![frames.clone()];
-                named.extend(
-                    stacks
-                        .iter()
-                        .filter(|&&s| s != (origin.stack, origin.call_site))
-                        .map(|&(stack, call_site)| self.table.frames_prefix(stack, call_site, LABEL_FRAMES + 1)),
-                );
-                shared_label(&key, &named, &self.comms)
-            } else {
-                label(&key, &frames, &self.comms)
-            };
+            let label = row_label(&key, &frames, (origin.stack, origin.call_site), &stacks, &self.table, &self.comms);
             if !matches_text(&filter, &label, &frames) {
                 continue;
             }
