@@ -159,9 +159,15 @@ impl<'a> Cursor<'a> {
 
     /// The `N` streams of the rest of a payload [`Streams::join`] made: their lengths
     /// (varints), then the streams, which must end the payload.
-    pub fn streams<const N: usize>(mut self) -> Result<[Cursor<'a>; N], FormatError> {
+    pub fn streams<const N: usize>(self) -> Result<[Cursor<'a>; N], FormatError> {
+        self.first_streams(N)
+    }
+
+    /// As [`Cursor::streams`] for a payload of `count` streams (at most `N`: a layout
+    /// with fewer streams than its successor's); the streams past them are empty.
+    pub fn first_streams<const N: usize>(mut self, count: usize) -> Result<[Cursor<'a>; N], FormatError> {
         let mut lens = [0usize; N];
-        for len in &mut lens {
+        for len in lens.iter_mut().take(count) {
             *len = self.len(1)?;
         }
         let mut streams: [Cursor<'a>; N] = std::array::from_fn(|_| Cursor::new(&[], self.base));

@@ -39,8 +39,10 @@ pub const MAGIC: &[u8; 8] = b"MEMTRACE";
 /// resolution, stacks as a tree of frames. 5: addresses by reference to the chunk's earlier
 /// allocations and frees, stacks field by field. 6: kernel pages' addresses counted in
 /// pages (`struct page` strides). 7: an allocation's address by reference to the freed
-/// blocks of its own size first. Versions 2 to 6 are read as ever.
-pub const VERSION: u16 = 7;
+/// blocks of its own size first. 8: an event's flags written when they change, times,
+/// address codes and deltas, and frees' arguments in streams by context. Versions 2 to 7
+/// are read as ever.
+pub const VERSION: u16 = 8;
 pub const HEADER_LEN: usize = 16;
 pub const CLOCK_MONOTONIC: u8 = 1;
 /// Chunks larger than this (stored or inflated) are treated as corruption.
