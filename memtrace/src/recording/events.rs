@@ -30,7 +30,8 @@
 //!          and 64 + k the k-th most recent slot of the space's freed list (`Freed`); a free's
 //!          k ≥ 1 is zigzag(d) + 1, its block the d-th live block of the space after the one
 //!          the space's previous free took, in allocation order (`AddrRefs::free_code`);
-//!          each space numbers its own allocations
+//!          each space numbers its own allocations. Version 8: 64 + k for any k-th most
+//!          recent slot in 1-4096 (`ANY_SIZE_WINDOW_V8`)
 //! sizes    allocations: bytes requested, zigzag (allocated - requested); version 7
 //!          reads them before the address, which refers to blocks of the same size
 //! stacks   allocations: version 6, the zigzag delta from the stack id of the previous
@@ -52,8 +53,8 @@
 //! take the address stream from 389 KB to 333 KB there (the file 4.6 % smaller; sqlite's
 //! bench recording 3.5 %); on a two-thread malloc/free loop whose frees alternate their
 //! order it is 7 % larger than version 6's (0.35 bits an event against 0.23). Version 8
-//! takes GCC's cc1 recording (4.6 M events) from 4.8 MB to 3.8 MB and the heavy Python
-//! bench's from 1.0 MB to 0.9 MB ([`Layout`]).
+//! takes GCC's cc1 recording (4.6 M events) from 4.8 MB to 3.6 MB and the heavy Python
+//! bench's from 1.0 MB to 0.9 MB ([`Layout`], [`ANY_SIZE_WINDOW_V8`]).
 //!
 //! Timestamps are kept to the recording's resolution (`Meta::time_resolution_ns`, 1 µs by
 //! default: below that the digits are noise, and they took most of a recording's bytes);
@@ -106,7 +107,7 @@ const CODES: usize = 64;
 /// frees' argument (0 for the malloc family: a stream of zeros) apart from the other
 /// fields. On GCC's cc1 (4.6 M events) the addresses take 18 % less, the times 13 %; with
 /// the flags coded once per change ([`EncodeState::last_flags`]) the recording takes 22 %
-/// less than version 7's.
+/// less than version 7's (25 % with the longer reach of [`ANY_SIZE_WINDOW_V8`]).
 #[derive(Clone, Copy, Default)]
 struct Layout {
     v8: bool,
@@ -205,6 +206,14 @@ impl<'a> FieldsIn<'a> for Cursor<'a> {
 /// among those of its size (version 7).
 const FREED_WINDOW: usize = 64;
 const FREED_WINDOW_U64: u64 = FREED_WINDOW as u64;
+/// How far back an allocation looks among all the chunk's freed slots from version 8.
+/// glibc hands out blocks from its bins long after they were freed, and splits freed
+/// blocks of another size: on GCC's cc1 four in five of the allocations not found among
+/// the last 64 freed slots lie within the last 4096, and naming such a slot (two bytes)
+/// costs less than the address's delta (three): the address references take 14 % less.
+/// The encoder finds the slot by its address ([`Freed::by_key`]), the decoder by its
+/// rank; either scans no more than this many entries for one event.
+const ANY_SIZE_WINDOW_V8: usize = 4096;
 
 /// Counts of live blocks by allocation number, with prefix sums and the k-th live block in
 /// O(log n) (a Fenwick tree): a free's rank among the live blocks, and back.
@@ -311,7 +320,6 @@ struct AddrRefs {
 /// Version 7 counts an any-size reference in slots, a slot emptied when its block is handed
 /// out again, so that no step scans more than [`FREED_WINDOW`] entries whatever the order
 /// of reuse; versions 5 and 6 counted the blocks still listed.
-#[derive(Default)]
 struct Freed {
     /// Versions 5 and 6: the addresses.
     keys: Vec<u64>,
@@ -320,6 +328,23 @@ struct Freed {
     slots: Vec<Option<(u64, u64)>>,
     /// Version 7: the slots of the blocks of each size, oldest first.
     by_size: crate::FastMap<u64, Vec<usize>>,
+    /// How far back an any-size reference reaches, in blocks (versions 5-6) or slots.
+    any_window: usize,
+    /// A version-8 encoder's index of the newest non-empty slot of each address: it finds
+    /// a slot anywhere in [`ANY_SIZE_WINDOW_V8`] without scanning them.
+    by_key: Option<crate::FastMap<u64, usize>>,
+}
+
+impl Default for Freed {
+    fn default() -> Self {
+        Self {
+            keys: Vec::new(),
+            slots: Vec::new(),
+            by_size: Default::default(),
+            any_window: FREED_WINDOW,
+            by_key: None,
+        }
+    }
 }
 
 impl Freed {
@@ -327,6 +352,9 @@ impl Freed {
         self.keys.clear();
         self.slots.clear();
         self.by_size.clear();
+        if let Some(by_key) = &mut self.by_key {
+            by_key.clear();
+        }
     }
 
     fn push(&mut self, key: u64, bytes: u64, v7: bool) {
@@ -336,7 +364,19 @@ impl Freed {
         if bytes != 0 {
             self.by_size.entry(bytes).or_default().push(self.slots.len());
         }
+        if let Some(by_key) = &mut self.by_key {
+            by_key.insert(key, self.slots.len());
+        }
         self.slots.push(Some((key, bytes)));
+    }
+
+    /// Slot `slot`, holding `key`, is handed out again: the index forgets it.
+    fn unindex(&mut self, key: u64, slot: usize) {
+        if let Some(by_key) = &mut self.by_key
+            && by_key.get(&key) == Some(&slot)
+        {
+            by_key.remove(&key);
+        }
     }
 
     /// Version 7: where `key` is among the newest [`FREED_WINDOW`] blocks of `bytes` (0:
@@ -346,13 +386,18 @@ impl Freed {
         list.iter().rev().take(FREED_WINDOW).position(|&i| self.slots[i].is_some_and(|(k, _)| k == key))
     }
 
-    /// Where `key` is among the newest [`FREED_WINDOW`] blocks (versions 5-6) or slots
+    /// Where `key` is among the newest `any_window` blocks (versions 5-6) or slots
     /// (version 7); 0: the newest.
     fn rank(&self, key: u64, v7: bool) -> Option<usize> {
         if !v7 {
-            return self.keys.iter().rev().take(FREED_WINDOW).position(|&k| k == key);
+            return self.keys.iter().rev().take(self.any_window).position(|&k| k == key);
         }
-        self.slots.iter().rev().take(FREED_WINDOW).position(|s| s.is_some_and(|(k, _)| k == key))
+        if let Some(by_key) = &self.by_key {
+            // The index holds only slots not handed out again: below the trimmed length.
+            let k = self.slots.len().checked_sub(by_key.get(&key)? + 1)?;
+            return (k < self.any_window).then_some(k);
+        }
+        self.slots.iter().rev().take(self.any_window).position(|s| s.is_some_and(|(k, _)| k == key))
     }
 
     /// Version 7: takes the block of `bytes` of rank `j` (as [`Freed::rank_by_size`]).
@@ -361,6 +406,7 @@ impl Freed {
         let i = list.len().checked_sub(j + 1).filter(|_| j < FREED_WINDOW)?;
         let slot = list.remove(i);
         let (key, _) = self.slots.get_mut(slot)?.take()?;
+        self.unindex(key, slot);
         self.trim();
         Some(key)
     }
@@ -368,18 +414,19 @@ impl Freed {
     /// Takes the block of rank `k` (as [`Freed::rank`]).
     fn take(&mut self, k: usize, v7: bool) -> Option<u64> {
         if !v7 {
-            let i = self.keys.len().checked_sub(k + 1).filter(|_| k < FREED_WINDOW)?;
+            let i = self.keys.len().checked_sub(k + 1).filter(|_| k < self.any_window)?;
             return Some(self.keys.remove(i));
         }
-        let slot = self.slots.len().checked_sub(k + 1).filter(|_| k < FREED_WINDOW)?;
+        let slot = self.slots.len().checked_sub(k + 1).filter(|_| k < self.any_window)?;
         let (key, bytes) = self.slots[slot].take()?;
-        // Fewer than FREED_WINDOW blocks were freed after it: the size's list holds it
-        // among its newest.
+        // Fewer than `any_window` blocks were freed after it: the size's list holds it
+        // among its newest that many.
         if let Some(list) = self.by_size.get_mut(&bytes)
             && let Some(i) = list.iter().rposition(|&x| x == slot)
         {
             list.remove(i);
         }
+        self.unindex(key, slot);
         self.trim();
         Some(key)
     }
@@ -401,9 +448,19 @@ impl AddrRefs {
         self.prev_free = [0; SPACES];
     }
 
-    /// The references of format `version` (none before 5).
-    fn for_version(version: u16) -> Option<Self> {
-        (version >= 5).then(|| Self { page_keys: version >= 6, v7: version >= 7, ..Default::default() })
+    /// The references of format `version` (none before 5); `encoder`: an encoder's, which
+    /// from version 8 indexes the freed slots by address.
+    fn for_version(version: u16, encoder: bool) -> Option<Self> {
+        (version >= 5).then(|| {
+            let mut refs = Self { page_keys: version >= 6, v7: version >= 7, ..Default::default() };
+            if version >= 8 {
+                for freed in &mut refs.freed {
+                    freed.any_window = ANY_SIZE_WINDOW_V8;
+                    freed.by_key = encoder.then(Default::default);
+                }
+            }
+            refs
+        })
     }
 
     /// The numbering a space's allocations are in.
@@ -590,7 +647,7 @@ impl EncodeState {
             task_index: HashMap::new(),
             stacks: TaskStacks::for_version(version),
             call_site_index: HashMap::new(),
-            refs: AddrRefs::for_version(version),
+            refs: AddrRefs::for_version(version, true),
             live: Default::default(),
             layout: Layout::for_version(version),
             prev_free: false,
@@ -779,7 +836,7 @@ impl DecodeState {
             stacks: TaskStacks::for_version(version),
             call_sites: Vec::new(),
             prev_ptr: [0; SPACES],
-            refs: AddrRefs::for_version(version),
+            refs: AddrRefs::for_version(version, false),
             layout: Layout::for_version(version),
             prev_free: false,
             last_flags: [0; CODES],

@@ -40,7 +40,8 @@ pub const MAGIC: &[u8; 8] = b"MEMTRACE";
 /// allocations and frees, stacks field by field. 6: kernel pages' addresses counted in
 /// pages (`struct page` strides). 7: an allocation's address by reference to the freed
 /// blocks of its own size first. 8: an event's flags written when they change, times,
-/// address codes and deltas, and frees' arguments in streams by context. Versions 2 to 7
+/// address codes and deltas, and frees' arguments in streams by context; an allocation
+/// names a block freed up to 4096 slots back. Versions 2 to 7
 /// are read as ever.
 pub const VERSION: u16 = 8;
 pub const HEADER_LEN: usize = 16;

@@ -862,8 +862,43 @@ fn version_8_codes_flags_once_and_times_and_addresses_by_context() {
     // The same bytes read as the other layout are not these events.
     assert!(events::decode_chunk(&v8, 0, 7, &mut |_| {}).is_err() || decode(&v8, 7) != events);
     let (v8_len, v7_len) = (deflated_len(&v8), deflated_len(&v7));
-    eprintln!("version 8 {v8_len} bytes, version 7 {v7_len}");
     assert!(v8_len * 10 < v7_len * 9, "version 8 {v8_len} bytes, version 7 {v7_len}");
+}
+
+#[test]
+fn version_8_names_blocks_freed_long_ago() {
+    // An allocator's bins: 2,000 blocks freed, then handed out again in another order and
+    // for another size (a freed block split), long after the last 64 frees.
+    let mut events = Vec::new();
+    let mut ts = 1_000u64;
+    let base = 0x5555_0000_0000u64;
+    for i in 0..2_000u64 {
+        ts += 10;
+        events.push(alloc(ts, Kind::Malloc, base + i * 48, 40));
+    }
+    for i in 0..2_000u64 {
+        ts += 10;
+        events.push(free(ts, Kind::Free, base + i * 48));
+    }
+    let mut seed = 17u64;
+    let mut order: Vec<u64> = (0..2_000).collect();
+    for i in (1..order.len()).rev() {
+        seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        order.swap(i, (seed >> 33) as usize % (i + 1));
+    }
+    for i in order {
+        ts += 10;
+        events.push(alloc(ts, Kind::Malloc, base + i * 48, 24));
+    }
+    let encode = |enc| encode_chunk(enc, &events);
+    let (v8, v7) = (encode(events::EventEncoder::new(1)), encode(events::EventEncoder::with_version(1, 7)));
+    for (bytes, version) in [(&v8, VERSION), (&v7, 7)] {
+        let mut decoded = Vec::new();
+        events::decode_chunk(bytes, 0, version, &mut |e| decoded.push(e)).unwrap();
+        assert_eq!(decoded, events, "version {version}");
+    }
+    let (v8_len, v7_len) = (deflated_len(&v8), deflated_len(&v7));
+    assert!(v8_len * 10 < v7_len * 8, "version 8 {v8_len} bytes, version 7 {v7_len}");
 }
 
 #[test]
