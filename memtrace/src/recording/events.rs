@@ -319,19 +319,24 @@ struct AddrRefs {
 /// bench 88 % of the references, where among all freed blocks it was the newest for 3 %.
 /// Version 7 counts an any-size reference in slots, a slot emptied when its block is handed
 /// out again, so that no step scans more than [`FREED_WINDOW`] entries whatever the order
-/// of reuse; versions 5 and 6 counted the blocks still listed.
+/// of reuse (version 8: [`ANY_SIZE_WINDOW_V8`] slots, found by address and, in a size's
+/// list, by binary search); versions 5 and 6 counted the blocks still listed.
 struct Freed {
     /// Versions 5 and 6: the addresses.
     keys: Vec<u64>,
-    /// Version 7: (address, bytes) by slot; `None` once handed out again (trailing empty
-    /// slots are dropped).
+    /// From version 7: (address, bytes) by slot; `None` once handed out again (trailing
+    /// empty slots are dropped).
     slots: Vec<Option<(u64, u64)>>,
-    /// Version 7: the slots of the blocks of each size, oldest first.
+    /// From version 7: the slots of the blocks of each size, oldest first (increasing: a
+    /// slot leaves its list when emptied, before `trim` can number a new slot like it).
     by_size: crate::FastMap<u64, Vec<usize>>,
     /// How far back an any-size reference reaches, in blocks (versions 5-6) or slots.
     any_window: usize,
-    /// A version-8 encoder's index of the newest non-empty slot of each address: it finds
-    /// a slot anywhere in [`ANY_SIZE_WINDOW_V8`] without scanning them.
+    /// A version-8 encoder's index of the slots by address: the newest slot pushed for an
+    /// address, until that slot is handed out again (an older slot of the same address, a
+    /// block freed twice, is then no longer found: its reuse is coded by delta, as any
+    /// address not found). It finds a slot anywhere in [`ANY_SIZE_WINDOW_V8`] without
+    /// scanning them.
     by_key: Option<crate::FastMap<u64, usize>>,
 }
 
@@ -386,8 +391,8 @@ impl Freed {
         list.iter().rev().take(FREED_WINDOW).position(|&i| self.slots[i].is_some_and(|(k, _)| k == key))
     }
 
-    /// Where `key` is among the newest `any_window` blocks (versions 5-6) or slots
-    /// (version 7); 0: the newest.
+    /// Where `key` is among the newest `any_window` blocks (versions 5-6) or slots (from
+    /// version 7); 0: the newest. A version-8 encoder answers from its index (`by_key`).
     fn rank(&self, key: u64, v7: bool) -> Option<usize> {
         if !v7 {
             return self.keys.iter().rev().take(self.any_window).position(|&k| k == key);
@@ -419,10 +424,9 @@ impl Freed {
         }
         let slot = self.slots.len().checked_sub(k + 1).filter(|_| k < self.any_window)?;
         let (key, bytes) = self.slots[slot].take()?;
-        // Fewer than `any_window` blocks were freed after it: the size's list holds it
-        // among its newest that many.
+        // The size's list is in slot order.
         if let Some(list) = self.by_size.get_mut(&bytes)
-            && let Some(i) = list.iter().rposition(|&x| x == slot)
+            && let Ok(i) = list.binary_search(&slot)
         {
             list.remove(i);
         }
@@ -731,7 +735,8 @@ pub(super) fn encode_event(out: &mut impl FieldsOut, st: &mut EncodeState, event
     let flags_follow = if st.layout.v8 { flags != *last_flags } else { flags != 0 };
     *last_flags = flags;
     out.field(TAGS).push(code | if flags_follow { HAS_FLAGS } else { 0 } | if same_task { SAME_TASK } else { 0 });
-    let free = matches!(event, Event::Free(_));
+    // As the decoder tells it, from the code alone.
+    let free = code_is_free(code & CODE_MASK);
     put_signed(out.field(st.layout.time(st.prev_free, free)), time);
     st.prev_free = free;
     if !same_task {

@@ -41,8 +41,7 @@ pub const MAGIC: &[u8; 8] = b"MEMTRACE";
 /// pages (`struct page` strides). 7: an allocation's address by reference to the freed
 /// blocks of its own size first. 8: an event's flags written when they change, times,
 /// address codes and deltas, and frees' arguments in streams by context; an allocation
-/// names a block freed up to 4096 slots back. Versions 2 to 7
-/// are read as ever.
+/// names a block freed up to 4096 slots back. Versions 2 to 7 are read as ever.
 pub const VERSION: u16 = 8;
 pub const HEADER_LEN: usize = 16;
 pub const CLOCK_MONOTONIC: u8 = 1;

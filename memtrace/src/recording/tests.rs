@@ -792,8 +792,8 @@ fn allocations_name_freed_blocks_of_their_size_and_frees_follow_allocation_order
         }
     }
     let encode = |enc| encode_chunk(enc, &events);
-    let (v7, v6) = (encode(events::EventEncoder::new(1)), encode(events::EventEncoder::with_version(1, 6)));
-    for (bytes, version) in [(&v7, VERSION), (&v6, 6)] {
+    let (v7, v6) = (encode(events::EventEncoder::with_version(1, 7)), encode(events::EventEncoder::with_version(1, 6)));
+    for (bytes, version) in [(&v7, 7), (&v6, 6)] {
         let mut decoded = Vec::new();
         events::decode_chunk(bytes, 0, version, &mut |e| decoded.push(e)).unwrap();
         assert_eq!(decoded, events, "version {version}");
