@@ -13,7 +13,7 @@ mod sampling;
 pub mod sizes;
 pub mod timeline;
 
-use std::collections::{BTreeMap, HashMap, HashSet};
+use std::collections::{BTreeMap, HashSet};
 
 use memtrace_common::{Kind, Space, TaskEvent, flags};
 use serde::Serialize;
@@ -220,37 +220,37 @@ pub const EXCLUDED: u32 = u32::MAX;
 /// Pairs and aggregates. `G` maps an allocation's origin to a group id.
 pub struct Analyzer<G: FnMut(&Origin) -> u32> {
     group_of: G,
-    group_cache: HashMap<Origin, u32>,
+    group_cache: crate::FastMap<Origin, u32>,
     pub groups: Vec<Stats>,
     pub totals: BTreeMap<Domain, Totals>,
     /// User heap blocks, per process instance.
-    heap: HashMap<u32, HashMap<u64, LiveBlock>>,
+    heap: crate::FastMap<u32, crate::FastMap<u64, LiveBlock>>,
     /// Kernel blocks (slab objects, pages).
-    kernel: HashMap<(Space, u64), LiveBlock>,
+    kernel: crate::FastMap<(Space, u64), LiveBlock>,
     /// mmap regions, per process instance; they are freed by range.
     mmaps: BTreeMap<(u32, u64), (u64, LiveBlock)>,
     /// GPU blocks (device pointers, physical-memory handles, reserved ranges), per process
     /// instance.
-    gpu: HashMap<(Space, u32, u64), LiveBlock>,
+    gpu: crate::FastMap<(Space, u32, u64), LiveBlock>,
     /// GPU mappings, per process instance; unmapped by range.
     gpu_maps: BTreeMap<(u32, u64), (u64, LiveBlock)>,
     /// Blocks whose process exec'd or exited while they were live.
     orphans: Vec<LiveBlock>,
     /// Per process instance: addresses freed lately.
-    recent_frees: HashMap<u32, RecentFrees>,
+    recent_frees: crate::FastMap<u32, RecentFrees>,
     /// tid → (pid, unmatched heap frees since its last allocation).
-    pending_unmatched: HashMap<u32, (u32, u64)>,
+    pending_unmatched: crate::FastMap<u32, (u32, u64)>,
     /// pid → frees of heap blocks whose allocation was not seen (per process, for the
     /// report's warnings).
-    pub unmatched_by_pid: HashMap<u32, u64>,
+    pub unmatched_by_pid: crate::FastMap<u32, u64>,
     /// pid → current address-space instance.
-    instances: HashMap<u32, u32>,
+    instances: crate::FastMap<u32, u32>,
     next_instance: u32,
     /// Forked processes, until they exec or exit: the parent's address space (instance)
     /// and the time of the fork.
-    forked_from: HashMap<u32, (u32, u64)>,
+    forked_from: crate::FastMap<u32, (u32, u64)>,
     /// tid → its most recent allocation, for spotting temporaries.
-    last_alloc: HashMap<u32, (SpaceKey, u64)>,
+    last_alloc: crate::FastMap<u32, (SpaceKey, u64)>,
     pub last_ts: u64,
     pub first_ts: Option<u64>,
     pub events: u64,
@@ -283,22 +283,22 @@ impl<G: FnMut(&Origin) -> u32> Analyzer<G> {
     pub fn new(group_of: G) -> Self {
         Self {
             group_of,
-            group_cache: HashMap::new(),
+            group_cache: Default::default(),
             groups: Vec::new(),
             totals: BTreeMap::new(),
-            heap: HashMap::new(),
-            kernel: HashMap::new(),
+            heap: Default::default(),
+            kernel: Default::default(),
             mmaps: BTreeMap::new(),
-            gpu: HashMap::new(),
+            gpu: Default::default(),
             gpu_maps: BTreeMap::new(),
             orphans: Vec::new(),
-            recent_frees: HashMap::new(),
-            pending_unmatched: HashMap::new(),
-            unmatched_by_pid: HashMap::new(),
-            instances: HashMap::new(),
+            recent_frees: Default::default(),
+            pending_unmatched: Default::default(),
+            unmatched_by_pid: Default::default(),
+            instances: Default::default(),
             next_instance: 1,
-            forked_from: HashMap::new(),
-            last_alloc: HashMap::new(),
+            forked_from: Default::default(),
+            last_alloc: Default::default(),
             last_ts: 0,
             first_ts: None,
             events: 0,

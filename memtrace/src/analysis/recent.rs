@@ -1,14 +1,14 @@
 //! Addresses each process freed lately (bounded), so that the allocator freeing the blocks
 //! it cached for reuse (glibc's per-thread cache at thread exit) is told from the program
 //! freeing blocks allocated before tracing began.
-use std::collections::{HashMap, VecDeque};
+use std::collections::VecDeque;
 
 /// Addresses a process freed recently (bounded), to recognise the allocator freeing the
 /// blocks it cached for reuse.
 #[derive(Default)]
 pub(super) struct RecentFrees {
     /// Address → sequence number of its latest insertion.
-    set: HashMap<u64, u64>,
+    set: crate::FastMap<u64, u64>,
     order: VecDeque<(u64, u64)>,
     seq: u64,
 }
