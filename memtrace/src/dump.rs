@@ -140,9 +140,11 @@ impl State {
 /// Writes the recording at `path` to `out` as `opts` asks; a reader that went away
 /// (broken pipe) ends the dump quietly.
 pub fn dump(path: &Path, opts: DumpOptions, out: &mut dyn Write) -> Result<()> {
+    let mut damaged_at = None;
     let mut table = (opts.call_graph || opts.stacks)
         .then(|| -> Result<StackTable> {
             let defs = read_definitions(path)?;
+            damaged_at = defs.damaged_at;
             let mut table = defs.stacks;
             if !defs.finalized {
                 table.fill_missing_symbols();
@@ -153,7 +155,7 @@ pub fn dump(path: &Path, opts: DumpOptions, out: &mut dyn Write) -> Result<()> {
     let result = if opts.stacks {
         write_stacks(table.as_mut().expect("read above"), out)
     } else {
-        write_events(path, table.as_mut(), out)?
+        write_events(path, table.as_mut(), damaged_at, out)?
     };
     match result.and_then(|()| out.flush()) {
         Err(e) if e.kind() != std::io::ErrorKind::BrokenPipe => bail!("writing: {e}"),
@@ -161,10 +163,15 @@ pub fn dump(path: &Path, opts: DumpOptions, out: &mut dyn Write) -> Result<()> {
     }
 }
 
-fn write_events(path: &Path, mut table: Option<&mut StackTable>, out: &mut dyn Write) -> Result<std::io::Result<()>> {
+fn write_events(
+    path: &Path,
+    mut table: Option<&mut StackTable>,
+    until: Option<u64>,
+    out: &mut dyn Write,
+) -> Result<std::io::Result<()>> {
     let mut failed = None;
     let mut state = State::default();
-    for_each_event(path, &mut |e| {
+    for_each_event(path, until, &mut |e| {
         if failed.is_some() {
             return;
         }

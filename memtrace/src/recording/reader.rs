@@ -126,9 +126,45 @@ impl<R: Read> Reader<R> {
     }
 
     pub fn next_chunk(&mut self) -> Result<Option<Chunk>, FormatError> {
+        self.next_chunk_with(true)
+    }
+
+    /// Where the next chunk starts in the file.
+    pub fn offset(&self) -> u64 {
+        self.offset
+    }
+
+    /// The next `Events` chunk, the chunks before it skipped without being parsed (the
+    /// definitions were read before, by [`Reader::next_chunk`]); a second metadata chunk
+    /// is damage, as there.
+    pub fn next_events_chunk(&mut self) -> Result<Option<Chunk>, FormatError> {
+        loop {
+            let Some((kind, payload, offset)) = self.raw_chunk()? else {
+                return Ok(None);
+            };
+            match kind {
+                ChunkKind::Events => return Ok(Some(Chunk::Events { payload, offset, version: self.version })),
+                ChunkKind::Meta => {
+                    return Err(FormatError::Corrupt { offset, reason: "second metadata chunk".into() });
+                }
+                _ => {}
+            }
+        }
+    }
+
+    /// As [`Reader::next_chunk`], but the stacks of a format-5 (or later) `Stacks` chunk
+    /// come without their frames (id, process and cut only: [`stacks::parse_heads`]).
+    pub fn next_chunk_without_frames(&mut self) -> Result<Option<Chunk>, FormatError> {
+        self.next_chunk_with(false)
+    }
+
+    fn next_chunk_with(&mut self, frames: bool) -> Result<Option<Chunk>, FormatError> {
         let Some((kind, payload, offset)) = self.raw_chunk()? else {
             return Ok(None);
         };
+        if kind == ChunkKind::Stacks && self.version >= 5 && !frames {
+            return Ok(Some(Chunk::Stacks(stacks::parse_heads(&payload, offset)?)));
+        }
         Ok(Some(match kind {
             ChunkKind::Meta => {
                 return Err(FormatError::Corrupt { offset, reason: "second metadata chunk".into() });

@@ -223,6 +223,24 @@ impl StackEncoder {
     }
 }
 
+/// The stacks of a version-5 (or later) `Stacks` chunk without their frames: ids, processes
+/// and cuts, read from the heads stream alone (what `record`'s end-of-run warnings need;
+/// decoding every stack's frames took most of that pass on a Python program's recording).
+pub fn parse_heads(payload: &[u8], offset: u64) -> Result<Vec<FileStack>, FormatError> {
+    let mut st: [Cursor<'_>; STREAMS] = Cursor::new(payload, offset).streams()?;
+    let mut out = Vec::new();
+    let mut prev_id = 0u32;
+    while !st[HEADS].is_empty() {
+        let id = i64::from(prev_id) + st[HEADS].signed()?;
+        let id = u32::try_from(id).map_err(|_| st[HEADS].error("stack id out of range"))?;
+        prev_id = id;
+        let pid = st[HEADS].varint_u32()?;
+        let truncated = st[HEADS].varint()? & 1 != 0;
+        out.push(FileStack { id, pid, kernel: Vec::new(), user: Vec::new(), truncated });
+    }
+    Ok(out)
+}
+
 /// Decodes a version-5 `Stacks` chunk.
 pub fn parse_columns(payload: &[u8], offset: u64) -> Result<Vec<FileStack>, FormatError> {
     let mut st: [Cursor<'_>; STREAMS] = Cursor::new(payload, offset).streams()?;

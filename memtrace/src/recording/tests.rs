@@ -1106,3 +1106,35 @@ fn a_full_disk_keeps_at_least_the_events_counted_as_flushed() {
     // The count grows with the room, and is not always zero.
     assert!(counted.windows(2).all(|w| w[0] <= w[1]) && counted.last() > Some(&0), "{counted:?}");
 }
+
+/// A definitions chunk whose checksum holds but whose content does not parse: the report
+/// reads the definitions before it and the events before it, not those after it (the
+/// events pass skips definitions without parsing them again, so it stops where the
+/// definitions pass met the damage).
+#[test]
+fn events_after_damaged_definitions_are_not_read() {
+    let events = many_events();
+    let (first, second) = events.split_at(events.len() / 2);
+    let chunk_of = |events: &[Event]| {
+        let mut enc = events::EventEncoder::new(1);
+        events.iter().for_each(|e| enc.push(e));
+        (ChunkKind::Events as u8, enc.take().bytes)
+    };
+    let meta_chunk = stored_chunks(&write(&[], false))[0].clone();
+    let bad_stacks = (ChunkKind::Stacks as u8, vec![0xff; 40]);
+    let file = assemble(VERSION, &[meta_chunk, chunk_of(first), bad_stacks, chunk_of(second)]);
+    let dir = std::env::temp_dir().join(format!("memtrace-damaged-defs-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("damaged.data");
+    std::fs::write(&path, &file).unwrap();
+    let defs = crate::report::load::read_definitions(&path).unwrap();
+    assert!(defs.damaged_at.is_some(), "{:?}", defs.warnings);
+    let mut read = 0;
+    crate::report::load::for_each_event(&path, defs.damaged_at, &mut |_| read += 1).unwrap();
+    assert_eq!(read, first.len());
+    // Without the limit (dump without stacks reads no definitions) every event is read.
+    let mut all = 0;
+    crate::report::load::for_each_event(&path, None, &mut |_| all += 1).unwrap();
+    assert_eq!(all, events.len());
+    std::fs::remove_dir_all(&dir).unwrap();
+}

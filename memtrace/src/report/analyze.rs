@@ -257,7 +257,7 @@ impl CoverageCounter {
 
 /// Reads the recording at `path` and adds it up as `opts` asks.
 pub fn analyze(path: &Path, opts: &ReportOptions) -> Result<Summary> {
-    let Definitions { meta, stacks: mut table, stats, finalized, mut warnings } = read_definitions(path)?;
+    let Definitions { meta, stacks: mut table, stats, finalized, mut warnings, damaged_at } = read_definitions(path)?;
     if !finalized {
         let named = table.fill_missing_symbols();
         if named > 0 {
@@ -312,7 +312,7 @@ pub fn analyze(path: &Path, opts: &ReportOptions) -> Result<Summary> {
     let expected_ns = stats.end_monotonic_ns.saturating_sub(meta.start_monotonic_ns);
     analyzer.timeline = Some(Timeline::new(meta.start_monotonic_ns, expected_ns, opts.timeline));
     analyzer.reserved_stacks = reserved_stacks;
-    for_each_event(path, &mut |mut event| {
+    for_each_event(path, damaged_at, &mut |mut event| {
         if let Event::Alloc(a) = &mut event
             && let Some(&canonical) = duplicates.get(&a.stack)
         {

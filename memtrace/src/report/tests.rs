@@ -471,3 +471,114 @@ fn json_addresses_are_hex_strings() {
     assert_eq!(json["sites"][0]["frames"][0]["address"], "0x500");
     assert_eq!(json["totals"]["reserved"]["allocs"], 0, "reserved figures are there wherever user ones are");
 }
+
+/// `record`'s end-of-run warnings (`warnings::of_recording`, which reads the stacks' cuts
+/// but not their frames) say what the report says, on recordings of several processes:
+/// one forked during the recording whose frees mostly had no allocation, one attached
+/// mid-run, one whose stacks are cut (one stack defined again, whole, after its events), a
+/// thread whose unmatched frees come before its next allocation and one whose frees are
+/// the allocator's at thread exit, and a command that allocated nothing in user space.
+#[test]
+fn record_end_warnings_say_what_the_report_says() {
+    let meta = |mode: &str, user: bool| Meta {
+        memtrace_version: "test".into(),
+        mode: mode.into(),
+        target_pids: vec![10],
+        target_command: vec!["/usr/bin/app".into()],
+        user,
+        kernel: true,
+        call_graph: "dwarf".into(),
+        ..Default::default()
+    };
+    let alloc = |ts: u64, pid: u32, tid: u32, ptr: u64, stack: u64| {
+        Event::Alloc(Alloc {
+            ts_ns: ts,
+            pid,
+            tid,
+            cpu: 0,
+            kind: Kind::Malloc,
+            flags: 0,
+            ptr,
+            bytes_req: 32,
+            bytes_alloc: 32,
+            stack,
+            call_site: 0,
+            gfp_flags: 0,
+            node: -1,
+            order: 0,
+            allocator: 1,
+        })
+    };
+    let free = |ts: u64, pid: u32, tid: u32, ptr: u64| {
+        Event::Free(Free { ts_ns: ts, pid, tid, cpu: 0, kind: Kind::Free, flags: 0, ptr, arg: 0 })
+    };
+    let task = |ts: u64, event: TaskEvent, pid: u32, comm: &str| {
+        Event::Task(Task {
+            ts_ns: ts,
+            event,
+            flags: 0,
+            pid,
+            tid: pid,
+            ppid: 10,
+            comm: comm.into(),
+            filename: String::new(),
+        })
+    };
+    let dir = std::env::temp_dir().join(format!("memtrace-end-warnings-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let write = |name: &str, meta: &Meta, events: &[Event], stacks: &[FileStack]| {
+        let path = dir.join(name);
+        let mut w = Writer::new(std::io::BufWriter::new(std::fs::File::create(&path).unwrap()), meta).unwrap();
+        for (i, e) in events.iter().enumerate() {
+            // Stacks are defined halfway: the later ones after events that refer to them.
+            if i == events.len() / 2 {
+                stacks.iter().for_each(|s| w.stack(s));
+                w.flush().unwrap();
+            }
+            w.event(e).unwrap();
+        }
+        w.finish(&recording::Stats { events: events.len() as u64, ..Default::default() }).unwrap();
+        path
+    };
+    let stack = |id: u32, pid: u32, truncated: bool| FileStack {
+        id,
+        pid,
+        kernel: vec![],
+        user: vec![user(0x100 + u64::from(id)), user(0x400)],
+        truncated,
+    };
+    let mut events = vec![task(1, TaskEvent::Exec, 10, "app"), task(2, TaskEvent::Fork, 11, "worker")];
+    let mut ts = 10;
+    for i in 0..60u64 {
+        ts += 10;
+        // pid 10: stacks 1 and 2 (ids 0 and 1), the second cut.
+        events.push(alloc(ts, 10, 10, 0x1000 + i * 64, 1 + i % 2));
+        events.push(free(ts + 1, 10, 10, 0x1000 + i * 64));
+        // pid 11 (forked): half its frees are of blocks never seen, then it allocates again.
+        events.push(alloc(ts + 2, 11, 11, 0x9000 + i * 64, 3));
+        events.push(free(ts + 3, 11, 11, if i % 2 == 0 { 0x9000 + i * 64 } else { 0x7_0000 + i }));
+        // pid 12 (attached mid-run): a thread freeing blocks allocated before tracing began.
+        events.push(free(ts + 4, 12, 13, 0x5_0000 + i));
+        events.push(alloc(ts + 5, 12, 13, 0x6_0000 + i * 64, 4));
+    }
+    // pid 12's other thread frees unknown blocks and never allocates again (the allocator's
+    // cache at thread exit).
+    for i in 0..30u64 {
+        events.push(free(ts + 100 + i, 12, 14, 0x8_0000 + i));
+    }
+    events.push(task(ts + 200, TaskEvent::Exit, 11, "worker"));
+    // Stack 2 (id 1) first whole, defined again cut: the later definition holds.
+    let stacks =
+        [stack(0, 10, false), stack(1, 10, false), stack(2, 11, false), stack(3, 12, true), stack(1, 10, true)];
+    let many = write("many.data", &meta("command", true), &events, &stacks);
+    let report = analyze(&many, &ReportOptions { top: Some(0), ..Default::default() }).unwrap();
+    assert!(report.under_counting.len() >= 3, "{:?}", report.under_counting);
+    assert_eq!(super::warnings::of_recording(&many), report.under_counting);
+    // A command that allocated nothing in user space.
+    let kernel_only = [task(1, TaskEvent::Exec, 10, "app")];
+    let none = write("none.data", &meta("command", true), &kernel_only, &[]);
+    let report = analyze(&none, &ReportOptions::default()).unwrap();
+    assert_eq!(report.under_counting.len(), 1, "{:?}", report.under_counting);
+    assert_eq!(super::warnings::of_recording(&none), report.under_counting);
+    std::fs::remove_dir_all(&dir).unwrap();
+}

@@ -10,8 +10,12 @@ use std::{
     path::Path,
 };
 
+use memtrace_common::TaskEvent;
+
 use crate::{
-    recording::{Meta, Stats},
+    analysis::{Analyzer, Origin},
+    event::Event,
+    recording::{self, Meta, Reader, Stats},
     units::percent,
 };
 
@@ -25,8 +29,86 @@ pub fn of_recording(path: &Path) -> Vec<String> {
     if std::fs::metadata(path).map_or(true, |m| m.len() > RECORD_END_ANALYSIS_LIMIT) {
         return Vec::new();
     }
-    let counts_only = super::ReportOptions { top: Some(0), ..Default::default() };
-    super::analyze(path, &counts_only).map(|s| s.under_counting).unwrap_or_default()
+    tally(path).unwrap_or_default()
+}
+
+/// What [`super::analyze`] counts for [`under_counting`] (its `under_counting`, the same
+/// lines), without the rest of a report: the stacks' cuts but not their frames, no groups
+/// of rows, no timeline. On the heavy Python bench's recording this pass takes a fraction
+/// of a whole report's, most of which went to decoding and storing every stack's frames.
+fn tally(path: &Path) -> anyhow::Result<Vec<String>> {
+    // Definitions first, as the report reads them: a stack finished from a copy may be
+    // defined after the events that refer to it.
+    let mut reader = Reader::open(path)?;
+    let meta = reader.meta.clone();
+    let mut cut: crate::FastMap<u64, bool> = Default::default();
+    let mut stats = Stats::default();
+    let mut finalized = false;
+    let mut damaged_at = None;
+    loop {
+        let at = reader.offset();
+        let chunk = match reader.next_chunk_without_frames() {
+            Ok(Some(chunk)) => chunk,
+            Ok(None) => break,
+            Err(_) => {
+                damaged_at = Some(at);
+                break;
+            }
+        };
+        match chunk {
+            // As events refer to them (id + 1); a later definition of an id replaces it.
+            recording::Chunk::Stacks(stacks) => cut.extend(stacks.iter().map(|s| (u64::from(s.id) + 1, s.truncated))),
+            recording::Chunk::Stats(s) => stats = *s,
+            recording::Chunk::End => finalized = true,
+            _ => {}
+        }
+    }
+    let mut tallies: BTreeMap<u32, ProcessTally> = BTreeMap::new();
+    let mut comms: HashMap<u32, String> = HashMap::new();
+    let mut user_allocs_seen = false;
+    let mut analyzer = Analyzer::new(|_: &Origin| 0);
+    analyzer.sample_bytes = meta.sample_bytes;
+    analyzer.sample_from = stats.sampled_from;
+    super::load::for_each_event(path, damaged_at, &mut |event| {
+        match &event {
+            Event::Task(t) if t.tid == t.pid => {
+                match t.event {
+                    TaskEvent::Exec | TaskEvent::Rename | TaskEvent::Fork => {
+                        comms.insert(t.pid, t.comm.clone());
+                    }
+                    TaskEvent::Exit => {
+                        comms.entry(t.pid).or_insert_with(|| t.comm.clone());
+                    }
+                    _ => {}
+                }
+                if matches!(t.event, TaskEvent::Exec | TaskEvent::Fork) {
+                    tallies.entry(t.pid).or_default().started_traced = true;
+                }
+            }
+            Event::Alloc(a) if !a.kind.is_kernel() => {
+                user_allocs_seen = true;
+                if a.stack != 0 {
+                    let t = tallies.entry(a.pid).or_default();
+                    t.with_stack += 1;
+                    t.truncated += u64::from(cut.get(&a.stack).copied().unwrap_or(false));
+                }
+            }
+            Event::Free(f) if f.kind.space() == memtrace_common::Space::Heap => {
+                tallies.entry(f.pid).or_default().frees += 1;
+            }
+            _ => {}
+        }
+        analyzer.push(&event);
+    })?;
+    analyzer.finish();
+    for (pid, n) in &analyzer.unmatched_by_pid {
+        tallies.entry(*pid).or_default().unmatched_frees = *n;
+    }
+    let mut out = under_counting(&tallies, &comms, &meta, &stats);
+    if meta.user && meta.mode == "command" && !user_allocs_seen && finalized {
+        out.push(nothing_seen(&meta));
+    }
+    Ok(out)
 }
 
 /// A command traced for its user allocations that made none memtrace could see.

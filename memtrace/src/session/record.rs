@@ -486,10 +486,14 @@ fn finish(
             stats.recorder_peak_rss_bytes as f64 / 1e6,
         );
         // What the report will warn of (the probes detach meanwhile).
+        let checked = Instant::now();
         for w in crate::report::warnings::of_recording(&opts.output) {
             let _ = writeln!(err, "memtrace: warning: {w}");
         }
+        log::debug!("the recording's warnings read in {} ms", checked.elapsed().as_millis());
     }
+    let joined = Instant::now();
     teardown.join();
+    log::debug!("probe teardown joined after a further {} ms", joined.elapsed().as_millis());
     Ok(RecordSummary { exit_code, events, lost_events: counters.lost_events, bytes, end_reason })
 }
