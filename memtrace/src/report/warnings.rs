@@ -36,6 +36,9 @@ pub fn of_recording(path: &Path) -> Vec<String> {
 /// lines), without the rest of a report: the stacks' cuts but not their frames, no groups
 /// of rows, no timeline. On the heavy Python bench's recording this pass takes a fraction
 /// of a whole report's, most of which went to decoding and storing every stack's frames.
+/// For a recording `record` has just finished: stacks' frames are not parsed, so a
+/// hand-made file whose checksummed stacks chunk does not parse is judged past that chunk,
+/// where the report stops at it.
 fn tally(path: &Path) -> anyhow::Result<Vec<String>> {
     // Definitions first, as the report reads them: a stack finished from a copy may be
     // defined after the events that refer to it.
