@@ -223,6 +223,16 @@ impl StackEncoder {
     }
 }
 
+/// One stack's head (version 5): its id (a zigzag delta from the previous stack's), its
+/// process and whether it was cut.
+fn read_head(heads: &mut Cursor<'_>, prev_id: u32) -> Result<(u32, u32, bool), FormatError> {
+    let id = i64::from(prev_id) + heads.signed()?;
+    let id = u32::try_from(id).map_err(|_| heads.error("stack id out of range"))?;
+    let pid = heads.varint_u32()?;
+    let truncated = heads.varint()? & 1 != 0;
+    Ok((id, pid, truncated))
+}
+
 /// The stacks of a version-5 (or later) `Stacks` chunk without their frames: ids, processes
 /// and cuts, read from the heads stream alone (what `record`'s end-of-run warnings need;
 /// decoding every stack's frames took most of that pass on a Python program's recording).
@@ -231,11 +241,8 @@ pub fn parse_heads(payload: &[u8], offset: u64) -> Result<Vec<FileStack>, Format
     let mut out = Vec::new();
     let mut prev_id = 0u32;
     while !st[HEADS].is_empty() {
-        let id = i64::from(prev_id) + st[HEADS].signed()?;
-        let id = u32::try_from(id).map_err(|_| st[HEADS].error("stack id out of range"))?;
+        let (id, pid, truncated) = read_head(&mut st[HEADS], prev_id)?;
         prev_id = id;
-        let pid = st[HEADS].varint_u32()?;
-        let truncated = st[HEADS].varint()? & 1 != 0;
         out.push(FileStack { id, pid, kernel: Vec::new(), user: Vec::new(), truncated });
     }
     Ok(out)
@@ -251,11 +258,8 @@ pub fn parse_columns(payload: &[u8], offset: u64) -> Result<Vec<FileStack>, Form
     let mut out = Vec::new();
     let mut prev_id = 0u32;
     while !st[HEADS].is_empty() {
-        let id = i64::from(prev_id) + st[HEADS].signed()?;
-        let id = u32::try_from(id).map_err(|_| st[HEADS].error("stack id out of range"))?;
+        let (id, pid, truncated) = read_head(&mut st[HEADS], prev_id)?;
         prev_id = id;
-        let pid = st[HEADS].varint_u32()?;
-        let truncated = st[HEADS].varint()? & 1 != 0;
         let reference = st[SHARED].varint()?;
         if reference & 1 == 1 {
             let pop = usize::try_from(reference / 2).unwrap_or(usize::MAX);

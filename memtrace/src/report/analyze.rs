@@ -10,7 +10,7 @@ use std::{
 };
 
 use anyhow::Result;
-use memtrace_common::{Kind, TaskEvent};
+use memtrace_common::Kind;
 use serde::Serialize;
 
 use super::{
@@ -18,7 +18,7 @@ use super::{
     memory::{MAX_ROW_SERIES, MemoryView},
     options::{ReportOptions, SortKey},
     sites,
-    warnings::{ProcessTally, under_counting},
+    warnings::{ProcessTally, note_task, under_counting},
 };
 use crate::{
     analysis::{Analyzer, Domain, EXCLUDED, LiveBlock, Origin, Stats, Timeline, Totals},
@@ -318,22 +318,8 @@ pub fn analyze(path: &Path, opts: &ReportOptions) -> Result<Summary> {
         {
             a.stack = canonical;
         }
-        if let Event::Task(t) = &event
-            && t.tid == t.pid
-        {
-            match t.event {
-                TaskEvent::Exec | TaskEvent::Rename | TaskEvent::Fork => {
-                    comms.insert(t.pid, t.comm.clone());
-                }
-                // A process that was never named otherwise: its name as it exits.
-                TaskEvent::Exit => {
-                    comms.entry(t.pid).or_insert_with(|| t.comm.clone());
-                }
-                _ => {}
-            }
-            if matches!(t.event, TaskEvent::Exec | TaskEvent::Fork) {
-                tallies.entry(t.pid).or_default().started_traced = true;
-            }
+        if let Event::Task(t) = &event {
+            note_task(t, &mut comms, &mut tallies);
         }
         let pid = match &event {
             Event::Alloc(a) => a.pid,

@@ -74,20 +74,7 @@ fn tally(path: &Path) -> anyhow::Result<Vec<String>> {
     analyzer.sample_from = stats.sampled_from;
     super::load::for_each_event(path, damaged_at, &mut |event| {
         match &event {
-            Event::Task(t) if t.tid == t.pid => {
-                match t.event {
-                    TaskEvent::Exec | TaskEvent::Rename | TaskEvent::Fork => {
-                        comms.insert(t.pid, t.comm.clone());
-                    }
-                    TaskEvent::Exit => {
-                        comms.entry(t.pid).or_insert_with(|| t.comm.clone());
-                    }
-                    _ => {}
-                }
-                if matches!(t.event, TaskEvent::Exec | TaskEvent::Fork) {
-                    tallies.entry(t.pid).or_default().started_traced = true;
-                }
-            }
+            Event::Task(t) => note_task(t, &mut comms, &mut tallies),
             Event::Alloc(a) if !a.kind.is_kernel() => {
                 user_allocs_seen = true;
                 if a.stack != 0 {
@@ -112,6 +99,27 @@ fn tally(path: &Path) -> anyhow::Result<Vec<String>> {
         out.push(nothing_seen(&meta));
     }
     Ok(out)
+}
+
+/// A process's name and whether it started while traced, from its main thread's task
+/// events (the report's and `record`'s end-of-run warnings name processes alike).
+pub fn note_task(t: &crate::event::Task, comms: &mut HashMap<u32, String>, tallies: &mut BTreeMap<u32, ProcessTally>) {
+    if t.tid != t.pid {
+        return;
+    }
+    match t.event {
+        TaskEvent::Exec | TaskEvent::Rename | TaskEvent::Fork => {
+            comms.insert(t.pid, t.comm.clone());
+        }
+        // A process that was never named otherwise: its name as it exits.
+        TaskEvent::Exit => {
+            comms.entry(t.pid).or_insert_with(|| t.comm.clone());
+        }
+        _ => {}
+    }
+    if matches!(t.event, TaskEvent::Exec | TaskEvent::Fork) {
+        tallies.entry(t.pid).or_default().started_traced = true;
+    }
 }
 
 /// A command traced for its user allocations that made none memtrace could see.
