@@ -17,10 +17,15 @@ pub use unwind::{
     TABLE_MAPS, UNWIND_COPY_BYTES, UPROBE_TRAMPOLINE_PAGE, USER_STACK_SEED, UnwindMiss, UnwindRule, stack_hash_step,
 };
 
-/// Deepest stack either side walks. The kernel part and frame-pointer walks are bounded
-/// by `perf_event_max_stack` (127 by default) as well; the table walk is not: Python
-/// programs commonly run 150–250 native frames deep.
+/// Deepest kernel part, and deepest frame-pointer walk (the kernel's walks are bounded by
+/// `perf_event_max_stack` as well, 127 by default).
 pub const MAX_STACK_DEPTH: usize = 255;
+
+/// Deepest user part the probes' table walk takes: Python programs commonly run 150–250
+/// native frames deep, and a chain of nested imports (a package importing its
+/// submodules, each importing more) well over 255: seven in ten of the allocations with
+/// a cut-short stack in a pandas/pyarrow script were cut at 255 frames.
+pub const MAX_USER_DEPTH: usize = 511;
 
 /// One kernel stack taken from an earlier unwind of its path in this many (per CPU) is
 /// unwound anyway and compared (the probes' `kstack`; the report's warning says so).
@@ -413,14 +418,16 @@ pub struct StackHeader {
     pub rtype: u8,
     /// `stack_flags::*` bits.
     pub flags: u8,
-    pub n_kernel: u8,
-    pub n_user: u8,
+    /// Up to [`MAX_USER_DEPTH`].
+    pub n_user: u16,
     /// Process whose address space the user frames belong to.
     pub pid: u32,
     pub hash: u64,
     /// That address space (table walks; 0 for frame-pointer walks).
     pub asid: u32,
-    pub _pad: u32,
+    /// Up to [`MAX_STACK_DEPTH`].
+    pub n_kernel: u16,
+    pub _pad: u16,
     /// The key of the stack's Python frames (`PyStackHeader::hash`; 0: none).
     pub py_key: u64,
 }
@@ -878,6 +885,7 @@ const _: () = {
     assert!(core::mem::size_of::<FreeRecord>() == 32);
     assert!(core::mem::size_of::<KernelAllocRecord>() == 72);
     assert!(core::mem::size_of::<StackHeader>() == 32);
+    assert!((MAX_USER_DEPTH + 1).is_power_of_two() && MAX_USER_DEPTH <= u16::MAX as usize);
     assert!(core::mem::size_of::<UserFrame>() == 32);
     assert!(core::mem::size_of::<TaskRecord>() == 56 + COMM_LEN + FILENAME_LEN);
     assert!(core::mem::size_of::<KernelLayout>() == 29 * 4);

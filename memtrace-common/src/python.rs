@@ -4,8 +4,9 @@
 //! stack's user frames ([`PyFrame`]: a code object and the instruction being run; the
 //! names and lines are read by userspace from the code object).
 
-/// Most Python frames walked per stack.
-pub const MAX_PY_FRAMES: usize = 128;
+/// Most Python frames walked per stack (`PyStackHeader::n` is a byte): a chain of nested
+/// imports in a big package passes 128 (a pandas/pyarrow script's did).
+pub const MAX_PY_FRAMES: usize = 255;
 
 /// An offset field that does not apply to this version.
 pub const PY_NONE: u16 = 0xffff;

@@ -51,8 +51,15 @@ pub(crate) fn regs(ctx: &impl EbpfContext) -> *const pt_regs {
 
 #[inline(always)]
 pub(crate) fn scratch() -> Option<&'static mut Scratch> {
-    // SAFETY: per-CPU value, used by one program at a time on this CPU.
-    SCRATCH.get_ptr_mut(0).map(|p| unsafe { &mut *p })
+    // SAFETY: this CPU's value, used by one program at a time on this CPU.
+    SCRATCH.get_ptr_mut(this_cpu()).map(|p| unsafe { &mut *p })
+}
+
+/// The CPU this program runs on: its entry in the maps kept per CPU by index.
+#[inline(always)]
+pub(crate) fn this_cpu() -> u32 {
+    // SAFETY: the helper has no preconditions.
+    unsafe { generated::bpf_get_smp_processor_id() }
 }
 
 #[inline(always)]

@@ -10,7 +10,7 @@ use aya_ebpf::{
     macros::btf_map,
 };
 use memtrace_common::{
-    FILENAME_LEN, FileId, FileTable, MAX_CPUS, MAX_STACK_DEPTH, MAX_TABLES, MappingKey, MappingValue, RULE_CACHE_SLOTS,
+    FILENAME_LEN, FileId, FileTable, MAX_CPUS, MAX_TABLES, MAX_USER_DEPTH, MappingKey, MappingValue, RULE_CACHE_SLOTS,
     SAMPLED_LIVE_ENTRIES, SampledKey, TABLE_MAPS, counter, python::PY_SENT_KEYS,
 };
 
@@ -108,8 +108,11 @@ pub(crate) static SAMPLED_LIVE: HashMap<SampledKey, u8, SAMPLED_LIVE_ENTRIES, { 
 pub(crate) static SAMPLED_FILTER: Array<u64, { SAMPLED_FILTER_SLOTS as usize }> = Array::new();
 pub(crate) const SAMPLED_FILTER_SLOTS: u32 = 16384;
 
+/// Each CPU's scratch space, at the CPU's index (userspace sizes it for the possible CPUs
+/// at load). A plain array, not a per-CPU one: a per-CPU value is at most 32 KiB, and the
+/// walk of [`MAX_USER_DEPTH`] frames with a stack copy needs more.
 #[btf_map]
-pub(crate) static SCRATCH: PerCpuArray<Scratch, 1> = PerCpuArray::new();
+pub(crate) static SCRATCH: Array<Scratch, 1> = Array::new();
 
 /// Kernel stacks kept with the slots of their return addresses (`kstack`), by kind, call
 /// site and syscall.
@@ -194,9 +197,10 @@ pub(crate) struct CachedRule {
     pub(crate) rule: u32,
 }
 
-/// The frames of this CPU's last table walk that did not miss (see [`Anchors`]).
+/// Each CPU's last table walks (see [`Anchors`]), at the CPU's index (sized at load, as
+/// [`SCRATCH`] and for the same reason: four walks of [`MAX_USER_DEPTH`] frames are 48 KiB).
 #[btf_map]
-pub(crate) static ANCHORS: PerCpuArray<Anchors, 1> = PerCpuArray::new();
+pub(crate) static ANCHORS: Array<Anchors, 1> = Array::new();
 
 /// Buffers of walked frames each CPU keeps in [`Anchors`] (a power of two: indices are masked).
 pub(crate) const ANCHOR_BUFFERS: usize = 4;
@@ -240,7 +244,7 @@ pub(crate) struct Anchors {
     pub(crate) _pad_buf: [u32; ANCHOR_BUFFERS],
     pub(crate) buf_used: [u64; ANCHOR_BUFFERS],
     /// Each buffer's frames, innermost first.
-    pub(crate) frames: [[AnchorFrame; MAX_STACK_DEPTH]; ANCHOR_BUFFERS],
+    pub(crate) frames: [[AnchorFrame; MAX_USER_DEPTH]; ANCHOR_BUFFERS],
 }
 
 /// A walked frame: its return address (or exact instruction), stack and frame pointers,

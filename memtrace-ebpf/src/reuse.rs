@@ -12,10 +12,10 @@
 use core::{ffi::c_void, ptr::addr_of_mut};
 
 use aya_ebpf::helpers::generated;
-use memtrace_common::{MAX_STACK_DEPTH, counter, stack_hash_step};
+use memtrace_common::{MAX_USER_DEPTH, counter, stack_hash_step};
 
 use crate::{
-    context::scratch,
+    context::{scratch, this_cpu},
     maps::{ANCHOR_BUFFERS, ANCHORS},
     ring::bump_by,
     unwind::{memtrace_cover_window, still_in_slot},
@@ -33,7 +33,7 @@ pub extern "C" fn memtrace_begin_reuse(tid: u64, asid: u64, ip: u64, sp: u64, bp
     scratch.walk_reuse = 0;
     scratch.walk_reuse_k = 1;
     scratch.walk_repeat = ANCHOR_BUFFERS as u32;
-    let Some(a) = ANCHORS.get_ptr_mut(0) else { return 0 };
+    let Some(a) = ANCHORS.get_ptr_mut(this_cpu()) else { return 0 };
     // SAFETY: this CPU's value; programs on one CPU do not run concurrently.
     let a = unsafe { &mut *a };
     let (good, cur) = a.good_cur();
@@ -85,7 +85,7 @@ pub extern "C" fn memtrace_reuse_frames(i: u64, ip: u64, sp: u64, bp: u64, hash:
     if scratch.walk_reuse == 0 {
         return 0;
     }
-    let Some(a) = ANCHORS.get_ptr_mut(0) else { return 0 };
+    let Some(a) = ANCHORS.get_ptr_mut(this_cpu()) else { return 0 };
     // SAFETY: this CPU's value; programs on one CPU do not run concurrently.
     let a = unsafe { &*a };
     let (good, cur) = a.good_cur();
@@ -94,11 +94,11 @@ pub extern "C" fn memtrace_reuse_frames(i: u64, ip: u64, sp: u64, bp: u64, hash:
     let mut seek = Seek { k: scratch.walk_reuse_k, n: a.n, sp, good: good as u32, _pad: 0 };
     // SAFETY: seek_step is a BPF callback taking (index, ctx); ctx is our stack state.
     unsafe {
-        generated::bpf_loop(MAX_STACK_DEPTH as u32, seek_step as *mut c_void, addr_of_mut!(seek) as *mut c_void, 0)
+        generated::bpf_loop(MAX_USER_DEPTH as u32, seek_step as *mut c_void, addr_of_mut!(seek) as *mut c_void, 0)
     };
     scratch.walk_reuse_k = seek.k;
     let k = seek.k as usize;
-    if seek.k >= a.n || k >= MAX_STACK_DEPTH {
+    if seek.k >= a.n || k >= MAX_USER_DEPTH {
         scratch.walk_reuse = 0; // above the previous walk's outermost frame
         return 0;
     }
@@ -119,7 +119,7 @@ pub extern "C" fn memtrace_reuse_frames(i: u64, ip: u64, sp: u64, bp: u64, hash:
     };
     // SAFETY: check_step is a BPF callback taking (index, ctx); ctx is our stack state.
     unsafe {
-        generated::bpf_loop(MAX_STACK_DEPTH as u32, check_step as *mut c_void, addr_of_mut!(check) as *mut c_void, 0)
+        generated::bpf_loop(MAX_USER_DEPTH as u32, check_step as *mut c_void, addr_of_mut!(check) as *mut c_void, 0)
     };
     if check.ok == 0 {
         return 0;
@@ -148,11 +148,11 @@ struct Seek {
 extern "C" fn seek_step(_index: u64, state: *mut c_void) -> i64 {
     // SAFETY: bpf_loop hands back the pointer to the Seek on the caller's stack.
     let s = unsafe { &mut *(state as *mut Seek) };
-    let Some(a) = ANCHORS.get_ptr_mut(0) else { return 1 };
+    let Some(a) = ANCHORS.get_ptr_mut(this_cpu()) else { return 1 };
     // SAFETY: this CPU's value; programs on one CPU do not run concurrently.
     let a = unsafe { &*a };
     let k = s.k as usize;
-    if s.k >= s.n || k >= MAX_STACK_DEPTH || a.frames[s.good as usize & (ANCHOR_BUFFERS - 1)][k].sp >= s.sp {
+    if s.k >= s.n || k >= MAX_USER_DEPTH || a.frames[s.good as usize & (ANCHOR_BUFFERS - 1)][k].sp >= s.sp {
         return 1;
     }
     s.k += 1;
@@ -179,7 +179,7 @@ struct Check {
 extern "C" fn check_step(_index: u64, state: *mut c_void) -> i64 {
     // SAFETY: bpf_loop hands back the pointer to the Check on the caller's stack.
     let c = unsafe { &mut *(state as *mut Check) };
-    let Some(a) = ANCHORS.get_ptr_mut(0) else {
+    let Some(a) = ANCHORS.get_ptr_mut(this_cpu()) else {
         c.ok = 0;
         return 1;
     };
@@ -189,7 +189,7 @@ extern "C" fn check_step(_index: u64, state: *mut c_void) -> i64 {
         return 1; // all there
     }
     let (from, to) = (c.from as usize, c.to as usize);
-    if from >= MAX_STACK_DEPTH || to >= MAX_STACK_DEPTH {
+    if from >= MAX_USER_DEPTH || to >= MAX_USER_DEPTH {
         c.ok = 0;
         return 1;
     }
@@ -227,12 +227,12 @@ pub extern "C" fn memtrace_repeat_walk(ip: u64, hash: u64) -> u64 {
     if j >= ANCHOR_BUFFERS {
         return 0;
     }
-    let Some(a) = ANCHORS.get_ptr_mut(0) else { return 0 };
+    let Some(a) = ANCHORS.get_ptr_mut(this_cpu()) else { return 0 };
     // SAFETY: this CPU's value; programs on one CPU do not run concurrently.
     let a = unsafe { &mut *a };
     let j = j & (ANCHOR_BUFFERS - 1);
     let n = a.buf_n[j];
-    if n < 2 || n as usize > MAX_STACK_DEPTH {
+    if n < 2 || n as usize > MAX_USER_DEPTH {
         return 0;
     }
     // Every slot in one read when they lie within a window of each other (a whole window:
@@ -250,7 +250,7 @@ pub extern "C" fn memtrace_repeat_walk(ip: u64, hash: u64) -> u64 {
     let mut r = Repeat { i: first, n, hash: stack_hash_step(hash, ip), buf: j as u32, ok: 1 };
     // SAFETY: repeat_step is a BPF callback taking (index, ctx); ctx is our stack state.
     unsafe {
-        generated::bpf_loop(MAX_STACK_DEPTH as u32, repeat_step as *mut c_void, addr_of_mut!(r) as *mut c_void, 0)
+        generated::bpf_loop(MAX_USER_DEPTH as u32, repeat_step as *mut c_void, addr_of_mut!(r) as *mut c_void, 0)
     };
     if r.ok == 0 {
         // The stacks part somewhere above the first frame: when that was the previous
@@ -299,10 +299,10 @@ extern "C" fn repeat_step(_index: u64, state: *mut c_void) -> i64 {
     // SAFETY: bpf_loop hands back the pointer to the Repeat on the caller's stack.
     let r = unsafe { &mut *(state as *mut Repeat) };
     let i = r.i as usize;
-    if r.i >= r.n || i >= MAX_STACK_DEPTH {
+    if r.i >= r.n || i >= MAX_USER_DEPTH {
         return 1; // all there
     }
-    let Some(a) = ANCHORS.get_ptr_mut(0) else {
+    let Some(a) = ANCHORS.get_ptr_mut(this_cpu()) else {
         r.ok = 0;
         return 1;
     };

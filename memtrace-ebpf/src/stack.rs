@@ -12,8 +12,8 @@ use aya_ebpf::{
     programs::RetProbeContext,
 };
 use memtrace_common::{
-    KERNEL_STACK_SEED, KernelAllocRecord, MAX_STACK_DEPTH, MISS_HASH_MARK, RecordType, StackHeader, UNWIND_COPY_BYTES,
-    USER_STACK_SEED, UnwindMiss, UserAllocRecord, UserFrame, counter,
+    KERNEL_STACK_SEED, KernelAllocRecord, MAX_STACK_DEPTH, MAX_USER_DEPTH, MISS_HASH_MARK, RecordType, StackHeader,
+    UNWIND_COPY_BYTES, USER_STACK_SEED, UnwindMiss, UserAllocRecord, UserFrame, counter,
     python::{MAX_PY_FRAMES, PyFrame, PyStackHeader},
     stack_flags, stack_hash_step, unwind_mode,
 };
@@ -30,7 +30,7 @@ use crate::{
 
 pub(crate) const USER_FRAMES_BYTES: usize = MAX_STACK_DEPTH * size_of::<UserFrame>();
 pub(crate) const KERNEL_FRAMES_BYTES: usize = MAX_STACK_DEPTH * size_of::<u64>();
-pub(crate) const USER_IPS_BYTES: usize = MAX_STACK_DEPTH * size_of::<u64>();
+pub(crate) const USER_IPS_BYTES: usize = MAX_USER_DEPTH * size_of::<u64>();
 /// Where the user part of a stack record may start at the latest (after all kernel frames).
 pub(crate) const USER_PART_MAX_OFF: usize = size_of::<StackHeader>() + KERNEL_FRAMES_BYTES;
 /// Where the miss part of a DWARF stack record may start at the latest.
@@ -43,8 +43,9 @@ pub(crate) const STACK_RECORD_MAX: usize =
 /// Per-CPU scratch space: stacks are far larger than the 512-byte BPF stack.
 #[repr(C)]
 pub(crate) struct Scratch {
-    /// User instruction pointers, hashed to name the stack (zero-terminated when shorter).
-    pub(crate) user_ips: [u64; MAX_STACK_DEPTH + 1],
+    /// User instruction pointers, hashed to name the stack (zero-terminated when shorter):
+    /// up to [`MAX_USER_DEPTH`] from a table walk, [`MAX_STACK_DEPTH`] by frame pointers.
+    pub(crate) user_ips: [u64; MAX_USER_DEPTH + 1],
     /// Where the table walk stopped for want of a table.
     pub(crate) miss: UnwindMiss,
     /// A stack record being assembled: header, kernel addresses, user frames, miss part.
@@ -217,18 +218,18 @@ pub(crate) fn walk_user(
         }
     } else {
         let n = walk_user_ips(ctx, scratch);
-        let hash = if n > 0 { hash_words(hash, scratch.user_ips.as_ptr()) } else { hash };
+        let hash = if n > 0 { hash_words::<MAX_STACK_DEPTH>(hash, scratch.user_ips.as_ptr()) } else { hash };
         (UserPart { n, flags: 0, with_copy: false, asid: 0, py_key: 0 }, hash)
     }
 }
 
-/// Hashes the frames of a zero-terminated buffer, up to the first zero. Stopping on the
+/// Hashes the frames of a buffer of `N` words, up to the first zero. Stopping on the
 /// data rather than on the frame count keeps the count's range unrefined, so the verifier
 /// prunes every exit of the loop into one state.
 #[inline(always)]
-pub(crate) fn hash_words(mut h: u64, words: *const u64) -> u64 {
-    for i in 0..MAX_STACK_DEPTH {
-        // SAFETY: i < MAX_STACK_DEPTH, within the caller's buffer of that many words.
+pub(crate) fn hash_words<const N: usize>(mut h: u64, words: *const u64) -> u64 {
+    for i in 0..N {
+        // SAFETY: i < N, within the caller's buffer of that many words.
         let word = unsafe { *words.add(i) };
         if word == 0 {
             break;
@@ -263,7 +264,7 @@ pub(crate) fn after_miss(ring: &Ring, hash: u64, user: UserPart) -> (u64, UserPa
         None => (
             stack_hash_step(hash, MISS_HASH_MARK),
             UserPart {
-                n: (opaque(memtrace_frames_without_copy(user.n as u64)) as usize).min(MAX_STACK_DEPTH),
+                n: (opaque(memtrace_frames_without_copy(user.n as u64)) as usize).min(MAX_USER_DEPTH),
                 flags: (user.flags & !stack_flags::MISS) | stack_flags::TRUNCATED,
                 with_copy: false,
                 asid: user.asid,
@@ -309,7 +310,7 @@ pub(crate) fn send_stack_once(
     let mut n_user_frames = 0usize;
     let mut len = user_off;
     if user.flags & stack_flags::USER_IPS != 0 {
-        let n = user.n.min(MAX_STACK_DEPTH);
+        let n = user.n.min(MAX_USER_DEPTH);
         let bytes = (n * 8) as u32;
         // One copy rather than a loop the verifier would walk frame by frame.
         // SAFETY: user_off + USER_IPS_BYTES <= STACK_RECORD_MAX and bytes <= USER_IPS_BYTES;
@@ -344,11 +345,11 @@ pub(crate) fn send_stack_once(
     let header = StackHeader {
         rtype: RecordType::Stack as u8,
         flags: user.flags,
-        n_kernel: n_kernel as u8,
-        n_user: n_user_frames as u8,
+        n_user: n_user_frames as u16,
         pid,
         hash,
         asid: user.asid,
+        n_kernel: n_kernel as u16,
         _pad: 0,
         py_key: user.py_key,
     };
@@ -546,7 +547,7 @@ pub(crate) fn kernel_part(ctx: *mut c_void, pid: u32, seed: u64) -> Option<(usiz
     let mut hash = stack_hash_step(KERNEL_STACK_SEED, pid as u64);
     if n_kernel > 0 {
         // SAFETY: the kernel frames were just written (zero-padded) at kernel_off.
-        hash = hash_words(hash, unsafe { scratch.record.as_ptr().add(kernel_off) } as *const u64);
+        hash = hash_words::<MAX_STACK_DEPTH>(hash, unsafe { scratch.record.as_ptr().add(kernel_off) } as *const u64);
     }
     // Separates the kernel part from the user part.
     Some((n_kernel, stack_hash_step(hash, u64::MAX)))
@@ -583,7 +584,7 @@ fn user_part_in_syscall(
     let same_regs = ((r[0] ^ key[0]) | (r[1] ^ key[1]) | (r[2] ^ key[2]) | (r[3] ^ key[3])) == 0;
     if syscall::current(scratch).is_some_and(|seq| scratch.reuse_seq == seq && same_regs) {
         bump(counter::UNWIND_REUSED);
-        scratch.reuse_hash = hash_words(hash, scratch.user_ips.as_ptr());
+        scratch.reuse_hash = hash_words::<MAX_USER_DEPTH>(hash, scratch.user_ips.as_ptr());
     } else {
         scratch.reuse_regs = key;
         let (user, hash) = walk_user(ctx, scratch, pid, Some(regs), hash);
@@ -608,7 +609,7 @@ fn user_part_in_syscall(
             core::ptr::read_volatile(&scratch.reuse_hash),
         )
     };
-    (UserPart { n: (n as usize).min(MAX_STACK_DEPTH), flags: flags as u8, with_copy: false, asid, py_key: 0 }, hash)
+    (UserPart { n: (n as usize).min(MAX_USER_DEPTH), flags: flags as u8, with_copy: false, asid, py_key: 0 }, hash)
 }
 
 /// Joins the user stack of the task a kmem allocation ran for (and its Python frames) to

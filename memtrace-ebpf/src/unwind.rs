@@ -14,7 +14,7 @@ use aya_ebpf::{
     programs::RetProbeContext,
 };
 use memtrace_common::{
-    FileId, FileTable, MAX_CPUS, MAX_STACK_DEPTH, MappingKey, MappingValue, RULE_CACHE_SLOTS, UNWIND_COPY_BYTES,
+    FileId, FileTable, MAX_CPUS, MAX_USER_DEPTH, MappingKey, MappingValue, RULE_CACHE_SLOTS, UNWIND_COPY_BYTES,
     UPROBE_TRAMPOLINE_PAGE, UnwindMiss, UnwindRule, counter, stack_flags, stack_hash_step,
     unwind::RESUME_SPS,
     unwind::{self, NO_SLOT, Regs, Step, decode_rule, kind, mapping_flags, table},
@@ -22,7 +22,7 @@ use memtrace_common::{
 };
 
 use crate::{
-    context::{pid_tgid, read_kernel_at, read_user_u64, regs, scratch},
+    context::{pid_tgid, read_kernel_at, read_user_u64, regs, scratch, this_cpu},
     maps::{
         ANCHOR_BUFFERS, ANCHORS, ASIDS, AnchorFrame, Anchors, CachedRule, FILE_TABLES, MAPPINGS, NEXT_ASID, PROBE_BUSY,
         PROC_GEN, PY_PROCS, RULE_CACHE, SLOT_MAPS, TABLES, process_changed,
@@ -508,7 +508,7 @@ pub(crate) extern "C" fn walk_step(_index: u64, state: *mut c_void) -> i64 {
         };
     }
     let i = scratch.walk_n as usize;
-    if i >= MAX_STACK_DEPTH {
+    if i >= MAX_USER_DEPTH {
         return 1;
     }
     scratch.user_ips[i] = st.ip;
@@ -646,7 +646,7 @@ pub extern "C" fn memtrace_anchor_step(tid: u64, asid: u64) -> u64 {
     let Some(a) = anchors_of(scratch.walk_anchor_cpu) else { return NO_ANCHOR };
     let good = a.good_cur().0;
     let j = scratch.walk_anchor as usize;
-    if j >= MAX_STACK_DEPTH || j as u32 >= a.n || scratch.walk_tries == 0 {
+    if j >= MAX_USER_DEPTH || j as u32 >= a.n || scratch.walk_tries == 0 {
         return NO_ANCHOR;
     }
     scratch.walk_anchor += 1;
@@ -689,10 +689,10 @@ pub extern "C" fn memtrace_note_frame(i: u64, ip: u64, sp: u64, bp: u64) -> u64 
         scratch.walk_top_sp = sp;
     }
     let i = i as usize;
-    if i >= MAX_STACK_DEPTH {
+    if i >= MAX_USER_DEPTH {
         return 0;
     }
-    if let Some(a) = ANCHORS.get_ptr_mut(0) {
+    if let Some(a) = ANCHORS.get_ptr_mut(this_cpu()) {
         // SAFETY: this CPU's value; programs on one CPU do not run concurrently.
         let a = unsafe { &mut *a };
         let cur = a.good_cur().1;
@@ -705,18 +705,7 @@ pub extern "C" fn memtrace_note_frame(i: u64, ip: u64, sp: u64, bp: u64) -> u64 
 /// is checked against the stack, and userspace checks what the walk from it found).
 #[inline(always)]
 fn anchors_of(cpu: u32) -> Option<&'static Anchors> {
-    let key = 0u32;
-    // SAFETY: ANCHORS is a per-CPU array with one entry; the helper returns that CPU's
-    // value or null.
-    let p = unsafe {
-        generated::bpf_map_lookup_percpu_elem(
-            &ANCHORS as *const _ as *mut c_void,
-            &key as *const u32 as *const c_void,
-            cpu,
-        )
-    };
-    // SAFETY: non-null: a map value of type Anchors, valid while this program runs.
-    (!p.is_null()).then(|| unsafe { &*(p as *const Anchors) })
+    ANCHORS.get(cpu)
 }
 
 /// Looking for the CPU holding a thread's newest anchors.
@@ -878,7 +867,7 @@ pub(crate) fn walk_user_tables(scratch: &mut Scratch, tgid: u32, regs: UserRegs,
         }
         scratch.user_ips[0] = regs.ip;
         scratch.user_ips[1] = 0;
-        scratch.user_ips[MAX_STACK_DEPTH] = 0;
+        scratch.user_ips[MAX_USER_DEPTH] = 0;
         set_miss(
             &mut scratch.miss,
             regs.ip,
@@ -936,13 +925,13 @@ pub(crate) fn walk_user_tables(scratch: &mut Scratch, tgid: u32, regs: UserRegs,
             core::ptr::read_volatile(&scratch.walk_result),
         )
     };
-    let n = (n as usize).min(MAX_STACK_DEPTH);
+    let n = (n as usize).min(MAX_USER_DEPTH);
     bump_by(counter::UNWIND_FRAMES, n as u64);
     bump_by(counter::UNWIND_CACHE_HITS, u64::from(st.cache_hits));
-    if n < MAX_STACK_DEPTH {
+    if n < MAX_USER_DEPTH {
         scratch.user_ips[n] = 0;
     }
-    scratch.user_ips[MAX_STACK_DEPTH] = 0;
+    scratch.user_ips[MAX_USER_DEPTH] = 0;
     if repeated {
         // The anchors are the previous walk's, still true: nothing to note.
         // SAFETY: a field of this CPU's scratch value, written by the repeat.
@@ -972,21 +961,16 @@ pub extern "C" fn memtrace_end_walk(phase_exact: u64, result: u64, tid: u64, asi
         _ => result,
     };
     let whole = walk_phase as u32 == phase::WALK && result == 0;
-    let (Some(a), Some(scratch)) = (ANCHORS.get_ptr_mut(0), scratch()) else { return flags };
+    let (Some(a), Some(scratch)) = (ANCHORS.get_ptr_mut(this_cpu()), scratch()) else { return flags };
     // SAFETY: this CPU's value; programs on one CPU do not run concurrently.
     let a = unsafe { &mut *a };
-    let mut n = n.min(MAX_STACK_DEPTH as u64) as u32;
+    let mut n = n.min(MAX_USER_DEPTH as u64) as u32;
     if !whole && u64::from(a.tid) == tid && u64::from(a.asid) == asid {
         let (good, cur) = a.good_cur();
         let mut merge = Merge { from: 0, to: n, top_sp: scratch.walk_top_sp, good: good as u32, cur: cur as u32 };
         // SAFETY: merge_step is a BPF callback taking (index, ctx); ctx is our stack state.
         unsafe {
-            generated::bpf_loop(
-                MAX_STACK_DEPTH as u32,
-                merge_step as *mut c_void,
-                addr_of_mut!(merge) as *mut c_void,
-                0,
-            )
+            generated::bpf_loop(MAX_USER_DEPTH as u32, merge_step as *mut c_void, addr_of_mut!(merge) as *mut c_void, 0)
         };
         n = merge.to;
     }
@@ -1029,11 +1013,11 @@ struct Merge {
 extern "C" fn merge_step(_index: u64, state: *mut c_void) -> i64 {
     // SAFETY: bpf_loop hands back the pointer to the Merge on the caller's stack.
     let m = unsafe { &mut *(state as *mut Merge) };
-    let Some(a) = ANCHORS.get_ptr_mut(0) else { return 1 };
+    let Some(a) = ANCHORS.get_ptr_mut(this_cpu()) else { return 1 };
     // SAFETY: this CPU's value; programs on one CPU do not run concurrently.
     let a = unsafe { &mut *a };
     let (from, to) = (m.from as usize, m.to as usize);
-    if from >= MAX_STACK_DEPTH || to >= MAX_STACK_DEPTH || m.from >= a.n {
+    if from >= MAX_USER_DEPTH || to >= MAX_USER_DEPTH || m.from >= a.n {
         return 1;
     }
     m.from += 1;
@@ -1048,4 +1032,4 @@ extern "C" fn merge_step(_index: u64, state: *mut c_void) -> i64 {
 
 /// `bpf_loop` steps of a walk at most: a step per frame, and per frame of the last whole
 /// walk an anchor search may pass.
-const WALK_STEPS: u32 = 2 * MAX_STACK_DEPTH as u32 + ANCHOR_TRIES;
+const WALK_STEPS: u32 = 2 * MAX_USER_DEPTH as u32 + ANCHOR_TRIES;

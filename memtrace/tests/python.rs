@@ -297,13 +297,14 @@ fn record_python(dir: &Path, args: &[&std::ffi::OsStr]) -> Value {
 }
 
 /// A deep Python recursion: the probes read the data stack a KiB at a time, each read
-/// holding several frames, across pages; every frame must come out, in order, at its line.
+/// holding several frames, across pages; every frame must come out, in order, at its line
+/// (202 of them: more than 128, as deep as a chain of nested imports in a big package).
 #[test]
 fn a_deep_recursion_keeps_every_frame() {
     require_root();
     let _sharing = sharing_the_machine();
     let dir = scratch("python-deep");
-    const DEPTH: usize = 90;
+    const DEPTH: usize = 200;
     let script = dir.join("deep.py");
     std::fs::write(
         &script,

@@ -612,8 +612,8 @@ NOIPA static void *wl_twin_b(size_t n) {
 NOIPA static void wl_stack_tests(void) {
     wl_raise_site();
     wl_sort_site();
-    stack_blocks[2] = wl_recurse(100, 333);
-    stack_blocks[3] = wl_recurse(300, 444);
+    stack_blocks[2] = wl_recurse(400, 333);
+    stack_blocks[3] = wl_recurse(600, 444);
     stack_blocks[4] = wl_twin_a(555);
     stack_blocks[5] = wl_twin_b(666);
     for (int i = 0; i < 6; i++)

@@ -364,7 +364,7 @@ Beside the C library's malloc family counted above, memtrace found and counted {
          `xtask/src/heavy_bench.rs`: {CC1_FUNCTIONS} functions whose expressions nest 4 to 25 deep, through which the \
          parser and folders recurse): millions of allocations through `xmalloc`/`xcalloc`/`operator new` from a few \
          hundred callers, stacks up to ~250 frames. Every row is the median of 3 runs; memtrace ran with a warm unwind \
-         cache. memtrace keeps up to 255 frames of a stack (deeper ones are cut there and counted as cut short); \
+         cache. memtrace keeps up to 511 frames of a user stack (deeper ones are cut there and counted as cut short); \
          heaptrack keeps at most 64 (`Trace::MAX_SIZE`) and says nothing of the rest; `perf` 127 by default \
          (`kernel.perf_event_max_stack`).\n"
     );

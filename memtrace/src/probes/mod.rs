@@ -297,6 +297,10 @@ impl Probes {
         // Sized at load: the rule cache for the CPUs there are; the sampled blocks' map only
         // when sampling (a preallocated hash map of 256k entries is ~9 ms of every start).
         loader.map_max_entries("RULE_CACHE", RULE_CACHE_SLOTS * config.cpus);
+        // Each CPU's scratch space and last walks, by the CPU's index (plain arrays: a
+        // per-CPU value is at most 32 KiB).
+        loader.map_max_entries("SCRATCH", config.cpus);
+        loader.map_max_entries("ANCHORS", config.cpus);
         // The threads' in-flight allocator calls are task storage, which aya creates but
         // has no type for (the probes alone use it).
         loader.allow_unsupported_maps();

@@ -194,7 +194,7 @@ pub fn under_counting(
             let no_unwind_info = format!(
                 "code without unwind information (JIT-compiled or hand-written assembly), or stacks deeper than {} \
                  frames",
-                memtrace_common::MAX_STACK_DEPTH
+                memtrace_common::MAX_USER_DEPTH
             );
             let cause = if meta.call_graph != "dwarf" {
                 "code built without frame pointers stops a frame-pointer walk: record with --call-graph dwarf"

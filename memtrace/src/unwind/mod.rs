@@ -24,7 +24,7 @@ use std::{
 };
 
 use memtrace_common::{
-    KERNEL_STACK_SEED, MAX_STACK_DEPTH, MISS_HASH_MARK, USER_STACK_SEED, stack_hash_step, unwind::Regs,
+    KERNEL_STACK_SEED, MAX_USER_DEPTH, MISS_HASH_MARK, USER_STACK_SEED, stack_hash_step, unwind::Regs,
 };
 
 use self::{
@@ -559,7 +559,7 @@ impl Unwinder {
         let truncated = match end {
             End::Anchored(k) => {
                 self.stats.anchored += 1;
-                let room = MAX_STACK_DEPTH.saturating_sub(ips.len());
+                let room = MAX_USER_DEPTH.saturating_sub(ips.len());
                 ips.extend(from_anchor[k..].iter().take(room));
                 // How the probes' walk from the anchor ended.
                 record.truncated || from_anchor.len() - k > room

@@ -3,7 +3,7 @@
 //! (`memtrace_common::unwind::step`), so a stack finished here is the one the probes
 //! produce once the table is installed.
 use memtrace_common::{
-    MAX_STACK_DEPTH, UnwindRule,
+    MAX_USER_DEPTH, UnwindRule,
     unwind::{Regs, Step, step},
 };
 
@@ -55,7 +55,7 @@ pub struct Anchor {
 }
 
 /// Walks on from `regs`, whose instruction pointer is already the last of `ips`, appending
-/// the callers' up to [`MAX_STACK_DEPTH`] frames in all. `rule_at` gives the rule for a
+/// the callers' up to [`MAX_USER_DEPTH`] frames in all. `rule_at` gives the rule for a
 /// lookup address. A return address replaced by the uprobe trampoline is put back as
 /// `trampoline_for` (0: unknown, the walk stops). The walk ends on the first of `anchors`
 /// it lands on ([`End::Anchored`] with its index; its frame not appended); past them all
@@ -81,7 +81,7 @@ pub fn walk(
                 {
                     return End::Anchored(k);
                 }
-                if ips.len() >= MAX_STACK_DEPTH {
+                if ips.len() >= MAX_USER_DEPTH {
                     return End::Truncated;
                 }
                 ips.push(next.ip);
@@ -170,7 +170,7 @@ mod tests {
         let mut ips = vec![0x1000];
         let r = rule(kind::CFA_BP, 16, -16);
         assert_eq!(walk(regs, &memory, &mut ips, 0, &[], |_| Lookup::Rule(r)), End::Truncated);
-        assert_eq!(ips.len(), MAX_STACK_DEPTH);
+        assert_eq!(ips.len(), MAX_USER_DEPTH);
 
         let bytes = stack(&[(BASE + 8, UPROBE_TRAMPOLINE_PAGE), (BASE + 24, 0x3000)]);
         let memory = StackCopy { base: BASE, bytes: &bytes };
