@@ -321,7 +321,7 @@ impl Tracer {
         if let (Some(u), Some(program)) = (unwinder.as_mut(), &program) {
             // The program's own files: their tables are built while the probes load.
             u.prepare_files(&program_files);
-            u.prepare_program(program);
+            u.prepare_program(program, false);
         }
         if let (Some(u), Target::Pid(pid)) = (unwinder.as_mut(), &options.target) {
             u.prepare_process(*pid);

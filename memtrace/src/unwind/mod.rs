@@ -138,7 +138,16 @@ pub struct Unwinder {
     used: HashMap<PathBuf, Vec<PathBuf>>,
     /// The tables of the files a command maps as it starts.
     startup: Vec<Slot>,
+    /// Files programs exec'd while tracing used last time, whose tables are asked for a
+    /// few at a time between reads of the rings ([`Self::poll`]).
+    companions: VecDeque<PathBuf>,
 }
+
+/// How long one [`Unwinder::poll`] spends asking for the tables of exec'd programs' files:
+/// each is opened and its headers read (~1 ms under load: 125 ms for the 132 files of the
+/// heavy Python script, during which the rings were not read and the program's stacks
+/// waited for its own table, asked for after them).
+const COMPANIONS_PER_POLL: Duration = Duration::from_millis(2);
 
 /// A mapping as `Unwinder::named` found it for a frame, for the frames after it.
 #[derive(Clone, Copy)]
@@ -166,6 +175,11 @@ fn readable_path(pid: u32, path: &str) -> Option<PathBuf> {
 impl Unwinder {
     pub fn new(options: &UnwindOptions) -> Self {
         let cache = if options.disk_cache { DiskCache::open_default() } else { None };
+        Self::with_cache(cache, options)
+    }
+
+    /// An unwinder whose tables and programs' file lists are kept in `cache`.
+    fn with_cache(cache: Option<DiskCache>, options: &UnwindOptions) -> Self {
         let workers = std::thread::available_parallelism().map_or(1, |n| n.get()).clamp(1, 4);
         Self {
             spaces: Spaces::new(),
@@ -174,6 +188,7 @@ impl Unwinder {
             programs: HashMap::new(),
             used: HashMap::new(),
             startup: Vec::new(),
+            companions: VecDeque::new(),
             pending: VecDeque::new(),
             pending_bytes: 0,
             ready_late: Vec::new(),
@@ -216,7 +231,7 @@ impl Unwinder {
             return;
         };
         self.programs.insert(space.asid, exe.clone());
-        self.prepare_program(&exe);
+        self.prepare_program(&exe, true);
         if space.code_end > space.code_start
             && let Some((_, segments)) = self.store.identify(&exe)
             && let Some(text) = segments.iter().filter(|s| s.executable).min_by_key(|s| s.vaddr)
@@ -333,26 +348,42 @@ impl Unwinder {
         self.store.poll(sink);
     }
 
-    /// Starts loading the tables of the files `program` ran code from last time (the disk
-    /// cache keeps the list): ready before it maps them, they are installed by the probes
-    /// at each mmap, and its first stacks through them need no copy.
-    pub fn prepare_program(&mut self, program: &Path) {
+    /// Starts loading the table of `program` and those of the files it ran code from last
+    /// time (the disk cache keeps the list): ready before it maps them, they are installed
+    /// by the probes at each mmap, and its first stacks through them need no copy. The
+    /// program's own comes first: every stack of it goes through its code. `later`: the
+    /// program was exec'd while tracing, its files are asked for between reads of the rings
+    /// (else now, before the command starts).
+    pub fn prepare_program(&mut self, program: &Path, later: bool) {
         let Some(cache) = self.cache.clone() else { return };
         let Some((key, _)) = self.store.identify(program) else { return };
-        let files = cache.companions(&key);
-        let mut asked = 0;
-        for file in files.iter().filter(|f| f.exists()) {
-            if self.store.request(file).is_some() {
-                asked += 1;
+        let own = self.store.request(program).map(|(slot, _)| slot);
+        let files: Vec<PathBuf> = cache.companions(&key);
+        if !files.is_empty() {
+            log::debug!("{}: loading the tables of {} files it used before", program.display(), files.len());
+        }
+        if later {
+            self.companions.extend(files);
+        } else {
+            for file in files.iter().filter(|f| f.exists()) {
+                self.store.request(file);
             }
         }
-        // The program's own table is built (read) first: every stack of it goes through
-        // its code, and the first table built takes a map installed ahead.
-        if let Some((slot, _)) = self.store.request(program) {
+        // Built (read) first, ahead of those asked for before it.
+        if let Some(slot) = own {
             self.store.prioritize(slot);
         }
-        if asked > 0 {
-            log::debug!("{}: loading the tables of {asked} files it used before", program.display());
+    }
+
+    /// Asks for the tables of exec'd programs' files for up to [`COMPANIONS_PER_POLL`].
+    fn request_companions(&mut self) {
+        let started = Instant::now();
+        while started.elapsed() < COMPANIONS_PER_POLL
+            && let Some(file) = self.companions.pop_front()
+        {
+            if file.exists() {
+                self.store.request(&file);
+            }
         }
     }
 
@@ -435,6 +466,7 @@ impl Unwinder {
     /// Installs the tables built since the last call, and returns the stacks that were
     /// waiting for them, finished and named.
     pub fn poll(&mut self, sink: &mut dyn SpaceSink) -> Vec<StackRecord> {
+        self.request_companions();
         let installed = self.store.poll(sink);
         let mut out = std::mem::take(&mut self.ready_late);
         if self.pending.is_empty() {
@@ -761,5 +793,47 @@ mod tests {
         // The second time every table is there: finished at once.
         let again = unwinder.accept(record, &mut probes).expect("no wait");
         assert_eq!(again.user, whole.user);
+    }
+
+    /// A program exec'd while tracing: its own table is asked for at once, the files it
+    /// used last time between reads of the rings (asking for the 132 of a Python script
+    /// first held the reader 125 ms while the program's stacks waited for its own table).
+    /// Before the command starts, all at once.
+    #[test]
+    fn an_exec_asks_for_the_programs_table_first_and_its_files_between_reads() {
+        let dir = std::env::temp_dir().join(format!("memtrace-companions-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let cache = DiskCache::open(&dir, 1 << 30).unwrap();
+        let exe = std::fs::read_link("/proc/self/exe").unwrap();
+        let files: Vec<PathBuf> = Maps::read_self()
+            .unwrap()
+            .mappings
+            .iter()
+            .filter(|m| m.executable && m.is_file() && m.path != exe)
+            .map(|m| m.path.clone())
+            .collect::<std::collections::BTreeSet<_>>()
+            .into_iter()
+            .collect();
+        assert!(files.len() >= 2, "{files:?}");
+        cache.store_companions(&cache::FileKey::of(&exe).unwrap(), &files).unwrap();
+        let options = UnwindOptions::default();
+        let mut probes = FakeProbes::default();
+
+        let mut later = Unwinder::with_cache(Some(cache.clone()), &options);
+        later.prepare_program(&exe, true);
+        assert!(later.store.slot_of(&exe).is_some(), "the program's own table is asked for");
+        assert!(files.iter().all(|f| later.store.slot_of(f).is_none()), "its files wait for a poll");
+        assert_eq!(later.companions.len(), files.len());
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while !later.companions.is_empty() && Instant::now() < deadline {
+            later.poll(&mut probes);
+        }
+        assert!(files.iter().all(|f| later.store.slot_of(f).is_some()), "asked for by the polls");
+
+        let mut now = Unwinder::with_cache(Some(cache), &options);
+        now.prepare_program(&exe, false);
+        assert!(now.companions.is_empty());
+        assert!(files.iter().chain([&exe]).all(|f| now.store.slot_of(f).is_some()));
+        let _ = std::fs::remove_dir_all(&dir);
     }
 }

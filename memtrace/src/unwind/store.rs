@@ -453,6 +453,13 @@ impl TableStore {
         }
     }
 
+    /// The slot of the file at `path`, if its table was asked for (for tests).
+    #[cfg(test)]
+    pub fn slot_of(&mut self, path: &Path) -> Option<Slot> {
+        let (key, _) = self.identify(path)?;
+        self.slots.get(&key).copied()
+    }
+
     /// The slots waiting for a worker, the next one first (for tests).
     #[cfg(test)]
     fn queued(&self) -> Vec<Slot> {
