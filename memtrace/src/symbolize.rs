@@ -175,6 +175,16 @@ impl Background {
         self.send(Box::new(move |s| s.prepare_object(&path)));
     }
 
+    /// From now on the symbolizer runs at the priority of the other threads: at the end of
+    /// a recording naming the frames is what the user waits for, and at the lowest
+    /// priority it got little of two cores beside the end-of-run warnings' pass.
+    pub fn hurry(&self) {
+        // SAFETY: a plain syscall on the symbolizer thread's own id.
+        self.send(Box::new(|_| unsafe {
+            libc::setpriority(libc::PRIO_PROCESS, libc::gettid() as libc::id_t, 0);
+        }));
+    }
+
     /// Runs `f` on the symbolizer after the jobs before it; None when the thread is gone
     /// (it could not start, or a job panicked).
     pub fn run<R: Send + 'static>(&self, f: impl FnOnce(&mut Symbolizer) -> R + Send + 'static) -> Option<R> {

@@ -472,8 +472,9 @@ fn json_addresses_are_hex_strings() {
     assert_eq!(json["totals"]["reserved"]["allocs"], 0, "reserved figures are there wherever user ones are");
 }
 
-/// `record`'s end-of-run warnings (`warnings::of_recording`, which reads the stacks' cuts
-/// but not their frames) say what the report says, on recordings of several processes:
+/// `record`'s end-of-run warnings (`warnings::of_recording_so_far`, which reads the stacks'
+/// cuts but not their frames, from the file `record` is finishing, with the stats it will
+/// write) say what the report says, on recordings of several processes:
 /// one forked during the recording whose frees mostly had no allocation, one attached
 /// mid-run, one whose stacks are cut (one stack defined again, whole, after its events), a
 /// thread whose unmatched frees come before its next allocation and one whose frees are
@@ -526,6 +527,8 @@ fn record_end_warnings_say_what_the_report_says() {
     };
     let dir = std::env::temp_dir().join(format!("memtrace-end-warnings-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
+    // Stats the warnings read too (kernel stacks caught differing from an unwind).
+    let stats = recording::Stats { kernel_stacks_checked: 10, kernel_stacks_differed: 3, ..Default::default() };
     let write = |name: &str, meta: &Meta, events: &[Event], stacks: &[FileStack]| {
         let path = dir.join(name);
         let mut w = Writer::new(std::io::BufWriter::new(std::fs::File::create(&path).unwrap()), meta).unwrap();
@@ -537,8 +540,14 @@ fn record_end_warnings_say_what_the_report_says() {
             }
             w.event(e).unwrap();
         }
-        w.finish(&recording::Stats { events: events.len() as u64, ..Default::default() }).unwrap();
-        path
+        // As `record` ends: every event and stack flushed, the warnings read from there
+        // while the frames' names are written after them.
+        w.flush().unwrap();
+        let len = w.bytes_written();
+        w.symbol(SymbolKey::Kernel(0xffff_0000), &[]);
+        w.flush().unwrap();
+        w.finish(&stats).unwrap();
+        (path, len)
     };
     let stack = |id: u32, pid: u32, truncated: bool| FileStack {
         id,
@@ -570,15 +579,16 @@ fn record_end_warnings_say_what_the_report_says() {
     // Stack 2 (id 1) first whole, defined again cut: the later definition holds.
     let stacks =
         [stack(0, 10, false), stack(1, 10, false), stack(2, 11, false), stack(3, 12, true), stack(1, 10, true)];
-    let many = write("many.data", &meta("command", true), &events, &stacks);
+    let (many, len) = write("many.data", &meta("command", true), &events, &stacks);
     let report = analyze(&many, &ReportOptions { top: Some(0), ..Default::default() }).unwrap();
     assert!(report.under_counting.len() >= 3, "{:?}", report.under_counting);
-    assert_eq!(super::warnings::of_recording(&many), report.under_counting);
+    assert_eq!(super::warnings::of_recording_so_far(&many, len, &stats), report.under_counting);
     // A command that allocated nothing in user space.
     let kernel_only = [task(1, TaskEvent::Exec, 10, "app")];
-    let none = write("none.data", &meta("command", true), &kernel_only, &[]);
+    let (none, len) = write("none.data", &meta("command", true), &kernel_only, &[]);
     let report = analyze(&none, &ReportOptions::default()).unwrap();
-    assert_eq!(report.under_counting.len(), 1, "{:?}", report.under_counting);
-    assert_eq!(super::warnings::of_recording(&none), report.under_counting);
+    // Nothing seen, and the kernel stacks' line.
+    assert_eq!(report.under_counting.len(), 2, "{:?}", report.under_counting);
+    assert_eq!(super::warnings::of_recording_so_far(&none, len, &stats), report.under_counting);
     std::fs::remove_dir_all(&dir).unwrap();
 }

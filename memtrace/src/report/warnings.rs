@@ -23,33 +23,38 @@ use crate::{
 /// long); `report` says the same.
 const RECORD_END_ANALYSIS_LIMIT: u64 = 1 << 30;
 
-/// The under-counting warnings of the recording at `path`, for `record` to repeat as it
-/// ends (none when it cannot be read, or is too large to read again quickly).
-pub fn of_recording(path: &Path) -> Vec<String> {
-    if std::fs::metadata(path).map_or(true, |m| m.len() > RECORD_END_ANALYSIS_LIMIT) {
+/// The under-counting warnings of the recording `record` is finishing at `path`, for it to
+/// repeat as it ends: read from the first `len` bytes, which hold every event and stack
+/// definition (flushed), with the `stats` it will write after them, while `record` names
+/// the frames and finishes the file (none when it cannot be read, or is too large to read
+/// again quickly).
+pub fn of_recording_so_far(path: &Path, len: u64, stats: &Stats) -> Vec<String> {
+    if len > RECORD_END_ANALYSIS_LIMIT {
         return Vec::new();
     }
-    tally(path).unwrap_or_default()
+    tally(path, len, stats).unwrap_or_default()
 }
 
 /// What [`super::analyze`] counts for [`under_counting`] (its `under_counting`, the same
 /// lines), without the rest of a report: the stacks' cuts but not their frames, no groups
 /// of rows, no timeline. On the heavy Python bench's recording this pass takes a fraction
 /// of a whole report's, most of which went to decoding and storing every stack's frames.
-/// For a recording `record` has just finished: stacks' frames are not parsed, so a
-/// hand-made file whose checksummed stacks chunk does not parse is judged past that chunk,
-/// where the report stops at it.
-fn tally(path: &Path) -> anyhow::Result<Vec<String>> {
+/// For a recording `record` is finishing: stacks' frames are not parsed, so a hand-made
+/// file whose checksummed stacks chunk does not parse is judged past that chunk, where the
+/// report stops at it. The chunks from `len` on (the frames' names, being written) are
+/// not read.
+fn tally(path: &Path, len: u64, stats: &Stats) -> anyhow::Result<Vec<String>> {
     // Definitions first, as the report reads them: a stack finished from a copy may be
     // defined after the events that refer to it.
     let mut reader = Reader::open(path)?;
     let meta = reader.meta.clone();
     let mut cut: crate::FastMap<u64, bool> = Default::default();
-    let mut stats = Stats::default();
-    let mut finalized = false;
-    let mut damaged_at = None;
+    let mut damaged_at = Some(len);
     loop {
         let at = reader.offset();
+        if at >= len {
+            break;
+        }
         let chunk = match reader.next_chunk_without_frames() {
             Ok(Some(chunk)) => chunk,
             Ok(None) => break,
@@ -58,12 +63,9 @@ fn tally(path: &Path) -> anyhow::Result<Vec<String>> {
                 break;
             }
         };
-        match chunk {
-            // As events refer to them (id + 1); a later definition of an id replaces it.
-            recording::Chunk::Stacks(stacks) => cut.extend(stacks.iter().map(|s| (u64::from(s.id) + 1, s.truncated))),
-            recording::Chunk::Stats(s) => stats = *s,
-            recording::Chunk::End => finalized = true,
-            _ => {}
+        // As events refer to them (id + 1); a later definition of an id replaces it.
+        if let recording::Chunk::Stacks(stacks) = chunk {
+            cut.extend(stacks.iter().map(|s| (u64::from(s.id) + 1, s.truncated)));
         }
     }
     let mut tallies: BTreeMap<u32, ProcessTally> = BTreeMap::new();
@@ -94,8 +96,8 @@ fn tally(path: &Path) -> anyhow::Result<Vec<String>> {
     for (pid, n) in &analyzer.unmatched_by_pid {
         tallies.entry(*pid).or_default().unmatched_frees = *n;
     }
-    let mut out = under_counting(&tallies, &comms, &meta, &stats);
-    if meta.user && meta.mode == "command" && !user_allocs_seen && finalized {
+    let mut out = under_counting(&tallies, &comms, &meta, stats);
+    if meta.user && meta.mode == "command" && !user_allocs_seen {
         out.push(nothing_seen(&meta));
     }
     Ok(out)
