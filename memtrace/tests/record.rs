@@ -393,3 +393,30 @@ fn sampled_recording_estimates_the_true_figures() {
         eprintln!("{figure}: estimated {got}, true {want}");
     }
 }
+
+/// The end of `record` with its debug log on: the warnings pass, on a thread of its own
+/// while the frames are named, logs as it ends; `record` held stderr while it waited for it
+/// and never ended. 180,000 events: the pass outlasts the naming of the frames by ~25 ms.
+#[test]
+fn record_ends_when_it_logs_as_its_warnings_are_read() {
+    require_root();
+    let _sharing = sharing_the_machine();
+    let dir = scratch("end-with-debug-log");
+    let data = dir.join("rec.data");
+    let out = Command::new("timeout")
+        .arg("120")
+        .arg(env!("CARGO_BIN_EXE_memtrace"))
+        .env("MEMTRACE_LOG", "debug")
+        .args(["record", "--no-kernel", "-o"])
+        .arg(&data)
+        .arg("--")
+        .arg(workload())
+        .args(["--threads", "4", "--iterations", "2000", "--leaks", "3"])
+        .stdout(Stdio::null())
+        .output()
+        .unwrap();
+    let log = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{:?}: {log}", out.status);
+    assert!(log.contains("the recording's warnings read in"), "{log}");
+    assert!(log.contains("memtrace: the command exited with status 0"), "{log}");
+}

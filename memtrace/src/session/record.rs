@@ -112,6 +112,8 @@ impl Recorder {
             }
         }
         let modules = self.namer.modules.modules().to_vec();
+        let mut asked: Vec<(u32, Vec<u64>)> = Vec::new();
+        let mut jobs: Vec<(PathBuf, Vec<u64>)> = Vec::new();
         for (module, mut offsets) in by_module {
             let Some(m) = modules.get(module as usize) else { continue };
             // Python frames name themselves (`python::function_of`).
@@ -120,12 +122,10 @@ impl Recorder {
             }
             offsets.sort_unstable();
             // Return addresses point after the call; name the call instruction.
-            let lookups: Vec<u64> = offsets.iter().map(|o| o.saturating_sub(1)).collect();
-            let started = std::time::Instant::now();
-            let path = PathBuf::from(&m.path);
-            let n = lookups.len();
-            let results = self.symbols.run(move |s| s.object_once(&path, &lookups)).unwrap_or_default();
-            log::debug!("{}: {n} addresses symbolized in {} ms", m.path, started.elapsed().as_millis());
+            jobs.push((PathBuf::from(&m.path), offsets.iter().map(|o| o.saturating_sub(1)).collect()));
+            asked.push((module, offsets));
+        }
+        for ((module, offsets), results) in asked.into_iter().zip(self.symbols.objects(jobs)) {
             for (offset, symbols) in offsets.iter().zip(results) {
                 if !symbols.is_empty() {
                     self.writer.symbol(SymbolKey::User(FileFrame::Module { module, offset: *offset }), &symbols);
@@ -489,6 +489,14 @@ fn finish(
         _ => 0,
     };
     if !opts.trace.quiet {
+        // What the report will warn of (the probes detach meanwhile), waited for before
+        // stderr is held: the pass logs as it ends.
+        let waited = Instant::now();
+        let warned = match warnings {
+            Some(Ok(thread)) => thread.join().unwrap_or_default(),
+            _ => Vec::new(),
+        };
+        log::debug!("the recording's warnings waited for {} ms", waited.elapsed().as_millis());
         let mut err = io::stderr().lock();
         let _ = writeln!(
             err,
@@ -501,14 +509,9 @@ fn finish(
             stats.recorder_cpu_ns as f64 / 1e9,
             stats.recorder_peak_rss_bytes as f64 / 1e6,
         );
-        // What the report will warn of (the probes detach meanwhile).
-        let waited = Instant::now();
-        if let Some(Ok(thread)) = warnings {
-            for w in thread.join().unwrap_or_default() {
-                let _ = writeln!(err, "memtrace: warning: {w}");
-            }
+        for w in warned {
+            let _ = writeln!(err, "memtrace: warning: {w}");
         }
-        log::debug!("the recording's warnings waited for {} ms", waited.elapsed().as_millis());
     }
     let joined = Instant::now();
     teardown.join();
