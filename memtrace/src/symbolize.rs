@@ -181,10 +181,14 @@ impl Background {
     /// From now on the symbolizer runs at the priority of the other threads: at the end of
     /// a recording naming the frames is what the user waits for, and at the lowest
     /// priority it got little of two cores beside the end-of-run warnings' pass.
+    /// (Raising a priority takes CAP_SYS_NICE: without it, as with CAP_BPF and
+    /// CAP_PERFMON alone, the thread stays where it was, and says so in the debug log.)
     pub fn hurry(&self) {
-        // SAFETY: a plain syscall on the symbolizer thread's own id.
-        self.send(Box::new(|_| unsafe {
-            libc::setpriority(libc::PRIO_PROCESS, libc::gettid() as libc::id_t, 0);
+        self.send(Box::new(|_| {
+            // SAFETY: a plain syscall on the symbolizer thread's own id.
+            if unsafe { libc::setpriority(libc::PRIO_PROCESS, libc::gettid() as libc::id_t, 0) } != 0 {
+                log::debug!("the symbolizer keeps its low priority: {}", std::io::Error::last_os_error());
+            }
         }));
     }
 

@@ -149,6 +149,10 @@ pub struct Unwinder {
 /// waited for its own table, asked for after them).
 const COMPANIONS_PER_POLL: Duration = Duration::from_millis(2);
 
+/// How long the end of a session waits for the builds under way when no copy needs them
+/// (a huge build is not waited for).
+const BUILDS_AT_END: Duration = Duration::from_millis(300);
+
 /// A mapping as `Unwinder::named` found it for a frame, for the frames after it.
 #[derive(Clone, Copy)]
 struct Named {
@@ -382,7 +386,8 @@ impl Unwinder {
             && let Some(file) = self.companions.pop_front()
         {
             if file.exists() {
-                self.store.request(&file);
+                // Behind the program's own table and any a stack waits for.
+                self.store.request_behind(&file);
             }
         }
     }
@@ -504,8 +509,12 @@ impl Unwinder {
     /// Finishes every waiting stack now (tracing is over): as far as the tables built so
     /// far allow, after giving the builds under way a little time.
     pub fn flush(&mut self, sink: &mut dyn SpaceSink) -> Vec<StackRecord> {
-        if !self.pending.is_empty() {
-            self.store.wait_idle(sink, Duration::from_secs(10));
+        // Copies wait for their tables; else the builds under way get a moment to end, so
+        // that the summary counts them and the cache keeps them (a program exec'd and gone
+        // within milliseconds of the end had its table built and installed, not counted).
+        let wait = if self.pending.is_empty() { BUILDS_AT_END } else { Duration::from_secs(10) };
+        if !self.store.wait_idle(sink, wait) {
+            log::debug!("unwind tables still building after {wait:?} at the end: not waited for");
         }
         let mut out = self.poll(sink);
         for p in std::mem::take(&mut self.pending) {

@@ -416,8 +416,19 @@ impl TableStore {
     }
 
     /// The slot of the file at `path` (readable from here), building its table if it is
-    /// new; None when the file cannot be read or every slot is taken.
+    /// new (before those asked for earlier and not started); None when the file cannot be
+    /// read or every slot is taken.
     pub fn request(&mut self, path: &Path) -> Option<(Slot, Arc<[Segment]>)> {
+        self.request_at(path, false)
+    }
+
+    /// As [`Self::request`], its build after every one waiting: a file a program may map
+    /// later, behind the tables stacks wait for.
+    pub fn request_behind(&mut self, path: &Path) -> Option<(Slot, Arc<[Segment]>)> {
+        self.request_at(path, true)
+    }
+
+    fn request_at(&mut self, path: &Path, behind: bool) -> Option<(Slot, Arc<[Segment]>)> {
         let (key, segments) = self.identify(path)?;
         if let Some(&slot) = self.slots.get(&key) {
             return Some((slot, segments));
@@ -434,7 +445,13 @@ impl TableStore {
         self.pending_builds += 1;
         let (lock, ready) = &*self.jobs;
         if let Ok(mut q) = lock.lock() {
-            q.jobs.push(Job { slot, key, path: path.to_path_buf(), asked });
+            // Workers take the last job first.
+            let job = Job { slot, key, path: path.to_path_buf(), asked };
+            if behind {
+                q.jobs.insert(0, job)
+            } else {
+                q.jobs.push(job)
+            }
             ready.notify_one();
         }
         Some((slot, segments))
@@ -805,6 +822,10 @@ mod tests {
         store.prioritize(slots[0]);
         store.prioritize(99);
         assert_eq!(store.queued(), [slots[0], slots[2], slots[1]], "nothing else moves");
+        // A file a program may map later goes behind them all, and stays behind newer ones.
+        let later = store.request_behind(Path::new("/bin/ls")).unwrap().0;
+        let newest = store.request(Path::new("/bin/cat")).unwrap().0;
+        assert_eq!(store.queued(), [newest, slots[0], slots[2], slots[1], later]);
     }
 
     #[test]
