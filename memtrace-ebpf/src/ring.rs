@@ -32,9 +32,7 @@ pub(crate) fn bump_by(index: u32, n: u64) {
 
 #[inline(always)]
 pub(crate) fn this_ring() -> Option<&'static Ring> {
-    // SAFETY: the helper has no preconditions.
-    let cpu = unsafe { generated::bpf_get_smp_processor_id() };
-    let ring = RINGS.get(cpu);
+    let ring = RINGS.get(crate::context::this_cpu());
     if ring.is_none() {
         bump(counter::NO_RING);
     }

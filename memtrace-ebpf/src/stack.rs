@@ -249,7 +249,7 @@ pub(crate) fn copy_hash(ring: &Ring, h: u64) -> Option<u64> {
         return None;
     }
     // SAFETY: no preconditions.
-    let (now, cpu) = unsafe { (bpf_ktime_get_ns(), generated::bpf_get_smp_processor_id()) };
+    let (now, cpu) = (unsafe { bpf_ktime_get_ns() }, crate::context::this_cpu());
     Some(stack_hash_step(stack_hash_step(stack_hash_step(h, MISS_HASH_MARK), now), u64::from(cpu)))
 }
 

@@ -126,8 +126,7 @@ pub(crate) fn new_asid() -> u32 {
         *count = (*count).wrapping_add(1);
         *count
     };
-    // SAFETY: no preconditions.
-    let cpu = unsafe { generated::bpf_get_smp_processor_id() };
+    let cpu = this_cpu();
     ((n << 10 | (cpu & 1023)) & 0x7fff_ffff).max(1)
 }
 
@@ -348,8 +347,7 @@ fn cache_slot(addr: u64, asid: u32) -> u32 {
 /// The rule for lookup address `addr` of the walk's address space (`encode_rule` of it).
 #[inline(always)]
 fn rule_at(st: &mut WalkState, addr: u64) -> Result<u32, NoRule> {
-    // SAFETY: the helper has no preconditions.
-    let cpu = unsafe { generated::bpf_get_smp_processor_id() };
+    let cpu = this_cpu();
     let slot = RULE_CACHE.get_ptr_mut(cpu.wrapping_mul(RULE_CACHE_SLOTS) | cache_slot(addr, st.asid));
     if let Some(entry) = slot {
         // SAFETY: this CPU's slot; programs on one CPU do not run concurrently.

@@ -78,13 +78,14 @@ pub fn read_definitions(path: &Path) -> Result<Definitions> {
 /// parsing its stacks a second time took most of this pass).
 pub fn for_each_event(path: &Path, until: Option<u64>, sink: &mut dyn FnMut(Event)) -> Result<(), FormatError> {
     let mut reader = Reader::new(BufReader::with_capacity(1 << 20, File::open(path)?))?;
-    while let Ok(Some(chunk)) = reader.next_events_chunk() {
+    // A chunk starting at `until` or after is not read; one reached past skipped chunks
+    // (its payload follows its 9-byte head) is not decoded.
+    let before = |at: u64| until.is_none_or(|until| at < until);
+    while before(reader.offset())
+        && let Ok(Some(chunk)) = reader.next_events_chunk()
+    {
         let recording::Chunk::Events { payload, offset, version } = chunk else { continue };
-        // The payload follows its chunk's 9-byte head: past `until`, the chunk is at or
-        // after the damage.
-        if until.is_some_and(|until| offset > until)
-            || recording::decode_events(&payload, offset, version, sink).is_err()
-        {
+        if !before(offset.saturating_sub(9)) || recording::decode_events(&payload, offset, version, sink).is_err() {
             break;
         }
     }
