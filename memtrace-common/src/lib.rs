@@ -14,7 +14,8 @@ pub mod unwind;
 
 pub use unwind::{
     FileId, FileTable, KERNEL_STACK_SEED, MAX_TABLES, MISS_HASH_MARK, MappingKey, MappingValue, RULE_CACHE_SLOTS,
-    TABLE_MAPS, UNWIND_COPY_BYTES, UPROBE_TRAMPOLINE_PAGE, USER_STACK_SEED, UnwindMiss, UnwindRule, stack_hash_step,
+    TABLE_MAPS, UNWIND_ANCHORED_COPY_BYTES, UNWIND_COPY_BYTES, UPROBE_TRAMPOLINE_PAGE, USER_STACK_SEED, UnwindMiss,
+    UnwindRule, stack_hash_step,
 };
 
 /// Deepest kernel part, and deepest frame-pointer walk (the kernel's walks are bounded by

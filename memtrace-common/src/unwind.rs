@@ -379,8 +379,14 @@ pub const RESUME_SPS: usize = 8;
 /// sized for the possible CPUs at load).
 pub const RULE_CACHE_SLOTS: u32 = 8192;
 
-/// Bytes of user stack sent with an [`UnwindMiss`].
+/// Bytes of user stack sent with an [`UnwindMiss`] when no anchor bounds the copy.
 pub const UNWIND_COPY_BYTES: usize = 16384;
+
+/// Bytes of user stack an [`UnwindMiss`] may carry when it covers the gap below an anchor:
+/// one frame can be larger than [`UNWIND_COPY_BYTES`] (Cython's module initializers keep
+/// 16.5 KiB of locals; C programs put arrays of any size on the stack), and only the gap's
+/// own length is copied, so a longer bound costs nothing where the gaps are short.
+pub const UNWIND_ANCHORED_COPY_BYTES: usize = 65536;
 
 /// Mixes one stack word into a running hash (both sides compute it identically).
 #[inline(always)]

@@ -13,7 +13,7 @@ use aya_ebpf::{
 };
 use memtrace_common::{
     KERNEL_STACK_SEED, KernelAllocRecord, MAX_STACK_DEPTH, MAX_USER_DEPTH, MISS_HASH_MARK, RecordType, StackHeader,
-    UNWIND_COPY_BYTES, USER_STACK_SEED, UnwindMiss, UserAllocRecord, UserFrame, counter,
+    UNWIND_ANCHORED_COPY_BYTES, UNWIND_COPY_BYTES, USER_STACK_SEED, UnwindMiss, UserAllocRecord, UserFrame, counter,
     python::{MAX_PY_FRAMES, PyFrame, PyStackHeader},
     stack_flags, stack_hash_step, unwind_mode,
 };
@@ -36,7 +36,7 @@ pub(crate) const USER_PART_MAX_OFF: usize = size_of::<StackHeader>() + KERNEL_FR
 /// Where the miss part of a DWARF stack record may start at the latest.
 pub(crate) const MISS_MAX_OFF: usize = USER_PART_MAX_OFF + USER_IPS_BYTES;
 pub(crate) const FP_RECORD_MAX: usize = USER_PART_MAX_OFF + USER_FRAMES_BYTES;
-pub(crate) const DWARF_RECORD_MAX: usize = MISS_MAX_OFF + size_of::<UnwindMiss>() + UNWIND_COPY_BYTES;
+pub(crate) const DWARF_RECORD_MAX: usize = MISS_MAX_OFF + size_of::<UnwindMiss>() + UNWIND_ANCHORED_COPY_BYTES;
 pub(crate) const STACK_RECORD_MAX: usize =
     if FP_RECORD_MAX > DWARF_RECORD_MAX { FP_RECORD_MAX } else { DWARF_RECORD_MAX };
 
@@ -413,9 +413,14 @@ pub(crate) fn append_stack_copy(scratch: &mut Scratch, off: usize) -> usize {
     // its last mapped page, which a shorter copy would miss.
     const _: () = assert!(UNWIND_COPY_BYTES == 4 * 4096, "one length per page below");
     let gap = opaque(memtrace_copy_len()) as u32;
-    for want in [gap, to_page_end + 12288, to_page_end + 8192, to_page_end + 4096, to_page_end] {
-        let want = want.min(UNWIND_COPY_BYTES as u32);
-        // SAFETY: copy_off + UNWIND_COPY_BYTES <= STACK_RECORD_MAX; `want` is at most that.
+    for (k, want) in
+        [gap, to_page_end + 12288, to_page_end + 8192, to_page_end + 4096, to_page_end].into_iter().enumerate()
+    {
+        // Only the gap below an anchor may be longer than an unanchored copy.
+        let most = if k == 0 { UNWIND_ANCHORED_COPY_BYTES } else { UNWIND_COPY_BYTES };
+        let want = want.min(most as u32);
+        // SAFETY: copy_off + UNWIND_ANCHORED_COPY_BYTES <= STACK_RECORD_MAX; `want` is at
+        // most that.
         let ret = unsafe {
             generated::bpf_probe_read_user(
                 scratch.record.as_mut_ptr().add(copy_off) as *mut c_void,
@@ -460,7 +465,7 @@ pub extern "C" fn memtrace_frames_without_copy(n: u64) -> u64 {
 /// frame walked from it, and on to the later frames whose stack pointers go along within
 /// [`COPY_SLACK`] of it (the walk of the gap may land on any of them: on a later one when
 /// the first ones are stale frames in the locals of a function of the gap); without an
-/// anchor, all it may. A global BPF function, as above.
+/// anchor, all an unanchored copy may. A global BPF function, as above.
 #[inline(never)]
 #[unsafe(no_mangle)]
 pub extern "C" fn memtrace_copy_len() -> u64 {
@@ -482,7 +487,7 @@ pub extern "C" fn memtrace_copy_len() -> u64 {
             limit = top.saturating_add(COPY_SLACK);
         }
     }
-    top.wrapping_sub(sp).min(UNWIND_COPY_BYTES as u64)
+    top.wrapping_sub(sp).min(UNWIND_ANCHORED_COPY_BYTES as u64)
 }
 
 /// How far past the second frame walked from an anchor a copy reaches for the later ones:

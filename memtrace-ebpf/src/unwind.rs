@@ -14,8 +14,8 @@ use aya_ebpf::{
     programs::RetProbeContext,
 };
 use memtrace_common::{
-    FileId, FileTable, MAX_CPUS, MAX_USER_DEPTH, MappingKey, MappingValue, RULE_CACHE_SLOTS, UNWIND_COPY_BYTES,
-    UPROBE_TRAMPOLINE_PAGE, UnwindMiss, UnwindRule, counter, stack_flags, stack_hash_step,
+    FileId, FileTable, MAX_CPUS, MAX_USER_DEPTH, MappingKey, MappingValue, RULE_CACHE_SLOTS,
+    UNWIND_ANCHORED_COPY_BYTES, UPROBE_TRAMPOLINE_PAGE, UnwindMiss, UnwindRule, counter, stack_flags, stack_hash_step,
     unwind::RESUME_SPS,
     unwind::{self, NO_SLOT, Regs, Step, decode_rule, kind, mapping_flags, table},
     unwind_mode,
@@ -653,7 +653,7 @@ pub extern "C" fn memtrace_anchor_step(tid: u64, asid: u64) -> u64 {
     if sp <= miss_sp {
         return SEARCHING; // below the miss: the next one
     }
-    if sp - miss_sp > UNWIND_COPY_BYTES as u64 {
+    if sp - miss_sp > UNWIND_ANCHORED_COPY_BYTES as u64 {
         return NO_ANCHOR; // the gap would not fit a copy
     }
     scratch.walk_tries -= 1;

@@ -5,7 +5,7 @@
 //! Over 500 lines: one type per record kind with its length-checked decoding, and their tests (from line 380).
 use memtrace_common::{
     CacheRecord, FreeRecord, KernelAllocRecord, Kind, MappingRecord, RecordType, StackHeader, TaskEvent, TaskRecord,
-    UNWIND_COPY_BYTES, UnwindMiss, UserAllocRecord, UserFrame, flags, mapping_record,
+    UNWIND_ANCHORED_COPY_BYTES, UnwindMiss, UserAllocRecord, UserFrame, flags, mapping_record,
     python::{PyCodeRecord, PyFrame, PyStackHeader},
     stack_flags,
 };
@@ -433,7 +433,7 @@ pub fn decode(bytes: &[u8], cpu: u16) -> Result<Record, DecodeError> {
                 let m: UnwindMiss = read(rest, rtype)?;
                 let copy_len = m.copy_len as usize;
                 let copy_need = size_of::<UnwindMiss>() + copy_len;
-                if copy_len > UNWIND_COPY_BYTES || rest.len() < copy_need {
+                if copy_len > UNWIND_ANCHORED_COPY_BYTES || rest.len() < copy_need {
                     return Err(DecodeError::Truncated { rtype, len: bytes.len(), need: need + copy_need });
                 }
                 Some(StackMiss {
@@ -637,7 +637,7 @@ pub(crate) mod tests {
         for len in 1..bytes.len() {
             assert!(matches!(decode(&bytes[..len], 0), Err(DecodeError::Truncated { .. })), "{len}");
         }
-        let huge = miss_record(UNWIND_COPY_BYTES as u32 + 1, &vec![0; UNWIND_COPY_BYTES + 1]);
+        let huge = miss_record(UNWIND_ANCHORED_COPY_BYTES as u32 + 1, &vec![0; UNWIND_ANCHORED_COPY_BYTES + 1]);
         assert!(matches!(decode(&huge, 0), Err(DecodeError::Truncated { .. })));
     }
 

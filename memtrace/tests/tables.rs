@@ -354,6 +354,60 @@ fn a_library_called_under_several_stale_anchors_unwinds_whole() {
     assert_eq!(&got[..want.len()], &want[..], "{got:?}");
 }
 
+/// As `DEEP_HOST`, but the library is called under `big_frame`, whose 20 KiB of locals
+/// (every byte written, so no stale frame stays in them) put the nearest frame of the
+/// thread's earlier whole walk further above the library's allocations than an unanchored
+/// copy reaches (16 KiB), as Cython's module initializers (16.5 KiB of locals) do while a
+/// package's extension modules load.
+const WIDE_HOST: &str = r#"
+#include <dlfcn.h>
+#include <stdio.h>
+#include <stdlib.h>
+#define NOIPA __attribute__((noipa))
+volatile unsigned long sink;
+NOIPA void big_frame(void (*run)(int)) {
+    volatile char locals[20480];
+    for (unsigned i = 0; i < sizeof locals; i++) locals[i] = (char)i;
+    run(50);
+    sink += locals[100];
+}
+NOIPA void descend(int depth, const char *path) {
+    volatile char pad[512];
+    pad[depth % sizeof pad] = (char)depth;
+    if (depth > 0) { descend(depth - 1, path); sink += pad[0]; return; }
+    void *p = malloc(24); sink += (unsigned long)p; free(p);
+    void *lib = dlopen(path, RTLD_NOW);
+    if (!lib) { fprintf(stderr, "%s\n", dlerror()); exit(2); }
+    big_frame((void (*)(int))dlsym(lib, "deep_run"));
+    sink += 1;
+}
+int main(int argc, char **argv) { descend(60, argv[1]); return 0; }
+"#;
+
+#[test]
+fn a_library_called_under_a_frame_larger_than_a_copy_unwinds_whole() {
+    require_root();
+    let _sharing = sharing_the_machine();
+    let dir = scratch("wide-frame");
+    let lib = cc(&dir, "libdeep.so", DEEP_LIB, &["-shared", "-fPIC"]);
+    let host = cc(&dir, "widehost", WIDE_HOST, &["-ldl"]);
+    // The copy covers the whole gap below the anchor, 20 KiB and more: before, an anchor
+    // that far up was not taken, the copy stopped at 16 KiB and every stack was cut there.
+    let report = record_until_copies(&dir, &dir.join("wide.data"), &[&host, &lib], |recorder| {
+        recorder["unwind_copies_anchored"].as_u64().unwrap() >= 1
+    });
+    let recorder = &report["recorder"];
+    assert!(recorder["unwind_copies_anchored"].as_u64().unwrap() >= 1, "{recorder:#}");
+    let sites = sites_of(&report, "deep_leaf");
+    assert_eq!(sites.len(), 1, "one stack, one row: {sites:#?}");
+    assert_eq!((sites[0]["allocs"].as_u64(), sites[0]["truncated"].as_bool()), (Some(50), Some(false)));
+    let got = functions(sites[0]);
+    let mut want = vec!["deep_leaf", "deep_mid", "deep_run", "big_frame"];
+    want.extend(std::iter::repeat_n("descend", 61));
+    want.push("main");
+    assert_eq!(&got[..want.len()], &want[..], "{got:?}");
+}
+
 #[test]
 fn processes_of_one_program_share_its_table_and_the_cache_serves_the_next_run() {
     require_root();
