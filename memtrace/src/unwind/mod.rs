@@ -101,12 +101,28 @@ impl Default for UnwindOptions {
 }
 
 struct Pending {
+    /// The stack as the probes sent it, less its user frames: those are in `user`.
     record: StackRecord,
+    /// The user frames, as addresses (a table walk's are): 8 bytes each, not a
+    /// `RawUserFrame`'s 32, for the ~100 frames of each of the thousands of copies a cold
+    /// start holds while a big library's table is built.
+    user: Vec<u64>,
     since: Instant,
     bytes: usize,
     /// The table its last walk stopped at: it is walked again once that one is ready, not
     /// at every install (a cold start holds thousands while a hundred tables come in).
     waiting_on: Option<store::Slot>,
+}
+
+/// The addresses of a table walk's user frames (a frame-pointer walk's named by build id
+/// give their offset).
+fn frame_addresses(user: &[RawUserFrame]) -> Vec<u64> {
+    user.iter()
+        .map(|f| match *f {
+            RawUserFrame::Ip(ip) => ip,
+            RawUserFrame::BuildId { offset, .. } => offset,
+        })
+        .collect()
 }
 
 /// (pid, address space, ranges) whose maps were handed out, remembered at most (then
@@ -441,19 +457,25 @@ impl Unwinder {
                 record.joined_kernel
             );
         }
-        match self.finish(&record, sink, false) {
+        let user = frame_addresses(&record.user);
+        match self.finish(&record, &user, sink, false) {
             Ok(done) => Some(self.named(done)),
             Err(waiting_on) => {
                 self.stats.waited += 1;
-                let bytes = record.miss.as_ref().map_or(0, |m| m.copy.len()) + 64 + record.user.len() * 40;
+                let mut record = record;
+                record.user = Vec::new();
+                let bytes = record.miss.as_ref().map_or(0, |m| m.copy.len())
+                    + (user.len() + record.kernel.len()) * size_of::<u64>()
+                    + size_of::<Pending>()
+                    + size_of::<crate::event::StackMiss>();
                 self.pending_bytes += bytes;
-                self.pending.push_back(Pending { record, since: Instant::now(), bytes, waiting_on });
+                self.pending.push_back(Pending { record, user, since: Instant::now(), bytes, waiting_on });
                 let mut out = Vec::new();
                 while self.pending_bytes > MAX_PENDING_BYTES {
                     let Some(p) = self.pending.pop_front() else { break };
                     self.pending_bytes -= p.bytes;
                     self.stats.gave_up += 1;
-                    if let Ok(done) = self.finish(&p.record, sink, true) {
+                    if let Ok(done) = self.finish(&p.record, &p.user, sink, true) {
                         out.push(done);
                     }
                 }
@@ -489,7 +511,7 @@ impl Unwinder {
                 self.pending.push_back(p);
                 continue;
             }
-            match self.finish(&p.record, sink, give_up) {
+            match self.finish(&p.record, &p.user, sink, give_up) {
                 Ok(done) => {
                     if give_up {
                         self.stats.gave_up += 1;
@@ -519,7 +541,7 @@ impl Unwinder {
         let mut out = self.poll(sink);
         for p in std::mem::take(&mut self.pending) {
             self.stats.gave_up += 1;
-            if let Ok(done) = self.finish(&p.record, sink, true) {
+            if let Ok(done) = self.finish(&p.record, &p.user, sink, true) {
                 out.push(self.named(done));
             }
         }
@@ -527,11 +549,13 @@ impl Unwinder {
         out
     }
 
-    /// Walks the copy of `record` on; Err with the table's slot if a table it needs is not
-    /// ready (unless `give_up`: then the walk ends there, truncated).
+    /// Walks the copy of `record` on from its user frames `user`; Err with the table's slot
+    /// if a table it needs is not ready (unless `give_up`: then the walk ends there,
+    /// truncated).
     fn finish(
         &mut self,
         record: &StackRecord,
+        user: &[u64],
         sink: &mut dyn SpaceSink,
         give_up: bool,
     ) -> Result<StackRecord, Option<store::Slot>> {
@@ -542,14 +566,7 @@ impl Unwinder {
             }
             asid => Some(asid),
         };
-        let mut ips: Vec<u64> = record
-            .user
-            .iter()
-            .map(|f| match *f {
-                RawUserFrame::Ip(ip) => ip,
-                RawUserFrame::BuildId { offset, .. } => offset,
-            })
-            .collect();
+        let mut ips = user.to_vec();
         // Frames the probes walked from an anchor above the gap: kept aside, joined on if
         // the walk of the gap lands on the anchor.
         let from_anchor = match miss.resume_at {
@@ -755,6 +772,7 @@ mod tests {
         let len = (stack_end - sp).min(64 * 1024) as usize;
         // SAFETY: [sp, sp + len) lies in this thread's mapped stack, above our own frame.
         let copy = unsafe { std::slice::from_raw_parts(sp as *const u8, len) }.to_vec();
+        let copy_len = copy.len();
         let pid = std::process::id();
         let mut probes = FakeProbes::default();
         let mut unwinder = Unwinder::new(&UnwindOptions { disk_cache: false, ..Default::default() });
@@ -787,6 +805,11 @@ mod tests {
         // The process is learned on the spot; its tables are being built: the copy waits.
         assert!(unwinder.accept(record.clone(), &mut probes).is_none());
         assert_eq!(unwinder.waiting(), 1);
+        // What a waiting copy holds, counted against MAX_PENDING_BYTES: the copy, its frame
+        // as an address, the record.
+        let held = copy_len + 8 + size_of::<Pending>() + size_of::<StackMiss>();
+        assert_eq!(unwinder.pending_bytes, held);
+        assert!(unwinder.pending[0].record.user.is_empty(), "frames kept once, as addresses");
         let mut finished = Vec::new();
         let deadline = Instant::now() + Duration::from_secs(60);
         while finished.is_empty() && Instant::now() < deadline {
