@@ -504,6 +504,9 @@ pub struct MappingRecord {
 pub mod mapping_record {
     /// Executable memory without a file (JIT code).
     pub const ANONYMOUS: u32 = 1;
+    /// Made executable by `mprotect` (JIT code pages; rarely a file's pages, which keep
+    /// what their file says).
+    pub const MADE_EXECUTABLE: u32 = 2;
 }
 
 /// The name of a kernel slab cache (`kmem_cache.name`), sent once per cache.

@@ -28,7 +28,18 @@ impl UnwindRule {
     pub const STOP: Self = Self { cfa_offset: 0, rbp_offset: 0, kind: kind::STOP, _pad: 0 };
     pub const OUTERMOST: Self = Self { cfa_offset: 0, rbp_offset: 0, kind: kind::OUTERMOST, _pad: 0 };
     pub const SIGNAL: Self = Self { cfa_offset: 0, rbp_offset: 0, kind: kind::SIGNAL, _pad: 0 };
+    /// Code no call-frame information describes (JIT-compiled code, V8's builtins in
+    /// node's executable, hand-written assembly, a file without any): followed by its frame
+    /// pointer, as `push %rbp; mov %rsp,%rbp` leaves it, the CFA 16 bytes above %rbp and
+    /// the caller's %rbp just below the return address. Where %rbp is no frame pointer
+    /// there, [`step`]'s checks of the frame it gives stop most walks.
+    pub const FRAME_POINTER: Self = Self { cfa_offset: 16, rbp_offset: -16, kind: kind::CFA_BP, _pad: 0 };
 }
+
+/// The largest frame a step from %rbp accepts: no frame is larger than a thread's default
+/// stack (8 MiB), and a %rbp that is no frame pointer (a value the code keeps there, the
+/// parent's in a thread just cloned) mostly points further away, or below the stack pointer.
+pub const MAX_BP_FRAME: u64 = 8 << 20;
 
 /// `UnwindRule::kind`.
 pub mod kind {
@@ -220,6 +231,13 @@ pub fn step(regs: Regs, rule: UnwindRule, trampoline_for: u64, mut read: impl Fn
                     None => return Step::Stop,
                 },
             };
+            // A frame found from %rbp lies above the stack pointer, within reach, at an
+            // aligned %rbp: true of every frame pointer, rarely of anything else.
+            if rule.kind != kind::CFA_SP
+                && (regs.bp & 7 != 0 || cfa <= regs.sp || cfa.wrapping_sub(regs.sp) > MAX_BP_FRAME)
+            {
+                return Step::Stop;
+            }
             let Some(ip) = read(cfa.wrapping_sub(8)) else { return Step::Stop };
             let bp = if rule.rbp_offset != 0 {
                 match read(cfa.wrapping_add(rule.rbp_offset as i64 as u64)) {
@@ -520,6 +538,21 @@ mod tests {
         // A zero return address is the end of the stack.
         let mut zero = memory([(BASE + 8, 0)]);
         assert_eq!(step(Regs { sp: BASE, ..r }, rule(kind::CFA_SP, 16, 0), 0, &mut zero), Step::Outermost);
+    }
+
+    /// Code no call-frame information describes is walked by its frame pointer, when %rbp
+    /// looks like one: aligned, above the stack pointer, within a stack's reach.
+    #[test]
+    fn code_without_call_frame_information_is_walked_by_its_frame_pointer() {
+        let mut read = memory([(BASE + 0x100, BASE + 0x200), (BASE + 0x108, 0x6000)]);
+        let jit = Regs { ip: 0x4100, sp: BASE, bp: BASE + 0x100, exact: false };
+        let Step::Caller(caller) = step(jit, UnwindRule::FRAME_POINTER, 0, &mut read) else { panic!() };
+        assert_eq!(caller, Regs { ip: 0x6000, sp: BASE + 0x110, bp: BASE + 0x200, exact: false });
+        // %rbp below or at the stack pointer, unaligned, or further than a stack reaches
+        // (another thread's, the parent's in a thread just cloned): no frame.
+        for bp in [BASE - 0x100, BASE - 16, BASE + 0x101, BASE + MAX_BP_FRAME] {
+            assert_eq!(step(Regs { bp, ..jit }, UnwindRule::FRAME_POINTER, 0, &mut read), Step::Stop, "{bp:#x}");
+        }
     }
 
     #[test]

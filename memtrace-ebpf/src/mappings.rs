@@ -1,6 +1,7 @@
 //! Executable mappings of traced processes after their exec (how ld.so and dlopen load
 //! libraries, and where JIT code goes), from the raw syscall tracepoints: `openat` names a
-//! file descriptor, `mmap` with `PROT_EXEC` maps it, so userspace knows which file an
+//! file descriptor, `mmap` with `PROT_EXEC` maps it (or `mprotect` makes memory
+//! executable, as JITs commit their code), so userspace knows which file an
 //! address lies in, builds its unwind table and installs the range in the address space,
 //! even when the process is gone before its maps can be read. (The program and its interpreter, which the kernel maps during
 //! exec, come with the exec record; see `task`.)
@@ -33,8 +34,9 @@ fn fd_file(fd: u32) -> Option<u64> {
     read_kernel_at::<u64>(fds, fd.wrapping_mul(8)).filter(|&f| f != 0)
 }
 
-/// The x86-64 numbers of the two syscalls followed.
+/// The x86-64 numbers of the syscalls followed.
 const NR_MMAP: u64 = 9;
+const NR_MPROTECT: u64 = 10;
 const NR_OPENAT: u64 = 257;
 /// The uprobe machinery's own syscalls (x86-64, Linux 6.11 and 6.18): the return
 /// trampoline of every return probe, and an optimized probe's entry. Each memtrace return
@@ -81,7 +83,7 @@ fn try_sys_enter(ctx: &RawTracePointContext) -> Result<(), ()> {
         return Ok(());
     }
     syscall::enter();
-    if nr != NR_OPENAT && nr != NR_MMAP {
+    if nr != NR_OPENAT && nr != NR_MMAP && nr != NR_MPROTECT {
         return Ok(());
     }
     let (id, tgid, _) = pid_tgid();
@@ -97,17 +99,24 @@ fn try_sys_enter(ctx: &RawTracePointContext) -> Result<(), ()> {
         let filename = user_reg!(regs, rsi);
         return OPENAT_ARGS.insert(id, filename, BPF_ANY as u64).map_err(|_| ());
     }
-    // mmap(addr, len, prot, flags, fd, offset): rdi, rsi, rdx, r10, r8, r9.
+    // mmap(addr, len, prot, flags, fd, offset): rdi, rsi, rdx, r10, r8, r9;
+    // mprotect(addr, len, prot): rdi, rsi, rdx.
     let prot = user_reg!(regs, rdx);
     if prot & PROT_EXEC == 0 {
         return Ok(());
     }
     let len = user_reg!(regs, rsi);
+    if nr == NR_MPROTECT {
+        // Memory made executable (how V8 and other JITs commit their code pages).
+        let addr = user_reg!(regs, rdi);
+        let args = MmapArgs { len, offset: 0, fd: u64::MAX, addr };
+        return MMAP_ARGS.insert(id, args, BPF_ANY as u64).map_err(|_| ());
+    }
     let flags = user_reg!(regs, r10);
     let fd = user_reg!(regs, r8);
     let offset = user_reg!(regs, r9);
     let fd = if flags & MAP_ANONYMOUS != 0 { u64::MAX } else { fd };
-    MMAP_ARGS.insert(id, MmapArgs { len, offset, fd }, BPF_ANY as u64).map_err(|_| ())
+    MMAP_ARGS.insert(id, MmapArgs { len, offset, fd, addr: 0 }, BPF_ANY as u64).map_err(|_| ())
 }
 
 raw_tracepoint_program!(sys_exit, |ctx| try_sys_exit(ctx));
@@ -133,7 +142,7 @@ fn try_sys_exit(ctx: &RawTracePointContext) -> Result<(), ()> {
     let nr = nr.ok_or(())?;
     if nr == NR_OPENAT {
         try_exit_openat(ctx.arg(1))
-    } else if nr == NR_MMAP {
+    } else if nr == NR_MMAP || nr == NR_MPROTECT {
         try_exit_mmap(ctx.arg(1))
     } else {
         Ok(())
@@ -164,15 +173,18 @@ fn try_exit_openat(fd: i64) -> Result<(), ()> {
     FD_PATHS.insert((u64::from(tgid) << 32) | fd as u64, path, BPF_ANY as u64).map_err(|_| ())
 }
 
+/// An executable `mmap` or `mprotect` returned `ret` (the mapping's start, or 0).
 #[inline(always)]
-fn try_exit_mmap(start: u64) -> Result<(), ()> {
+fn try_exit_mmap(ret: u64) -> Result<(), ()> {
     let (id, tgid, _) = pid_tgid();
     // SAFETY: copied out at once.
     let args = *unsafe { MMAP_ARGS.get(id) }.ok_or(())?;
     let _ = MMAP_ARGS.remove(id);
-    if start >= (-4095i64) as u64 {
+    if ret >= (-4095i64) as u64 {
         return Ok(()); // an error code
     }
+    let protected = args.addr != 0;
+    let start = if protected { args.addr } else { ret };
     let anonymous = args.fd == u64::MAX;
     let asid = asid_of(tgid).unwrap_or(0);
     // A file whose table userspace registered: the probes add the range themselves, so
@@ -197,7 +209,8 @@ fn try_exit_mmap(start: u64) -> Result<(), ()> {
         r.rtype = RecordType::Mapping as u8;
         r.pid = tgid;
         r.asid = asid;
-        r.flags = if anonymous { mapping_record::ANONYMOUS } else { 0 };
+        r.flags = if anonymous { mapping_record::ANONYMOUS } else { 0 }
+            | if protected { mapping_record::MADE_EXECUTABLE } else { 0 };
         r.start = start;
         r.len = args.len;
         r.file_offset = args.offset;

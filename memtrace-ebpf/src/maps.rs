@@ -306,6 +306,8 @@ pub(crate) struct MmapArgs {
     pub(crate) offset: u64,
     /// The file descriptor; u64::MAX for anonymous memory.
     pub(crate) fd: u64,
+    /// `mprotect`'s address (0: an `mmap`, whose start is what it returns).
+    pub(crate) addr: u64,
 }
 
 /// `mmap` with PROT_EXEC in flight: pid_tgid → its arguments.

@@ -17,7 +17,7 @@ use memtrace_common::{
     FileId, FileTable, MAX_CPUS, MAX_USER_DEPTH, MappingKey, MappingValue, RULE_CACHE_SLOTS,
     UNWIND_ANCHORED_COPY_BYTES, UPROBE_TRAMPOLINE_PAGE, UnwindMiss, UnwindRule, counter, stack_flags, stack_hash_step,
     unwind::RESUME_SPS,
-    unwind::{self, NO_SLOT, Regs, Step, decode_rule, kind, mapping_flags, table},
+    unwind::{self, NO_SLOT, Regs, Step, decode_rule, encode_rule, kind, mapping_flags, table},
     unwind_mode,
 };
 
@@ -373,7 +373,8 @@ fn rule_at(st: &mut WalkState, addr: u64) -> Result<u32, NoRule> {
         st.map_flags = m.flags;
     }
     if st.map_flags & (mapping_flags::NO_FILE | mapping_flags::NO_TABLE) != 0 {
-        return Err(NoRule::Never);
+        // JIT-compiled code, or a file without call-frame information: its frame pointer.
+        return Ok(encode_rule(UnwindRule::FRAME_POINTER));
     }
     let found = memtrace_table_rule(u64::from(st.map_table), addr.wrapping_sub(st.map_bias));
     let rule = match found >> 32 {
@@ -421,7 +422,9 @@ fn table_rule(slot: u32, vaddr: u64) -> Result<u32, NoRule> {
     let rel = vaddr.wrapping_sub(pc_base);
     let page = rel >> table::PAGE_SHIFT;
     if page >= u64::from(pages) {
-        return Err(NoRule::Never);
+        // Code of the file no FDE covers (`.plt`, `.init`, before the first or past the
+        // last): its frame pointer, as the table's gaps give.
+        return Ok(encode_rule(UnwindRule::FRAME_POINTER));
     }
     let page = page as u32;
     let (Some(lo), Some(hi)) = (get(table::PAGES + page), get(table::PAGES + page + 1)) else {
@@ -429,7 +432,7 @@ fn table_rule(slot: u32, vaddr: u64) -> Result<u32, NoRule> {
     };
     let Some(first) = get(table::row_element(pages, lo as u32)) else { return Err(NoRule::Never) };
     if unwind::row_pc(first) > rel as u32 {
-        return Err(NoRule::Never);
+        return Ok(encode_rule(UnwindRule::FRAME_POINTER));
     }
     // The search of `memtrace_common::unwind::find_row`, one step per `bpf_loop`
     // iteration, so the verifier checks the step once instead of every unrolled one.

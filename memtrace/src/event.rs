@@ -161,6 +161,8 @@ pub struct FileMapping {
     pub file_offset: u64,
     /// The path the process opened the file by; None for memory without a file.
     pub path: Option<String>,
+    /// Made executable by `mprotect`, not mapped so.
+    pub made_executable: bool,
 }
 
 /// What a task record says beyond the [`Task`]: the address space it concerns (fork: the
@@ -349,6 +351,7 @@ pub fn decode(bytes: &[u8], cpu: u16) -> Result<Record, DecodeError> {
                 len: r.len,
                 file_offset: r.file_offset,
                 path: (r.flags & mapping_record::ANONYMOUS == 0).then(|| c_string(&r.path)),
+                made_executable: r.flags & mapping_record::MADE_EXECUTABLE != 0,
             })
         }
         RecordType::Cache => {

@@ -4,7 +4,8 @@
 //! frame; tables built once per file and shared by processes; the disk cache used, and
 //! rebuilt when an entry is damaged, of another version or not root's; the files a program
 //! used loaded before it runs again; a library loaded deep in a stack larger than any copy
-//! joined to the frames above it (anchors); memory bounded
+//! joined to the frames above it (anchors); code without call-frame information (a JIT's,
+//! a library built without) walked by its frame pointer; memory bounded
 //! under a flood; a short-lived process under `record -a` on a busy machine unwound whole.
 mod common;
 
@@ -406,6 +407,68 @@ fn a_library_called_under_a_frame_larger_than_a_copy_unwinds_whole() {
     want.extend(std::iter::repeat_n("descend", 61));
     want.push("main");
     assert_eq!(&got[..want.len()], &want[..], "{got:?}");
+}
+
+/// A library built without call-frame information (with frame pointers, as some are).
+const NO_CFI_LIB: &str = r#"
+#define NOIPA __attribute__((noipa))
+volatile unsigned long nocfi_sink;
+NOIPA void *nocfi_mid(void *(*f)(void)) { void *p = f(); nocfi_sink += (unsigned long)p; return p; }
+"#;
+
+/// Allocations under code no call-frame information describes: a function of that library,
+/// and "JIT-compiled" code (a stub that keeps a frame pointer, in memory made executable
+/// by `mprotect` as JITs commit their code: node's V8 does both).
+const NO_CFI_HOST: &str = r#"
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#define NOIPA __attribute__((noipa))
+volatile unsigned long sink;
+void *nocfi_mid(void *(*f)(void));
+NOIPA void *fp_leaf(void) { void *p = malloc(40); sink += (unsigned long)p; return p; }
+NOIPA void through_library(int n) { for (int i = 0; i < n; i++) free(nocfi_mid(fp_leaf)); sink += 1; }
+NOIPA void through_jit(int n) {
+    /* push %rbp; mov %rsp,%rbp; call *%rdi; pop %rbp; ret */
+    static const unsigned char code[] = {0x55, 0x48, 0x89, 0xe5, 0xff, 0xd7, 0x5d, 0xc3};
+    unsigned char *m = mmap(0, 4096, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    memcpy(m, code, sizeof code);
+    if (mprotect(m, 4096, PROT_READ | PROT_EXEC) != 0) exit(2);
+    void *(*jit)(void *(*)(void)) = (void *(*)(void *(*)(void)))m;
+    for (int i = 0; i < n; i++) free(jit(fp_leaf));
+    sink += 1;
+}
+int main(void) { through_library(30); through_jit(40); return 0; }
+"#;
+
+#[test]
+fn code_without_call_frame_information_is_walked_by_its_frame_pointer() {
+    require_root();
+    let _sharing = sharing_the_machine();
+    let dir = scratch("no-cfi");
+    let no_unwind_tables = ["-shared", "-fPIC", "-g0", "-fno-asynchronous-unwind-tables", "-fno-unwind-tables"];
+    let lib = cc(&dir, "libnocfi.so", NO_CFI_LIB, &[&no_unwind_tables[..], &["-fno-omit-frame-pointer"]].concat());
+    let rpath = format!("-Wl,-rpath,{}", dir.display());
+    let host = cc(&dir, "nocfihost", NO_CFI_HOST, &[lib.to_str().unwrap(), &rpath]);
+    let data = dir.join("nocfi.data");
+    record(&data, &[("MEMTRACE_CACHE_DIR", dir.join("cache").to_str().unwrap())], &["-q"], &[&host]);
+    let report = report_json(&data, &["--by", "stack", "--domain", "user"]);
+    let sites = sites_of(&report, "fp_leaf");
+    assert_eq!(sites.len(), 2, "one stack for each way: {sites:#?}");
+    for site in sites {
+        let got = functions(site);
+        let (allocs, caller) = match site["allocs"].as_u64() {
+            Some(30) => (30, "through_library"),
+            Some(40) => (40, "through_jit"),
+            other => panic!("{other:?}: {got:?}"),
+        };
+        assert_eq!(site["truncated"].as_bool(), Some(false), "{allocs}: {got:?}");
+        // The JIT's frame has no symbol: its address.
+        let middle = if allocs == 30 { "nocfi_mid".to_string() } else { got[1].clone() };
+        assert!(allocs == 30 || middle.starts_with("[unknown] 0x"), "{got:?}");
+        assert_eq!(&got[..4], &["fp_leaf", &middle, caller, "main"], "{got:?}");
+        assert!(got[4..].iter().any(|f| f.contains("__libc_start")), "reaches the start: {got:?}");
+    }
 }
 
 #[test]

@@ -189,7 +189,8 @@ impl Cfi {
     }
 
     /// Every row of the file's table, sorted by pc, without two consecutive rows of the
-    /// same rule: the FDEs' rows, a stop where no FDE covers code, and the entry code as
+    /// same rule: the FDEs' rows, the frame-pointer rule where no FDE covers code
+    /// ([`UnwindRule::FRAME_POINTER`]), and the entry code as
     /// the outermost frame when no FDE describes it. Parsing stops at the first malformed
     /// entry of a section; what came before is kept.
     pub fn rows(&self) -> Vec<Row> {
@@ -209,7 +210,7 @@ impl Cfi {
         }
         if self.entry != 0 && !covered.iter().any(|&(s, e)| (s..e).contains(&self.entry)) {
             raw.push((self.entry, 1, UnwindRule::OUTERMOST));
-            raw.push((self.entry + ENTRY_CODE_BYTES, 0, UnwindRule::STOP));
+            raw.push((self.entry + ENTRY_CODE_BYTES, 0, UnwindRule::FRAME_POINTER));
         }
         raw.sort_unstable_by_key(|&(pc, prio, _)| (pc, prio));
         let mut rows: Vec<Row> = Vec::with_capacity(raw.len() / 2);
@@ -256,7 +257,8 @@ fn fde_rows<S: UnwindSection<Slice>>(
             let rule = summarize(section, row, signal_frame).map_or(UnwindRule::STOP, rule_for);
             out.push((row.start_address(), 1, rule));
         }
-        out.push((end, 0, UnwindRule::STOP));
+        // Up to the next FDE, code none describes: walked by its frame pointer.
+        out.push((end, 0, UnwindRule::FRAME_POINTER));
     }
 }
 

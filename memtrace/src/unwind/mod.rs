@@ -324,6 +324,9 @@ impl Unwinder {
             );
         }
         let asid = if m.asid != 0 { m.asid } else { self.spaces.asid_of(m.pid).unwrap_or(0) };
+        if m.made_executable && self.spaces.knows_protected(asid, m.start, m.start.saturating_add(m.len)) {
+            return;
+        }
         if let (Some(file), Some(program)) = (&path, self.programs.get(&asid))
             && !file.starts_with("/proc/")
             && !program.starts_with("/proc/")
@@ -594,7 +597,11 @@ impl Unwinder {
                     let Some(m) = spaces.find(asid, addr) else {
                         return Lookup::Rule(memtrace_common::UnwindRule::STOP);
                     };
-                    match m.slot.and_then(|slot| store.state(slot)) {
+                    let Some(slot) = m.slot else {
+                        // JIT-compiled code, or a file without call-frame information.
+                        return Lookup::Rule(memtrace_common::UnwindRule::FRAME_POINTER);
+                    };
+                    match store.state(slot) {
                         Some(TableState::Ready(t)) => Lookup::Rule(t.rule_at(addr.wrapping_sub(m.bias))),
                         Some(TableState::Building) if !give_up => {
                             waiting_on = m.slot;

@@ -237,6 +237,18 @@ impl Spaces {
         space.mappings[..at].last().filter(|m| addr < m.end)
     }
 
+    /// Whether memory `[start, end)` of `asid`, made executable by `mprotect`, is known
+    /// already: a file's pages (they keep what their file says) or that very range of
+    /// memory without a file (a JIT switching its pages between writable and executable).
+    pub fn knows_protected(&self, asid: u32, start: u64, end: u64) -> bool {
+        let Some(space) = self.spaces.get(&asid) else { return false };
+        let from = space.mappings.partition_point(|m| m.end <= start);
+        space.mappings[from..]
+            .iter()
+            .take_while(|m| m.start < end)
+            .any(|m| m.path.is_some() || (m.start == start && m.end == end))
+    }
+
     /// The executable file mappings of `asid` as a memory map, for naming frames by file
     /// and offset after the process is gone (its `/proc` maps with it).
     pub fn file_maps(&self, asid: u32) -> Option<Maps> {

@@ -76,16 +76,16 @@ impl Table {
         (2 + self.pages.len() + self.rows.len()) * 8
     }
 
-    /// The rule for file virtual address `vaddr`, found as the probes find it; a stop
-    /// outside the covered code.
+    /// The rule for file virtual address `vaddr`, found as the probes find it; the
+    /// frame-pointer rule outside the covered code.
     pub fn rule_at(&self, vaddr: u64) -> UnwindRule {
-        let Some(rel) = vaddr.checked_sub(self.pc_base) else { return UnwindRule::STOP };
+        let Some(rel) = vaddr.checked_sub(self.pc_base) else { return UnwindRule::FRAME_POINTER };
         let page = rel >> table::PAGE_SHIFT;
         if page >= u64::from(self.page_count()) {
-            return UnwindRule::STOP;
+            return UnwindRule::FRAME_POINTER;
         }
         let (lo, hi) = (self.pages[page as usize], self.pages[page as usize + 1]);
-        find_row(lo, hi, rel as u32, |i| self.rows.get(i as usize).copied()).map_or(UnwindRule::STOP, row_rule)
+        find_row(lo, hi, rel as u32, |i| self.rows.get(i as usize).copied()).map_or(UnwindRule::FRAME_POINTER, row_rule)
     }
 
     /// The file virtual address of a file offset (in a loadable segment).
@@ -108,7 +108,7 @@ mod tests {
 
     /// The rule in effect at `vaddr` by a plain scan of the rows.
     fn scan(rows: &[Row], vaddr: u64) -> UnwindRule {
-        rows.iter().rev().find(|r| r.pc <= vaddr).map_or(UnwindRule::STOP, |r| r.rule)
+        rows.iter().rev().find(|r| r.pc <= vaddr).map_or(UnwindRule::FRAME_POINTER, |r| r.rule)
     }
 
     #[test]
@@ -119,7 +119,7 @@ mod tests {
             Row { pc: 0x2ff0, rule: rule(24) },
             Row { pc: 0x3000, rule: UnwindRule::STOP },
             Row { pc: 0x5000, rule: rule(8) },
-            Row { pc: 0x5010, rule: UnwindRule::STOP },
+            Row { pc: 0x5010, rule: UnwindRule::FRAME_POINTER },
         ];
         let t = Table::from_rows(&rows, vec![]);
         assert_eq!(t.pc_base, 0x1000);
@@ -141,8 +141,8 @@ mod tests {
                 pc += g;
                 Row { pc, rule: if i % 3 == 2 { UnwindRule::STOP } else { rule(8 * (i as i32 + 1)) } }
             }).collect();
-            // Tables end with a stop, as every FDE does.
-            rows.push(Row { pc: pc + 1, rule: UnwindRule::STOP });
+            // Tables end as every FDE does: code past it is walked by its frame pointer.
+            rows.push(Row { pc: pc + 1, rule: UnwindRule::FRAME_POINTER });
             let t = Table::from_rows(&rows, vec![]);
             for p in probes {
                 let vaddr = 0x40_0000 + p;

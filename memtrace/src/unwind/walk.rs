@@ -164,13 +164,26 @@ mod tests {
 
     #[test]
     fn depth_is_bounded_and_the_trampoline_seen_through() {
-        let bytes = stack(&[(BASE, BASE), (BASE + 8, 0x1000)]);
+        // A chain of frame pointers deeper than the bound, each frame 16 bytes above the last.
+        let frames = MAX_USER_DEPTH as u64 + 8;
+        let mut bytes = vec![0u8; (frames * 16 + 16) as usize];
+        for k in 0..frames {
+            let at = (k * 16) as usize;
+            bytes[at..at + 8].copy_from_slice(&(BASE + 16 * (k + 1)).to_le_bytes());
+            bytes[at + 8..at + 16].copy_from_slice(&0x1000u64.to_le_bytes());
+        }
         let memory = StackCopy { base: BASE, bytes: &bytes };
         let regs = Regs { ip: 0x1000, sp: BASE, bp: BASE, exact: false };
         let mut ips = vec![0x1000];
         let r = rule(kind::CFA_BP, 16, -16);
         assert_eq!(walk(regs, &memory, &mut ips, 0, &[], |_| Lookup::Rule(r)), End::Truncated);
         assert_eq!(ips.len(), MAX_USER_DEPTH);
+        // A %rbp that loops on itself gives a frame at the stack pointer: not a frame.
+        let bytes = stack(&[(BASE, BASE), (BASE + 8, 0x1000)]);
+        let memory = StackCopy { base: BASE, bytes: &bytes };
+        let mut ips = vec![0x1000];
+        assert_eq!(walk(regs, &memory, &mut ips, 0, &[], |_| Lookup::Rule(r)), End::Truncated);
+        assert_eq!(ips, vec![0x1000, 0x1000]);
 
         let bytes = stack(&[(BASE + 8, UPROBE_TRAMPOLINE_PAGE), (BASE + 24, 0x3000)]);
         let memory = StackCopy { base: BASE, bytes: &bytes };
