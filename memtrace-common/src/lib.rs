@@ -478,7 +478,8 @@ pub mod unwind_mode {
 }
 
 /// Code a traced process mapped: an `mmap` with `PROT_EXEC`, of a file opened with
-/// `openat` (how ld.so and dlopen load libraries) or of anonymous memory (JIT code), so
+/// `openat` (how ld.so and dlopen load libraries) or of anonymous memory (JIT code), or
+/// memory an `mprotect` made executable (JIT code pages), so
 /// userspace knows which file an address lies in even when the process is gone before its
 /// maps can be read. (A program and its interpreter, which the kernel maps at exec, come
 /// with the exec's [`TaskRecord`].)

@@ -231,10 +231,10 @@ pub fn step(regs: Regs, rule: UnwindRule, trampoline_for: u64, mut read: impl Fn
                     None => return Step::Stop,
                 },
             };
-            // A frame found from %rbp lies above the stack pointer, within reach, at an
-            // aligned %rbp: true of every frame pointer, rarely of anything else.
+            // A frame found from %rbp: %rbp aligned, at or above the stack pointer, the
+            // frame within reach: true of every frame pointer, rarely of anything else.
             if rule.kind != kind::CFA_SP
-                && (regs.bp & 7 != 0 || cfa <= regs.sp || cfa.wrapping_sub(regs.sp) > MAX_BP_FRAME)
+                && (regs.bp & 7 != 0 || regs.bp < regs.sp || cfa <= regs.sp || cfa.wrapping_sub(regs.sp) > MAX_BP_FRAME)
             {
                 return Step::Stop;
             }
@@ -252,7 +252,9 @@ pub fn step(regs: Regs, rule: UnwindRule, trampoline_for: u64, mut read: impl Fn
         _ => return Step::Stop,
     };
     if next.ip == 0 {
-        return Step::Outermost;
+        // The end of the stack where the CFI says so; found from %rbp (the frame-pointer
+        // rule taken where there is no CFI), a zero word proves nothing.
+        return if rule.kind == kind::CFA_SP { Step::Outermost } else { Step::Stop };
     }
     if next.ip & !0xfff == UPROBE_TRAMPOLINE_PAGE {
         if trampoline_for == 0 {
@@ -299,9 +301,9 @@ pub struct MappingValue {
 }
 
 pub mod mapping_flags {
-    /// Executable memory without a file (JIT code): walks stop there.
+    /// Executable memory without a file (JIT code): walked by its frame pointer.
     pub const NO_FILE: u32 = 1;
-    /// A file without usable call-frame information: walks stop there.
+    /// A file without usable call-frame information: walked by its frame pointer.
     pub const NO_TABLE: u32 = 2;
 }
 
@@ -544,15 +546,24 @@ mod tests {
     /// looks like one: aligned, above the stack pointer, within a stack's reach.
     #[test]
     fn code_without_call_frame_information_is_walked_by_its_frame_pointer() {
-        let mut read = memory([(BASE + 0x100, BASE + 0x200), (BASE + 0x108, 0x6000)]);
         let jit = Regs { ip: 0x4100, sp: BASE, bp: BASE + 0x100, exact: false };
-        let Step::Caller(caller) = step(jit, UnwindRule::FRAME_POINTER, 0, &mut read) else { panic!() };
+        let fp = UnwindRule::FRAME_POINTER;
+        // A frame at `bp`: the caller's %rbp, then a return address.
+        let frame_at = |bp: u64| {
+            let words: BTreeMap<u64, u64> = [(bp, bp + 0x100), (bp + 8, 0x6000)].into_iter().collect();
+            move |a: u64| words.get(&a).copied()
+        };
+        let Step::Caller(caller) = step(jit, fp, 0, frame_at(BASE + 0x100)) else { panic!() };
         assert_eq!(caller, Regs { ip: 0x6000, sp: BASE + 0x110, bp: BASE + 0x200, exact: false });
-        // %rbp below or at the stack pointer, unaligned, or further than a stack reaches
-        // (another thread's, the parent's in a thread just cloned): no frame.
-        for bp in [BASE - 0x100, BASE - 16, BASE + 0x101, BASE + MAX_BP_FRAME] {
-            assert_eq!(step(Regs { bp, ..jit }, UnwindRule::FRAME_POINTER, 0, &mut read), Step::Stop, "{bp:#x}");
+        // %rbp below the stack pointer, unaligned, or further than a stack reaches (another
+        // thread's, the parent's in a thread just cloned): no frame, whatever lies there.
+        for bp in [BASE - 0x100, BASE - 8, BASE + 0x101, BASE + MAX_BP_FRAME] {
+            assert_eq!(step(Regs { bp, ..jit }, fp, 0, frame_at(bp)), Step::Stop, "{bp:#x}");
         }
+        // A zero word where the return address would be ends nothing: only the CFI says
+        // where a stack ends.
+        let zero = |a: u64| (a == BASE + 0x100 || a == BASE + 0x108).then_some(0);
+        assert_eq!(step(jit, fp, 0, zero), Step::Stop);
     }
 
     #[test]

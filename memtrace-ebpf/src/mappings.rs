@@ -37,6 +37,7 @@ fn fd_file(fd: u32) -> Option<u64> {
 /// The x86-64 numbers of the syscalls followed.
 const NR_MMAP: u64 = 9;
 const NR_MPROTECT: u64 = 10;
+const NR_PKEY_MPROTECT: u64 = 329;
 const NR_OPENAT: u64 = 257;
 /// The uprobe machinery's own syscalls (x86-64, Linux 6.11 and 6.18): the return
 /// trampoline of every return probe, and an optimized probe's entry. Each memtrace return
@@ -83,7 +84,7 @@ fn try_sys_enter(ctx: &RawTracePointContext) -> Result<(), ()> {
         return Ok(());
     }
     syscall::enter();
-    if nr != NR_OPENAT && nr != NR_MMAP && nr != NR_MPROTECT {
+    if nr != NR_OPENAT && nr != NR_MMAP && nr != NR_MPROTECT && nr != NR_PKEY_MPROTECT {
         return Ok(());
     }
     let (id, tgid, _) = pid_tgid();
@@ -100,15 +101,17 @@ fn try_sys_enter(ctx: &RawTracePointContext) -> Result<(), ()> {
         return OPENAT_ARGS.insert(id, filename, BPF_ANY as u64).map_err(|_| ());
     }
     // mmap(addr, len, prot, flags, fd, offset): rdi, rsi, rdx, r10, r8, r9;
-    // mprotect(addr, len, prot): rdi, rsi, rdx.
+    // mprotect(addr, len, prot) and pkey_mprotect(addr, len, prot, pkey): rdi, rsi, rdx.
     let prot = user_reg!(regs, rdx);
     if prot & PROT_EXEC == 0 {
         return Ok(());
     }
     let len = user_reg!(regs, rsi);
-    if nr == NR_MPROTECT {
-        // Memory made executable (how V8 and other JITs commit their code pages).
+    if nr == NR_MPROTECT || nr == NR_PKEY_MPROTECT {
+        // Memory made executable (how V8 and other JITs commit their code pages), in whole
+        // pages (the address is page-aligned, or the call fails).
         let addr = user_reg!(regs, rdi);
+        let len = len.wrapping_add(4095) & !4095;
         let args = MmapArgs { len, offset: 0, fd: u64::MAX, addr };
         return MMAP_ARGS.insert(id, args, BPF_ANY as u64).map_err(|_| ());
     }
@@ -142,7 +145,7 @@ fn try_sys_exit(ctx: &RawTracePointContext) -> Result<(), ()> {
     let nr = nr.ok_or(())?;
     if nr == NR_OPENAT {
         try_exit_openat(ctx.arg(1))
-    } else if nr == NR_MMAP || nr == NR_MPROTECT {
+    } else if nr == NR_MMAP || nr == NR_MPROTECT || nr == NR_PKEY_MPROTECT {
         try_exit_mmap(ctx.arg(1))
     } else {
         Ok(())

@@ -306,7 +306,8 @@ pub(crate) struct MmapArgs {
     pub(crate) offset: u64,
     /// The file descriptor; u64::MAX for anonymous memory.
     pub(crate) fd: u64,
-    /// `mprotect`'s address (0: an `mmap`, whose start is what it returns).
+    /// `mprotect`'s address (0: an `mmap`, whose start is what it returns; nothing is
+    /// mapped at 0).
     pub(crate) addr: u64,
 }
 

@@ -13,7 +13,7 @@ use memtrace_common::counter;
 
 use crate::{
     maps::{COUNTERS, RINGS, Ring},
-    stack::STACK_RECORD_MAX,
+    stack::COPY_ROOM,
 };
 
 #[inline(always)]
@@ -115,5 +115,5 @@ pub(crate) fn room_for_copy(ring: &Ring) -> bool {
             generated::bpf_ringbuf_query(ring_ptr, BPF_RB_RING_SIZE as u64),
         )
     };
-    waiting + (STACK_RECORD_MAX as u64) < size - size / 4
+    waiting + (COPY_ROOM as u64) < size - size / 4
 }

@@ -37,6 +37,10 @@ pub(crate) const USER_PART_MAX_OFF: usize = size_of::<StackHeader>() + KERNEL_FR
 pub(crate) const MISS_MAX_OFF: usize = USER_PART_MAX_OFF + USER_IPS_BYTES;
 pub(crate) const FP_RECORD_MAX: usize = USER_PART_MAX_OFF + USER_FRAMES_BYTES;
 pub(crate) const DWARF_RECORD_MAX: usize = MISS_MAX_OFF + size_of::<UnwindMiss>() + UNWIND_ANCHORED_COPY_BYTES;
+/// The ring room a stack copy is sent only with: a record whose copy is as long as an
+/// unanchored one. Longer copies (the gap below a far anchor, rare) take more; the quarter
+/// of the ring kept free covers them, and tiny rings (`--ring-size 64K`) still take copies.
+pub(crate) const COPY_ROOM: usize = MISS_MAX_OFF + size_of::<UnwindMiss>() + UNWIND_COPY_BYTES;
 pub(crate) const STACK_RECORD_MAX: usize =
     if FP_RECORD_MAX > DWARF_RECORD_MAX { FP_RECORD_MAX } else { DWARF_RECORD_MAX };
 

@@ -28,6 +28,7 @@ pub mod grouping;
 pub mod logging;
 pub mod modules;
 pub mod naming;
+pub mod perf_map;
 pub mod probes;
 pub mod procfs;
 pub mod python;

@@ -469,8 +469,9 @@ struct RecordArgs {
     /// (/var/cache/memtrace/unwind).
     #[arg(long)]
     no_unwind_cache: bool,
-    /// Memory the unwind tables may take in the kernel (default 1G); past it, stacks
-    /// through further files are cut short there, with a warning.
+    /// Memory the unwind tables may take in the kernel (default 1G); past it, further files
+    /// are walked by frame pointers only (stacks are cut short where they keep none), with
+    /// a warning.
     #[arg(long, value_parser = parse_size)]
     unwind_memory: Option<u64>,
     /// Prefix of the allocator's functions, for custom allocators (e.g. je_ for jemalloc).

@@ -17,7 +17,8 @@ use super::{Sink, TraceOptions, Tracer, Wake, WakeLoop, block_on, monotonic_ns, 
 use crate::{
     event::{Event, StackRecord},
     naming::Namer,
-    recording::{FileFrame, Meta, Stats, SymbolKey, Writer},
+    perf_map::PerfMap,
+    recording::{FileFrame, Meta, Stats, Symbol, SymbolKey, Writer},
     symbolize::Background,
 };
 
@@ -79,6 +80,8 @@ struct Recorder {
     /// Stacks, modules and process names, as `top` names them too.
     namer: Namer,
     user_frames: crate::FastSet<FileFrame>,
+    /// Frames in memory without a file (JIT code), by process: named from its perf map.
+    jit_frames: crate::FastMap<u32, crate::FastSet<u64>>,
     kernel_addrs: crate::FastSet<u64>,
     write_error: Option<io::Error>,
     /// Has read the kernel's symbols and the command's files' while the probes loaded;
@@ -132,6 +135,7 @@ impl Recorder {
                 }
             }
         }
+        self.name_jit_frames();
         let mut addrs: Vec<u64> = self.kernel_addrs.iter().copied().collect();
         addrs.sort_unstable();
         let lookups: Vec<u64> = addrs.iter().map(|a| a.saturating_sub(1)).collect();
@@ -147,9 +151,33 @@ impl Recorder {
     }
 }
 
+impl Recorder {
+    /// Names the frames in JIT-compiled code from their processes' perf maps, where the
+    /// runtime writes one (`perf_map`).
+    fn name_jit_frames(&mut self) {
+        for (pid, ips) in std::mem::take(&mut self.jit_frames) {
+            let Some(map) = PerfMap::read(pid) else { continue };
+            let mut named = 0usize;
+            for ip in ips {
+                // A return address names the call before it.
+                let Some(name) = map.name(ip.saturating_sub(1)).or_else(|| map.name(ip)) else { continue };
+                let symbol = Symbol { name: name.to_string(), file: None, line: 0, inlined: false };
+                self.writer.symbol(SymbolKey::User(FileFrame::Address(ip)), &[symbol]);
+                named += 1;
+            }
+            log::debug!("pid {pid}: {named} JIT frames named from its perf map");
+        }
+    }
+}
+
 impl Sink for Recorder {
     fn stack(&mut self, s: StackRecord) {
         let Some(stack) = self.namer.stack(s) else { return };
+        for frame in &stack.user {
+            if let FileFrame::Address(ip) = *frame {
+                self.jit_frames.entry(stack.pid).or_default().insert(ip);
+            }
+        }
         self.user_frames.extend(stack.user.iter().copied());
         self.kernel_addrs.extend(stack.kernel.iter().copied());
         for m in self.namer.modules.take_new() {
@@ -334,6 +362,7 @@ pub fn record(opts: RecordOptions) -> Result<RecordSummary> {
         writer,
         namer: Namer::new(),
         user_frames: Default::default(),
+        jit_frames: Default::default(),
         kernel_addrs: Default::default(),
         write_error: None,
         symbols,

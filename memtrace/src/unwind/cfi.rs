@@ -1,7 +1,7 @@
 //! Reading a file's call-frame information — `.eh_frame`, and `.debug_frame` for code it
 //! does not cover — into the rows of its unwind table: for every FDE, each row of its CFA
-//! program turned into the [`UnwindRule`] the probes can follow (or a stop), plus a stop
-//! where no FDE covers the code. Also where the file's loadable segments sit, so a mapping's
+//! program turned into the [`UnwindRule`] the probes can follow (or a stop), plus the
+//! frame-pointer rule where no FDE covers the code. Also where the file's loadable segments sit, so a mapping's
 //! file offset can be turned into the file's virtual addresses.
 use std::{fs::File, path::Path, sync::Arc};
 

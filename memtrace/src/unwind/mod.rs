@@ -247,7 +247,7 @@ impl Unwinder {
             .filter(|p| p.exists())
             .or_else(|| filename.starts_with('/').then(|| PathBuf::from(filename)).filter(|p| p.exists()));
         let Some(exe) = exe else {
-            log::debug!("pid {pid}: its program {filename:?} cannot be read: its frames end stacks");
+            log::debug!("pid {pid}: its program {filename:?} cannot be read: its frames are walked by frame pointers");
             return;
         };
         self.programs.insert(space.asid, exe.clone());
@@ -317,16 +317,21 @@ impl Unwinder {
         });
         if m.path.is_some() && path.is_none() {
             log::debug!(
-                "pid {}: cannot read the file mapped at {:#x} ({:?}): its frames end stacks",
+                "pid {}: cannot read the file mapped at {:#x} ({:?}): its frames are walked by frame pointers",
                 m.pid,
                 m.start,
                 m.path
             );
         }
         let asid = if m.asid != 0 { m.asid } else { self.spaces.asid_of(m.pid).unwrap_or(0) };
-        if m.made_executable && self.spaces.knows_protected(asid, m.start, m.start.saturating_add(m.len)) {
-            return;
-        }
+        let (start, len) = if m.made_executable {
+            match self.spaces.protected_range(asid, m.start, m.start.saturating_add(m.len)) {
+                Some((lo, hi)) => (lo, hi - lo),
+                None => return,
+            }
+        } else {
+            (m.start, m.len)
+        };
         if let (Some(file), Some(program)) = (&path, self.programs.get(&asid))
             && !file.starts_with("/proc/")
             && !program.starts_with("/proc/")
@@ -339,7 +344,7 @@ impl Unwinder {
                 }
             }
         }
-        self.spaces.add_mapping(asid, m.start, m.len, m.file_offset, path.as_deref(), &mut self.store, sink);
+        self.spaces.add_mapping(asid, start, len, m.file_offset, path.as_deref(), &mut self.store, sink);
     }
 
     /// Learns a process that existed before tracing began, from its maps.
@@ -469,6 +474,7 @@ impl Unwinder {
                 record.user = Vec::new();
                 let bytes = record.miss.as_ref().map_or(0, |m| m.copy.len())
                     + (user.len() + record.kernel.len()) * size_of::<u64>()
+                    + size_of_val(record.python.as_slice())
                     + size_of::<Pending>()
                     + size_of::<crate::event::StackMiss>();
                 self.pending_bytes += bytes;

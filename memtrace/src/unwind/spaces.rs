@@ -237,16 +237,23 @@ impl Spaces {
         space.mappings[..at].last().filter(|m| addr < m.end)
     }
 
-    /// Whether memory `[start, end)` of `asid`, made executable by `mprotect`, is known
-    /// already: a file's pages (they keep what their file says) or that very range of
-    /// memory without a file (a JIT switching its pages between writable and executable).
-    pub fn knows_protected(&self, asid: u32, start: u64, end: u64) -> bool {
-        let Some(space) = self.spaces.get(&asid) else { return false };
+    /// The range to record for memory `[start, end)` of `asid` made executable by
+    /// `mprotect`: None when it is known already (a file's pages, which keep what their
+    /// file says, or memory without a file that covers it all: a JIT switching its pages
+    /// between writable and executable); else the range joined with the ranges of memory
+    /// without a file it overlaps, which recording it alone would cut.
+    pub fn protected_range(&self, asid: u32, start: u64, end: u64) -> Option<(u64, u64)> {
+        let Some(space) = self.spaces.get(&asid) else { return Some((start, end)) };
         let from = space.mappings.partition_point(|m| m.end <= start);
-        space.mappings[from..]
-            .iter()
-            .take_while(|m| m.start < end)
-            .any(|m| m.path.is_some() || (m.start == start && m.end == end))
+        let (mut lo, mut hi) = (start, end);
+        for m in space.mappings[from..].iter().take_while(|m| m.start < end) {
+            if m.path.is_some() || (m.start <= start && end <= m.end) {
+                return None;
+            }
+            lo = lo.min(m.start);
+            hi = hi.max(m.end);
+        }
+        Some((lo, hi))
     }
 
     /// The executable file mappings of `asid` as a memory map, for naming frames by file
@@ -443,5 +450,23 @@ pub(crate) mod tests {
         assert!(probes.lookup(5, 0x18000).is_some());
         spaces.learn_exit(2, &mut probes);
         assert!(probes.lookup(5, 0x18000).is_none());
+    }
+
+    /// Memory made executable by `mprotect` is recorded unless known: a file's pages keep
+    /// their file, a JIT's chunk stays whole when part of it changes protection again.
+    #[test]
+    fn memory_made_executable_joins_what_it_overlaps_and_leaves_files_alone() {
+        let mut spaces = Spaces::new();
+        let mut store = TableStore::new(None, 1, super::super::store::DEFAULT_MAX_BYTES);
+        let mut probes = FakeProbes::default();
+        spaces.learn_exec(1, 5, &mut probes);
+        assert_eq!(spaces.protected_range(5, 0x10000, 0x20000), Some((0x10000, 0x20000)), "nothing known");
+        spaces.add_mapping(5, 0x10000, 0x10000, 0, None, &mut store, &mut probes);
+        assert_eq!(spaces.protected_range(5, 0x11000, 0x12000), None, "inside the chunk");
+        assert_eq!(spaces.protected_range(5, 0x1f000, 0x21000), Some((0x10000, 0x21000)), "grows it");
+        assert_eq!(spaces.protected_range(5, 0x30000, 0x31000), Some((0x30000, 0x31000)));
+        let exe = std::fs::read_link("/proc/self/exe").unwrap();
+        spaces.add_mapping(5, 0x40000, 0x10000, 0, Some(&exe), &mut store, &mut probes);
+        assert_eq!(spaces.protected_range(5, 0x3f000, 0x41000), None, "a file's pages");
     }
 }

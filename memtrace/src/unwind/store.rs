@@ -3,8 +3,8 @@
 //! by worker threads (or read from the disk cache), then installed in the probes and
 //! registered with them by an install thread of the store's own, as soon as each build
 //! ends, whatever the thread that drains the rings is doing; [`TableStore::poll`] learns
-//! of them after. Userspace finishes stack copies with the same tables. Memory is bounded: past the cap a file gets an empty table (its frames end
-//! stacks, counted) and a warning names it.
+//! of them after. Userspace finishes stack copies with the same tables. Memory is bounded: past the cap a file gets an empty table (its frames are
+//! walked by frame pointers only, counted) and a warning names it.
 use std::{
     collections::HashMap,
     path::{Path, PathBuf},
@@ -41,7 +41,8 @@ pub struct StoreStats {
     pub built: u64,
     /// Tables read from the disk cache.
     pub from_cache: u64,
-    /// Files without usable call-frame information (their frames end stacks).
+    /// Files without usable call-frame information (their frames are walked by frame
+    /// pointers).
     pub without_cfi: u64,
     /// Files refused a table because the memory cap was reached.
     pub over_cap: u64,
@@ -291,7 +292,7 @@ fn batches(done: Vec<Finished>) -> Vec<Vec<Finished>> {
 
 /// How the probes learn of the file of `slot`: its identity, where its code lies, and
 /// the interpreter (ld.so) it asks for, whose table must be ready first. None: nothing to
-/// register (no identity, or an empty table: its frames end stacks).
+/// register (no identity, or an empty table: its frames are walked by frame pointers).
 fn registration(path: &Path, table: &Table, slot: Slot) -> Option<(FileId, FileTable, Option<PathBuf>)> {
     let id = kernel_file_id(path)?;
     let text = table.segments.iter().filter(|s| s.executable).min_by_key(|s| s.vaddr).copied()?;
@@ -566,14 +567,17 @@ impl TableStore {
             }
             Outcome::WithoutCfi => {
                 self.stats.without_cfi += 1;
-                log::debug!("{} has no usable call-frame information: its frames end stacks", path.display());
+                log::debug!(
+                    "{} has no usable call-frame information: its frames are walked by frame pointers",
+                    path.display()
+                );
             }
             Outcome::OverCap => {
                 self.stats.over_cap += 1;
                 if !self.warned_cap {
                     self.warned_cap = true;
                     eprintln!(
-                        "memtrace: warning: unwind tables reached {} MiB: stacks through {} and later files are cut short there",
+                        "memtrace: warning: unwind tables reached {} MiB: {} and later files are walked by frame pointers only (stacks through them are cut short where they keep none)",
                         self.max_bytes >> 20,
                         path.display()
                     );

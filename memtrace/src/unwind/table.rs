@@ -41,8 +41,8 @@ impl Table {
             .take_while(|r| r.pc - pc_base < MAX_SPAN)
             .map(|r| encode_row((r.pc - pc_base) as u32, r.rule))
             .collect();
-        // The last row ends the covered code (a stop, as `Cfi::rows` ends every FDE): the
-        // index spans up to it.
+        // The last row ends the covered code (the frame-pointer rule, as `Cfi::rows` ends
+        // every FDE): the index spans up to it.
         let span = rows.last().map_or(0, |r| (r.pc - pc_base).min(MAX_SPAN - 1)) + 1;
         let n_pages = span.div_ceil(1 << table::PAGE_SHIFT) as usize;
         let mut pages = Vec::with_capacity(n_pages + 1);
