@@ -17,7 +17,7 @@ use super::{Sink, TraceOptions, Tracer, Wake, WakeLoop, block_on, monotonic_ns, 
 use crate::{
     event::{Event, StackRecord},
     naming::Namer,
-    perf_map::PerfMap,
+    perf_map::PerfMapSource,
     recording::{FileFrame, Meta, Stats, Symbol, SymbolKey, Writer},
     symbolize::Background,
 };
@@ -74,14 +74,20 @@ fn read_trimmed(path: &str) -> String {
     std::fs::read_to_string(path).map(|s| s.trim().to_string()).unwrap_or_default()
 }
 
+/// Processes whose JIT frames a recording names from their perf maps, at most.
+const MAX_JIT_PROCESSES: usize = 1024;
+
 /// The sink of a recording.
 struct Recorder {
     writer: Writer<BufWriter<File>>,
     /// Stacks, modules and process names, as `top` names them too.
     namer: Namer,
     user_frames: crate::FastSet<FileFrame>,
-    /// Frames in memory without a file (JIT code), by process: named from its perf map.
-    jit_frames: crate::FastMap<u32, crate::FastSet<u64>>,
+    /// Frames in memory without a file (JIT code), by process, and where the process's
+    /// perf map is (noted at its first such frame, while it lives): named from it.
+    jit_frames: crate::FastMap<u32, (Option<PerfMapSource>, crate::FastSet<u64>)>,
+    /// When the recording began.
+    started: std::time::SystemTime,
     kernel_addrs: crate::FastSet<u64>,
     write_error: Option<io::Error>,
     /// Has read the kernel's symbols and the command's files' while the probes loaded;
@@ -155,17 +161,34 @@ impl Recorder {
     /// Names the frames in JIT-compiled code from their processes' perf maps, where the
     /// runtime writes one (`perf_map`).
     fn name_jit_frames(&mut self) {
-        for (pid, ips) in std::mem::take(&mut self.jit_frames) {
-            let Some(map) = PerfMap::read(pid) else { continue };
+        // An address is named for every process (its symbol has no pid): where the maps of
+        // two processes name it differently, it stays unnamed.
+        let mut names: crate::FastMap<u64, Option<String>> = Default::default();
+        for (pid, (source, ips)) in std::mem::take(&mut self.jit_frames) {
+            // A return address names the call before it.
+            let mut wanted: Vec<u64> = ips.iter().map(|ip| ip.saturating_sub(1)).collect();
+            wanted.sort_unstable();
+            let Some(map) = source.and_then(|s| s.read(&wanted)) else { continue };
             let mut named = 0usize;
             for ip in ips {
-                // A return address names the call before it.
-                let Some(name) = map.name(ip.saturating_sub(1)).or_else(|| map.name(ip)) else { continue };
-                let symbol = Symbol { name: name.to_string(), file: None, line: 0, inlined: false };
-                self.writer.symbol(SymbolKey::User(FileFrame::Address(ip)), &[symbol]);
+                let Some(name) = map.name(ip.saturating_sub(1)) else { continue };
                 named += 1;
+                names
+                    .entry(ip)
+                    .and_modify(|n| {
+                        if n.as_deref() != Some(name) {
+                            *n = None;
+                        }
+                    })
+                    .or_insert_with(|| Some(name.to_string()));
             }
             log::debug!("pid {pid}: {named} JIT frames named from its perf map");
+        }
+        for (ip, name) in names {
+            if let Some(name) = name {
+                let symbol = Symbol { name, file: None, line: 0, inlined: false };
+                self.writer.symbol(SymbolKey::User(FileFrame::Address(ip)), &[symbol]);
+            }
         }
     }
 }
@@ -175,7 +198,17 @@ impl Sink for Recorder {
         let Some(stack) = self.namer.stack(s) else { return };
         for frame in &stack.user {
             if let FileFrame::Address(ip) = *frame {
-                self.jit_frames.entry(stack.pid).or_default().insert(ip);
+                let pid = stack.pid;
+                // Each process's source holds a descriptor: bounded under `record -a`.
+                if self.jit_frames.len() >= MAX_JIT_PROCESSES && !self.jit_frames.contains_key(&pid) {
+                    break;
+                }
+                let since = self.started;
+                self.jit_frames
+                    .entry(pid)
+                    .or_insert_with(|| (PerfMapSource::of(pid, since), Default::default()))
+                    .1
+                    .insert(ip);
             }
         }
         self.user_frames.extend(stack.user.iter().copied());
@@ -363,6 +396,7 @@ pub fn record(opts: RecordOptions) -> Result<RecordSummary> {
         namer: Namer::new(),
         user_frames: Default::default(),
         jit_frames: Default::default(),
+        started: std::time::SystemTime::now(),
         kernel_addrs: Default::default(),
         write_error: None,
         symbols,
