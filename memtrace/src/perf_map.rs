@@ -41,14 +41,7 @@ impl PerfMapSource {
     /// stacks were read), in memtrace's own `/tmp` under that pid, a map of root's written
     /// since `since` (the recording's start).
     pub fn of(pid: u32, since: SystemTime) -> Option<Self> {
-        Self::living(pid).or_else(|| {
-            let root = std::fs::OpenOptions::new()
-                .read(true)
-                .custom_flags(libc::O_PATH | libc::O_DIRECTORY | libc::O_CLOEXEC)
-                .open("/")
-                .ok()?;
-            Some(Self { root: root.into(), ns_pid: pid, uids: [0, 0], started: since })
-        })
+        Self::living(pid).or_else(|| Some(Self { root: directory("/")?, ns_pid: pid, uids: [0, 0], started: since }))
     }
 
     fn living(pid: u32) -> Option<Self> {
@@ -58,12 +51,8 @@ impl PerfMapSource {
         let mut uid = field("Uid:")?.map(|u| u.parse::<u32>().ok());
         let uids = [uid.next()??, uid.nth(0)??];
         let started = process_start(pid)?;
-        let root = std::fs::OpenOptions::new()
-            .read(true)
-            .custom_flags(libc::O_PATH | libc::O_DIRECTORY | libc::O_CLOEXEC)
-            .open(format!("/proc/{pid}/root"))
-            .ok()?;
-        Some(Self { root: root.into(), ns_pid, uids, started })
+        let root = directory(&format!("/proc/{pid}/root"))?;
+        Some(Self { root, ns_pid, uids, started })
     }
 
     /// The entries of the process's perf map that cover one of `wanted` (sorted): None
@@ -111,6 +100,16 @@ impl PerfMapSource {
         // SAFETY: a descriptor openat2 just returned, owned by nothing else.
         Some(unsafe { File::from_raw_fd(fd as i32) })
     }
+}
+
+/// A descriptor of directory `path` (still valid once a process it was the root of exits).
+fn directory(path: &str) -> Option<OwnedFd> {
+    let dir = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_PATH | libc::O_DIRECTORY | libc::O_CLOEXEC)
+        .open(path)
+        .ok()?;
+    Some(dir.into())
 }
 
 /// When process `pid` started (`/proc/PID/stat`'s start time after the boot time).

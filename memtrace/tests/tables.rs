@@ -268,6 +268,23 @@ fn record_until_copies(dir: &Path, data: &Path, cmd: &[&Path], taken: impl Fn(&V
     report
 }
 
+/// Asserts the one stack of `DEEP_LIB`'s 50 allocations is whole: `deep_leaf`, `deep_mid`,
+/// `deep_run`, the host's `under` frames, 61 `descend`, `main`. Returns its functions and
+/// how many of them were checked.
+fn assert_deep_leaf_whole(report: &Value, under: &[&str]) -> (Vec<String>, usize) {
+    let sites = sites_of(report, "deep_leaf");
+    assert_eq!(sites.len(), 1, "one stack, one row: {sites:#?}");
+    assert_eq!((sites[0]["allocs"].as_u64(), sites[0]["truncated"].as_bool()), (Some(50), Some(false)));
+    let got = functions(sites[0]);
+    let mut want = vec!["deep_leaf", "deep_mid", "deep_run"];
+    want.extend_from_slice(under);
+    want.extend(std::iter::repeat_n("descend", 61));
+    want.push("main");
+    assert_eq!(&got[..want.len()], &want[..], "{got:?}");
+    let n = want.len();
+    (got, n)
+}
+
 #[test]
 fn a_library_loaded_deep_in_a_stack_deeper_than_a_copy_unwinds_whole() {
     require_root();
@@ -282,15 +299,8 @@ fn a_library_loaded_deep_in_a_stack_deeper_than_a_copy_unwinds_whole() {
     });
     let recorder = &report["recorder"];
     assert!(recorder["unwind_copies_anchored"].as_u64().unwrap() >= 1, "{recorder:#}");
-    let sites = sites_of(&report, "deep_leaf");
-    assert_eq!(sites.len(), 1, "one stack, one row: {sites:#?}");
-    assert_eq!((sites[0]["allocs"].as_u64(), sites[0]["truncated"].as_bool()), (Some(50), Some(false)));
-    let got = functions(sites[0]);
-    let mut want = vec!["deep_leaf", "deep_mid", "deep_run"];
-    want.extend(std::iter::repeat_n("descend", 61));
-    want.push("main");
-    assert_eq!(&got[..want.len()], &want[..], "{got:?}");
-    assert!(got[want.len()..].iter().any(|f| f.contains("__libc_start")), "reaches the start: {got:?}");
+    let (got, n) = assert_deep_leaf_whole(&report, &[]);
+    assert!(got[n..].iter().any(|f| f.contains("__libc_start")), "reaches the start: {got:?}");
 }
 
 /// As `DEEP_HOST`, but the thread's last whole walk before the library's allocations
@@ -345,14 +355,7 @@ fn a_library_called_under_several_stale_anchors_unwinds_whole() {
     // missed (its walk of the gap passed them both, then ran out of copy).
     assert!(recorder["unwind_copies_anchored"].as_u64().unwrap() >= 1, "{recorder:#}");
     assert_eq!(recorder["unwind_copies_anchor_missed"], 0, "{recorder:#}");
-    let sites = sites_of(&report, "deep_leaf");
-    assert_eq!(sites.len(), 1, "one stack, one row: {sites:#?}");
-    assert_eq!((sites[0]["allocs"].as_u64(), sites[0]["truncated"].as_bool()), (Some(50), Some(false)));
-    let got = functions(sites[0]);
-    let mut want = vec!["deep_leaf", "deep_mid", "deep_run", "big_frame"];
-    want.extend(std::iter::repeat_n("descend", 61));
-    want.push("main");
-    assert_eq!(&got[..want.len()], &want[..], "{got:?}");
+    assert_deep_leaf_whole(&report, &["big_frame"]);
 }
 
 /// As `DEEP_HOST`, but the library is called under `big_frame`, whose 20 KiB of locals
@@ -399,14 +402,7 @@ fn a_library_called_under_a_frame_larger_than_a_copy_unwinds_whole() {
     });
     let recorder = &report["recorder"];
     assert!(recorder["unwind_copies_anchored"].as_u64().unwrap() >= 1, "{recorder:#}");
-    let sites = sites_of(&report, "deep_leaf");
-    assert_eq!(sites.len(), 1, "one stack, one row: {sites:#?}");
-    assert_eq!((sites[0]["allocs"].as_u64(), sites[0]["truncated"].as_bool()), (Some(50), Some(false)));
-    let got = functions(sites[0]);
-    let mut want = vec!["deep_leaf", "deep_mid", "deep_run", "big_frame"];
-    want.extend(std::iter::repeat_n("descend", 61));
-    want.push("main");
-    assert_eq!(&got[..want.len()], &want[..], "{got:?}");
+    assert_deep_leaf_whole(&report, &["big_frame"]);
 }
 
 /// A library built without call-frame information (with frame pointers, as some are).
