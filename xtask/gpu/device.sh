@@ -5,7 +5,7 @@
 # heavy.py (the heavy bench's script) and heaptrack/ (Debian's heaptrack with its libraries:
 # bin/, lib/heaptrack/, deps/). Every step has its own time limit; the summary grows line by
 # line in $OUT/summary.txt and the logs are packed into $OUT/logs.tgz after every step.
-#   OUT=/some/dir xtask/gpu/device.sh [parts...]   (parts: info start gpu heavy torch loop rerun round3 round4 report overload cold warm ab)
+#   OUT=/some/dir xtask/gpu/device.sh [parts...]   (parts: info start gpu heavy torch loop rerun round3 round4 round5 floor writer report overload cold warm ab)
 cd "$(dirname "$0")/../.."
 D=$PWD/.device
 M=$D/memtrace
@@ -57,6 +57,8 @@ bare() {
   local rc=$?
   say "$name: $(since $s) s rc=$rc $(grep -h 'TORCH_\|ns/pair' $L/$name.out | head -2 | tr '\n' ' ')"
 }
+# rec with the previous build ($D/memtrace-old) and a table cache of its own.
+oldrec() { local M0=$M; M=$D/memtrace-old; MEMTRACE_CACHE_DIR=/tmp/mt-cache-old rec "$@"; M=$M0; }
 heaptrack_run() {
   local name=$1 lim=$2; shift 2
   local s=$(now)
@@ -179,6 +181,76 @@ for part in $parts; do
     grep -h "overload\|memory at the end" $L/torch-new.err | cut -c1-300 | sed 's/^/  log: /' | tee -a $S
     pack
     M0=$M; M=$D/memtrace-old; rec torch-old 90 -- $PY xtask/gpu/torch_cpu.py; M=$M0 ;;
+  round5)
+    # Stop 41: this build (stops 34-40: recording format 7, code without CFI walked by its
+    # frame pointer, 64 KiB anchored copies, perf maps) beside dd57348 (run 4's last build,
+    # $D/memtrace-old, with a table cache of its own): the very first runs on the machine,
+    # warm runs of both alternating beside bare and heaptrack, frame pointers, the PyTorch
+    # CPU script with both builds, the GPU script, 16 threads of malloc+free and /bin/true.
+    bare heavy-bare0 60 $PY $D/heavy.py
+    rec cold-new 120 -- $PY $D/heavy.py
+    oldrec cold-old 120 -- $PY $D/heavy.py
+    pack
+    for i in 1 2 3; do
+      bare heavy-bare$i 60 $PY $D/heavy.py
+      rec heavy-new$i 120 -- $PY $D/heavy.py
+      oldrec heavy-old$i 120 -- $PY $D/heavy.py
+    done
+    for i in 1 2; do heaptrack_run heavy-heaptrack$i 120 $PY $D/heavy.py; done
+    rec heavy-fp 120 --call-graph fp -- $PY $D/heavy.py
+    grep -h "probe counters" $L/heavy-new3.err | grep -o "unwind_frames: [0-9]*\|unwind_frames_reused: [0-9]*\|unwind_reused: [0-9]*" | tr '\n' ' ' | sed 's/^/  log: /' | tee -a $S; echo | tee -a $S
+    pack
+    bare torch-bare 60 $PY xtask/gpu/torch_cpu.py
+    rec torch-new 90 -- $PY xtask/gpu/torch_cpu.py
+    grep -h "overload\|memory at the end" $L/torch-new.err | cut -c1-300 | sed 's/^/  log: /' | tee -a $S
+    pack
+    oldrec torch-old 90 -- $PY xtask/gpu/torch_cpu.py
+    pack
+    rec gpu-new 100 -- $PY xtask/gpu/torch_gpu.py
+    grep -h TORCH_STATS $L/gpu-new.out | tee -a $S
+    $M report -i $T/gpu-new.data --domain gpu --by function --top 8 2>&1 | head -24 >> $S
+    for i in 1 2; do
+      rec loop16-new$i 60 -- $D/alloc_workload --loop 300000 --loop-threads 16
+      oldrec loop16-old$i 60 -- $D/alloc_workload --loop 300000 --loop-threads 16
+    done
+    for i in 1 2 3; do rec true$i 30 -- /bin/true; done ;;
+  floor)
+    # What the probes' traps cost without any stack work, against the default record and
+    # heaptrack on the heavy script (warm cache), and the malloc+free loop on one thread.
+    rec fill 120 -- $PY $D/heavy.py
+    for i in 1 2; do
+      bare heavy-bare$i 60 $PY $D/heavy.py
+      rec heavy-dwarf$i 120 -- $PY $D/heavy.py
+      rec heavy-nostacks$i 120 --no-user-stacks --no-kernel-stacks --python-frames off -- $PY $D/heavy.py
+      rec heavy-nokernel$i 120 --no-kernel --python-frames off -- $PY $D/heavy.py
+      rec heavy-nopython$i 120 --python-frames off -- $PY $D/heavy.py
+      heaptrack_run heavy-heaptrack$i 120 $PY $D/heavy.py
+    done
+    bare heavy-bare3 60 $PY $D/heavy.py
+    for a in "" "--no-user-stacks --no-kernel-stacks" "--no-kernel --no-user-stacks"; do
+      rec "loop1${a// /}" 60 $a -- $D/alloc_workload --loop 300000 --loop-threads 1
+    done ;;
+  writer)
+    # The recording's encoder and deflater on a thread of their own ($D/memtrace) against
+    # the build before it ($D/memtrace-old), alternating: 16 threads of malloc+free, the
+    # heavy script (warm cache) beside bare and heaptrack, the PyTorch CPU script.
+    rec fill 120 -- $PY $D/heavy.py
+    oldrec fill-old 120 -- $PY $D/heavy.py
+    for i in 1 2; do
+      rec loop16-new$i 60 -- $D/alloc_workload --loop 300000 --loop-threads 16
+      oldrec loop16-old$i 60 -- $D/alloc_workload --loop 300000 --loop-threads 16
+    done
+    pack
+    for i in 1 2; do
+      bare heavy-bare$i 60 $PY $D/heavy.py
+      rec heavy-new$i 120 -- $PY $D/heavy.py
+      oldrec heavy-old$i 120 -- $PY $D/heavy.py
+    done
+    heaptrack_run heavy-heaptrack 120 $PY $D/heavy.py
+    pack
+    rec torch-new 90 -- $PY xtask/gpu/torch_cpu.py
+    oldrec torch-old 90 -- $PY xtask/gpu/torch_cpu.py
+    grep -h "overload:" $L/torch-new.err $L/torch-old.err | cut -c1-120 | sed 's/^/  log: /' | tee -a $S ;;
   report)
     # A report of a recording with about a million distinct stacks (the PyTorch CPU script
     # with 64 MiB rings): time and peak memory, this build and the previous ($D/memtrace-old),

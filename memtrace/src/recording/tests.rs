@@ -1046,13 +1046,13 @@ fn references_to_blocks_and_frames_that_do_not_exist_are_corrupt() {
 
 /// A disk that takes `room` bytes, then fails every write as a full one does.
 struct SmallDisk {
-    bytes: std::rc::Rc<std::cell::RefCell<Vec<u8>>>,
+    bytes: std::sync::Arc<std::sync::Mutex<Vec<u8>>>,
     room: usize,
 }
 
 impl std::io::Write for SmallDisk {
     fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
-        let mut bytes = self.bytes.borrow_mut();
+        let mut bytes = self.bytes.lock().unwrap();
         let n = buf.len().min(self.room - bytes.len());
         if n == 0 && !buf.is_empty() {
             return Err(std::io::Error::from_raw_os_error(libc::ENOSPC));
@@ -1068,7 +1068,7 @@ impl std::io::Write for SmallDisk {
 
 /// Writes `events` as the recorder does (a flush now and then, the pending ones, the
 /// end) until a write fails; the events counted as flushed before it, if one did.
-fn write_until_full<W: std::io::Write>(mut w: Writer<W>, events: &[Event]) -> Option<u64> {
+fn write_until_full<W: std::io::Write + Send + 'static>(mut w: Writer<W>, events: &[Event]) -> Option<u64> {
     for (i, e) in events.iter().enumerate() {
         if w.event(e).is_err() || (i % 3_000 == 2_999 && w.flush().is_err()) {
             return Some(w.events_flushed());
@@ -1086,18 +1086,18 @@ fn write_until_full<W: std::io::Write>(mut w: Writer<W>, events: &[Event]) -> Op
 fn a_full_disk_keeps_at_least_the_events_counted_as_flushed() {
     let events = many_events();
     let whole = {
-        let bytes = std::rc::Rc::default();
-        let disk = SmallDisk { bytes: std::rc::Rc::clone(&bytes), room: usize::MAX };
+        let bytes = std::sync::Arc::default();
+        let disk = SmallDisk { bytes: std::sync::Arc::clone(&bytes), room: usize::MAX };
         assert_eq!(write_until_full(Writer::new(disk, &meta()).unwrap(), &events), None);
-        bytes.borrow().len()
+        bytes.lock().unwrap().len()
     };
     let mut counted = Vec::new();
     for room in (300..whole).step_by(whole / 41) {
-        let bytes = std::rc::Rc::default();
-        let disk = SmallDisk { bytes: std::rc::Rc::clone(&bytes), room };
+        let bytes = std::sync::Arc::default();
+        let disk = SmallDisk { bytes: std::sync::Arc::clone(&bytes), room };
         let Ok(w) = Writer::new(std::io::BufWriter::with_capacity(4096, disk), &meta()) else { continue };
         let kept = write_until_full(w, &events).expect("a disk too small for the recording fails a write");
-        let rec = read_all(&bytes.borrow()[..]).unwrap();
+        let rec = read_all(&bytes.lock().unwrap()[..]).unwrap();
         assert!(rec.events.len() as u64 >= kept, "{room}: read {} of {kept}", rec.events.len());
         assert!(events.starts_with(&rec.events));
         assert!(!rec.finalized);
@@ -1137,4 +1137,51 @@ fn events_after_damaged_definitions_are_not_read() {
     crate::report::load::for_each_event(&path, None, &mut |_| all += 1).unwrap();
     assert_eq!(all, events.len());
     std::fs::remove_dir_all(&dir).unwrap();
+}
+
+/// An output that notes the thread of each write.
+struct ThreadNoting {
+    bytes: std::sync::Arc<std::sync::Mutex<Vec<u8>>>,
+    threads: std::sync::Arc<std::sync::Mutex<std::collections::BTreeSet<String>>>,
+}
+
+impl std::io::Write for ThreadNoting {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        let name = std::thread::current().name().unwrap_or("").to_string();
+        self.threads.lock().unwrap().insert(name);
+        self.bytes.lock().unwrap().extend_from_slice(buf);
+        Ok(buf.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+/// Everything after the header is encoded, deflated and written on the writer thread; a
+/// `flush` returns once what it was handed is in the output (the warnings pass reads the
+/// file then), and a `flush_behind` without waiting writes the same file in the end.
+#[test]
+fn the_writer_thread_writes_in_order_and_flush_waits_for_it() {
+    let events = many_events();
+    let (half, rest) = events.split_at(events.len() / 2);
+    let bytes = std::sync::Arc::default();
+    let threads = std::sync::Arc::default();
+    let out = ThreadNoting { bytes: std::sync::Arc::clone(&bytes), threads: std::sync::Arc::clone(&threads) };
+    let mut w = Writer::new(out, &meta()).unwrap();
+    half.iter().for_each(|e| w.event(e).unwrap());
+    w.flush().unwrap();
+    let at_flush = read_all(&bytes.lock().unwrap()[..]).unwrap();
+    assert_eq!(at_flush.events, half, "a flush returns with its events in the output");
+    assert_eq!(w.events_flushed(), half.len() as u64);
+    rest.iter().for_each(|e| w.event(e).unwrap());
+    w.flush_behind().unwrap();
+    w.finish(&Stats::default()).unwrap();
+    let whole = read_all(&bytes.lock().unwrap()[..]).unwrap();
+    assert!(whole.finalized);
+    assert_eq!(whole.events, events);
+    let threads = threads.lock().unwrap();
+    assert!(threads.contains("memtrace-writer"), "{threads:?}");
+    // The header and the `Meta` chunk are written by `new`, on the caller's thread.
+    assert_eq!(threads.len(), 2, "{threads:?}");
 }

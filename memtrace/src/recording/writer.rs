@@ -1,7 +1,17 @@
 //! Writing a recording. Definitions (modules, stacks, symbols) are flushed before the
 //! events that follow them; events go out in chunks of bounded size so a crash loses at
-//! most the chunk being filled. Chunks that grow with the run are deflated.
-use std::io::{self, Write};
+//! most the chunk being filled. Chunks that grow with the run are deflated. Encoding,
+//! deflating and writing run on a thread of their own (`memtrace-writer`): the thread
+//! that drains the rings only hands over batches of what it recorded.
+use std::{
+    io::{self, Write},
+    sync::{
+        Arc, Mutex,
+        atomic::{AtomicBool, AtomicU64, Ordering},
+        mpsc::{Receiver, SyncSender, sync_channel},
+    },
+    thread::JoinHandle,
+};
 
 use flate2::{Compression, write::DeflateEncoder};
 
@@ -49,7 +59,8 @@ fn deflated(payload: &[u8], ends: &[usize]) -> Option<Vec<u8>> {
     (out.len() < payload.len()).then_some(out)
 }
 
-pub struct Writer<W: Write> {
+/// The writing itself, on the writer thread: the encoders and the output.
+struct ChunkWriter<W: Write> {
     out: W,
     events: EventEncoder,
     modules: Vec<u8>,
@@ -63,9 +74,9 @@ pub struct Writer<W: Write> {
     events_flushed: u64,
 }
 
-impl<W: Write> Writer<W> {
+impl<W: Write> ChunkWriter<W> {
     /// Writes the header and the `Meta` chunk.
-    pub fn new(mut out: W, meta: &Meta) -> io::Result<Self> {
+    fn new(mut out: W, meta: &Meta) -> io::Result<Self> {
         let mut header = [0u8; HEADER_LEN];
         header[..8].copy_from_slice(MAGIC);
         header[8..10].copy_from_slice(&VERSION.to_le_bytes());
@@ -110,21 +121,17 @@ impl<W: Write> Writer<W> {
         Ok(())
     }
 
-    pub fn bytes_written(&self) -> u64 {
+    fn bytes_written(&self) -> u64 {
         self.bytes_written
-    }
-
-    pub fn events_written(&self) -> u64 {
-        self.events_written
     }
 
     /// Events whose chunks reached the output whole: after a failed write, the events a
     /// reader of the file still finds.
-    pub fn events_flushed(&self) -> u64 {
+    fn events_flushed(&self) -> u64 {
         self.events_flushed
     }
 
-    pub fn event(&mut self, event: &Event) -> io::Result<()> {
+    fn event(&mut self, event: &Event) -> io::Result<()> {
         self.events.push(event);
         self.events_written += 1;
         if self.events.len() >= EVENTS_CHUNK_BYTES {
@@ -133,22 +140,22 @@ impl<W: Write> Writer<W> {
         Ok(())
     }
 
-    pub fn module(&mut self, m: &Module) {
+    fn module(&mut self, m: &Module) {
         put_varint(&mut self.modules, u64::from(m.id));
         put_bytes(&mut self.modules, &m.build_id);
         put_str(&mut self.modules, &m.path);
     }
 
-    pub fn stack(&mut self, s: &FileStack) {
+    fn stack(&mut self, s: &FileStack) {
         self.stacks.push(s);
     }
 
-    pub fn symbol(&mut self, key: SymbolKey, symbols: &[Symbol]) {
+    fn symbol(&mut self, key: SymbolKey, symbols: &[Symbol]) {
         self.symbols.push(key, symbols);
     }
 
     /// Writes pending definitions, then pending events, and flushes the output.
-    pub fn flush(&mut self) -> io::Result<()> {
+    fn flush(&mut self) -> io::Result<()> {
         if !self.modules.is_empty() {
             let modules = std::mem::take(&mut self.modules);
             self.chunk(ChunkKind::Modules, &modules, &[])?;
@@ -172,7 +179,7 @@ impl<W: Write> Writer<W> {
         Ok(())
     }
 
-    pub fn stats(&mut self, stats: &Stats) -> io::Result<()> {
+    fn stats(&mut self, stats: &Stats) -> io::Result<()> {
         self.flush()?;
         let json = serde_json::to_vec(stats).map_err(io::Error::other)?;
         self.chunk(ChunkKind::Stats, &json, &[])?;
@@ -180,16 +187,266 @@ impl<W: Write> Writer<W> {
     }
 
     /// Writes everything pending and hands back the output, without finalizing.
-    pub fn into_inner(mut self) -> io::Result<W> {
+    fn into_inner(mut self) -> io::Result<W> {
         self.flush()?;
         Ok(self.out)
     }
 
     /// Writes everything pending, the final stats and the `End` marker.
-    pub fn finish(mut self, stats: &Stats) -> io::Result<W> {
+    fn finish(mut self, stats: &Stats) -> io::Result<W> {
         self.stats(stats)?;
         self.chunk(ChunkKind::End, &[], &[])?;
         self.out.flush()?;
         Ok(self.out)
+    }
+}
+
+/// Records handed to the writer thread at once.
+const BATCH: usize = 4096;
+/// Batches on their way to the writer thread: past them, the thread that records waits
+/// (the rings then fill and their losses are counted) instead of memory growing.
+const BATCHES_IN_FLIGHT: usize = 8;
+
+/// What the recorder hands over, in its order.
+enum Item {
+    Event(Event),
+    Module(Module),
+    Stack(FileStack),
+    Symbol(SymbolKey, Vec<Symbol>),
+}
+
+enum Job {
+    Items(Vec<Item>),
+    /// Everything before it to the output, then the output flushed; the result is sent
+    /// back when a channel is given.
+    Flush(Option<SyncSender<io::Result<()>>>),
+    Finish(Box<Stats>),
+}
+
+/// What the writer thread has done, for the recorder to read at any time.
+#[derive(Default)]
+struct Progress {
+    bytes_written: AtomicU64,
+    events_flushed: AtomicU64,
+    failed: AtomicBool,
+    /// The first write that failed: every later call reports it.
+    error: Mutex<Option<(Option<i32>, io::ErrorKind, String)>>,
+}
+
+impl Progress {
+    fn note(&self, w: &ChunkWriter<impl Write>) {
+        self.bytes_written.store(w.bytes_written(), Ordering::Release);
+        self.events_flushed.store(w.events_flushed(), Ordering::Release);
+    }
+
+    fn fail(&self, e: &io::Error) {
+        let mut error = self.error.lock().unwrap_or_else(|p| p.into_inner());
+        if error.is_none() {
+            *error = Some((e.raw_os_error(), e.kind(), e.to_string()));
+        }
+        self.failed.store(true, Ordering::Release);
+    }
+
+    fn error(&self) -> io::Error {
+        match &*self.error.lock().unwrap_or_else(|p| p.into_inner()) {
+            Some((Some(code), _, _)) => io::Error::from_raw_os_error(*code),
+            Some((None, kind, text)) => io::Error::new(*kind, text.clone()),
+            None => io::Error::other("the recording's writer stopped"),
+        }
+    }
+}
+
+/// Writes a recording: the header and `Meta` chunk at once, then what it is handed, in
+/// order, on the writer thread. A write that fails stops the writing there; the calls
+/// after it return its error, and [`Writer::events_flushed`] counts the events the output
+/// took whole before it.
+pub struct Writer<W: Write + Send + 'static> {
+    batch: Vec<Item>,
+    jobs: Option<SyncSender<Job>>,
+    thread: Option<JoinHandle<io::Result<W>>>,
+    progress: Arc<Progress>,
+    events_written: u64,
+}
+
+impl<W: Write + Send + 'static> Writer<W> {
+    /// Writes the header and the `Meta` chunk, and starts the writer thread.
+    pub fn new(out: W, meta: &Meta) -> io::Result<Self> {
+        let inner = ChunkWriter::new(out, meta)?;
+        let progress = Arc::new(Progress::default());
+        progress.note(&inner);
+        let (jobs, queue) = sync_channel(BATCHES_IN_FLIGHT);
+        let shared = Arc::clone(&progress);
+        let thread = std::thread::Builder::new()
+            .name("memtrace-writer".into())
+            .spawn(move || write_jobs(inner, &queue, &shared))?;
+        Ok(Self {
+            batch: Vec::with_capacity(BATCH),
+            jobs: Some(jobs),
+            thread: Some(thread),
+            progress,
+            events_written: 0,
+        })
+    }
+
+    /// Bytes of the file written so far (those handed over still being written are not).
+    pub fn bytes_written(&self) -> u64 {
+        self.progress.bytes_written.load(Ordering::Acquire)
+    }
+
+    /// Events handed over.
+    pub fn events_written(&self) -> u64 {
+        self.events_written
+    }
+
+    /// Events whose chunks reached the output whole: after a failed write, the events a
+    /// reader of the file still finds.
+    pub fn events_flushed(&self) -> u64 {
+        self.progress.events_flushed.load(Ordering::Acquire)
+    }
+
+    fn failed(&self) -> io::Result<()> {
+        if self.progress.failed.load(Ordering::Acquire) { Err(self.progress.error()) } else { Ok(()) }
+    }
+
+    fn send(&mut self, job: Job) -> io::Result<()> {
+        let sent = self.jobs.as_ref().is_some_and(|jobs| jobs.send(job).is_ok());
+        if sent { self.failed() } else { Err(self.progress.error()) }
+    }
+
+    fn hand_over(&mut self) -> io::Result<()> {
+        if self.batch.is_empty() {
+            return self.failed();
+        }
+        let batch = std::mem::replace(&mut self.batch, Vec::with_capacity(BATCH));
+        self.send(Job::Items(batch))
+    }
+
+    fn push(&mut self, item: Item) -> io::Result<()> {
+        self.batch.push(item);
+        if self.batch.len() >= BATCH { self.hand_over() } else { Ok(()) }
+    }
+
+    pub fn event(&mut self, event: &Event) -> io::Result<()> {
+        self.events_written += 1;
+        self.push(Item::Event(event.clone()))
+    }
+
+    pub fn module(&mut self, m: &Module) {
+        let _ = self.push(Item::Module(m.clone()));
+    }
+
+    pub fn stack(&mut self, s: &FileStack) {
+        let _ = self.push(Item::Stack(s.clone()));
+    }
+
+    pub fn symbol(&mut self, key: SymbolKey, symbols: &[Symbol]) {
+        let _ = self.push(Item::Symbol(key, symbols.to_vec()));
+    }
+
+    /// Hands over what is pending and asks for it to be written and the output flushed,
+    /// without waiting; returns the error of a write that failed before.
+    pub fn flush_behind(&mut self) -> io::Result<()> {
+        self.hand_over()?;
+        self.send(Job::Flush(None))
+    }
+
+    /// Writes pending definitions, then pending events, and flushes the output: returns
+    /// once they are written.
+    pub fn flush(&mut self) -> io::Result<()> {
+        self.hand_over()?;
+        let (done, result) = sync_channel(1);
+        self.send(Job::Flush(Some(done)))?;
+        result.recv().unwrap_or_else(|_| Err(self.progress.error()))
+    }
+
+    /// Ends the writer thread after the job given (none: after what was handed over) and
+    /// hands back the output.
+    fn close(mut self, last: Option<Job>) -> io::Result<W> {
+        self.hand_over()?;
+        if let Some(job) = last {
+            self.send(job)?;
+        }
+        self.jobs = None;
+        match self.thread.take().map(JoinHandle::join) {
+            Some(Ok(result)) => result,
+            _ => Err(io::Error::other("the recording's writer thread panicked")),
+        }
+    }
+
+    /// Writes everything pending and hands back the output, without finalizing.
+    pub fn into_inner(self) -> io::Result<W> {
+        self.close(None)
+    }
+
+    /// Writes everything pending, the final stats and the `End` marker.
+    pub fn finish(self, stats: &Stats) -> io::Result<W> {
+        self.close(Some(Job::Finish(Box::new(stats.clone()))))
+    }
+}
+
+impl<W: Write + Send + 'static> Drop for Writer<W> {
+    fn drop(&mut self) {
+        self.jobs = None;
+        if let Some(thread) = self.thread.take() {
+            let _ = thread.join();
+        }
+    }
+}
+
+/// The writer thread: applies the jobs in order until the recorder is done. After a write
+/// that failed, what follows is dropped and each flush answered with its error.
+fn write_jobs<W: Write>(mut w: ChunkWriter<W>, jobs: &Receiver<Job>, progress: &Progress) -> io::Result<W> {
+    let mut failed: Option<io::Error> = None;
+    let check = |result: io::Result<()>, w: &ChunkWriter<W>, failed: &mut Option<io::Error>| {
+        progress.note(w);
+        if let Err(e) = result {
+            progress.fail(&e);
+            *failed = Some(e);
+        }
+    };
+    while let Ok(job) = jobs.recv() {
+        match job {
+            Job::Items(items) if failed.is_none() => {
+                let mut result = Ok(());
+                for item in &items {
+                    match item {
+                        Item::Event(e) => result = w.event(e),
+                        Item::Module(m) => w.module(m),
+                        Item::Stack(s) => w.stack(s),
+                        Item::Symbol(key, symbols) => w.symbol(*key, symbols),
+                    }
+                    if result.is_err() {
+                        break;
+                    }
+                }
+                check(result, &w, &mut failed);
+            }
+            Job::Items(_) => {}
+            Job::Flush(done) => {
+                if failed.is_none() {
+                    let result = w.flush();
+                    check(result, &w, &mut failed);
+                }
+                if let Some(done) = done {
+                    let _ = done.send(if failed.is_some() { Err(progress.error()) } else { Ok(()) });
+                }
+            }
+            Job::Finish(stats) => {
+                if failed.is_some() {
+                    return Err(progress.error());
+                }
+                return w.finish(&stats).inspect_err(|e| progress.fail(e));
+            }
+        }
+    }
+    match failed {
+        Some(e) => Err(e),
+        None => {
+            let result = w.into_inner();
+            if let Err(e) = &result {
+                progress.fail(e);
+            }
+            result
+        }
     }
 }

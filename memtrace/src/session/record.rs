@@ -317,7 +317,7 @@ async fn run(tracer: &mut Tracer, recorder: &mut Recorder, opts: &RecordOptions)
             Wake::Signal(_) => {}
         }
         if last_flush.elapsed() >= FLUSH_INTERVAL {
-            if let Err(e) = recorder.writer.flush() {
+            if let Err(e) = recorder.writer.flush_behind() {
                 recorder.write_error = Some(e);
                 break StopReason::WriteFailed;
             }
