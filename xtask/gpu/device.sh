@@ -5,7 +5,7 @@
 # heavy.py (the heavy bench's script) and heaptrack/ (Debian's heaptrack with its libraries:
 # bin/, lib/heaptrack/, deps/). Every step has its own time limit; the summary grows line by
 # line in $OUT/summary.txt and the logs are packed into $OUT/logs.tgz after every step.
-#   OUT=/some/dir xtask/gpu/device.sh [parts...]   (parts: info start gpu heavy torch loop rerun round3 round4 round5 floor writer report overload cold warm ab)
+#   OUT=/some/dir xtask/gpu/device.sh [parts...]   (parts: info start gpu heavy torch loop rerun round3 round4 round5 floor writer torchab report overload cold warm ab)
 cd "$(dirname "$0")/../.."
 D=$PWD/.device
 M=$D/memtrace
@@ -251,6 +251,16 @@ for part in $parts; do
     rec torch-new 90 -- $PY xtask/gpu/torch_cpu.py
     oldrec torch-old 90 -- $PY xtask/gpu/torch_cpu.py
     grep -h "overload:" $L/torch-new.err $L/torch-old.err | cut -c1-120 | sed 's/^/  log: /' | tee -a $S ;;
+  torchab)
+    # The PyTorch CPU script after a bare run (its libraries in the page cache), this build
+    # and the previous ($D/memtrace-old) alternating, twice.
+    bare torch-bare 60 $PY xtask/gpu/torch_cpu.py
+    for i in 1 2; do
+      rec torch-new$i 90 -- $PY xtask/gpu/torch_cpu.py
+      oldrec torch-old$i 90 -- $PY xtask/gpu/torch_cpu.py
+      pack
+    done
+    grep -h "overload:\|memory at the end" $L/torch-new*.err $L/torch-old*.err | cut -c1-150 | sed 's/^/  log: /' | tee -a $S ;;
   report)
     # A report of a recording with about a million distinct stacks (the PyTorch CPU script
     # with 64 MiB rings): time and peak memory, this build and the previous ($D/memtrace-old),
