@@ -16,7 +16,7 @@ use std::{
 use flate2::{Compression, write::DeflateEncoder};
 
 use super::{
-    COMPRESSED, ChunkKind, FileStack, HEADER_LEN, MAGIC, Meta, Module, Stats, Symbol, SymbolKey, VERSION,
+    COMPRESSED, ChunkKind, FileFrame, FileStack, HEADER_LEN, MAGIC, Meta, Module, Stats, Symbol, SymbolKey, VERSION,
     codec::{put_bytes, put_str, put_varint},
     events::EventEncoder,
     stacks::StackEncoder,
@@ -201,8 +201,11 @@ impl<W: Write> ChunkWriter<W> {
     }
 }
 
-/// Records handed to the writer thread at once.
+/// Records handed to the writer thread at once, at most.
 const BATCH: usize = 4096;
+/// Bytes a batch holds, at most (roughly: a stack of 511 frames is ~10 KB, so 4,096 of
+/// them would be 40 MB).
+const BATCH_BYTES: usize = 1 << 20;
 /// Batches on their way to the writer thread: past them, the thread that records waits
 /// (the rings then fill and their losses are counted) instead of memory growing.
 const BATCHES_IN_FLIGHT: usize = 8;
@@ -213,6 +216,22 @@ enum Item {
     Module(Module),
     Stack(FileStack),
     Symbol(SymbolKey, Vec<Symbol>),
+}
+
+impl Item {
+    /// The bytes it holds, roughly.
+    fn bytes(&self) -> usize {
+        size_of::<Self>()
+            + match self {
+                Self::Event(_) => 0,
+                Self::Module(m) => m.build_id.len() + m.path.len(),
+                Self::Stack(s) => s.kernel.len() * size_of::<u64>() + s.user.len() * size_of::<FileFrame>(),
+                Self::Symbol(_, symbols) => symbols
+                    .iter()
+                    .map(|s| size_of::<Symbol>() + s.name.len() + s.file.as_ref().map_or(0, String::len))
+                    .sum(),
+            }
+    }
 }
 
 enum Job {
@@ -262,6 +281,8 @@ impl Progress {
 /// took whole before it.
 pub struct Writer<W: Write + Send + 'static> {
     batch: Vec<Item>,
+    /// What `batch` holds, roughly ([`Item::bytes`]).
+    batch_bytes: usize,
     jobs: Option<SyncSender<Job>>,
     thread: Option<JoinHandle<io::Result<W>>>,
     progress: Arc<Progress>,
@@ -281,6 +302,7 @@ impl<W: Write + Send + 'static> Writer<W> {
             .spawn(move || write_jobs(inner, &queue, &shared))?;
         Ok(Self {
             batch: Vec::with_capacity(BATCH),
+            batch_bytes: 0,
             jobs: Some(jobs),
             thread: Some(thread),
             progress,
@@ -318,12 +340,14 @@ impl<W: Write + Send + 'static> Writer<W> {
             return self.failed();
         }
         let batch = std::mem::replace(&mut self.batch, Vec::with_capacity(BATCH));
+        self.batch_bytes = 0;
         self.send(Job::Items(batch))
     }
 
     fn push(&mut self, item: Item) -> io::Result<()> {
+        self.batch_bytes += item.bytes();
         self.batch.push(item);
-        if self.batch.len() >= BATCH { self.hand_over() } else { Ok(()) }
+        if self.batch.len() >= BATCH || self.batch_bytes >= BATCH_BYTES { self.hand_over() } else { Ok(()) }
     }
 
     pub fn event(&mut self, event: &Event) -> io::Result<()> {
@@ -448,5 +472,35 @@ fn write_jobs<W: Write>(mut w: ChunkWriter<W>, jobs: &Receiver<Job>, progress: &
             }
             result
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Deep stacks fill a batch by their bytes long before its count: what waits for the
+    /// writer thread stays near `BATCH_BYTES` a batch.
+    #[test]
+    fn a_batch_is_handed_over_at_its_bytes() {
+        let mut w = Writer::new(Vec::new(), &Meta::default()).unwrap();
+        let deep = FileStack {
+            id: 1,
+            pid: 1,
+            kernel: vec![0xffff_ffff_8100_0000; 255],
+            user: vec![FileFrame::Address(0x7f00_0000_0000); 511],
+            truncated: false,
+        };
+        assert!(Item::Stack(deep.clone()).bytes() > 10_000);
+        let mut most = 0;
+        for _ in 0..1000 {
+            w.stack(&deep);
+            most = most.max(w.batch_bytes);
+            assert!(w.batch.len() < BATCH);
+        }
+        assert!(most < BATCH_BYTES + 20_000, "{most}");
+        assert!(w.batch.len() <= BATCH_BYTES / 10_000 + 1, "{}", w.batch.len());
+        let out = w.into_inner().unwrap();
+        assert!(out.len() > HEADER_LEN);
     }
 }
