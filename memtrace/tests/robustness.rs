@@ -218,11 +218,12 @@ fn a_full_disk_stops_the_recording_and_keeps_what_was_written() {
     let _sharing = sharing_the_machine();
     let dir = scratch("full");
     let mounted =
-        Command::new("mount").args(["-t", "tmpfs", "-o", "size=384k", "memtrace-full"]).arg(&dir).status().unwrap();
+        Command::new("mount").args(["-t", "tmpfs", "-o", "size=192k", "memtrace-full"]).arg(&dir).status().unwrap();
     assert!(mounted.success());
     let data = dir.join("full.data");
-    // Nanosecond times: the loop's 800,000 events fill the 384 KiB about half way through,
-    // while it runs (room for a few whole events chunks, each cut at 1 MiB of payload).
+    // Nanosecond times: the loop's 800,000 events take 360-410 KB in format 8, so they fill
+    // the 192 KiB about half way through, while it runs (room for a whole events chunk or
+    // two, each cut at 1 MiB of payload). With 384 KiB the whole recording fit in some runs.
     let out = memtrace()
         .args(["record", "-q", "--exact-times", "-o"])
         .arg(&data)
