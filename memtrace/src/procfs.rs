@@ -114,6 +114,29 @@ pub fn own_bpf_map_bytes() -> u64 {
     .sum()
 }
 
+/// Resident bytes of this process's mappings of BPF maps: the rings, whose pages the
+/// kernel maps all at `mmap`, a ring's data twice (so a record can run past its end).
+/// Part of the resident set, though the kernel holds that memory once, counted in
+/// [`own_bpf_map_bytes`].
+pub fn own_bpf_mapped_rss_bytes() -> u64 {
+    fs::read_to_string("/proc/self/smaps").map_or(0, |smaps| bpf_mapped_rss(&smaps))
+}
+
+/// [`own_bpf_mapped_rss_bytes`] of the text of a smaps file.
+fn bpf_mapped_rss(smaps: &str) -> u64 {
+    let mut in_map = false;
+    let mut total = 0;
+    for line in smaps.lines() {
+        let first = line.split_whitespace().next().unwrap_or("");
+        if first.contains('-') && first.bytes().all(|b| b.is_ascii_hexdigit() || b == b'-') {
+            in_map = line.trim_end().ends_with("anon_inode:bpf-map");
+        } else if in_map && let Some(kb) = line.strip_prefix("Rss:") {
+            total += kb.trim().trim_end_matches("kB").trim().parse::<u64>().unwrap_or(0) * 1024;
+        }
+    }
+    total
+}
+
 pub fn exe(pid: u32) -> io::Result<PathBuf> {
     fs::read_link(format!("/proc/{pid}/exe"))
 }
@@ -175,6 +198,27 @@ pub fn all_pids() -> Vec<u32> {
 
 #[cfg(test)]
 mod tests {
+
+    #[test]
+    fn the_resident_bytes_of_bpf_map_mappings_are_summed_from_smaps() {
+        let smaps = "\
+7f0000000000-7f0000001000 rw-s 00000000 00:0e 1234                       anon_inode:bpf-map
+Size:                  4 kB
+Rss:                   4 kB
+VmFlags: rd wr sh mr mw me ms sd
+7f0000001000-7f0000203000 r--s 00001000 00:0e 1234                       anon_inode:bpf-map
+Size:               2056 kB
+Rss:                2056 kB
+7f0000203000-7f0000304000 rw-p 00000000 00:00 0 
+Size:               1028 kB
+Rss:                 512 kB
+55d000000000-55d000100000 r-xp 00000000 08:01 42                         /usr/bin/memtrace
+Rss:                 900 kB
+";
+        assert_eq!(bpf_mapped_rss(smaps), (4 + 2056) * 1024);
+        assert_eq!(bpf_mapped_rss(""), 0);
+    }
+
     use super::*;
 
     const MAPS: &str = "\

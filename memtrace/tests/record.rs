@@ -420,3 +420,40 @@ fn record_ends_when_it_logs_as_its_warnings_are_read() {
     assert!(log.contains("the recording's warnings read in"), "{log}");
     assert!(log.contains("memtrace: the command exited with status 0"), "{log}");
 }
+
+/// CPUs the kernel may bring up (`/sys/devices/system/cpu/possible`: "0-3,8"): one ring each.
+fn possible_cpus() -> u64 {
+    let text = std::fs::read_to_string("/sys/devices/system/cpu/possible").unwrap();
+    text.trim()
+        .split(',')
+        .map(|r| match r.split_once('-') {
+            Some((a, b)) => b.parse::<u64>().unwrap() - a.parse::<u64>().unwrap() + 1,
+            None => 1,
+        })
+        .sum()
+}
+
+/// The summary and the report say how much of memtrace's peak resident memory is the
+/// rings' pages: the kernel maps all of a ring at `mmap`, its data twice, so with 1 MiB
+/// rings each CPU's ring is 2 MiB of the resident set (and two pages more).
+#[test]
+fn the_rings_share_of_the_peak_resident_memory_is_reported() {
+    require_root();
+    let _sharing = sharing_the_machine();
+    let dir = scratch("rings-rss");
+    let data = dir.join("rings.data");
+    let out = run(memtrace().args(["record", "--ring-size", "1M", "-o"]).arg(&data).arg("--").arg(workload()).args([
+        "--threads",
+        "2",
+        "--iterations",
+        "50",
+    ]));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    let report = report_json(&data, &[]);
+    let mapped = report["recorder"]["bpf_mapped_rss_bytes"].as_u64().unwrap();
+    let rings = possible_cpus() * (2 << 20);
+    assert!(mapped >= rings && mapped <= rings + possible_cpus() * 3 * 4096, "{mapped} for {rings}");
+    assert!(mapped < report["recorder"]["peak_rss_bytes"].as_u64().unwrap());
+    let said = format!("({:.0} MB of it the rings' pages, mapped twice)", mapped as f64 / 1e6);
+    assert!(stderr.contains(&said), "{said} not in {stderr}");
+}

@@ -168,6 +168,10 @@ pub struct Stats {
     /// memtrace's own peak resident memory.
     #[serde(default)]
     pub recorder_peak_rss_bytes: u64,
+    /// Of it, the BPF maps memtrace had mapped (the rings, each one's data twice): the
+    /// kernel's memory, counted once in `bpf_map_bytes`.
+    #[serde(default)]
+    pub recorder_bpf_mapped_rss_bytes: u64,
     /// The rings overflowed and sampling was switched on: (from this timestamp, mean bytes).
     #[serde(default)]
     pub sampled_from: Option<(u64, u64)>,

@@ -234,6 +234,7 @@ pub fn render_json(a: &Summary, opts: &ReportOptions) -> Result<String> {
         "recorder": {
             "cpu_ns": a.stats.recorder_cpu_ns,
             "peak_rss_bytes": a.stats.recorder_peak_rss_bytes,
+            "bpf_mapped_rss_bytes": a.stats.recorder_bpf_mapped_rss_bytes,
             "bpf_map_bytes": a.stats.bpf_map_bytes,
             "lost_sampled_live": a.stats.lost_sampled_live,
             "unwind_copies": a.stats.unwind_copies,

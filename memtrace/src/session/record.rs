@@ -426,6 +426,8 @@ fn finish(
     reason: StopReason,
     started: Instant,
 ) -> Result<RecordSummary> {
+    // While the rings are mapped.
+    let bpf_mapped_rss = crate::procfs::own_bpf_mapped_rss_bytes();
     let (teardown, counters) = tracer.stop(&mut recorder);
     log::debug!("probe counters: {counters:?}");
     let left_running = match reason {
@@ -537,7 +539,12 @@ fn finish(
             .collect();
         log::debug!("memory at the end: {}", fields.join(", ").split_whitespace().collect::<Vec<_>>().join(" "));
     }
-    let stats = Stats { recorder_cpu_ns: usage.0, recorder_peak_rss_bytes: usage.1, ..stats };
+    let stats = Stats {
+        recorder_cpu_ns: usage.0,
+        recorder_peak_rss_bytes: usage.1,
+        recorder_bpf_mapped_rss_bytes: bpf_mapped_rss,
+        ..stats
+    };
     let events = recorder.writer.events_written();
     // The pending events first, so that a failure counts the events kept exactly.
     if let Err(e) = recorder.writer.flush() {
@@ -561,9 +568,15 @@ fn finish(
         };
         log::debug!("the recording's warnings waited for {} ms", waited.elapsed().as_millis());
         let mut err = io::stderr().lock();
+        // The rings' pages are the kernel's, mapped twice: said apart, as on a machine
+        // of many CPUs they are a large part of the peak.
+        let rings = match stats.recorder_bpf_mapped_rss_bytes {
+            0 => String::new(),
+            b => format!(" ({:.0} MB of it the rings' pages, mapped twice)", b as f64 / 1e6),
+        };
         let _ = writeln!(
             err,
-            "memtrace: {end_reason}; recorded {} events ({} lost) in {:.1}s to {} ({:.1} MB); memtrace used {:.2}s CPU, {:.0} MB peak",
+            "memtrace: {end_reason}; recorded {} events ({} lost) in {:.1}s to {} ({:.1} MB); memtrace used {:.2}s CPU, {:.0} MB peak{rings}",
             events,
             counters.lost_events,
             started.elapsed().as_secs_f64(),
