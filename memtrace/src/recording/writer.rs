@@ -140,6 +140,16 @@ impl<W: Write> ChunkWriter<W> {
         Ok(())
     }
 
+    fn item(&mut self, item: &Item) -> io::Result<()> {
+        match item {
+            Item::Event(e) => return self.event(e),
+            Item::Module(m) => self.module(m),
+            Item::Stack(s) => self.stack(s),
+            Item::Symbol(key, symbols) => self.symbol(*key, symbols),
+        }
+        Ok(())
+    }
+
     fn module(&mut self, m: &Module) {
         put_varint(&mut self.modules, u64::from(m.id));
         put_bytes(&mut self.modules, &m.build_id);
@@ -266,6 +276,15 @@ impl Progress {
         self.failed.store(true, Ordering::Release);
     }
 
+    fn failed(&self) -> bool {
+        self.failed.load(Ordering::Acquire)
+    }
+
+    /// Ok, or the error of the write that failed.
+    fn result(&self) -> io::Result<()> {
+        if self.failed() { Err(self.error()) } else { Ok(()) }
+    }
+
     fn error(&self) -> io::Error {
         match &*self.error.lock().unwrap_or_else(|p| p.into_inner()) {
             Some((Some(code), _, _)) => io::Error::from_raw_os_error(*code),
@@ -326,18 +345,14 @@ impl<W: Write + Send + 'static> Writer<W> {
         self.progress.events_flushed.load(Ordering::Acquire)
     }
 
-    fn failed(&self) -> io::Result<()> {
-        if self.progress.failed.load(Ordering::Acquire) { Err(self.progress.error()) } else { Ok(()) }
-    }
-
     fn send(&mut self, job: Job) -> io::Result<()> {
         let sent = self.jobs.as_ref().is_some_and(|jobs| jobs.send(job).is_ok());
-        if sent { self.failed() } else { Err(self.progress.error()) }
+        if sent { self.progress.result() } else { Err(self.progress.error()) }
     }
 
     fn hand_over(&mut self) -> io::Result<()> {
         if self.batch.is_empty() {
-            return self.failed();
+            return self.progress.result();
         }
         let batch = std::mem::replace(&mut self.batch, Vec::with_capacity(BATCH));
         self.batch_bytes = 0;
@@ -420,59 +435,36 @@ impl<W: Write + Send + 'static> Drop for Writer<W> {
 /// The writer thread: applies the jobs in order until the recorder is done. After a write
 /// that failed, what follows is dropped and each flush answered with its error.
 fn write_jobs<W: Write>(mut w: ChunkWriter<W>, jobs: &Receiver<Job>, progress: &Progress) -> io::Result<W> {
-    let mut failed: Option<io::Error> = None;
-    let check = |result: io::Result<()>, w: &ChunkWriter<W>, failed: &mut Option<io::Error>| {
+    // What a job did to the output, for the recorder; a write that failed stops the writing.
+    let noted = |result: io::Result<()>, w: &ChunkWriter<W>| {
         progress.note(w);
         if let Err(e) = result {
             progress.fail(&e);
-            *failed = Some(e);
         }
     };
     while let Ok(job) = jobs.recv() {
+        let failed = progress.failed();
         match job {
-            Job::Items(items) if failed.is_none() => {
-                let mut result = Ok(());
-                for item in &items {
-                    match item {
-                        Item::Event(e) => result = w.event(e),
-                        Item::Module(m) => w.module(m),
-                        Item::Stack(s) => w.stack(s),
-                        Item::Symbol(key, symbols) => w.symbol(*key, symbols),
-                    }
-                    if result.is_err() {
-                        break;
-                    }
-                }
-                check(result, &w, &mut failed);
+            Job::Items(_) if failed => {}
+            Job::Items(items) => {
+                let result = items.iter().try_for_each(|item| w.item(item));
+                noted(result, &w);
             }
-            Job::Items(_) => {}
             Job::Flush(done) => {
-                if failed.is_none() {
+                if !failed {
                     let result = w.flush();
-                    check(result, &w, &mut failed);
+                    noted(result, &w);
                 }
                 if let Some(done) = done {
-                    let _ = done.send(if failed.is_some() { Err(progress.error()) } else { Ok(()) });
+                    let _ = done.send(progress.result());
                 }
             }
-            Job::Finish(stats) => {
-                if failed.is_some() {
-                    return Err(progress.error());
-                }
-                return w.finish(&stats).inspect_err(|e| progress.fail(e));
-            }
+            Job::Finish(_) if failed => return Err(progress.error()),
+            Job::Finish(stats) => return w.finish(&stats).inspect_err(|e| progress.fail(e)),
         }
     }
-    match failed {
-        Some(e) => Err(e),
-        None => {
-            let result = w.into_inner();
-            if let Err(e) = &result {
-                progress.fail(e);
-            }
-            result
-        }
-    }
+    progress.result()?;
+    w.into_inner().inspect_err(|e| progress.fail(e))
 }
 
 #[cfg(test)]
