@@ -352,6 +352,12 @@ impl Probes {
         &mut self.rings
     }
 
+    /// Unmaps the rings once they were read dry for the last time (their pages, mapped
+    /// twice, were part of the resident set).
+    pub fn unmap_rings(&mut self) {
+        self.rings = Vec::new();
+    }
+
     /// Adds `tgid` to the traced set; a process memtrace forked waits for its exec first.
     pub fn trace_tgid(&mut self, tgid: u32, pending_exec: bool) -> Result<()> {
         let mut map: HashMap<_, u32, u32> = HashMap::try_from(self.ebpf.map_mut("TRACED").context("TRACED map")?)?;

@@ -194,9 +194,21 @@ impl DiskCache {
     }
 
     /// The table cached for `key`, or why there is none to trust.
+    /// Its rows are read in place from the mapped entry; the pages its checks read are
+    /// handed back at once ([`Table::drop_resident`]).
     pub fn load(&self, key: &FileKey) -> Result<Table, Rejected> {
-        let data = read_trusted(&self.path_of(key))?;
-        let table = decode(&data, key)?;
+        let file = open_trusted(&self.path_of(key))?;
+        let len = file.metadata().map_err(|e| Rejected::Io(e.to_string()))?.len();
+        // (An empty file cannot be mapped; decode checks the rest.)
+        if len < MAGIC.len() as u64 {
+            return Err(Rejected::Truncated);
+        }
+        // SAFETY: the entry is a regular file that only root (or we) may write, and
+        // memtrace never writes an entry in place: it writes a new file and renames it over
+        // the old one (`write_atomically`), so the mapped inode's bytes do not change.
+        let map = unsafe { memmap2::Mmap::map(&file) }.map_err(|e| Rejected::Io(e.to_string()))?;
+        let table = decode(std::sync::Arc::new(map), key)?;
+        table.drop_resident();
         Ok(table)
     }
 
@@ -273,7 +285,16 @@ const COMPANIONS_MAGIC: &str = "memtrace-unwind-companions";
 /// The bytes of a cache file, if it is one to trust: a regular file (not a symlink) owned
 /// by root or by us that no one else may write. Marks it recently used.
 pub(crate) fn read_trusted(path: &Path) -> Result<Vec<u8>, Rejected> {
-    let mut file = match OpenOptions::new().read(true).custom_flags(libc::O_NOFOLLOW).open(path) {
+    let mut file = open_trusted(path)?;
+    let mut data = Vec::new();
+    file.read_to_end(&mut data).map_err(|e| Rejected::Io(e.to_string()))?;
+    Ok(data)
+}
+
+/// The cache file at `path`, opened, if it is one to trust (as [`read_trusted`] says);
+/// marked recently used.
+fn open_trusted(path: &Path) -> Result<fs::File, Rejected> {
+    let file = match OpenOptions::new().read(true).custom_flags(libc::O_NOFOLLOW).open(path) {
         Ok(f) => f,
         Err(e) if e.kind() == io::ErrorKind::NotFound => return Err(Rejected::Missing),
         Err(e) if e.raw_os_error() == Some(libc::ELOOP) => return Err(Rejected::NotAFile),
@@ -291,11 +312,9 @@ pub(crate) fn read_trusted(path: &Path) -> Result<Vec<u8>, Rejected> {
     if md.mode() & 0o022 != 0 {
         return Err(Rejected::WritableByOthers(md.mode() & 0o7777));
     }
-    let mut data = Vec::with_capacity(md.len() as usize);
-    file.read_to_end(&mut data).map_err(|e| Rejected::Io(e.to_string()))?;
     // Recently used: the eviction keeps it.
     let _ = file.set_modified(SystemTime::now());
-    Ok(data)
+    Ok(file)
 }
 
 /// Writes `data` to `tmp` (new, 0600, synced) and renames it to `path`.
@@ -347,10 +366,10 @@ fn encode(key: &FileKey, table: &Table) -> Vec<u8> {
             body.extend_from_slice(&v.to_le_bytes());
         }
     }
-    for p in &table.pages {
+    for p in table.pages() {
         body.extend_from_slice(&p.to_le_bytes());
     }
-    for r in &table.rows {
+    for r in table.rows() {
         body.extend_from_slice(&r.to_le_bytes());
     }
     let mut out = Vec::with_capacity(HEADER_BYTES + body.len());
@@ -359,14 +378,16 @@ fn encode(key: &FileKey, table: &Table) -> Vec<u8> {
     out.extend_from_slice(&(key.len() as u32).to_le_bytes());
     out.extend_from_slice(&table.pc_base.to_le_bytes());
     out.extend_from_slice(&(table.segments.len() as u32).to_le_bytes());
-    out.extend_from_slice(&(table.pages.len() as u32).to_le_bytes());
-    out.extend_from_slice(&(table.rows.len() as u32).to_le_bytes());
+    out.extend_from_slice(&(table.page_entries() as u32).to_le_bytes());
+    out.extend_from_slice(&(table.row_count() as u32).to_le_bytes());
     out.extend_from_slice(&crc32fast::hash(&body).to_le_bytes());
     out.extend_from_slice(&body);
     out
 }
 
-fn decode(data: &[u8], key: &FileKey) -> Result<Table, Rejected> {
+/// The table of an entry's bytes, read in place (its page index and rows stay in `map`).
+fn decode(map: std::sync::Arc<memmap2::Mmap>, key: &FileKey) -> Result<Table, Rejected> {
+    let data: &[u8] = &map;
     let u32_at = |at: usize| -> Result<u32, Rejected> {
         Ok(u32::from_le_bytes(data.get(at..at + 4).ok_or(Rejected::Truncated)?.try_into().expect("4 bytes")))
     };
@@ -417,12 +438,13 @@ fn decode(data: &[u8], key: &FileKey) -> Result<Table, Rejected> {
             Segment { file_offset: v[0], vaddr: v[1], file_size: v[2], executable: v[3] != 0 }
         })
         .collect();
-    let pages = (0..n_pages).map(|_| u32::from_le_bytes(word(4).try_into().expect("4 bytes"))).collect();
-    let rows = (0..n_rows).map(|_| u64::from_le_bytes(word(8).try_into().expect("8 bytes"))).collect();
+    let pages_at = HEADER_BYTES + at;
+    let rows_at = pages_at + 4 * n_pages;
     if n_pages == 0 {
         return Err(Rejected::Truncated);
     }
-    Ok(Table { pc_base, pages, rows, segments })
+    Table::mapped(pc_base, segments, std::sync::Arc::clone(&map), (pages_at, n_pages), (rows_at, n_rows))
+        .ok_or(Rejected::Truncated)
 }
 
 #[cfg(test)]
@@ -432,12 +454,12 @@ mod tests {
     use super::*;
 
     fn table() -> Table {
-        Table {
-            pc_base: 0x1000,
-            pages: vec![0, 1, 2],
-            rows: vec![1, 2, 3, 4],
-            segments: vec![Segment { file_offset: 0, vaddr: 0, file_size: 0x3000, executable: true }],
-        }
+        Table::new(
+            0x1000,
+            vec![0, 1, 2],
+            vec![1, 2, 3, 4],
+            vec![Segment { file_offset: 0, vaddr: 0, file_size: 0x3000, executable: true }],
+        )
     }
 
     fn key() -> FileKey {
@@ -460,6 +482,39 @@ mod tests {
         assert_eq!(c.load(&other), Err(Rejected::Missing));
         let mode = fs::metadata(c.path_of(&key())).unwrap().permissions().mode();
         assert_eq!(mode & 0o777, 0o600);
+    }
+
+    /// A loaded table is read in place from its entry, and answers every lookup, and gives
+    /// the probes the same elements, as the table built from the file's call-frame
+    /// information, before and after its resident pages are handed back.
+    #[test]
+    fn a_loaded_table_is_read_in_place_and_answers_as_the_built_one() {
+        let exe = std::env::current_exe().unwrap();
+        let cfi = crate::unwind::cfi::Cfi::open(&exe).unwrap();
+        let rows = cfi.rows();
+        let built = Table::from_rows(&rows, cfi.segments.clone());
+        let dir = std::env::temp_dir().join(format!("memtrace-cache-test-in-place-{}", std::process::id()));
+        let _ = fs::remove_dir_all(&dir);
+        // (The test binary's table is larger than the other tests' bound.)
+        let c = DiskCache::open(&dir, 1 << 30).unwrap();
+        c.store(&key(), &built).unwrap();
+        let loaded = c.load(&key()).unwrap();
+        assert!(loaded.is_mapped() && !built.is_mapped());
+        assert_eq!(loaded, built);
+        assert_eq!(loaded.byte_size(), built.byte_size());
+        assert_eq!(loaded.elements(), built.elements());
+        loaded.drop_resident();
+        for w in rows.windows(2).step_by(5) {
+            for vaddr in [w[0].pc, w[1].pc - 1, w[0].pc.wrapping_sub(1)] {
+                assert_eq!(loaded.rule_at(vaddr), built.rule_at(vaddr), "{vaddr:#x}");
+            }
+        }
+        let end = rows.last().unwrap().pc;
+        for vaddr in [0, end, end + 0x10_0000, u64::MAX] {
+            assert_eq!(loaded.rule_at(vaddr), built.rule_at(vaddr), "{vaddr:#x}");
+        }
+        drop(loaded);
+        let _ = fs::remove_dir_all(&dir);
     }
 
     #[test]

@@ -209,7 +209,9 @@ impl InstallThread {
                 let mut rest = Vec::new();
                 for f in done {
                     let placed = if f.table.byte_size() <= PLACEABLE_BYTES {
-                        sink.place_table(f.slot, &f.table.elements())
+                        let placed = sink.place_table(f.slot, &f.table.elements());
+                        f.table.drop_resident();
+                        placed
                     } else {
                         None
                     };
@@ -230,6 +232,7 @@ impl InstallThread {
                 }
                 for batch in batches(rest) {
                     let elements: Vec<(Slot, Vec<u64>)> = batch.iter().map(|f| (f.slot, f.table.elements())).collect();
+                    batch.iter().for_each(|f| f.table.drop_resident());
                     let results = sink.install_tables(&elements);
                     drop(elements);
                     for (finished, result) in batch.into_iter().zip(results) {
@@ -521,6 +524,7 @@ impl TableStore {
         }
         for batch in batches(std::mem::take(&mut self.ready)) {
             let elements: Vec<(Slot, Vec<u64>)> = batch.iter().map(|f| (f.slot, f.table.elements())).collect();
+            batch.iter().for_each(|f| f.table.drop_resident());
             let results = sink.install_tables(&elements);
             drop(elements);
             for (finished, result) in batch.into_iter().zip(results) {
@@ -552,7 +556,7 @@ impl TableStore {
                 log::debug!(
                     "unwind table of {}: {} rows, {} KiB, built in {ms} ms",
                     path.display(),
-                    table.rows.len(),
+                    table.row_count(),
                     table.byte_size() >> 10
                 );
             }
@@ -561,7 +565,7 @@ impl TableStore {
                 log::debug!(
                     "unwind table of {}: {} rows, {} KiB, from the cache",
                     path.display(),
-                    table.rows.len(),
+                    table.row_count(),
                     table.byte_size() >> 10
                 );
             }
@@ -587,7 +591,7 @@ impl TableStore {
         match result {
             Ok(()) => {
                 self.stats.bytes += table.byte_size() as u64;
-                self.stats.rows += table.rows.len() as u64;
+                self.stats.rows += table.row_count() as u64;
             }
             Err(e) => log::warn!("installing the unwind table in slot {slot}: {e:#}"),
         }
@@ -715,10 +719,14 @@ fn build_or_load(job: &Job, cache: Option<&DiskCache>) -> (Option<Table>, bool) 
         return (None, false);
     }
     let table = Table::from_rows(&rows, cfi.segments);
-    if let Some(cache) = cache
-        && let Err(e) = cache.store(&job.key, &table)
-    {
-        log::debug!("storing the unwind table of {} in the cache: {e}", job.path.display());
+    drop(rows);
+    if let Some(cache) = cache {
+        if let Err(e) = cache.store(&job.key, &table) {
+            log::debug!("storing the unwind table of {} in the cache: {e}", job.path.display());
+        } else if let Ok(mapped) = cache.load(&job.key) {
+            // Kept from here on as the cache's entry, read in place, not in the heap.
+            return (Some(mapped), false);
+        }
     }
     (Some(table), false)
 }
@@ -753,7 +761,7 @@ mod tests {
         assert!(store.wait_idle(&mut sink, Duration::from_secs(60)));
         assert_eq!(store.stats().built, sink.0.len() as u64);
         let Some(TableState::Ready(table)) = store.state(slot) else { panic!("not ready") };
-        assert!(table.rows.len() > 1000);
+        assert!(table.row_count() > 1000);
     }
 
     /// What a sink of the install-thread test was asked: (on the install thread, "install"
@@ -844,6 +852,6 @@ mod tests {
         assert!(store.wait_idle(&mut sink, Duration::from_secs(60)));
         assert_eq!(store.stats().over_cap, 1);
         let Some(TableState::Ready(table)) = store.state(slot) else { panic!() };
-        assert!(table.rows.is_empty());
+        assert!(table.row_count() == 0);
     }
 }

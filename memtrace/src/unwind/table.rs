@@ -5,6 +5,8 @@
 //! the same search the probes run (`memtrace_common::unwind::find_row`).
 //!
 //! [`cfi`]: super::cfi
+use std::sync::Arc;
+
 use memtrace_common::{
     UnwindRule,
     unwind::{encode_row, find_row, row_rule, table},
@@ -12,28 +14,68 @@ use memtrace_common::{
 
 use super::cfi::{Row, Segment};
 
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone)]
 pub struct Table {
     /// The file virtual address row pcs are relative to.
     pub pc_base: u64,
-    /// Per 4 KiB page from `pc_base`, the index of the row in effect at its start; one more
-    /// entry for the end.
-    pub pages: Vec<u32>,
-    /// Encoded rows (`memtrace_common::unwind::encode_row`).
-    pub rows: Vec<u64>,
     /// Where the file's loadable segments sit (to turn a mapping's file offset into the
     /// file's virtual addresses).
     pub segments: Vec<Segment>,
+    body: Body,
+}
+
+/// Where a table's page index and rows are: built here, or read in place from a disk-cache
+/// entry mapped into memory. Tables are kept after their install only to finish stack
+/// copies, whose lookups touch a few pages: a PyTorch program's 176 tables read into the
+/// heap held 92 MB through its whole recording; mapped, their pages are the page cache's,
+/// resident only while a lookup or the install reads them ([`Table::drop_resident`]).
+#[derive(Debug, Clone)]
+enum Body {
+    /// Per 4 KiB page from `pc_base`, the index of the row in effect at its start (one more
+    /// entry for the end); the encoded rows (`memtrace_common::unwind::encode_row`).
+    Owned { pages: Vec<u32>, rows: Vec<u64> },
+    /// The same, little-endian, at these offsets of a mapped file (bounds checked when the
+    /// table was made: [`Table::mapped`]).
+    Mapped { map: Arc<memmap2::Mmap>, pages_at: usize, n_pages: usize, rows_at: usize, n_rows: usize },
 }
 
 /// Code a table covers at most from its base (pcs are 32 bits).
 const MAX_SPAN: u64 = 1 << 32;
 
+fn u32_le(b: &[u8]) -> u32 {
+    u32::from_le_bytes(b.try_into().expect("4 bytes"))
+}
+
+fn u64_le(b: &[u8]) -> u64 {
+    u64::from_le_bytes(b.try_into().expect("8 bytes"))
+}
+
 impl Table {
+    /// A table of owned parts.
+    pub fn new(pc_base: u64, pages: Vec<u32>, rows: Vec<u64>, segments: Vec<Segment>) -> Self {
+        Self { pc_base, segments, body: Body::Owned { pages, rows } }
+    }
+
+    /// A table whose `n_pages` page-index entries start at byte `pages_at` of `map` and its
+    /// `n_rows` rows at `rows_at`; None if they do not lie inside it.
+    pub fn mapped(
+        pc_base: u64,
+        segments: Vec<Segment>,
+        map: Arc<memmap2::Mmap>,
+        (pages_at, n_pages): (usize, usize),
+        (rows_at, n_rows): (usize, usize),
+    ) -> Option<Self> {
+        let fits =
+            |at: usize, n: usize, size: usize| n.checked_mul(size)?.checked_add(at).filter(|&end| end <= map.len());
+        fits(pages_at, n_pages, 4)?;
+        fits(rows_at, n_rows, 8)?;
+        Some(Self { pc_base, segments, body: Body::Mapped { map, pages_at, n_pages, rows_at, n_rows } })
+    }
+
     /// Packs sorted, merged rows (as `Cfi::rows` gives them).
     pub fn from_rows(rows: &[Row], segments: Vec<Segment>) -> Self {
         let Some(first) = rows.first() else {
-            return Self { pc_base: 0, pages: vec![0], rows: Vec::new(), segments };
+            return Self::new(0, vec![0], Vec::new(), segments);
         };
         let pc_base = first.pc;
         let packed: Vec<u64> = rows
@@ -54,26 +96,97 @@ impl Table {
             }
             pages.push(row as u32);
         }
-        Self { pc_base, pages, rows: packed, segments }
+        Self::new(pc_base, pages, packed, segments)
+    }
+
+    /// Entries of the page index (one per page, one more for the end).
+    pub fn page_entries(&self) -> usize {
+        match &self.body {
+            Body::Owned { pages, .. } => pages.len(),
+            Body::Mapped { n_pages, .. } => *n_pages,
+        }
+    }
+
+    pub fn row_count(&self) -> usize {
+        match &self.body {
+            Body::Owned { rows, .. } => rows.len(),
+            Body::Mapped { n_rows, .. } => *n_rows,
+        }
     }
 
     pub fn page_count(&self) -> u32 {
-        self.pages.len().saturating_sub(1) as u32
+        self.page_entries().saturating_sub(1) as u32
+    }
+
+    fn page(&self, i: usize) -> Option<u32> {
+        match &self.body {
+            Body::Owned { pages, .. } => pages.get(i).copied(),
+            Body::Mapped { map, pages_at, n_pages, .. } => {
+                (i < *n_pages).then(|| u32_le(&map[pages_at + 4 * i..pages_at + 4 * i + 4]))
+            }
+        }
+    }
+
+    fn row(&self, i: usize) -> Option<u64> {
+        match &self.body {
+            Body::Owned { rows, .. } => rows.get(i).copied(),
+            Body::Mapped { map, rows_at, n_rows, .. } => {
+                (i < *n_rows).then(|| u64_le(&map[rows_at + 8 * i..rows_at + 8 * i + 8]))
+            }
+        }
+    }
+
+    /// The page index, in order.
+    pub fn pages(&self) -> Box<dyn Iterator<Item = u32> + '_> {
+        match &self.body {
+            Body::Owned { pages, .. } => Box::new(pages.iter().copied()),
+            Body::Mapped { map, pages_at, n_pages, .. } => {
+                Box::new(map[*pages_at..pages_at + 4 * n_pages].chunks_exact(4).map(u32_le))
+            }
+        }
+    }
+
+    /// The encoded rows, in order.
+    pub fn rows(&self) -> Box<dyn Iterator<Item = u64> + '_> {
+        match &self.body {
+            Body::Owned { rows, .. } => Box::new(rows.iter().copied()),
+            Body::Mapped { map, rows_at, n_rows, .. } => {
+                Box::new(map[*rows_at..rows_at + 8 * n_rows].chunks_exact(8).map(u64_le))
+            }
+        }
+    }
+
+    /// Whether the rows are read in place from a mapped file.
+    pub fn is_mapped(&self) -> bool {
+        matches!(self.body, Body::Mapped { .. })
+    }
+
+    /// Lets the kernel take back the mapped file's pages read so far (its checksum, the
+    /// install): they stay in the page cache, out of memtrace's resident set, and a later
+    /// lookup reads them again. Nothing for a table built here.
+    pub fn drop_resident(&self) {
+        if let Body::Mapped { map, .. } = &self.body {
+            // SAFETY: a read-only private mapping of a file: MADV_DONTNEED drops its page
+            // table entries and a later access reads the same bytes from the file (no
+            // private copy exists to lose); no reference into the mapping outlives this
+            // call's caller's borrow of `self`, and the bytes it reads stay the same.
+            let _ = unsafe { map.unchecked_advise(memmap2::UncheckedAdvice::DontNeed) };
+        }
     }
 
     /// The table as the probes' array holds it (`memtrace_common::unwind::table`).
     pub fn elements(&self) -> Vec<u64> {
-        let mut out = Vec::with_capacity(2 + self.pages.len() + self.rows.len());
+        let mut out = Vec::with_capacity(2 + self.page_entries() + self.row_count());
         out.push(self.pc_base);
-        out.push(table::counts(self.page_count(), self.rows.len() as u32));
-        out.extend(self.pages.iter().map(|&p| u64::from(p)));
-        out.extend_from_slice(&self.rows);
+        out.push(table::counts(self.page_count(), self.row_count() as u32));
+        out.extend(self.pages().map(u64::from));
+        out.extend(self.rows());
         out
     }
 
     /// Bytes the table takes in the probes' array.
     pub fn byte_size(&self) -> usize {
-        (2 + self.pages.len() + self.rows.len()) * 8
+        (2 + self.page_entries() + self.row_count()) * 8
     }
 
     /// The rule for file virtual address `vaddr`, found as the probes find it; the
@@ -84,8 +197,10 @@ impl Table {
         if page >= u64::from(self.page_count()) {
             return UnwindRule::FRAME_POINTER;
         }
-        let (lo, hi) = (self.pages[page as usize], self.pages[page as usize + 1]);
-        find_row(lo, hi, rel as u32, |i| self.rows.get(i as usize).copied()).map_or(UnwindRule::FRAME_POINTER, row_rule)
+        let (Some(lo), Some(hi)) = (self.page(page as usize), self.page(page as usize + 1)) else {
+            return UnwindRule::FRAME_POINTER;
+        };
+        find_row(lo, hi, rel as u32, |i| self.row(i as usize)).map_or(UnwindRule::FRAME_POINTER, row_rule)
     }
 
     /// The file virtual address of a file offset (in a loadable segment).
@@ -93,6 +208,18 @@ impl Table {
         super::cfi::vaddr_of_file_offset(&self.segments, offset)
     }
 }
+
+/// Equal tables hold the same rows, wherever they are kept.
+impl PartialEq for Table {
+    fn eq(&self, other: &Self) -> bool {
+        self.pc_base == other.pc_base
+            && self.segments == other.segments
+            && self.pages().eq(other.pages())
+            && self.rows().eq(other.rows())
+    }
+}
+
+impl Eq for Table {}
 
 #[cfg(test)]
 mod tests {
