@@ -514,6 +514,7 @@ fn finish(
         ..Default::default()
     };
     tracer.shed();
+    recorder.namer.forget_stacks();
     // Every event and stack reaches the file first: the warnings the report will print are
     // read from it on another thread while the frames are named (each took 0.1–0.25 s of
     // the heavy Python bench's stop, one after the other).
