@@ -101,6 +101,17 @@ const REORDER_LAG_NS: u64 = 100_000_000;
 /// Records read from one ring per drain: what one drain holds in memory is bounded,
 /// whatever the rings' size (a ring that has more is read again at once).
 pub const RING_BATCH: usize = 1 << 15;
+/// Bytes of stack records one drain holds, at most (its share of it per ring, not under
+/// [`MIN_STACK_BYTES_PER_RING`]): a drain's stacks wait until every ring is read, and
+/// 32,768 records from each of 16 rings held ~300 MB of a PyTorch program's stacks (49 MB
+/// on 2 CPUs). A ring with more is read again at once.
+const STACK_BYTES_PER_DRAIN: u64 = 8 << 20;
+const MIN_STACK_BYTES_PER_RING: u64 = 512 << 10;
+/// A ring's share of [`STACK_BYTES_PER_DRAIN`].
+fn stack_bytes_per_ring(rings: usize) -> u64 {
+    (STACK_BYTES_PER_DRAIN / rings.max(1) as u64).max(MIN_STACK_BYTES_PER_RING)
+}
+
 /// Records read from a ring between two looks at the losses while sampling is not on yet
 /// (`Tracer::switch_on_loss`): ~2 ms of reading.
 const LOSS_CHECK_RECORDS: usize = 4096;
@@ -176,6 +187,10 @@ pub struct Tracer {
     overload: overload::Overload,
     /// When the last drain that read every ring dry began.
     caught_up_ns: u64,
+    /// Whether the last drain read every ring dry (else one has more waiting).
+    last_drain_dry: bool,
+    /// The most bytes of stack records one drain held (for the debug log).
+    most_stack_bytes_held: u64,
     /// Events stamped later than this are dropped (set when stopping).
     cutoff_ns: Option<u64>,
     /// Ring records that did not decode.
@@ -442,6 +457,8 @@ impl Tracer {
             degraded: None,
             overload: overload::Overload::new(),
             caught_up_ns: 0,
+            last_drain_dry: true,
+            most_stack_bytes_held: 0,
             allocator,
             target_pid,
             is_command,
@@ -470,6 +487,12 @@ impl Tracer {
             u.wait_tables(&mut tracer.probes, PID_TABLES_WAIT);
         }
         Ok(tracer)
+    }
+
+    /// Whether the last [`Tracer::drain`] read every ring dry (else a ring has more
+    /// waiting than one drain takes: read again at once).
+    pub fn caught_up(&self) -> bool {
+        self.last_drain_dry
     }
 
     pub fn unwind_stats(&self) -> Option<UnwindStats> {
@@ -567,9 +590,14 @@ impl Tracer {
         // Stacks wait until every ring is read: the mappings they need may be in another.
         let mut stacks = Vec::new();
         let mut dry = true;
-        for cpu in 0..self.probes.rings_mut().len() {
+        let rings = self.probes.rings_mut().len();
+        let stack_budget = stack_bytes_per_ring(rings);
+        let mut held_stack_bytes = 0u64;
+        for cpu in 0..rings {
             let mut taken = 0;
+            let mut stack_bytes = 0u64;
             while taken < RING_BATCH
+                && stack_bytes < stack_budget
                 && let Some(record) = {
                     let ring = &mut self.probes.rings_mut()[cpu];
                     let cpu_id = ring.cpu;
@@ -590,7 +618,10 @@ impl Tracer {
                     _ => bytes.other += len,
                 }
                 match record {
-                    Ok(Record::Stack(s)) => stacks.push(s),
+                    Ok(Record::Stack(s)) => {
+                        stack_bytes += len;
+                        stacks.push(s);
+                    }
                     Ok(Record::Mapping(m)) => {
                         let handling = std::time::Instant::now();
                         self.on_code_mapped(&m);
@@ -633,11 +664,14 @@ impl Tracer {
                     Err(_) => self.decode_errors += 1,
                 }
             }
-            dry &= taken < RING_BATCH;
+            dry &= taken < RING_BATCH && stack_bytes < stack_budget;
+            held_stack_bytes += stack_bytes;
         }
+        self.most_stack_bytes_held = self.most_stack_bytes_held.max(held_stack_bytes);
         if dry {
             self.caught_up_ns = now;
         }
+        self.last_drain_dry = dry;
         self.attach_found_allocators();
         for s in stacks {
             self.on_stack(s, sink);
@@ -694,6 +728,12 @@ impl Tracer {
             u.save_programs_files();
         }
         log::debug!("stack copies delivered as a stack met before: {}", self.copies.merged);
+        log::debug!(
+            "most stack record bytes one drain held: {} (at most {} from each of {} rings)",
+            self.most_stack_bytes_held,
+            stack_bytes_per_ring(self.probes.rings_mut().len()),
+            self.probes.rings_mut().len()
+        );
         self.copies.clear();
         (teardown, counters)
     }
@@ -717,4 +757,23 @@ fn tcmalloc_transfer_num_obj(pid: u32) -> Option<i64> {
         .split(|&b| b == 0)
         .find_map(|v| v.strip_prefix(b"TCMALLOC_TRANSFER_NUM_OBJ="))
         .and_then(|v| std::str::from_utf8(v).ok()?.trim().parse().ok())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// What one drain holds of stacks is bounded whatever the number of CPUs, and every
+    /// ring gets a share large enough for a few thousand stacks.
+    #[test]
+    fn a_drain_holds_a_bounded_share_of_stacks_from_each_ring() {
+        for rings in [0, 1, 2, 3, 16, 64, 256, 1024] {
+            let each = stack_bytes_per_ring(rings);
+            assert!(each >= MIN_STACK_BYTES_PER_RING, "{rings} rings: {each}");
+            let total = each * rings as u64;
+            assert!(total <= STACK_BYTES_PER_DRAIN.max(rings as u64 * MIN_STACK_BYTES_PER_RING), "{rings} rings: {total}");
+        }
+        assert_eq!(stack_bytes_per_ring(2), 4 << 20);
+        assert_eq!(stack_bytes_per_ring(16), 512 << 10);
+    }
 }

@@ -301,7 +301,8 @@ async fn run(tracer: &mut Tracer, recorder: &mut Recorder, opts: &RecordOptions)
         let wake = waker.wait().await;
         // A ring with more than one batch waiting is read again at once (a few times).
         for _ in 0..8 {
-            if tracer.drain(recorder, false) < super::RING_BATCH {
+            tracer.drain(recorder, false);
+            if tracer.caught_up() {
                 break;
             }
         }
