@@ -52,7 +52,7 @@ pub struct ModuleTable {
     pending: Vec<u32>,
     /// The module of each Python function (qualified name, file) met: a Python-heavy
     /// program names the same few hundred functions in tens of thousands of stacks.
-    python_functions: FastMap<(std::sync::Arc<str>, std::sync::Arc<str>), u32>,
+    python_functions: FastMap<std::sync::Arc<python::code::PyFunction>, u32>,
 }
 
 impl ModuleTable {
@@ -300,13 +300,13 @@ impl ModuleTable {
                 Spliced::Native(f) => f,
                 Spliced::Python(i) => {
                     let named = &context.names[i];
-                    let key = (named.qualname.clone(), named.filename.clone());
-                    let module = match self.python_functions.get(&key) {
+                    let function = &named.function;
+                    let module = match self.python_functions.get(function) {
                         Some(&module) => module,
                         None => {
-                            let build_id = python::module_build_id(&named.qualname, &named.filename);
-                            let module = self.module_id(Some(build_id), Some(PathBuf::from(&*named.filename)));
-                            self.python_functions.insert(key, module);
+                            let build_id = python::module_build_id(&function.qualname, &function.filename);
+                            let module = self.module_id(Some(build_id), Some(PathBuf::from(&*function.filename)));
+                            self.python_functions.insert(std::sync::Arc::clone(function), module);
                             module
                         }
                     };

@@ -137,6 +137,24 @@ impl Symbolizer {
 
 type Job = Box<dyn FnOnce(&mut Symbolizer) + Send>;
 
+/// Files the background symbolizer takes at the end of a recording, at most in size: the
+/// larger ones are read one at a time, on the calling thread.
+const HELPER_MAX_FILE: u64 = 64 << 20;
+
+/// The next object of a queue sorted largest file first (the last field is the file's
+/// size): the calling thread's from the front, the helper's from the back while under
+/// [`HELPER_MAX_FILE`].
+fn take_next<T>(
+    queue: &mut VecDeque<(usize, PathBuf, T, u64)>,
+    largest_first: bool,
+) -> Option<(usize, PathBuf, T, u64)> {
+    match largest_first {
+        true => queue.pop_front(),
+        false if queue.back().is_some_and(|job| job.3 < HELPER_MAX_FILE) => queue.pop_back(),
+        false => None,
+    }
+}
+
 /// A [`Symbolizer`] on a thread of its own (it cannot move between threads), taking jobs
 /// in order. Preparing (`prepare_*`) returns at once; [`Background::run`] waits for its
 /// answer.
@@ -193,40 +211,48 @@ impl Background {
     }
 
     /// The symbols of each object's offsets (`object_once`), in the order asked: the
-    /// background symbolizer and one on the calling thread take the objects one by one,
-    /// largest file first, from one queue. At the end of a recording the user waits for
-    /// this: the heavy Python bench's ~100 objects took ~230 ms on one thread (libpython's
-    /// debug information 80 ms, the C library's 50 ms).
+    /// calling thread takes the objects largest file first, the background symbolizer the
+    /// smallest first, and only files under [`HELPER_MAX_FILE`]: two big objects are never
+    /// read at once (PyTorch's libtriton, DWARF read in place, and libtorch_cpu side by side
+    /// held ~150 MB of their pages and the peak of the recording). At the end of a recording
+    /// the user waits for this: the heavy Python bench's ~100 objects took ~230 ms on one
+    /// thread (libpython's debug information 80 ms, the C library's 50 ms).
     pub fn objects(&self, jobs: Vec<(PathBuf, Vec<u64>)>) -> Vec<Vec<Vec<Symbol>>> {
         let n = jobs.len();
-        let mut queue: Vec<(usize, PathBuf, Vec<u64>)> =
-            jobs.into_iter().enumerate().map(|(i, (path, offsets))| (i, path, offsets)).collect();
-        queue.sort_by_cached_key(|(_, path, _)| std::cmp::Reverse(std::fs::metadata(path).map_or(0, |m| m.len())));
+        let mut queue: Vec<(usize, PathBuf, Vec<u64>, u64)> = jobs
+            .into_iter()
+            .enumerate()
+            .map(|(i, (path, offsets))| {
+                let size = std::fs::metadata(&path).map_or(0, |m| m.len());
+                (i, path, offsets, size)
+            })
+            .collect();
+        queue.sort_by_key(|&(_, _, _, size)| std::cmp::Reverse(size));
         let queue = Arc::new(Mutex::new(VecDeque::from(queue)));
         let results: Arc<Mutex<Vec<Vec<Vec<Symbol>>>>> = Arc::new(Mutex::new(vec![Vec::new(); n]));
-        let work =
-            |s: &mut Symbolizer, queue: &Mutex<VecDeque<(usize, PathBuf, Vec<u64>)>>, results: &Mutex<Vec<_>>| {
-                while let Some((i, path, offsets)) = queue.lock().ok().and_then(|mut q| q.pop_front()) {
-                    let started = Instant::now();
-                    let symbols = s.object_once(&path, &offsets);
-                    log::debug!(
-                        "{}: {} addresses symbolized in {} ms",
-                        path.display(),
-                        offsets.len(),
-                        started.elapsed().as_millis()
-                    );
-                    if let Ok(mut r) = results.lock() {
-                        r[i] = symbols;
-                    }
-                }
-            };
+        type Queue = Mutex<VecDeque<(usize, PathBuf, Vec<u64>, u64)>>;
+        let work = |s: &mut Symbolizer, queue: &Queue, results: &Mutex<Vec<_>>, largest_first: bool| loop {
+            let next = queue.lock().ok().and_then(|mut q| take_next(&mut q, largest_first));
+            let Some((i, path, offsets, _)) = next else { break };
+            let started = Instant::now();
+            let symbols = s.object_once(&path, &offsets);
+            log::debug!(
+                "{}: {} addresses symbolized in {} ms",
+                path.display(),
+                offsets.len(),
+                started.elapsed().as_millis()
+            );
+            if let Ok(mut r) = results.lock() {
+                r[i] = symbols;
+            }
+        };
         let (done, finished) = mpsc::sync_channel(1);
         let (q, r) = (Arc::clone(&queue), Arc::clone(&results));
         let helped = self.send(Box::new(move |s| {
-            work(s, &q, &r);
+            work(s, &q, &r, false);
             let _ = done.send(());
         }));
-        work(&mut Symbolizer::new(), &queue, &results);
+        work(&mut Symbolizer::new(), &queue, &results, true);
         if helped {
             // Its last object; an error: it panicked, what it held stays unnamed.
             let _ = finished.recv();
@@ -259,6 +285,24 @@ impl Drop for Background {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The helper takes the small files from the back and leaves every big one to the
+    /// caller, so two big objects are never read at once.
+    #[test]
+    fn big_objects_are_left_to_the_calling_thread_one_at_a_time() {
+        let mb = |n: u64| n << 20;
+        let mut queue: VecDeque<(usize, PathBuf, (), u64)> = [mb(500), mb(450), mb(64), mb(63), mb(2), 0]
+            .iter()
+            .enumerate()
+            .map(|(i, &s)| (i, PathBuf::new(), (), s))
+            .collect();
+        let sizes = |q: &mut VecDeque<_>, first: bool| {
+            std::iter::from_fn(|| take_next(q, first).map(|j| j.3)).collect::<Vec<u64>>()
+        };
+        assert_eq!(sizes(&mut queue, false), vec![0, mb(2), mb(63)]);
+        assert_eq!(sizes(&mut queue, true), vec![mb(500), mb(450), mb(64)]);
+        assert!(queue.is_empty());
+    }
 
     #[inline(never)]
     fn a_function_with_a_distinctive_name() -> usize {

@@ -4,11 +4,25 @@
 use super::{detect::read_memory, layout::CodeLayout};
 use std::sync::Arc;
 
+/// A Python function as frames name it: shared by every frame named from its code object
+/// (a frame holds one pointer and its line: PyTorch's 32,768 shared Python stacks held 1.5 M
+/// named frames, 40 bytes each with a pointer per name).
+#[derive(Debug, PartialEq, Eq, Hash)]
+pub struct PyFunction {
+    pub qualname: Box<str>,
+    pub filename: Box<str>,
+}
+
+impl PyFunction {
+    pub fn new(qualname: &str, filename: &str) -> Arc<Self> {
+        Arc::new(Self { qualname: qualname.into(), filename: filename.into() })
+    }
+}
+
 /// What a frame shows of its code object.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Code {
-    pub qualname: Arc<str>,
-    pub filename: Arc<str>,
+    pub function: Arc<PyFunction>,
     pub firstlineno: i32,
     pub linetable: Vec<u8>,
     /// The line table is whole (the probes send the first KiB of larger ones).
@@ -32,7 +46,7 @@ pub fn read_code(pid: u32, addr: u64, layout: &CodeLayout) -> Option<Code> {
     let filename = read_str(pid, u64_at(layout.filename)?, layout)?;
     let qualname = read_str(pid, u64_at(layout.qualname.unwrap_or(layout.name))?, layout)?;
     let linetable = read_bytes(pid, u64_at(layout.linetable)?).unwrap_or_default();
-    Some(Code { qualname: qualname.into(), filename: filename.into(), firstlineno, linetable, complete: true })
+    Some(Code { function: PyFunction::new(&qualname, &filename), firstlineno, linetable, complete: true })
 }
 
 /// A `str` object: compact ASCII (the usual case for names and paths) or compact

@@ -21,7 +21,7 @@ use std::sync::Arc;
 use memtrace_common::python::{PyFrame, py_frame_flags};
 
 use crate::recording::Module;
-use code::Code;
+use code::{Code, PyFunction};
 use detect::{Detector, Finding, Interpreter};
 
 /// The start of a Python module's build id.
@@ -81,8 +81,7 @@ pub fn splice<T: Copy>(native: &[T], is_eval: impl Fn(&T) -> bool, python: &[PyF
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Named {
     /// Shared with the code object read (a stack's frames are named again and again).
-    pub qualname: Arc<str>,
-    pub filename: Arc<str>,
+    pub function: Arc<PyFunction>,
     /// 0: not known.
     pub line: u32,
 }
@@ -150,8 +149,10 @@ impl PythonNames {
         }
         let firstlineno = seen.check as i32;
         let record = Code {
-            qualname: seen.qualname.as_deref().unwrap_or_default().into(),
-            filename: seen.filename.as_deref().unwrap_or_default().into(),
+            function: PyFunction::new(
+                seen.qualname.as_deref().unwrap_or_default(),
+                seen.filename.as_deref().unwrap_or_default(),
+            ),
             firstlineno,
             linetable: seen.linetable.clone(),
             complete: seen.complete,
@@ -206,8 +207,7 @@ impl PythonNames {
         });
         match code {
             Some(c) => Named {
-                qualname: c.qualname.clone(),
-                filename: c.filename.clone(),
+                function: Arc::clone(&c.function),
                 line: *self
                     .lines
                     .entry((pid, frame.code, frame.check, frame.lasti))
@@ -225,15 +225,15 @@ fn completed(seen: &crate::event::PyCodeSeen, record: Code, read: Option<Code>) 
     let same = |c: &Code| {
         c.firstlineno == record.firstlineno
             && c.linetable.starts_with(&record.linetable)
-            && seen.filename.as_deref().is_none_or(|f| f == &*c.filename)
-            && seen.qualname.as_deref().is_none_or(|q| q == &*c.qualname)
+            && seen.filename.as_deref().is_none_or(|f| f == &*c.function.filename)
+            && seen.qualname.as_deref().is_none_or(|q| q == &*c.function.qualname)
     };
     let named = seen.filename.is_some() && seen.qualname.is_some();
     read.filter(same).or(named.then_some(record))
 }
 
 fn unknown(frame: &PyFrame) -> Named {
-    Named { qualname: format!("[python code 0x{:x}]", frame.code).into(), filename: "<unknown>".into(), line: 0 }
+    Named { function: PyFunction::new(&format!("[python code 0x{:x}]", frame.code), "<unknown>"), line: 0 }
 }
 
 #[cfg(test)]
@@ -298,8 +298,7 @@ mod tests {
             complete: false,
         };
         let record = Code {
-            qualname: "<module>".into(),
-            filename: "typing.py".into(),
+            function: PyFunction::new("<module>", "typing.py"),
             firstlineno: 1,
             linetable: vec![1, 2, 3],
             complete: false,
@@ -309,8 +308,8 @@ mod tests {
         // Freed memory whose name pointer now reaches another string; another object at
         // the address; another line table: the record's part stays.
         for other in [
-            Code { qualname: "nd_grid".into(), ..whole.clone() },
-            Code { filename: "info.py".into(), ..whole.clone() },
+            Code { function: PyFunction::new("nd_grid", "typing.py"), ..whole.clone() },
+            Code { function: PyFunction::new("<module>", "info.py"), ..whole.clone() },
             Code { firstlineno: 40, ..whole.clone() },
             Code { linetable: vec![9, 2, 3, 4], ..whole.clone() },
         ] {
@@ -319,8 +318,8 @@ mod tests {
         assert_eq!(completed(&seen, record.clone(), None), Some(record.clone()));
         // Names the probe could not read come from the process, from the same first line.
         let unnamed = crate::event::PyCodeSeen { qualname: None, ..seen.clone() };
-        let no_name = Code { qualname: "".into(), ..record.clone() };
-        let read = Code { qualname: "f\u{e9}".into(), ..whole.clone() };
+        let no_name = Code { function: PyFunction::new("", "typing.py"), ..record.clone() };
+        let read = Code { function: PyFunction::new("f\u{e9}", "typing.py"), ..whole.clone() };
         assert_eq!(completed(&unnamed, no_name.clone(), Some(read.clone())), Some(read.clone()));
         assert_eq!(completed(&unnamed, no_name.clone(), Some(Code { firstlineno: 2, ..read })), None);
         assert_eq!(completed(&unnamed, no_name, None), None);

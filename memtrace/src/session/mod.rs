@@ -771,7 +771,10 @@ mod tests {
             let each = stack_bytes_per_ring(rings);
             assert!(each >= MIN_STACK_BYTES_PER_RING, "{rings} rings: {each}");
             let total = each * rings as u64;
-            assert!(total <= STACK_BYTES_PER_DRAIN.max(rings as u64 * MIN_STACK_BYTES_PER_RING), "{rings} rings: {total}");
+            assert!(
+                total <= STACK_BYTES_PER_DRAIN.max(rings as u64 * MIN_STACK_BYTES_PER_RING),
+                "{rings} rings: {total}"
+            );
         }
         assert_eq!(stack_bytes_per_ring(2), 4 << 20);
         assert_eq!(stack_bytes_per_ring(16), 512 << 10);
