@@ -74,9 +74,10 @@ impl ElfFile {
     /// Drops the mapping's resident pages: a later read faults them in again, from the page
     /// cache.
     fn forget_read(&self) {
-        // SAFETY: the mapping is private, read-only and never written: MADV_DONTNEED only
-        // unmaps its pages, and every later read (through references into the mapping
-        // that stay valid) sees the file's same bytes again.
+        // SAFETY: the mapping is read-only (memmap2 maps it shared) and never written, so
+        // no page is dirty: MADV_DONTNEED only unmaps its pages, and every later read
+        // (through references into the mapping, which stay valid) faults the file's same
+        // bytes in again from the page cache.
         let _ = unsafe { self.map.unchecked_advise(memmap2::UncheckedAdvice::DontNeed) };
     }
 

@@ -59,7 +59,8 @@ impl Namer {
     }
 
     /// Forgets which stacks were met, once no event or stack will come (a recording's end:
-    /// a heavy program's million stack hashes took 35 MB); modules and names stay.
+    /// a heavy program's million stack hashes took 35 MB); modules and names stay. Ids
+    /// start again at 0: a stack named after this would reuse an id already written.
     pub fn forget_stacks(&mut self) {
         self.stack_ids = Default::default();
         self.defined = Vec::new();

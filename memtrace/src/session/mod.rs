@@ -101,10 +101,12 @@ const REORDER_LAG_NS: u64 = 100_000_000;
 /// Records read from one ring per drain: what one drain holds in memory is bounded,
 /// whatever the rings' size (a ring that has more is read again at once).
 pub const RING_BATCH: usize = 1 << 15;
-/// Bytes of stack records one drain holds, at most (its share of it per ring, not under
-/// [`MIN_STACK_BYTES_PER_RING`]): a drain's stacks wait until every ring is read, and
-/// 32,768 records from each of 16 rings held ~300 MB of a PyTorch program's stacks (49 MB
-/// on 2 CPUs). A ring with more is read again at once.
+/// Bytes of stack records one drain holds (each ring's share of it, at least
+/// [`MIN_STACK_BYTES_PER_RING`], so the bound is the larger of this and 512 KiB per ring:
+/// 128 MiB on 256 CPUs; a ring overshoots its share by one record at most): a drain's
+/// stacks wait until every ring is read, and 32,768 records from each of 16 rings held
+/// ~300 MB of a PyTorch program's stacks (49 MB on 2 CPUs). A ring with more is read
+/// again at once.
 const STACK_BYTES_PER_DRAIN: u64 = 8 << 20;
 const MIN_STACK_BYTES_PER_RING: u64 = 512 << 10;
 /// A ring's share of [`STACK_BYTES_PER_DRAIN`].
@@ -700,7 +702,9 @@ impl Tracer {
                 sink.event(e)
             }
         };
-        if everything {
+        // Everything goes out only once every ring was read dry: a ring left with more (its
+        // share of a drain reached) may still hold events older than other rings' last.
+        if everything && dry {
             self.reorder.release_all(&mut forward);
         } else {
             self.reorder.release(now.saturating_sub(REORDER_LAG_NS), &mut forward);
@@ -763,8 +767,8 @@ fn tcmalloc_transfer_num_obj(pid: u32) -> Option<i64> {
 mod tests {
     use super::*;
 
-    /// What one drain holds of stacks is bounded whatever the number of CPUs, and every
-    /// ring gets a share large enough for a few thousand stacks.
+    /// What one drain holds of stacks is 8 MiB, or 512 KiB per ring past 16 rings, and
+    /// every ring gets a share large enough for a few hundred stacks.
     #[test]
     fn a_drain_holds_a_bounded_share_of_stacks_from_each_ring() {
         for rings in [0, 1, 2, 3, 16, 64, 256, 1024] {

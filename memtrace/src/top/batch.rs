@@ -43,7 +43,14 @@ pub(super) async fn batch(tracer: &mut Tracer, live: &mut LiveView, opts: &TopOp
             Wake::Signal(_) => true,
             _ => false,
         };
-        tracer.drain(live, finished);
+        // At the end, every ring is read dry before the last snapshot (a drain takes a
+        // bounded share of each ring's stacks).
+        for _ in 0..64 {
+            tracer.drain(live, finished);
+            if !finished || tracer.caught_up() {
+                break;
+            }
+        }
         tracer.housekeeping();
         live.allocator_families = tracer.allocators.iter().map(|a| a.family.name()).collect();
         if finished || last.elapsed() >= opts.interval {

@@ -239,7 +239,7 @@ impl DiskCache {
             }
         }
         let path = self.companions_path(program);
-        let tmp = self.dir.join(format!(".{}.{}.tmp", key_name(program, "use"), std::process::id()));
+        let tmp = self.dir.join(temp_name(&key_name(program, "use")));
         write_atomically(&tmp, &path, &encode_companions(program, &all))
     }
 
@@ -247,7 +247,7 @@ impl DiskCache {
     /// size bound.
     pub fn store(&self, key: &FileKey, table: &Table) -> io::Result<()> {
         let path = self.path_of(key);
-        let tmp = self.dir.join(format!(".{}.{}.tmp", key.file_name(), std::process::id()));
+        let tmp = self.dir.join(temp_name(&key.file_name()));
         write_atomically(&tmp, &path, &encode(key, table))?;
         self.evict();
         Ok(())
@@ -315,6 +315,14 @@ fn open_trusted(path: &Path) -> Result<fs::File, Rejected> {
     // Recently used: the eviction keeps it.
     let _ = file.set_modified(SystemTime::now());
     Ok(file)
+}
+
+/// A temporary file's name for an entry being written: unique to this process and this
+/// write (two workers storing the same entry at once each write their own).
+fn temp_name(entry: &str) -> String {
+    static WRITES: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let n = WRITES.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    format!(".{entry}.{}.{n}.tmp", std::process::id())
 }
 
 /// Writes `data` to `tmp` (new, 0600, synced) and renames it to `path`.

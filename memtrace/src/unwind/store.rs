@@ -764,6 +764,29 @@ mod tests {
         assert!(table.row_count() > 1000);
     }
 
+    /// A table built with a cache at hand is kept as the cache's entry, read in place; the
+    /// next run loads that entry, and both answer as the table built without a cache.
+    #[test]
+    fn a_table_built_with_a_cache_is_kept_as_its_mapped_entry() {
+        let exe = std::env::current_exe().unwrap();
+        let dir = std::env::temp_dir().join(format!("memtrace-store-mapped-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let cache = DiskCache::open(&dir, 1 << 30).unwrap();
+        let job = Job { slot: 0, key: FileKey::of(&exe).unwrap(), path: exe.clone(), asked: Instant::now() };
+        let (plain, _) = build_or_load(&job, None);
+        let plain = plain.unwrap();
+        assert!(!plain.is_mapped());
+        let (built, from_cache) = build_or_load(&job, Some(&cache));
+        let built = built.unwrap();
+        assert!(built.is_mapped() && !from_cache);
+        let (loaded, from_cache) = build_or_load(&job, Some(&cache));
+        let loaded = loaded.unwrap();
+        assert!(loaded.is_mapped() && from_cache);
+        assert!(built == plain && loaded == plain);
+        drop((built, loaded));
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
     /// What a sink of the install-thread test was asked: (on the install thread, "install"
     /// or "register", slot or inode).
     type Asked = (bool, &'static str, u64);

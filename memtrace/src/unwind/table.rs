@@ -27,8 +27,9 @@ pub struct Table {
 /// Where a table's page index and rows are: built here, or read in place from a disk-cache
 /// entry mapped into memory. Tables are kept after their install only to finish stack
 /// copies, whose lookups touch a few pages: a PyTorch program's 176 tables read into the
-/// heap held 92 MB through its whole recording; mapped, their pages are the page cache's,
-/// resident only while a lookup or the install reads them ([`Table::drop_resident`]).
+/// heap held 92 MB through its whole recording; mapped, their pages are the page cache's
+/// (clean, reclaimable), and those the checksum and the install read are handed back
+/// ([`Table::drop_resident`]); a lookup's stay mapped until the end.
 #[derive(Debug, Clone)]
 enum Body {
     /// Per 4 KiB page from `pc_base`, the index of the row in effect at its start (one more
@@ -166,10 +167,10 @@ impl Table {
     /// lookup reads them again. Nothing for a table built here.
     pub fn drop_resident(&self) {
         if let Body::Mapped { map, .. } = &self.body {
-            // SAFETY: a read-only private mapping of a file: MADV_DONTNEED drops its page
-            // table entries and a later access reads the same bytes from the file (no
-            // private copy exists to lose); no reference into the mapping outlives this
-            // call's caller's borrow of `self`, and the bytes it reads stay the same.
+            // SAFETY: a read-only shared mapping of a file that nothing writes (cache
+            // entries are replaced by rename, never rewritten): MADV_DONTNEED only drops
+            // its page table entries, no page is dirty, and a later access reads the same
+            // bytes from the page cache; references into the mapping stay valid.
             let _ = unsafe { map.unchecked_advise(memmap2::UncheckedAdvice::DontNeed) };
         }
     }
