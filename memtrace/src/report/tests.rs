@@ -549,6 +549,7 @@ fn record_end_warnings_say_what_the_report_says() {
         w.finish(&stats).unwrap();
         (path, len)
     };
+    const FAR_ID: u64 = 1 << 27;
     let stack = |id: u32, pid: u32, truncated: bool| FileStack {
         id,
         pid,
@@ -569,6 +570,8 @@ fn record_end_warnings_say_what_the_report_says() {
         // pid 12 (attached mid-run): a thread freeing blocks allocated before tracing began.
         events.push(free(ts + 4, 12, 13, 0x5_0000 + i));
         events.push(alloc(ts + 5, 12, 13, 0x6_0000 + i * 64, 4));
+        // A stack id far past the others (a damaged or hand-made file): tallied all the same.
+        events.push(alloc(ts + 6, 12, 13, 0xa_0000 + i * 64, FAR_ID + 1));
     }
     // pid 12's other thread frees unknown blocks and never allocates again (the allocator's
     // cache at thread exit).
@@ -577,8 +580,14 @@ fn record_end_warnings_say_what_the_report_says() {
     }
     events.push(task(ts + 200, TaskEvent::Exit, 11, "worker"));
     // Stack 2 (id 1) first whole, defined again cut: the later definition holds.
-    let stacks =
-        [stack(0, 10, false), stack(1, 10, false), stack(2, 11, false), stack(3, 12, true), stack(1, 10, true)];
+    let stacks = [
+        stack(0, 10, false),
+        stack(1, 10, false),
+        stack(2, 11, false),
+        stack(3, 12, true),
+        stack(1, 10, true),
+        stack(FAR_ID as u32, 12, true),
+    ];
     let (many, len) = write("many.data", &meta("command", true), &events, &stacks);
     let report = analyze(&many, &ReportOptions { top: Some(0), ..Default::default() }).unwrap();
     assert!(report.under_counting.len() >= 3, "{:?}", report.under_counting);
