@@ -27,6 +27,17 @@ pub struct DataSymbol {
     pub size: u64,
 }
 
+/// Hands a read-only file mapping's resident pages back to the page cache (they stay
+/// cached; a later read faults them in again): for big files read once or rarely.
+pub fn forget_resident(map: &Mmap) {
+    // SAFETY: memmap2's `Mmap` is a read-only (shared) mapping that nothing in memtrace
+    // writes, so no page is dirty: MADV_DONTNEED only unmaps its pages, and every later
+    // read (through references into the mapping, which stay valid) faults the file's same
+    // bytes in again from the page cache. (The files are ELF objects and cache entries,
+    // replaced by rename, never rewritten in place.)
+    let _ = unsafe { map.unchecked_advise(memmap2::UncheckedAdvice::DontNeed) };
+}
+
 /// Symbols read between two hand-backs of a scan's pages ([`ElfFile::all_symbols`]).
 const SYMBOLS_RESIDENT: usize = 1 << 16;
 
@@ -74,11 +85,7 @@ impl ElfFile {
     /// Drops the mapping's resident pages: a later read faults them in again, from the page
     /// cache.
     fn forget_read(&self) {
-        // SAFETY: the mapping is read-only (memmap2 maps it shared) and never written, so
-        // no page is dirty: MADV_DONTNEED only unmaps its pages, and every later read
-        // (through references into the mapping, which stay valid) faults the file's same
-        // bytes in again from the page cache.
-        let _ = unsafe { self.map.unchecked_advise(memmap2::UncheckedAdvice::DontNeed) };
+        forget_resident(&self.map);
     }
 
     pub fn build_id(&self) -> Option<Vec<u8>> {

@@ -156,18 +156,14 @@ mod tests {
         })
     }
 
-    /// Ids past the first words of the bitmap: each stack is defined once, whether its id
-    /// was given by an event first or by its own record.
-    #[test]
-    fn every_stack_is_defined_once_whatever_met_it_first() {
-        let mut namer = Namer::new();
-        let me = std::process::id();
-        let record = |hash: u64| StackRecord {
+    /// A frame-pointer stack record of `pid` with these frames.
+    fn stack_record(hash: u64, pid: u32, kernel: Vec<u64>, user: Vec<RawUserFrame>) -> StackRecord {
+        StackRecord {
             hash,
-            pid: me,
+            pid,
             asid: 0,
-            kernel: vec![0xffff_ffff_8100_0000 + hash],
-            user: vec![],
+            kernel,
+            user,
             walk: UserWalk::FramePointers,
             truncated: false,
             joined_kernel: false,
@@ -175,7 +171,16 @@ mod tests {
             python: Vec::new(),
             python_context: None,
             py_key: 0,
-        };
+        }
+    }
+
+    /// Ids past the first words of the bitmap: each stack is defined once, whether its id
+    /// was given by an event first or by its own record.
+    #[test]
+    fn every_stack_is_defined_once_whatever_met_it_first() {
+        let mut namer = Namer::new();
+        let me = std::process::id();
+        let record = |hash: u64| stack_record(hash, me, vec![0xffff_ffff_8100_0000 + hash], vec![]);
         for hash in 1..=300u64 {
             if hash % 3 == 0 {
                 // An allocation referring to the stack before its record.
@@ -197,20 +202,7 @@ mod tests {
         let mut namer = Namer::new();
         let me = std::process::id();
         let ip = stacks_get_ids_and_processes_names_once as *const () as u64;
-        let record = StackRecord {
-            hash: 0xabc,
-            pid: me,
-            asid: 0,
-            kernel: vec![],
-            user: vec![RawUserFrame::Ip(ip)],
-            walk: UserWalk::FramePointers,
-            truncated: false,
-            joined_kernel: false,
-            miss: None,
-            python: Vec::new(),
-            python_context: None,
-            py_key: 0,
-        };
+        let record = stack_record(0xabc, me, vec![], vec![RawUserFrame::Ip(ip)]);
         let stack = namer.stack(record.clone()).unwrap();
         assert_eq!(stack.id, 0);
         assert!(matches!(stack.user[0], crate::recording::FileFrame::Module { .. }), "{stack:?}");

@@ -503,13 +503,12 @@ impl Tracer {
 
     /// After [`Tracer::stop`] and once its figures are read: lets go of what only tracing
     /// needed — the unwinder's tables and address spaces, the Python names, the reorder
-    /// buffer, the rings' mapped pages — before a recording names its frames, which needs
+    /// buffer, the rings' mapped pages (`stop` emptied the copies already) — before a recording names its frames, which needs
     /// memory of its own (a PyTorch recording's peak was the two held together).
     pub fn shed(&mut self) {
         self.unwinder = None;
         self.python = python::PythonState::default();
         self.reorder = Reorder::new();
-        self.copies.clear();
         self.probes.unmap_rings();
     }
 

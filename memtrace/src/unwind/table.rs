@@ -167,11 +167,7 @@ impl Table {
     /// lookup reads them again. Nothing for a table built here.
     pub fn drop_resident(&self) {
         if let Body::Mapped { map, .. } = &self.body {
-            // SAFETY: a read-only shared mapping of a file that nothing writes (cache
-            // entries are replaced by rename, never rewritten): MADV_DONTNEED only drops
-            // its page table entries, no page is dirty, and a later access reads the same
-            // bytes from the page cache; references into the mapping stay valid.
-            let _ = unsafe { map.unchecked_advise(memmap2::UncheckedAdvice::DontNeed) };
+            crate::elf::forget_resident(map);
         }
     }
 
