@@ -12,6 +12,7 @@ mod recent;
 mod sampling;
 pub mod sizes;
 pub mod timeline;
+pub mod unmatched;
 
 use std::collections::{BTreeMap, HashSet};
 

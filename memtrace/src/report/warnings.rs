@@ -10,10 +10,10 @@ use std::{
     path::Path,
 };
 
-use memtrace_common::TaskEvent;
+use memtrace_common::{Space, TaskEvent};
 
 use crate::{
-    analysis::{Analyzer, Origin},
+    analysis::unmatched::UnmatchedFrees,
     event::Event,
     recording::{self, Meta, Reader, Stats},
     units::percent,
@@ -88,9 +88,9 @@ fn tally(path: &Path, len: u64, stats: &Stats) -> anyhow::Result<Vec<String>> {
     let mut tallies: BTreeMap<u32, ProcessTally> = BTreeMap::new();
     let mut comms: HashMap<u32, String> = HashMap::new();
     let mut user_allocs_seen = false;
-    let mut analyzer = Analyzer::new(|_: &Origin| 0);
-    analyzer.sample_bytes = meta.sample_bytes;
-    analyzer.sample_from = stats.sampled_from;
+    // The user heap paired as the report pairs it, keeping only addresses and times (no
+    // groups, no kernel blocks: on PyTorch the report's pairing held 300 MB for this).
+    let mut unmatched = UnmatchedFrees::new(stats.sampled_from.map(|(from, _)| from));
     super::load::for_each_event(path, damaged_at, &mut |event| {
         match &event {
             Event::Task(t) => note_task(t, &mut comms, &mut tallies),
@@ -107,15 +107,15 @@ fn tally(path: &Path, len: u64, stats: &Stats) -> anyhow::Result<Vec<String>> {
                     t.truncated += u64::from(was_cut);
                 }
             }
-            Event::Free(f) if f.kind.space() == memtrace_common::Space::Heap => {
+            Event::Free(f) if f.kind.space() == Space::Heap => {
                 tallies.entry(f.pid).or_default().frees += 1;
             }
             _ => {}
         }
-        analyzer.push(&event);
+        unmatched.push(&event);
     })?;
-    analyzer.finish();
-    for (pid, n) in &analyzer.unmatched_by_pid {
+    unmatched.finish();
+    for (pid, n) in &unmatched.by_pid {
         tallies.entry(*pid).or_default().unmatched_frees = *n;
     }
     let mut out = under_counting(&tallies, &comms, &meta, stats);
