@@ -108,9 +108,8 @@ pub struct StackRecord {
     pub miss: Option<Box<StackMiss>>,
     /// The address space the user frames belong to (table walks; 0 otherwise).
     pub asid: u32,
-    /// Python frames of the thread, innermost first (processes running an interpreter).
-    pub python: Vec<PyFrame>,
-    /// Their names, read when the stack arrived (`session` fills it in).
+    /// The names of the thread's Python frames, innermost first (processes running an
+    /// interpreter), read when the stack arrived (`session` fills it in).
     pub python_context: Option<std::sync::Arc<crate::python::PythonContext>>,
     /// The key of the Python frames the probes sent for it (0: none).
     pub py_key: u64,
@@ -465,7 +464,6 @@ pub fn decode(bytes: &[u8], cpu: u16) -> Result<Record, DecodeError> {
                 joined_kernel: h.flags & stack_flags::KERNEL != 0,
                 miss: miss.map(Box::new),
                 asid: h.asid,
-                python: Vec::new(),
                 python_context: None,
                 py_key: h.py_key,
             })

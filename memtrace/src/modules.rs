@@ -9,8 +9,6 @@ use std::{
     time::{Duration, Instant},
 };
 
-use memtrace_common::python::PyFrame;
-
 use crate::{
     FastMap, elf,
     event::{RawUserFrame, UserWalk},
@@ -270,22 +268,19 @@ impl ModuleTable {
         &mut self,
         pid: u32,
         raw: &[RawUserFrame],
-        python: &[PyFrame],
         context: Option<&PythonContext>,
         walk: UserWalk,
     ) -> (Vec<FileFrame>, bool) {
         let (native, truncated) = self.resolve_native(pid, raw, walk);
         match context {
-            Some(context) if !python.is_empty() && context.names.len() == python.len() => {
-                (self.with_python(&native, python, context), truncated)
-            }
+            Some(context) if !context.names.is_empty() => (self.with_python(&native, context), truncated),
             _ => (native, truncated),
         }
     }
 
     /// Puts the Python frames in place of the evaluation loop's native frames
     /// ([`python::splice`]), each as a frame of its (function, file) module at its line.
-    fn with_python(&mut self, native: &[FileFrame], python: &[PyFrame], context: &PythonContext) -> Vec<FileFrame> {
+    fn with_python(&mut self, native: &[FileFrame], context: &PythonContext) -> Vec<FileFrame> {
         let build_id = self.file_build_id(&context.interpreter);
         let interpreter = self.module_id(build_id, Some(context.interpreter.clone()));
         let is_eval = |f: &FileFrame| match f {
@@ -294,7 +289,7 @@ impl ModuleTable {
             }
             FileFrame::Address(_) => false,
         };
-        python::splice(native, is_eval, python)
+        python::splice(native, is_eval, &context.names)
             .into_iter()
             .map(|f| match f {
                 Spliced::Native(f) => f,
@@ -432,12 +427,12 @@ mod tests {
         let data = Box::new(0u64);
         let frames =
             [RawUserFrame::Ip(marker()), RawUserFrame::Ip(&*data as *const u64 as u64), RawUserFrame::Ip(marker())];
-        let (resolved, truncated) = table.resolve_stack(pid, &frames, &[], None, UserWalk::FramePointers);
+        let (resolved, truncated) = table.resolve_stack(pid, &frames, None, UserWalk::FramePointers);
         assert!(truncated);
         assert_eq!(resolved.len(), 1);
         // A process we know nothing of: addresses stay addresses.
         assert_eq!(
-            table.resolve_stack(0, &[RawUserFrame::Ip(16)], &[], None, UserWalk::FramePointers),
+            table.resolve_stack(0, &[RawUserFrame::Ip(16)], None, UserWalk::FramePointers),
             (vec![FileFrame::Address(16)], false)
         );
     }
@@ -448,7 +443,7 @@ mod tests {
         let mut table = ModuleTable::new();
         let mut frames = vec![RawUserFrame::Ip(marker())];
         frames.extend(std::iter::repeat_n(RawUserFrame::Ip(marker() + 1), memtrace_common::MAX_STACK_DEPTH - 1));
-        let (resolved, truncated) = table.resolve_stack(pid, &frames, &[], None, UserWalk::FramePointers);
+        let (resolved, truncated) = table.resolve_stack(pid, &frames, None, UserWalk::FramePointers);
         assert!(truncated);
         assert_eq!(resolved.len(), 2);
     }

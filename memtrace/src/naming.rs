@@ -54,7 +54,7 @@ impl Namer {
         if self.maps_read.insert(s.pid) {
             self.modules.learn_process(s.pid);
         }
-        let (user, cut) = self.modules.resolve_stack(s.pid, &s.user, &s.python, s.python_context.as_deref(), s.walk);
+        let (user, cut) = self.modules.resolve_stack(s.pid, &s.user, s.python_context.as_deref(), s.walk);
         Some(FileStack { id, pid: s.pid, kernel: s.kernel, user, truncated: s.truncated || cut })
     }
 
@@ -168,7 +168,6 @@ mod tests {
             truncated: false,
             joined_kernel: false,
             miss: None,
-            python: Vec::new(),
             python_context: None,
             py_key: 0,
         }

@@ -56,12 +56,10 @@ pub enum Spliced<T> {
 /// next group of Python frames (a group ends with a frame marked `GROUP_END`). Groups left
 /// over (the native walk was cut, or a call was not recognised) follow the last frame;
 /// evaluation-loop frames with no group left stay as they are.
-pub fn splice<T: Copy>(native: &[T], is_eval: impl Fn(&T) -> bool, python: &[PyFrame]) -> Vec<Spliced<T>> {
+pub fn splice<T: Copy>(native: &[T], is_eval: impl Fn(&T) -> bool, python: &[Named]) -> Vec<Spliced<T>> {
     // Group k is python[starts[k]..starts[k + 1]].
     let mut starts: Vec<usize> = vec![0];
-    starts.extend(
-        python.iter().enumerate().filter(|(_, f)| f.flags & py_frame_flags::GROUP_END != 0).map(|(i, _)| i + 1),
-    );
+    starts.extend(python.iter().enumerate().filter(|(_, f)| f.group_end).map(|(i, _)| i + 1));
     if starts.last() != Some(&python.len()) {
         starts.push(python.len());
     }
@@ -84,6 +82,9 @@ pub struct Named {
     pub function: Arc<PyFunction>,
     /// 0: not known.
     pub line: u32,
+    /// The last frame of its group: the frames one native call of the evaluation loop
+    /// ran (its frame's `GROUP_END` flag; the raw frames are not kept once named).
+    pub group_end: bool,
 }
 
 /// What naming a stack's Python frames needs once the process may be gone: their names,
@@ -171,7 +172,10 @@ impl PythonNames {
     pub fn context(&mut self, pid: u32, frames: &[PyFrame]) -> Option<PythonContext> {
         let i = self.interpreter(pid)?;
         let (interpreter, eval) = (i.path.clone(), i.eval.clone());
-        let names = frames.iter().map(|f| self.name(pid, f)).collect();
+        let names = frames
+            .iter()
+            .map(|f| Named { group_end: f.flags & py_frame_flags::GROUP_END != 0, ..self.name(pid, f) })
+            .collect();
         Some(PythonContext { names, interpreter, eval })
     }
 
@@ -212,6 +216,7 @@ impl PythonNames {
                     .lines
                     .entry((pid, frame.code, frame.check, frame.lasti))
                     .or_insert_with(|| lines::line_of(minor, &c.linetable, c.firstlineno, frame.lasti).unwrap_or(0)),
+                group_end: false,
             },
             None => unknown(frame),
         }
@@ -233,15 +238,19 @@ fn completed(seen: &crate::event::PyCodeSeen, record: Code, read: Option<Code>) 
 }
 
 fn unknown(frame: &PyFrame) -> Named {
-    Named { function: PyFunction::new(&format!("[python code 0x{:x}]", frame.code), "<unknown>"), line: 0 }
+    Named {
+        function: PyFunction::new(&format!("[python code 0x{:x}]", frame.code), "<unknown>"),
+        line: 0,
+        group_end: false,
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
 
-    fn py(code: u64, end: bool) -> PyFrame {
-        PyFrame { code, lasti: 0, flags: if end { py_frame_flags::GROUP_END } else { 0 }, check: 0 }
+    fn py(code: u64, end: bool) -> Named {
+        Named { function: PyFunction::new(&format!("f{code}"), "/x.py"), line: 1, group_end: end }
     }
 
     fn show(s: &[Spliced<&str>]) -> Vec<String> {

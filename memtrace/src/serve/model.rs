@@ -732,7 +732,7 @@ impl Sink for Model {
                 self.modules.learn_process(s.pid);
             }
         }
-        let (user, cut) = self.modules.resolve_stack(s.pid, &s.user, &s.python, s.python_context.as_deref(), s.walk);
+        let (user, cut) = self.modules.resolve_stack(s.pid, &s.user, s.python_context.as_deref(), s.walk);
         self.pending.modules.extend(self.modules.take_new());
         self.pending.stacks.push(FileStack { id, pid: s.pid, kernel: s.kernel, user, truncated: s.truncated || cut });
     }

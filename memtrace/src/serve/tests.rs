@@ -190,7 +190,6 @@ fn exited_processes_stay_until_scraped_then_go_with_their_stacks() {
         truncated: false,
         joined_kernel: false,
         miss: None,
-        python: Vec::new(),
         python_context: None,
         py_key: 0,
     });

@@ -116,10 +116,17 @@ fn content_hash(s: &StackRecord) -> u64 {
             }
         };
     }
-    h = stack_hash_step(h, s.python.len() as u64);
-    for f in &s.python {
-        h = stack_hash_step(stack_hash_step(h, f.code), f.check);
-        h = stack_hash_step(h, u64::from(f.lasti as u32) | u64::from(f.flags) << 32);
+    // Its Python frames as named (the raw frames are not kept once named).
+    let names = s.python_context.as_ref().map_or(&[][..], |c| &c.names[..]);
+    h = stack_hash_step(h, names.len() as u64);
+    for n in names {
+        let text = |t: &str| {
+            let mut hasher = std::hash::DefaultHasher::new();
+            std::hash::Hash::hash(t, &mut hasher);
+            std::hash::Hasher::finish(&hasher)
+        };
+        h = stack_hash_step(stack_hash_step(h, text(&n.function.qualname)), text(&n.function.filename));
+        h = stack_hash_step(h, u64::from(n.line) | u64::from(n.group_end) << 32);
     }
     h
 }
@@ -140,7 +147,6 @@ mod tests {
             joined_kernel: false,
             miss: None,
             asid: 1,
-            python: Vec::new(),
             python_context: None,
             py_key: 0,
         }
@@ -185,11 +191,21 @@ mod tests {
         kernel.kernel = vec![9];
         let mut other_pid = base.clone();
         other_pid.pid = 8;
-        let mut python = base.clone();
-        python.python = vec![memtrace_common::python::PyFrame { code: 5, lasti: 1, flags: 0, check: 2 }];
+        let with_python = |line: u32, group_end: bool| {
+            let mut s = base.clone();
+            let function = crate::python::code::PyFunction::new("run", "/app/job.py");
+            s.python_context = Some(std::sync::Arc::new(crate::python::PythonContext {
+                names: vec![crate::python::Named { function, line, group_end }],
+                interpreter: "/usr/bin/python3".into(),
+                eval: Vec::new(),
+            }));
+            s
+        };
+        let (python, other_line, other_group) = (with_python(3, false), with_python(4, false), with_python(3, true));
         let hashes: std::collections::HashSet<u64> =
-            [&base, &truncated, &kernel, &other_pid, &python].map(content_hash).into();
-        assert_eq!(hashes.len(), 5);
+            [&base, &truncated, &kernel, &other_pid, &python, &other_line, &other_group].map(content_hash).into();
+        assert_eq!(hashes.len(), 7);
+        assert_eq!(content_hash(&python), content_hash(&with_python(3, false)), "names, not their pointers");
         let mut same = base.clone();
         same.hash = 99;
         assert_eq!(content_hash(&same), content_hash(&base), "the probes' hash is not content");

@@ -129,7 +129,6 @@ impl Tracer {
         if let Some(python) = self.python.pending.remove(&stack.py_key) {
             stack.truncated |= python.truncated;
             stack.python_context = self.python.names.context(stack.pid, &python.frames).map(std::sync::Arc::new);
-            stack.python = python.frames;
             return true;
         }
         let PythonState { shared, names, .. } = &mut self.python;
@@ -137,10 +136,12 @@ impl Tracer {
         if !python.named {
             python.context = names.context(python.frames.pid, &python.frames.frames).map(std::sync::Arc::new);
             python.named = true;
+            // Named once: the stacks that share them take the names (PyTorch's 32,768
+            // shared stacks held 1.55 M raw frames, 37 MB, beside their names).
+            python.frames.frames = Vec::new();
         }
         stack.truncated |= python.frames.truncated;
         stack.python_context = python.context.clone();
-        stack.python = python.frames.frames.clone();
         true
     }
 

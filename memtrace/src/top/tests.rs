@@ -506,7 +506,6 @@ fn rows_rates_add_up_to_the_summarys_even_when_names_change() {
         truncated: false,
         joined_kernel: false,
         miss: None,
-        python: Vec::new(),
         python_context: None,
         py_key: 0,
     });

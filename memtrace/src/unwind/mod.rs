@@ -474,7 +474,6 @@ impl Unwinder {
                 record.user = Vec::new();
                 let bytes = record.miss.as_ref().map_or(0, |m| m.copy.len())
                     + (user.len() + record.kernel.len()) * size_of::<u64>()
-                    + size_of_val(record.python.as_slice())
                     + size_of::<Pending>()
                     + size_of::<crate::event::StackMiss>();
                 self.pending_bytes += bytes;
@@ -655,7 +654,6 @@ impl Unwinder {
             joined_kernel: record.joined_kernel,
             miss: None,
             asid: asid.unwrap_or(0),
-            python: record.python.clone(),
             python_context: record.python_context.clone(),
             py_key: record.py_key,
         })
@@ -811,7 +809,6 @@ mod tests {
                 bp_used: 0,
             })),
             asid: 0,
-            python: Vec::new(),
             python_context: None,
             py_key: 0,
         };
