@@ -210,15 +210,17 @@ impl Background {
         }));
     }
 
-    /// The symbols of each object's offsets (`object_once`), in the order asked: the
+    /// The symbols of each object's offsets (`object_once`), handed to `emit` with the
+    /// object's index as each object is done, so that only one big object's names are held
+    /// at a time (PyTorch's held ~100 MB of names when all were handed back at once): the
     /// calling thread takes the objects largest file first, the background symbolizer the
     /// smallest first, and only files under [`HELPER_MAX_FILE`]: two big objects are never
     /// read at once (PyTorch's libtriton, DWARF read in place, and libtorch_cpu side by side
     /// held ~150 MB of their pages and the peak of the recording). At the end of a recording
     /// the user waits for this: the heavy Python bench's ~100 objects took ~230 ms on one
-    /// thread (libpython's debug information 80 ms, the C library's 50 ms).
-    pub fn objects(&self, jobs: Vec<(PathBuf, Vec<u64>)>) -> Vec<Vec<Vec<Symbol>>> {
-        let n = jobs.len();
+    /// thread (libpython's debug information 80 ms, the C library's 50 ms). An object the
+    /// background symbolizer took and never finished (it panicked) is not emitted.
+    pub fn objects(&self, jobs: Vec<(PathBuf, Vec<u64>)>, emit: &mut dyn FnMut(usize, Vec<Vec<Symbol>>)) {
         let mut queue: Vec<(usize, PathBuf, Vec<u64>, u64)> = jobs
             .into_iter()
             .enumerate()
@@ -229,11 +231,12 @@ impl Background {
             .collect();
         queue.sort_by_key(|&(_, _, _, size)| std::cmp::Reverse(size));
         let queue = Arc::new(Mutex::new(VecDeque::from(queue)));
-        let results: Arc<Mutex<Vec<Vec<Vec<Symbol>>>>> = Arc::new(Mutex::new(vec![Vec::new(); n]));
+        // The background symbolizer's objects, done and not yet emitted.
+        type Done = Mutex<Vec<(usize, Vec<Vec<Symbol>>)>>;
+        let done: Arc<Done> = Arc::default();
         type Queue = Mutex<VecDeque<(usize, PathBuf, Vec<u64>, u64)>>;
-        let work = |s: &mut Symbolizer, queue: &Queue, results: &Mutex<Vec<_>>, largest_first: bool| loop {
-            let next = queue.lock().ok().and_then(|mut q| take_next(&mut q, largest_first));
-            let Some((i, path, offsets, _)) = next else { break };
+        let next = |s: &mut Symbolizer, queue: &Queue, largest_first: bool| {
+            let (i, path, offsets, _) = queue.lock().ok().and_then(|mut q| take_next(&mut q, largest_first))?;
             let started = Instant::now();
             let symbols = s.object_once(&path, &offsets);
             log::debug!(
@@ -242,22 +245,35 @@ impl Background {
                 offsets.len(),
                 started.elapsed().as_millis()
             );
-            if let Ok(mut r) = results.lock() {
-                r[i] = symbols;
+            Some((i, symbols))
+        };
+        let emit_done = |emit: &mut dyn FnMut(usize, Vec<Vec<Symbol>>)| {
+            let ready = done.lock().map(|mut d| std::mem::take(&mut *d)).unwrap_or_default();
+            for (i, symbols) in ready {
+                emit(i, symbols);
             }
         };
-        let (done, finished) = mpsc::sync_channel(1);
-        let (q, r) = (Arc::clone(&queue), Arc::clone(&results));
+        let (finished_tx, finished) = mpsc::sync_channel(1);
+        let (q, d) = (Arc::clone(&queue), Arc::clone(&done));
         let helped = self.send(Box::new(move |s| {
-            work(s, &q, &r, false);
-            let _ = done.send(());
+            while let Some(result) = next(s, &q, false) {
+                if let Ok(mut d) = d.lock() {
+                    d.push(result);
+                }
+            }
+            let _ = finished_tx.send(());
         }));
-        work(&mut Symbolizer::new(), &queue, &results, true);
+        let mut symbolizer = Symbolizer::new();
+        while let Some((i, symbols)) = next(&mut symbolizer, &queue, true) {
+            emit(i, symbols);
+            emit_done(emit);
+        }
+        drop(symbolizer);
         if helped {
             // Its last object; an error: it panicked, what it held stays unnamed.
             let _ = finished.recv();
         }
-        results.lock().map(|mut r| std::mem::take(&mut *r)).unwrap_or_default()
+        emit_done(emit);
     }
 
     /// Runs `f` on the symbolizer after the jobs before it; None when the thread is gone

@@ -134,13 +134,15 @@ impl Recorder {
             jobs.push((PathBuf::from(&m.path), offsets.iter().map(|o| o.saturating_sub(1)).collect()));
             asked.push((module, offsets));
         }
-        for ((module, offsets), results) in asked.into_iter().zip(self.symbols.objects(jobs)) {
+        let writer = &mut self.writer;
+        self.symbols.objects(jobs, &mut |i, results| {
+            let (module, offsets) = &asked[i];
             for (offset, symbols) in offsets.iter().zip(results) {
                 if !symbols.is_empty() {
-                    self.writer.symbol(SymbolKey::User(FileFrame::Module { module, offset: *offset }), &symbols);
+                    writer.symbol(SymbolKey::User(FileFrame::Module { module: *module, offset: *offset }), &symbols);
                 }
             }
-        }
+        });
         self.name_jit_frames();
         let mut addrs: Vec<u64> = self.kernel_addrs.iter().copied().collect();
         addrs.sort_unstable();
