@@ -1010,6 +1010,7 @@ fn ticks(ts: u64, base: u64, resolution: u64) -> i64 {
 
 pub struct EventEncoder {
     streams: [Vec<u8>; STREAMS],
+    version: u16,
     count: u32,
     base_ts: u64,
     resolution: u64,
@@ -1028,6 +1029,7 @@ impl EventEncoder {
     pub(super) fn with_version(resolution_ns: u64, version: u16) -> Self {
         Self {
             streams: Default::default(),
+            version,
             count: 0,
             base_ts: 0,
             resolution: resolution_ns.max(1),
@@ -1038,6 +1040,14 @@ impl EventEncoder {
 
     pub fn is_empty(&self) -> bool {
         self.count == 0
+    }
+
+    /// Lets go of what was grown for earlier chunks (kept for the next one otherwise),
+    /// when no chunk is being filled.
+    pub fn release(&mut self) {
+        if self.count == 0 {
+            *self = Self::with_version(self.resolution, self.version);
+        }
     }
 
     /// Bytes encoded so far (before deflating).

@@ -208,6 +208,14 @@ impl StackEncoder {
         std::mem::swap(&mut self.prev_ids, &mut self.ids);
     }
 
+    /// Lets go of what was grown for earlier chunks (the tree's table, kept for the next
+    /// chunk otherwise), when no chunk is being filled.
+    pub fn release(&mut self) {
+        if self.streams[HEADS].is_empty() {
+            *self = Self::default();
+        }
+    }
+
     /// Hands over the chunk's bytes (empty when no stack came); the next stack starts a new
     /// chunk (and a new tree).
     pub fn take(&mut self) -> Streams {

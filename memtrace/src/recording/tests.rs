@@ -421,6 +421,34 @@ fn stacks_round_trip_through_the_tree_of_frames() {
     assert_eq!(chunks.iter().filter(|c| c.0 & !COMPRESSED == ChunkKind::Stacks as u8).count(), 2);
 }
 
+/// A recording's end lets the encoders' buffers go after its last event and stack; what
+/// still comes after (a late definition, more events) is written into new ones whole.
+#[test]
+fn what_comes_after_the_encoders_let_go_is_written_whole() {
+    let stacks = sample_stacks();
+    let events = many_events();
+    let (half, rest) = events.split_at(events.len() / 2);
+    let mut w = Writer::new(Vec::new(), &meta()).unwrap();
+    for s in &stacks[..20] {
+        w.stack(s);
+    }
+    for e in half {
+        w.event(e).unwrap();
+    }
+    w.flush_last().unwrap();
+    for s in &stacks[20..] {
+        w.stack(s);
+    }
+    for e in rest {
+        w.event(e).unwrap();
+    }
+    let bytes = w.finish(&Stats::default()).unwrap();
+    let rec = read_all(&bytes[..]).unwrap();
+    assert!(rec.warnings.is_empty(), "{:?}", rec.warnings);
+    assert_eq!(rec.stacks.values().cloned().collect::<Vec<_>>(), stacks);
+    assert_eq!(rec.events, events);
+}
+
 #[test]
 fn deep_stacks_sharing_their_callers_cost_their_own_frames_only() {
     // 2,000 stacks of 100 frames under one caller chain, each with two frames of its own.

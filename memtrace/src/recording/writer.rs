@@ -125,6 +125,12 @@ impl<W: Write> ChunkWriter<W> {
         self.bytes_written
     }
 
+    /// Lets go of the encoders' buffers when no chunk is being filled.
+    fn release(&mut self) {
+        self.events.release();
+        self.stacks.release();
+    }
+
     /// Events whose chunks reached the output whole: after a failed write, the events a
     /// reader of the file still finds.
     fn events_flushed(&self) -> u64 {
@@ -249,6 +255,9 @@ enum Job {
     /// Everything before it to the output, then the output flushed; the result is sent
     /// back when a channel is given.
     Flush(Option<SyncSender<io::Result<()>>>),
+    /// The encoders' buffers, grown to the largest chunk and kept for the next, let go:
+    /// no more events or stacks are coming (they would still be written, into new ones).
+    Release,
     Finish(Box<Stats>),
 }
 
@@ -389,6 +398,15 @@ impl<W: Write + Send + 'static> Writer<W> {
         self.send(Job::Flush(None))
     }
 
+    /// As [`Writer::flush`], then lets go of the buffers the events and stacks encoders
+    /// kept for their next chunk: for the end of a recording, after its last event and
+    /// stack (on PyTorch the stack tree's table and the events' references held ~28 MB
+    /// while the frames were named).
+    pub fn flush_last(&mut self) -> io::Result<()> {
+        self.flush()?;
+        self.send(Job::Release)
+    }
+
     /// Writes pending definitions, then pending events, and flushes the output: returns
     /// once they are written.
     pub fn flush(&mut self) -> io::Result<()> {
@@ -459,6 +477,7 @@ fn write_jobs<W: Write>(mut w: ChunkWriter<W>, jobs: &Receiver<Job>, progress: &
                     let _ = done.send(progress.result());
                 }
             }
+            Job::Release => w.release(),
             Job::Finish(_) if failed => return Err(progress.error()),
             Job::Finish(stats) => return w.finish(&stats).inspect_err(|e| progress.fail(e)),
         }

@@ -521,7 +521,7 @@ fn finish(
     // Every event and stack reaches the file first: the warnings the report will print are
     // read from it on another thread while the frames are named (each took 0.1–0.25 s of
     // the heavy Python bench's stop, one after the other).
-    if let Err(e) = recorder.writer.flush() {
+    if let Err(e) = recorder.writer.flush_last() {
         return Err(write_failed(opts, recorder.writer.events_flushed(), &e));
     }
     let warnings = (!opts.trace.quiet).then(|| {
