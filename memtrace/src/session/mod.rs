@@ -102,13 +102,14 @@ const REORDER_LAG_NS: u64 = 100_000_000;
 /// whatever the rings' size (a ring that has more is read again at once).
 pub const RING_BATCH: usize = 1 << 15;
 /// Bytes of stack records one drain holds (each ring's share of it, at least
-/// [`MIN_STACK_BYTES_PER_RING`], so the bound is the larger of this and 512 KiB per ring:
-/// 128 MiB on 256 CPUs; a ring overshoots its share by one record at most): a drain's
+/// [`MIN_STACK_BYTES_PER_RING`], so the bound is the larger of this and 128 KiB per ring:
+/// 32 MiB on 256 CPUs; a ring overshoots its share by one record at most): a drain's
 /// stacks wait until every ring is read, and 32,768 records from each of 16 rings held
-/// ~300 MB of a PyTorch program's stacks (49 MB on 2 CPUs). A ring with more is read
-/// again at once.
-const STACK_BYTES_PER_DRAIN: u64 = 8 << 20;
-const MIN_STACK_BYTES_PER_RING: u64 = 512 << 10;
+/// ~300 MB of a PyTorch program's stacks (49 MB on 2 CPUs). Decoded, a stack takes about
+/// four times its record's bytes (a user address is 8 bytes in the ring, 32 as a frame):
+/// 8 MiB held 29 MB of PyTorch's stacks on 2 CPUs. A ring with more is read again at once.
+const STACK_BYTES_PER_DRAIN: u64 = 2 << 20;
+const MIN_STACK_BYTES_PER_RING: u64 = 128 << 10;
 /// A ring's share of [`STACK_BYTES_PER_DRAIN`].
 fn stack_bytes_per_ring(rings: usize) -> u64 {
     (STACK_BYTES_PER_DRAIN / rings.max(1) as u64).max(MIN_STACK_BYTES_PER_RING)
@@ -737,6 +738,7 @@ impl Tracer {
             stack_bytes_per_ring(self.probes.rings_mut().len()),
             self.probes.rings_mut().len()
         );
+        log::debug!("most events waiting at once to be put in time order: {}", self.reorder.most_held());
         self.copies.clear();
         (teardown, counters)
     }
@@ -766,8 +768,9 @@ fn tcmalloc_transfer_num_obj(pid: u32) -> Option<i64> {
 mod tests {
     use super::*;
 
-    /// What one drain holds of stacks is 8 MiB, or 512 KiB per ring past 16 rings, and
-    /// every ring gets a share large enough for a few hundred stacks.
+    /// What one drain holds of stacks is 2 MiB, or 128 KiB per ring past 16 rings, and
+    /// every ring gets a share large enough for a few of the deepest stacks (511 user
+    /// frames with their files' build ids, ~16 KiB) and hundreds of common ones.
     #[test]
     fn a_drain_holds_a_bounded_share_of_stacks_from_each_ring() {
         for rings in [0, 1, 2, 3, 16, 64, 256, 1024] {
@@ -779,7 +782,7 @@ mod tests {
                 "{rings} rings: {total}"
             );
         }
-        assert_eq!(stack_bytes_per_ring(2), 4 << 20);
-        assert_eq!(stack_bytes_per_ring(16), 512 << 10);
+        assert_eq!(stack_bytes_per_ring(2), 1 << 20);
+        assert_eq!(stack_bytes_per_ring(16), 128 << 10);
     }
 }

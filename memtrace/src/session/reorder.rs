@@ -33,6 +33,8 @@ pub struct Reorder {
     /// Emptied buckets' vectors, reused.
     spare: Vec<Vec<Key>>,
     held: usize,
+    /// The most events held at once so far.
+    most: usize,
     slots: Vec<Option<Event>>,
     free: Vec<u32>,
     seq: u64,
@@ -54,6 +56,11 @@ impl Reorder {
         self.held == 0
     }
 
+    /// The most events held at once so far.
+    pub fn most_held(&self) -> usize {
+        self.most
+    }
+
     pub fn push(&mut self, event: Event) {
         let ts = event.ts_ns();
         if ts < self.released_up_to {
@@ -71,6 +78,7 @@ impl Reorder {
             }
         };
         self.held += 1;
+        self.most = self.most.max(self.held);
         let id = ts / BUCKET_NS;
         // Nearly always the newest bucket, or one just before it.
         let at = self.buckets.iter().rposition(|b| b.id <= id);
