@@ -144,6 +144,8 @@ mod tests {
     /// An event from a small world: 3 pids, 2 threads each, 6 addresses, so that frees
     /// meet live, freed, inherited and never-seen blocks.
     fn event(ts: u64, what: u8, pid: u32, tid: u32, ptr: u64, kind: u8) -> Event {
+        // Whether an exit ends the process, apart from which process and thread exit.
+        let group_dead = kind.is_multiple_of(2);
         let kind = [Kind::Malloc, Kind::Free, Kind::Mmap, Kind::Munmap, Kind::KmemCacheAlloc, Kind::KmemCacheFree]
             [kind as usize % 6];
         let (pid, tid) = (1 + pid % 3, 1 + pid % 3 + 10 * (tid % 2));
@@ -187,7 +189,7 @@ mod tests {
             // Forked from the pid before it in the cycle.
             7 => task(TaskEvent::Fork, 0, 1 + (pid + 1) % 3),
             8 => task(TaskEvent::Exec, 0, 0),
-            _ => task(TaskEvent::Exit, if tid % 2 == 0 { flags::GROUP_DEAD } else { 0 }, 0),
+            _ => task(TaskEvent::Exit, if group_dead { flags::GROUP_DEAD } else { 0 }, 0),
         }
     }
 

@@ -195,7 +195,7 @@ mod tests {
             let mut s = base.clone();
             let function = crate::python::code::PyFunction::new("run", "/app/job.py");
             s.python_context = Some(std::sync::Arc::new(crate::python::PythonContext {
-                names: vec![crate::python::Named { function, line, group_end }],
+                names: vec![crate::python::Named::new(function, line, group_end)],
                 interpreter: "/usr/bin/python3".into(),
                 eval: Vec::new(),
             }));
