@@ -202,6 +202,11 @@ impl PythonNames {
             .iter()
             .map(|f| {
                 let frame = NamedFrame { group_end: f.flags & py_frame_flags::GROUP_END != 0, ..self.name(pid, f) };
+                // A frame whose code was not read names a function of its own each time:
+                // kept apart, not to fill the map with entries never met again.
+                if &*frame.function.filename == UNKNOWN_FILE {
+                    return Named(Arc::new(frame));
+                }
                 let key = (Arc::as_ptr(&frame.function) as usize, frame.line, frame.group_end);
                 self.interned.entry(key).or_insert_with(|| Named(Arc::new(frame))).clone()
             })
@@ -267,9 +272,12 @@ fn completed(seen: &crate::event::PyCodeSeen, record: Code, read: Option<Code>) 
     read.filter(same).or(named.then_some(record))
 }
 
+/// The file of a frame whose code object could not be read.
+const UNKNOWN_FILE: &str = "<unknown>";
+
 fn unknown(frame: &PyFrame) -> NamedFrame {
     NamedFrame {
-        function: PyFunction::new(&format!("[python code 0x{:x}]", frame.code), "<unknown>"),
+        function: PyFunction::new(&format!("[python code 0x{:x}]", frame.code), UNKNOWN_FILE),
         line: 0,
         group_end: false,
     }

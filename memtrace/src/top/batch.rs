@@ -44,8 +44,9 @@ pub(super) async fn batch(tracer: &mut Tracer, live: &mut LiveView, opts: &TopOp
             _ => false,
         };
         // At the end, every ring is read dry before the last snapshot (a drain takes a
-        // bounded share of each ring's stacks).
-        for _ in 0..64 {
+        // bounded share of each ring's stacks: 128 KiB of a ring's with 16 rings or more,
+        // so 256 drains read 32 MiB of each).
+        for _ in 0..256 {
             tracer.drain(live, finished);
             if !finished || tracer.caught_up() {
                 break;
