@@ -72,6 +72,18 @@ pub enum Event {
     Task(Task),
 }
 
+impl Task {
+    /// Its process's address space ends here (exec, or the last thread's exit): the blocks
+    /// live in it can no longer be freed, and its pid's later events start a new one.
+    pub fn ends_address_space(&self) -> bool {
+        match self.event {
+            TaskEvent::Exec => true,
+            TaskEvent::Exit => self.flags & memtrace_common::flags::GROUP_DEAD != 0,
+            _ => false,
+        }
+    }
+}
+
 impl Event {
     pub fn ts_ns(&self) -> u64 {
         match self {

@@ -372,12 +372,7 @@ impl<G: FnMut(&Origin) -> u32> Analyzer<G> {
                 {
                     self.forked_from.insert(t.pid, (parent, t.ts_ns));
                 }
-                let ends_space = match t.event {
-                    TaskEvent::Exec => true,
-                    TaskEvent::Exit => t.flags & flags::GROUP_DEAD != 0,
-                    _ => false,
-                };
-                if ends_space {
+                if t.ends_address_space() {
                     self.end_process(t.pid, ts);
                 }
             }

@@ -48,12 +48,7 @@ impl UnmatchedFrees {
                 {
                     self.forked_from.insert(t.pid, (parent, t.ts_ns));
                 }
-                let ends_space = match t.event {
-                    TaskEvent::Exec => true,
-                    TaskEvent::Exit => t.flags & flags::GROUP_DEAD != 0,
-                    _ => false,
-                };
-                if ends_space {
+                if t.ends_address_space() {
                     self.forked_from.remove(&t.pid);
                     if let Some(instance) = self.instances.remove(&t.pid) {
                         self.recent_frees.remove(&instance);
