@@ -115,9 +115,8 @@ pub fn own_bpf_map_bytes() -> u64 {
 }
 
 /// Resident bytes of this process's mappings of BPF maps: the rings, whose pages the
-/// kernel maps all at `mmap`, a ring's data twice (so a record can run past its end).
-/// Part of the resident set, though the kernel holds that memory once, counted in
-/// [`own_bpf_map_bytes`].
+/// kernel maps all at `mmap` (see `probes::ring`). Part of the resident set, though the
+/// kernel's memory, counted in [`own_bpf_map_bytes`].
 pub fn own_bpf_mapped_rss_bytes() -> u64 {
     fs::read_to_string("/proc/self/smaps").map_or(0, |smaps| bpf_mapped_rss(&smaps))
 }

@@ -13,6 +13,7 @@ pub mod layout_cache;
 mod outer;
 pub mod placement;
 mod pool;
+pub mod ring;
 pub mod uprobe_multi;
 pub mod verify;
 
@@ -26,7 +27,7 @@ use anyhow::{Context as _, Result, bail};
 use aya::{
     Ebpf, EbpfLoader,
     maps::{
-        Array, HashMap, Map, MapData, PerCpuArray, RingBuf,
+        Array, HashMap, Map, MapData, PerCpuArray,
         lpm_trie::{Key, LpmTrie},
     },
     programs::{
@@ -116,7 +117,7 @@ impl CallGraph {
 /// A CPU's ring.
 pub struct Ring {
     pub cpu: u16,
-    pub ring: RingBuf<MapData>,
+    pub ring: ring::RingReader,
 }
 
 /// Sums and per-CPU values of the probes' loss counters.
@@ -352,8 +353,13 @@ impl Probes {
         &mut self.rings
     }
 
-    /// Unmaps the rings once they were read dry for the last time (their pages, mapped
-    /// twice, were part of the resident set).
+    /// Records that ran across the end of their ring (copied to be read whole).
+    pub fn ring_records_joined(&self) -> u64 {
+        self.rings.iter().map(|r| r.ring.joined_records).sum()
+    }
+
+    /// Unmaps the rings once they were read dry for the last time (their pages were part
+    /// of the resident set).
     pub fn unmap_rings(&mut self) {
         self.rings = Vec::new();
     }
@@ -944,7 +950,7 @@ fn install_rings(ebpf: &mut Ebpf, ring_bytes: u32) -> Result<(Vec<Ring>, RingsIn
     });
     let mut rings = Vec::with_capacity(cpus as usize);
     for (data, cpu) in created.into_iter().zip(0u16..) {
-        rings.push(Ring { cpu, ring: RingBuf::try_from(Map::RingBuf(data))? });
+        rings.push(Ring { cpu, ring: ring::RingReader::new(data, ring_bytes)? });
     }
     Ok((rings, Some(installing)))
 }

@@ -603,7 +603,7 @@ impl Tracer {
                 && let Some(record) = {
                     let ring = &mut self.probes.rings_mut()[cpu];
                     let cpu_id = ring.cpu;
-                    ring.ring.next().map(|item| (item.len() as u64, decode(&item, cpu_id)))
+                    ring.ring.read(|item| (item.len() as u64, decode(item, cpu_id)))
                 }
             {
                 n += 1;

@@ -70,6 +70,20 @@ fn self_usage() -> (u64, u64) {
     (tv(ru.ru_utime) + tv(ru.ru_stime), hwm.map_or(ru.ru_maxrss as u64, |kb| kb) * 1024)
 }
 
+/// At debug level: where this process's resident memory is now (heap, file pages such as
+/// the rings' and the symbolizer's mappings) and its peak, after `step` of the stop.
+fn log_memory(step: &str) {
+    if log::log_enabled!(log::Level::Debug) {
+        let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
+        let fields: Vec<String> = status
+            .lines()
+            .filter(|l| ["VmHWM:", "VmRSS:", "RssAnon:", "RssFile:"].iter().any(|p| l.starts_with(p)))
+            .map(|l| l.split_whitespace().collect::<Vec<_>>().join(" "))
+            .collect();
+        log::debug!("memory {step}: {}", fields.join(", "));
+    }
+}
+
 fn read_trimmed(path: &str) -> String {
     std::fs::read_to_string(path).map(|s| s.trim().to_string()).unwrap_or_default()
 }
@@ -431,7 +445,9 @@ fn finish(
 ) -> Result<RecordSummary> {
     // While the rings are mapped.
     let bpf_mapped_rss = crate::procfs::own_bpf_mapped_rss_bytes();
+    log_memory("before the last drain");
     let (teardown, counters) = tracer.stop(&mut recorder);
+    log_memory("after the last drain");
     log::debug!("probe counters: {counters:?}");
     let left_running = match reason {
         StopReason::Signal(_) => tracer.command_left_running(),
@@ -516,8 +532,10 @@ fn finish(
             .collect(),
         ..Default::default()
     };
+    log::debug!("ring records read across a ring's end: {}", tracer.probes.ring_records_joined());
     tracer.shed();
     recorder.namer.forget_stacks();
+    log_memory("once tracing's state is let go");
     // Every event and stack reaches the file first: the warnings the report will print are
     // read from it on another thread while the frames are named (each took 0.1–0.25 s of
     // the heavy Python bench's stop, one after the other).
@@ -533,17 +551,10 @@ fn finish(
             lines
         })
     });
+    log_memory("with the warnings pass started");
     recorder.write_symbols();
     let usage = self_usage();
-    if log::log_enabled!(log::Level::Debug) {
-        // Where the resident memory is: the heap (anonymous) or the rings (shared).
-        let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
-        let fields: Vec<&str> = status
-            .lines()
-            .filter(|l| ["VmHWM:", "VmRSS:", "RssAnon:", "RssShmem:"].iter().any(|p| l.starts_with(p)))
-            .collect();
-        log::debug!("memory at the end: {}", fields.join(", ").split_whitespace().collect::<Vec<_>>().join(" "));
-    }
+    log_memory("at the end");
     let stats = Stats {
         recorder_cpu_ns: usage.0,
         recorder_peak_rss_bytes: usage.1,
@@ -573,11 +584,11 @@ fn finish(
         };
         log::debug!("the recording's warnings waited for {} ms", waited.elapsed().as_millis());
         let mut err = io::stderr().lock();
-        // The rings' pages are the kernel's, mapped twice: said apart, as on a machine
-        // of many CPUs they are a large part of the peak.
+        // The rings' pages are the kernel's, all resident from the start: said apart, as
+        // on a machine of many CPUs they are a large part of the peak.
         let rings = match stats.recorder_bpf_mapped_rss_bytes {
             0 => String::new(),
-            b => format!(" ({:.0} MB of it the rings' pages, mapped twice)", b as f64 / 1e6),
+            b => format!(" ({:.0} MB of it the rings' pages)", b as f64 / 1e6),
         };
         let _ = writeln!(
             err,
