@@ -37,6 +37,7 @@ pub mod report;
 pub mod serve;
 pub mod session;
 pub mod sizes;
+pub mod stack_ids;
 pub mod stack_store;
 pub mod stacks;
 pub mod symbolize;

@@ -19,7 +19,7 @@ use crate::{
 pub struct Namer {
     pub modules: ModuleTable,
     /// Probe stack hash → stack id.
-    stack_ids: crate::FastMap<u64, u32>,
+    stack_ids: crate::stack_ids::StackIds,
     /// Stacks already defined, a bit per stack id (ids are given in order: a million stacks
     /// take 125 KB here, where a set of ids took 10 MB).
     defined: Vec<u64>,
@@ -35,8 +35,7 @@ impl Namer {
     }
 
     fn stack_id(&mut self, hash: u64) -> u32 {
-        let next = self.stack_ids.len() as u32;
-        *self.stack_ids.entry(hash).or_insert(next)
+        self.stack_ids.id(hash)
     }
 
     /// The definition of a stack met for the first time (None: already defined). Modules
