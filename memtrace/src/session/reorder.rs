@@ -24,6 +24,43 @@ struct Bucket {
     sorted: bool,
 }
 
+/// Slots per chunk of [`Slots`] (320 KiB).
+const SLOT_CHUNK: usize = 4096;
+
+/// Waiting events by slot, in chunks that never move. A vector of every slot doubled as a
+/// burst grew: PyTorch's 148k waiting events took 21 MB of it, 31 MB while it doubled;
+/// chunks hold what the most events waiting at once took.
+#[derive(Default)]
+struct Slots {
+    chunks: Vec<Box<[Option<Event>]>>,
+    /// Slots given out since the last `clear`.
+    len: usize,
+}
+
+impl Slots {
+    /// Puts `event` in a new slot; its number.
+    fn push(&mut self, event: Event) -> u32 {
+        let (chunk, at) = (self.len / SLOT_CHUNK, self.len % SLOT_CHUNK);
+        if chunk == self.chunks.len() {
+            self.chunks.push((0..SLOT_CHUNK).map(|_| None).collect());
+        }
+        self.chunks[chunk][at] = Some(event);
+        self.len += 1;
+        (self.len - 1) as u32
+    }
+
+    fn get_mut(&mut self, slot: u32) -> &mut Option<Event> {
+        let slot = slot as usize;
+        &mut self.chunks[slot / SLOT_CHUNK][slot % SLOT_CHUNK]
+    }
+
+    /// Forgets every slot (all empty), keeping at most `keep` chunks for the next ones.
+    fn clear(&mut self, keep: usize) {
+        self.len = 0;
+        self.chunks.truncate(keep);
+    }
+}
+
 /// Events wait in `slots`; the buckets hold small keys, so sorting moves 24-byte keys rather
 /// than whole events.
 #[derive(Default)]
@@ -35,7 +72,7 @@ pub struct Reorder {
     held: usize,
     /// The most events held at once so far.
     most: usize,
-    slots: Vec<Option<Event>>,
+    slots: Slots,
     free: Vec<u32>,
     seq: u64,
     released_up_to: u64,
@@ -69,13 +106,10 @@ impl Reorder {
         self.seq += 1;
         let slot = match self.free.pop() {
             Some(slot) => {
-                self.slots[slot as usize] = Some(event);
+                *self.slots.get_mut(slot) = Some(event);
                 slot
             }
-            None => {
-                self.slots.push(Some(event));
-                (self.slots.len() - 1) as u32
-            }
+            None => self.slots.push(event),
         };
         self.held += 1;
         self.most = self.most.max(self.held);
@@ -130,7 +164,7 @@ impl Reorder {
                 }
                 self.released_up_to = self.released_up_to.max(ts);
                 self.free.push(slot);
-                if let Some(event) = self.slots[slot as usize].take() {
+                if let Some(event) = self.slots.get_mut(slot).take() {
                     sink(event);
                 }
                 n += 1;
@@ -155,10 +189,9 @@ impl Reorder {
     /// Gives back the slots of a burst once it has drained.
     fn shrink(&mut self) {
         if self.held == 0 {
-            self.slots.clear();
+            self.slots.clear((1 << 16) / SLOT_CHUNK);
             self.free.clear();
-            if self.slots.capacity() > 1 << 16 {
-                self.slots.shrink_to(1 << 16);
+            if self.free.capacity() > 1 << 16 {
                 self.free.shrink_to(1 << 16);
             }
         }
@@ -240,5 +273,37 @@ mod tests {
             }
         });
         assert_eq!(out, [3, 1, 2]);
+    }
+
+    /// Slots past the first chunks, reused after a release and after the buffer emptied.
+    #[test]
+    fn events_in_many_slot_chunks_come_out_sorted_and_whole() {
+        let mut r = Reorder::new();
+        let n = 3 * SLOT_CHUNK as u64 + 5;
+        let times: Vec<u64> = (0..n).map(|i| (i * 7919) % n * 1000).collect();
+        for &ts in &times {
+            r.push(ev(ts));
+        }
+        assert_eq!(r.slots.chunks.len(), 4);
+        let mut out = Vec::new();
+        r.release(n * 500, &mut |e| out.push(e.ts_ns()));
+        let released = out.len();
+        // Freed slots are taken again before new ones.
+        for ts in 0..SLOT_CHUNK as u64 {
+            r.push(ev(n * 1000 + ts));
+        }
+        assert_eq!(r.slots.chunks.len(), 4);
+        r.release_all(&mut |e| out.push(e.ts_ns()));
+        let mut want = times.clone();
+        want.extend((0..SLOT_CHUNK as u64).map(|ts| n * 1000 + ts));
+        want.sort_unstable();
+        assert_eq!(out, want);
+        assert!(released > 0 && released < n as usize);
+        assert!(r.is_empty());
+        // Emptied: the chunks past the kept ones are given back, and slots start again.
+        assert!(r.slots.chunks.len() <= (1 << 16) / SLOT_CHUNK);
+        r.push(ev(1));
+        r.release_all(&mut |e| out.push(e.ts_ns()));
+        assert_eq!(out.last(), Some(&1));
     }
 }
