@@ -216,6 +216,11 @@ impl StackEncoder {
         }
     }
 
+    /// Nodes of the chunk's tree so far.
+    pub fn nodes(&self) -> u32 {
+        self.tree.len()
+    }
+
     /// Hands over the chunk's bytes (empty when no stack came); the next stack starts a new
     /// chunk (and a new tree).
     pub fn take(&mut self) -> Streams {

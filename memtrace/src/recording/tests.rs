@@ -421,6 +421,29 @@ fn stacks_round_trip_through_the_tree_of_frames() {
     assert_eq!(chunks.iter().filter(|c| c.0 & !COMPRESSED == ChunkKind::Stacks as u8).count(), 2);
 }
 
+/// A chunk's tree of frames is bounded: stacks whose new frames would grow it past
+/// `STACK_CHUNK_NODES` go into the next chunk, and every stack reads back whole.
+#[test]
+fn a_chunks_tree_of_frames_is_cut_at_its_bound() {
+    let frames = 100u64;
+    let count = 2 * u64::from(super::writer::STACK_CHUNK_NODES) / frames + 10;
+    let mut w = Writer::new(Vec::new(), &meta()).unwrap();
+    let mut stacks = Vec::new();
+    for id in 0..count {
+        // No frame shared: each stack adds `frames` nodes.
+        let user = (0..frames).map(|f| FileFrame::Module { module: 1, offset: (id * frames + f) * 16 }).collect();
+        let s = FileStack { id: id as u32, pid: 7, kernel: vec![], user, truncated: false };
+        w.stack(&s);
+        stacks.push(s);
+    }
+    let bytes = w.finish(&Stats::default()).unwrap();
+    let rec = read_all(&bytes[..]).unwrap();
+    assert!(rec.warnings.is_empty(), "{:?}", rec.warnings);
+    assert_eq!(rec.stacks.values().cloned().collect::<Vec<_>>(), stacks);
+    let chunks = stored_chunks(&bytes);
+    assert_eq!(chunks.iter().filter(|c| c.0 & !COMPRESSED == ChunkKind::Stacks as u8).count(), 3);
+}
+
 /// A recording's end lets the encoders' buffers go after its last event and stack; what
 /// still comes after (a late definition, more events) is written into new ones whole.
 #[test]

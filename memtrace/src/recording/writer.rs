@@ -29,6 +29,11 @@ use crate::event::Event;
 /// less: on the heavy Python bench 1 MiB takes 3 % off the file where 256 KiB cut it every
 /// ~20k events.
 const EVENTS_CHUNK_BYTES: usize = 1 << 20;
+/// A chunk's stacks share frames through a tree of at most this many nodes before the
+/// chunk is cut: the tree's table (and its siblings') is the writer's largest part on deep,
+/// varied stacks. PyTorch's chunks grew trees of up to ~450k nodes, 26 MB of tables; at
+/// this size the table stays at 2^17 buckets (hashbrown fills 7/8 of them).
+pub(super) const STACK_CHUNK_NODES: u32 = 7 << 14;
 /// Payloads shorter than this are stored as they are.
 const DEFLATE_FROM_BYTES: usize = 256;
 /// zlib's level 7: on the heavy Python bench's recording (format 4), level 6 deflated events and
@@ -150,7 +155,7 @@ impl<W: Write> ChunkWriter<W> {
         match item {
             Item::Event(e) => return self.event(e),
             Item::Module(m) => self.module(m),
-            Item::Stack(s) => self.stack(s),
+            Item::Stack(s) => return self.stack(s),
             Item::Symbol(key, symbols) => self.symbol(*key, symbols),
         }
         Ok(())
@@ -162,8 +167,12 @@ impl<W: Write> ChunkWriter<W> {
         put_str(&mut self.modules, &m.path);
     }
 
-    fn stack(&mut self, s: &FileStack) {
+    fn stack(&mut self, s: &FileStack) -> io::Result<()> {
         self.stacks.push(s);
+        if self.stacks.nodes() >= STACK_CHUNK_NODES {
+            self.flush()?;
+        }
+        Ok(())
     }
 
     fn symbol(&mut self, key: SymbolKey, symbols: &[Symbol]) {
