@@ -20,6 +20,8 @@ use blazesym::symbolize::{
 
 use crate::recording::Symbol;
 
+mod pages;
+
 pub struct Symbolizer {
     blaze: Blaze,
 }
@@ -118,7 +120,23 @@ impl Symbolizer {
     /// raised `record`'s peak by ~130 MB while it symbolized them).
     pub fn object_once(&mut self, path: &Path, offsets: &[u64]) -> Vec<Vec<Symbol>> {
         let out = self.object(path, offsets);
+        self.forget(path);
+        out
+    }
+
+    /// Forgets what was read of the object at `path` (its parsed debug information, its
+    /// mapping).
+    fn forget(&mut self, path: &Path) {
         let _ = self.blaze.evict(&evict::Evict::Elf(evict::Elf::new(path)));
+    }
+
+    /// As [`Symbolizer::object_once`], for a big object: its pages are handed back while
+    /// it is read ([`pages::bounded`]). This symbolizer must not have the object cached
+    /// (it maps it afresh, and keeps that mapping until it forgets the object).
+    fn big_object_once(&mut self, path: &Path, offsets: &[u64]) -> Vec<Vec<Symbol>> {
+        let (out, handed_back) = pages::bounded(path, || self.object(path, offsets));
+        self.forget(path);
+        log::debug!("{}: its pages handed back {handed_back} times while it was read", path.display());
         out
     }
 
@@ -236,9 +254,14 @@ impl Background {
         let done: Arc<Done> = Arc::default();
         type Queue = Mutex<VecDeque<(usize, PathBuf, Vec<u64>, u64)>>;
         let next = |s: &mut Symbolizer, queue: &Queue, largest_first: bool| {
-            let (i, path, offsets, _) = queue.lock().ok().and_then(|mut q| take_next(&mut q, largest_first))?;
+            let (i, path, offsets, size) = queue.lock().ok().and_then(|mut q| take_next(&mut q, largest_first))?;
             let started = Instant::now();
-            let symbols = s.object_once(&path, &offsets);
+            // Only the calling thread takes big objects, with a symbolizer of its own that
+            // had none of them cached.
+            let symbols = match size >= HELPER_MAX_FILE {
+                true => s.big_object_once(&path, &offsets),
+                false => s.object_once(&path, &offsets),
+            };
             log::debug!(
                 "{}: {} addresses symbolized in {} ms",
                 path.display(),
@@ -335,7 +358,9 @@ mod tests {
         assert_eq!(result.len(), 2);
         let outer = result[0].last().unwrap();
         assert!(outer.name.contains("a_function_with_a_distinctive_name"), "{result:?}");
-        assert!(outer.file.as_deref().unwrap_or("").ends_with("symbolize.rs"), "{result:?}");
+        assert!(outer.file.as_deref().unwrap_or("").ends_with("symbolize/mod.rs"), "{result:?}");
+        // Read with its pages handed back meanwhile, the same names.
+        assert_eq!(Symbolizer::new().big_object_once(&mapping.path, &[offset, 0]), result);
     }
 
     #[test]
