@@ -130,13 +130,14 @@ impl Symbolizer {
         let _ = self.blaze.evict(&evict::Evict::Elf(evict::Elf::new(path)));
     }
 
-    /// As [`Symbolizer::object_once`], for a big object: its pages are handed back while
-    /// it is read ([`pages::bounded`]). This symbolizer must not have the object cached
-    /// (it maps it afresh, and keeps that mapping until it forgets the object).
+    /// As [`Symbolizer::object_once`], for a big object: the pages of its debug information
+    /// are reclaimed while it is read, past a cap ([`pages::bounded`]).
     fn big_object_once(&mut self, path: &Path, offsets: &[u64]) -> Vec<Vec<Symbol>> {
-        let (out, handed_back) = pages::bounded(path, || self.object(path, offsets));
+        let (out, reclaimed) = pages::bounded(path, || self.object(path, offsets));
         self.forget(path);
-        log::debug!("{}: its pages handed back {handed_back} times while it was read", path.display());
+        if reclaimed > 0 {
+            log::debug!("{}: its debug information's pages reclaimed {reclaimed} times while read", path.display());
+        }
         out
     }
 
@@ -256,8 +257,7 @@ impl Background {
         let next = |s: &mut Symbolizer, queue: &Queue, largest_first: bool| {
             let (i, path, offsets, size) = queue.lock().ok().and_then(|mut q| take_next(&mut q, largest_first))?;
             let started = Instant::now();
-            // Only the calling thread takes big objects, with a symbolizer of its own that
-            // had none of them cached.
+            // Only the calling thread takes big objects.
             let symbols = match size >= HELPER_MAX_FILE {
                 true => s.big_object_once(&path, &offsets),
                 false => s.object_once(&path, &offsets),
@@ -359,7 +359,7 @@ mod tests {
         let outer = result[0].last().unwrap();
         assert!(outer.name.contains("a_function_with_a_distinctive_name"), "{result:?}");
         assert!(outer.file.as_deref().unwrap_or("").ends_with("symbolize/mod.rs"), "{result:?}");
-        // Read with its pages handed back meanwhile, the same names.
+        // Read with its debug information's pages bounded, the same names.
         assert_eq!(Symbolizer::new().big_object_once(&mapping.path, &[offset, 0]), result);
     }
 
