@@ -168,7 +168,7 @@ pub struct Stats {
     /// memtrace's own peak resident memory.
     #[serde(default)]
     pub recorder_peak_rss_bytes: u64,
-    /// Of it, the BPF maps memtrace had mapped (the rings, each one's data twice): the
+    /// Of it, the BPF maps memtrace had mapped (the rings, each one's data once): the
     /// kernel's memory, counted once in `bpf_map_bytes`.
     #[serde(default)]
     pub recorder_bpf_mapped_rss_bytes: u64,

@@ -168,10 +168,14 @@ impl<W: Write> ChunkWriter<W> {
     }
 
     fn stack(&mut self, s: &FileStack) -> io::Result<()> {
-        self.stacks.push(s);
-        if self.stacks.nodes() >= STACK_CHUNK_NODES {
+        // Cut before a stack whose frames could take the tree past its bound (checked
+        // after, the stack crossing it grew the table to twice the buckets, kept after).
+        let frames = (s.kernel.len() + s.user.len()) as u32;
+        let nodes = self.stacks.nodes();
+        if nodes > 0 && nodes.saturating_add(frames) > STACK_CHUNK_NODES {
             self.flush()?;
         }
+        self.stacks.push(s);
         Ok(())
     }
 
