@@ -8,7 +8,7 @@ use std::{fs::File, path::Path, sync::Arc};
 use anyhow::{Context as _, Result};
 use gimli::{
     BaseAddresses, CfaRule, CieOrFde, DebugFrame, EhFrame, EndianArcSlice, Reader as _, Register, RegisterRule,
-    RunTimeEndian, UnwindContext, UnwindSection, UnwindTableRow, X86_64,
+    RunTimeEndian, Section as _, UnwindContext, UnwindSection, UnwindTableRow, X86_64,
 };
 use memmap2::Mmap;
 use memtrace_common::{UnwindRule, unwind::kind};
@@ -194,38 +194,59 @@ impl Cfi {
     /// the outermost frame when no FDE describes it. Parsing stops at the first malformed
     /// entry of a section; what came before is kept.
     pub fn rows(&self) -> Vec<Row> {
-        // (pc, priority, rule): at one pc an FDE's row (1) wins over the stop a preceding
-        // FDE's end leaves (0).
-        let mut raw: Vec<(u64, u8, UnwindRule)> = Vec::new();
+        // Every FDE row and FDE end, ranked (`ranked`), sorted and merged in place: a big
+        // library has millions (libtriton 2.35 M after merging), and a vector of
+        // (pc, rank, rule) triples of 24 bytes, its merged copy and the packed table were
+        // ~190 MB at once, twice that with two libraries built side by side. Room for a
+        // row per two bytes of CFI is reserved (more than they take: untouched room costs
+        // no memory), so that the vector does not move as it grows.
+        let cfi_bytes = self.eh_frame.as_ref().map_or(0, |s| s.reader().len())
+            + self.debug_frame.as_ref().map_or(0, |s| s.reader().len());
+        let mut rows: Vec<Row> = Vec::with_capacity(cfi_bytes / 2 + 2);
         let mut ctx = Box::new(UnwindContext::new());
         let mut covered: Vec<(u64, u64)> = Vec::new();
         if let Some(eh) = &self.eh_frame {
-            fde_rows(eh, &self.bases, &mut ctx, &[], &mut raw, &mut covered);
+            fde_rows(eh, &self.bases, &mut ctx, &[], &mut rows, &mut covered);
         }
         if let Some(debug) = &self.debug_frame {
             covered.sort_unstable();
             let eh_spans = std::mem::take(&mut covered);
-            fde_rows(debug, &self.bases, &mut ctx, &eh_spans, &mut raw, &mut covered);
+            fde_rows(debug, &self.bases, &mut ctx, &eh_spans, &mut rows, &mut covered);
             covered.extend(eh_spans);
         }
         if self.entry != 0 && !covered.iter().any(|&(s, e)| (s..e).contains(&self.entry)) {
-            raw.push((self.entry, 1, UnwindRule::OUTERMOST));
-            raw.push((self.entry + ENTRY_CODE_BYTES, 0, UnwindRule::FRAME_POINTER));
+            rows.push(ranked(self.entry, FDE_ROW, UnwindRule::OUTERMOST));
+            rows.push(ranked(self.entry + ENTRY_CODE_BYTES, FDE_END, UnwindRule::FRAME_POINTER));
         }
-        raw.sort_unstable_by_key(|&(pc, prio, _)| (pc, prio));
-        let mut rows: Vec<Row> = Vec::with_capacity(raw.len() / 2);
-        for (i, &(pc, _, rule)) in raw.iter().enumerate() {
-            // Of several rows at one pc the last (highest priority) wins.
-            if raw.get(i + 1).is_some_and(|next| next.0 == pc) {
+        rows.sort_unstable_by_key(|r| (r.pc, r.rule._pad));
+        let mut kept = 0;
+        for i in 0..rows.len() {
+            let Row { pc, mut rule } = rows[i];
+            // Of several rows at one pc the last (highest rank) wins.
+            if rows.get(i + 1).is_some_and(|next| next.pc == pc) {
                 continue;
             }
-            if rows.last().is_some_and(|last| last.rule == rule) {
+            rule._pad = 0;
+            if kept > 0 && rows[kept - 1].rule == rule {
                 continue;
             }
-            rows.push(Row { pc, rule });
+            rows[kept] = Row { pc, rule };
+            kept += 1;
         }
+        rows.truncate(kept);
         rows
     }
+}
+
+/// The rank of a row at a pc where another FDE ends: an FDE's row wins over the stop the
+/// end of the FDE before it leaves.
+const FDE_END: u8 = 0;
+const FDE_ROW: u8 = 1;
+
+/// A row before merging, its rank in the rule's spare byte (reset when merged).
+fn ranked(pc: u64, rank: u8, mut rule: UnwindRule) -> Row {
+    rule._pad = rank;
+    Row { pc, rule }
 }
 
 /// Appends the rows of every FDE of `section` that does not overlap `skip` (sorted spans a
@@ -235,7 +256,7 @@ fn fde_rows<S: UnwindSection<Slice>>(
     bases: &BaseAddresses,
     ctx: &mut UnwindContext<usize>,
     skip: &[(u64, u64)],
-    out: &mut Vec<(u64, u8, UnwindRule)>,
+    out: &mut Vec<Row>,
     covered: &mut Vec<(u64, u64)>,
 ) {
     let mut entries = section.entries(bases);
@@ -255,10 +276,10 @@ fn fde_rows<S: UnwindSection<Slice>>(
         let Ok(mut table) = fde.rows(section, bases, ctx) else { continue };
         while let Ok(Some(row)) = table.next_row() {
             let rule = summarize(section, row, signal_frame).map_or(UnwindRule::STOP, rule_for);
-            out.push((row.start_address(), 1, rule));
+            out.push(ranked(row.start_address(), FDE_ROW, rule));
         }
         // Up to the next FDE, code none describes: walked by its frame pointer.
-        out.push((end, 0, UnwindRule::FRAME_POINTER));
+        out.push(ranked(end, FDE_END, UnwindRule::FRAME_POINTER));
     }
 }
 
@@ -368,7 +389,7 @@ mod tests {
     }
 
     /// Our own executable's rows: sorted, merged, and a function's first instruction has
-    /// CFA = rsp + 8.
+    /// CFA = rsp + 8 (the FDE's row wins over the end of the function before it).
     #[test]
     fn the_rows_of_a_real_binary() {
         let maps = crate::procfs::Maps::read_self().unwrap();
@@ -378,6 +399,7 @@ mod tests {
         let rows = cfi.rows();
         assert!(rows.len() > 1000, "{} rows", rows.len());
         assert!(rows.windows(2).all(|w| w[0].pc < w[1].pc && w[0].rule != w[1].rule));
+        assert!(rows.iter().all(|r| r.rule._pad == 0), "ranks are not left in the rules");
         let vaddr = vaddr_of_file_offset(&cfi.segments, m.file_offset(ip)).unwrap();
         let at = rows.partition_point(|r| r.pc <= vaddr) - 1;
         assert_eq!(rows[at].pc, vaddr, "a row starts at the function's entry");

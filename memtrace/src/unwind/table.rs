@@ -79,11 +79,11 @@ impl Table {
             return Self::new(0, vec![0], Vec::new(), segments);
         };
         let pc_base = first.pc;
-        let packed: Vec<u64> = rows
-            .iter()
-            .take_while(|r| r.pc - pc_base < MAX_SPAN)
-            .map(|r| encode_row((r.pc - pc_base) as u32, r.rule))
-            .collect();
+        // (Sized at once: collected, it grew by doubling, 19 MB moved into 38 for libtriton.)
+        let mut packed: Vec<u64> = Vec::with_capacity(rows.len());
+        packed.extend(
+            rows.iter().take_while(|r| r.pc - pc_base < MAX_SPAN).map(|r| encode_row((r.pc - pc_base) as u32, r.rule)),
+        );
         // The last row ends the covered code (the frame-pointer rule, as `Cfi::rows` ends
         // every FDE): the index spans up to it.
         let span = rows.last().map_or(0, |r| (r.pc - pc_base).min(MAX_SPAN - 1)) + 1;
