@@ -7,10 +7,11 @@
 //! goes: reading the unit headers of libtriton's 141 MB of `.debug_info` (it has no
 //! `.debug_aranges`) left 129 MB of it resident, the peak of a PyTorch recording. While a
 //! big object is symbolized, [`bounded`] looks every [`PERIOD`] at how much of the file is
-//! resident in this process and, past [`RESIDENT_CAP`], has the kernel reclaim the pages of
-//! the DWARF sections read whole ([`SCANNED`]; `MADV_PAGEOUT`: they leave the page cache,
-//! and what is read again comes from the disk). On PyTorch: the stop's peak 257–268 MB →
-//! 206–228 MB, libtriton named in ~0.3 s instead of ~0.23.
+//! resident in this process and, [`RESIDENT_CAP`] past what was left after the last
+//! reclaim, has the kernel reclaim the pages of the DWARF sections read whole ([`SCANNED`];
+//! `MADV_PAGEOUT`: they leave the page cache, and what is read again comes from the disk).
+//! On PyTorch: the stop's peak 257–268 MB → 222–243 MB, libtriton named in ~0.3 s instead
+//! of ~0.23.
 //!
 //! Why not `MADV_DONTNEED`, which only drops page-table entries: it is safe only on a range
 //! known to be still mapped to the file, and blazesym maps and unmaps the same file in the
@@ -39,7 +40,7 @@ const PERIOD: Duration = Duration::from_millis(20);
 const SCANNED: [&str; 5] = ["debug_info", "debug_ranges", "debug_rnglists", "debug_loc", "debug_loclists"];
 
 /// Resident bytes of the object past which its debug information is reclaimed.
-const RESIDENT_CAP: u64 = 32 << 20;
+const RESIDENT_CAP: u64 = 16 << 20;
 
 /// A read-only mapping of a file: its range, the file offset it starts at, and the file's
 /// inode.
@@ -69,9 +70,11 @@ fn read_only_file_mapping(line: &str) -> Option<FileMapping> {
     })
 }
 
-/// The read-only mappings of the file `inode` in a `/proc/PID/smaps` text, with their
-/// resident bytes.
-fn resident_mappings(smaps: &str, inode: u64) -> Vec<(FileMapping, u64)> {
+/// The read-only mappings of the whole file `inode` (from its start, at least `len` bytes,
+/// as blazesym maps an object) in a `/proc/PID/smaps` text, with their resident bytes.
+/// (Matched by inode alone: on overlayfs the device `stat` gives is not the one smaps
+/// shows.)
+fn resident_mappings(smaps: &str, inode: u64, len: u64) -> Vec<(FileMapping, u64)> {
     let mut out: Vec<(FileMapping, u64)> = Vec::new();
     let mut current = false;
     for line in smaps.lines() {
@@ -82,7 +85,8 @@ fn resident_mappings(smaps: &str, inode: u64) -> Vec<(FileMapping, u64)> {
         } else if line.split_whitespace().next().is_some_and(|f| f.contains('-') && !f.ends_with(':')) {
             // A mapping's first line: the others are `Key: value`.
             current = false;
-            if let Some(m) = read_only_file_mapping(line).filter(|m| m.inode == inode) {
+            let whole = |m: &FileMapping| m.inode == inode && m.offset == 0 && (m.end - m.start) as u64 >= len;
+            if let Some(m) = read_only_file_mapping(line).filter(whole) {
                 out.push((m, 0));
                 current = true;
             }
@@ -136,13 +140,15 @@ fn bounded_at<R>(path: &Path, cap: u64, f: impl FnOnce() -> R) -> (R, u64) {
     if sections.is_empty() {
         return (f(), 0);
     }
-    let inode = meta.ino();
+    let (inode, file_len) = (meta.ino(), meta.len());
     // SAFETY: sysconf has no preconditions.
     let page = unsafe { libc::sysconf(libc::_SC_PAGESIZE) } as u64;
     let stop = Arc::new((Mutex::new(false), Condvar::new()));
     let stopped = Arc::clone(&stop);
     let pager = std::thread::Builder::new().name("memtrace-pages".into()).spawn(move || {
         let mut reclaimed = 0u64;
+        // The object's resident bytes after the last reclaim.
+        let mut floor = 0u64;
         let (lock, wake) = &*stopped;
         let Ok(mut done) = lock.lock() else { return 0 };
         loop {
@@ -157,9 +163,16 @@ fn bounded_at<R>(path: &Path, cap: u64, f: impl FnOnce() -> R) -> (R, u64) {
             if *done {
                 return reclaimed;
             }
-            let smaps = std::fs::read_to_string("/proc/self/smaps").unwrap_or_default();
-            let mappings = resident_mappings(&smaps, inode);
-            if mappings.iter().map(|(_, rss)| rss).sum::<u64>() <= cap {
+            let resident = || {
+                let smaps = std::fs::read_to_string("/proc/self/smaps").unwrap_or_default();
+                let mappings = resident_mappings(&smaps, inode, file_len);
+                let bytes = mappings.iter().map(|(_, rss)| rss).sum::<u64>();
+                (mappings, bytes)
+            };
+            let (mappings, bytes) = resident();
+            // Past the cap since the last reclaim: the sections left alone may hold more
+            // than the cap themselves.
+            if bytes <= floor.saturating_add(cap) {
                 continue;
             }
             for (m, _) in &mappings {
@@ -173,6 +186,7 @@ fn bounded_at<R>(path: &Path, cap: u64, f: impl FnOnce() -> R) -> (R, u64) {
                     }
                 }
             }
+            floor = resident().1;
         }
     });
     let mut pager = Pager { stop: &stop, thread: pager.ok() };
@@ -225,18 +239,17 @@ Rss:                2048 kB
 Rss:                   8 kB
 garbage line
 ";
+        // Only mappings of the whole file, from its start.
         assert_eq!(
-            resident_mappings(smaps, 1311),
-            vec![
-                (FileMapping { start: 0x55d0c0a00000, end: 0x55d0c0a21000, offset: 0, inode: 1311 }, 100 << 10),
-                (FileMapping { start: 0x55d0c0a21000, end: 0x55d0c0b00000, offset: 0x21000, inode: 1311 }, 12 << 10),
-            ]
+            resident_mappings(smaps, 1311, 0x21000),
+            vec![(FileMapping { start: 0x55d0c0a00000, end: 0x55d0c0a21000, offset: 0, inode: 1311 }, 100 << 10)]
         );
+        assert!(resident_mappings(smaps, 1311, 0x22000).is_empty());
         assert_eq!(
-            resident_mappings(smaps, 99),
+            resident_mappings(smaps, 99, 0x1000_0000),
             vec![(FileMapping { start: 0x7f0000000000, end: 0x7f0010000000, offset: 0, inode: 99 }, 2 << 20)]
         );
-        assert!(resident_mappings(smaps, 0).is_empty());
+        assert!(resident_mappings(smaps, 0, 0).is_empty());
     }
 
     #[test]
@@ -257,14 +270,26 @@ garbage line
         rss.trim().trim_end_matches("kB").trim().parse::<u64>().unwrap() * 1024
     }
 
-    /// A private copy of this test binary (whose debug information only this test maps),
+    /// A private copy of this test binary (whose debug information only its test maps),
     /// beside it rather than in a temporary directory that may be memory (tmpfs pages do
-    /// not leave for a file).
-    fn private_copy() -> std::path::PathBuf {
-        let exe = std::env::current_exe().unwrap();
-        let copy = exe.with_file_name(format!("memtrace-pages-test-{}", std::process::id()));
-        std::fs::copy(&exe, &copy).unwrap();
-        copy
+    /// not leave for a file); removed when dropped.
+    struct PrivateCopy(std::path::PathBuf);
+
+    impl PrivateCopy {
+        fn new() -> Self {
+            static NEXT: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+            let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            let exe = std::env::current_exe().unwrap();
+            let copy = exe.with_file_name(format!("memtrace-pages-test-{}-{n}", std::process::id()));
+            std::fs::copy(&exe, &copy).unwrap();
+            Self(copy)
+        }
+    }
+
+    impl Drop for PrivateCopy {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_file(&self.0);
+        }
     }
 
     /// Reads the largest debug section of a private copy of this binary inside
@@ -272,7 +297,8 @@ garbage line
     /// `wait` periods); (resident after the read, resident at the end of the wait, ranges
     /// reclaimed). The section reads back whole all the same.
     fn read_a_debug_section(cap: u64, wait: u32) -> (u64, u64, u64) {
-        let path = private_copy();
+        let copy = PrivateCopy::new();
+        let path = copy.0.clone();
         let bytes = std::fs::read(&path).unwrap();
         let sections = debug_sections(&path);
         assert!(!sections.is_empty(), "the test binary has debug information");
@@ -298,7 +324,7 @@ garbage line
             (before, during)
         });
         drop(map);
-        let _ = std::fs::remove_file(&path);
+        drop(copy);
         assert!(before >= (e - s) as u64 / 2, "{before} resident of a {}-byte section read", e - s);
         (before, during, reclaimed)
     }

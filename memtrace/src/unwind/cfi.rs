@@ -202,7 +202,10 @@ impl Cfi {
         // no memory), so that the vector does not move as it grows.
         let cfi_bytes = self.eh_frame.as_ref().map_or(0, |s| s.reader().len())
             + self.debug_frame.as_ref().map_or(0, |s| s.reader().len());
-        let mut rows: Vec<Row> = Vec::with_capacity(cfi_bytes / 2 + 2);
+        // (Asked for, not required: with strict overcommit or a limit on address space
+        // the room may be refused, and the vector grows as it must.)
+        let mut rows: Vec<Row> = Vec::new();
+        let _ = rows.try_reserve((cfi_bytes / 2 + 2).min(MAX_RESERVED_ROWS));
         let mut ctx = Box::new(UnwindContext::new());
         let mut covered: Vec<(u64, u64)> = Vec::new();
         if let Some(eh) = &self.eh_frame {
@@ -237,6 +240,9 @@ impl Cfi {
         rows
     }
 }
+
+/// Rows reserved at most ahead of reading the CFI (512 MiB of room).
+const MAX_RESERVED_ROWS: usize = 1 << 25;
 
 /// The rank of a row at a pc where another FDE ends: an FDE's row wins over the stop the
 /// end of the FDE before it leaves.
