@@ -123,17 +123,30 @@ pub fn own_bpf_mapped_rss_bytes() -> u64 {
 
 /// [`own_bpf_mapped_rss_bytes`] of the text of a smaps file.
 fn bpf_mapped_rss(smaps: &str) -> u64 {
-    let mut in_map = false;
-    let mut total = 0;
-    for line in smaps.lines() {
-        let first = line.split_whitespace().next().unwrap_or("");
-        if first.contains('-') && first.bytes().all(|b| b.is_ascii_hexdigit() || b == b'-') {
-            in_map = line.trim_end().ends_with("anon_inode:bpf-map");
-        } else if in_map && let Some(kb) = line.strip_prefix("Rss:") {
-            total += kb.trim().trim_end_matches("kB").trim().parse::<u64>().unwrap_or(0) * 1024;
+    smaps_rss(smaps).filter(|(head, _)| head.trim_end().ends_with("anon_inode:bpf-map")).map(|(_, rss)| rss).sum()
+}
+
+/// Each mapping of a smaps text: its first line (as `/proc/PID/maps` has it) and its
+/// resident bytes.
+pub fn smaps_rss(smaps: &str) -> impl Iterator<Item = (&str, u64)> {
+    let mut lines = smaps.lines().peekable();
+    std::iter::from_fn(move || {
+        loop {
+            let head = lines.next()?;
+            let first = head.split_whitespace().next().unwrap_or("");
+            if !(first.contains('-') && first.bytes().all(|b| b.is_ascii_hexdigit() || b == b'-')) {
+                continue;
+            }
+            let mut rss = 0;
+            // Its `Key: value` lines, up to the next mapping's first line.
+            while let Some(line) = lines.next_if(|l| l.split_whitespace().next().is_some_and(|f| f.ends_with(':'))) {
+                if let Some(kb) = line.strip_prefix("Rss:") {
+                    rss = kb.trim().trim_end_matches("kB").trim().parse::<u64>().unwrap_or(0) * 1024;
+                }
+            }
+            return Some((head, rss));
         }
-    }
-    total
+    })
 }
 
 pub fn exe(pid: u32) -> io::Result<PathBuf> {

@@ -146,6 +146,17 @@ impl RingReader {
         self.data.as_ptr()
     }
 
+    /// Bytes written by the probes and not read yet (records and their headers).
+    pub fn waiting_bytes(&self) -> u64 {
+        let producer = self.producer_pos().load(Ordering::Acquire);
+        producer.wrapping_sub(self.consumer_pos().load(Ordering::Acquire)) as u64
+    }
+
+    /// The ring's size in bytes.
+    pub fn size(&self) -> u64 {
+        self.size as u64
+    }
+
     /// Whether a record may wait at our position.
     fn available(&mut self) -> bool {
         if self.pos == self.seen_producer {
@@ -321,6 +332,9 @@ mod tests {
         assert_eq!(ring.consumer(), 16 + 32);
         assert_eq!(next(&mut reader), None);
         assert_eq!(reader.joined_records, 0);
+        assert_eq!((reader.waiting_bytes(), reader.size()), (0, 64));
+        ring.produce(b"x", 0);
+        assert_eq!(reader.waiting_bytes(), 16);
     }
 
     #[test]

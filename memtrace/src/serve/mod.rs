@@ -47,7 +47,6 @@ use self::{
     model::{Limits, Model, Scraper, Snapshot},
     names::{Namer, lock},
     profile::{BadRequest, ProfileKind, ProfileQuery},
-    selfstats::RingFill,
 };
 use crate::{
     probes,
@@ -220,7 +219,7 @@ fn add_pid(tracer: &mut Tracer, pid: u32) -> Result<()> {
     Ok(())
 }
 
-async fn trace(tracer: &mut Tracer, shared: &Shared, ring_fill: &RingFill, pids: &[u32]) -> Result<Stop> {
+async fn trace(tracer: &mut Tracer, shared: &Shared, pids: &[u32]) -> Result<Stop> {
     let mut waker = WakeLoop::new(tracer, DRAIN_INTERVAL, None)?;
     let mut last_housekeeping = Instant::now();
     let mut running: Vec<u32> = pids.to_vec();
@@ -235,7 +234,7 @@ async fn trace(tracer: &mut Tracer, shared: &Shared, ring_fill: &RingFill, pids:
             tracer.end_command();
             stop = Some(Stop::Command(128 + sig));
         }
-        ring_fill.sample(&shared.ring_fill);
+        selfstats::sample_fill(tracer.probes.rings_mut(), &shared.ring_fill);
         {
             let mut model = lock(&shared.model);
             tracer.drain(&mut *model, false);
@@ -288,7 +287,6 @@ pub fn run(args: ServeArgs) -> Result<i32> {
         max_stacks: config.max_stacks,
         sample_bytes: config.trace.sample_bytes,
     }));
-    let ring_fill = RingFill::new(tracer.probes.rings_mut(), config.trace.ring_bytes);
     let server = http::Server::start(listener, Arc::clone(&shared), config.http.clone())?;
     let namer = spawn_namer(Arc::clone(&shared))?;
     let sampling = match config.trace.sample_bytes {
@@ -306,7 +304,7 @@ pub fn run(args: ServeArgs) -> Result<i32> {
         Target::Pid(_) => config.pids.clone(),
         _ => Vec::new(),
     };
-    let stop = block_on(trace(&mut tracer, &shared, &ring_fill, &pids))??;
+    let stop = block_on(trace(&mut tracer, &shared, &pids))??;
     match stop {
         Stop::Signal(sig) => eprintln!("memtrace: {}: stopping", signal_name(sig)),
         Stop::Command(code) => eprintln!("memtrace: the command exited (status {code}): stopping"),
@@ -320,7 +318,6 @@ pub fn run(args: ServeArgs) -> Result<i32> {
         tracer.stop(&mut *model)
     };
     teardown.join();
-    drop(ring_fill);
     server.shutdown(Duration::from_secs(2));
     shared.namer.stop();
     let _ = namer.join();

@@ -1,10 +1,7 @@
 //! memtrace's own figures for `/metrics`: resident memory, CPU time, open descriptors and
 //! probe links (read from /proc/self), and how full the ring buffers get — read from the
-//! rings' own position pages, mapped read-only, just before each drain.
-use std::{
-    os::fd::AsRawFd as _,
-    sync::atomic::{AtomicU64, Ordering},
-};
+//! rings' position pages (`probes::ring`) just before each drain.
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use crate::probes::Ring;
 
@@ -47,79 +44,15 @@ pub fn descriptors() -> (u64, u64) {
     (open, probes)
 }
 
-/// A ring's consumer and producer positions, mapped read-only.
-struct Positions {
-    consumer: *const u64,
-    producer: *const u64,
+/// The fullest ring's share of its size now.
+fn fullest(rings: &[Ring]) -> f64 {
+    rings.iter().map(|r| (r.ring.waiting_bytes() as f64 / r.ring.size().max(1) as f64).min(1.0)).fold(0.0, f64::max)
 }
 
-/// How full the rings are.
-pub struct RingFill {
-    rings: Vec<Positions>,
-    size: u64,
-}
-
-impl RingFill {
-    /// Maps the position pages of every ring (rings that cannot be mapped are skipped).
-    pub fn new(rings: &mut [Ring], size: u32) -> Self {
-        let page = page_size() as usize;
-        let map = |fd: i32, offset: usize| -> Option<*const u64> {
-            // SAFETY: maps one page of a ring buffer map read-only; the kernel allows any
-            // read-only mapping of it. Unmapped in Drop.
-            let p = unsafe {
-                libc::mmap(std::ptr::null_mut(), page, libc::PROT_READ, libc::MAP_SHARED, fd, offset as libc::off_t)
-            };
-            (p != libc::MAP_FAILED).then_some(p as *const u64)
-        };
-        let rings = rings
-            .iter()
-            .filter_map(|r| {
-                let fd = r.ring.as_raw_fd();
-                let consumer = map(fd, 0)?;
-                match map(fd, page) {
-                    Some(producer) => Some(Positions { consumer, producer }),
-                    None => {
-                        // SAFETY: unmaps the page mapped just above.
-                        unsafe { libc::munmap(consumer as *mut libc::c_void, page) };
-                        None
-                    }
-                }
-            })
-            .collect();
-        Self { rings, size: u64::from(size) }
-    }
-
-    /// The fullest ring's share of its size now.
-    pub fn fullest(&self) -> f64 {
-        let mut most = 0u64;
-        for r in &self.rings {
-            // SAFETY: the pages stay mapped while self lives; the kernel updates the
-            // positions concurrently, hence the volatile reads (a torn view only skews one
-            // sample of a gauge).
-            let (c, p) = unsafe { (std::ptr::read_volatile(r.consumer), std::ptr::read_volatile(r.producer)) };
-            most = most.max(p.saturating_sub(c));
-        }
-        (most as f64 / self.size.max(1) as f64).min(1.0)
-    }
-
-    /// Records the fill now into `peak` (the largest since it was last taken).
-    pub fn sample(&self, peak: &AtomicU64) {
-        // Non-negative floats order as their bits do.
-        peak.fetch_max(self.fullest().to_bits(), Ordering::Relaxed);
-    }
-}
-
-impl Drop for RingFill {
-    fn drop(&mut self) {
-        let page = page_size() as usize;
-        for r in &self.rings {
-            // SAFETY: both pages were mapped in `new` and are not used after this.
-            unsafe {
-                libc::munmap(r.consumer as *mut libc::c_void, page);
-                libc::munmap(r.producer as *mut libc::c_void, page);
-            }
-        }
-    }
+/// Records how full the rings are now into `peak` (the largest since it was last taken).
+pub fn sample_fill(rings: &[Ring], peak: &AtomicU64) {
+    // Non-negative floats order as their bits do.
+    peak.fetch_max(fullest(rings).to_bits(), Ordering::Relaxed);
 }
 
 /// Takes the peak fill recorded since the last call.

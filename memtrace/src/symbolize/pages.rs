@@ -75,24 +75,10 @@ fn read_only_file_mapping(line: &str) -> Option<FileMapping> {
 /// (Matched by inode alone: on overlayfs the device `stat` gives is not the one smaps
 /// shows.)
 fn resident_mappings(smaps: &str, inode: u64, len: u64) -> Vec<(FileMapping, u64)> {
-    let mut out: Vec<(FileMapping, u64)> = Vec::new();
-    let mut current = false;
-    for line in smaps.lines() {
-        if let Some(rss) = line.strip_prefix("Rss:") {
-            if current && let Some(last) = out.last_mut() {
-                last.1 = rss.trim().trim_end_matches("kB").trim().parse::<u64>().unwrap_or(0) * 1024;
-            }
-        } else if line.split_whitespace().next().is_some_and(|f| f.contains('-') && !f.ends_with(':')) {
-            // A mapping's first line: the others are `Key: value`.
-            current = false;
-            let whole = |m: &FileMapping| m.inode == inode && m.offset == 0 && (m.end - m.start) as u64 >= len;
-            if let Some(m) = read_only_file_mapping(line).filter(whole) {
-                out.push((m, 0));
-                current = true;
-            }
-        }
-    }
-    out
+    let whole = |m: &FileMapping| m.inode == inode && m.offset == 0 && (m.end - m.start) as u64 >= len;
+    crate::procfs::smaps_rss(smaps)
+        .filter_map(|(head, rss)| read_only_file_mapping(head).filter(whole).map(|m| (m, rss)))
+        .collect()
 }
 
 /// The file ranges of the object's [`SCANNED`] sections (none if it has none, or is not an
@@ -264,10 +250,7 @@ garbage line
     fn resident(start: usize) -> u64 {
         let smaps = std::fs::read_to_string("/proc/self/smaps").unwrap();
         let head = format!("{start:x}-");
-        let mut lines = smaps.lines().skip_while(|l| !l.starts_with(&head));
-        lines.next().expect("the mapping is listed");
-        let rss = lines.find_map(|l| l.strip_prefix("Rss:")).unwrap();
-        rss.trim().trim_end_matches("kB").trim().parse::<u64>().unwrap() * 1024
+        crate::procfs::smaps_rss(&smaps).find(|(h, _)| h.starts_with(&head)).expect("the mapping is listed").1
     }
 
     /// A private copy of this test binary (whose debug information only its test maps),
