@@ -6,7 +6,7 @@ use std::{collections::HashMap, fs::File, path::Path};
 use anyhow::{Context as _, Result};
 use memmap2::Mmap;
 use object::{
-    Endianness, Object as _, ObjectSymbol as _, SymbolKind, elf,
+    Endianness, Object as _, ObjectSection as _, ObjectSymbol as _, SymbolKind, elf,
     read::elf::{Dyn as _, ElfFile64, FileHeader as _, ProgramHeader as _, VersionTable},
 };
 
@@ -260,6 +260,17 @@ impl ElfFile {
     /// Whether the file has a `.text` section (a real code object, not a data file).
     pub fn has_text(&self) -> bool {
         self.parse().map(|f| f.section_by_name(".text").is_some()).unwrap_or(false)
+    }
+
+    /// The file ranges `(start, end)` of the non-empty sections whose names `keep` takes.
+    pub fn section_ranges(&self, keep: impl Fn(&str) -> bool) -> Vec<(u64, u64)> {
+        let Ok(file) = self.parse() else { return Vec::new() };
+        file.sections()
+            .filter(|s| s.name().is_ok_and(&keep))
+            .filter_map(|s| s.file_range())
+            .filter(|&(_, len)| len > 0)
+            .map(|(at, len)| (at, at + len))
+            .collect()
     }
 }
 

@@ -27,8 +27,6 @@ use std::{
     time::Duration,
 };
 
-use object::{Object as _, ObjectSection as _};
-
 /// How often the object's resident pages are looked at.
 const PERIOD: Duration = Duration::from_millis(20);
 
@@ -84,17 +82,10 @@ fn resident_mappings(smaps: &str, inode: u64, len: u64) -> Vec<(FileMapping, u64
 /// The file ranges of the object's [`SCANNED`] sections (none if it has none, or is not an
 /// ELF file).
 fn debug_sections(path: &Path) -> Vec<(u64, u64)> {
-    let Ok(file) = std::fs::File::open(path) else { return Vec::new() };
-    // SAFETY: a read-only mapping for the time the section headers are read; a concurrent
-    // truncation could fault, the risk every ELF reader takes.
-    let Ok(map) = (unsafe { memmap2::Mmap::map(&file) }) else { return Vec::new() };
-    let Ok(elf) = object::File::parse(&*map) else { return Vec::new() };
-    elf.sections()
-        .filter(|s| s.name().is_ok_and(|n| SCANNED.contains(&n.trim_start_matches(".z").trim_start_matches('.'))))
-        .filter_map(|s| s.file_range())
-        .filter(|&(_, len)| len > 0)
-        .map(|(at, len)| (at, at + len))
-        .collect()
+    crate::elf::ElfFile::open(path).map_or_else(
+        |_| Vec::new(),
+        |elf| elf.section_ranges(|n| SCANNED.contains(&n.trim_start_matches(".z").trim_start_matches('.'))),
+    )
 }
 
 /// The page-aligned address ranges inside `m` of the file ranges `sections`.
