@@ -36,7 +36,7 @@ pub fn load(dir: &Path, key: &[u8]) -> Result<KernelLayout, Rejected> {
 /// Keeps `layout` in `dir` for `key` (replacing any earlier entry).
 pub fn store(dir: &Path, key: &[u8], layout: &KernelLayout) -> std::io::Result<()> {
     let tmp = dir.join(format!(".{FILE_NAME}.{}.tmp", std::process::id()));
-    write_atomically(&tmp, &dir.join(FILE_NAME), &encode(key, layout))
+    write_atomically(&tmp, &dir.join(FILE_NAME), |out| out.write_all(&encode(key, layout)))
 }
 
 /// The layout from the cache when it holds one for this kernel, else `compute`'s (then

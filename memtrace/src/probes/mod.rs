@@ -43,7 +43,7 @@ use memtrace_common::{
 };
 
 use self::btf::Btf;
-use crate::unwind::{spaces::SpaceSink, store::TableSink};
+use crate::unwind::{spaces::SpaceSink, store::TableSink, table::Table};
 
 pub use self::allocator::{Allocator, AttachPoint};
 use self::uprobe_multi::{AttachPath, LinkKind, MultiLink, MultiSpec};
@@ -743,17 +743,17 @@ const TABLE_FLAGS: u32 = (1 << 12) | (1 << 10);
 const NOEXIST: u64 = 1;
 
 /// A table's own map, filled.
-fn table_map(slot: u32, elements: &[u64]) -> Result<MapData> {
-    let n = u32::try_from(elements.len().max(1)).context("a table too large")?;
+fn table_map(slot: u32, table: &Table) -> Result<MapData> {
+    let n = u32::try_from(table.element_count().max(1)).context("a table too large")?;
     let obj = aya_obj::Map::new_from_params(BPF_MAP_TYPE_ARRAY as u32, 4, 8, n, TABLE_FLAGS);
     let data = MapData::create(obj, &format!("memtrace_uw{slot}"), None)
         .with_context(|| format!("creating an unwind table of {n} entries"))?;
-    write_mmapped(&data, elements).context("filling an unwind table")?;
+    write_mmapped(&data, table).context("filling an unwind table")?;
     Ok(data)
 }
 
 impl TableSink for Probes {
-    fn install_tables(&mut self, tables: &[(u32, Vec<u64>)]) -> Vec<Result<()>> {
+    fn install_tables(&mut self, tables: &[(u32, &Table)]) -> Vec<Result<()>> {
         match outer_fd(&self.ebpf, "TABLES") {
             Ok(outer) => install_tables(outer.as_fd(), tables),
             Err(e) => tables.iter().map(|_| Err(anyhow::anyhow!("{e:#}"))).collect(),
@@ -785,12 +785,12 @@ pub struct TableMaps {
 }
 
 impl TableSink for TableMaps {
-    fn install_tables(&mut self, tables: &[(u32, Vec<u64>)]) -> Vec<Result<()>> {
+    fn install_tables(&mut self, tables: &[(u32, &Table)]) -> Vec<Result<()>> {
         install_tables(self.tables.as_fd(), tables)
     }
 
-    fn place_table(&mut self, slot: u32, elements: &[u64]) -> Option<Result<()>> {
-        self.pool.as_mut()?.place(slot, elements)
+    fn place_table(&mut self, slot: u32, table: &Table) -> Option<Result<()>> {
+        self.pool.as_mut()?.place(slot, table)
     }
 
     fn register_file(&mut self, id: FileId, table: FileTable) -> Result<()> {
@@ -828,8 +828,8 @@ impl Probes {
 
 /// Creates each table's map, fills it and installs it in the outer array `outer` at its
 /// slot; one result per table, in order.
-fn install_tables(outer: BorrowedFd<'_>, tables: &[(u32, Vec<u64>)]) -> Vec<Result<()>> {
-    let maps: Vec<Result<MapData>> = tables.iter().map(|(slot, elements)| table_map(*slot, elements)).collect();
+fn install_tables(outer: BorrowedFd<'_>, tables: &[(u32, &Table)]) -> Vec<Result<()>> {
+    let maps: Vec<Result<MapData>> = tables.iter().map(|(slot, table)| table_map(*slot, table)).collect();
     let entries: Vec<_> = tables
         .iter()
         .zip(&maps)
@@ -850,27 +850,44 @@ fn install_tables(outer: BorrowedFd<'_>, tables: &[(u32, Vec<u64>)]) -> Vec<Resu
         .collect()
 }
 
-/// Writes `elements` into an mmapable array map through a shared mapping.
-fn write_mmapped(map: &MapData, elements: &[u64]) -> Result<()> {
+/// Writes a table's elements into an mmapable array map through a shared mapping, a
+/// window at a time: the map's pages are in memtrace's resident set while mapped
+/// (libtorch_cpu's table is 20 MB), and so are the pages of a table read from its cache
+/// entry, handed back after each window.
+fn write_mmapped(map: &MapData, table: &Table) -> Result<()> {
     use std::os::fd::AsRawFd as _;
-    if elements.is_empty() {
-        return Ok(());
-    }
-    let page = 4096usize;
-    let len = (elements.len() * 8).div_ceil(page) * page;
+    const WINDOW: usize = 2 << 20;
+    let bytes = (table.element_count() * 8).div_ceil(4096) * 4096;
     let fd = map.fd().as_fd().as_raw_fd();
-    // SAFETY: maps `len` bytes of the array's memory (the kernel sized it to hold every
-    // element, rounded up to pages); nothing else aliases the mapping.
-    let ptr =
-        unsafe { libc::mmap(std::ptr::null_mut(), len, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_SHARED, fd, 0) };
-    if ptr == libc::MAP_FAILED {
-        return Err(std::io::Error::last_os_error().into());
-    }
-    // SAFETY: the mapping holds at least elements.len() u64s and is page aligned; it is
-    // unmapped right after.
-    unsafe {
-        std::ptr::copy_nonoverlapping(elements.as_ptr(), ptr.cast::<u64>(), elements.len());
-        libc::munmap(ptr, len);
+    let mut elements = table.element_iter();
+    for at in (0..bytes).step_by(WINDOW) {
+        let len = WINDOW.min(bytes - at);
+        // SAFETY: maps `len` bytes at page-aligned offset `at` of the array's memory (the
+        // kernel sized it to hold every element, rounded up to pages, and `at + len` does
+        // not pass that); nothing else aliases the mapping.
+        let ptr = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_SHARED,
+                fd,
+                at as libc::off_t,
+            )
+        };
+        if ptr == libc::MAP_FAILED {
+            return Err(std::io::Error::last_os_error().into());
+        }
+        // SAFETY: the mapping is page aligned and `len` bytes long, so it holds len / 8
+        // u64s; the slice is dropped before it is unmapped, right after.
+        unsafe {
+            let window = std::slice::from_raw_parts_mut(ptr.cast::<u64>(), len / 8);
+            for (slot, value) in window.iter_mut().zip(&mut elements) {
+                *slot = value;
+            }
+            libc::munmap(ptr, len);
+        }
+        table.drop_resident();
     }
     Ok(())
 }

@@ -44,7 +44,7 @@ use crate::{
     procfs,
     recording::RingBytes,
     sizes::usable::{Model, UsableSizes},
-    unwind::{UnwindOptions, UnwindStats, Unwinder},
+    unwind::{UnwindOptions, UnwindStats, Unwinder, table::Table},
 };
 
 /// What to trace.
@@ -243,7 +243,7 @@ struct Handoff {
 }
 
 impl crate::unwind::store::TableSink for Handoff {
-    fn install_tables(&mut self, tables: &[(u32, Vec<u64>)]) -> Vec<Result<()>> {
+    fn install_tables(&mut self, tables: &[(u32, &Table)]) -> Vec<Result<()>> {
         self.maps.install_tables(tables)
     }
 
@@ -251,8 +251,8 @@ impl crate::unwind::store::TableSink for Handoff {
         self.installer.borrow_mut().take()
     }
 
-    fn place_table(&mut self, slot: u32, elements: &[u64]) -> Option<Result<()>> {
-        self.maps.place_table(slot, elements)
+    fn place_table(&mut self, slot: u32, table: &Table) -> Option<Result<()>> {
+        self.maps.place_table(slot, table)
     }
 
     fn register_file(

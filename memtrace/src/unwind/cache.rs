@@ -16,7 +16,7 @@
 use std::{
     fmt,
     fs::{self, OpenOptions},
-    io::{self, Read as _, Write as _},
+    io::{self, Read as _, Write},
     os::unix::fs::{DirBuilderExt as _, MetadataExt as _, OpenOptionsExt as _},
     path::{Path, PathBuf},
     time::SystemTime,
@@ -240,7 +240,7 @@ impl DiskCache {
         }
         let path = self.companions_path(program);
         let tmp = self.dir.join(temp_name(&key_name(program, "use")));
-        write_atomically(&tmp, &path, &encode_companions(program, &all))
+        write_atomically(&tmp, &path, |out| out.write_all(&encode_companions(program, &all)))
     }
 
     /// Stores the table of `key`, then evicts the least recently used entries beyond the
@@ -248,7 +248,7 @@ impl DiskCache {
     pub fn store(&self, key: &FileKey, table: &Table) -> io::Result<()> {
         let path = self.path_of(key);
         let tmp = self.dir.join(temp_name(&key.file_name()));
-        write_atomically(&tmp, &path, &encode(key, table))?;
+        write_atomically(&tmp, &path, |out| encode_into(key, table, out))?;
         self.evict();
         Ok(())
     }
@@ -325,12 +325,17 @@ fn temp_name(entry: &str) -> String {
     format!(".{entry}.{}.{n}.tmp", std::process::id())
 }
 
-/// Writes `data` to `tmp` (new, 0600, synced) and renames it to `path`.
-pub(crate) fn write_atomically(tmp: &Path, path: &Path, data: &[u8]) -> io::Result<()> {
+/// Writes what `write` gives to `tmp` (new, 0600, synced) and renames it to `path`.
+pub(crate) fn write_atomically(
+    tmp: &Path,
+    path: &Path,
+    write: impl FnOnce(&mut dyn Write) -> io::Result<()>,
+) -> io::Result<()> {
     let result = (|| {
-        let mut f =
-            OpenOptions::new().write(true).create_new(true).mode(0o600).custom_flags(libc::O_NOFOLLOW).open(tmp)?;
-        f.write_all(data)?;
+        let f = OpenOptions::new().write(true).create_new(true).mode(0o600).custom_flags(libc::O_NOFOLLOW).open(tmp)?;
+        let mut out = io::BufWriter::with_capacity(1 << 16, f);
+        write(&mut out)?;
+        let f = out.into_inner().map_err(io::IntoInnerError::into_error)?;
         f.sync_data()?;
         fs::rename(tmp, path)
     })();
@@ -365,32 +370,62 @@ fn parse_companions(data: &[u8], program: &FileKey) -> Vec<PathBuf> {
     lines.filter(|l| l.starts_with('/')).take(MAX_COMPANIONS).map(PathBuf::from).collect()
 }
 
-fn encode(key: &FileKey, table: &Table) -> Vec<u8> {
+fn encode_into(key: &FileKey, table: &Table, out: &mut dyn Write) -> io::Result<()> {
+    // Streamed, its checksum first: a big library's entry is 20 MB, and built in memory
+    // it was there twice (the body, then the whole entry) beside the table.
     let key = key.bytes();
-    let mut body = Vec::with_capacity(key.len() + table.byte_size() + table.segments.len() * 24);
-    body.extend_from_slice(&key);
+    let mut hasher = crc32fast::Hasher::new();
+    write_body(&key, table, &mut |bytes| {
+        hasher.update(bytes);
+        Ok(())
+    })?;
+    let mut header = Vec::with_capacity(HEADER_BYTES);
+    header.extend_from_slice(MAGIC);
+    header.extend_from_slice(&FORMAT_VERSION.to_le_bytes());
+    header.extend_from_slice(&(key.len() as u32).to_le_bytes());
+    header.extend_from_slice(&table.pc_base.to_le_bytes());
+    header.extend_from_slice(&(table.segments.len() as u32).to_le_bytes());
+    header.extend_from_slice(&(table.page_entries() as u32).to_le_bytes());
+    header.extend_from_slice(&(table.row_count() as u32).to_le_bytes());
+    header.extend_from_slice(&hasher.finalize().to_le_bytes());
+    out.write_all(&header)?;
+    write_body(&key, table, &mut |bytes| out.write_all(bytes))
+}
+
+/// An entry's bytes, in memory.
+#[cfg(test)]
+fn encode(key: &FileKey, table: &Table) -> Vec<u8> {
+    let mut out = Vec::new();
+    encode_into(key, table, &mut out).expect("writing to memory");
+    out
+}
+
+/// Gives `emit` the body of an entry (after its header), in pieces of up to 64 KiB: the
+/// key, the segments, the page index, the rows.
+fn write_body(key: &[u8], table: &Table, emit: &mut dyn FnMut(&[u8]) -> io::Result<()>) -> io::Result<()> {
+    const PIECE: usize = 1 << 16;
+    emit(key)?;
+    let mut piece: Vec<u8> = Vec::with_capacity(PIECE);
+    let mut put = |bytes: &[u8], piece: &mut Vec<u8>| -> io::Result<()> {
+        piece.extend_from_slice(bytes);
+        if piece.len() >= PIECE - 8 {
+            emit(piece)?;
+            piece.clear();
+        }
+        Ok(())
+    };
     for s in &table.segments {
         for v in [s.file_offset, s.vaddr, s.file_size, u64::from(s.executable)] {
-            body.extend_from_slice(&v.to_le_bytes());
+            put(&v.to_le_bytes(), &mut piece)?;
         }
     }
     for p in table.pages() {
-        body.extend_from_slice(&p.to_le_bytes());
+        put(&p.to_le_bytes(), &mut piece)?;
     }
     for r in table.rows() {
-        body.extend_from_slice(&r.to_le_bytes());
+        put(&r.to_le_bytes(), &mut piece)?;
     }
-    let mut out = Vec::with_capacity(HEADER_BYTES + body.len());
-    out.extend_from_slice(MAGIC);
-    out.extend_from_slice(&FORMAT_VERSION.to_le_bytes());
-    out.extend_from_slice(&(key.len() as u32).to_le_bytes());
-    out.extend_from_slice(&table.pc_base.to_le_bytes());
-    out.extend_from_slice(&(table.segments.len() as u32).to_le_bytes());
-    out.extend_from_slice(&(table.page_entries() as u32).to_le_bytes());
-    out.extend_from_slice(&(table.row_count() as u32).to_le_bytes());
-    out.extend_from_slice(&crc32fast::hash(&body).to_le_bytes());
-    out.extend_from_slice(&body);
-    out
+    emit(&piece)
 }
 
 /// The table of an entry's bytes, read in place (its page index and rows stay in `map`).
@@ -499,8 +534,8 @@ mod tests {
     fn a_loaded_table_is_read_in_place_and_answers_as_the_built_one() {
         let exe = std::env::current_exe().unwrap();
         let cfi = crate::unwind::cfi::Cfi::open(&exe).unwrap();
-        let rows = cfi.rows();
-        let built = Table::from_rows(&rows, cfi.segments.clone());
+        let built = cfi.table().unwrap();
+        let rows = built.decoded_rows();
         let dir = std::env::temp_dir().join(format!("memtrace-cache-test-in-place-{}", std::process::id()));
         let _ = fs::remove_dir_all(&dir);
         // (The test binary's table is larger than the other tests' bound.)

@@ -1,20 +1,24 @@
 //! Reading a file's call-frame information — `.eh_frame`, and `.debug_frame` for code it
-//! does not cover — into the rows of its unwind table: for every FDE, each row of its CFA
+//! does not cover — into its unwind table ([`Table`]): for every FDE, each row of its CFA
 //! program turned into the [`UnwindRule`] the probes can follow (or a stop), plus the
-//! frame-pointer rule where no FDE covers the code. Also where the file's loadable segments sit, so a mapping's
-//! file offset can be turned into the file's virtual addresses.
-use std::{fs::File, path::Path, sync::Arc};
+//! frame-pointer rule where no FDE covers the code; the rows packed (8 bytes) as they are
+//! read, sorted and merged in place. Also where the file's loadable segments sit, so a
+//! mapping's file offset can be turned into the file's virtual addresses.
+use std::{borrow::Cow, fs::File, ops::Range, path::Path};
 
 use anyhow::{Context as _, Result};
 use gimli::{
-    BaseAddresses, CfaRule, CieOrFde, DebugFrame, EhFrame, EndianArcSlice, Reader as _, Register, RegisterRule,
-    RunTimeEndian, Section as _, UnwindContext, UnwindSection, UnwindTableRow, X86_64,
+    BaseAddresses, CfaRule, CieOrFde, DebugFrame, EhFrame, EndianSlice, Reader, Register, RegisterRule, RunTimeEndian,
+    Section as _, UnwindContext, UnwindSection, UnwindTableRow, X86_64,
 };
 use memmap2::Mmap;
-use memtrace_common::{UnwindRule, unwind::kind};
+use memtrace_common::{
+    UnwindRule,
+    unwind::{encode_row, encode_rule, kind, row_pc},
+};
 use object::{Object as _, ObjectSection as _, ObjectSegment as _};
 
-type Slice = EndianArcSlice<RunTimeEndian>;
+use super::table::Table;
 
 /// The parts of a row of the unwind table the probes can follow, as found in the CFI.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -132,17 +136,40 @@ pub struct Row {
     pub rule: UnwindRule,
 }
 
-/// A file's call-frame information and segments.
+/// The bytes of a parsed file: mapped, or (`Cfi::parse`) copied.
+enum Bytes {
+    Mapped(Mmap),
+    Owned(Vec<u8>),
+}
+
+impl std::ops::Deref for Bytes {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        match self {
+            Bytes::Mapped(map) => map,
+            Bytes::Owned(v) => v,
+        }
+    }
+}
+
+/// Where a CFI section's bytes are: read in place from the file's bytes, or (a compressed
+/// `.debug_frame`) decompressed here.
+enum SectionBytes {
+    InFile(Range<usize>),
+    Decompressed(Vec<u8>),
+}
+
+/// A file's call-frame information and segments. The sections are read in place from the
+/// file's mapping: copied, libtorch_cpu's 17.8 MB `.eh_frame` was in memory twice while
+/// its table was built (the mapping's pages and the copy).
 pub struct Cfi {
     pub segments: Vec<Segment>,
     entry: u64,
-    eh_frame: Option<EhFrame<Slice>>,
-    debug_frame: Option<DebugFrame<Slice>>,
+    data: Bytes,
+    endian: RunTimeEndian,
+    eh_frame: Option<SectionBytes>,
+    debug_frame: Option<SectionBytes>,
     bases: BaseAddresses,
-}
-
-fn arc_slice(data: &[u8], endian: RunTimeEndian) -> Slice {
-    EndianArcSlice::new(Arc::from(data), endian)
 }
 
 impl Cfi {
@@ -151,11 +178,16 @@ impl Cfi {
         // SAFETY: read-only private mapping for the time the file is parsed; a concurrent
         // truncation could fault, the risk every ELF reader (ld.so too) takes.
         let map = unsafe { Mmap::map(&file) }.with_context(|| format!("mapping {}", path.display()))?;
-        Self::parse(&map).with_context(|| format!("reading the call-frame information of {}", path.display()))
+        Self::read(Bytes::Mapped(map))
+            .with_context(|| format!("reading the call-frame information of {}", path.display()))
     }
 
     pub fn parse(data: &[u8]) -> Result<Self> {
-        let elf = object::File::parse(data).context("not an ELF file")?;
+        Self::read(Bytes::Owned(data.to_vec()))
+    }
+
+    fn read(data: Bytes) -> Result<Self> {
+        let elf = object::File::parse(&*data).context("not an ELF file")?;
         let endian = if elf.is_little_endian() { RunTimeEndian::Little } else { RunTimeEndian::Big };
         let segments = segments_of(&elf);
         let mut bases = BaseAddresses::default();
@@ -168,108 +200,187 @@ impl Cfi {
         if let Some(hdr) = elf.section_by_name(".eh_frame_hdr") {
             bases = bases.set_eh_frame_hdr(hdr.address());
         }
-        let mut eh_frame = None;
-        if let Some(section) = elf.section_by_name(".eh_frame")
-            && let Ok(data) = section.uncompressed_data()
-        {
-            bases = bases.set_eh_frame(section.address());
-            let mut frame = EhFrame::from(arc_slice(&data, endian));
-            frame.set_address_size(8);
-            eh_frame = Some(frame);
-        }
-        let mut debug_frame = None;
-        if let Some(section) = elf.section_by_name(".debug_frame")
-            && let Ok(data) = section.uncompressed_data()
-        {
-            let mut frame = DebugFrame::from(arc_slice(&data, endian));
-            frame.set_address_size(8);
-            debug_frame = Some(frame);
-        }
-        Ok(Self { segments, entry: elf.entry(), eh_frame, debug_frame, bases })
+        let section_bytes = |name: &str| {
+            let section = elf.section_by_name(name)?;
+            Some((
+                section.address(),
+                match section.uncompressed_data().ok()? {
+                    // (A slice of `data`: its place in it.)
+                    Cow::Borrowed(b) => {
+                        let at = b.as_ptr() as usize - data.as_ptr() as usize;
+                        SectionBytes::InFile(at..at + b.len())
+                    }
+                    Cow::Owned(v) => SectionBytes::Decompressed(v),
+                },
+            ))
+        };
+        let eh_frame = section_bytes(".eh_frame").map(|(address, bytes)| {
+            bases = bases.clone().set_eh_frame(address);
+            bytes
+        });
+        let debug_frame = section_bytes(".debug_frame").map(|(_, bytes)| bytes);
+        let entry = elf.entry();
+        drop(elf);
+        Ok(Self { segments, entry, data, endian, eh_frame, debug_frame, bases })
     }
 
-    /// Every row of the file's table, sorted by pc, without two consecutive rows of the
-    /// same rule: the FDEs' rows, the frame-pointer rule where no FDE covers code
-    /// ([`UnwindRule::FRAME_POINTER`]), and the entry code as
-    /// the outermost frame when no FDE describes it. Parsing stops at the first malformed
-    /// entry of a section; what came before is kept.
-    pub fn rows(&self) -> Vec<Row> {
-        // Every FDE row and FDE end, ranked (`ranked`), sorted and merged in place: a big
-        // library has millions (libtriton 2.35 M after merging), and a vector of
-        // (pc, rank, rule) triples of 24 bytes, its merged copy and the packed table were
-        // ~190 MB at once, twice that with two libraries built side by side. Room for a
-        // row per two bytes of CFI is reserved (more than they take: untouched room costs
-        // no memory), so that the vector does not move as it grows.
-        let cfi_bytes = self.eh_frame.as_ref().map_or(0, |s| s.reader().len())
-            + self.debug_frame.as_ref().map_or(0, |s| s.reader().len());
+    fn section<'a>(&'a self, bytes: &'a Option<SectionBytes>) -> Option<EndianSlice<'a, RunTimeEndian>> {
+        let slice = match bytes.as_ref()? {
+            SectionBytes::InFile(range) => self.data.get(range.clone())?,
+            SectionBytes::Decompressed(v) => v,
+        };
+        Some(EndianSlice::new(slice, self.endian))
+    }
+
+    /// The file's unwind table (None if its call-frame information has no row): the FDEs'
+    /// rows, the frame-pointer rule where no FDE covers code
+    /// ([`UnwindRule::FRAME_POINTER`]), and the entry code as the outermost frame when no
+    /// FDE describes it; sorted, without two consecutive rows of the same rule. Parsing
+    /// stops at the first malformed entry of a section; what came before is kept.
+    pub fn table(&self) -> Option<Table> {
+        let eh_frame = self.section(&self.eh_frame).map(|s| {
+            let mut frame = EhFrame::from(s);
+            frame.set_address_size(8);
+            frame
+        });
+        let debug_frame = self.section(&self.debug_frame).map(|s| {
+            let mut frame = DebugFrame::from(s);
+            frame.set_address_size(8);
+            frame
+        });
+        // Row pcs are kept relative to a base from the start, 8 bytes a row: the lowest
+        // address any FDE (or the entry) starts at, raised to the first row's after merging.
+        let base = [
+            eh_frame.as_ref().and_then(|s| lowest_start(s, &self.bases)),
+            debug_frame.as_ref().and_then(|s| lowest_start(s, &self.bases)),
+            (self.entry != 0).then_some(self.entry),
+        ]
+        .into_iter()
+        .flatten()
+        .min()?;
+        // Every FDE row and FDE end, sorted and merged in place: a big library has
+        // millions (libtriton 2.35 M after merging). Room for a row per two bytes of CFI
+        // is reserved (more than they take: untouched room costs no memory), so that the
+        // vector does not move as it grows.
+        let cfi_bytes =
+            eh_frame.as_ref().map_or(0, |s| s.reader().len()) + debug_frame.as_ref().map_or(0, |s| s.reader().len());
         // (Asked for, not required: with strict overcommit or a limit on address space
         // the room may be refused, and the vector grows as it must.)
-        let mut rows: Vec<Row> = Vec::new();
+        let mut rows: Vec<u64> = Vec::new();
         let _ = rows.try_reserve((cfi_bytes / 2 + 2).min(MAX_RESERVED_ROWS));
         let mut ctx = Box::new(UnwindContext::new());
         let mut covered: Vec<(u64, u64)> = Vec::new();
-        if let Some(eh) = &self.eh_frame {
-            fde_rows(eh, &self.bases, &mut ctx, &[], &mut rows, &mut covered);
+        let mut out = Rows { base, rows: &mut rows };
+        if let Some(eh) = &eh_frame {
+            fde_rows(eh, &self.bases, &mut ctx, &[], &mut out, &mut covered);
         }
-        if let Some(debug) = &self.debug_frame {
+        if let Some(debug) = &debug_frame {
             covered.sort_unstable();
             let eh_spans = std::mem::take(&mut covered);
-            fde_rows(debug, &self.bases, &mut ctx, &eh_spans, &mut rows, &mut covered);
+            fde_rows(debug, &self.bases, &mut ctx, &eh_spans, &mut out, &mut covered);
             covered.extend(eh_spans);
         }
         if self.entry != 0 && !covered.iter().any(|&(s, e)| (s..e).contains(&self.entry)) {
-            rows.push(ranked(self.entry, FDE_ROW, UnwindRule::OUTERMOST));
-            rows.push(ranked(self.entry + ENTRY_CODE_BYTES, FDE_END, UnwindRule::FRAME_POINTER));
+            out.push(self.entry, encode_rule(UnwindRule::OUTERMOST));
+            out.push(self.entry + ENTRY_CODE_BYTES, FDE_END);
         }
-        rows.sort_unstable_by_key(|r| (r.pc, r.rule._pad));
-        let mut kept = 0;
-        for i in 0..rows.len() {
-            let Row { pc, mut rule } = rows[i];
-            // Of several rows at one pc the last (highest rank) wins.
-            if rows.get(i + 1).is_some_and(|next| next.pc == pc) {
-                continue;
-            }
-            rule._pad = 0;
-            if kept > 0 && rows[kept - 1].rule == rule {
-                continue;
-            }
-            rows[kept] = Row { pc, rule };
-            kept += 1;
-        }
-        rows.truncate(kept);
-        rows
+        let first = merge(&mut rows)?;
+        Some(Table::from_packed(base + u64::from(first), rows, self.segments.clone()))
     }
 }
 
-/// Rows reserved at most ahead of reading the CFI (512 MiB of room).
+/// Rows reserved at most ahead of reading the CFI (256 MiB of room).
 const MAX_RESERVED_ROWS: usize = 1 << 25;
 
-/// The rank of a row at a pc where another FDE ends: an FDE's row wins over the stop the
-/// end of the FDE before it leaves.
-const FDE_END: u8 = 0;
-const FDE_ROW: u8 = 1;
+/// The rule bits of the row an FDE's end leaves: no rule encodes to 0 (kinds start at 1),
+/// so at one pc it sorts before, and loses to, the row of an FDE that starts there. Merged,
+/// it is the frame-pointer rule: code up to the next FDE that none describes.
+const FDE_END: u32 = 0;
 
-/// A row before merging, its rank in the rule's spare byte (reset when merged).
-fn ranked(pc: u64, rank: u8, mut rule: UnwindRule) -> Row {
-    rule._pad = rank;
-    Row { pc, rule }
+/// Rows being collected, their pcs relative to `base`; a pc outside the 4 GiB a table
+/// spans from it is left out.
+struct Rows<'a> {
+    base: u64,
+    rows: &'a mut Vec<u64>,
+}
+
+impl Rows<'_> {
+    fn push(&mut self, pc: u64, rule: u32) {
+        let Some(rel) = pc.checked_sub(self.base).and_then(|r| u32::try_from(r).ok()) else { return };
+        // A row where the FDE before ended replaces that end.
+        if self.rows.last() == Some(&encode_row_bits(rel, FDE_END)) {
+            self.rows.pop();
+        }
+        self.rows.push(encode_row_bits(rel, rule));
+    }
+}
+
+const fn encode_row_bits(pc: u32, rule: u32) -> u64 {
+    (pc as u64) << 32 | rule as u64
+}
+
+/// Sorts rows and merges them in place: of several rows at one pc the last wins (an FDE's
+/// row over an FDE's end), an FDE end becomes the frame-pointer rule, a row of the same
+/// rule as the one before is dropped; then rebases them on the first row's pc, which it
+/// gives (None if there is no row).
+fn merge(rows: &mut Vec<u64>) -> Option<u32> {
+    rows.sort_unstable();
+    let mut kept = 0;
+    for i in 0..rows.len() {
+        let row = rows[i];
+        if rows.get(i + 1).is_some_and(|&next| row_pc(next) == row_pc(row)) {
+            continue;
+        }
+        let row = if row as u32 == FDE_END { encode_row(row_pc(row), UnwindRule::FRAME_POINTER) } else { row };
+        if kept > 0 && rows[kept - 1] as u32 == row as u32 {
+            continue;
+        }
+        rows[kept] = row;
+        kept += 1;
+    }
+    rows.truncate(kept);
+    let first = row_pc(*rows.first()?);
+    for row in rows.iter_mut() {
+        *row -= u64::from(first) << 32;
+    }
+    // (The room reserved ahead goes back: a table without a disk cache is kept.)
+    rows.shrink_to_fit();
+    Some(first)
+}
+
+/// The lowest address an FDE of `section` starts at.
+fn lowest_start<R: Reader<Offset = usize>, S: UnwindSection<R>>(section: &S, bases: &BaseAddresses) -> Option<u64> {
+    let mut entries = section.entries(bases);
+    let mut lowest = None;
+    while let Ok(Some(entry)) = entries.next() {
+        let CieOrFde::Fde(partial) = entry else { continue };
+        let Ok(fde) = partial.parse(S::cie_from_offset) else { continue };
+        if fde.initial_address() < fde.end_address() {
+            lowest = Some(lowest.map_or(fde.initial_address(), |l: u64| l.min(fde.initial_address())));
+        }
+    }
+    lowest
 }
 
 /// Appends the rows of every FDE of `section` that does not overlap `skip` (sorted spans a
-/// section read before covers), and records the spans it covered.
-fn fde_rows<S: UnwindSection<Slice>>(
+/// section read before covers), and records the spans it covered. Of consecutive rows of
+/// one FDE with the same rule only the first is kept (many rows of a big library's FDEs
+/// only change where a callee-saved register other than rbp is).
+fn fde_rows<R: Reader<Offset = usize>, S: UnwindSection<R>>(
     section: &S,
     bases: &BaseAddresses,
     ctx: &mut UnwindContext<usize>,
     skip: &[(u64, u64)],
-    out: &mut Vec<Row>,
+    out: &mut Rows<'_>,
     covered: &mut Vec<(u64, u64)>,
 ) {
+    // One FDE's rows (pc, rule bits), merged as they come.
+    let mut fde: Vec<(u64, u32)> = Vec::new();
     let mut entries = section.entries(bases);
     while let Ok(Some(entry)) = entries.next() {
         let CieOrFde::Fde(partial) = entry else { continue };
-        let Ok(fde) = partial.parse(S::cie_from_offset) else { continue };
-        let (start, end) = (fde.initial_address(), fde.end_address());
+        let Ok(entry) = partial.parse(S::cie_from_offset) else { continue };
+        let (start, end) = (entry.initial_address(), entry.end_address());
         if start >= end {
             continue;
         }
@@ -278,18 +389,34 @@ fn fde_rows<S: UnwindSection<Slice>>(
             continue; // the other section already describes this code
         }
         covered.push((start, end));
-        let signal_frame = fde.is_signal_trampoline();
-        let Ok(mut table) = fde.rows(section, bases, ctx) else { continue };
+        let signal_frame = entry.is_signal_trampoline();
+        let Ok(mut table) = entry.rows(section, bases, ctx) else { continue };
+        fde.clear();
         while let Ok(Some(row)) = table.next_row() {
-            let rule = summarize(section, row, signal_frame).map_or(UnwindRule::STOP, rule_for);
-            out.push(ranked(row.start_address(), FDE_ROW, rule));
+            let pc = row.start_address();
+            let rule = encode_rule(summarize(section, row, signal_frame).map_or(UnwindRule::STOP, rule_for));
+            add_fde_row(&mut fde, pc, rule);
         }
-        // Up to the next FDE, code none describes: walked by its frame pointer.
-        out.push(ranked(end, FDE_END, UnwindRule::FRAME_POINTER));
+        for &(pc, rule) in &fde {
+            out.push(pc, rule);
+        }
+        out.push(end, FDE_END);
     }
 }
 
-fn summarize<S: UnwindSection<Slice>>(
+/// Adds a row to one FDE's rows: of rows at one pc the later one is in effect (a row of no
+/// length: clang's CFI restores rbp at the instruction after its `pop`, after another row
+/// there), and a row of the rule before it adds nothing.
+fn add_fde_row(fde: &mut Vec<(u64, u32)>, pc: u64, rule: u32) {
+    if fde.last().is_some_and(|&(at, _)| at == pc) {
+        fde.pop();
+    }
+    if fde.last().is_none_or(|&(_, before)| before != rule) {
+        fde.push((pc, rule));
+    }
+}
+
+fn summarize<R: Reader<Offset = usize>, S: UnwindSection<R>>(
     section: &S,
     row: &UnwindTableRow<usize>,
     signal_frame: bool,
@@ -389,6 +516,72 @@ mod tests {
         assert_eq!(bp_deref_offset(&[]), None);
     }
 
+    #[test]
+    fn an_fdes_rows_keep_the_later_row_at_a_pc_and_drop_repeats() {
+        let mut fde = Vec::new();
+        for (pc, rule) in [(0x10, 1), (0x11, 2), (0x20, 2), (0x30, 3), (0x30, 1), (0x31, 4), (0x31, 1), (0x40, 5)] {
+            add_fde_row(&mut fde, pc, rule);
+        }
+        // 0x20 repeats 0x11's rule; at 0x30 the later row (1) wins; at 0x31 the later row
+        // is 1 again, so nothing changes from 0x30.
+        assert_eq!(fde, [(0x10, 1), (0x11, 2), (0x30, 1), (0x40, 5)]);
+    }
+
+    #[test]
+    fn merging_sorts_lets_an_fde_row_win_over_an_end_and_rebases() {
+        let fp = encode_rule(UnwindRule::FRAME_POINTER);
+        let row = |pc: u32, rule: u32| encode_row_bits(pc, rule);
+        let mut rows = vec![
+            row(0x200, 7),
+            row(0x100, 7),
+            row(0x180, FDE_END),
+            row(0x200, FDE_END),
+            row(0x180, 9),
+            row(0x300, FDE_END),
+            row(0x280, 7),
+            row(0x400, fp),
+        ];
+        assert_eq!(merge(&mut rows), Some(0x100));
+        // 0x180: the FDE row, not the end; 0x200 and 0x280 repeat rule 7; 0x300's end is
+        // the frame-pointer rule, and 0x400 repeats it.
+        assert_eq!(rows, [row(0, 7), row(0x80, 9), row(0x100, 7), row(0x200, fp)]);
+        assert_eq!(merge(&mut Vec::new()), None);
+    }
+
+    /// Every address an FDE row of our own executable covers gets that row's rule from its
+    /// table, by the probes' lookup (rows of no length left out: the row after them at
+    /// their pc is in effect).
+    #[test]
+    fn every_address_an_fde_row_covers_gets_its_rule() {
+        let exe = std::env::current_exe().unwrap();
+        let cfi = Cfi::open(&exe).unwrap();
+        let table = cfi.table().unwrap();
+        let mut eh = EhFrame::from(cfi.section(&cfi.eh_frame).unwrap());
+        eh.set_address_size(8);
+        let mut ctx = Box::new(UnwindContext::new());
+        let mut entries = eh.entries(&cfi.bases);
+        let (mut checked, mut empty) = (0, 0);
+        while let Some(entry) = entries.next().unwrap() {
+            let CieOrFde::Fde(partial) = entry else { continue };
+            let fde = partial.parse(EhFrame::cie_from_offset).unwrap();
+            let mut rows = fde.rows(&eh, &cfi.bases, &mut ctx).unwrap();
+            while let Some(row) = rows.next_row().unwrap() {
+                if row.start_address() == row.end_address() {
+                    empty += 1;
+                    continue;
+                }
+                let rule = summarize(&eh, row, fde.is_signal_trampoline()).map_or(UnwindRule::STOP, rule_for);
+                let want = memtrace_common::unwind::decode_rule(encode_rule(rule));
+                for pc in [row.start_address(), row.end_address() - 1] {
+                    assert_eq!(table.rule_at(pc), want, "{pc:#x}");
+                }
+                checked += 1;
+            }
+        }
+        assert!(checked > 10_000, "{checked} rows");
+        eprintln!("{checked} rows checked, {empty} of no length");
+    }
+
     #[inline(never)]
     fn marker() -> u64 {
         std::hint::black_box(marker as *const () as u64)
@@ -402,10 +595,11 @@ mod tests {
         let ip = marker();
         let m = maps.find(ip).unwrap();
         let cfi = Cfi::open(&m.path).unwrap();
-        let rows = cfi.rows();
+        let table = cfi.table().unwrap();
+        let rows = table.decoded_rows();
         assert!(rows.len() > 1000, "{} rows", rows.len());
         assert!(rows.windows(2).all(|w| w[0].pc < w[1].pc && w[0].rule != w[1].rule));
-        assert!(rows.iter().all(|r| r.rule._pad == 0), "ranks are not left in the rules");
+        assert_eq!(rows[0].pc, table.pc_base, "the table's base is its first row's pc");
         let vaddr = vaddr_of_file_offset(&cfi.segments, m.file_offset(ip)).unwrap();
         let at = rows.partition_point(|r| r.pc <= vaddr) - 1;
         assert_eq!(rows[at].pc, vaddr, "a row starts at the function's entry");

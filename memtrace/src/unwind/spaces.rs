@@ -341,8 +341,8 @@ pub(crate) mod tests {
     }
 
     impl TableSink for FakeProbes {
-        fn install_tables(&mut self, tables: &[(Slot, Vec<u64>)]) -> Vec<anyhow::Result<()>> {
-            self.tables.extend(tables.iter().map(|(slot, elements)| (*slot, elements.len())));
+        fn install_tables(&mut self, tables: &[(Slot, &crate::unwind::table::Table)]) -> Vec<anyhow::Result<()>> {
+            self.tables.extend(tables.iter().map(|(slot, table)| (*slot, table.elements().len())));
             tables.iter().map(|_| Ok(())).collect()
         }
     }

@@ -144,17 +144,18 @@ struct Answer {
     registered: bool,
 }
 
-/// Where tables go once built: the probes' array (the session's `Probes`).
-/// Bytes of table elements copied for one batch of installs.
+/// Bytes of tables installed in one batch (their maps are created and filled before the
+/// batch is installed).
 const BATCH_BYTES: usize = 8 << 20;
 
 /// The largest table a sink may put in the probes at once ([`TableSink::place_table`]).
 pub const PLACEABLE_BYTES: usize = 1 << 20;
 
+/// Where tables go once built: the probes' array (the session's `Probes`).
 pub trait TableSink {
-    /// Installs each table (its slot, and its elements laid out as the probes read them);
-    /// one result per table, in order.
-    fn install_tables(&mut self, tables: &[(Slot, Vec<u64>)]) -> Vec<anyhow::Result<()>>;
+    /// Installs each table in its slot (its elements laid out as the probes read them:
+    /// [`Table::elements`]); one result per table, in order.
+    fn install_tables(&mut self, tables: &[(Slot, &Table)]) -> Vec<anyhow::Result<()>>;
     /// A sink for a thread of the store's own, which installs and registers each table as
     /// its build ends: the kernel waits for an RCU grace period (10-30 ms) at each install,
     /// and the thread that drains the rings is busy for 100 ms and more at times (probes
@@ -167,7 +168,7 @@ pub trait TableSink {
     }
     /// Puts one table in the probes at once if it can (written into a map installed ahead
     /// of need, no grace period to wait for); None: install it with the others.
-    fn place_table(&mut self, _slot: Slot, _elements: &[u64]) -> Option<anyhow::Result<()>> {
+    fn place_table(&mut self, _slot: Slot, _table: &Table) -> Option<anyhow::Result<()>> {
         None
     }
     /// Tells the probes a file's table is installed, so they add its mappings themselves.
@@ -209,7 +210,7 @@ impl InstallThread {
                 let mut rest = Vec::new();
                 for f in done {
                     let placed = if f.table.byte_size() <= PLACEABLE_BYTES {
-                        let placed = sink.place_table(f.slot, &f.table.elements());
+                        let placed = sink.place_table(f.slot, &f.table);
                         f.table.drop_resident();
                         placed
                     } else {
@@ -231,10 +232,10 @@ impl InstallThread {
                     }
                 }
                 for batch in batches(rest) {
-                    let elements: Vec<(Slot, Vec<u64>)> = batch.iter().map(|f| (f.slot, f.table.elements())).collect();
+                    let tables: Vec<(Slot, &Table)> = batch.iter().map(|f| (f.slot, &*f.table)).collect();
+                    let results = sink.install_tables(&tables);
+                    drop(tables);
                     batch.iter().for_each(|f| f.table.drop_resident());
-                    let results = sink.install_tables(&elements);
-                    drop(elements);
                     for (finished, result) in batch.into_iter().zip(results) {
                         if !answer(&mut sink, &answer_tx, finished, result) {
                             return;
@@ -273,7 +274,7 @@ fn answer(sink: &mut Installer, answers: &Sender<Answer>, finished: Finished, re
 }
 
 /// Splits finished builds into install batches of at most [`BATCH_BYTES`] each (a table
-/// larger than that alone): their elements are copied for the install.
+/// larger than that alone).
 fn batches(done: Vec<Finished>) -> Vec<Vec<Finished>> {
     let mut out: Vec<Vec<Finished>> = Vec::new();
     let mut bytes = 0;
@@ -523,10 +524,10 @@ impl TableStore {
             self.ready.extend(results.try_iter().map(|done| Finished::of(done, bytes, max)));
         }
         for batch in batches(std::mem::take(&mut self.ready)) {
-            let elements: Vec<(Slot, Vec<u64>)> = batch.iter().map(|f| (f.slot, f.table.elements())).collect();
+            let tables: Vec<(Slot, &Table)> = batch.iter().map(|f| (f.slot, &*f.table)).collect();
+            let results = sink.install_tables(&tables);
+            drop(tables);
             batch.iter().for_each(|f| f.table.drop_resident());
-            let results = sink.install_tables(&elements);
-            drop(elements);
             for (finished, result) in batch.into_iter().zip(results) {
                 installed += 1;
                 self.installed(finished, result, false);
@@ -714,12 +715,8 @@ fn build_or_load(job: &Job, cache: Option<&DiskCache>) -> (Option<Table>, bool) 
         }
     }
     let Ok(cfi) = Cfi::open(&job.path) else { return (None, false) };
-    let rows = cfi.rows();
-    if rows.is_empty() {
-        return (None, false);
-    }
-    let table = Table::from_rows(&rows, cfi.segments);
-    drop(rows);
+    let Some(table) = cfi.table() else { return (None, false) };
+    drop(cfi);
     if let Some(cache) = cache {
         if let Err(e) = cache.store(&job.key, &table) {
             log::debug!("storing the unwind table of {} in the cache: {e}", job.path.display());
@@ -740,8 +737,8 @@ mod tests {
     #[derive(Default)]
     struct Installed(Vec<(Slot, usize)>);
     impl TableSink for Installed {
-        fn install_tables(&mut self, tables: &[(Slot, Vec<u64>)]) -> Vec<anyhow::Result<()>> {
-            self.0.extend(tables.iter().map(|(slot, elements)| (*slot, elements.len())));
+        fn install_tables(&mut self, tables: &[(Slot, &Table)]) -> Vec<anyhow::Result<()>> {
+            self.0.extend(tables.iter().map(|(slot, table)| (*slot, table.elements().len())));
             tables.iter().map(|_| Ok(())).collect()
         }
     }
@@ -803,7 +800,7 @@ mod tests {
     }
 
     impl TableSink for Seen {
-        fn install_tables(&mut self, tables: &[(Slot, Vec<u64>)]) -> Vec<anyhow::Result<()>> {
+        fn install_tables(&mut self, tables: &[(Slot, &Table)]) -> Vec<anyhow::Result<()>> {
             tables.iter().map(|(slot, _)| self.note("install", u64::from(*slot))).map(Ok).collect()
         }
         fn installer(&self) -> Option<Installer> {

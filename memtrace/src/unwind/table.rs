@@ -9,7 +9,7 @@ use std::sync::Arc;
 
 use memtrace_common::{
     UnwindRule,
-    unwind::{encode_row, find_row, row_rule, table},
+    unwind::{encode_row, find_row, row_pc, row_rule, table},
 };
 
 use super::cfi::{Row, Segment};
@@ -73,31 +73,34 @@ impl Table {
         Some(Self { pc_base, segments, body: Body::Mapped { map, pages_at, n_pages, rows_at, n_rows } })
     }
 
-    /// Packs sorted, merged rows (as `Cfi::rows` gives them).
+    /// Packs sorted, merged rows.
     pub fn from_rows(rows: &[Row], segments: Vec<Segment>) -> Self {
         let Some(first) = rows.first() else {
             return Self::new(0, vec![0], Vec::new(), segments);
         };
         let pc_base = first.pc;
-        // (Sized at once: collected, it grew by doubling, 19 MB moved into 38 for libtriton.)
-        let mut packed: Vec<u64> = Vec::with_capacity(rows.len());
-        packed.extend(
-            rows.iter().take_while(|r| r.pc - pc_base < MAX_SPAN).map(|r| encode_row((r.pc - pc_base) as u32, r.rule)),
-        );
-        // The last row ends the covered code (the frame-pointer rule, as `Cfi::rows` ends
+        let packed =
+            rows.iter().take_while(|r| r.pc - pc_base < MAX_SPAN).map(|r| encode_row((r.pc - pc_base) as u32, r.rule));
+        Self::from_packed(pc_base, packed.collect(), segments)
+    }
+
+    /// The table of encoded rows (`memtrace_common::unwind::encode_row`), sorted, their pcs
+    /// relative to `pc_base`: the page index is built for them.
+    pub fn from_packed(pc_base: u64, rows: Vec<u64>, segments: Vec<Segment>) -> Self {
+        // The last row ends the covered code (the frame-pointer rule, as `Cfi::table` ends
         // every FDE): the index spans up to it.
-        let span = rows.last().map_or(0, |r| (r.pc - pc_base).min(MAX_SPAN - 1)) + 1;
+        let span = rows.last().map_or(0, |&r| u64::from(row_pc(r))) + 1;
         let n_pages = span.div_ceil(1 << table::PAGE_SHIFT) as usize;
         let mut pages = Vec::with_capacity(n_pages + 1);
         let mut row = 0usize;
         for page in 0..=n_pages {
             let start = (page as u64) << table::PAGE_SHIFT;
-            while row + 1 < packed.len() && u64::from(memtrace_common::unwind::row_pc(packed[row + 1])) <= start {
+            while row + 1 < rows.len() && u64::from(row_pc(rows[row + 1])) <= start {
                 row += 1;
             }
             pages.push(row as u32);
         }
-        Self::new(pc_base, pages, packed, segments)
+        Self::new(pc_base, pages, rows, segments)
     }
 
     /// Entries of the page index (one per page, one more for the end).
@@ -157,6 +160,11 @@ impl Table {
         }
     }
 
+    /// The rows as their pcs (file virtual addresses) and rules.
+    pub fn decoded_rows(&self) -> Vec<Row> {
+        self.rows().map(|r| Row { pc: self.pc_base + u64::from(row_pc(r)), rule: row_rule(r) }).collect()
+    }
+
     /// Whether the rows are read in place from a mapped file.
     pub fn is_mapped(&self) -> bool {
         matches!(self.body, Body::Mapped { .. })
@@ -171,19 +179,26 @@ impl Table {
         }
     }
 
-    /// The table as the probes' array holds it (`memtrace_common::unwind::table`).
+    /// The table as the probes' array holds it (`memtrace_common::unwind::table`), in order.
+    pub fn element_iter(&self) -> impl Iterator<Item = u64> + '_ {
+        [self.pc_base, table::counts(self.page_count(), self.row_count() as u32)]
+            .into_iter()
+            .chain(self.pages().map(u64::from))
+            .chain(self.rows())
+    }
+
+    /// The elements, collected.
     pub fn elements(&self) -> Vec<u64> {
-        let mut out = Vec::with_capacity(2 + self.page_entries() + self.row_count());
-        out.push(self.pc_base);
-        out.push(table::counts(self.page_count(), self.row_count() as u32));
-        out.extend(self.pages().map(u64::from));
-        out.extend(self.rows());
-        out
+        self.element_iter().collect()
+    }
+
+    pub fn element_count(&self) -> usize {
+        2 + self.page_entries() + self.row_count()
     }
 
     /// Bytes the table takes in the probes' array.
     pub fn byte_size(&self) -> usize {
-        (2 + self.page_entries() + self.row_count()) * 8
+        self.element_count() * 8
     }
 
     /// The rule for file virtual address `vaddr`, found as the probes find it; the
@@ -286,8 +301,8 @@ mod tests {
         let maps = crate::procfs::Maps::read_self().unwrap();
         let m = maps.find(marker()).unwrap();
         let cfi = Cfi::open(&m.path).unwrap();
-        let rows = cfi.rows();
-        let t = Table::from_rows(&rows, cfi.segments.clone());
+        let t = cfi.table().unwrap();
+        let rows = t.decoded_rows();
         for w in rows.windows(2).step_by(7).take(20_000) {
             assert_eq!(t.rule_at(w[0].pc), w[0].rule);
             assert_eq!(t.rule_at(w[1].pc - 1), w[0].rule);
