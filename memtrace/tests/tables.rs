@@ -303,6 +303,34 @@ fn a_library_loaded_deep_in_a_stack_deeper_than_a_copy_unwinds_whole() {
     assert!(got[n..].iter().any(|f| f.contains("__libc_start")), "reaches the start: {got:?}");
 }
 
+/// Without the disk cache, a table built here is read back from the probes' own array
+/// (mapped only while used) rather than kept in memtrace's heap: the copies taken before
+/// the library's table was ready are finished from it, whole.
+#[test]
+fn without_the_cache_copies_are_finished_from_the_probes_arrays() {
+    require_root();
+    let _sharing = sharing_the_machine();
+    let dir = scratch("deep-dlopen-no-cache");
+    let lib = cc(&dir, "libdeep.so", DEEP_LIB, &["-shared", "-fPIC"]);
+    let host = cc(&dir, "deephost", DEEP_HOST, &["-ldl"]);
+    let data = dir.join("deep.data");
+    let (mut report, mut log) = (Value::Null, String::new());
+    for _ in 0..4 {
+        log = record(&data, &[("MEMTRACE_LOG", "debug")], &["-q", "--no-unwind-cache"], &[&host, &lib]);
+        report = report_json(&data, &["--by", "stack", "--domain", "user"]);
+        if report["recorder"]["unwind_copies_anchored"].as_u64().unwrap() >= 1 {
+            break;
+        }
+    }
+    assert!(report["recorder"]["unwind_copies_anchored"].as_u64().unwrap() >= 1, "{:#}", report["recorder"]);
+    assert!(
+        log.lines().any(|l| l.contains("libdeep.so: read from the probes' array from now on")),
+        "the library's table is read from the probes' array: {log}"
+    );
+    let (got, n) = assert_deep_leaf_whole(&report, &[]);
+    assert!(got[n..].iter().any(|f| f.contains("__libc_start")), "reaches the start: {got:?}");
+}
+
 /// As `DEEP_HOST`, but the thread's last whole walk before the library's allocations
 /// went three frames deeper (`stale_a` → `stale_b` → `stale_c` → malloc) than the
 /// function that then calls into the library, `big_frame`, whose unwritten locals keep

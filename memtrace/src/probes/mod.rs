@@ -43,7 +43,11 @@ use memtrace_common::{
 };
 
 use self::btf::Btf;
-use crate::unwind::{spaces::SpaceSink, store::TableSink, table::Table};
+use crate::unwind::{
+    spaces::SpaceSink,
+    store::{InstallResult, TableSink},
+    table::Table,
+};
 
 pub use self::allocator::{Allocator, AttachPoint};
 use self::uprobe_multi::{AttachPath, LinkKind, MultiLink, MultiSpec};
@@ -753,7 +757,7 @@ fn table_map(slot: u32, table: &Table) -> Result<MapData> {
 }
 
 impl TableSink for Probes {
-    fn install_tables(&mut self, tables: &[(u32, &Table)]) -> Vec<Result<()>> {
+    fn install_tables(&mut self, tables: &[(u32, &Table)]) -> Vec<InstallResult> {
         match outer_fd(&self.ebpf, "TABLES") {
             Ok(outer) => install_tables(outer.as_fd(), tables),
             Err(e) => tables.iter().map(|_| Err(anyhow::anyhow!("{e:#}"))).collect(),
@@ -785,11 +789,11 @@ pub struct TableMaps {
 }
 
 impl TableSink for TableMaps {
-    fn install_tables(&mut self, tables: &[(u32, &Table)]) -> Vec<Result<()>> {
+    fn install_tables(&mut self, tables: &[(u32, &Table)]) -> Vec<InstallResult> {
         install_tables(self.tables.as_fd(), tables)
     }
 
-    fn place_table(&mut self, slot: u32, table: &Table) -> Option<Result<()>> {
+    fn place_table(&mut self, slot: u32, table: &Table) -> Option<InstallResult> {
         self.pool.as_mut()?.place(slot, table)
     }
 
@@ -827,8 +831,8 @@ impl Probes {
 }
 
 /// Creates each table's map, fills it and installs it in the outer array `outer` at its
-/// slot; one result per table, in order.
-fn install_tables(outer: BorrowedFd<'_>, tables: &[(u32, &Table)]) -> Vec<Result<()>> {
+/// slot; one result per table, in order, with the map mapped read-only ([`read_only`]).
+fn install_tables(outer: BorrowedFd<'_>, tables: &[(u32, &Table)]) -> Vec<InstallResult> {
     let maps: Vec<Result<MapData>> = tables.iter().map(|(slot, table)| table_map(*slot, table)).collect();
     let entries: Vec<_> = tables
         .iter()
@@ -836,18 +840,29 @@ fn install_tables(outer: BorrowedFd<'_>, tables: &[(u32, &Table)]) -> Vec<Result
         .filter_map(|((slot, _), map)| map.as_ref().ok().map(|m| (*slot, m.fd().as_fd())))
         .collect();
     let mut installed = outer::set_all(outer, &entries).into_iter();
-    // The tables' own descriptors close here: the outer array holds the maps.
+    // The tables' own descriptors close here: the outer array holds the maps (and a
+    // read-only mapping of one holds it too).
     tables
         .iter()
         .zip(maps)
-        .map(|((slot, _), map)| {
-            map?;
+        .map(|((slot, table), map)| {
+            let map = map?;
             installed
                 .next()
                 .unwrap_or_else(|| Err(std::io::Error::other("not installed")))
-                .with_context(|| format!("installing the unwind table in slot {slot}"))
+                .with_context(|| format!("installing the unwind table in slot {slot}"))?;
+            Ok(read_only(&map, table))
         })
         .collect()
+}
+
+/// A descriptor of a table's map, for userspace to read the table from rather than keep
+/// its own copy (None if it cannot be had: the copy is kept).
+fn read_only(map: &MapData, table: &Table) -> Option<std::os::fd::OwnedFd> {
+    if table.is_mapped() {
+        return None; // read from its cache entry
+    }
+    map.fd().as_fd().try_clone_to_owned().inspect_err(|e| log::debug!("duplicating an unwind table's map: {e}")).ok()
 }
 
 /// Writes a table's elements into an mmapable array map through a shared mapping, a
@@ -855,13 +870,17 @@ fn install_tables(outer: BorrowedFd<'_>, tables: &[(u32, &Table)]) -> Vec<Result
 /// (libtorch_cpu's table is 20 MB), and so are the pages of a table read from its cache
 /// entry, handed back after each window.
 fn write_mmapped(map: &MapData, table: &Table) -> Result<()> {
+    write_mmapped_by(map, table, 2 << 20)
+}
+
+/// [`write_mmapped`] through windows of `window` bytes (a multiple of pages).
+fn write_mmapped_by(map: &MapData, table: &Table, window: usize) -> Result<()> {
     use std::os::fd::AsRawFd as _;
-    const WINDOW: usize = 2 << 20;
     let bytes = (table.element_count() * 8).div_ceil(4096) * 4096;
     let fd = map.fd().as_fd().as_raw_fd();
     let mut elements = table.element_iter();
-    for at in (0..bytes).step_by(WINDOW) {
-        let len = WINDOW.min(bytes - at);
+    for at in (0..bytes).step_by(window) {
+        let len = window.min(bytes - at);
         // SAFETY: maps `len` bytes at page-aligned offset `at` of the array's memory (the
         // kernel sized it to hold every element, rounded up to pages, and `at + len` does
         // not pass that); nothing else aliases the mapping.
@@ -970,4 +989,47 @@ fn install_rings(ebpf: &mut Ebpf, ring_bytes: u32) -> Result<(Vec<Ring>, RingsIn
         rings.push(Ring { cpu, ring: ring::RingReader::new(data, ring_bytes)? });
     }
     Ok((rings, Some(installing)))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A table written into a map of its own, a window at a time, is read back from that
+    /// map (mapped only while lookups use it) as the table built here: every element,
+    /// every lookup at and around its rows. Needs root (creates a BPF map).
+    #[test]
+    fn a_table_is_read_back_from_its_map_as_built() {
+        // SAFETY: geteuid has no preconditions.
+        if unsafe { libc::geteuid() } != 0 {
+            eprintln!("skipped: creating BPF maps needs root");
+            return;
+        }
+        let exe = std::env::current_exe().unwrap();
+        let built = crate::unwind::cfi::Cfi::open(&exe).unwrap().table().unwrap();
+        assert!(built.byte_size() > 4 * 65536, "{} bytes: several windows", built.byte_size());
+        let n = u32::try_from(built.element_count()).unwrap();
+        let obj = aya_obj::Map::new_from_params(BPF_MAP_TYPE_ARRAY as u32, 4, 8, n, TABLE_FLAGS);
+        let map = MapData::create(obj, "memtrace_uwtest", None).unwrap();
+        write_mmapped_by(&map, &built, 65536).unwrap();
+        let fd = read_only(&map, &built).expect("a descriptor of the map");
+        drop(map);
+        let view = built.in_probes_map(fd).expect("the map holds the table");
+        assert!(view.in_probes() && !built.in_probes());
+        assert_eq!(view.probes_view_mapped(), Some(false), "not mapped until a lookup");
+        assert_eq!(view.elements(), built.elements());
+        let rows = built.decoded_rows();
+        for w in rows.windows(2).step_by(3) {
+            for vaddr in [w[0].pc, w[1].pc - 1, w[0].pc.wrapping_sub(1)] {
+                assert_eq!(view.rule_at(vaddr), built.rule_at(vaddr), "{vaddr:#x}");
+            }
+        }
+        assert_eq!(view.probes_view_mapped(), Some(true));
+        view.release_if_idle(std::time::Duration::from_secs(3600));
+        assert_eq!(view.probes_view_mapped(), Some(true), "used just now");
+        view.release_if_idle(std::time::Duration::ZERO);
+        assert_eq!(view.probes_view_mapped(), Some(false));
+        let last = rows.last().unwrap().pc;
+        assert_eq!(view.rule_at(last - 1), built.rule_at(last - 1), "mapped again");
+    }
 }

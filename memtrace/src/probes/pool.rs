@@ -17,8 +17,8 @@ use anyhow::{Context as _, Result};
 use aya::maps::{Array, MapData};
 use memtrace_common::{MAX_TABLES, TABLE_MAPS};
 
-use super::{outer, write_mmapped};
-use crate::unwind::table::Table;
+use super::{outer, read_only, write_mmapped};
+use crate::unwind::{store::InstallResult, table::Table};
 
 /// Sizes kept ready (elements of 8 bytes) and how many of each: small libraries are the
 /// many (a Cython module's table is a few KiB), 12 MiB in all. Sized by a program with
@@ -60,7 +60,7 @@ impl TablePool {
     /// Writes the table of `slot` into a ready map that holds it and points the slot there:
     /// None when no ready map of its size or the next is left (install it in a map of its
     /// own).
-    pub fn place(&mut self, slot: u32, table: &Table) -> Option<Result<()>> {
+    pub fn place(&mut self, slot: u32, table: &Table) -> Option<InstallResult> {
         for (class, ready) in self.installed.try_iter() {
             self.free[class].push(ready);
         }
@@ -69,7 +69,8 @@ impl TablePool {
         let _ = self.used.send(class);
         let placed = write_mmapped(&ready.map, table)
             .context("filling an unwind table")
-            .and_then(|()| self.slot_maps.set(slot, ready.entry, 0).context("pointing a slot at its table"));
+            .and_then(|()| self.slot_maps.set(slot, ready.entry, 0).context("pointing a slot at its table"))
+            .map(|()| read_only(&ready.map, table));
         Some(placed)
     }
 }

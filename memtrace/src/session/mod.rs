@@ -243,7 +243,7 @@ struct Handoff {
 }
 
 impl crate::unwind::store::TableSink for Handoff {
-    fn install_tables(&mut self, tables: &[(u32, &Table)]) -> Vec<Result<()>> {
+    fn install_tables(&mut self, tables: &[(u32, &Table)]) -> Vec<crate::unwind::store::InstallResult> {
         self.maps.install_tables(tables)
     }
 
@@ -251,7 +251,7 @@ impl crate::unwind::store::TableSink for Handoff {
         self.installer.borrow_mut().take()
     }
 
-    fn place_table(&mut self, slot: u32, table: &Table) -> Option<Result<()>> {
+    fn place_table(&mut self, slot: u32, table: &Table) -> Option<crate::unwind::store::InstallResult> {
         self.maps.place_table(slot, table)
     }
 

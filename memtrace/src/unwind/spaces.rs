@@ -341,9 +341,12 @@ pub(crate) mod tests {
     }
 
     impl TableSink for FakeProbes {
-        fn install_tables(&mut self, tables: &[(Slot, &crate::unwind::table::Table)]) -> Vec<anyhow::Result<()>> {
+        fn install_tables(
+            &mut self,
+            tables: &[(Slot, &crate::unwind::table::Table)],
+        ) -> Vec<crate::unwind::store::InstallResult> {
             self.tables.extend(tables.iter().map(|(slot, table)| (*slot, table.elements().len())));
-            tables.iter().map(|_| Ok(())).collect()
+            tables.iter().map(|_| Ok(None)).collect()
         }
     }
 

@@ -134,6 +134,18 @@ impl Finished {
         *installed_bytes += table.byte_size() as u64;
         Self { slot: done.slot, table: Arc::new(table), outcome, path: done.path, asked: done.asked }
     }
+
+    /// Takes the result of the install: a table built here is read from the probes' array
+    /// from now on, when the sink mapped it.
+    fn adopt(&mut self, installed: InstallResult) -> anyhow::Result<()> {
+        if let Some(fd) = installed?
+            && !self.table.is_mapped()
+            && let Some(table) = self.table.in_probes_map(fd)
+        {
+            self.table = Arc::new(table);
+        }
+        Ok(())
+    }
 }
 
 /// A table installed (or not: `result`) by the install thread; `registered` when the thread
@@ -151,11 +163,16 @@ const BATCH_BYTES: usize = 8 << 20;
 /// The largest table a sink may put in the probes at once ([`TableSink::place_table`]).
 pub const PLACEABLE_BYTES: usize = 1 << 20;
 
+/// What installing a table gives back: `Ok(Some(fd))`, a descriptor of the probes' array
+/// that holds it, which the store reads a table built here from from then on
+/// ([`Table::in_probes_map`]) rather than keep it in the heap; `Ok(None)`, installed.
+pub type InstallResult = anyhow::Result<Option<std::os::fd::OwnedFd>>;
+
 /// Where tables go once built: the probes' array (the session's `Probes`).
 pub trait TableSink {
     /// Installs each table in its slot (its elements laid out as the probes read them:
     /// [`Table::elements`]); one result per table, in order.
-    fn install_tables(&mut self, tables: &[(Slot, &Table)]) -> Vec<anyhow::Result<()>>;
+    fn install_tables(&mut self, tables: &[(Slot, &Table)]) -> Vec<InstallResult>;
     /// A sink for a thread of the store's own, which installs and registers each table as
     /// its build ends: the kernel waits for an RCU grace period (10-30 ms) at each install,
     /// and the thread that drains the rings is busy for 100 ms and more at times (probes
@@ -168,7 +185,7 @@ pub trait TableSink {
     }
     /// Puts one table in the probes at once if it can (written into a map installed ahead
     /// of need, no grace period to wait for); None: install it with the others.
-    fn place_table(&mut self, _slot: Slot, _table: &Table) -> Option<anyhow::Result<()>> {
+    fn place_table(&mut self, _slot: Slot, _table: &Table) -> Option<InstallResult> {
         None
     }
     /// Tells the probes a file's table is installed, so they add its mappings themselves.
@@ -208,7 +225,7 @@ impl InstallThread {
                 // Those that fit a map installed ahead go in now, and are answered before
                 // the others' installs wait for their grace period.
                 let mut rest = Vec::new();
-                for f in done {
+                for mut f in done {
                     let placed = if f.table.byte_size() <= PLACEABLE_BYTES {
                         let placed = sink.place_table(f.slot, &f.table);
                         f.table.drop_resident();
@@ -218,6 +235,7 @@ impl InstallThread {
                     };
                     match placed {
                         Some(result) => {
+                            let result = f.adopt(result);
                             if result.is_ok() {
                                 log::debug!(
                                     "{}: its unwind table written into a map installed ahead",
@@ -236,7 +254,8 @@ impl InstallThread {
                     let results = sink.install_tables(&tables);
                     drop(tables);
                     batch.iter().for_each(|f| f.table.drop_resident());
-                    for (finished, result) in batch.into_iter().zip(results) {
+                    for (mut finished, result) in batch.into_iter().zip(results) {
+                        let result = finished.adopt(result);
                         if !answer(&mut sink, &answer_tx, finished, result) {
                             return;
                         }
@@ -346,7 +365,12 @@ pub struct TableStore {
     stats: StoreStats,
     max_bytes: u64,
     warned_cap: bool,
+    /// Slots whose table is read from the probes' array ([`Table::in_probes`]).
+    in_probes: Vec<Slot>,
 }
+
+/// How long a table read from the probes' array stays mapped after its last lookup.
+const VIEW_IDLE: Duration = Duration::from_secs(1);
 
 /// Default cap on the bytes of tables installed in the probes.
 pub const DEFAULT_MAX_BYTES: u64 = 1 << 30;
@@ -399,6 +423,7 @@ impl TableStore {
             stats: StoreStats::default(),
             max_bytes,
             warned_cap: false,
+            in_probes: Vec::new(),
         }
     }
 
@@ -528,9 +553,15 @@ impl TableStore {
             let results = sink.install_tables(&tables);
             drop(tables);
             batch.iter().for_each(|f| f.table.drop_resident());
-            for (finished, result) in batch.into_iter().zip(results) {
+            for (mut finished, result) in batch.into_iter().zip(results) {
+                let result = finished.adopt(result);
                 installed += 1;
                 self.installed(finished, result, false);
+            }
+        }
+        for &slot in &self.in_probes {
+            if let Some(TableState::Ready(table)) = self.states.get(slot as usize) {
+                table.release_if_idle(VIEW_IDLE);
             }
         }
         if !self.unregistered.is_empty() {
@@ -604,6 +635,10 @@ impl TableStore {
             );
         }
         // Userspace finishes copies with it either way.
+        if table.in_probes() {
+            log::debug!("unwind table of {}: read from the probes' array from now on", path.display());
+            self.in_probes.push(slot);
+        }
         if let Some(state) = self.states.get_mut(slot as usize) {
             *state = TableState::Ready(table);
         }
@@ -737,9 +772,9 @@ mod tests {
     #[derive(Default)]
     struct Installed(Vec<(Slot, usize)>);
     impl TableSink for Installed {
-        fn install_tables(&mut self, tables: &[(Slot, &Table)]) -> Vec<anyhow::Result<()>> {
+        fn install_tables(&mut self, tables: &[(Slot, &Table)]) -> Vec<InstallResult> {
             self.0.extend(tables.iter().map(|(slot, table)| (*slot, table.elements().len())));
-            tables.iter().map(|_| Ok(())).collect()
+            tables.iter().map(|_| Ok(None)).collect()
         }
     }
 
@@ -800,8 +835,8 @@ mod tests {
     }
 
     impl TableSink for Seen {
-        fn install_tables(&mut self, tables: &[(Slot, &Table)]) -> Vec<anyhow::Result<()>> {
-            tables.iter().map(|(slot, _)| self.note("install", u64::from(*slot))).map(Ok).collect()
+        fn install_tables(&mut self, tables: &[(Slot, &Table)]) -> Vec<InstallResult> {
+            tables.iter().map(|(slot, _)| self.note("install", u64::from(*slot))).map(|()| Ok(None)).collect()
         }
         fn installer(&self) -> Option<Installer> {
             Some(Box::new(self.clone()))

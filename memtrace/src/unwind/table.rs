@@ -24,20 +24,84 @@ pub struct Table {
     body: Body,
 }
 
-/// Where a table's page index and rows are: built here, or read in place from a disk-cache
-/// entry mapped into memory. Tables are kept after their install only to finish stack
-/// copies, whose lookups touch a few pages: a PyTorch program's 176 tables read into the
-/// heap held 92 MB through its whole recording; mapped, their pages are the page cache's
-/// (clean, reclaimable), and those the checksum and the install read are handed back
-/// ([`Table::drop_resident`]); a lookup's stay mapped until the end.
+/// Where a table's page index and rows are: built here, read in place from a disk-cache
+/// entry mapped into memory, or read from the probes' own copy. Tables are kept after
+/// their install only to finish stack copies, whose lookups touch a few pages: a PyTorch
+/// program's 176 tables read into the heap held 92 MB through its whole recording; mapped,
+/// their pages are the page cache's (clean, reclaimable), and those the checksum and the
+/// install read are handed back ([`Table::drop_resident`]); a lookup's stay mapped until
+/// the end. Without a cache, a table built here is read from its BPF map once installed
+/// ([`Table::in_probes_map`]): the kernel holds those pages anyway.
 #[derive(Debug, Clone)]
 enum Body {
     /// Per 4 KiB page from `pc_base`, the index of the row in effect at its start (one more
     /// entry for the end); the encoded rows (`memtrace_common::unwind::encode_row`).
     Owned { pages: Vec<u32>, rows: Vec<u64> },
-    /// The same, little-endian, at these offsets of a mapped file (bounds checked when the
-    /// table was made: [`Table::mapped`]).
-    Mapped { map: Arc<memmap2::Mmap>, pages_at: usize, n_pages: usize, rows_at: usize, n_rows: usize },
+    /// The same, little-endian, at these offsets of a mapping (bounds checked when the
+    /// table was made: [`Table::mapped`]), each page entry `page_bytes` wide (4 in a cache
+    /// entry, 8 in the probes' array, the entry in its low half).
+    Mapped { view: View, pages_at: usize, n_pages: usize, page_bytes: usize, rows_at: usize, n_rows: usize },
+}
+
+/// A mapping a table is read from.
+#[derive(Debug, Clone)]
+enum View {
+    /// A file (a cache entry): its pages may be handed back, and read again.
+    File(Arc<memmap2::Mmap>),
+    /// The probes' array.
+    Probes(Arc<ProbesView>),
+}
+
+impl View {
+    /// The mapping (None if the probes' array could not be mapped).
+    fn map(&self) -> Option<Arc<memmap2::Mmap>> {
+        match self {
+            View::File(map) => Some(Arc::clone(map)),
+            View::Probes(view) => view.map(),
+        }
+    }
+}
+
+/// A table's BPF array, mapped read-only while lookups use it. The kernel inserts every
+/// page of the array when it is mapped, and a page handed back could not be faulted in
+/// again (the mapping has no fault handler: SIGBUS), so a mapping left in place would
+/// hold the whole table in memtrace's resident set: it is unmapped once unused for a
+/// while ([`Table::release_if_idle`]) and mapped again when a lookup needs it.
+#[derive(Debug)]
+pub struct ProbesView {
+    fd: std::os::fd::OwnedFd,
+    len: usize,
+    /// The mapping while in use, and when a lookup last used it.
+    state: std::sync::Mutex<(Option<Arc<memmap2::Mmap>>, std::time::Instant)>,
+}
+
+impl ProbesView {
+    fn map(&self) -> Option<Arc<memmap2::Mmap>> {
+        let mut state = self.state.lock().ok()?;
+        state.1 = std::time::Instant::now();
+        if state.0.is_none() {
+            // SAFETY: a shared read-only mapping of an mmapable BPF array holding the
+            // table (`len` is within its size, rounded up to pages); nothing writes a
+            // table's array once it is filled (the probes only read it, and userspace
+            // fills each array once, before installing it).
+            match unsafe { memmap2::MmapOptions::new().len(self.len).map(&self.fd) } {
+                Ok(map) => {
+                    log::trace!("mapped a table's array of the probes ({} bytes)", self.len);
+                    state.0 = Some(Arc::new(map));
+                }
+                Err(e) => log::debug!("mapping an unwind table's array: {e}"),
+            }
+        }
+        state.0.clone()
+    }
+
+    fn release_if_idle(&self, idle: std::time::Duration) {
+        if let Ok(mut state) = self.state.lock()
+            && state.1.elapsed() >= idle
+        {
+            state.0 = None;
+        }
+    }
 }
 
 /// Code a table covers at most from its base (pcs are 32 bits).
@@ -70,7 +134,54 @@ impl Table {
             |at: usize, n: usize, size: usize| n.checked_mul(size)?.checked_add(at).filter(|&end| end <= map.len());
         fits(pages_at, n_pages, 4)?;
         fits(rows_at, n_rows, 8)?;
-        Some(Self { pc_base, segments, body: Body::Mapped { map, pages_at, n_pages, rows_at, n_rows } })
+        let body = Body::Mapped { view: View::File(map), pages_at, n_pages, page_bytes: 4, rows_at, n_rows };
+        Some(Self { pc_base, segments, body })
+    }
+
+    /// This table, read from the probes' array it was installed in (`fd`, laid out as
+    /// [`Table::elements`]), mapped only while lookups use it; None if the array cannot be
+    /// mapped or does not hold it.
+    pub fn in_probes_map(&self, fd: std::os::fd::OwnedFd) -> Option<Self> {
+        let (n_pages, n_rows) = (self.page_entries(), self.row_count());
+        let len = self.byte_size().div_ceil(4096) * 4096;
+        let view = ProbesView { fd, len, state: std::sync::Mutex::new((None, std::time::Instant::now())) };
+        let map = view.map()?;
+        let element = |i: usize| map.get(8 * i..8 * i + 8).map(u64_le);
+        if map.len() < self.byte_size()
+            || element(table::PC_BASE as usize) != Some(self.pc_base)
+            || element(table::COUNTS as usize) != Some(table::counts(self.page_count(), n_rows as u32))
+        {
+            return None;
+        }
+        drop(map);
+        view.release_if_idle(std::time::Duration::ZERO);
+        let pages_at = 8 * table::PAGES as usize;
+        let rows_at = pages_at + 8 * n_pages;
+        let view = View::Probes(Arc::new(view));
+        let body = Body::Mapped { view, pages_at, n_pages, page_bytes: 8, rows_at, n_rows };
+        Some(Self { pc_base: self.pc_base, segments: self.segments.clone(), body })
+    }
+
+    /// Unmaps the probes' array this table is read from if no lookup used it for `idle`.
+    pub fn release_if_idle(&self, idle: std::time::Duration) {
+        if let Body::Mapped { view: View::Probes(view), .. } = &self.body {
+            view.release_if_idle(idle);
+        }
+    }
+
+    /// Whether the probes' array this table is read from is mapped now (None: not read
+    /// from one).
+    #[cfg(test)]
+    pub fn probes_view_mapped(&self) -> Option<bool> {
+        match &self.body {
+            Body::Mapped { view: View::Probes(view), .. } => Some(view.state.lock().unwrap().0.is_some()),
+            _ => None,
+        }
+    }
+
+    /// Whether the table is read from the probes' array.
+    pub fn in_probes(&self) -> bool {
+        matches!(self.body, Body::Mapped { view: View::Probes(_), .. })
     }
 
     /// Packs sorted, merged rows.
@@ -122,21 +233,25 @@ impl Table {
         self.page_entries().saturating_sub(1) as u32
     }
 
-    fn page(&self, i: usize) -> Option<u32> {
-        match &self.body {
-            Body::Owned { pages, .. } => pages.get(i).copied(),
-            Body::Mapped { map, pages_at, n_pages, .. } => {
-                (i < *n_pages).then(|| u32_le(&map[pages_at + 4 * i..pages_at + 4 * i + 4]))
+    /// Entry `i` of the page index; `bytes`, the mapping of a mapped table.
+    fn page(&self, bytes: Option<&[u8]>, i: usize) -> Option<u32> {
+        match (&self.body, bytes) {
+            (Body::Owned { pages, .. }, _) => pages.get(i).copied(),
+            (Body::Mapped { pages_at, n_pages, page_bytes, .. }, Some(b)) if i < *n_pages => {
+                Some(u32_le(&b[pages_at + page_bytes * i..pages_at + page_bytes * i + 4]))
             }
+            _ => None,
         }
     }
 
-    fn row(&self, i: usize) -> Option<u64> {
-        match &self.body {
-            Body::Owned { rows, .. } => rows.get(i).copied(),
-            Body::Mapped { map, rows_at, n_rows, .. } => {
-                (i < *n_rows).then(|| u64_le(&map[rows_at + 8 * i..rows_at + 8 * i + 8]))
+    /// Row `i`; `bytes`, the mapping of a mapped table.
+    fn row(&self, bytes: Option<&[u8]>, i: usize) -> Option<u64> {
+        match (&self.body, bytes) {
+            (Body::Owned { rows, .. }, _) => rows.get(i).copied(),
+            (Body::Mapped { rows_at, n_rows, .. }, Some(b)) if i < *n_rows => {
+                Some(u64_le(&b[rows_at + 8 * i..rows_at + 8 * i + 8]))
             }
+            _ => None,
         }
     }
 
@@ -144,8 +259,11 @@ impl Table {
     pub fn pages(&self) -> Box<dyn Iterator<Item = u32> + '_> {
         match &self.body {
             Body::Owned { pages, .. } => Box::new(pages.iter().copied()),
-            Body::Mapped { map, pages_at, n_pages, .. } => {
-                Box::new(map[*pages_at..pages_at + 4 * n_pages].chunks_exact(4).map(u32_le))
+            Body::Mapped { view, pages_at, n_pages, page_bytes, .. } => {
+                let (Some(map), at, step) = (view.map(), *pages_at, *page_bytes) else {
+                    return Box::new(std::iter::empty());
+                };
+                Box::new((0..*n_pages).map(move |i| u32_le(&map[at + step * i..at + step * i + 4])))
             }
         }
     }
@@ -154,8 +272,9 @@ impl Table {
     pub fn rows(&self) -> Box<dyn Iterator<Item = u64> + '_> {
         match &self.body {
             Body::Owned { rows, .. } => Box::new(rows.iter().copied()),
-            Body::Mapped { map, rows_at, n_rows, .. } => {
-                Box::new(map[*rows_at..rows_at + 8 * n_rows].chunks_exact(8).map(u64_le))
+            Body::Mapped { view, rows_at, n_rows, .. } => {
+                let (Some(map), at) = (view.map(), *rows_at) else { return Box::new(std::iter::empty()) };
+                Box::new((0..*n_rows).map(move |i| u64_le(&map[at + 8 * i..at + 8 * i + 8])))
             }
         }
     }
@@ -165,16 +284,16 @@ impl Table {
         self.rows().map(|r| Row { pc: self.pc_base + u64::from(row_pc(r)), rule: row_rule(r) }).collect()
     }
 
-    /// Whether the rows are read in place from a mapped file.
+    /// Whether the rows are read in place from a mapping (a cache entry, the probes' array).
     pub fn is_mapped(&self) -> bool {
         matches!(self.body, Body::Mapped { .. })
     }
 
     /// Lets the kernel take back the mapped file's pages read so far (its checksum, the
     /// install): they stay in the page cache, out of memtrace's resident set, and a later
-    /// lookup reads them again. Nothing for a table built here.
+    /// lookup reads them again. Nothing for a table built here or read from the probes'.
     pub fn drop_resident(&self) {
-        if let Body::Mapped { map, .. } = &self.body {
+        if let Body::Mapped { view: View::File(map), .. } = &self.body {
             crate::elf::forget_resident(map);
         }
     }
@@ -209,10 +328,19 @@ impl Table {
         if page >= u64::from(self.page_count()) {
             return UnwindRule::FRAME_POINTER;
         }
-        let (Some(lo), Some(hi)) = (self.page(page as usize), self.page(page as usize + 1)) else {
+        // (A mapped table's mapping, taken once for the lookup.)
+        let map = match &self.body {
+            Body::Owned { .. } => None,
+            Body::Mapped { view, .. } => match view.map() {
+                Some(map) => Some(map),
+                None => return UnwindRule::FRAME_POINTER,
+            },
+        };
+        let bytes = map.as_deref().map(|m| &m[..]);
+        let (Some(lo), Some(hi)) = (self.page(bytes, page as usize), self.page(bytes, page as usize + 1)) else {
             return UnwindRule::FRAME_POINTER;
         };
-        find_row(lo, hi, rel as u32, |i| self.row(i as usize)).map_or(UnwindRule::FRAME_POINTER, row_rule)
+        find_row(lo, hi, rel as u32, |i| self.row(bytes, i as usize)).map_or(UnwindRule::FRAME_POINTER, row_rule)
     }
 
     /// The file virtual address of a file offset (in a loadable segment).
