@@ -303,7 +303,7 @@ fn a_library_loaded_deep_in_a_stack_deeper_than_a_copy_unwinds_whole() {
     assert!(got[n..].iter().any(|f| f.contains("__libc_start")), "reaches the start: {got:?}");
 }
 
-/// Without the disk cache, a table built here is read back from the probes' own array
+/// Without the disk cache, a big table built here is read back from the probes' own array
 /// (mapped only while used) rather than kept in memtrace's heap: the copies taken before
 /// the library's table was ready are finished from it, whole.
 #[test]
@@ -311,7 +311,18 @@ fn without_the_cache_copies_are_finished_from_the_probes_arrays() {
     require_root();
     let _sharing = sharing_the_machine();
     let dir = scratch("deep-dlopen-no-cache");
-    let lib = cc(&dir, "libdeep.so", DEEP_LIB, &["-shared", "-fPIC"]);
+    // `DEEP_LIB` and 5,000 functions more: a table over the 64 KiB read back (~80 KiB).
+    let mut source = String::from(DEEP_LIB);
+    for i in 0..5000 {
+        writeln!(
+            source,
+            "NOIPA long deep_fill{i}(long x) {{ volatile char pad[{}]; pad[0] = (char)x; return x * {} + pad[0]; }}",
+            16 + i % 64,
+            i + 3
+        )
+        .unwrap();
+    }
+    let lib = cc(&dir, "libdeep.so", &source, &["-shared", "-fPIC"]);
     let host = cc(&dir, "deephost", DEEP_HOST, &["-ldl"]);
     let data = dir.join("deep.data");
     let (mut report, mut log) = (Value::Null, String::new());

@@ -741,6 +741,9 @@ fn kernel_layout(btf: &Btf) -> Result<KernelLayout> {
     })
 }
 
+/// The smallest table read back from its map rather than kept ([`read_only`]).
+const READ_BACK_BYTES: usize = 64 << 10;
+
 /// `BPF_F_INNER_MAP | BPF_F_MMAPABLE`, as the tables array's template has them.
 const TABLE_FLAGS: u32 = (1 << 12) | (1 << 10);
 /// `BPF_NOEXIST`.
@@ -831,7 +834,8 @@ impl Probes {
 }
 
 /// Creates each table's map, fills it and installs it in the outer array `outer` at its
-/// slot; one result per table, in order, with the map mapped read-only ([`read_only`]).
+/// slot; one result per table, in order, with a descriptor of a big table's map
+/// ([`read_only`]).
 fn install_tables(outer: BorrowedFd<'_>, tables: &[(u32, &Table)]) -> Vec<InstallResult> {
     let maps: Vec<Result<MapData>> = tables.iter().map(|(slot, table)| table_map(*slot, table)).collect();
     let entries: Vec<_> = tables
@@ -840,8 +844,8 @@ fn install_tables(outer: BorrowedFd<'_>, tables: &[(u32, &Table)]) -> Vec<Instal
         .filter_map(|((slot, _), map)| map.as_ref().ok().map(|m| (*slot, m.fd().as_fd())))
         .collect();
     let mut installed = outer::set_all(outer, &entries).into_iter();
-    // The tables' own descriptors close here: the outer array holds the maps (and a
-    // read-only mapping of one holds it too).
+    // The tables' own descriptors close here: the outer array holds the maps (and the
+    // store the descriptors `read_only` duplicated).
     tables
         .iter()
         .zip(maps)
@@ -856,11 +860,13 @@ fn install_tables(outer: BorrowedFd<'_>, tables: &[(u32, &Table)]) -> Vec<Instal
         .collect()
 }
 
-/// A descriptor of a table's map, for userspace to read the table from rather than keep
-/// its own copy (None if it cannot be had: the copy is kept).
+/// A descriptor of a big table's map, for userspace to read the table from rather than
+/// keep its own copy (None if it cannot be had: the copy is kept). Only tables of
+/// [`READ_BACK_BYTES`] or more: the memory is in a few big tables, and each descriptor
+/// stays open for the whole session (a program maps hundreds of small libraries).
 fn read_only(map: &MapData, table: &Table) -> Option<std::os::fd::OwnedFd> {
-    if table.is_mapped() {
-        return None; // read from its cache entry
+    if table.is_mapped() || table.byte_size() < READ_BACK_BYTES {
+        return None; // read from its cache entry, or small
     }
     map.fd().as_fd().try_clone_to_owned().inspect_err(|e| log::debug!("duplicating an unwind table's map: {e}")).ok()
 }

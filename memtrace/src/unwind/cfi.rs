@@ -205,9 +205,13 @@ impl Cfi {
             Some((
                 section.address(),
                 match section.uncompressed_data().ok()? {
-                    // (A slice of `data`: its place in it.)
+                    // (A slice of `data`: its place in it. An empty or NOBITS section is a
+                    // slice of nothing, anywhere: none.)
                     Cow::Borrowed(b) => {
-                        let at = b.as_ptr() as usize - data.as_ptr() as usize;
+                        let at = (b.as_ptr() as usize).checked_sub(data.as_ptr() as usize)?;
+                        if b.is_empty() || at.checked_add(b.len())? > data.len() {
+                            return None;
+                        }
                         SectionBytes::InFile(at..at + b.len())
                     }
                     Cow::Owned(v) => SectionBytes::Decompressed(v),
@@ -282,7 +286,7 @@ impl Cfi {
         }
         if self.entry != 0 && !covered.iter().any(|&(s, e)| (s..e).contains(&self.entry)) {
             out.push(self.entry, encode_rule(UnwindRule::OUTERMOST));
-            out.push(self.entry + ENTRY_CODE_BYTES, FDE_END);
+            out.push(self.entry.saturating_add(ENTRY_CODE_BYTES), FDE_END);
         }
         let first = merge(&mut rows)?;
         Some(Table::from_packed(base + u64::from(first), rows, self.segments.clone()))
@@ -394,6 +398,9 @@ fn fde_rows<R: Reader<Offset = usize>, S: UnwindSection<R>>(
         fde.clear();
         while let Ok(Some(row)) = table.next_row() {
             let pc = row.start_address();
+            if pc >= end {
+                continue; // past the FDE (a row of no length at its end): the end's row holds there
+            }
             let rule = encode_rule(summarize(section, row, signal_frame).map_or(UnwindRule::STOP, rule_for));
             add_fde_row(&mut fde, pc, rule);
         }

@@ -38,8 +38,9 @@ enum Body {
     /// entry for the end); the encoded rows (`memtrace_common::unwind::encode_row`).
     Owned { pages: Vec<u32>, rows: Vec<u64> },
     /// The same, little-endian, at these offsets of a mapping (bounds checked when the
-    /// table was made: [`Table::mapped`]), each page entry `page_bytes` wide (4 in a cache
-    /// entry, 8 in the probes' array, the entry in its low half).
+    /// table was made: [`Table::mapped`]; a probes' array holds the table it was filled
+    /// with, its header checked by [`Table::in_probes_map`]), each page entry `page_bytes`
+    /// wide (4 in a cache entry, 8 in the probes' array, the entry in its low half).
     Mapped { view: View, pages_at: usize, n_pages: usize, page_bytes: usize, rows_at: usize, n_rows: usize },
 }
 
@@ -77,7 +78,7 @@ pub struct ProbesView {
 
 impl ProbesView {
     fn map(&self) -> Option<Arc<memmap2::Mmap>> {
-        let mut state = self.state.lock().ok()?;
+        let mut state = self.state.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
         state.1 = std::time::Instant::now();
         if state.0.is_none() {
             // SAFETY: a shared read-only mapping of an mmapable BPF array holding the
@@ -96,9 +97,8 @@ impl ProbesView {
     }
 
     fn release_if_idle(&self, idle: std::time::Duration) {
-        if let Ok(mut state) = self.state.lock()
-            && state.1.elapsed() >= idle
-        {
+        let mut state = self.state.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        if state.1.elapsed() >= idle {
             state.0 = None;
         }
     }
@@ -143,18 +143,19 @@ impl Table {
     /// mapped or does not hold it.
     pub fn in_probes_map(&self, fd: std::os::fd::OwnedFd) -> Option<Self> {
         let (n_pages, n_rows) = (self.page_entries(), self.row_count());
-        let len = self.byte_size().div_ceil(4096) * 4096;
-        let view = ProbesView { fd, len, state: std::sync::Mutex::new((None, std::time::Instant::now())) };
-        let map = view.map()?;
-        let element = |i: usize| map.get(8 * i..8 * i + 8).map(u64_le);
-        if map.len() < self.byte_size()
-            || element(table::PC_BASE as usize) != Some(self.pc_base)
+        // The header checked through its first page only (mapping the whole array would
+        // put all of it in the resident set beside this copy).
+        // SAFETY: as `ProbesView::map`: a shared read-only mapping of the array's first page.
+        let head = unsafe { memmap2::MmapOptions::new().len(4096).map(&fd) }.ok()?;
+        let element = |i: usize| head.get(8 * i..8 * i + 8).map(u64_le);
+        if element(table::PC_BASE as usize) != Some(self.pc_base)
             || element(table::COUNTS as usize) != Some(table::counts(self.page_count(), n_rows as u32))
         {
             return None;
         }
-        drop(map);
-        view.release_if_idle(std::time::Duration::ZERO);
+        drop(head);
+        let len = self.byte_size().div_ceil(4096) * 4096;
+        let view = ProbesView { fd, len, state: std::sync::Mutex::new((None, std::time::Instant::now())) };
         let pages_at = 8 * table::PAGES as usize;
         let rows_at = pages_at + 8 * n_pages;
         let view = View::Probes(Arc::new(view));
