@@ -403,6 +403,21 @@ fn parse_duration(s: &str) -> Result<Duration, String> {
     Ok(Duration::from_secs_f64(value * scale))
 }
 
+/// A time resolution (`500ns`, `10us`, `1ms`, `1s`) in nanoseconds, from 1 ns to 1 s.
+fn parse_time_resolution(s: &str) -> Result<u64, String> {
+    let t = s.trim();
+    let (number, ns) = [("ns", 1.0), ("us", 1e3), ("µs", 1e3), ("ms", 1e6), ("s", 1e9)]
+        .into_iter()
+        .find_map(|(unit, ns)| t.strip_suffix(unit).map(|n| (n, ns)))
+        .ok_or_else(|| format!("not a resolution: {s:?} (try 10us, 1ms)"))?;
+    let value: f64 = number.trim().parse().map_err(|_| format!("not a resolution: {s:?} (try 10us, 1ms)"))?;
+    let total = value * ns;
+    if !(total.is_finite() && (1.0..=1e9).contains(&total)) || total.fract() != 0.0 {
+        return Err(format!("a resolution is a whole number of nanoseconds from 1ns to 1s, not {s:?}"));
+    }
+    Ok(total as u64)
+}
+
 fn parse_size(s: &str) -> Result<u64, String> {
     let s = s.trim();
     let split = s.find(|c: char| !c.is_ascii_digit()).unwrap_or(s.len());
@@ -492,8 +507,14 @@ struct RecordArgs {
     /// Keep event timestamps to the nanosecond (default: to the microsecond, as `perf
     /// script` prints them; the nanoseconds are below the probes' own cost and took most of a
     /// recording's size).
-    #[arg(long)]
+    #[arg(long, conflicts_with = "time_resolution")]
     exact_times: bool,
+    /// Keep event timestamps to this resolution (default 1us; e.g. 10us, 1ms, at most 1s):
+    /// a coarser one makes the recording of an allocation-heavy program smaller (times are
+    /// a third of GCC's; heaptrack keeps one timestamp each 10 ms), and lifetimes and
+    /// times are known to it only.
+    #[arg(long, value_parser = parse_time_resolution, value_name = "DURATION")]
+    time_resolution: Option<u64>,
     /// No status line or summary on stderr.
     #[arg(short, long)]
     quiet: bool,
@@ -595,7 +616,11 @@ fn record(args: RecordArgs) -> Result<i32> {
         output: args.output,
         force: args.force,
         duration: args.duration,
-        time_resolution_ns: if args.exact_times { 1 } else { DEFAULT_TIME_RESOLUTION_NS },
+        time_resolution_ns: if args.exact_times {
+            1
+        } else {
+            args.time_resolution.unwrap_or(DEFAULT_TIME_RESOLUTION_NS)
+        },
     })?;
     Ok(summary.exit_code)
 }
@@ -719,5 +744,23 @@ fn readable_recording(path: &Path) -> Result<()> {
             )
         }
         _ => bail!("{}: {e}", path.display()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn time_resolutions_are_whole_nanoseconds_up_to_a_second() {
+        assert_eq!(parse_time_resolution("1us"), Ok(1000));
+        assert_eq!(parse_time_resolution(" 10µs "), Ok(10_000));
+        assert_eq!(parse_time_resolution("1ms"), Ok(1_000_000));
+        assert_eq!(parse_time_resolution("0.5ms"), Ok(500_000));
+        assert_eq!(parse_time_resolution("250ns"), Ok(250));
+        assert_eq!(parse_time_resolution("1s"), Ok(1_000_000_000));
+        for bad in ["0ns", "2s", "1.5ns", "10", "ms", "-1us", "1 parsec", "NaNms"] {
+            assert!(parse_time_resolution(bad).is_err(), "{bad}");
+        }
     }
 }

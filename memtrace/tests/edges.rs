@@ -410,6 +410,63 @@ fn dump_prints_stacks_old_pointers_and_parents() {
     );
 }
 
+/// `--time-resolution 1ms`: every count is the same, the times are kept to the
+/// millisecond (a chunk's events share their sub-millisecond part, the chunk's base) and
+/// the recording is smaller; `--exact-times` with it is refused.
+#[test]
+fn a_coarser_time_resolution_keeps_counts_and_shrinks_the_recording() {
+    require_root();
+    let _sharing = sharing_the_machine();
+    let dir = scratch("resolution");
+    let record = |name: &str, extra: &[&str]| {
+        let data = dir.join(name);
+        run(memtrace()
+            .args(["record", "-q", "--no-kernel", "-o"])
+            .arg(&data)
+            .args(extra)
+            .arg("--")
+            .arg(workload())
+            .args(["--loop", "100000"])
+            .stdout(Stdio::null()));
+        data
+    };
+    let fine = record("us.data", &[]);
+    let coarse = record("ms.data", &["--time-resolution", "1ms"]);
+    let (a, b) = (report_json(&fine, &[]), report_json(&coarse, &[]));
+    for figure in ["allocs", "frees", "bytes_req", "live_allocs"] {
+        assert_eq!(a["totals"]["user"][figure], b["totals"]["user"][figure], "{figure}: {:#}", b["totals"]);
+    }
+    assert!(a["totals"]["user"]["allocs"].as_u64().unwrap() >= 100_000, "{:#}", a["totals"]);
+    // Lifetimes are known to the millisecond: the loop's blocks, freed microseconds after
+    // their allocation, mostly live 0 ms.
+    assert_eq!(b["totals"]["user"]["lifetime_p50_ns"], 0, "{:#}", b["totals"]);
+    // The sub-millisecond parts of the times printed: one per events chunk at 1 ms, and
+    // hundreds at the default microsecond.
+    let parts = |data: &Path| {
+        let dump = String::from_utf8(run(memtrace().args(["dump", "-i"]).arg(data)).stdout).unwrap();
+        let ns: std::collections::HashSet<u64> = dump
+            .lines()
+            .filter_map(|l| l.split_whitespace().next()?.split_once('.')?.1.parse::<u64>().ok())
+            .map(|frac| frac % 1_000_000)
+            .collect();
+        ns.len()
+    };
+    let (fine_parts, coarse_parts) = (parts(&fine), parts(&coarse));
+    assert!(
+        coarse_parts <= 4 && fine_parts > 100,
+        "{coarse_parts} sub-millisecond parts at 1 ms, {fine_parts} at 1 µs"
+    );
+    let size = |p: &Path| std::fs::metadata(p).unwrap().len();
+    assert!(size(&coarse) < size(&fine), "{} bytes at 1 ms, {} at 1 µs", size(&coarse), size(&fine));
+    let refused = memtrace()
+        .args(["record", "--exact-times", "--time-resolution", "1ms", "-o"])
+        .arg(dir.join("no.data"))
+        .args(["--", "true"])
+        .output()
+        .unwrap();
+    assert_eq!(refused.status.code(), Some(2), "{}", String::from_utf8_lossy(&refused.stderr));
+}
+
 #[test]
 fn reserved_memory_is_counted_apart_from_the_programs() {
     require_root();
