@@ -440,8 +440,9 @@ fn a_coarser_time_resolution_keeps_counts_and_shrinks_the_recording() {
     // Lifetimes are known to the millisecond: the loop's blocks, freed microseconds after
     // their allocation, mostly live 0 ms.
     assert_eq!(b["totals"]["user"]["lifetime_p50_ns"], 0, "{:#}", b["totals"]);
-    // The sub-millisecond parts of the times printed: one per events chunk at 1 ms, and
-    // hundreds at the default microsecond.
+    // The sub-millisecond parts of the times printed: one per events chunk at 1 ms (a
+    // chunk each second of the run at most, and one at each 1 MiB of events), nearly all
+    // of the thousand possible at the default microsecond.
     let parts = |data: &Path| {
         let dump = String::from_utf8(run(memtrace().args(["dump", "-i"]).arg(data)).stdout).unwrap();
         let ns: std::collections::HashSet<u64> = dump
@@ -453,7 +454,7 @@ fn a_coarser_time_resolution_keeps_counts_and_shrinks_the_recording() {
     };
     let (fine_parts, coarse_parts) = (parts(&fine), parts(&coarse));
     assert!(
-        coarse_parts <= 4 && fine_parts > 100,
+        coarse_parts <= 20 && fine_parts > 500,
         "{coarse_parts} sub-millisecond parts at 1 ms, {fine_parts} at 1 µs"
     );
     let size = |p: &Path| std::fs::metadata(p).unwrap().len();
