@@ -555,6 +555,23 @@ mod tests {
         assert_eq!(merge(&mut Vec::new()), None);
     }
 
+    /// A debuginfo file (`objcopy --only-keep-debug`), whose `.eh_frame` is NOBITS: a slice of
+    /// nothing, not inside the file's bytes (its offset underflowed before), read as no
+    /// section: no FDE row comes of it.
+    #[test]
+    fn a_debuginfo_file_without_cfi_bytes_is_read_without_panic() {
+        let exe = std::env::current_exe().unwrap();
+        let out = std::env::temp_dir().join(format!("memtrace-cfi-debuginfo-{}", std::process::id()));
+        let status = std::process::Command::new("objcopy").arg("--only-keep-debug").arg(&exe).arg(&out).status();
+        assert!(status.is_ok_and(|s| s.success()), "objcopy --only-keep-debug");
+        let cfi = Cfi::open(&out);
+        let _ = std::fs::remove_file(&out);
+        let cfi = cfi.unwrap();
+        assert!(cfi.eh_frame.is_none(), "a NOBITS .eh_frame is no section");
+        // At most the entry code's rows (the outermost frame, then the frame pointer).
+        assert!(cfi.table().is_none_or(|t| t.row_count() <= 2));
+    }
+
     /// Every address an FDE row of our own executable covers gets that row's rule from its
     /// table, by the probes' lookup (rows of no length left out: the row after them at
     /// their pc is in effect).
