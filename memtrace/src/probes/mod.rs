@@ -741,7 +741,7 @@ fn kernel_layout(btf: &Btf) -> Result<KernelLayout> {
     })
 }
 
-/// The smallest table read back from its map rather than kept ([`read_only`]).
+/// The smallest table read back from its map rather than kept ([`read_back_fd`]).
 const READ_BACK_BYTES: usize = 64 << 10;
 
 /// `BPF_F_INNER_MAP | BPF_F_MMAPABLE`, as the tables array's template has them.
@@ -835,7 +835,7 @@ impl Probes {
 
 /// Creates each table's map, fills it and installs it in the outer array `outer` at its
 /// slot; one result per table, in order, with a descriptor of a big table's map
-/// ([`read_only`]).
+/// ([`read_back_fd`]).
 fn install_tables(outer: BorrowedFd<'_>, tables: &[(u32, &Table)]) -> Vec<InstallResult> {
     let maps: Vec<Result<MapData>> = tables.iter().map(|(slot, table)| table_map(*slot, table)).collect();
     let entries: Vec<_> = tables
@@ -845,7 +845,7 @@ fn install_tables(outer: BorrowedFd<'_>, tables: &[(u32, &Table)]) -> Vec<Instal
         .collect();
     let mut installed = outer::set_all(outer, &entries).into_iter();
     // The tables' own descriptors close here: the outer array holds the maps (and the
-    // store the descriptors `read_only` duplicated).
+    // store the descriptors `read_back_fd` duplicated).
     tables
         .iter()
         .zip(maps)
@@ -855,7 +855,7 @@ fn install_tables(outer: BorrowedFd<'_>, tables: &[(u32, &Table)]) -> Vec<Instal
                 .next()
                 .unwrap_or_else(|| Err(std::io::Error::other("not installed")))
                 .with_context(|| format!("installing the unwind table in slot {slot}"))?;
-            Ok(read_only(&map, table))
+            Ok(read_back_fd(&map, table))
         })
         .collect()
 }
@@ -864,7 +864,7 @@ fn install_tables(outer: BorrowedFd<'_>, tables: &[(u32, &Table)]) -> Vec<Instal
 /// keep its own copy (None if it cannot be had: the copy is kept). Only tables of
 /// [`READ_BACK_BYTES`] or more: the memory is in a few big tables, and each descriptor
 /// stays open for the whole session (a program maps hundreds of small libraries).
-fn read_only(map: &MapData, table: &Table) -> Option<std::os::fd::OwnedFd> {
+fn read_back_fd(map: &MapData, table: &Table) -> Option<std::os::fd::OwnedFd> {
     if table.is_mapped() || table.byte_size() < READ_BACK_BYTES {
         return None; // read from its cache entry, or small
     }
@@ -1018,7 +1018,7 @@ mod tests {
         let obj = aya_obj::Map::new_from_params(BPF_MAP_TYPE_ARRAY as u32, 4, 8, n, TABLE_FLAGS);
         let map = MapData::create(obj, "memtrace_uwtest", None).unwrap();
         write_mmapped_by(&map, &built, 65536).unwrap();
-        let fd = read_only(&map, &built).expect("a descriptor of the map");
+        let fd = read_back_fd(&map, &built).expect("a descriptor of the map");
         drop(map);
         let view = built.in_probes_map(fd).expect("the map holds the table");
         assert!(view.in_probes() && !built.in_probes());

@@ -17,7 +17,7 @@ use anyhow::{Context as _, Result};
 use aya::maps::{Array, MapData};
 use memtrace_common::{MAX_TABLES, TABLE_MAPS};
 
-use super::{outer, read_only, write_mmapped};
+use super::{outer, read_back_fd, write_mmapped};
 use crate::unwind::{store::InstallResult, table::Table};
 
 /// Sizes kept ready (elements of 8 bytes) and how many of each: small libraries are the
@@ -70,7 +70,7 @@ impl TablePool {
         let placed = write_mmapped(&ready.map, table)
             .context("filling an unwind table")
             .and_then(|()| self.slot_maps.set(slot, ready.entry, 0).context("pointing a slot at its table"))
-            .map(|()| read_only(&ready.map, table));
+            .map(|()| read_back_fd(&ready.map, table));
         Some(placed)
     }
 }

@@ -81,11 +81,7 @@ impl ProbesView {
         let mut state = self.state.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
         state.1 = std::time::Instant::now();
         if state.0.is_none() {
-            // SAFETY: a shared read-only mapping of an mmapable BPF array holding the
-            // table (`len` is within its size, rounded up to pages); nothing writes a
-            // table's array once it is filled (the probes only read it, and userspace
-            // fills each array once, before installing it).
-            match unsafe { memmap2::MmapOptions::new().len(self.len).map(&self.fd) } {
+            match map_array(&self.fd, self.len) {
                 Ok(map) => {
                     log::trace!("mapped a table's array of the probes ({} bytes)", self.len);
                     state.0 = Some(Arc::new(map));
@@ -102,6 +98,15 @@ impl ProbesView {
             state.0 = None;
         }
     }
+}
+
+/// The first `len` bytes of a table's BPF array (`fd`), mapped read-only.
+fn map_array(fd: &std::os::fd::OwnedFd, len: usize) -> std::io::Result<memmap2::Mmap> {
+    // SAFETY: a shared read-only mapping of an mmapable BPF array holding a table (`len`
+    // is within its size, rounded up to pages); nothing writes a table's array once it is
+    // filled (the probes only read it, and userspace fills each array once, before
+    // installing it).
+    unsafe { memmap2::MmapOptions::new().len(len).map(fd) }
 }
 
 /// Code a table covers at most from its base (pcs are 32 bits).
@@ -145,8 +150,7 @@ impl Table {
         let (n_pages, n_rows) = (self.page_entries(), self.row_count());
         // The header checked through its first page only (mapping the whole array would
         // put all of it in the resident set beside this copy).
-        // SAFETY: as `ProbesView::map`: a shared read-only mapping of the array's first page.
-        let head = unsafe { memmap2::MmapOptions::new().len(4096).map(&fd) }.ok()?;
+        let head = map_array(&fd, 4096).ok()?;
         let element = |i: usize| head.get(8 * i..8 * i + 8).map(u64_le);
         if element(table::PC_BASE as usize) != Some(self.pc_base)
             || element(table::COUNTS as usize) != Some(table::counts(self.page_count(), n_rows as u32))
