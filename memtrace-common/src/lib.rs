@@ -493,6 +493,9 @@ pub struct MappingRecord {
     pub asid: u32,
     /// `mapping_record::*` bits.
     pub flags: u32,
+    /// When the mapping was made (the reader handles it in time order with the task
+    /// records of other CPUs' rings).
+    pub ts_ns: u64,
     pub start: u64,
     pub len: u64,
     /// File offset of `start`.
@@ -898,5 +901,5 @@ const _: () = {
     assert!(core::mem::size_of::<CacheRecord>() == 16 + CACHE_NAME_LEN);
     assert!(core::mem::size_of::<SampledKey>() == 16);
     assert!(core::mem::size_of::<InFlight>() == 48);
-    assert!(core::mem::size_of::<MappingRecord>() == 40 + FILENAME_LEN);
+    assert!(core::mem::size_of::<MappingRecord>() == 48 + FILENAME_LEN);
 };

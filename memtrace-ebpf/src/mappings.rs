@@ -214,6 +214,8 @@ fn try_exit_mmap(ret: u64) -> Result<(), ()> {
         r.asid = asid;
         r.flags = if anonymous { mapping_record::ANONYMOUS } else { 0 }
             | if protected { mapping_record::MADE_EXECUTABLE } else { 0 };
+        // SAFETY: no preconditions.
+        r.ts_ns = unsafe { generated::bpf_ktime_get_ns() };
         r.start = start;
         r.len = args.len;
         r.file_offset = args.offset;

@@ -165,6 +165,8 @@ pub struct StackMiss {
 /// Code a process mapped (see [`memtrace_common::MappingRecord`]).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct FileMapping {
+    /// When it was made.
+    pub ts_ns: u64,
     pub pid: u32,
     pub asid: u32,
     pub start: u64,
@@ -356,6 +358,7 @@ pub fn decode(bytes: &[u8], cpu: u16) -> Result<Record, DecodeError> {
         RecordType::Mapping => {
             let r: MappingRecord = read(bytes, rtype)?;
             Record::Mapping(FileMapping {
+                ts_ns: r.ts_ns,
                 pid: r.pid,
                 asid: r.asid,
                 start: r.start,

@@ -192,6 +192,10 @@ pub struct Stats {
     pub unwind_copies_anchored: u64,
     #[serde(default)]
     pub unwind_copies_anchor_missed: u64,
+    /// Fork, exec and exit records read after a later record of their process (from
+    /// another CPU's ring) and kept out of its address space.
+    #[serde(default)]
+    pub unwind_late_task_records: u64,
     /// Per-file unwind tables: built here, read from the disk cache, files without
     /// call-frame information, files refused for the memory cap; bytes and rows installed
     /// in the probes; build time (all files, and the longest).

@@ -243,6 +243,7 @@ pub fn render_json(a: &Summary, opts: &ReportOptions) -> Result<String> {
             "unwind_copies_gave_up": a.stats.unwind_copies_gave_up,
             "unwind_copies_anchored": a.stats.unwind_copies_anchored,
             "unwind_copies_anchor_missed": a.stats.unwind_copies_anchor_missed,
+            "unwind_late_task_records": a.stats.unwind_late_task_records,
             "unwind_tables": {
                 "built": a.stats.unwind_tables_built,
                 "from_cache": a.stats.unwind_tables_cached,

@@ -22,7 +22,7 @@ impl Tracer {
         match t.event {
             TaskEvent::Exec => {
                 if let Some(u) = self.unwinder.as_mut() {
-                    u.exec(t.pid, &t.filename, space, &mut self.probes);
+                    u.exec(t.pid, &t.filename, space, t.ts_ns, &mut self.probes);
                 }
                 sink.exec_seen(t.pid, Path::new(&t.filename));
                 self.on_exec(t.pid);
@@ -32,7 +32,7 @@ impl Tracer {
             }
             TaskEvent::Fork => {
                 if let Some(u) = self.unwinder.as_mut() {
-                    u.fork(t.pid, space.asid, &mut self.probes);
+                    u.fork(t.pid, space.asid, t.ts_ns, &mut self.probes);
                 }
                 sink.fork_seen(t.pid, t.ppid);
                 self.on_fork(t.pid);
@@ -40,7 +40,7 @@ impl Tracer {
             }
             TaskEvent::Exit if t.flags & memtrace_common::flags::GROUP_DEAD != 0 => {
                 if let Some(u) = self.unwinder.as_mut() {
-                    u.exit(t.pid, &mut self.probes);
+                    u.exit(t.pid, t.ts_ns, &mut self.probes);
                 }
                 self.python_exit(t.pid);
             }

@@ -582,15 +582,46 @@ impl Tracer {
         Ok(())
     }
 
+    /// Code a traced process mapped: the unwinder's address space, Python, and the
+    /// allocators a library brings (dlopen).
+    fn on_mapping(&mut self, m: &crate::event::FileMapping) {
+        let handling = std::time::Instant::now();
+        self.on_code_mapped(m);
+        if let Some(path) = &m.path {
+            self.python_mapped(m.pid, std::path::Path::new(path));
+        }
+        if let Some(u) = self.unwinder.as_mut() {
+            u.mapping(m, &mut self.probes);
+        }
+        // A library mapped executable (dlopen): look for allocators in it now.
+        if let Some(path) = &m.path
+            && self.cutoff_ns.is_none()
+            && self.followed.contains(&m.pid)
+        {
+            let object = procfs::path_in_process(m.pid, Path::new(path));
+            self.check_object(object);
+        }
+        let took = handling.elapsed();
+        if took > std::time::Duration::from_millis(10) {
+            // The rings wait meanwhile.
+            log::debug!("mapping of {:?} in {}: handled in {} ms", m.path, m.pid, took.as_millis());
+        }
+    }
+
     /// Reads every ring dry into `sink`; releases the events old enough to be in order
-    /// (all of them if `everything`). New processes are handled as soon as they are read:
-    /// children get the allocator probes, programs exec'd get theirs. Returns how many
-    /// records were read.
+    /// (all of them if `everything`). New processes are handled as soon as the rings are
+    /// read: children get the allocator probes, programs exec'd get theirs. Returns how
+    /// many records were read.
     pub fn drain(&mut self, sink: &mut dyn Sink, everything: bool) -> usize {
         let now = monotonic_ns();
         let mut n = 0;
         // Stacks wait until every ring is read: the mappings they need may be in another.
         let mut stacks = Vec::new();
+        // Forks, execs, exits and mappings, handled once every ring is read, in the order
+        // they happened: the rings are read one after another, and a child's exec (in its
+        // CPU's ring) read before its parent's fork (in another) would find the child not
+        // yet followed, and the fork would pull it back into its parent's address space.
+        let mut lifecycle: Vec<Lifecycle> = Vec::new();
         let mut dry = true;
         let rings = self.probes.rings_mut().len();
         let stack_budget = stack_bytes_per_ring(rings);
@@ -624,38 +655,16 @@ impl Tracer {
                         stack_bytes += len;
                         stacks.push(s);
                     }
-                    Ok(Record::Mapping(m)) => {
-                        let handling = std::time::Instant::now();
-                        self.on_code_mapped(&m);
-                        if let Some(path) = &m.path {
-                            self.python_mapped(m.pid, std::path::Path::new(path));
-                        }
-                        if let Some(u) = self.unwinder.as_mut() {
-                            u.mapping(&m, &mut self.probes);
-                        }
-                        // A library mapped executable (dlopen): look for allocators in it now.
-                        if let Some(path) = &m.path
-                            && self.cutoff_ns.is_none()
-                            && self.followed.contains(&m.pid)
-                        {
-                            let object = procfs::path_in_process(m.pid, Path::new(path));
-                            self.check_object(object);
-                        }
-                        let took = handling.elapsed();
-                        if took > std::time::Duration::from_millis(10) {
-                            // The rings wait meanwhile.
-                            log::debug!("mapping of {:?} in {}: handled in {} ms", m.path, m.pid, took.as_millis());
-                        }
-                    }
+                    Ok(Record::Mapping(m)) => lifecycle.push(Lifecycle::Mapping(m)),
                     Ok(Record::Cache { cache, name }) => sink.cache_seen(cache, &name),
                     Ok(Record::PyCode(code)) => self.python_code(code),
                     Ok(Record::PyStack(frames)) => self.python_stack(frames),
                     Ok(Record::Task(t, space)) => {
-                        // New processes and programs are handled at once: the sooner their
-                        // address spaces and probes are in place, the fewer of their first
-                        // allocations need a stack copy or go unseen.
+                        // New processes and programs are handled in this drain: the sooner
+                        // their address spaces and probes are in place, the fewer of their
+                        // first allocations need a stack copy or go unseen.
                         if self.cutoff_ns.is_none() {
-                            self.on_task(&t, space, sink);
+                            lifecycle.push(Lifecycle::Task(t.clone(), space));
                         }
                         if self.cutoff_ns.is_none_or(|c| t.ts_ns <= c) {
                             self.reorder.push(Event::Task(t));
@@ -674,6 +683,14 @@ impl Tracer {
             self.caught_up_ns = now;
         }
         self.last_drain_dry = dry;
+        // Stable: a ring's records of one time keep their order.
+        lifecycle.sort_by_key(Lifecycle::ts_ns);
+        for record in lifecycle {
+            match record {
+                Lifecycle::Task(t, space) => self.on_task(&t, space, sink),
+                Lifecycle::Mapping(m) => self.on_mapping(&m),
+            }
+        }
         self.attach_found_allocators();
         for s in stacks {
             self.on_stack(s, sink);
@@ -762,6 +779,21 @@ fn tcmalloc_transfer_num_obj(pid: u32) -> Option<i64> {
         .split(|&b| b == 0)
         .find_map(|v| v.strip_prefix(b"TCMALLOC_TRANSFER_NUM_OBJ="))
         .and_then(|v| std::str::from_utf8(v).ok()?.trim().parse().ok())
+}
+
+/// A task or mapping record read in a drain, handled once every ring is read.
+enum Lifecycle {
+    Task(crate::event::Task, crate::event::TaskSpace),
+    Mapping(crate::event::FileMapping),
+}
+
+impl Lifecycle {
+    fn ts_ns(&self) -> u64 {
+        match self {
+            Lifecycle::Task(t, _) => t.ts_ns,
+            Lifecycle::Mapping(m) => m.ts_ns,
+        }
+    }
 }
 
 #[cfg(test)]

@@ -499,6 +499,7 @@ fn finish(
         unwind_copies_gave_up: unwind.gave_up,
         unwind_copies_anchored: unwind.anchored,
         unwind_copies_anchor_missed: unwind.anchor_missed,
+        unwind_late_task_records: unwind.late_task_records,
         unwind_tables_built: unwind.tables.built,
         unwind_tables_cached: unwind.tables.from_cache,
         unwind_tables_without_cfi: unwind.tables.without_cfi,

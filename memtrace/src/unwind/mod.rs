@@ -82,6 +82,9 @@ pub struct UnwindStats {
     /// Copies finished before their table was ready (the wait bound, the memory bound,
     /// the end of the session).
     pub gave_up: u64,
+    /// Fork, exec and exit records handled after a later record of their process (read
+    /// from another CPU's ring first) and left out of its address space.
+    pub late_task_records: u64,
     pub tables: StoreStats,
 }
 
@@ -221,16 +224,16 @@ impl Unwinder {
     }
 
     pub fn stats(&self) -> UnwindStats {
-        UnwindStats { tables: self.store.stats(), ..self.stats }
+        UnwindStats { tables: self.store.stats(), late_task_records: self.spaces.late_records(), ..self.stats }
     }
 
     /// `pid` exec'd `filename` into a new address space, where the kernel mapped the
     /// program's code and its interpreter as `space` says.
-    pub fn exec(&mut self, pid: u32, filename: &str, space: TaskSpace, sink: &mut dyn SpaceSink) {
+    pub fn exec(&mut self, pid: u32, filename: &str, space: TaskSpace, ts_ns: u64, sink: &mut dyn SpaceSink) {
         if space.asid == 0 {
             return;
         }
-        self.spaces.learn_exec(pid, space.asid, sink);
+        self.spaces.learn_exec(pid, space.asid, ts_ns, sink);
         log::trace!(
             "exec of {filename} in pid {pid}: asid {} code {:#x}..{:#x} interpreter at {:#x}; the probes have {:?} and {:?}",
             space.asid,
@@ -290,15 +293,14 @@ impl Unwinder {
     }
 
     /// `child` was forked into address space `asid`.
-    pub fn fork(&mut self, child: u32, asid: u32, sink: &mut dyn SpaceSink) {
-        self.spaces.learn_fork(child, asid, sink);
+    pub fn fork(&mut self, child: u32, asid: u32, ts_ns: u64, sink: &mut dyn SpaceSink) {
+        self.spaces.learn_fork(child, asid, ts_ns, sink);
     }
 
-    pub fn exit(&mut self, pid: u32, sink: &mut dyn SpaceSink) {
-        if let Some(asid) = self.spaces.asid_of(pid) {
+    pub fn exit(&mut self, pid: u32, ts_ns: u64, sink: &mut dyn SpaceSink) {
+        if let Some(asid) = self.spaces.learn_exit(pid, ts_ns, sink) {
             self.programs.remove(&asid);
         }
-        self.spaces.learn_exit(pid, sink);
     }
 
     /// Code a traced process mapped after its exec.

@@ -6,6 +6,13 @@
 //! aligned prefixes) so the probes find a frame's file with one lookup; the ranges of an
 //! address space no process uses any more leave the trie but stay here a while, to name the
 //! frames of events still on their way.
+//!
+//! Task records reach this in the order the rings are read, not the order they happened
+//! (a parent's fork sits in its CPU's ring, the child's exec in another's, which may be
+//! read first); each change says when it happened, and one older than what is known of
+//! the process is ignored: a late fork must not pull an exec'd child back into its
+//! parent's space (which emptied the new space's ranges out of the probes for the
+//! child's whole life), nor a late exec bring back a process whose exit came first.
 use std::{
     collections::VecDeque,
     path::{Path, PathBuf},
@@ -67,14 +74,23 @@ struct Space {
 
 /// Address spaces of exited processes kept for naming late events.
 const DEAD_SPACES_KEPT: usize = 1024;
+/// Exits remembered, to refuse a fork or exec record of the same process handled after
+/// its exit (records cross the rings within a drain or two; thousands of exits is far more).
+const EXITS_KEPT: usize = 4096;
 /// Userspace's address-space ids (for processes that existed before tracing began).
 const USER_ASID_BASE: u32 = 1 << 31;
 
 #[derive(Default)]
 pub struct Spaces {
-    asid_of: crate::FastMap<u32, u32>,
+    /// pid → its address space and when it entered it (ns; 0: learned from `/proc`).
+    asid_of: crate::FastMap<u32, (u32, u64)>,
     spaces: crate::FastMap<u32, Space>,
     dead: VecDeque<u32>,
+    /// pid → when it exited, for the last [`EXITS_KEPT`] exits (`exit_order`: oldest first).
+    exited: crate::FastMap<u32, u64>,
+    exit_order: VecDeque<(u32, u64)>,
+    /// Records refused by [`Self::is_news`].
+    late: u64,
     next_user_asid: u32,
 }
 
@@ -103,17 +119,35 @@ impl Spaces {
     }
 
     pub fn asid_of(&self, pid: u32) -> Option<u32> {
-        self.asid_of.get(&pid).copied()
+        self.asid_of.get(&pid).map(|&(asid, _)| asid)
     }
 
-    fn join(&mut self, pid: u32, asid: u32, sink: &mut dyn SpaceSink) {
-        if let Some(old) = self.asid_of.insert(pid, asid) {
+    /// Task records handled after a later one of their process and left out.
+    pub fn late_records(&self) -> u64 {
+        self.late
+    }
+
+    /// Whether a record of `pid` made at `ts_ns` comes after everything known of it: not
+    /// before its exit nor before what put it in its current space.
+    fn is_news(&self, pid: u32, ts_ns: u64) -> bool {
+        self.exited.get(&pid).is_none_or(|&exit| exit < ts_ns)
+            && self.asid_of.get(&pid).is_none_or(|&(_, since)| since <= ts_ns)
+    }
+
+    /// `pid` is in `asid` from `ts_ns` on. Returns whether that is news (see [`Self::is_news`]).
+    fn join(&mut self, pid: u32, asid: u32, ts_ns: u64, sink: &mut dyn SpaceSink) -> bool {
+        if !self.is_news(pid, ts_ns) {
+            self.late += 1;
+            return false;
+        }
+        if let Some((old, _)) = self.asid_of.insert(pid, (asid, ts_ns)) {
             if old == asid {
-                return;
+                return true;
             }
             self.leave(old, sink);
         }
         self.spaces.entry(asid).or_default().pids += 1;
+        true
     }
 
     fn leave(&mut self, asid: u32, sink: &mut dyn SpaceSink) {
@@ -126,6 +160,12 @@ impl Spaces {
         for m in &space.mappings {
             remove_entries(asid, m, sink);
         }
+        self.bury(asid);
+    }
+
+    /// Marks `asid`, which no process uses, dead: kept a while for naming, never again in
+    /// the probes.
+    fn bury(&mut self, asid: u32) {
         self.dead.push_back(asid);
         while self.dead.len() > DEAD_SPACES_KEPT {
             if let Some(old) = self.dead.pop_front()
@@ -136,25 +176,45 @@ impl Spaces {
         }
     }
 
-    /// `pid` exec'd into address space `asid` (given by the kernel).
-    pub fn learn_exec(&mut self, pid: u32, asid: u32, sink: &mut dyn SpaceSink) {
-        if asid != 0 {
-            self.join(pid, asid, sink);
+    /// `pid` exec'd into address space `asid` (given by the kernel) at `ts_ns`. An exec
+    /// handled after the process's exit (or after a later exec) leaves its space dead: its
+    /// ranges name late frames; the probes never need them.
+    pub fn learn_exec(&mut self, pid: u32, asid: u32, ts_ns: u64, sink: &mut dyn SpaceSink) {
+        if asid == 0 || self.join(pid, asid, ts_ns, sink) {
+            return;
+        }
+        if let std::collections::hash_map::Entry::Vacant(new) = self.spaces.entry(asid) {
+            new.insert(Space::default());
+            self.bury(asid);
         }
     }
 
-    /// `child` was forked into its parent's address space `asid`.
-    pub fn learn_fork(&mut self, child: u32, asid: u32, sink: &mut dyn SpaceSink) {
+    /// `child` was forked into its parent's address space `asid` at `ts_ns`.
+    pub fn learn_fork(&mut self, child: u32, asid: u32, ts_ns: u64, sink: &mut dyn SpaceSink) {
         if asid != 0 {
-            self.join(child, asid, sink);
+            self.join(child, asid, ts_ns, sink);
         }
     }
 
-    /// `pid` exited.
-    pub fn learn_exit(&mut self, pid: u32, sink: &mut dyn SpaceSink) {
-        if let Some(asid) = self.asid_of.remove(&pid) {
-            self.leave(asid, sink);
+    /// `pid` exited at `ts_ns`. Returns the address space it left, if it was in one.
+    pub fn learn_exit(&mut self, pid: u32, ts_ns: u64, sink: &mut dyn SpaceSink) -> Option<u32> {
+        self.exited.insert(pid, ts_ns);
+        self.exit_order.push_back((pid, ts_ns));
+        while self.exit_order.len() > EXITS_KEPT {
+            if let Some((old, at)) = self.exit_order.pop_front()
+                && self.exited.get(&old) == Some(&at)
+            {
+                self.exited.remove(&old);
+            }
         }
+        // A pid taken again: the new process's fork came first; it stays.
+        if self.asid_of.get(&pid).is_some_and(|&(_, since)| since > ts_ns) {
+            self.late += 1;
+            return None;
+        }
+        let (asid, _) = self.asid_of.remove(&pid)?;
+        self.leave(asid, sink);
+        Some(asid)
     }
 
     /// An executable mapping the kernel made in `asid` (`path` readable from here, None
@@ -222,7 +282,9 @@ impl Spaces {
         if asid == proposed {
             self.next_user_asid = self.next_user_asid.wrapping_add(1) | USER_ASID_BASE;
         }
-        self.join(pid, asid, sink);
+        // What /proc shows now: later than any record of the process still on its way.
+        self.exited.remove(&pid);
+        self.join(pid, asid, crate::session::monotonic_ns(), sink);
         for m in maps.mappings.iter().filter(|m| m.executable) {
             let path = m.is_file().then(|| procfs::path_in_process(pid, &m.path));
             self.add_mapping(asid, m.start, m.end - m.start, m.offset, path.as_deref(), store, sink);
@@ -425,7 +487,7 @@ pub(crate) mod tests {
         // Another address space sees nothing there.
         assert!(probes.lookup(asid + 1, here).is_none());
         // Leaving empties the trie but keeps the ranges for naming.
-        spaces.learn_exit(pid, &mut probes);
+        spaces.learn_exit(pid, crate::session::monotonic_ns(), &mut probes);
         assert!(probes.trie.is_empty());
         assert!(spaces.find(asid, here).is_some());
     }
@@ -440,7 +502,7 @@ pub(crate) mod tests {
         let mut spaces = Spaces::new();
         let mut store = TableStore::new(None, 1, super::super::store::DEFAULT_MAX_BYTES);
         let mut probes = FakeProbes::default();
-        spaces.learn_exec(1, 5, &mut probes);
+        spaces.learn_exec(1, 5, 10, &mut probes);
         spaces.add_mapping(5, 0x10000, 0x10000, 0, None, &mut store, &mut probes);
         assert_eq!(probes.lookup(5, 0x18000).unwrap().flags, mapping_flags::NO_FILE);
         spaces.add_mapping(5, 0x18000, 0x1000, 0, None, &mut store, &mut probes);
@@ -448,11 +510,59 @@ pub(crate) mod tests {
         assert!(spaces.find(5, 0x10000).is_none(), "the old range is gone");
         assert!(probes.lookup(5, 0x10000).is_none());
         // A forked child shares the space: it stays in the trie until both are gone.
-        spaces.learn_fork(2, 5, &mut probes);
-        spaces.learn_exit(1, &mut probes);
+        spaces.learn_fork(2, 5, 20, &mut probes);
+        spaces.learn_exit(1, 30, &mut probes);
         assert!(probes.lookup(5, 0x18000).is_some());
-        spaces.learn_exit(2, &mut probes);
+        spaces.learn_exit(2, 40, &mut probes);
         assert!(probes.lookup(5, 0x18000).is_none());
+    }
+
+    /// Task records come in the order the rings are read: a child's exec (its CPU's ring)
+    /// may be handled before its parent's fork (another ring). The late fork must not move
+    /// the child back into the parent's space, which took the exec's ranges out of the
+    /// probes for the child's whole life (every stack a copy); a late exec or fork of a
+    /// process whose exit came first must not bring it back.
+    #[test]
+    fn task_records_handled_out_of_order_keep_the_newest_space() {
+        let mut spaces = Spaces::new();
+        let mut store = TableStore::new(None, 1, super::super::store::DEFAULT_MAX_BYTES);
+        let mut probes = FakeProbes::default();
+        // The parent (pid 1) runs in space 5; it forks pid 2 at 100, which execs into
+        // space 7 at 200 and maps its code there; the exec is handled first.
+        spaces.learn_exec(1, 5, 10, &mut probes);
+        spaces.add_mapping(5, 0x10000, 0x1000, 0, None, &mut store, &mut probes);
+        spaces.learn_exec(2, 7, 200, &mut probes);
+        spaces.add_mapping(7, 0x40000, 0x1000, 0, None, &mut store, &mut probes);
+        spaces.learn_fork(2, 5, 100, &mut probes);
+        assert_eq!(spaces.asid_of(2), Some(7));
+        assert!(probes.lookup(7, 0x40000).is_some(), "the child's code stays in the probes");
+        spaces.add_mapping(7, 0x50000, 0x1000, 0, None, &mut store, &mut probes);
+        assert!(probes.lookup(7, 0x50000).is_some(), "and so does what it maps next");
+        // The parent's exit leaves its space (the child never counted in it).
+        assert_eq!(spaces.learn_exit(1, 300, &mut probes), Some(5));
+        assert!(probes.lookup(5, 0x10000).is_none());
+        assert!(probes.lookup(7, 0x40000).is_some());
+        // The child's exit is handled before its exec: the exec's space is dead from the
+        // start, named from here, never in the probes.
+        assert_eq!(spaces.learn_exit(3, 500, &mut probes), None);
+        spaces.learn_exec(3, 9, 400, &mut probes);
+        spaces.learn_fork(3, 7, 350, &mut probes);
+        spaces.add_mapping(9, 0x60000, 0x1000, 0, None, &mut store, &mut probes);
+        assert_eq!(spaces.asid_of(3), None);
+        assert!(probes.lookup(9, 0x60000).is_none());
+        assert!(spaces.find(9, 0x60000).is_some(), "kept for naming late frames");
+        assert_eq!(spaces.spaces[&7].pids, 1, "the late fork counted nobody in the child's space");
+        // The pid taken again by a process forked after that exit is news.
+        spaces.learn_fork(3, 7, 600, &mut probes);
+        assert_eq!(spaces.asid_of(3), Some(7));
+        assert_eq!(spaces.spaces[&7].pids, 2);
+        // An exit older than the pid's current process leaves that process alone.
+        assert_eq!(spaces.learn_exit(3, 550, &mut probes), None);
+        assert_eq!(spaces.asid_of(3), Some(7));
+        assert_eq!(spaces.learn_exit(2, 700, &mut probes), Some(7));
+        assert_eq!(spaces.learn_exit(3, 800, &mut probes), Some(7));
+        assert!(probes.trie.is_empty());
+        assert_eq!(spaces.late_records(), 4, "the fork, the exec and fork after the exit, the old exit");
     }
 
     /// Memory made executable by `mprotect` is recorded unless known: a file's pages keep
@@ -462,7 +572,7 @@ pub(crate) mod tests {
         let mut spaces = Spaces::new();
         let mut store = TableStore::new(None, 1, super::super::store::DEFAULT_MAX_BYTES);
         let mut probes = FakeProbes::default();
-        spaces.learn_exec(1, 5, &mut probes);
+        spaces.learn_exec(1, 5, 10, &mut probes);
         assert_eq!(spaces.protected_range(5, 0x10000, 0x20000), Some((0x10000, 0x20000)), "nothing known");
         spaces.add_mapping(5, 0x10000, 0x10000, 0, None, &mut store, &mut probes);
         assert_eq!(spaces.protected_range(5, 0x11000, 0x12000), None, "inside the chunk");
