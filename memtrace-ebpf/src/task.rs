@@ -27,7 +27,7 @@ struct TaskFacts {
 
 #[inline(always)]
 fn emit_task(ring: &Ring, event: TaskEvent, facts: TaskFacts, fill: impl FnOnce(&mut TaskRecord)) {
-    // New processes and programs: the reader handles them at once.
+    // New processes and programs: the reader handles them in the drain that reads them.
     let wake = matches!(event, TaskEvent::Fork | TaskEvent::Exec);
     emit_waking::<TaskRecord>(ring, wake, |r| {
         r.rtype = RecordType::Task as u8;

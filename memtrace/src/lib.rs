@@ -25,6 +25,7 @@ pub mod elf;
 pub mod event;
 pub mod export;
 pub mod grouping;
+pub mod lifecycle;
 pub mod logging;
 pub mod modules;
 pub mod naming;

@@ -686,11 +686,11 @@ fn a_short_lived_process_under_record_all_on_a_busy_machine_unwinds_whole() {
     assert_eq!(&functions(deep[0])[..3], ["alloc_site", "deep_frame", "main"], "and symbolized");
 }
 
-/// Forks `argv[1]` children from CPU 1, one after another; each moves to CPU 0 and execs
-/// this program again, which makes `argv[2]` allocations and exits. The fork record is in
-/// CPU 1's ring, the child's exec in CPU 0's, which the reader drains first: when both wait
-/// in the rings (a reader busy with the earlier children's events), the exec is read
-/// before the fork.
+/// Forks `argv[1]` children from its second CPU, one after another; each moves to the first
+/// and execs this program again, which makes `argv[2]` allocations and exits. The fork
+/// record is in the second CPU's ring, the child's exec in the first's, which the reader
+/// reads first: when both wait in the rings (a reader busy with the earlier children's
+/// events), the exec is read before the fork.
 const FORKER: &str = r#"
 #define _GNU_SOURCE
 #include <sched.h>
@@ -702,14 +702,21 @@ __attribute__((noinline)) void child_loop(int n) {
 }
 int main(int argc, char **argv) {
     if (argc == 2) { child_loop(atoi(argv[1])); return 0; }
-    cpu_set_t cpu;
-    CPU_ZERO(&cpu); CPU_SET(1, &cpu);
-    sched_setaffinity(0, sizeof cpu, &cpu);
+    /* The first two CPUs this process may use: the parent on the second, the children
+       on the first (its ring is read first). */
+    cpu_set_t allowed, cpu;
+    int first = -1, second = -1;
+    sched_getaffinity(0, sizeof allowed, &allowed);
+    for (int c = 0; c < CPU_SETSIZE && second < 0; c++)
+        if (CPU_ISSET(c, &allowed)) { if (first < 0) first = c; else second = c; }
+    if (second < 0) return 2;
+    CPU_ZERO(&cpu); CPU_SET(second, &cpu);
+    if (sched_setaffinity(0, sizeof cpu, &cpu)) return 3;
     for (int i = 0, n = atoi(argv[1]); i < n; i++) {
         pid_t p = fork();
         if (p == 0) {
-            CPU_ZERO(&cpu); CPU_SET(0, &cpu);
-            sched_setaffinity(0, sizeof cpu, &cpu);
+            CPU_ZERO(&cpu); CPU_SET(first, &cpu);
+            if (sched_setaffinity(0, sizeof cpu, &cpu)) _exit(3);
             execl("/proc/self/exe", argv[0], argv[2], (char *)0);
             _exit(127);
         }

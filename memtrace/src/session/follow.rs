@@ -17,12 +17,19 @@ use crate::{
 };
 
 impl Tracer {
-    /// A process forked, exec'd or exited: address spaces, probes and the sink follow.
+    /// A process forked, exec'd or exited: address spaces, probes and the sink follow. A
+    /// record read after a later one of its process (a drain late, from another CPU's
+    /// ring) changes nothing it would undo; the unwinder judges that for itself (it also
+    /// takes out of the probes what they installed for a late exec).
     pub(super) fn on_task(&mut self, t: &crate::event::Task, space: TaskSpace, sink: &mut dyn Sink) {
         match t.event {
             TaskEvent::Exec => {
                 if let Some(u) = self.unwinder.as_mut() {
                     u.exec(t.pid, &t.filename, space, t.ts_ns, &mut self.probes);
+                }
+                if !self.lifecycles.began(t.pid, t.ts_ns) {
+                    log::debug!("pid {}: exec of {} read after a later record of the process", t.pid, t.filename);
+                    return;
                 }
                 sink.exec_seen(t.pid, Path::new(&t.filename));
                 self.on_exec(t.pid);
@@ -34,6 +41,20 @@ impl Tracer {
                 if let Some(u) = self.unwinder.as_mut() {
                     u.fork(t.pid, space.asid, t.ts_ns, &mut self.probes);
                 }
+                if !self.lifecycles.began(t.pid, t.ts_ns) {
+                    log::debug!("pid {}: fork read after a later record of the process", t.pid);
+                    if !self.lifecycles.exited_since(t.pid, t.ts_ns) {
+                        // Its exec came first: the child is followed from now on, and its
+                        // program gets what the exec skipped for a process not followed.
+                        let was_followed = self.followed.contains(&t.pid);
+                        self.on_fork(t.pid);
+                        if !was_followed && self.followed.contains(&t.pid) {
+                            self.on_exec(t.pid);
+                            self.python_exec(t.pid);
+                        }
+                    }
+                    return;
+                }
                 sink.fork_seen(t.pid, t.ppid);
                 self.on_fork(t.pid);
                 self.python_fork(t.pid, t.ppid);
@@ -42,7 +63,9 @@ impl Tracer {
                 if let Some(u) = self.unwinder.as_mut() {
                     u.exit(t.pid, t.ts_ns, &mut self.probes);
                 }
-                self.python_exit(t.pid);
+                if self.lifecycles.ended(t.pid, t.ts_ns) {
+                    self.python_exit(t.pid);
+                }
             }
             _ => {}
         }

@@ -172,6 +172,9 @@ pub struct Tracer {
     usable: UsableSizes,
     /// Processes followed (targets and their children), for the dlopen scan.
     followed: HashSet<u32>,
+    /// Which task records are news (one read a drain after a later one of its process is
+    /// not).
+    lifecycles: crate::lifecycle::Lifecycles,
     /// Objects already checked for an allocator, and the thread looking into them.
     checked_objects: HashSet<PathBuf>,
     objects: objects::ObjectChecks,
@@ -442,6 +445,7 @@ impl Tracer {
             attached: found.iter().map(|a| (attached_to, a.file_id, a.prefix.clone())).collect(),
             usable,
             followed: target_pid.into_iter().collect(),
+            lifecycles: crate::lifecycle::Lifecycles::new(),
             checked_objects: HashSet::new(),
             objects: objects::ObjectChecks::new(),
             programs_in_flight: HashMap::new(),

@@ -233,7 +233,7 @@ impl Unwinder {
         if space.asid == 0 {
             return;
         }
-        self.spaces.learn_exec(pid, space.asid, ts_ns, sink);
+        let news = self.spaces.learn_exec(pid, space.asid, ts_ns, sink);
         log::trace!(
             "exec of {filename} in pid {pid}: asid {} code {:#x}..{:#x} interpreter at {:#x}; the probes have {:?} and {:?}",
             space.asid,
@@ -243,18 +243,26 @@ impl Unwinder {
             sink.lookup_mapping(space.asid, space.code_start),
             sink.lookup_mapping(space.asid, space.interp_base + 0x1b70),
         );
-        // The program: /proc while the process lives, else the name it was exec'd by.
-        let exe = procfs::exe(pid)
-            .ok()
-            .map(|p| procfs::path_in_process(pid, &p))
-            .filter(|p| p.exists())
-            .or_else(|| filename.starts_with('/').then(|| PathBuf::from(filename)).filter(|p| p.exists()));
+        // The program: /proc while the process lives, else the name it was exec'd by (only
+        // that for an exec read late: /proc shows what the pid runs now).
+        let by_name = || filename.starts_with('/').then(|| PathBuf::from(filename)).filter(|p| p.exists());
+        let exe = if news {
+            procfs::exe(pid).ok().map(|p| procfs::path_in_process(pid, &p)).filter(|p| p.exists()).or_else(by_name)
+        } else {
+            by_name()
+        };
         let Some(exe) = exe else {
             log::debug!("pid {pid}: its program {filename:?} cannot be read: its frames are walked by frame pointers");
+            if !news {
+                // What the probes installed at the exec leaves them.
+                self.spaces.forget_range(space.asid, space.code_start, space.code_end, sink);
+            }
             return;
         };
-        self.programs.insert(space.asid, exe.clone());
-        self.prepare_program(&exe, true);
+        if news {
+            self.programs.insert(space.asid, exe.clone());
+            self.prepare_program(&exe, true);
+        }
         if space.code_end > space.code_start
             && let Some((_, segments)) = self.store.identify(&exe)
             && let Some(text) = segments.iter().filter(|s| s.executable).min_by_key(|s| s.vaddr)

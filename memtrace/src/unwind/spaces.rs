@@ -7,12 +7,10 @@
 //! address space no process uses any more leave the trie but stay here a while, to name the
 //! frames of events still on their way.
 //!
-//! Task records reach this in the order the rings are read, not the order they happened
-//! (a parent's fork sits in its CPU's ring, the child's exec in another's, which may be
-//! read first); each change says when it happened, and one older than what is known of
-//! the process is ignored: a late fork must not pull an exec'd child back into its
-//! parent's space (which emptied the new space's ranges out of the probes for the
-//! child's whole life), nor a late exec bring back a process whose exit came first.
+//! A fork, exec or exit older than what is known of its process (read a drain late, from
+//! another CPU's ring) is refused (`crate::lifecycle`): a late fork must not pull an exec'd
+//! child back into its parent's space, which emptied the new space's ranges out of the
+//! probes for the child's whole life.
 use std::{
     collections::VecDeque,
     path::{Path, PathBuf},
@@ -25,7 +23,10 @@ use super::{
     cfi::{Segment, vaddr_of_file_offset},
     store::{Slot, TableSink, TableStore},
 };
-use crate::procfs::{self, Maps};
+use crate::{
+    lifecycle::Lifecycles,
+    procfs::{self, Maps},
+};
 
 /// Where the probes' address-space state goes (the session's `Probes`; a fake in tests).
 pub trait SpaceSink: TableSink {
@@ -74,23 +75,16 @@ struct Space {
 
 /// Address spaces of exited processes kept for naming late events.
 const DEAD_SPACES_KEPT: usize = 1024;
-/// Exits remembered, to refuse a fork or exec record of the same process handled after
-/// its exit (records cross the rings within a drain or two; thousands of exits is far more).
-const EXITS_KEPT: usize = 4096;
 /// Userspace's address-space ids (for processes that existed before tracing began).
 const USER_ASID_BASE: u32 = 1 << 31;
 
 #[derive(Default)]
 pub struct Spaces {
-    /// pid → its address space and when it entered it (ns; 0: learned from `/proc`).
-    asid_of: crate::FastMap<u32, (u32, u64)>,
+    asid_of: crate::FastMap<u32, u32>,
     spaces: crate::FastMap<u32, Space>,
     dead: VecDeque<u32>,
-    /// pid → when it exited, for the last [`EXITS_KEPT`] exits (`exit_order`: oldest first).
-    exited: crate::FastMap<u32, u64>,
-    exit_order: VecDeque<(u32, u64)>,
-    /// Records refused by [`Self::is_news`].
-    late: u64,
+    /// Which task records are news.
+    order: Lifecycles,
     next_user_asid: u32,
 }
 
@@ -119,48 +113,37 @@ impl Spaces {
     }
 
     pub fn asid_of(&self, pid: u32) -> Option<u32> {
-        self.asid_of.get(&pid).map(|&(asid, _)| asid)
+        self.asid_of.get(&pid).copied()
     }
 
     /// Task records handled after a later one of their process and left out.
     pub fn late_records(&self) -> u64 {
-        self.late
+        self.order.late()
     }
 
-    /// Whether a record of `pid` made at `ts_ns` comes after everything known of it: not
-    /// before its exit nor before what put it in its current space.
-    fn is_news(&self, pid: u32, ts_ns: u64) -> bool {
-        self.exited.get(&pid).is_none_or(|&exit| exit < ts_ns)
-            && self.asid_of.get(&pid).is_none_or(|&(_, since)| since <= ts_ns)
-    }
-
-    /// `pid` is in `asid` from `ts_ns` on. Returns whether that is news (see [`Self::is_news`]).
-    fn join(&mut self, pid: u32, asid: u32, ts_ns: u64, sink: &mut dyn SpaceSink) -> bool {
-        if !self.is_news(pid, ts_ns) {
-            self.late += 1;
-            return false;
-        }
-        if let Some((old, _)) = self.asid_of.insert(pid, (asid, ts_ns)) {
+    fn join(&mut self, pid: u32, asid: u32, sink: &mut dyn SpaceSink) {
+        if let Some(old) = self.asid_of.insert(pid, asid) {
             if old == asid {
-                return true;
+                return;
             }
             self.leave(old, sink);
         }
         self.spaces.entry(asid).or_default().pids += 1;
-        true
     }
 
-    fn leave(&mut self, asid: u32, sink: &mut dyn SpaceSink) {
-        let Some(space) = self.spaces.get_mut(&asid) else { return };
+    /// One process fewer in `asid`; returns whether that was its last.
+    fn leave(&mut self, asid: u32, sink: &mut dyn SpaceSink) -> bool {
+        let Some(space) = self.spaces.get_mut(&asid) else { return false };
         space.pids = space.pids.saturating_sub(1);
         if space.pids > 0 {
-            return;
+            return false;
         }
         // Nobody runs in it any more: the probes forget it; its ranges stay here a while.
         for m in &space.mappings {
             remove_entries(asid, m, sink);
         }
         self.bury(asid);
+        true
     }
 
     /// Marks `asid`, which no process uses, dead: kept a while for naming, never again in
@@ -176,45 +159,48 @@ impl Spaces {
         }
     }
 
-    /// `pid` exec'd into address space `asid` (given by the kernel) at `ts_ns`. An exec
-    /// handled after the process's exit (or after a later exec) leaves its space dead: its
-    /// ranges name late frames; the probes never need them.
-    pub fn learn_exec(&mut self, pid: u32, asid: u32, ts_ns: u64, sink: &mut dyn SpaceSink) {
-        if asid == 0 || self.join(pid, asid, ts_ns, sink) {
-            return;
+    /// `pid` exec'd into address space `asid` (given by the kernel) at `ts_ns`. Returns
+    /// whether that is news. An exec read after the process's exit (or a later exec) leaves
+    /// its space dead: its ranges name late frames, and what the probes installed there
+    /// themselves leaves them as the ranges are learned.
+    pub fn learn_exec(&mut self, pid: u32, asid: u32, ts_ns: u64, sink: &mut dyn SpaceSink) -> bool {
+        if asid == 0 {
+            return true;
         }
-        if let std::collections::hash_map::Entry::Vacant(new) = self.spaces.entry(asid) {
-            new.insert(Space::default());
+        if self.order.began(pid, ts_ns) {
+            self.join(pid, asid, sink);
+            return true;
+        }
+        let space = self.spaces.entry(asid).or_default();
+        if space.pids == 0 && !self.dead.contains(&asid) {
+            // Its mappings read in an earlier drain went into the probes.
+            for m in &space.mappings {
+                remove_entries(asid, m, sink);
+            }
             self.bury(asid);
         }
+        false
     }
 
-    /// `child` was forked into its parent's address space `asid` at `ts_ns`.
-    pub fn learn_fork(&mut self, child: u32, asid: u32, ts_ns: u64, sink: &mut dyn SpaceSink) {
+    /// `child` was forked into its parent's address space `asid` at `ts_ns`. Returns
+    /// whether that is news.
+    pub fn learn_fork(&mut self, child: u32, asid: u32, ts_ns: u64, sink: &mut dyn SpaceSink) -> bool {
+        if !self.order.began(child, ts_ns) {
+            return false;
+        }
         if asid != 0 {
-            self.join(child, asid, ts_ns, sink);
+            self.join(child, asid, sink);
         }
+        true
     }
 
-    /// `pid` exited at `ts_ns`. Returns the address space it left, if it was in one.
+    /// `pid` exited at `ts_ns`. Returns the address space it was the last process of.
     pub fn learn_exit(&mut self, pid: u32, ts_ns: u64, sink: &mut dyn SpaceSink) -> Option<u32> {
-        self.exited.insert(pid, ts_ns);
-        self.exit_order.push_back((pid, ts_ns));
-        while self.exit_order.len() > EXITS_KEPT {
-            if let Some((old, at)) = self.exit_order.pop_front()
-                && self.exited.get(&old) == Some(&at)
-            {
-                self.exited.remove(&old);
-            }
-        }
-        // A pid taken again: the new process's fork came first; it stays.
-        if self.asid_of.get(&pid).is_some_and(|&(_, since)| since > ts_ns) {
-            self.late += 1;
+        if !self.order.ended(pid, ts_ns) {
             return None;
         }
-        let (asid, _) = self.asid_of.remove(&pid)?;
-        self.leave(asid, sink);
-        Some(asid)
+        let asid = self.asid_of.remove(&pid)?;
+        self.leave(asid, sink).then_some(asid)
     }
 
     /// An executable mapping the kernel made in `asid` (`path` readable from here, None
@@ -263,9 +249,19 @@ impl Spaces {
         let at = kept.partition_point(|m| m.start < mapping.start);
         if space.pids > 0 || !self.dead.contains(&asid) {
             insert_entries(asid, &mapping, sink);
+        } else {
+            // A dead space: what the probes installed there themselves (at an exec or an
+            // mmap read after the process's exit) leaves them.
+            remove_entries(asid, &mapping, sink);
         }
         kept.insert(at, mapping);
         space.mappings = kept;
+    }
+
+    /// Takes `[start, end)` of `asid` out of the probes (ranges they installed themselves in
+    /// a space that turned out dead).
+    pub fn forget_range(&mut self, asid: u32, start: u64, end: u64, sink: &mut dyn SpaceSink) {
+        remove_range(asid, start, end, sink);
     }
 
     /// Learns a process that existed before tracing began (or whose address space was
@@ -276,15 +272,16 @@ impl Spaces {
         {
             return Some(asid);
         }
+        // What /proc shows is later than any record of the process made before it is read.
+        let seen = crate::session::monotonic_ns();
         let maps = Maps::read(pid).ok()?;
         let proposed = self.next_user_asid;
         let asid = sink.set_asid(pid, proposed, true).ok()?;
         if asid == proposed {
             self.next_user_asid = self.next_user_asid.wrapping_add(1) | USER_ASID_BASE;
         }
-        // What /proc shows now: later than any record of the process still on its way.
-        self.exited.remove(&pid);
-        self.join(pid, asid, crate::session::monotonic_ns(), sink);
+        self.order.seen_alive(pid, seen);
+        self.join(pid, asid, sink);
         for m in maps.mappings.iter().filter(|m| m.executable) {
             let path = m.is_file().then(|| procfs::path_in_process(pid, &m.path));
             self.add_mapping(asid, m.start, m.end - m.start, m.offset, path.as_deref(), store, sink);
@@ -381,7 +378,11 @@ fn insert_entries(asid: u32, m: &Mapping, sink: &mut dyn SpaceSink) {
 }
 
 fn remove_entries(asid: u32, m: &Mapping, sink: &mut dyn SpaceSink) {
-    for (addr, bits) in prefixes(m.start, m.end) {
+    remove_range(asid, m.start, m.end, sink);
+}
+
+fn remove_range(asid: u32, start: u64, end: u64, sink: &mut dyn SpaceSink) {
+    for (addr, bits) in prefixes(start, end) {
         let _ = sink.remove_mapping(MappingKey::new(asid, addr), MappingKey::ASID_BITS + bits);
     }
 }
@@ -529,40 +530,52 @@ pub(crate) mod tests {
         let mut probes = FakeProbes::default();
         // The parent (pid 1) runs in space 5; it forks pid 2 at 100, which execs into
         // space 7 at 200 and maps its code there; the exec is handled first.
-        spaces.learn_exec(1, 5, 10, &mut probes);
+        assert!(spaces.learn_exec(1, 5, 10, &mut probes));
         spaces.add_mapping(5, 0x10000, 0x1000, 0, None, &mut store, &mut probes);
-        spaces.learn_exec(2, 7, 200, &mut probes);
+        assert!(spaces.learn_exec(2, 7, 200, &mut probes));
         spaces.add_mapping(7, 0x40000, 0x1000, 0, None, &mut store, &mut probes);
-        spaces.learn_fork(2, 5, 100, &mut probes);
+        assert!(!spaces.learn_fork(2, 5, 100, &mut probes));
         assert_eq!(spaces.asid_of(2), Some(7));
         assert!(probes.lookup(7, 0x40000).is_some(), "the child's code stays in the probes");
         spaces.add_mapping(7, 0x50000, 0x1000, 0, None, &mut store, &mut probes);
         assert!(probes.lookup(7, 0x50000).is_some(), "and so does what it maps next");
-        // The parent's exit leaves its space (the child never counted in it).
+        // The parent's exit empties its space (the child never counted in it).
         assert_eq!(spaces.learn_exit(1, 300, &mut probes), Some(5));
         assert!(probes.lookup(5, 0x10000).is_none());
         assert!(probes.lookup(7, 0x40000).is_some());
-        // The child's exit is handled before its exec: the exec's space is dead from the
-        // start, named from here, never in the probes.
+        // Pid 3's exit is read before its exec, whose code the probes installed themselves
+        // at the exec: the space is dead from the start, named from here, and what the
+        // probes installed leaves them as its ranges are learned.
+        let value = MappingValue { table: 1, flags: 0, start: 0x60000, end: 0x61000, bias: 0 };
+        probes.insert_mapping(MappingKey::new(9, 0x60000), MappingKey::ASID_BITS + 52, value).unwrap();
         assert_eq!(spaces.learn_exit(3, 500, &mut probes), None);
-        spaces.learn_exec(3, 9, 400, &mut probes);
-        spaces.learn_fork(3, 7, 350, &mut probes);
+        assert!(!spaces.learn_exec(3, 9, 400, &mut probes));
+        assert!(!spaces.learn_fork(3, 7, 350, &mut probes));
         spaces.add_mapping(9, 0x60000, 0x1000, 0, None, &mut store, &mut probes);
         assert_eq!(spaces.asid_of(3), None);
         assert!(probes.lookup(9, 0x60000).is_none());
         assert!(spaces.find(9, 0x60000).is_some(), "kept for naming late frames");
         assert_eq!(spaces.spaces[&7].pids, 1, "the late fork counted nobody in the child's space");
+        // Pid 4's mapping is read a drain before its exec, and its exit before both: the
+        // range that went into the probes leaves them when the exec is read.
+        spaces.add_mapping(11, 0x70000, 0x1000, 0, None, &mut store, &mut probes);
+        assert!(probes.lookup(11, 0x70000).is_some());
+        spaces.learn_exit(4, 520, &mut probes);
+        assert!(!spaces.learn_exec(4, 11, 510, &mut probes));
+        assert!(probes.lookup(11, 0x70000).is_none());
         // The pid taken again by a process forked after that exit is news.
-        spaces.learn_fork(3, 7, 600, &mut probes);
+        assert!(spaces.learn_fork(3, 7, 600, &mut probes));
         assert_eq!(spaces.asid_of(3), Some(7));
         assert_eq!(spaces.spaces[&7].pids, 2);
         // An exit older than the pid's current process leaves that process alone.
         assert_eq!(spaces.learn_exit(3, 550, &mut probes), None);
         assert_eq!(spaces.asid_of(3), Some(7));
-        assert_eq!(spaces.learn_exit(2, 700, &mut probes), Some(7));
+        // The space is the last process's to leave.
+        assert_eq!(spaces.learn_exit(2, 700, &mut probes), None);
+        assert!(probes.lookup(7, 0x40000).is_some());
         assert_eq!(spaces.learn_exit(3, 800, &mut probes), Some(7));
         assert!(probes.trie.is_empty());
-        assert_eq!(spaces.late_records(), 4, "the fork, the exec and fork after the exit, the old exit");
+        assert_eq!(spaces.late_records(), 5, "the fork; pid 3's exec and fork; pid 4's exec; the old exit");
     }
 
     /// Memory made executable by `mprotect` is recorded unless known: a file's pages keep
