@@ -52,8 +52,8 @@ impl Lifecycles {
         true
     }
 
-    /// `pid` as seen now (its `/proc` read at `ts_ns`): later than any of its records still
-    /// on their way, whatever exits of earlier processes of that pid were seen.
+    /// `pid` as `/proc` showed it, read from `ts_ns` on: later than any of its records made
+    /// before that, whatever exits of earlier processes of that pid were seen.
     pub fn seen_alive(&mut self, pid: u32, ts_ns: u64) {
         self.exited.remove(&pid);
         self.since.insert(pid, ts_ns);

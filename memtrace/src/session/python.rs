@@ -200,6 +200,8 @@ impl Tracer {
 
     /// A process exec'd: its new program is looked at.
     pub(super) fn python_exec(&mut self, pid: u32) {
+        // A pid seen exiting before, taken again (its fork may be read after this exec).
+        self.python.exited.remove(&pid);
         self.python.names.forget(pid);
         self.forget_later(pid);
         if self.python.walked.remove(&pid) == Some(true) {

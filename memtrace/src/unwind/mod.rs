@@ -82,8 +82,8 @@ pub struct UnwindStats {
     /// Copies finished before their table was ready (the wait bound, the memory bound,
     /// the end of the session).
     pub gave_up: u64,
-    /// Fork, exec and exit records handled after a later record of their process (read
-    /// from another CPU's ring first) and left out of its address space.
+    /// Fork, exec and exit records handled after a later record of their process (read a
+    /// drain late, from another CPU's ring) and left out of its address space.
     pub late_task_records: u64,
     pub tables: StoreStats,
 }
@@ -233,7 +233,7 @@ impl Unwinder {
         if space.asid == 0 {
             return;
         }
-        let news = self.spaces.learn_exec(pid, space.asid, ts_ns, sink);
+        let live = self.spaces.learn_exec(pid, space.asid, ts_ns, sink);
         log::trace!(
             "exec of {filename} in pid {pid}: asid {} code {:#x}..{:#x} interpreter at {:#x}; the probes have {:?} and {:?}",
             space.asid,
@@ -243,23 +243,29 @@ impl Unwinder {
             sink.lookup_mapping(space.asid, space.code_start),
             sink.lookup_mapping(space.asid, space.interp_base + 0x1b70),
         );
+        if !live {
+            // Read after the process's exit (or a later exec): what the probes installed at
+            // the exec leaves them whatever is found below.
+            self.spaces.forget_range(space.asid, space.code_start, space.code_end, sink);
+        }
         // The program: /proc while the process lives, else the name it was exec'd by (only
-        // that for an exec read late: /proc shows what the pid runs now).
-        let by_name = || filename.starts_with('/').then(|| PathBuf::from(filename)).filter(|p| p.exists());
-        let exe = if news {
+        // that for a space no process runs in any more: /proc shows what the pid runs now).
+        // Not a name that means something else from here (/proc/self/exe is memtrace's).
+        let by_name = || {
+            (filename.starts_with('/') && !filename.starts_with("/proc/") && !filename.starts_with("/dev/fd/"))
+                .then(|| PathBuf::from(filename))
+                .filter(|p| p.exists())
+        };
+        let exe = if live {
             procfs::exe(pid).ok().map(|p| procfs::path_in_process(pid, &p)).filter(|p| p.exists()).or_else(by_name)
         } else {
             by_name()
         };
         let Some(exe) = exe else {
             log::debug!("pid {pid}: its program {filename:?} cannot be read: its frames are walked by frame pointers");
-            if !news {
-                // What the probes installed at the exec leaves them.
-                self.spaces.forget_range(space.asid, space.code_start, space.code_end, sink);
-            }
             return;
         };
-        if news {
+        if live {
             self.programs.insert(space.asid, exe.clone());
             self.prepare_program(&exe, true);
         }

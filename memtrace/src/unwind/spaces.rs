@@ -160,9 +160,10 @@ impl Spaces {
     }
 
     /// `pid` exec'd into address space `asid` (given by the kernel) at `ts_ns`. Returns
-    /// whether that is news. An exec read after the process's exit (or a later exec) leaves
-    /// its space dead: its ranges name late frames, and what the probes installed there
-    /// themselves leaves them as the ranges are learned.
+    /// whether a process runs in that space: the exec is news, or it was read late but the
+    /// process was learned in it from `/proc` meanwhile. An exec read after the process's
+    /// exit (or a later exec) leaves its space dead: its ranges name late frames, and what
+    /// the probes installed there themselves leaves them as the ranges are learned.
     pub fn learn_exec(&mut self, pid: u32, asid: u32, ts_ns: u64, sink: &mut dyn SpaceSink) -> bool {
         if asid == 0 {
             return true;
@@ -172,7 +173,10 @@ impl Spaces {
             return true;
         }
         let space = self.spaces.entry(asid).or_default();
-        if space.pids == 0 && !self.dead.contains(&asid) {
+        if space.pids > 0 {
+            return true;
+        }
+        if !self.dead.contains(&asid) {
             // Its mappings read in an earlier drain went into the probes.
             for m in &space.mappings {
                 remove_entries(asid, m, sink);
@@ -236,18 +240,20 @@ impl Spaces {
             slot,
             build_id: Default::default(),
         };
+        let buried = self.dead.contains(&asid);
         let space = self.spaces.entry(asid).or_default();
+        let in_probes = space.pids > 0 || !buried;
         // What the new range covers is unmapped (the kernel replaced it).
         let mut kept = Vec::with_capacity(space.mappings.len() + 1);
         for m in space.mappings.drain(..) {
             if m.end <= mapping.start || m.start >= mapping.end {
                 kept.push(m);
-            } else if space.pids > 0 {
+            } else if in_probes {
                 remove_entries(asid, &m, sink);
             }
         }
         let at = kept.partition_point(|m| m.start < mapping.start);
-        if space.pids > 0 || !self.dead.contains(&asid) {
+        if in_probes {
             insert_entries(asid, &mapping, sink);
         } else {
             // A dead space: what the probes installed there themselves (at an exec or an
@@ -261,7 +267,9 @@ impl Spaces {
     /// Takes `[start, end)` of `asid` out of the probes (ranges they installed themselves in
     /// a space that turned out dead).
     pub fn forget_range(&mut self, asid: u32, start: u64, end: u64, sink: &mut dyn SpaceSink) {
-        remove_range(asid, start, end, sink);
+        if self.spaces.get(&asid).is_none_or(|s| s.pids == 0) {
+            remove_range(asid, start, end, sink);
+        }
     }
 
     /// Learns a process that existed before tracing began (or whose address space was
@@ -576,6 +584,25 @@ pub(crate) mod tests {
         assert_eq!(spaces.learn_exit(3, 800, &mut probes), Some(7));
         assert!(probes.trie.is_empty());
         assert_eq!(spaces.late_records(), 5, "the fork; pid 3's exec and fork; pid 4's exec; the old exit");
+    }
+
+    /// An exec read a drain late, after its process was learned in that very space from
+    /// `/proc` (the kernel had given it): late, but the space is live, its ranges stay.
+    #[test]
+    fn a_late_exec_into_a_space_learned_from_proc_leaves_it_live() {
+        let pid = std::process::id();
+        let mut spaces = Spaces::new();
+        let mut store = TableStore::new(None, 1, super::super::store::DEFAULT_MAX_BYTES);
+        let mut probes = FakeProbes::default();
+        probes.asids.insert(pid, 77);
+        assert_eq!(spaces.learn_process(pid, &mut store, &mut probes), Some(77));
+        let here = a_function as *const () as u64;
+        assert!(probes.lookup(77, here).is_some());
+        assert!(spaces.learn_exec(pid, 77, 1, &mut probes), "late, and live");
+        assert_eq!(spaces.late_records(), 1);
+        let m = spaces.find(77, here).unwrap().clone();
+        spaces.forget_range(77, m.start, m.end, &mut probes);
+        assert!(probes.lookup(77, here).is_some(), "a live space's ranges are not forgotten");
     }
 
     /// Memory made executable by `mprotect` is recorded unless known: a file's pages keep
