@@ -11,12 +11,19 @@ use std::collections::VecDeque;
 /// Exits remembered, to refuse a fork or exec record of the same process handled after its
 /// exit (records cross the rings within a drain or two; thousands of exits is far more).
 const EXITS_KEPT: usize = 4096;
+/// Beginnings remembered: processes whose exit never comes (children of a traced process
+/// not followed) must not grow the map for the whole session; a process that outlives
+/// this many later forks and execs only stops refusing records older than its start.
+const BEGINNINGS_KEPT: usize = 65536;
 
 #[derive(Default)]
 pub struct Lifecycles {
     /// pid → when the fork or exec that made it what it is now happened (ns, the probes'
     /// clock: `CLOCK_MONOTONIC`).
     since: crate::FastMap<u32, u64>,
+    /// (pid, time) as `since` got them, oldest first; an entry leaves `since` only if it
+    /// still holds that time.
+    since_order: VecDeque<(u32, u64)>,
     /// pid → when it last exited, for the last [`EXITS_KEPT`] exits (`exit_order`: oldest
     /// first; an entry leaves the map only if the map still holds its time).
     exited: crate::FastMap<u32, u64>,
@@ -48,15 +55,27 @@ impl Lifecycles {
             self.late += 1;
             return false;
         }
-        self.since.insert(pid, ts_ns);
+        self.set_since(pid, ts_ns);
         true
+    }
+
+    fn set_since(&mut self, pid: u32, ts_ns: u64) {
+        self.since.insert(pid, ts_ns);
+        self.since_order.push_back((pid, ts_ns));
+        while self.since_order.len() > BEGINNINGS_KEPT {
+            if let Some((old, at)) = self.since_order.pop_front()
+                && self.since.get(&old) == Some(&at)
+            {
+                self.since.remove(&old);
+            }
+        }
     }
 
     /// `pid` as `/proc` showed it, read from `ts_ns` on: later than any of its records made
     /// before that, whatever exits of earlier processes of that pid were seen.
     pub fn seen_alive(&mut self, pid: u32, ts_ns: u64) {
         self.exited.remove(&pid);
-        self.since.insert(pid, ts_ns);
+        self.set_since(pid, ts_ns);
     }
 
     /// `pid` exited at `ts_ns`: whether that ends the process known by that pid (not when
@@ -114,12 +133,18 @@ mod tests {
     }
 
     #[test]
-    fn the_exits_remembered_are_bounded() {
+    fn what_is_remembered_is_bounded() {
         let mut l = Lifecycles::new();
         for i in 0..3 * EXITS_KEPT as u32 {
             l.ended(i % 5000, u64::from(i) + 1);
         }
         assert!(l.exit_order.len() <= EXITS_KEPT);
         assert!(l.exited.len() <= EXITS_KEPT);
+        // Processes that never exit (children not followed): bounded too.
+        for i in 0..2 * BEGINNINGS_KEPT as u32 {
+            assert!(l.began(100_000 + i, u64::from(i) + 1));
+        }
+        assert!(l.since.len() <= BEGINNINGS_KEPT && l.since_order.len() <= BEGINNINGS_KEPT);
+        assert!(!l.began(100_000 + 2 * BEGINNINGS_KEPT as u32 - 1, 1), "the latest still refuse late records");
     }
 }
