@@ -61,7 +61,14 @@ fn try_task_newtask(ctx: &RawTracePointContext) -> Result<(), ()> {
     let child_tgid: u32 = read_kernel_at(task, config!(kernel.task_tgid)).ok_or(())?;
     let is_thread = clone_flags & CLONE_THREAD != 0;
     if !is_thread {
-        share_address_space(child_tgid, parent_tgid);
+        // Only a child that will be traced gets an address space: one not followed sends no
+        // exit, so its entry stayed in `ASIDS` (and counted in its parent's space in
+        // userspace, whose ranges then outlived it in the probes) for the whole session; a
+        // server forking 65,536 workers under `--pid` would have filled the map, leaving
+        // later execs without an address space.
+        if config!(trace_all) != 0 || config!(follow_children) != 0 {
+            share_address_space(child_tgid, parent_tgid);
+        }
         if config!(trace_all) == 0 && config!(follow_children) != 0 {
             // Children of traced processes are traced from their first instruction
             // (record -- CMD; --follow-forks).
