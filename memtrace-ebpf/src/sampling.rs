@@ -51,6 +51,12 @@ pub(crate) fn sample_hit(size: u64, mean: u64) -> bool {
     // SAFETY: this CPU's slot; programs on one CPU do not run concurrently.
     let remaining = unsafe { &mut *slot };
     let size = size.min(i64::MAX as u64) as i64;
+    if *remaining == 0 {
+        // Not drawn yet on this CPU (the map starts zeroed; a countdown is never 0 after a
+        // draw or a step): drawn now, so the first call on each CPU is not always sampled
+        // (that counted a phantom block per CPU at the first site each CPU met).
+        *remaining = exponential_bytes(mean).min(i64::MAX as u64) as i64;
+    }
     if *remaining > size {
         *remaining -= size;
         return false;
