@@ -60,15 +60,7 @@ impl Lifecycles {
     }
 
     fn set_since(&mut self, pid: u32, ts_ns: u64) {
-        self.since.insert(pid, ts_ns);
-        self.since_order.push_back((pid, ts_ns));
-        while self.since_order.len() > BEGINNINGS_KEPT {
-            if let Some((old, at)) = self.since_order.pop_front()
-                && self.since.get(&old) == Some(&at)
-            {
-                self.since.remove(&old);
-            }
-        }
+        remember(&mut self.since, &mut self.since_order, BEGINNINGS_KEPT, pid, ts_ns);
     }
 
     /// `pid` as `/proc` showed it, read from `ts_ns` on: later than any of its records made
@@ -86,21 +78,27 @@ impl Lifecycles {
             return false;
         }
         self.since.remove(&pid);
-        self.exited.insert(pid, ts_ns);
-        self.exit_order.push_back((pid, ts_ns));
-        while self.exit_order.len() > EXITS_KEPT {
-            if let Some((old, at)) = self.exit_order.pop_front()
-                && self.exited.get(&old) == Some(&at)
-            {
-                self.exited.remove(&old);
-            }
-        }
+        remember(&mut self.exited, &mut self.exit_order, EXITS_KEPT, pid, ts_ns);
         true
     }
 
     /// Records refused so far.
     pub fn late(&self) -> u64 {
         self.late
+    }
+}
+
+/// Sets `pid`'s time in `map`, which keeps the last `kept` times set (`order`, oldest
+/// first): an old one leaves the map only if the map still holds it.
+fn remember(map: &mut crate::FastMap<u32, u64>, order: &mut VecDeque<(u32, u64)>, kept: usize, pid: u32, ts_ns: u64) {
+    map.insert(pid, ts_ns);
+    order.push_back((pid, ts_ns));
+    while order.len() > kept {
+        if let Some((old, at)) = order.pop_front()
+            && map.get(&old) == Some(&at)
+        {
+            map.remove(&old);
+        }
     }
 }
 

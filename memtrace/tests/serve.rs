@@ -293,7 +293,13 @@ fn prometheus_stores_a_growing_live_bytes_series_for_the_leak() {
 /// The heap profile after `steps` steps of the service under `serve --pid`, and what the
 /// service says it leaked.
 fn heap_after_the_leak(extra: &[&str]) -> (pprof::Profile, Value, String) {
-    let mut svc = service(&["--leak-steps", "100", "--leak-per-step", "16", "--step-ms", "5"], true);
+    heap_after(&["--leak-steps", "100", "--leak-per-step", "16", "--step-ms", "5"], extra)
+}
+
+/// The heap profile after the service run with `service_args` under `serve --pid`
+/// (`extra` added), and what the service says it allocated.
+fn heap_after(service_args: &[&str], extra: &[&str]) -> (pprof::Profile, Value, String) {
+    let mut svc = service(service_args, true);
     let pid = svc.pid().to_string();
     let mut args = vec!["--pid", &pid, "--no-kernel"];
     args.extend_from_slice(extra);
@@ -321,18 +327,10 @@ fn heap_after_the_leak(extra: &[&str]) -> (pprof::Profile, Value, String) {
 fn pid_sampling_starts_with_a_drawn_countdown_on_every_cpu() {
     require_root();
     let _machine = alone_on_the_machine();
-    let mut svc = service(&["--leak-steps", "3", "--leak-per-step", "1", "--leak-block", "16", "--step-ms", "5"], true);
-    let pid = svc.pid().to_string();
-    let agent = start(&["--pid", &pid, "--no-kernel", "--sample-bytes", "1G"], Stdio::null(), Stdio::null());
-    svc.go();
-    assert_eq!(svc.next()["event"], "started");
-    assert_eq!(svc.next()["event"], "done");
-    thread::sleep(Duration::from_millis(500));
-    let (code, body) = agent.get("/debug/pprof/heap");
-    assert_eq!(code, 200, "{}", String::from_utf8_lossy(&body));
-    let p = pprof::decode_gzipped(&body);
-    let (status, stderr) = agent.stop(libc::SIGTERM);
-    assert_eq!(status, Some(0), "{stderr}");
+    let (p, _, _) = heap_after(
+        &["--leak-steps", "3", "--leak-per-step", "1", "--leak-block", "16", "--step-ms", "5"],
+        &["--sample-bytes", "1G"],
+    );
     for site in ["wl_startup", "wl_steady_leak", "wl_churn"] {
         assert_eq!(p.sum_for(site, 0), 0, "{site}: no allocation sampled");
     }
