@@ -234,6 +234,7 @@ impl Unwinder {
             return;
         }
         let live = self.spaces.learn_exec(pid, space.asid, ts_ns, sink);
+        self.forget_emptied();
         log::trace!(
             "exec of {filename} in pid {pid}: asid {} code {:#x}..{:#x} interpreter at {:#x}; the probes have {:?} and {:?}",
             space.asid,
@@ -309,10 +310,18 @@ impl Unwinder {
     /// `child` was forked into address space `asid`.
     pub fn fork(&mut self, child: u32, asid: u32, ts_ns: u64, sink: &mut dyn SpaceSink) {
         self.spaces.learn_fork(child, asid, ts_ns, sink);
+        self.forget_emptied();
     }
 
     pub fn exit(&mut self, pid: u32, ts_ns: u64, sink: &mut dyn SpaceSink) {
-        if let Some(asid) = self.spaces.learn_exit(pid, ts_ns, sink) {
+        self.spaces.learn_exit(pid, ts_ns, sink);
+        self.forget_emptied();
+    }
+
+    /// Forgets the programs of the spaces no process runs in any more (an exec empties the
+    /// one it leaves as an exit does: kept, they grew by one per exec under `serve -a`).
+    fn forget_emptied(&mut self) {
+        for asid in self.spaces.take_emptied() {
             self.programs.remove(&asid);
         }
     }
@@ -365,7 +374,9 @@ impl Unwinder {
 
     /// Learns a process that existed before tracing began, from its maps.
     pub fn learn_process(&mut self, pid: u32, sink: &mut dyn SpaceSink) -> Option<u32> {
-        self.spaces.learn_process(pid, &mut self.store, sink)
+        let asid = self.spaces.learn_process(pid, &mut self.store, sink);
+        self.forget_emptied();
+        asid
     }
 
     /// Starts building the tables of files a program about to run will map.
@@ -851,6 +862,28 @@ mod tests {
         // The second time every table is there: finished at once.
         let again = unwinder.accept(record, &mut probes).expect("no wait");
         assert_eq!(again.user, whole.user);
+    }
+
+    /// The program of a space is forgotten when its last process leaves it, by an exec as
+    /// by an exit (before, an exec's old space kept its entry for the whole session).
+    #[test]
+    fn a_spaces_program_is_forgotten_when_an_exec_or_exit_empties_it() {
+        let mut unwinder = Unwinder::with_cache(None, &UnwindOptions::default());
+        let mut probes = FakeProbes::default();
+        let pid = std::process::id();
+        let exe = std::fs::read_link("/proc/self/exe").unwrap();
+        let name = exe.to_str().unwrap();
+        let space = |asid| TaskSpace { asid, ..Default::default() };
+        unwinder.exec(pid, name, space(10), 1, &mut probes);
+        assert_eq!(unwinder.programs.keys().collect::<Vec<_>>(), [&10]);
+        unwinder.exec(pid, name, space(11), 2, &mut probes);
+        assert_eq!(unwinder.programs.keys().collect::<Vec<_>>(), [&11], "the space the exec left");
+        // A forked child shares the space: it stays while either runs there.
+        unwinder.fork(pid + 1, 11, 3, &mut probes);
+        unwinder.exit(pid, 4, &mut probes);
+        assert_eq!(unwinder.programs.keys().collect::<Vec<_>>(), [&11]);
+        unwinder.exit(pid + 1, 5, &mut probes);
+        assert!(unwinder.programs.is_empty());
     }
 
     /// A program exec'd while tracing: its own table is asked for at once, the files it

@@ -83,6 +83,9 @@ pub struct Spaces {
     asid_of: crate::FastMap<u32, u32>,
     spaces: crate::FastMap<u32, Space>,
     dead: VecDeque<u32>,
+    /// Spaces emptied since the last [`Spaces::take_emptied`] (an exec leaves its old
+    /// space as an exit does), for what the unwinder keeps per space.
+    emptied: Vec<u32>,
     /// Which task records are news.
     order: Lifecycles,
     next_user_asid: u32,
@@ -143,7 +146,14 @@ impl Spaces {
             remove_entries(asid, m, sink);
         }
         self.bury(asid);
+        self.emptied.push(asid);
         true
+    }
+
+    /// The spaces the last process left (by exit, exec or a reused pid's fork) since the
+    /// last call.
+    pub fn take_emptied(&mut self) -> Vec<u32> {
+        std::mem::take(&mut self.emptied)
     }
 
     /// Marks `asid`, which no process uses, dead: kept a while for naming, never again in
