@@ -654,7 +654,11 @@ pub mod counter {
     /// Kernel stacks unwound anyway that differed from the kept frames whose slots all
     /// matched: the path is always unwound from then on.
     pub const KSTACKS_DIFFERED: u32 = 18;
-    pub const COUNT: u32 = 19;
+    /// User walks whose CPU scratch another program claimed before their frames were sent
+    /// (a thread preempted inside a uprobe program, or a kmem tracepoint in an interrupt):
+    /// their allocations carry only their call site, marked cut short.
+    pub const USER_WALKS_INTERLEAVED: u32 = 19;
+    pub const COUNT: u32 = 20;
 }
 
 /// States of a tgid in the `TRACED` map.
@@ -744,6 +748,11 @@ pub struct ProbeConfig {
     /// Take a repeat kernel stack from its earlier unwind when its return addresses are
     /// all in their slots (`kstack`), rather than unwinding it.
     pub kernel_stack_reuse: u32,
+    /// Tests only (`MEMTRACE_TEST_INTERLEAVE=N`): every N-th claim of a CPU's scratch is
+    /// taken from the user walk that made it before the walk's frames are sent, as
+    /// another program running on the CPU meanwhile would (0: never).
+    pub test_interleave: u32,
+    pub _pad: u32,
     pub kernel: KernelLayout,
     /// Size-weighted sampling of user allocations: each byte is sampled with probability
     /// 1/sample_bytes (0: every allocation is recorded).
@@ -764,6 +773,8 @@ impl ProbeConfig {
             track_mappings: 0,
             cpus: 0,
             kernel_stack_reuse: 0,
+            test_interleave: 0,
+            _pad: 0,
             kernel: KernelLayout {
                 task_pid: 0,
                 task_tgid: 0,
@@ -864,6 +875,13 @@ pub struct InFlight {
     /// costs one lookup of this storage rather than one of the traced set too.
     pub traced_gen: u32,
     pub traced: u32,
+    /// The allocation record the return probe made, waiting for its stack in the program
+    /// it tail-calls: kept with the thread, not in the CPU's scratch, which another thread
+    /// may use meanwhile (a uprobe program can be preempted on a preemptible kernel).
+    pub pending: UserAllocRecord,
+    /// The token the return probe claimed the CPU's scratch with (`Scratch::claim`): the
+    /// walk's frames are sent only while the scratch still holds it.
+    pub claim: u64,
 }
 
 #[cfg(feature = "user")]
@@ -897,9 +915,9 @@ const _: () = {
     assert!(core::mem::size_of::<UserFrame>() == 32);
     assert!(core::mem::size_of::<TaskRecord>() == 56 + COMM_LEN + FILENAME_LEN);
     assert!(core::mem::size_of::<KernelLayout>() == 29 * 4);
-    assert!(core::mem::size_of::<ProbeConfig>() == 44 + 29 * 4 + 8);
+    assert!(core::mem::size_of::<ProbeConfig>() == 52 + 29 * 4 + 8);
     assert!(core::mem::size_of::<CacheRecord>() == 16 + CACHE_NAME_LEN);
     assert!(core::mem::size_of::<SampledKey>() == 16);
-    assert!(core::mem::size_of::<InFlight>() == 48);
+    assert!(core::mem::size_of::<InFlight>() == 48 + 48 + 8);
     assert!(core::mem::size_of::<MappingRecord>() == 48 + FILENAME_LEN);
 };

@@ -51,7 +51,10 @@ pub(crate) fn regs(ctx: &impl EbpfContext) -> *const pt_regs {
 
 #[inline(always)]
 pub(crate) fn scratch() -> Option<&'static mut Scratch> {
-    // SAFETY: this CPU's value, used by one program at a time on this CPU.
+    // SAFETY: this CPU's value, in a map that lives while programs run. Programs on one
+    // CPU may interleave (an interrupt's kmem program, a preempted uprobe program): plain
+    // loads and stores of plain data, whatever they read is memory-safe, and what a walk
+    // sends is checked against its claim (`finish::claim_scratch`).
     SCRATCH.get_ptr_mut(this_cpu()).map(|p| unsafe { &mut *p })
 }
 

@@ -9,13 +9,13 @@ use aya_ebpf::{
     macros::{raw_tracepoint, uretprobe},
     programs::{RawTracePointContext, RetProbeContext},
 };
-use memtrace_common::{KernelAllocRecord, MAX_STACK_DEPTH, UserAllocRecord, counter, flags, stack_hash_step};
+use memtrace_common::{InFlight, KernelAllocRecord, MAX_STACK_DEPTH, UserAllocRecord, counter, flags, stack_hash_step};
 
 use crate::{
-    context::scratch,
+    context::{pid_tgid, scratch},
     maps::{KERNEL_FINISH, Ring, SESSION_FINISH, USER_FINISH},
     ring::{bump, emit, this_ring},
-    stack::{KERNEL_NESTING, join_user_part, kernel_only_stack, kernel_part, user_stack},
+    stack::{KERNEL_NESTING, Scratch, join_user_part, kernel_only_stack, kernel_part, user_stack},
 };
 
 /// What the first half of an allocation program leaves to the second.
@@ -23,7 +23,7 @@ use crate::{
 pub(crate) enum Next {
     /// Nothing to send (not traced, failed call, unsampled, …).
     Done,
-    /// A record waits in the scratch for its stack.
+    /// A record waits for its stack (a user one with its thread, a kernel one in the scratch).
     Finish,
 }
 
@@ -39,6 +39,8 @@ pub(crate) fn pend_kernel_alloc(fill: impl FnOnce(&mut KernelAllocRecord)) -> Re
         return Err(());
     }
     scratch.kernel_depth = level as u32 + 1;
+    // Its walks write over the scratch: a user walk it interrupts must know.
+    claim_scratch(scratch, pid_tgid().2);
     // The mask keeps the index's bound in the verifier's sight (KERNEL_NESTING is a power of two).
     let pending = &mut scratch.pending_kernel[level & (KERNEL_NESTING - 1)];
     // Zeroed a word at a time (`KernelAllocRecord::default()` became a byte-by-byte memset
@@ -71,12 +73,38 @@ fn leave_kernel_level() {
     }
 }
 
-/// Fills the pending user allocation record (zeroed first).
+/// Claims this CPU's scratch for a program running for thread `tid`; returns the claim's
+/// token, new with every claim. Programs on one CPU run one inside another (a kmem
+/// tracepoint in an interrupt) or, on a preemptible kernel, one between the instructions of
+/// another (uprobe programs run with migration, not preemption, disabled): a program that
+/// finds another's token in the scratch before it sends what it built there knows that
+/// was written over.
 #[inline(always)]
-pub(crate) fn pend_user_alloc(fill: impl FnOnce(&mut UserAllocRecord)) -> Result<Next, ()> {
+pub(crate) fn claim_scratch(scratch: &mut Scratch, tid: u32) -> u64 {
+    // Never 0 in the low half ([`stack::INTERLEAVED_CLAIM`] is no token).
+    let seq = scratch.claim_seq.wrapping_add(1).max(1);
+    scratch.claim_seq = seq;
+    let token = (u64::from(tid) << 32) | u64::from(seq);
+    scratch.claim = token;
+    token
+}
+
+/// Fills the pending user allocation record (zeroed first), kept with the thread (its
+/// task storage: `state`, or looked up, made if need be) for the program that sends it
+/// with its stack; claims the scratch the stack is walked in.
+#[inline(always)]
+pub(crate) fn pend_user_alloc(
+    state: Option<&'static mut InFlight>,
+    fill: impl FnOnce(&mut UserAllocRecord),
+) -> Result<Next, ()> {
+    let Some(state) = state.or_else(|| crate::inflight::slot(true)) else {
+        bump(counter::LOST_INFLIGHT);
+        return Err(());
+    };
+    state.pending = UserAllocRecord::default();
+    fill(&mut state.pending);
     let scratch = scratch().ok_or(())?;
-    scratch.pending_user = UserAllocRecord::default();
-    fill(&mut scratch.pending_user);
+    state.claim = claim_scratch(scratch, pid_tgid().2);
     Ok(Next::Finish)
 }
 
@@ -119,8 +147,8 @@ pub(crate) fn finish_user_alloc(ctx: &RetProbeContext, half: Half) {
             }
         };
     }
-    let (Some(ring), Some(scratch)) = (this_ring(), scratch()) else { return };
-    emit::<UserAllocRecord>(ring, |r| *r = scratch.pending_user);
+    let (Some(ring), Some(state)) = (this_ring(), crate::inflight::slot(false)) else { return };
+    emit::<UserAllocRecord>(ring, |r| *r = state.pending);
 }
 
 /// Tail-called by the kmem allocation programs: the kernel stack, then (tail-calling
@@ -212,12 +240,12 @@ pub fn user_finish_session(ctx: RetProbeContext) -> u32 {
 }
 
 fn try_user_finish(ctx: &RetProbeContext) -> Result<(), ()> {
-    let pid = scratch().ok_or(())?.pending_user.pid;
+    // The thread's own record (its storage stays valid while the thread runs this).
+    let state = crate::inflight::slot(false).ok_or(())?;
     let ring = this_ring().ok_or(())?;
-    let stack = user_stack(ctx, ring, pid);
-    let scratch = scratch().ok_or(())?;
+    let stack = user_stack(ctx, ring, state.pending.pid, state.pending.ts_ns, state.claim);
     emit::<UserAllocRecord>(ring, |r| {
-        *r = scratch.pending_user;
+        *r = state.pending;
         if let Some(hash) = stack {
             r.flags |= flags::HAS_STACK;
             r.stack = hash;

@@ -140,7 +140,7 @@ fn try_gpu_return(ctx: &RetProbeContext) -> Result<Next, ()> {
         unsafe { bpf_probe_read_user(state.out as *const u64) }.map_err(|_| ())?
     };
     let failed = result != 0;
-    pend_user_alloc(|r| {
+    pend_user_alloc(None, |r| {
         r.rtype = RecordType::UserAlloc as u8;
         r.kind = state.kind;
         r.allocator = state.device;

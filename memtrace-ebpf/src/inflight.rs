@@ -108,15 +108,7 @@ pub(crate) fn traced_thread(tgid: u32, create: bool) -> Thread {
 
 /// The current thread's storage, whatever it holds; created zeroed first when `create`.
 #[inline(always)]
-fn slot(create: bool) -> Option<&'static mut InFlight> {
+pub(crate) fn slot(create: bool) -> Option<&'static mut InFlight> {
     // SAFETY: the thread's own value: a thread runs one program at a time.
     INFLIGHT.current(create).map(|p| unsafe { &mut *p })
-}
-
-/// The current thread's call returned.
-#[inline(always)]
-pub(crate) fn leave() {
-    if let Some(state) = current() {
-        state.sp = 0;
-    }
 }

@@ -13,7 +13,7 @@ use aya_ebpf::{
 };
 use memtrace_common::{
     KERNEL_STACK_SEED, KernelAllocRecord, MAX_STACK_DEPTH, MAX_USER_DEPTH, MISS_HASH_MARK, RecordType, StackHeader,
-    UNWIND_ANCHORED_COPY_BYTES, UNWIND_COPY_BYTES, USER_STACK_SEED, UnwindMiss, UserAllocRecord, UserFrame, counter,
+    UNWIND_ANCHORED_COPY_BYTES, UNWIND_COPY_BYTES, USER_STACK_SEED, UnwindMiss, UserFrame, counter,
     python::{MAX_PY_FRAMES, PyFrame, PyStackHeader},
     stack_flags, stack_hash_step, unwind_mode,
 };
@@ -21,9 +21,9 @@ use memtrace_common::{
 use crate::{
     context::scratch,
     kstack,
-    maps::{Ring, STACKS_LOST_GEN, STACKS_SENT},
+    maps::{ASIDS, Ring, STACKS_LOST_GEN, STACKS_SENT},
     python::{PY_WINDOW, send_python_once, walk_python},
-    ring::{bump, room_for_copy, wakeup_flags, zero},
+    ring::{bump, emit, room_for_copy, wakeup_flags, zero},
     syscall,
     unwind::{UserRegs, walk_user_tables},
 };
@@ -75,7 +75,6 @@ pub(crate) struct Scratch {
     /// Their kernel parts' hashes and frame counts, from `kmem_finish` to `kmem_user`.
     pub(crate) pending_kernel_hash: [u64; KERNEL_NESTING],
     pub(crate) pending_kernel_frames: [u32; KERNEL_NESTING],
-    pub(crate) pending_user: UserAllocRecord,
     /// Kernel allocations between their two halves on this CPU.
     pub(crate) kernel_depth: u32,
     /// The syscall window of this CPU (`syscall`): the task `syscall_tid` entered syscall
@@ -148,6 +147,13 @@ pub(crate) struct Scratch {
     pub(crate) proc_asid: u32,
     pub(crate) proc_flags: u32,
     pub(crate) proc_gen: u32,
+    /// Who holds this scratch: the token of the last claim (`finish::claim_scratch`), and
+    /// the claims counted, which make each token new. A user walk sends its frames only if
+    /// its token is still here: on a preemptible kernel a uprobe program can be preempted,
+    /// and another thread's programs then run on this CPU with this scratch.
+    pub(crate) claim: u64,
+    pub(crate) claim_seq: u32,
+    pub(crate) _pad_claim: u32,
 }
 
 /// Entries of `Scratch::sent_recent` (a power of two).
@@ -501,17 +507,33 @@ const COPY_SLACK: u64 = 1024;
 
 /// Hash of the user stack of the current task, sending its frames if new.
 #[inline(always)]
-pub(crate) fn user_stack(ctx: &RetProbeContext, ring: &Ring, pid: u32) -> Option<u64> {
+pub(crate) fn user_stack(ctx: &RetProbeContext, ring: &Ring, pid: u32, time: u64, token: u64) -> Option<u64> {
     if config!(user_stacks) == 0 {
         return None;
     }
     let python_hash = walk_python(pid);
     let scratch = scratch()?;
-    scratch.walk_time = scratch.pending_user.ts_ns;
+    scratch.walk_time = time;
     let seed = stack_hash_step(USER_STACK_SEED, pid as u64);
-    let (user, hash) = walk_user(ctx.as_ptr(), scratch, pid, Some(UserRegs::of_return(ctx)), seed);
+    let regs = UserRegs::of_return(ctx);
+    let (user, hash) = walk_user(ctx.as_ptr(), scratch, pid, Some(regs), seed);
     // Not left for a later walk when this one ended before noting its anchors.
     scratch.walk_time = 0;
+    let every = config!(test_interleave);
+    if every != 0 && scratch.claim_seq % every == 0 {
+        // Tests: another program's claim, and what it would write over.
+        scratch.claim = 0;
+        scratch.user_ips[0] = 0;
+        scratch.walk_n = 0;
+    }
+    if scratch.claim != token {
+        // Another program used the scratch while this walk ran: its frames and Python
+        // frames may be that program's. Nor are the other's to be trusted, if it is still
+        // under way (a preempted thread's): no token matches this one.
+        scratch.claim = INTERLEAVED_CLAIM;
+        bump(counter::USER_WALKS_INTERLEAVED);
+        return send_call_site_only(ring, pid, regs.ip);
+    }
     if user.n == 0 {
         return None;
     }
@@ -519,6 +541,64 @@ pub(crate) fn user_stack(ctx: &RetProbeContext, ring: &Ring, pid: u32) -> Option
     let user = UserPart { py_key: send_python_once(hash), ..user };
     send_stack_once(ctx.as_ptr(), ring, scratch, hash, pid, 0, user);
     Some(hash)
+}
+
+/// What no claim's token is (a token's low half counts from 1).
+pub(crate) const INTERLEAVED_CLAIM: u64 = 0;
+
+/// A stack of one frame, the allocation's call site (`ip`, the return address into the
+/// caller), marked cut short, for a walk that cannot be trusted: built in the ring, not in
+/// the scratch, and sent each time (rare), its frame as the configured walk writes its
+/// own (an address in the address space, or a frame-pointer walk's raw address). Returns
+/// its hash.
+#[inline(always)]
+fn send_call_site_only(ring: &Ring, pid: u32, ip: u64) -> Option<u64> {
+    let hash = stack_hash_step(stack_hash_step(INTERLEAVED_SEED, pid as u64), ip);
+    let header = |flags, asid| StackHeader {
+        rtype: RecordType::Stack as u8,
+        flags: flags | stack_flags::TRUNCATED,
+        n_user: 1,
+        pid,
+        hash,
+        asid,
+        n_kernel: 0,
+        _pad: 0,
+        py_key: 0,
+    };
+    if config!(unwind_mode) == unwind_mode::FRAME_POINTERS {
+        emit::<CallSiteFrame>(ring, |r| {
+            r.header = header(0, 0);
+            r.frame.status = UserFrame::BUILD_ID_IP;
+            r.frame.offset_or_ip = ip;
+        });
+    } else {
+        // SAFETY: plain integer value.
+        let asid = unsafe { ASIDS.get(pid) }.copied().unwrap_or(0);
+        emit::<CallSiteIp>(ring, |r| {
+            r.header = header(stack_flags::USER_IPS, asid);
+            r.ip = ip;
+        });
+    }
+    Some(hash)
+}
+
+/// Seeds the hash of a [`send_call_site_only`] stack.
+const INTERLEAVED_SEED: u64 = 0x696e_7465_726c_6576;
+
+/// A stack record with one user frame, an address.
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct CallSiteIp {
+    header: StackHeader,
+    ip: u64,
+}
+
+/// A stack record with one user frame as a frame-pointer walk's.
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct CallSiteFrame {
+    header: StackHeader,
+    frame: UserFrame,
 }
 
 /// The kernel part of a kmem allocation's stack: its frames written after the header in

@@ -13,7 +13,7 @@ use aya_ebpf::{
     macros::{uprobe, uretprobe},
     programs::{ProbeContext, RetProbeContext},
 };
-use memtrace_common::{FreeRecord, InFlight, Kind, RecordType, counter, flags, inflight};
+use memtrace_common::{FreeRecord, Kind, RecordType, counter, flags, inflight};
 
 use crate::{
     context::{pid_tgid, regs},
@@ -187,21 +187,18 @@ pub(crate) fn try_alloc_enter(ctx: &ProbeContext, cookie: u64, session: bool) ->
     }
     // PROT_NONE (0): address space only.
     let no_access = if kind == Kind::Mmap as u8 && arg(2) == 0 { inflight::NO_ACCESS } else { 0 };
-    *slot = InFlight {
-        kind,
-        flags: sampling | glibc | no_access,
-        allocator: (cookie >> memtrace_common::cookie::ALLOCATOR_SHIFT) as u8,
-        lg_align,
-        depth: 0,
-        sp,
-        // Only a reallocation's free (of the old block) is timed at the entry.
-        // SAFETY: no preconditions.
-        ts_entry: if reallocating { unsafe { bpf_ktime_get_ns() } } else { 0 },
-        bytes_req,
-        ptr_arg,
-        traced_gen: slot.traced_gen,
-        traced: slot.traced,
-    };
+    // Field by field: the pending record and claim after them are the return's to write.
+    slot.kind = kind;
+    slot.flags = sampling | glibc | no_access;
+    slot.allocator = (cookie >> memtrace_common::cookie::ALLOCATOR_SHIFT) as u8;
+    slot.lg_align = lg_align;
+    slot.depth = 0;
+    slot.sp = sp;
+    // Only a reallocation's free (of the old block) is timed at the entry.
+    // SAFETY: no preconditions.
+    slot.ts_entry = if reallocating { unsafe { bpf_ktime_get_ns() } } else { 0 };
+    slot.bytes_req = bytes_req;
+    slot.ptr_arg = ptr_arg;
     Ok(true)
 }
 
@@ -269,7 +266,8 @@ pub(crate) fn try_alloc_return(ctx: &RetProbeContext) -> Result<Next, ()> {
         current.depth = current.depth.saturating_sub(1);
         return Ok(Next::Done);
     }
-    crate::inflight::leave();
+    // The call is over (its storage is the thread's: no second lookup).
+    current.sp = 0;
     if sp != state.sp + 8 {
         return Ok(Next::Done); // stale entry: its return was missed
     }
@@ -355,7 +353,7 @@ pub(crate) fn try_alloc_return(ctx: &RetProbeContext) -> Result<Next, ()> {
     } else {
         state.kind
     };
-    pend_user_alloc(|r| {
+    pend_user_alloc(Some(current), |r| {
         r.rtype = RecordType::UserAlloc as u8;
         r.kind = recorded_kind;
         r.allocator = state.allocator;

@@ -75,6 +75,67 @@ fn record_command_counts_every_allocation_exactly() {
     assert_kernel_side(&report);
 }
 
+/// A user walk whose CPU scratch another program took meanwhile (on a preemptible kernel a
+/// uprobe program can be preempted and another thread's run on the CPU; here forced, one
+/// claim in 7, by `MEMTRACE_TEST_INTERLEAVE`, which also writes over the walk's frames as
+/// that program would) sends its allocation whole, with its call site alone, cut short,
+/// and counted: every site's figures stay exact, and no walk sends another's frames.
+#[test]
+fn a_walk_another_program_interleaved_with_keeps_its_record_and_its_call_site() {
+    require_root();
+    let _sharing = sharing_the_machine();
+    let dir = scratch("interleaved");
+    let data = dir.join("interleaved.data");
+    let manifest_path = dir.join("manifest.json");
+    run(memtrace()
+        .env("MEMTRACE_TEST_INTERLEAVE", "7")
+        .args(["record", "-q", "-o"])
+        .arg(&data)
+        .arg("--")
+        .arg(workload())
+        .args(ARGS)
+        .arg("--manifest")
+        .arg(&manifest_path));
+    let manifest = manifest(&manifest_path);
+    let report = report_json(&data, &["--by", "function"]);
+    assert_clean(&report);
+    // The records are the threads' own: exact, each under its call site's function.
+    assert_matches_manifest(&report, &manifest);
+    assert_eq!(report["totals"]["user"]["unmatched_frees"], 0, "{:#}", report["totals"]);
+    let interleaved = report["recorder"]["user_walks_interleaved"].as_u64().unwrap();
+    let returns = report["recorder"]["user_returns"].as_u64().unwrap();
+    // One claim in 7 on each CPU, the kernel allocations' claims among them.
+    assert!(interleaved * 14 >= returns && interleaved * 7 <= returns + 7, "{interleaved} of {returns}");
+    // Counted cut short (the malloc family's and the address space's reserved by mmap).
+    let cut = ["user", "reserved"].map(|d| report["stacks"][d]["allocs_truncated"].as_u64().unwrap_or(0));
+    assert!(
+        cut.iter().sum::<u64>() >= interleaved,
+        "{cut:?} cut short, {interleaved} interleaved: {:#}",
+        report["stacks"]
+    );
+    let warnings = report["warnings"].as_array().unwrap();
+    assert!(
+        warnings
+            .iter()
+            .any(|w| w.as_str().unwrap().starts_with(&format!("{interleaved} user stacks keep their call site"))),
+        "{warnings:#?}"
+    );
+    // The walks left alone are whole, down to the thread's start.
+    let busiest = manifest["sites"].as_array().unwrap().iter().max_by_key(|s| s["allocs"].as_u64()).unwrap();
+    let name = busiest["function"].as_str().unwrap();
+    let stacks = report_json(&data, &["--by", "stack"]);
+    let whole = stacks["sites"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|s| s["frames"][0]["function"] == name && s["truncated"] == false)
+        .filter(|s| s["frames"].as_array().unwrap().iter().any(|f| f["function"] == "start_thread"))
+        .map(|s| s["allocs"].as_u64().unwrap())
+        .sum::<u64>();
+    let all = busiest["allocs"].as_u64().unwrap();
+    assert!(whole > all / 2 && whole < all, "{whole} of {all} {name} allocations whole");
+}
+
 /// A kernel allocation made inside an allocator call (the heap's first growth: `brk` and
 /// page faults under the first `calloc`) has the allocator's caller above it: the return
 /// probe's trampoline stands in that frame's return slot until the call returns, and the

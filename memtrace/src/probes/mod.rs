@@ -154,6 +154,9 @@ pub struct Counters {
     pub kstacks_reused: u64,
     pub kstacks_checked: u64,
     pub kstacks_differed: u64,
+    /// User walks another program on their CPU interleaved with (sent with their call site
+    /// alone, cut short).
+    pub user_walks_interleaved: u64,
     /// Malloc-family returns the probes ran for.
     pub user_returns: u64,
 }
@@ -260,6 +263,17 @@ fn possible_cpus() -> Result<u32> {
     Ok(n)
 }
 
+/// Tests only: `MEMTRACE_TEST_INTERLEAVE=N` takes every N-th claim of a CPU's scratch from
+/// the user walk that made it, as another program running on the CPU meanwhile would
+/// (`ProbeConfig::test_interleave`); 0 (unset): never.
+fn test_interleave() -> u32 {
+    let every = std::env::var("MEMTRACE_TEST_INTERLEAVE").ok().and_then(|v| v.trim().parse().ok()).unwrap_or(0);
+    if every != 0 {
+        log::warn!("MEMTRACE_TEST_INTERLEAVE={every}: one user walk in {every} is cut at its call site (a test)");
+    }
+    every
+}
+
 /// Whether the probes take a repeat kernel stack from its earlier unwind (the default), or
 /// unwind every one (`MEMTRACE_KERNEL_STACK_REUSE=off`, to compare).
 fn kernel_stack_reuse() -> bool {
@@ -292,6 +306,8 @@ impl Probes {
             track_mappings: u32::from(settings.track_mappings),
             cpus: possible_cpus()?,
             kernel_stack_reuse: u32::from(kernel_stack_reuse()),
+            test_interleave: test_interleave(),
+            _pad: 0,
             kernel,
             sample_bytes: settings.sample_bytes.unwrap_or(0),
         };
@@ -681,6 +697,7 @@ impl Probes {
             kstacks_reused: sum(counter::KSTACKS_REUSED)?,
             kstacks_checked: sum(counter::KSTACKS_CHECKED)?,
             kstacks_differed: sum(counter::KSTACKS_DIFFERED)?,
+            user_walks_interleaved: sum(counter::USER_WALKS_INTERLEAVED)?,
             user_returns: sum(counter::USER_RETURNS)?,
         })
     }

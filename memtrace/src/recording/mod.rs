@@ -234,6 +234,11 @@ pub struct Stats {
     pub kernel_stacks_checked: u64,
     #[serde(default)]
     pub kernel_stacks_differed: u64,
+    /// User walks another program running on their CPU interleaved with (a thread
+    /// preempted inside a probe, on a preemptible kernel): their allocations carry their
+    /// call site alone, cut short.
+    #[serde(default)]
+    pub user_walks_interleaved: u64,
     /// User walks of kernel allocations not redone: an earlier allocation in the same
     /// syscall of the same task had walked that user stack.
     #[serde(default)]

@@ -260,6 +260,7 @@ pub fn render_json(a: &Summary, opts: &ReportOptions) -> Result<String> {
             "kernel_stacks_reused": a.stats.kernel_stacks_reused,
             "kernel_stacks_checked": a.stats.kernel_stacks_checked,
             "kernel_stacks_differed": a.stats.kernel_stacks_differed,
+            "user_walks_interleaved": a.stats.user_walks_interleaved,
             "unwind_walks_reused": a.stats.unwind_walks_reused,
             "user_returns": a.stats.user_returns,
             "ring_bytes": a.stats.ring_bytes,

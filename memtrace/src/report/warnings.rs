@@ -193,6 +193,14 @@ pub fn under_counting(
             memtrace_common::KSTACK_CHECK_EVERY - 1
         ));
     }
+    if stats.user_walks_interleaved > 0 {
+        out.push(format!(
+            "{} user stacks keep their call site alone (cut short): another program ran on the CPU while their \
+             walk did, over the same working memory (a thread preempted inside a probe, on a kernel that preempts \
+             kernel code, or a kernel allocation traced in an interrupt)",
+            stats.user_walks_interleaved
+        ));
+    }
     for (&pid, t) in tallies {
         let name = match comms.get(&pid) {
             Some(comm) => format!("process {comm} [{pid}]"),
@@ -276,5 +284,9 @@ mod tests {
         let w = under_counting(&BTreeMap::new(), &comms, &meta, &differed);
         assert_eq!(w.len(), 1, "{w:#?}");
         assert!(w[0].starts_with("2 kernel stacks taken from an earlier unwind"), "{}", w[0]);
+        let interleaved = Stats { user_walks_interleaved: 5, ..Default::default() };
+        let w = under_counting(&BTreeMap::new(), &comms, &meta, &interleaved);
+        assert_eq!(w.len(), 1, "{w:#?}");
+        assert!(w[0].starts_with("5 user stacks keep their call site alone (cut short)"), "{}", w[0]);
     }
 }

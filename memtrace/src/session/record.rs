@@ -514,6 +514,7 @@ fn finish(
         kernel_stacks_reused: counters.kstacks_reused,
         kernel_stacks_checked: counters.kstacks_checked,
         kernel_stacks_differed: counters.kstacks_differed,
+        user_walks_interleaved: counters.user_walks_interleaved,
         unwind_walks_reused: counters.unwind_reused,
         user_returns: counters.user_returns,
         ring_bytes: tracer.ring_bytes,
