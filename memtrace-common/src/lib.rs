@@ -749,8 +749,9 @@ pub struct ProbeConfig {
     /// all in their slots (`kstack`), rather than unwinding it.
     pub kernel_stack_reuse: u32,
     /// Tests only (`MEMTRACE_TEST_INTERLEAVE=N`): every N-th claim of a CPU's scratch is
-    /// taken from the user walk that made it before the walk's frames are sent, as
-    /// another program running on the CPU meanwhile would (0: never).
+    /// taken from the user walk that made it before the walk's check, and the next claim
+    /// after its check (a new stack's record is built then), as another program running
+    /// on the CPU meanwhile would (0: never).
     pub test_interleave: u32,
     pub _pad: u32,
     pub kernel: KernelLayout,

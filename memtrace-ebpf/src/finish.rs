@@ -40,7 +40,9 @@ pub(crate) fn pend_kernel_alloc(fill: impl FnOnce(&mut KernelAllocRecord)) -> Re
     }
     scratch.kernel_depth = level as u32 + 1;
     // Its walks write over the scratch: a user walk it interrupts must know.
-    claim_scratch(scratch, pid_tgid().2);
+    if config!(kernel_stacks) != 0 {
+        claim_scratch(scratch, pid_tgid().2);
+    }
     // The mask keeps the index's bound in the verifier's sight (KERNEL_NESTING is a power of two).
     let pending = &mut scratch.pending_kernel[level & (KERNEL_NESTING - 1)];
     // Zeroed a word at a time (`KernelAllocRecord::default()` became a byte-by-byte memset
@@ -147,7 +149,12 @@ pub(crate) fn finish_user_alloc(ctx: &RetProbeContext, half: Half) {
             }
         };
     }
-    let (Some(ring), Some(state)) = (this_ring(), crate::inflight::slot(false)) else { return };
+    let Some(ring) = this_ring() else { return };
+    let Some(state) = crate::inflight::slot(false) else {
+        // (Before 6.2 the storage can be refused while a program on the CPU holds its lock.)
+        bump(counter::LOST_INFLIGHT);
+        return;
+    };
     emit::<UserAllocRecord>(ring, |r| *r = state.pending);
 }
 
@@ -241,7 +248,10 @@ pub fn user_finish_session(ctx: RetProbeContext) -> u32 {
 
 fn try_user_finish(ctx: &RetProbeContext) -> Result<(), ()> {
     // The thread's own record (its storage stays valid while the thread runs this).
-    let state = crate::inflight::slot(false).ok_or(())?;
+    let Some(state) = crate::inflight::slot(false) else {
+        bump(counter::LOST_INFLIGHT);
+        return Err(());
+    };
     let ring = this_ring().ok_or(())?;
     let stack = user_stack(ctx, ring, state.pending.pid, state.pending.ts_ns, state.claim);
     emit::<UserAllocRecord>(ring, |r| {

@@ -19,9 +19,9 @@ use memtrace_common::{
 };
 
 use crate::{
-    context::scratch,
+    context::{scratch, this_cpu},
     kstack,
-    maps::{ASIDS, Ring, STACKS_LOST_GEN, STACKS_SENT},
+    maps::{ANCHOR_BUFFERS, ANCHORS, ASIDS, Ring, STACKS_LOST_GEN, STACKS_SENT},
     python::{PY_WINDOW, send_python_once, walk_python},
     ring::{bump, emit, room_for_copy, wakeup_flags, zero},
     syscall,
@@ -287,8 +287,12 @@ pub(crate) fn after_miss(ring: &Ring, hash: u64, user: UserPart) -> (u64, UserPa
 /// Writes the stack record for `hash` (header and kernel part already in
 /// `scratch.record`) and sends it, unless it was sent before. Frame-pointer stacks get
 /// their frames with build ids from the kernel; learned-rule stacks get their addresses,
-/// and with `with_copy` the miss registers and a copy of the stack from there.
+/// and with `with_copy` the miss registers and a copy of the stack from there. With a
+/// `claim` (0: none), the record goes only while the scratch still holds it: returns false
+/// when another program took the scratch before the record was sent (nothing sent, the
+/// hash not marked sent).
 #[inline(always)]
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn send_stack_once(
     ctx: *mut c_void,
     ring: &Ring,
@@ -297,25 +301,26 @@ pub(crate) fn send_stack_once(
     pid: u32,
     n_kernel: usize,
     user: UserPart,
-) {
+    claim: u64,
+) -> bool {
     let with_copy = user.with_copy;
     if !with_copy {
         if sent_recently(scratch, hash) {
-            return;
+            return true;
         }
         // SAFETY: value is a plain byte.
         if unsafe { STACKS_SENT.get(hash) }.is_some() {
             remember_sent(scratch, hash);
-            return;
+            return true;
         }
         if STACKS_SENT.insert(hash, 1u8, BPF_NOEXIST as u64).is_err() {
-            return; // another CPU is sending it
+            return true; // another CPU is sending it
         }
     }
     let n_kernel = n_kernel.min(MAX_STACK_DEPTH);
     let user_off = size_of::<StackHeader>() + n_kernel * 8;
     if user_off > USER_PART_MAX_OFF {
-        return;
+        return true;
     }
     let mut n_user_frames = 0usize;
     let mut len = user_off;
@@ -366,7 +371,12 @@ pub(crate) fn send_stack_once(
     // SAFETY: the record buffer starts with room for a header, 8-byte aligned (below).
     unsafe { core::ptr::write(scratch.record.as_mut_ptr() as *mut StackHeader, header) };
     if len > STACK_RECORD_MAX {
-        return;
+        return true;
+    }
+    if claim != 0 && scratch.claim != claim {
+        // Written over since the walk's check (the window is the record's building).
+        forget_sent(hash, with_copy);
+        return false;
     }
     let ring_ptr = ring as *const Ring as *mut c_void;
     // A copy waits for userspace to learn from it: wake the reader at once.
@@ -376,15 +386,22 @@ pub(crate) fn send_stack_once(
         generated::bpf_ringbuf_output(ring_ptr, scratch.record.as_mut_ptr() as *mut c_void, len as u64, flags)
     };
     if ret != 0 {
-        if !with_copy {
-            let _ = STACKS_SENT.remove(hash);
-            // Every CPU's memory of sent stacks is forgotten: one may have seen this hash
-            // in the map before it left.
-            crate::maps::bump_generation(STACKS_LOST_GEN.get_ptr_mut(0));
-        }
+        forget_sent(hash, with_copy);
         bump(counter::LOST_STACKS);
     } else if !with_copy {
         remember_sent(scratch, hash);
+    }
+    true
+}
+
+/// Takes back the mark of stack `hash` as sent (not for a copy, which is never marked).
+#[inline(always)]
+fn forget_sent(hash: u64, with_copy: bool) {
+    if !with_copy {
+        let _ = STACKS_SENT.remove(hash);
+        // Every CPU's memory of sent stacks is forgotten: one may have seen this hash in
+        // the map before it left.
+        crate::maps::bump_generation(STACKS_LOST_GEN.get_ptr_mut(0));
     }
 }
 
@@ -527,20 +544,42 @@ pub(crate) fn user_stack(ctx: &RetProbeContext, ring: &Ring, pid: u32, time: u64
         scratch.walk_n = 0;
     }
     if scratch.claim != token {
-        // Another program used the scratch while this walk ran: its frames and Python
-        // frames may be that program's. Nor are the other's to be trusted, if it is still
-        // under way (a preempted thread's): no token matches this one.
-        scratch.claim = INTERLEAVED_CLAIM;
-        bump(counter::USER_WALKS_INTERLEAVED);
-        return send_call_site_only(ring, pid, regs.ip);
+        return walk_taken(ring, scratch, pid, regs.ip);
     }
     if user.n == 0 {
         return None;
     }
+    if every != 0 && scratch.claim_seq % every == 1 {
+        // Tests: the same, after the check, while the record is built.
+        scratch.claim = 0;
+        scratch.user_ips[0] = 0;
+    }
     let (hash, user) = after_miss(ring, stack_hash_step(hash, python_hash), user);
     let user = UserPart { py_key: send_python_once(hash), ..user };
-    send_stack_once(ctx.as_ptr(), ring, scratch, hash, pid, 0, user);
+    if !send_stack_once(ctx.as_ptr(), ring, scratch, hash, pid, 0, user, token) {
+        return walk_taken(ring, scratch, pid, regs.ip);
+    }
     Some(hash)
+}
+
+/// Another program used the scratch while a walk ran: its frames and Python frames may be
+/// that program's, and the anchors it noted too (this CPU's are dropped). Nor are the
+/// other's to be trusted, if it is still under way (a preempted thread's): no token
+/// matches the scratch's now. Sends the call site alone; returns its hash.
+#[inline(always)]
+fn walk_taken(ring: &Ring, scratch: &mut Scratch, pid: u32, ip: u64) -> Option<u64> {
+    scratch.claim = INTERLEAVED_CLAIM;
+    bump(counter::USER_WALKS_INTERLEAVED);
+    if let Some(a) = ANCHORS.get_ptr_mut(this_cpu()) {
+        // SAFETY: this CPU's value; plain data.
+        let a = unsafe { &mut *a };
+        a.n = 0;
+        a.whole = 0;
+        a.tid = 0;
+        a.buf_n = [0; ANCHOR_BUFFERS];
+        a.buf_tid = [0; ANCHOR_BUFFERS];
+    }
+    send_call_site_only(ring, pid, ip)
 }
 
 /// What no claim's token is (a token's low half counts from 1).
@@ -651,7 +690,7 @@ pub(crate) fn kernel_only_stack(ctx: *mut c_void, ring: &Ring, pid: u32, n_kerne
     }
     let scratch = scratch()?;
     let user = UserPart { n: 0, flags: stack_flags::KERNEL, with_copy: false, asid: 0, py_key: 0 };
-    send_stack_once(ctx, ring, scratch, hash, pid, n_kernel, user);
+    send_stack_once(ctx, ring, scratch, hash, pid, n_kernel, user, 0);
     Some(hash)
 }
 
@@ -719,6 +758,6 @@ pub(crate) fn join_user_part(ctx: *mut c_void, ring: &Ring, pid: u32, n_kernel: 
     let (hash, user) = after_miss(ring, stack_hash_step(hash, python_hash), user);
     let py_key = send_python_once(hash);
     let user = UserPart { flags: user.flags | stack_flags::KERNEL, py_key, ..user };
-    send_stack_once(ctx, ring, scratch, hash, pid, n_kernel, user);
+    send_stack_once(ctx, ring, scratch, hash, pid, n_kernel, user, 0);
     Some(hash)
 }

@@ -264,8 +264,9 @@ fn possible_cpus() -> Result<u32> {
 }
 
 /// Tests only: `MEMTRACE_TEST_INTERLEAVE=N` takes every N-th claim of a CPU's scratch from
-/// the user walk that made it, as another program running on the CPU meanwhile would
-/// (`ProbeConfig::test_interleave`); 0 (unset): never.
+/// the user walk that made it before its check, and the claim after each of those after it
+/// (while a new stack's record is built), as another program running on the CPU meanwhile
+/// would (`ProbeConfig::test_interleave`); 0 (unset): never.
 fn test_interleave() -> u32 {
     let every = std::env::var("MEMTRACE_TEST_INTERLEAVE").ok().and_then(|v| v.trim().parse().ok()).unwrap_or(0);
     if every != 0 {

@@ -322,7 +322,10 @@ impl Unwinder {
     /// one it leaves as an exit does: kept, they grew by one per exec under `serve -a`).
     fn forget_emptied(&mut self) {
         for asid in self.spaces.take_emptied() {
-            self.programs.remove(&asid);
+            // (Unless a process came to it since, `/proc`-learned between two calls.)
+            if !self.spaces.in_use(asid) {
+                self.programs.remove(&asid);
+            }
         }
     }
 

@@ -150,6 +150,11 @@ impl Spaces {
         true
     }
 
+    /// Whether a process runs in `asid`.
+    pub fn in_use(&self, asid: u32) -> bool {
+        self.spaces.get(&asid).is_some_and(|s| s.pids > 0)
+    }
+
     /// The spaces the last process left (by exit, exec or a reused pid's fork) since the
     /// last call.
     pub fn take_emptied(&mut self) -> Vec<u32> {
