@@ -75,6 +75,31 @@ fn record_command_counts_every_allocation_exactly() {
     assert_kernel_side(&report);
 }
 
+/// A command that is a script (a shell wrapper, a pyenv shim) runs as the kernel runs it:
+/// its `#!` interpreter is probed, and the program it execs is followed, counted exactly.
+#[test]
+fn a_script_as_the_command_is_traced_through_what_it_execs() {
+    require_root();
+    let _sharing = sharing_the_machine();
+    let dir = scratch("script");
+    let data = dir.join("script.data");
+    let manifest_path = dir.join("manifest.json");
+    let script = dir.join("wrap.sh");
+    let args = ARGS.join(" ");
+    std::fs::write(
+        &script,
+        format!("#!/bin/sh\nexec {} {args} --manifest {}\n", workload().display(), manifest_path.display()),
+    )
+    .unwrap();
+    use std::os::unix::fs::PermissionsExt as _;
+    std::fs::set_permissions(&script, std::fs::Permissions::from_mode(0o755)).unwrap();
+    run(memtrace().args(["record", "-q", "-o"]).arg(&data).arg("--").arg(&script));
+    let report = report_json(&data, &["--by", "function"]);
+    assert_clean(&report);
+    assert_matches_manifest(&report, &manifest(&manifest_path));
+    assert_eq!(report["exit_code"], 0);
+}
+
 /// A user walk whose CPU scratch another program took meanwhile (on a preemptible kernel a
 /// uprobe program can be preempted and another thread's run on the CPU; here forced, one
 /// claim in 7, by `MEMTRACE_TEST_INTERLEAVE`, which also writes over the walk's frames as

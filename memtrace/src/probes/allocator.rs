@@ -493,6 +493,26 @@ fn search_dirs(name: &str, runpath: &[PathBuf]) -> Option<PathBuf> {
         .find(|p| p.is_file())
 }
 
+/// The program the kernel runs for `path`: a script's interpreter, named by its `#!` line
+/// (through up to 4 scripts, as the kernel's `binfmt_script`), else `path` itself. What
+/// the interpreter then execs (`#!/usr/bin/env python3`, a pyenv shim) is followed as any
+/// exec of a traced process.
+pub fn program_behind(path: &Path) -> PathBuf {
+    use std::io::Read as _;
+    let mut program = path.to_path_buf();
+    for _ in 0..4 {
+        let mut head = [0u8; 256];
+        let n = fs::File::open(&program).and_then(|mut f| f.read(&mut head)).unwrap_or(0);
+        let Some(line) = head[..n].strip_prefix(b"#!") else { break };
+        let line = &line[..line.iter().position(|&b| b == b'\n').unwrap_or(line.len())];
+        let Some(interpreter) = String::from_utf8_lossy(line).split_whitespace().next().map(PathBuf::from) else {
+            break;
+        };
+        program = interpreter;
+    }
+    program
+}
+
 /// The files a program at `exe` maps when exec'd with our environment: itself, its
 /// interpreter, what it preloads and every library it needs, in lookup order.
 pub fn program_files(exe: &Path) -> Vec<PathBuf> {
@@ -502,6 +522,7 @@ pub fn program_files(exe: &Path) -> Vec<PathBuf> {
         .filter(|s| !s.is_empty())
         .filter_map(|s| search_dirs(s, &[]))
         .collect();
+    let exe = &program_behind(exe);
     let mut files = lookup_order(exe, &preload, &search_dirs);
     if let Some(interp) = ElfFile::open(exe).ok().and_then(|e| e.interpreter()) {
         files.push(PathBuf::from(interp));
@@ -523,7 +544,7 @@ pub fn all_for_executable(exe: &Path, preload: Option<&[PathBuf]>, prefix: &str)
         None => ours.split([':', ' ']).filter(|s| !s.is_empty()).map(PathBuf::from).collect(),
     };
     let preload: Vec<PathBuf> = names.iter().filter_map(|s| search_dirs(&s.to_string_lossy(), &[])).collect();
-    let order = lookup_order(exe, &preload, &search_dirs);
+    let order = lookup_order(&program_behind(exe), &preload, &search_dirs);
     Ok(with_prefixed(resolve(&order, prefix)?, &order))
 }
 
@@ -760,5 +781,25 @@ mod tests {
     fn an_unknown_prefix_is_a_clear_error() {
         let err = for_process(std::process::id(), "nosuchprefix_").unwrap_err().to_string();
         assert!(err.contains("nosuchprefix_malloc"), "{err}");
+    }
+
+    /// A script names the program that runs it: `#!` lines are followed (a pyenv shim, a
+    /// shell wrapper), an ELF file or a missing one is itself.
+    #[test]
+    fn a_script_is_run_by_the_program_its_first_line_names() {
+        let dir = std::env::temp_dir().join(format!("memtrace-shebang-{}", std::process::id()));
+        fs::create_dir_all(&dir).unwrap();
+        let inner = dir.join("inner");
+        fs::write(&inner, "#!/bin/sh -e\nexec true\n").unwrap();
+        let outer = dir.join("outer");
+        fs::write(&outer, format!("#! {}\n", inner.display())).unwrap();
+        assert_eq!(program_behind(&outer), Path::new("/bin/sh"));
+        assert_eq!(program_behind(Path::new("/bin/sh")), Path::new("/bin/sh"));
+        assert_eq!(program_behind(&dir.join("missing")), dir.join("missing"));
+        let looping = dir.join("loop");
+        fs::write(&looping, format!("#!{}\n", looping.display())).unwrap();
+        assert_eq!(program_behind(&looping), looping, "stops after 4");
+        assert!(for_executable(&outer, "").is_ok(), "the shell's allocator");
+        let _ = fs::remove_dir_all(&dir);
     }
 }
