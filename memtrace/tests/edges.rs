@@ -505,6 +505,46 @@ fn reserved_memory_is_counted_apart_from_the_programs() {
     assert!(text.lines().any(|l| l.trim_start().starts_with("reserved ")), "{text}");
 }
 
+/// Unmapping a mapping's head, its tail or a hole in it frees those bytes, and the rest
+/// stays live (glibc trims every new thread arena so); the mapping is freed once, when its
+/// last piece goes.
+#[test]
+fn a_partial_munmap_frees_what_it_covers_and_the_mapping_once() {
+    require_root();
+    let _sharing = sharing_the_machine();
+    let dir = scratch("partial-munmap");
+    let prog = compile(
+        &dir,
+        "trim",
+        r#"
+#include <sys/mman.h>
+#define MIB (1L << 20)
+static char *map(long len) {
+    return mmap(0, len, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+}
+int main(void) {
+    char *x = map(8 * MIB), *y = map(8 * MIB), *z = map(8 * MIB);
+    munmap(x, 2 * MIB);           /* the head */
+    munmap(y + 6 * MIB, 2 * MIB); /* the tail */
+    munmap(z + 3 * MIB, 2 * MIB); /* a hole */
+    char *w = map(2 * MIB);
+    munmap(z, 8 * MIB);           /* both sides of the hole: z is freed */
+    munmap(x + 2 * MIB, 6 * MIB); /* the rest of x (w may be where x's head was) */
+    return w == MAP_FAILED;
+}
+"#,
+    );
+    let data = dir.join("t.data");
+    run(memtrace().args(["record", "-q", "--no-kernel", "-o"]).arg(&data).arg("--").arg(&prog));
+    let report = report_json(&data, &["--by", "function"]);
+    let main = site(&report, "map").unwrap_or_else(|| panic!("{report:#}"));
+    const MIB: u64 = 1 << 20;
+    assert_eq!((&main["allocs"], &main["frees"], &main["live_allocs"]), (&4.into(), &2.into(), &2.into()), "{main:#}");
+    assert_eq!(main["live_bytes_req"], 8 * MIB, "y's 6 MiB and w's 2: {main:#}");
+    assert_eq!(main["peak_live_bytes_req"], 24 * MIB, "{main:#}");
+    assert_eq!(report["totals"]["user"]["unmatched_frees"], 0, "{:#}", report["totals"]);
+}
+
 #[test]
 fn kernel_sites_start_at_the_caller_and_never_print_the_same_name() {
     require_root();

@@ -9,6 +9,7 @@ pub mod diff;
 pub mod histogram;
 pub mod peak;
 mod recent;
+mod regions;
 mod sampling;
 pub mod sizes;
 pub mod timeline;
@@ -19,7 +20,6 @@ use std::collections::{BTreeMap, HashSet};
 use memtrace_common::{Kind, Space, TaskEvent, flags};
 use serde::Serialize;
 
-use self::recent::RecentFrees;
 pub use self::{
     histogram::Histogram,
     peak::{Peak, PeakTracker},
@@ -27,6 +27,7 @@ pub use self::{
     sizes::SizeHistogram,
     timeline::Timeline,
 };
+use self::{recent::RecentFrees, regions::Regions};
 use crate::event::{Alloc, Event, Free};
 
 /// User or kernel; and, apart from the user's, the memory the C library and its allocator
@@ -145,6 +146,12 @@ impl Stats {
         self.live_bytes_alloc -= block.bytes_alloc * block.count;
     }
 
+    /// Part of a live block's bytes went (a mapping's head, tail or a hole unmapped).
+    fn on_cut(&mut self, part: &LiveBlock) {
+        self.live_bytes_req -= part.bytes_req * part.count;
+        self.live_bytes_alloc -= part.bytes_alloc * part.count;
+    }
+
     /// Adds another group's figures (the peak of a merge is an upper bound).
     pub fn merge(&mut self, o: &Self) {
         self.allocs += o.allocs;
@@ -228,13 +235,13 @@ pub struct Analyzer<G: FnMut(&Origin) -> u32> {
     heap: crate::FastMap<u32, crate::FastMap<u64, LiveBlock>>,
     /// Kernel blocks (slab objects, pages).
     kernel: crate::FastMap<(Space, u64), LiveBlock>,
-    /// mmap regions, per process instance; they are freed by range.
-    mmaps: BTreeMap<(u32, u64), (u64, LiveBlock)>,
+    /// mmap regions, per process instance; they are freed by range, in part or whole.
+    mmaps: Regions,
     /// GPU blocks (device pointers, physical-memory handles, reserved ranges), per process
     /// instance.
     gpu: crate::FastMap<(Space, u32, u64), LiveBlock>,
     /// GPU mappings, per process instance; unmapped by range.
-    gpu_maps: BTreeMap<(u32, u64), (u64, LiveBlock)>,
+    gpu_maps: Regions,
     /// Blocks whose process exec'd or exited while they were live.
     orphans: Vec<LiveBlock>,
     /// Per process instance: addresses freed lately.
@@ -289,9 +296,9 @@ impl<G: FnMut(&Origin) -> u32> Analyzer<G> {
             totals: BTreeMap::new(),
             heap: Default::default(),
             kernel: Default::default(),
-            mmaps: BTreeMap::new(),
+            mmaps: Regions::default(),
             gpu: Default::default(),
-            gpu_maps: BTreeMap::new(),
+            gpu_maps: Regions::default(),
             orphans: Vec::new(),
             recent_frees: Default::default(),
             pending_unmatched: Default::default(),
@@ -317,8 +324,14 @@ impl<G: FnMut(&Origin) -> u32> Analyzer<G> {
 
     /// A block of a counted group became live (`added`) or stopped being live at `ts_ns`.
     fn live_changed(&mut self, b: &LiveBlock, added: bool, ts_ns: u64) {
+        self.live_bytes_changed(b, b.count, added, ts_ns);
+    }
+
+    /// As [`Self::live_changed`], for `allocs` of the block's allocations (0: a part of a
+    /// mapping unmapped, the mapping still live).
+    fn live_bytes_changed(&mut self, b: &LiveBlock, allocs: u64, added: bool, ts_ns: u64) {
         let (domain, bytes) = (Domain::of(b.kind), b.bytes_req * b.count);
-        self.peak.change(b.group, domain, bytes, b.count, added, ts_ns);
+        self.peak.change(b.group, domain, bytes, allocs, added, ts_ns);
         if let Some(t) = &mut self.timeline {
             t.change(b.group, domain, b.pid, bytes, added, ts_ns);
         }
@@ -453,26 +466,40 @@ impl<G: FnMut(&Origin) -> u32> Analyzer<G> {
             self.totals(a.kind, a.stack).stats.on_untracked_alloc(a.bytes_req, a.bytes_alloc, count);
             return;
         }
-        let replaced = match space.0 {
-            Space::Mmap => self.mmaps.insert((space.1, a.ptr), (a.bytes_alloc, block)).map(|(_, b)| b),
+        let replaced: Vec<regions::Cut> = match space.0 {
+            Space::Mmap => self.mmaps.insert(space.1, a.ptr, a.bytes_alloc, block),
+            Space::GpuMap => self.gpu_maps.insert(space.1, a.ptr, a.bytes_alloc, block),
             Space::Heap => {
                 if let Some(recent) = self.recent_frees.get_mut(&space.1) {
                     recent.remove(a.ptr);
                 }
-                self.heap.entry(space.1).or_default().insert(a.ptr, block)
+                self.heap
+                    .entry(space.1)
+                    .or_default()
+                    .insert(a.ptr, block)
+                    .map(regions::Cut::whole)
+                    .into_iter()
+                    .collect()
             }
-            Space::Slab | Space::Page => self.kernel.insert((space.0, a.ptr), block),
-            Space::GpuMap => self.gpu_maps.insert((space.1, a.ptr), (a.bytes_alloc, block)).map(|(_, b)| b),
+            Space::Slab | Space::Page => {
+                self.kernel.insert((space.0, a.ptr), block).map(regions::Cut::whole).into_iter().collect()
+            }
             Space::GpuMemory | Space::GpuHandle | Space::GpuReserve => {
-                self.gpu.insert((space.0, space.1, a.ptr), block)
+                self.gpu.insert((space.0, space.1, a.ptr), block).map(regions::Cut::whole).into_iter().collect()
             }
         };
-        if replaced.is_none() {
-            self.live_count += 1;
-        }
-        if let Some(old) = replaced
-            && old.group != EXCLUDED
-        {
+        self.live_count += 1;
+        for cut in replaced {
+            if !cut.gone {
+                // A mapping over part of a live one: that part was unmapped.
+                self.cut(&cut.block, a.ts_ns);
+                continue;
+            }
+            self.live_count -= 1;
+            let old = cut.block;
+            if old.group == EXCLUDED {
+                continue;
+            }
             // The old block's free was never seen: retire it silently as freed.
             self.groups[old.group as usize].on_free(&old);
             self.totals(old.kind, old.stack).stats.on_free(&old);
@@ -486,6 +513,17 @@ impl<G: FnMut(&Origin) -> u32> Analyzer<G> {
         self.groups[group as usize].on_alloc(a.bytes_req, a.bytes_alloc, count);
         self.totals(a.kind, a.stack).stats.on_alloc(a.bytes_req, a.bytes_alloc, count);
         self.live_changed(&block, true, a.ts_ns);
+    }
+
+    /// Part of a live mapping was unmapped: `part` is the mapping's block with the bytes
+    /// taken; it stays live.
+    fn cut(&mut self, part: &LiveBlock, ts_ns: u64) {
+        if part.group == EXCLUDED {
+            return;
+        }
+        self.live_bytes_changed(part, 0, false, ts_ns);
+        self.groups[part.group as usize].on_cut(part);
+        self.totals(part.kind, part.stack).stats.on_cut(part);
     }
 
     fn retire(&mut self, block: LiveBlock, f: &Free, temporary: bool) {
@@ -518,15 +556,17 @@ impl<G: FnMut(&Origin) -> u32> Analyzer<G> {
     fn free(&mut self, f: &Free) {
         let space = self.space(f.kind, f.pid);
         if matches!(space.0, Space::Mmap | Space::GpuMap) {
-            // munmap (cuMemUnmap) frees every region starting inside [ptr, ptr + len);
-            // unmaps of regions never seen mapped are the allocator's own (large chunks)
-            // and are ignored.
+            // munmap (cuMemUnmap) frees what it covers of every mapping in [ptr, ptr + len):
+            // whole mappings, or their heads, tails or holes. Unmaps of regions never seen
+            // mapped are the allocator's own (large chunks) and are ignored.
             let end = f.ptr.saturating_add(u64::from(f.arg.max(1)) * 4096);
             let regions = if space.0 == Space::Mmap { &mut self.mmaps } else { &mut self.gpu_maps };
-            let keys: Vec<(u32, u64)> = regions.range((space.1, f.ptr)..(space.1, end)).map(|(k, _)| *k).collect();
-            let blocks: Vec<LiveBlock> = keys.iter().map(|k| regions.remove(k).expect("key from range").1).collect();
-            for block in blocks {
-                self.retire(block, f, false);
+            for cut in regions.unmap(space.1, f.ptr, end) {
+                if cut.gone {
+                    self.retire(cut.block, f, false);
+                } else {
+                    self.cut(&cut.block, f.ts_ns);
+                }
             }
             return;
         }
@@ -582,12 +622,8 @@ impl<G: FnMut(&Origin) -> u32> Analyzer<G> {
         };
         self.recent_frees.remove(&instance);
         let mut gone: Vec<LiveBlock> = self.heap.remove(&instance).unwrap_or_default().into_values().collect();
-        let regions: Vec<(u32, u64)> =
-            self.mmaps.range((instance, 0)..=(instance, u64::MAX)).map(|(k, _)| *k).collect();
-        gone.extend(regions.iter().filter_map(|k| self.mmaps.remove(k)).map(|(_, b)| b));
-        let maps: Vec<(u32, u64)> =
-            self.gpu_maps.range((instance, 0)..=(instance, u64::MAX)).map(|(k, _)| *k).collect();
-        gone.extend(maps.iter().filter_map(|k| self.gpu_maps.remove(k)).map(|(_, b)| b));
+        gone.extend(self.mmaps.take_instance(instance));
+        gone.extend(self.gpu_maps.take_instance(instance));
         let blocks: Vec<(Space, u32, u64)> = self.gpu.keys().filter(|k| k.1 == instance).copied().collect();
         gone.extend(blocks.iter().filter_map(|k| self.gpu.remove(k)));
         for mut block in gone {
@@ -626,9 +662,9 @@ impl<G: FnMut(&Origin) -> u32> Analyzer<G> {
             .values()
             .flat_map(|m| m.values())
             .chain(self.kernel.values())
-            .chain(self.mmaps.values().map(|(_, b)| b))
+            .chain(self.mmaps.blocks())
             .chain(self.gpu.values())
-            .chain(self.gpu_maps.values().map(|(_, b)| b))
+            .chain(self.gpu_maps.blocks())
             .chain(self.orphans.iter())
             .filter(|b| b.group != EXCLUDED)
     }

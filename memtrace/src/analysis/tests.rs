@@ -144,6 +144,40 @@ fn munmap_frees_every_region_in_its_range_and_ignores_the_rest() {
 }
 
 #[test]
+fn munmap_of_a_head_a_tail_or_a_hole_frees_those_bytes_and_the_mapping_once() {
+    const MIB: u64 = 1 << 20;
+    let unmap = |ts: u64, ptr: u64, len: u64| {
+        let mut e = free(ts, 1, 1, Kind::Munmap, ptr);
+        if let Event::Free(f) = &mut e {
+            f.arg = (len / 4096) as u32;
+        }
+        e
+    };
+    let (x, y, z) = (0x1000_0000, 0x2000_0000, 0x3000_0000);
+    let mut events = vec![
+        alloc(1, 1, 1, Kind::Mmap, x, 8 * MIB, 8 * MIB, 1),
+        alloc(2, 1, 1, Kind::Mmap, y, 8 * MIB, 8 * MIB, 1),
+        alloc(3, 1, 1, Kind::Mmap, z, 8 * MIB, 8 * MIB, 1),
+        unmap(4, x, 2 * MIB),
+        unmap(5, y + 6 * MIB, 2 * MIB),
+        unmap(6, z + 3 * MIB, 2 * MIB),
+        alloc(7, 1, 1, Kind::Mmap, 0x4000_0000, 2 * MIB, 2 * MIB, 1),
+    ];
+    let a = run(&events);
+    let g = &a.groups[1];
+    assert_eq!((g.allocs, g.frees, g.live_allocs), (4, 0, 4));
+    assert_eq!((g.live_bytes_req, g.live_bytes_alloc), (20 * MIB, 20 * MIB));
+    assert_eq!(a.peak.peaks()[&Domain::User].live_bytes_req, 24 * MIB);
+    events.push(unmap(8, z, 8 * MIB));
+    events.push(unmap(9, x, 8 * MIB));
+    let a = run(&events);
+    let g = &a.groups[1];
+    assert_eq!((g.frees, g.live_allocs, g.live_bytes_req), (2, 2, 8 * MIB));
+    assert_eq!(g.lifetimes.count(), 2);
+    assert_eq!(a.live_blocks().map(|b| b.bytes_req).sum::<u64>(), 8 * MIB);
+}
+
+#[test]
 fn a_free_right_after_the_allocation_is_temporary() {
     let a = run(&[
         alloc(1, 1, 1, Kind::Malloc, 0x1000, 8, 24, 1),
