@@ -545,6 +545,51 @@ int main(void) {
     assert_eq!(report["totals"]["user"]["unmatched_frees"], 0, "{:#}", report["totals"]);
 }
 
+/// A grandchild freeing its copies of its grandparent's blocks frees the grandparent's
+/// blocks, not ones never seen allocated, though the child between them allocated nothing.
+#[test]
+fn a_grandchild_freeing_inherited_blocks_is_not_told_as_unmatched() {
+    require_root();
+    let _sharing = sharing_the_machine();
+    let dir = scratch("grandchild");
+    let prog = compile(
+        &dir,
+        "generations",
+        r#"
+#include <stdlib.h>
+#include <sys/wait.h>
+#include <unistd.h>
+int main(void) {
+    void *blocks[100];
+    for (int i = 0; i < 100; i++)
+        blocks[i] = malloc(64);
+    pid_t child = fork();
+    if (child == 0) {
+        pid_t grandchild = fork();
+        if (grandchild == 0) {
+            for (int i = 0; i < 100; i++)
+                free(blocks[i]);
+            _exit(0);
+        }
+        waitpid(grandchild, 0, 0);
+        _exit(0);
+    }
+    waitpid(child, 0, 0);
+    return 0;
+}
+"#,
+    );
+    let data = dir.join("g.data");
+    let out = run(memtrace().args(["record", "--no-kernel", "-o"]).arg(&data).arg("--").arg(&prog));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!stderr.contains("without"), "no warning of unmatched frees: {stderr}");
+    let report = report_json(&data, &["--by", "function"]);
+    let user = &report["totals"]["user"];
+    assert_eq!((&user["inherited_frees"], &user["unmatched_frees"]), (&100.into(), &0.into()), "{user:#}");
+    let main = site(&report, "main").unwrap_or_else(|| panic!("{report:#}"));
+    assert_eq!((&main["allocs"], &main["frees"], &main["live_allocs"]), (&100.into(), &0.into(), &100.into()));
+}
+
 #[test]
 fn kernel_sites_start_at_the_caller_and_never_print_the_same_name() {
     require_root();

@@ -6,6 +6,7 @@
 //!
 //! Over 500 lines: pairing is one state machine over events; peaks, timelines, sizes, sampling and lifetimes are in their own files.
 pub mod diff;
+mod forks;
 pub mod histogram;
 pub mod peak;
 mod recent;
@@ -20,6 +21,7 @@ use std::collections::{BTreeMap, HashSet};
 use memtrace_common::{Kind, Space, TaskEvent, flags};
 use serde::Serialize;
 
+use self::{forks::Forks, recent::RecentFrees, regions::Regions};
 pub use self::{
     histogram::Histogram,
     peak::{Peak, PeakTracker},
@@ -27,7 +29,6 @@ pub use self::{
     sizes::SizeHistogram,
     timeline::Timeline,
 };
-use self::{recent::RecentFrees, regions::Regions};
 use crate::event::{Alloc, Event, Free};
 
 /// User or kernel; and, apart from the user's, the memory the C library and its allocator
@@ -254,9 +255,8 @@ pub struct Analyzer<G: FnMut(&Origin) -> u32> {
     /// pid → current address-space instance.
     instances: crate::FastMap<u32, u32>,
     next_instance: u32,
-    /// Forked processes, until they exec or exit: the parent's address space (instance)
-    /// and the time of the fork.
-    forked_from: crate::FastMap<u32, (u32, u64)>,
+    /// Forked processes' ancestors, until they exec or exit.
+    forks: Forks,
     /// tid → its most recent allocation, for spotting temporaries.
     last_alloc: crate::FastMap<u32, (SpaceKey, u64)>,
     pub last_ts: u64,
@@ -305,7 +305,7 @@ impl<G: FnMut(&Origin) -> u32> Analyzer<G> {
             unmatched_by_pid: Default::default(),
             instances: Default::default(),
             next_instance: 1,
-            forked_from: Default::default(),
+            forks: Forks::default(),
             last_alloc: Default::default(),
             last_ts: 0,
             first_ts: None,
@@ -380,10 +380,9 @@ impl<G: FnMut(&Origin) -> u32> Analyzer<G> {
                 {
                     self.totals.entry(Domain::User).or_default().allocator_frees += n;
                 }
-                if t.event == TaskEvent::Fork
-                    && let Some(&parent) = self.instances.get(&t.ppid)
-                {
-                    self.forked_from.insert(t.pid, (parent, t.ts_ns));
+                if t.event == TaskEvent::Fork {
+                    let parent_space = self.instance(t.ppid);
+                    self.forks.forked(t.pid, t.ppid, parent_space, t.ts_ns);
                 }
                 if t.ends_address_space() {
                     self.end_process(t.pid, ts);
@@ -602,21 +601,18 @@ impl<G: FnMut(&Origin) -> u32> Analyzer<G> {
         }
     }
 
-    /// Whether `ptr`, freed by `pid` without an allocation of its own, is a block of the
-    /// parent `pid` was forked from, allocated before the fork (still live there, or freed
-    /// there since).
+    /// Whether `ptr`, freed by `pid` without an allocation of its own, is a block of an
+    /// address space `pid`'s heap was copied from, allocated before the copy.
     fn inherited(&self, pid: u32, ptr: u64) -> bool {
-        let Some(&(parent, forked_at)) = self.forked_from.get(&pid) else { return false };
-        match self.heap.get(&parent).and_then(|m| m.get(&ptr)) {
-            Some(block) => block.ts_ns <= forked_at,
-            None => self.recent_frees.get(&parent).is_some_and(|r| r.contains(ptr)),
-        }
+        let allocated = |space: u32, ptr: u64| self.heap.get(&space).and_then(|m| m.get(&ptr)).map(|b| b.ts_ns);
+        let freed = |space: u32, ptr: u64| self.recent_frees.get(&space).is_some_and(|r| r.contains(ptr));
+        self.forks.inherited(pid, ptr, allocated, freed)
     }
 
     /// The process's address space is gone: its live blocks stay counted as live (leaked at
     /// exit) but can no longer be freed; later events of the pid start a new space.
     fn end_process(&mut self, pid: u32, ts_ns: u64) {
-        self.forked_from.remove(&pid);
+        self.forks.ended(pid);
         let Some(instance) = self.instances.remove(&pid) else {
             return;
         };

@@ -383,3 +383,25 @@ fn a_forked_child_freeing_its_parents_blocks_is_not_an_unmatched_free() {
     assert_eq!((user.stats.frees, user.stats.live_allocs), (2, 2));
     assert_eq!(a.unmatched_by_pid.get(&2), Some(&3));
 }
+
+#[test]
+fn a_grandchild_freeing_its_grandparents_blocks_is_not_an_unmatched_free() {
+    let a = run(&[
+        alloc(1, 1, 1, Kind::Malloc, 0x1000, 8, 24, 1),
+        // The middle process allocates nothing of its own before or after forking.
+        task(2, TaskEvent::Fork, 2, 1),
+        alloc(3, 1, 1, Kind::Malloc, 0x2000, 8, 24, 1), // after the first fork: not copied
+        task(4, TaskEvent::Fork, 3, 2),
+        free(5, 3, 3, Kind::Free, 0x1000),
+        free(6, 3, 3, Kind::Free, 0x2000),
+        // A great-grandchild of a middle that allocated one block before forking.
+        alloc(7, 3, 3, Kind::Malloc, 0x5000, 8, 24, 2),
+        task(8, TaskEvent::Fork, 4, 3),
+        free(9, 4, 4, Kind::Free, 0x1000),
+        free(10, 4, 4, Kind::Free, 0x5000),
+    ]);
+    let user = &a.totals[&Domain::User];
+    assert_eq!((user.inherited_frees, user.unmatched_frees), (3, 1), "{user:?}");
+    assert_eq!(a.unmatched_by_pid.get(&3), Some(&1));
+    assert_eq!((user.stats.frees, user.stats.live_allocs), (0, 3));
+}

@@ -5,7 +5,7 @@
 //! PyTorch the `Analyzer` held 100 MB of live blocks for it, and 129 MB of groups.
 use memtrace_common::{Space, TaskEvent, flags};
 
-use super::recent::RecentFrees;
+use super::{forks::Forks, recent::RecentFrees};
 use crate::event::{Alloc, Event, Free};
 
 /// Pairs user heap allocations and frees to count, per pid, the frees whose allocation
@@ -20,8 +20,8 @@ pub struct UnmatchedFrees {
     pending: crate::FastMap<u32, (u32, u64)>,
     instances: crate::FastMap<u32, u32>,
     next_instance: u32,
-    /// Forked processes until they exec or exit: the parent's instance, the fork's time.
-    forked_from: crate::FastMap<u32, (u32, u64)>,
+    /// Forked processes' ancestors, until they exec or exit.
+    forks: Forks,
     /// From this time on, user events were sampled (frees of unsampled blocks arrive).
     sample_from: Option<u64>,
     /// pid → frees of heap blocks whose allocation was not seen (after [`Self::finish`]).
@@ -44,12 +44,12 @@ impl UnmatchedFrees {
                     self.pending.remove(&t.tid);
                 }
                 if t.event == TaskEvent::Fork
-                    && let Some(&parent) = self.instances.get(&t.ppid)
+                    && let Some(parent_space) = self.instance(memtrace_common::Kind::Malloc, t.ppid)
                 {
-                    self.forked_from.insert(t.pid, (parent, t.ts_ns));
+                    self.forks.forked(t.pid, t.ppid, parent_space, t.ts_ns);
                 }
                 if t.ends_address_space() {
-                    self.forked_from.remove(&t.pid);
+                    self.forks.ended(t.pid);
                     if let Some(instance) = self.instances.remove(&t.pid) {
                         self.recent_frees.remove(&instance);
                         self.heap.remove(&instance);
@@ -114,14 +114,12 @@ impl UnmatchedFrees {
         self.pending.entry(f.tid).or_insert((f.pid, 0)).1 += 1;
     }
 
-    /// Whether `ptr` is a block of the parent `pid` was forked from, allocated before the
-    /// fork (still live there, or freed there since).
+    /// Whether `ptr` is a block of an address space `pid`'s heap was copied from, allocated
+    /// before the copy.
     fn inherited(&self, pid: u32, ptr: u64) -> bool {
-        let Some(&(parent, forked_at)) = self.forked_from.get(&pid) else { return false };
-        match self.heap.get(&parent).and_then(|m| m.get(&ptr)) {
-            Some(&ts) => ts <= forked_at,
-            None => self.recent_frees.get(&parent).is_some_and(|r| r.contains(ptr)),
-        }
+        let allocated = |space: u32, ptr: u64| self.heap.get(&space).and_then(|m| m.get(&ptr)).copied();
+        let freed = |space: u32, ptr: u64| self.recent_frees.get(&space).is_some_and(|r| r.contains(ptr));
+        self.forks.inherited(pid, ptr, allocated, freed)
     }
 }
 
