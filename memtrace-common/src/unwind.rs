@@ -72,38 +72,48 @@ pub const UPROBE_TRAMPOLINE_PAGE: u64 = 0x7fff_ffff_e000;
 
 // A row is 8 bytes: the pc (relative to the table's base) in the high 32 bits, the rule in
 // the low 32: kind in bits 0..3, the rbp offset in 8-byte units in bits 3..12 (signed, so
-// ±2 KiB), the CFA offset in bytes in bits 12..32 (signed, so ±512 KiB).
+// ±2 KiB), the CFA offset in bits 12..32: bit 12 says its unit, bits 13..32 hold it
+// (signed): bytes (±256 KiB) or, for larger frames, 8-byte words (±2 MiB: rustc's
+// `run_compiler` closure keeps 527 KiB of locals; a frame past 256 KiB is word-aligned).
 const KIND_BITS: u32 = 3;
 const RBP_BITS: u32 = 9;
 const CFA_BITS: u32 = 20;
+/// Bits of the CFA offset's value (the field's other bit is its unit).
+const CFA_VALUE_BITS: u32 = CFA_BITS - 1;
 
 const fn fits_signed(v: i64, bits: u32) -> bool {
     let limit = 1i64 << (bits - 1);
     v >= -limit && v < limit
 }
 
-/// Packs a rule into 32 bits; a rule whose offsets do not fit (a frame of more than
-/// 512 KiB, an rbp saved more than 2 KiB away or not 8-byte aligned) becomes a stop.
+/// Packs a rule into 32 bits; a rule whose offsets do not fit (a frame of 2 MiB or more,
+/// or of more than 256 KiB not a multiple of 8 bytes; an rbp saved more than 2 KiB away or
+/// not 8-byte aligned) becomes a stop.
 pub const fn encode_rule(rule: UnwindRule) -> u32 {
     let rbp = rule.rbp_offset as i64;
     let cfa = rule.cfa_offset as i64;
-    if rule.kind as u32 >= (1 << KIND_BITS)
-        || rbp % 8 != 0
-        || !fits_signed(rbp / 8, RBP_BITS)
-        || !fits_signed(cfa, CFA_BITS)
-    {
+    let value_mask = (1u32 << CFA_VALUE_BITS) - 1;
+    let cfa_field = if fits_signed(cfa, CFA_VALUE_BITS) {
+        (cfa as u32 & value_mask) << 1
+    } else if cfa % 8 == 0 && fits_signed(cfa / 8, CFA_VALUE_BITS) {
+        ((cfa / 8) as u32 & value_mask) << 1 | 1
+    } else {
+        return kind::STOP as u32;
+    };
+    if rule.kind as u32 >= (1 << KIND_BITS) || rbp % 8 != 0 || !fits_signed(rbp / 8, RBP_BITS) {
         return kind::STOP as u32;
     }
     let rbp_units = (rbp / 8) as u32 & ((1 << RBP_BITS) - 1);
-    let cfa_bits = cfa as u32 & ((1 << CFA_BITS) - 1);
-    rule.kind as u32 | rbp_units << KIND_BITS | cfa_bits << (KIND_BITS + RBP_BITS)
+    rule.kind as u32 | rbp_units << KIND_BITS | cfa_field << (KIND_BITS + RBP_BITS)
 }
 
 pub const fn decode_rule(bits: u32) -> UnwindRule {
     let kind = (bits & ((1 << KIND_BITS) - 1)) as u8;
     // Sign-extend each field by shifting it to the top of an i32 and back.
     let rbp_units = (((bits >> KIND_BITS) << (32 - RBP_BITS)) as i32) >> (32 - RBP_BITS);
-    let cfa = ((bits >> (KIND_BITS + RBP_BITS)) << (32 - CFA_BITS)) as i32 >> (32 - CFA_BITS);
+    let cfa_field = bits >> (KIND_BITS + RBP_BITS);
+    let cfa_value = ((cfa_field >> 1) << (32 - CFA_VALUE_BITS)) as i32 >> (32 - CFA_VALUE_BITS);
+    let cfa = if cfa_field & 1 != 0 { cfa_value * 8 } else { cfa_value };
     UnwindRule { cfa_offset: cfa, rbp_offset: (rbp_units * 8) as i16, kind, _pad: 0 }
 }
 
@@ -446,11 +456,15 @@ mod tests {
         for r in [
             rule(kind::CFA_SP, 8, 0),
             rule(kind::CFA_SP, 65_560, 0),
-            rule(kind::CFA_SP, (1 << 19) - 1, 0),
+            rule(kind::CFA_SP, (1 << 18) - 1, 0),
+            rule(kind::CFA_SP, (1 << 18) + 8, 0),
+            rule(kind::CFA_SP, 540_080, -16), // rustc's run_compiler closure
+            rule(kind::CFA_SP, (2 << 20) - 8, 0),
             rule(kind::CFA_BP, 16, -16),
             rule(kind::CFA_BP_DEREF, -8, -16),
             rule(kind::CFA_BP, 16, 1016),
-            rule(kind::CFA_BP, -(1 << 19), -2048),
+            rule(kind::CFA_BP, -(1 << 18), -2048),
+            rule(kind::CFA_BP, -(2 << 20), 0),
             UnwindRule::OUTERMOST,
             UnwindRule::SIGNAL,
             UnwindRule::STOP,
@@ -459,7 +473,13 @@ mod tests {
             assert_eq!(row_pc(encode_row(0x1234, r)), 0x1234);
         }
         // What does not fit stops the walk instead of walking wrongly.
-        for r in [rule(kind::CFA_SP, 1 << 19, 0), rule(kind::CFA_BP, 16, -12), rule(kind::CFA_BP, 16, 2048)] {
+        for r in [
+            rule(kind::CFA_SP, 2 << 20, 0),
+            rule(kind::CFA_SP, (1 << 18) + 4, 0),
+            rule(kind::CFA_BP, -(2 << 20) - 8, 0),
+            rule(kind::CFA_BP, 16, -12),
+            rule(kind::CFA_BP, 16, 2048),
+        ] {
             assert_eq!(row_rule(encode_row(0, r)).kind, kind::STOP, "{r:?}");
         }
     }

@@ -201,10 +201,23 @@ fn a_library_a_program_loaded_last_time_is_ready_before_it_loads_it_again() {
 
 #[test]
 fn frames_larger_than_any_copy_unwind_whole() {
+    assert_frames_unwind_whole("big-frames", FRAMES);
+}
+
+/// A frame past 512 KiB (rustc's `run_compiler` closure keeps 527 KiB of locals): its
+/// CFA offset is kept in 8-byte words in the table's row.
+#[test]
+fn a_frame_of_600_kib_unwinds_whole() {
+    assert_frames_unwind_whole("huge-frame", &FRAMES.replace("huge[65536]", "huge[600 * 1024]"));
+}
+
+/// Records `source` (FRAMES, with other sizes) and asserts that both its sites have whole
+/// stacks, one row each.
+fn assert_frames_unwind_whole(name: &str, source: &str) {
     require_root();
     let _sharing = sharing_the_machine();
-    let dir = scratch("big-frames");
-    let prog = cc(&dir, "frames", FRAMES, &[]);
+    let dir = scratch(name);
+    let prog = cc(&dir, "frames", source, &[]);
     let data = dir.join("frames.data");
     record(&data, &[("MEMTRACE_CACHE_DIR", dir.join("cache").to_str().unwrap())], &["-q"], &[&prog]);
     let report = report_json(&data, &["--by", "stack", "--domain", "user"]);

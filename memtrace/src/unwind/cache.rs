@@ -25,8 +25,9 @@ use std::{
 use super::{cfi::Segment, table::Table};
 
 /// Bumped whenever the table format or how tables are built changes: older entries are
-/// rebuilt. 3: of two rows at one pc of an FDE the later one (ab7ede2).
-pub const FORMAT_VERSION: u32 = 3;
+/// rebuilt. 3: of two rows at one pc of an FDE the later one (ab7ede2). 4: CFA offsets
+/// past 256 KiB in 8-byte words (frames up to 2 MiB).
+pub const FORMAT_VERSION: u32 = 4;
 const MAGIC: &[u8; 8] = b"MTUNWTB\0";
 /// Default bound of the cache's size.
 pub const DEFAULT_MAX_BYTES: u64 = 512 << 20;
