@@ -344,6 +344,28 @@ pub struct FileTable {
     pub exec_size: u64,
     pub interp_exec_vaddr: u64,
     pub interp_exec_size: u64,
+    /// A second executable segment whose virtual address less its file offset differs
+    /// from the first's (libLLVM puts its hot code apart, 2 MiB-aligned, where offset and
+    /// address agree): the page-aligned file offset ld.so maps it from, and its delta;
+    /// `exec2_offset` 0: none.
+    pub exec2_offset: u64,
+    pub exec2_delta: u64,
+}
+
+impl FileTable {
+    /// The delta of the executable segment a mapping of file offset `offset` (page
+    /// aligned, as ld.so maps a segment) holds; None: not one of the segments known here,
+    /// whose bias the probes cannot tell (userspace installs the range).
+    #[inline(always)]
+    pub const fn delta_at(&self, offset: u64) -> Option<u64> {
+        if offset == self.exec_vaddr.wrapping_sub(self.delta) & !0xfff {
+            Some(self.delta)
+        } else if self.exec2_offset != 0 && offset == self.exec2_offset {
+            Some(self.exec2_delta)
+        } else {
+            None
+        }
+    }
 }
 
 pub const NO_SLOT: u32 = u32::MAX;
@@ -437,7 +459,7 @@ const _: () = {
     assert!(core::mem::size_of::<MappingValue>() == 32);
     assert!(core::mem::size_of::<UnwindMiss>() == 48 + 16 * RESUME_SPS && RESUME_SPS <= 8);
     assert!(core::mem::size_of::<FileId>() == 16);
-    assert!(core::mem::size_of::<FileTable>() == 48);
+    assert!(core::mem::size_of::<FileTable>() == 64);
 };
 
 #[cfg(test)]
@@ -482,6 +504,26 @@ mod tests {
         ] {
             assert_eq!(row_rule(encode_row(0, r)).kind, kind::STOP, "{r:?}");
         }
+    }
+
+    #[test]
+    fn a_mapping_takes_the_delta_of_the_segment_it_maps() {
+        // libLLVM's two executable segments: at 0x449a9a4 (address 0x449b9a4) and at
+        // 0x8600000 (address 0x8600000).
+        let t = FileTable {
+            delta: 0x1000,
+            exec_vaddr: 0x449_b9a4,
+            exec_size: 0x3ee_331c,
+            exec2_offset: 0x860_0000,
+            exec2_delta: 0,
+            ..Default::default()
+        };
+        assert_eq!(t.delta_at(0x449_a000), Some(0x1000));
+        assert_eq!(t.delta_at(0x860_0000), Some(0));
+        assert_eq!(t.delta_at(0), None, "the file's read-only head");
+        assert_eq!(t.delta_at(0x837_d000), None);
+        let one = FileTable { delta: 0, exec_vaddr: 0x1000, exec_size: 0x5000, ..Default::default() };
+        assert_eq!((one.delta_at(0x1000), one.delta_at(0)), (Some(0), None));
     }
 
     #[test]

@@ -191,13 +191,15 @@ fn try_exit_mmap(ret: u64) -> Result<(), ()> {
     let anonymous = args.fd == u64::MAX;
     let asid = asid_of(tgid).unwrap_or(0);
     // A file whose table userspace registered: the probes add the range themselves, so
-    // the code is walkable before userspace hears of it.
+    // the code is walkable before userspace hears of it (a segment whose bias they cannot
+    // tell is left to userspace, which knows every segment).
     if !anonymous
         && asid != 0
         && let Some(file) = fd_file(args.fd as u32)
         && let Some(t) = file_table(file)
+        && let Some(delta) = t.delta_at(args.offset)
     {
-        let bias = start.wrapping_sub(args.offset).wrapping_sub(t.delta);
+        let bias = start.wrapping_sub(args.offset).wrapping_sub(delta);
         install_range(asid, start, start.wrapping_add(args.len), t.slot, bias);
     }
     // SAFETY: copied into the record below before the map can change it.

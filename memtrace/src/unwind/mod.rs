@@ -352,6 +352,16 @@ impl Unwinder {
             );
         }
         let asid = if m.asid != 0 { m.asid } else { self.spaces.asid_of(m.pid).unwrap_or(0) };
+        log::trace!(
+            "mapping in pid {} (asid {}, from the probes {}): {:#x}+{:#x} at offset {:#x} of {:?}",
+            m.pid,
+            asid,
+            m.asid,
+            m.start,
+            m.len,
+            m.file_offset,
+            path
+        );
         let (start, len) = if m.made_executable {
             match self.spaces.protected_range(asid, m.start, m.start.saturating_add(m.len)) {
                 Some((lo, hi)) => (lo, hi - lo),

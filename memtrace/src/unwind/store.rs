@@ -313,21 +313,35 @@ fn batches(done: Vec<Finished>) -> Vec<Vec<Finished>> {
     out
 }
 
+/// Where a file's code lies, for the probes: its first executable segment and, where a
+/// second one's address less its offset differs (libLLVM's 2 MiB-aligned hot code), that
+/// one too. None: no code.
+fn file_table_entry(segments: &[Segment], slot: Slot) -> Option<FileTable> {
+    let text = segments.iter().filter(|s| s.executable).min_by_key(|s| s.vaddr).copied()?;
+    let delta = text.vaddr.wrapping_sub(text.file_offset);
+    let other = segments
+        .iter()
+        .filter(|s| s.executable && s.vaddr.wrapping_sub(s.file_offset) != delta && s.file_offset & !0xfff != 0)
+        .min_by_key(|s| s.vaddr);
+    Some(FileTable {
+        slot,
+        interp_slot: NO_SLOT,
+        delta,
+        exec_vaddr: text.vaddr,
+        exec_size: text.file_size,
+        interp_exec_vaddr: 0,
+        interp_exec_size: 0,
+        exec2_offset: other.map_or(0, |s| s.file_offset & !0xfff),
+        exec2_delta: other.map_or(0, |s| s.vaddr.wrapping_sub(s.file_offset)),
+    })
+}
+
 /// How the probes learn of the file of `slot`: its identity, where its code lies, and
 /// the interpreter (ld.so) it asks for, whose table must be ready first. None: nothing to
 /// register (no identity, or an empty table: its frames are walked by frame pointers).
 fn registration(path: &Path, table: &Table, slot: Slot) -> Option<(FileId, FileTable, Option<PathBuf>)> {
     let id = kernel_file_id(path)?;
-    let text = table.segments.iter().filter(|s| s.executable).min_by_key(|s| s.vaddr).copied()?;
-    let entry = FileTable {
-        slot,
-        interp_slot: NO_SLOT,
-        delta: text.vaddr.wrapping_sub(text.file_offset),
-        exec_vaddr: text.vaddr,
-        exec_size: text.file_size,
-        interp_exec_vaddr: 0,
-        interp_exec_size: 0,
-    };
+    let entry = file_table_entry(&table.segments, slot)?;
     let interp = crate::elf::ElfFile::open(path).ok().and_then(|e| e.interpreter()).map(|interp| {
         // The interpreter as the program will see it: under the same root.
         match path.to_str().and_then(|p| p.strip_prefix("/proc/")).and_then(|p| p.split_once("/root/")) {
@@ -776,6 +790,30 @@ mod tests {
             self.0.extend(tables.iter().map(|(slot, table)| (*slot, table.elements().len())));
             tables.iter().map(|_| Ok(None)).collect()
         }
+    }
+
+    #[test]
+    fn each_code_segment_a_mapping_may_hold_has_its_delta() {
+        let seg = |file_offset, vaddr, file_size, executable| Segment { file_offset, vaddr, file_size, executable };
+        // libLLVM.so (rustc 1.95): two code segments, 0x1000 and 0 apart from their offsets.
+        let llvm = [
+            seg(0, 0, 0x449_a9a4, false),
+            seg(0x449_a9a4, 0x449_b9a4, 0x3ee_331c, true),
+            seg(0x837_dcc0, 0x837_fcc0, 0x1c_34a8, false),
+            seg(0x860_0000, 0x860_0000, 0x215_7044, true),
+        ];
+        let t = file_table_entry(&llvm, 3).unwrap();
+        assert_eq!(
+            (t.slot, t.delta, t.exec_vaddr, t.exec2_offset, t.exec2_delta),
+            (3, 0x1000, 0x449_b9a4, 0x860_0000, 0)
+        );
+        assert_eq!((t.delta_at(0x449_a000), t.delta_at(0x860_0000)), (Some(0x1000), Some(0)));
+        // One code segment, or two alike: nothing more.
+        let libc =
+            [seg(0, 0, 0x26000, false), seg(0x26000, 0x26000, 0x155_000, true), seg(0x17c000, 0x17c000, 0x4000, true)];
+        let t = file_table_entry(&libc, 1).unwrap();
+        assert_eq!((t.delta, t.exec2_offset), (0, 0));
+        assert!(file_table_entry(&llvm[..1], 1).is_none());
     }
 
     #[test]
