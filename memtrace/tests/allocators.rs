@@ -328,6 +328,64 @@ fn a_static_musl_malloc_is_recognised_and_keeps_the_request() {
     assert_eq!(s["bytes_alloc"], req, "musl's usable size is the request");
 }
 
+/// A command that execs a program with an allocator of its own (rustup's `rustc` proxy
+/// execs the toolchain's rustc and its jemalloc; here a script execs a static musl
+/// program): found at the exec, its probes come too late for a short program's first
+/// allocations; the next `record` of the command probes it from the start, and counts every
+/// one.
+#[test]
+fn a_program_a_command_execd_with_its_own_allocator_is_probed_from_the_next_start() {
+    require_root();
+    let _sharing = sharing_the_machine();
+    let dir = scratch("exec-own-allocator");
+    let exe = dir.join("musl_alloc");
+    let source = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/programs/musl_alloc.c");
+    let status = Command::new("musl-gcc")
+        .args(["-static", "-O2", "-g", "-o"])
+        .arg(&exe)
+        .arg(&source)
+        .status()
+        .expect("musl-gcc (cargo xtask setup installs musl-tools)");
+    assert!(status.success());
+    let script = dir.join("launch.sh");
+    std::fs::write(&script, format!("#!/bin/sh\nexec {}\n", exe.display())).unwrap();
+    use std::os::unix::fs::PermissionsExt as _;
+    std::fs::set_permissions(&script, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let cache = dir.join("cache");
+    let record = |name: &str| {
+        let data = dir.join(name);
+        let out = run(memtrace()
+            .env("MEMTRACE_CACHE_DIR", &cache)
+            .env("MEMTRACE_LOG", "debug")
+            .args(["record", "-q", "--no-kernel", "-o"])
+            .arg(&data)
+            .arg("--")
+            .arg(&script));
+        (report_json(&data, &["--by", "function"]), String::from_utf8_lossy(&out.stderr).into_owned())
+    };
+    let (first, _) = record("first.data");
+    let seen_first = site(&first, "wl_musl_malloc").map_or(0, |s| s["allocs"].as_u64().unwrap());
+    assert!(seen_first <= 300, "{seen_first}");
+    for run_name in ["second.data", "third.data"] {
+        let (report, log) = record(run_name);
+        assert!(log.contains("probing ahead the allocators of 1 programs"), "{log}");
+        let s = site(&report, "wl_musl_malloc").unwrap_or_else(|| panic!("{report:#}"));
+        assert_eq!((&s["allocs"], &s["frees"]), (&300.into(), &300.into()), "{run_name}: {s:#}");
+        let musl = report["allocators"].as_array().unwrap().iter().find(|a| a["family"] == "musl");
+        assert!(musl.is_some_and(|a| a["allocs"] == 300), "{:#}", report["allocators"]);
+    }
+    // Without the cache, nothing is remembered or probed ahead.
+    let data = dir.join("uncached.data");
+    let out = run(memtrace()
+        .env("MEMTRACE_CACHE_DIR", &cache)
+        .env("MEMTRACE_LOG", "debug")
+        .args(["record", "-q", "--no-kernel", "--no-unwind-cache", "-o"])
+        .arg(&data)
+        .arg("--")
+        .arg(&script));
+    assert!(!String::from_utf8_lossy(&out.stderr).contains("probing ahead"));
+}
+
 /// Compiles the usable-size program against an allocator and returns its step function.
 fn real_steps(link: &str, define: &str, api: &str, align: u64, dir: &Path) -> Vec<(u64, u64)> {
     let source = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/programs/usable_sizes.c");

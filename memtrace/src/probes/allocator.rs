@@ -154,8 +154,34 @@ pub fn classify(names: &dyn Fn(&str) -> bool, prefix: &str) -> Family {
         Family::Tcmalloc
     } else if names("__libc_malloc_impl") || names("__malloc_context") {
         Family::Musl
+    } else if names("jemalloc_constructor") || names("jemalloc_postfork_child") {
+        // jemalloc linked in without its own API exported (rustc, through tikv-jemalloc-sys:
+        // only the C names), known by its functions in the symbol table.
+        Family::Jemalloc
     } else {
         Family::Unknown
+    }
+}
+
+#[cfg(test)]
+mod classify_tests {
+    use super::*;
+
+    fn family(symbols: &[&str], prefix: &str) -> Family {
+        classify(&|n| symbols.contains(&n), prefix)
+    }
+
+    #[test]
+    fn a_family_is_told_by_its_symbols() {
+        let glibc = ["malloc", "free", "__libc_malloc", "malloc_trim"];
+        assert_eq!(family(&glibc, ""), Family::Glibc);
+        assert_eq!(family(&["je_mallocx", "je_sdallocx", "je_mallctl"], "je_"), Family::Jemalloc);
+        assert_eq!(family(&["malloc", "free", "mi_malloc", "mi_free", "__libc_malloc"], ""), Family::Mimalloc);
+        // rustc's binary: the C names, and jemalloc's own functions in .symtab only.
+        let rustc = ["malloc", "free", "malloc_usable_size", "jemalloc_constructor", "jemalloc_postfork_child"];
+        assert_eq!(family(&rustc, ""), Family::Jemalloc);
+        assert_eq!(family(&["malloc", "free"], ""), Family::Unknown);
+        assert_eq!(family(&["my_malloc", "my_free", "jemalloc_constructor"], "my_"), Family::Unknown);
     }
 }
 

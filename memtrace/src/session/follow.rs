@@ -32,7 +32,7 @@ impl Tracer {
                     return;
                 }
                 sink.exec_seen(t.pid, Path::new(&t.filename));
-                self.on_exec(t.pid);
+                self.on_exec(t.pid, Path::new(&t.filename));
                 if self.followed.contains(&t.pid) || matches!(self.options.target, Target::All) {
                     self.python_exec(t.pid);
                 }
@@ -49,7 +49,7 @@ impl Tracer {
                         let was_followed = self.followed.contains(&t.pid);
                         self.on_fork(t.pid);
                         if !was_followed && self.followed.contains(&t.pid) {
-                            self.on_exec(t.pid);
+                            self.on_exec(t.pid, Path::new(""));
                             self.python_exec(t.pid);
                         }
                     }
@@ -128,12 +128,18 @@ impl Tracer {
     /// A traced process exec'd: its new program may bring another allocator (a static
     /// binary, another libc); probes already attached stay (they fire if the new program
     /// maps the same files).
-    pub(super) fn on_exec(&mut self, pid: u32) {
+    /// (`filename`: the program as the exec record names it, for a process gone before its
+    /// `/proc` entry is read: a short program's allocator is still looked into, and so
+    /// remembered for the command's next session.)
+    pub(super) fn on_exec(&mut self, pid: u32, filename: &Path) {
         if !self.options.user || (!self.followed.contains(&pid) && !matches!(self.options.target, Target::All)) {
             return;
         }
-        let Ok(exe) = procfs::exe(pid) else { return };
-        let exe = procfs::path_in_process(pid, &exe);
+        let exe = match procfs::exe(pid) {
+            Ok(exe) => procfs::path_in_process(pid, &exe),
+            Err(_) if filename.is_absolute() && filename.exists() => filename.to_path_buf(),
+            Err(_) => return,
+        };
         if matches!(self.options.target, Target::All) && !self.checked_objects.insert(exe.clone()) {
             return; // a program seen before: its allocator is attached for everyone
         }

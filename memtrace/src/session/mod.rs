@@ -18,6 +18,7 @@ pub mod output;
 pub mod overload;
 mod python;
 pub mod record;
+mod remembered;
 pub mod reorder;
 pub mod spawn;
 mod wake;
@@ -181,6 +182,10 @@ pub struct Tracer {
     /// Programs (and what they preload) whose allocators were resolved (exec'd again and
     /// again: resolved once).
     resolved_programs: HashMap<(PathBuf, Vec<PathBuf>), Vec<Allocator>>,
+    /// A command's program and the allocator files probed from the start without the
+    /// memory of earlier sessions ([`remembered`]): the programs exec'd with others are
+    /// remembered for the next session.
+    base_allocators: Option<(PathBuf, HashSet<(u64, u64)>)>,
     /// Programs being looked into on the objects' thread, and the processes that exec'd
     /// them meanwhile (`make -j` starting the compiler several times): one search each.
     programs_in_flight: HashMap<(PathBuf, Vec<PathBuf>), Vec<u32>>,
@@ -336,6 +341,15 @@ impl Tracer {
             }
         }
         let is_command = matches!(options.target, Target::Command(_));
+        // What the files probed so far are, before the programs remembered from earlier
+        // sessions add theirs (what this session finds beyond them is remembered).
+        let base_allocators: HashSet<(u64, u64)> = found.iter().map(|a| a.file_id).collect();
+        let remembered = match &program {
+            Some(p) if is_command && options.user && options.symbol_prefix.is_empty() && options.unwind.disk_cache => {
+                Some(remembered::look_up(p.clone()))
+            }
+            _ => None,
+        };
         let mut unwinder = (options.call_graph != CallGraph::Fp && options.user_stacks && options.user)
             .then(|| Unwinder::new(&options.unwind));
         let program_files = program.as_deref().map(probes::allocator::program_files).unwrap_or_default();
@@ -384,6 +398,19 @@ impl Tracer {
             }
             Target::All => None,
         };
+        if let Some(look) = remembered {
+            for mut extra in look.join().unwrap_or_default() {
+                if found.iter().any(|a| a.file_id == extra.file_id && a.prefix == extra.prefix) {
+                    continue;
+                }
+                let Ok(index) = u8::try_from(found.len() + 1) else { break };
+                extra.index = index;
+                // Counted as found when a program of this session maps it.
+                extra.found = false;
+                usable.set_model(index, Model::for_family(extra.family, transfer));
+                found.push(extra);
+            }
+        }
         let attached = (|| -> Result<()> {
             let plan = probes::verify::Plan {
                 mappings: track_mappings,
@@ -458,6 +485,7 @@ impl Tracer {
                 .into_iter()
                 .collect(),
             allocators: found,
+            base_allocators: program.clone().filter(|_| is_command).map(|p| (p, base_allocators)),
             last_scan: Instant::now(),
             last_loss_check: Instant::now(),
             lost_seen: 0,
@@ -751,6 +779,20 @@ impl Tracer {
                 Self::deliver_copy(u, &mut self.copies, done, sink);
             }
             u.save_programs_files();
+        }
+        if let Some((command, base)) = &self.base_allocators
+            && self.options.unwind.disk_cache
+        {
+            // A short program's exec is often looked into after it is gone: its answer
+            // still says what to probe from the next start.
+            for found in self.objects.wait_for_the_rest(Duration::from_millis(500)) {
+                if let objects::Found::Program { canonical, preload, allocators: Some(allocators), .. } = found {
+                    self.resolved_programs.insert((canonical, preload), allocators);
+                }
+            }
+            let canonical = std::fs::canonicalize(command).unwrap_or_else(|_| command.clone());
+            let programs = remembered::programs_with_own_allocators(&canonical, base, self.resolved_programs.iter());
+            remembered::save(command, &programs);
         }
         log::debug!("stack copies delivered as a stack met before: {}", self.copies.merged);
         log::debug!(

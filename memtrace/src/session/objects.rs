@@ -96,6 +96,23 @@ impl ObjectChecks {
         }
     }
 
+    /// The answers still to come, waiting at most `timeout` for them all.
+    pub(super) fn wait_for_the_rest(&mut self, timeout: std::time::Duration) -> Vec<Found> {
+        let deadline = std::time::Instant::now() + timeout;
+        let mut found = Vec::new();
+        while self.pending > 0 {
+            let left = deadline.saturating_duration_since(std::time::Instant::now());
+            match self.answers.recv_timeout(left) {
+                Ok(answer) => {
+                    self.pending -= 1;
+                    found.push(answer);
+                }
+                Err(_) => break,
+            }
+        }
+        found
+    }
+
     /// What the looks answered since the last call found.
     pub(super) fn found(&mut self) -> Vec<Found> {
         if self.pending == 0 {
@@ -110,6 +127,17 @@ impl ObjectChecks {
 /// An object's allocators (its own malloc family unless known already, then prefixed
 /// jemallocs), or a program's.
 fn look_into(ask: &Ask) -> Found {
+    let began = std::time::Instant::now();
+    let found = look_into_now(ask);
+    let what = match &ask.what {
+        What::Object { object, .. } => object,
+        What::Program { exe, .. } => exe,
+    };
+    log::debug!("allocators of {} looked for in {} ms", what.display(), began.elapsed().as_millis());
+    found
+}
+
+fn look_into_now(ask: &Ask) -> Found {
     match &ask.what {
         What::Object { object, skip_primary } => {
             let objects = std::slice::from_ref(object);

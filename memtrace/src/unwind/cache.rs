@@ -7,10 +7,12 @@
 //! logged at debug level. The cache is bounded in bytes; the least recently used entries go
 //! first. Writes go to a temporary file renamed into place, so a crash leaves no half entry.
 //!
-//! Beside the tables, one small list per program ([`DiskCache::companions`]): the files
-//! whose code it ran last time (the libraries it dlopen'd included). When the program
-//! starts again their tables are loaded at once, before it maps them, so the probes
-//! install each mapping themselves and no stack waits for a table.
+//! Beside the tables, small lists per program. [`DiskCache::companions`]: the files whose
+//! code it ran last time (the libraries it dlopen'd included). When the program starts
+//! again their tables are loaded at once, before it maps them, so the probes install each
+//! mapping themselves and no stack waits for a table. [`DiskCache::allocator_programs`]:
+//! the programs with an allocator of their own a recorded command exec'd (rustup's proxy
+//! execs rustc, whose jemalloc is in its executable), probed from the next start.
 //!
 //! Over 500 lines: the cache's trust rules (ownership, permissions, checksums) are read, written and tested together; the tests start at line 426.
 use std::{
@@ -213,35 +215,53 @@ impl DiskCache {
         Ok(table)
     }
 
-    fn companions_path(&self, program: &FileKey) -> PathBuf {
-        self.dir.join(key_name(program, "use"))
-    }
-
     /// The files `program` ran code from last time (empty if unknown or untrusted).
     pub fn companions(&self, program: &FileKey) -> Vec<PathBuf> {
-        let data = match read_trusted(&self.companions_path(program)) {
-            Ok(data) => data,
-            Err(Rejected::Missing) => return Vec::new(),
-            Err(e) => {
-                log::debug!("unwind cache: the file list of {program}: {e}; ignored");
-                return Vec::new();
-            }
-        };
-        parse_companions(&data, program)
+        self.list(program, COMPANIONS)
     }
 
     /// Remembers the files `program` ran code from: `used` first, then those of earlier
     /// runs, at most [`MAX_COMPANIONS`].
     pub fn store_companions(&self, program: &FileKey, used: &[PathBuf]) -> io::Result<()> {
+        self.store_list(program, COMPANIONS, used, MAX_COMPANIONS)
+    }
+
+    /// The programs with an allocator of their own that `program` (a command recorded) or
+    /// its children exec'd last time: probed from the start of the next session, so their
+    /// first allocations are seen (empty if unknown or untrusted).
+    pub fn allocator_programs(&self, program: &FileKey) -> Vec<PathBuf> {
+        self.list(program, ALLOCATOR_PROGRAMS)
+    }
+
+    /// Remembers the programs with an allocator of their own a command exec'd: `found`
+    /// first, then those of earlier runs, at most `max`.
+    pub fn store_allocator_programs(&self, program: &FileKey, found: &[PathBuf], max: usize) -> io::Result<()> {
+        self.store_list(program, ALLOCATOR_PROGRAMS, found, max)
+    }
+
+    /// A list of paths kept for `program`, of the kind `ext` names.
+    fn list(&self, program: &FileKey, ext: &str) -> Vec<PathBuf> {
+        let data = match read_trusted(&self.dir.join(key_name(program, ext))) {
+            Ok(data) => data,
+            Err(Rejected::Missing) => return Vec::new(),
+            Err(e) => {
+                log::debug!("unwind cache: the {ext} list of {program}: {e}; ignored");
+                return Vec::new();
+            }
+        };
+        parse_list(&data, program, ext)
+    }
+
+    fn store_list(&self, program: &FileKey, ext: &str, first: &[PathBuf], max: usize) -> io::Result<()> {
         let mut all: Vec<PathBuf> = Vec::new();
-        for p in used.iter().cloned().chain(self.companions(program)) {
-            if all.len() < MAX_COMPANIONS && !all.contains(&p) {
+        for p in first.iter().cloned().chain(self.list(program, ext)) {
+            if all.len() < max && !all.contains(&p) {
                 all.push(p);
             }
         }
-        let path = self.companions_path(program);
-        let tmp = self.dir.join(temp_name(&key_name(program, "use")));
-        write_atomically(&tmp, &path, |out| out.write_all(&encode_companions(program, &all)))
+        let name = key_name(program, ext);
+        let tmp = self.dir.join(temp_name(&name));
+        write_atomically(&tmp, &self.dir.join(name), |out| out.write_all(&encode_list(program, ext, &all)))
     }
 
     /// Stores the table of `key`, then evicts the least recently used entries beyond the
@@ -282,6 +302,10 @@ impl DiskCache {
 /// Most files remembered per program.
 pub const MAX_COMPANIONS: usize = 1024;
 const COMPANIONS_MAGIC: &str = "memtrace-unwind-companions";
+/// The extensions of a program's lists: the files it ran code from, the programs with an
+/// allocator of their own it exec'd.
+const COMPANIONS: &str = "use";
+const ALLOCATOR_PROGRAMS: &str = "exec";
 
 /// The bytes of a cache file, if it is one to trust: a regular file (not a symlink) owned
 /// by root or by us that no one else may write. Marks it recently used.
@@ -346,10 +370,10 @@ pub(crate) fn write_atomically(
     result
 }
 
-/// A program's file list: a header line naming the format and the program's key, then one
-/// absolute path per line.
-fn encode_companions(program: &FileKey, paths: &[PathBuf]) -> Vec<u8> {
-    let mut out = format!("{COMPANIONS_MAGIC} {FORMAT_VERSION} {}\n", key_name(program, "use")).into_bytes();
+/// A program's list: a header line naming the format and the program's key (and so the
+/// kind of list), then one absolute path per line.
+fn encode_list(program: &FileKey, ext: &str, paths: &[PathBuf]) -> Vec<u8> {
+    let mut out = format!("{COMPANIONS_MAGIC} {FORMAT_VERSION} {}\n", key_name(program, ext)).into_bytes();
     for p in paths {
         if let Some(s) = p.to_str().filter(|s| s.starts_with('/') && !s.contains('\n')) {
             out.extend_from_slice(s.as_bytes());
@@ -359,12 +383,12 @@ fn encode_companions(program: &FileKey, paths: &[PathBuf]) -> Vec<u8> {
     out
 }
 
-/// The paths of a file list written for `program`; nothing if it is for another program,
-/// another version, or not a list.
-fn parse_companions(data: &[u8], program: &FileKey) -> Vec<PathBuf> {
+/// The paths of a list written for `program` of the kind `ext`; nothing if it is for
+/// another program or kind, another version, or not a list.
+fn parse_list(data: &[u8], program: &FileKey, ext: &str) -> Vec<PathBuf> {
     let Ok(text) = std::str::from_utf8(data) else { return Vec::new() };
     let mut lines = text.lines();
-    let header = format!("{COMPANIONS_MAGIC} {FORMAT_VERSION} {}", key_name(program, "use"));
+    let header = format!("{COMPANIONS_MAGIC} {FORMAT_VERSION} {}", key_name(program, ext));
     if lines.next() != Some(header.as_str()) {
         return Vec::new();
     }
@@ -621,16 +645,22 @@ mod tests {
         // Another program's list, a damaged one, an untrusted one: nothing.
         let other = FileKey::BuildId { build_id: vec![9; 20], size: 1 };
         assert!(c.companions(&other).is_empty());
-        let path = c.companions_path(&program);
+        let path = c.dir.join(key_name(&program, COMPANIONS));
         fs::write(&path, b"garbage\n/usr/lib/liba.so\n").unwrap();
         assert!(c.companions(&program).is_empty());
-        fs::write(&path, encode_companions(&program, &a)).unwrap();
+        fs::write(&path, encode_list(&program, COMPANIONS, &a)).unwrap();
         fs::set_permissions(&path, fs::Permissions::from_mode(0o666)).unwrap();
         assert!(c.companions(&program).is_empty(), "writable by others");
         // Bounded.
         let many: Vec<PathBuf> = (0..MAX_COMPANIONS + 10).map(|i| PathBuf::from(format!("/l/{i}.so"))).collect();
         fs::remove_file(&path).unwrap();
         c.store_companions(&program, &many).unwrap();
+        assert_eq!(c.companions(&program).len(), MAX_COMPANIONS);
+        // The programs with their own allocator it exec'd: a list apart.
+        assert!(c.allocator_programs(&program).is_empty());
+        let rustc = [PathBuf::from("/opt/rust/bin/rustc")];
+        c.store_allocator_programs(&program, &rustc, 32).unwrap();
+        assert_eq!(c.allocator_programs(&program), rustc);
         assert_eq!(c.companions(&program).len(), MAX_COMPANIONS);
     }
 

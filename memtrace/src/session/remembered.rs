@@ -1,0 +1,116 @@
+//! The programs with an allocator of their own that a recorded command exec'd, kept beside
+//! the unwind tables for the next `record` of the same command: their allocators are probed
+//! before the command starts, so the first allocations of what it execs are seen. rustup's
+//! `rustc` is a proxy that execs the toolchain's rustc, whose jemalloc is in its executable:
+//! found only at the exec, it was probed 80–100 ms later, most of a short compile (1,495 of
+//! rustc's ~30,000 allocations seen in one run).
+use std::{
+    collections::HashSet,
+    path::{Path, PathBuf},
+    thread::JoinHandle,
+};
+
+use crate::{
+    probes::allocator::{self, Allocator},
+    unwind::cache::{DiskCache, FileKey},
+};
+
+/// Programs kept per command, newest first.
+const MAX_PROGRAMS: usize = 32;
+
+/// Looks up, on a thread of its own (it reads the programs' symbols while the probes
+/// load), the allocators of the programs `command` exec'd in earlier sessions.
+pub(super) fn look_up(command: PathBuf) -> JoinHandle<Vec<Allocator>> {
+    std::thread::spawn(move || {
+        let Some(cache) = DiskCache::open_default() else { return Vec::new() };
+        let Ok(key) = FileKey::of(&command) else { return Vec::new() };
+        let programs: Vec<PathBuf> = cache.allocator_programs(&key).into_iter().filter(|p| p.exists()).collect();
+        let mut found: Vec<Allocator> = Vec::new();
+        for program in &programs {
+            for a in allocator::all_for_executable(program, None, "").unwrap_or_default() {
+                if !found.iter().any(|f| f.file_id == a.file_id && f.prefix == a.prefix) {
+                    found.push(a);
+                }
+            }
+        }
+        if !programs.is_empty() {
+            log::debug!(
+                "{}: probing ahead the allocators of {} programs it exec'd before: {:?}",
+                command.display(),
+                programs.len(),
+                found.iter().map(|a| a.object.display().to_string()).collect::<Vec<_>>()
+            );
+        }
+        found
+    })
+}
+
+/// Which of the programs exec'd in this session (`resolved`: canonical path, what it
+/// preloaded, its allocators) brought an allocator of their own: one in none of the files
+/// probed from the start without this memory (`base`). The command itself is not one.
+pub(super) fn programs_with_own_allocators<'a>(
+    command: &Path,
+    base: &HashSet<(u64, u64)>,
+    resolved: impl Iterator<Item = (&'a (PathBuf, Vec<PathBuf>), &'a Vec<Allocator>)>,
+) -> Vec<PathBuf> {
+    let mut programs: Vec<PathBuf> = resolved
+        .filter(|((program, preload), allocators)| {
+            preload.is_empty() && program != command && allocators.iter().any(|a| !base.contains(&a.file_id))
+        })
+        .map(|((program, _), _)| program.clone())
+        .collect();
+    programs.sort();
+    programs.truncate(MAX_PROGRAMS);
+    programs
+}
+
+/// Keeps `programs` (found this session) for the next session of `command`.
+pub(super) fn save(command: &Path, programs: &[PathBuf]) {
+    if programs.is_empty() {
+        return;
+    }
+    let Some(cache) = DiskCache::open_default() else { return };
+    let Ok(key) = FileKey::of(command) else { return };
+    if let Err(e) = cache.store_allocator_programs(&key, programs, MAX_PROGRAMS) {
+        log::debug!("keeping the programs {} exec'd: {e}", command.display());
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn allocator(object: &str, file_id: (u64, u64)) -> Allocator {
+        Allocator {
+            object: PathBuf::from(object),
+            file_id,
+            glibc: false,
+            family: crate::sizes::Family::Unknown,
+            prefix: String::new(),
+            index: 0,
+            mimalloc_pages: false,
+            found: true,
+            points: Vec::new(),
+        }
+    }
+
+    #[test]
+    fn a_program_counts_when_it_brings_an_allocator_not_probed_from_the_start() {
+        let libc = allocator("/lib/libc.so.6", (1, 1));
+        let jemalloc = allocator("/opt/rust/bin/rustc", (2, 2));
+        let base: HashSet<(u64, u64)> = [(1, 1)].into();
+        let resolved = [
+            ((PathBuf::from("/usr/bin/cc"), Vec::new()), vec![libc.clone()]),
+            ((PathBuf::from("/opt/rust/bin/rustc"), Vec::new()), vec![jemalloc.clone(), libc.clone()]),
+            // What a program preloads is probed from the start already (installed libraries).
+            ((PathBuf::from("/usr/bin/ls"), vec![PathBuf::from("/usr/lib/libjemalloc.so.2")]), vec![jemalloc.clone()]),
+            ((PathBuf::from("/home/me/.cargo/bin/rustc"), Vec::new()), vec![jemalloc]),
+        ];
+        let got = programs_with_own_allocators(
+            Path::new("/home/me/.cargo/bin/rustc"),
+            &base,
+            resolved.iter().map(|(k, v)| (k, v)),
+        );
+        assert_eq!(got, [PathBuf::from("/opt/rust/bin/rustc")]);
+    }
+}
