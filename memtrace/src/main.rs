@@ -630,6 +630,9 @@ fn report(args: ReportArgs) -> Result<i32> {
         bail!("--sort age goes with --leaks (rows of allocations sort by lifetime: --sort p50 or p99)");
     }
     readable_recording(&args.input)?;
+    if args.format == Format::Html && args.output.is_none() && std::io::IsTerminal::is_terminal(&std::io::stdout()) {
+        bail!("an HTML report is a file for a browser: give -o FILE.html (or redirect the output)");
+    }
     let opts = ReportOptions {
         format: args.format,
         by: args.by,
@@ -645,7 +648,20 @@ fn report(args: ReportArgs) -> Result<i32> {
     };
     let text = match opts.format {
         Format::Html => report::html::render_html(&args.input, &opts)?,
-        _ => report::render(&report::analyze(&args.input, &opts)?, &opts)?,
+        _ => {
+            let summary = report::analyze(&args.input, &opts)?;
+            if let Some(pid) = opts.filters.pid
+                && !summary.comms.contains_key(&pid)
+                && summary.totals.values().all(|t| t.stats.allocs == 0 && t.stats.frees == 0)
+            {
+                let mut pids: Vec<String> = summary.comms.iter().map(|(p, c)| format!("{c} [{p}]")).collect();
+                pids.sort();
+                let more = if pids.len() > 8 { format!(" and {} more", pids.len() - 8) } else { String::new() };
+                pids.truncate(8);
+                bail!("pid {pid} is not in {}: it has {}{more}", args.input.display(), pids.join(", "));
+            }
+            report::render(&summary, &opts)?
+        }
     };
     if let Some(path) = &args.output {
         report::output::write_file(path, &[&args.input], text.as_bytes(), args.force)?;

@@ -205,6 +205,20 @@ fn errors_say_the_thing_once_and_what_to_do() {
         &["permission denied", "belongs to root", "sudo chown"],
     );
     assert!(!line.contains("os error"), "{line}");
+    // A pid the recording does not have: said, with the ones it has, and a failure.
+    let line = fails(memtrace().args(["report", "--pid", "1", "-i"]).arg(&data), 1, &["pid 1 is not in"]);
+    assert!(line.contains("memtrace-worklo") || line.contains("workload"), "{line}");
+    // --top 0: the totals alone, no empty table under a header of "0 call sites".
+    let text = String::from_utf8(run(memtrace().args(["report", "--top", "0", "-i"]).arg(&data)).stdout).unwrap();
+    assert!(text.contains("lost events") && !text.contains("0 call sites"), "{text}");
+    // An HTML report is not poured into a terminal.
+    let (shown, code) = at_a_terminal(
+        &format!("{} report --format html -i {}", env!("CARGO_BIN_EXE_memtrace"), data.display()),
+        "",
+        b"",
+    );
+    assert_eq!(code, Some(1), "{shown}");
+    assert!(shown.contains("-o FILE.html") && !shown.contains("<html"), "{shown}");
 }
 
 #[test]

@@ -55,6 +55,13 @@ impl Reader<BufReader<File>> {
     }
 }
 
+/// Whether release `theirs` ("0.2.0") is later than `ours` (numbers compared in order; a
+/// part that is not a number counts as 0).
+fn newer_release(theirs: &str, ours: &str) -> bool {
+    let parts = |v: &str| -> Vec<u64> { v.split(['.', '-', '+']).map(|p| p.parse().unwrap_or(0)).collect() };
+    parts(theirs) > parts(ours)
+}
+
 impl<R: Read> Reader<R> {
     /// Checks the header and reads the `Meta` chunk.
     pub fn new(mut input: R) -> Result<Self, FormatError> {
@@ -67,13 +74,28 @@ impl<R: Read> Reader<R> {
             return Err(FormatError::Truncated { offset: n as u64 });
         }
         let version = u16::from_le_bytes([header[8], header[9]]);
-        if version > VERSION {
-            return Err(FormatError::UnsupportedVersion(version));
-        }
         if header[11] != 8 {
             return Err(FormatError::Corrupt { offset: 11, reason: format!("pointer size {}", header[11]) });
         }
         let mut reader = Self { input, offset: HEADER_LEN as u64, version, meta: Meta::default() };
+        if version > VERSION {
+            // The header has no checksum: a version byte damaged reads as "newer". The
+            // metadata chunk (checksummed) says which memtrace wrote the file.
+            let writer = match reader.raw_chunk() {
+                Ok(Some((ChunkKind::Meta, payload, _))) => {
+                    serde_json::from_slice::<Meta>(&payload).ok().map(|m| m.memtrace_version)
+                }
+                _ => None,
+            };
+            return Err(match writer {
+                Some(w) if newer_release(&w, env!("CARGO_PKG_VERSION")) => FormatError::UnsupportedVersion(version),
+                Some(w) => FormatError::Corrupt {
+                    offset: 8,
+                    reason: format!("damaged header: format version {version}, in a file memtrace {w} wrote"),
+                },
+                None => FormatError::Corrupt { offset: 8, reason: format!("damaged header: format version {version}") },
+            });
+        }
         match reader.raw_chunk()? {
             Some((ChunkKind::Meta, payload, offset)) => {
                 reader.meta = serde_json::from_slice(&payload)
@@ -263,4 +285,15 @@ pub fn read_all(input: impl Read) -> Result<Recording, FormatError> {
             .push("the recording was not finalized (memtrace stopped abruptly); figures cover what was written".into());
     }
     Ok(rec)
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn releases_compare_by_their_numbers() {
+        assert!(super::newer_release("0.10.0", "0.9.1"));
+        assert!(super::newer_release("1.0.0", "0.99.0"));
+        assert!(!super::newer_release("0.1.0", "0.1.0"));
+        assert!(!super::newer_release("test", "0.1.0"));
+    }
 }

@@ -137,9 +137,17 @@ fn a_flipped_byte_is_caught_by_the_checksum() {
 fn foreign_files_and_newer_versions_are_refused() {
     assert!(matches!(read_all(&b"\x7fELF\x02\x01\x01"[..]), Err(FormatError::NotMemtrace)));
     assert!(matches!(read_all(&[][..]), Err(FormatError::NotMemtrace)));
-    let mut newer = write(&[], true);
+    // A later memtrace's file: its metadata says so.
+    let w = Writer::new(Vec::new(), &Meta { memtrace_version: "99.0.0".into(), ..meta() }).unwrap();
+    let mut newer = w.finish(&Stats::default()).unwrap();
     newer[8..10].copy_from_slice(&(VERSION + 1).to_le_bytes());
     assert!(matches!(read_all(&newer[..]), Err(FormatError::UnsupportedVersion(v)) if v == VERSION + 1));
+    // A version byte damaged in a file this release wrote: damage, not a newer format.
+    let mut damaged = write(&[], true);
+    damaged[8..10].copy_from_slice(&0xff08u16.to_le_bytes());
+    let err = read_all(&damaged[..]).unwrap_err();
+    assert!(matches!(&err, FormatError::Corrupt { offset: 8, .. }), "{err}");
+    assert!(err.to_string().contains("damaged header"), "{err}");
 }
 
 #[test]

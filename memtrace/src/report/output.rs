@@ -52,9 +52,13 @@ pub fn write_file(path: &Path, inputs: &[&Path], contents: &[u8], force: bool) -
         Err(e) if e.kind() == io::ErrorKind::NotFound => {}
         Err(e) => return Err(e).with_context(|| format!("checking {}", path.display())),
     }
+    // As private as the recordings it reads (0600 as `record` writes them), its paths,
+    // command lines and sizes included.
+    let mode = inputs.iter().fold(0o666, |m, input| m & fs::metadata(input).map_or(0o600, |i| i.mode() & 0o666));
     let mut file = OpenOptions::new()
         .write(true)
         .create_new(true)
+        .mode(mode)
         .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
         .open(path)
         .with_context(|| format!("creating {}", path.display()))?;
@@ -63,6 +67,8 @@ pub fn write_file(path: &Path, inputs: &[&Path], contents: &[u8], force: bool) -
 
 #[cfg(test)]
 mod tests {
+    use std::os::unix::fs::PermissionsExt as _;
+
     use super::*;
 
     #[test]
@@ -73,7 +79,9 @@ mod tests {
         let data = dir.join("memtrace.data");
         fs::write(&data, b"MEMTRACE\x01").unwrap();
         let out = dir.join("report.html");
+        fs::set_permissions(&data, fs::Permissions::from_mode(0o600)).unwrap();
         write_file(&out, &[&data], b"<!DOCTYPE html>\n<!-- memtrace report -->", false).unwrap();
+        assert_eq!(fs::metadata(&out).unwrap().permissions().mode() & 0o777, 0o600, "as private as the recording");
         write_file(&out, &[&data], b"<!DOCTYPE html>\n<!-- memtrace again -->", false).unwrap();
         assert_eq!(fs::read(&out).unwrap(), b"<!DOCTYPE html>\n<!-- memtrace again -->");
         let err = write_file(&data, &[&data], b"x", true).unwrap_err().to_string();

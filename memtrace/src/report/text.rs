@@ -158,7 +158,17 @@ pub fn render_text(a: &Summary, opts: &ReportOptions) -> String {
         render_leaks(a, opts, &mut out);
         return out;
     }
-    let _ = writeln!(out, "{}, sorted by {}:", a.by.count(a.groups.len()), opts.sort.describe());
+    if opts.top == Some(0) {
+        // The totals alone.
+        out.pop();
+        return out;
+    }
+    // A process's rows are one per domain (user, reserved, kernel): processes are counted.
+    let rows = match a.by {
+        GroupBy::Process => a.groups.iter().flat_map(|g| &g.pids).collect::<std::collections::HashSet<_>>().len(),
+        _ => a.groups.len(),
+    };
+    let _ = writeln!(out, "{}, sorted by {}:", a.by.count(rows), opts.sort.describe());
     let lines = groups_table(a, opts).lines(opts.layout.width);
     let mut lines = lines.iter();
     if let Some(h) = lines.next() {
