@@ -417,7 +417,8 @@ fn headers_say_what_rows_are_and_what_they_are_sorted_by() {
         text(&ReportOptions { by, sort, layout: layout(Width::Columns(120)), ..Default::default() })
     };
     let text = by(GroupBy::Process, SortKey::Allocs);
-    assert!(text.contains("\n2 processes, sorted by allocations:\n"), "{text}");
+    // One process, with a row for its user and one for its kernel allocations.
+    assert!(text.contains("\n1 process, sorted by allocations:\n"), "{text}");
     assert!(text.lines().any(|l| l.ends_with("  PROCESS")), "{text}");
     let text = by(GroupBy::Site, SortKey::Live);
     assert!(text.contains("\n5 call sites, sorted by live bytes:\n"), "{text}");
