@@ -353,14 +353,16 @@ pub struct FileTable {
 }
 
 impl FileTable {
-    /// The delta of the executable segment a mapping of file offset `offset` (page
-    /// aligned, as ld.so maps a segment) holds; None: not one of the segments known here,
-    /// whose bias the probes cannot tell (userspace installs the range).
+    /// The delta of the executable segment a mapping of `len` bytes at file offset
+    /// `offset` holds: the second segment's for a mapping from its offset (as ld.so maps
+    /// it), the first's for one that does not reach the second (any part of the first
+    /// segment, or of one with no code); None: a mapping into the second segment from
+    /// elsewhere, whose bias the probes cannot tell (userspace installs the range).
     #[inline(always)]
-    pub const fn delta_at(&self, offset: u64) -> Option<u64> {
-        if offset == self.exec_vaddr.wrapping_sub(self.delta) & !0xfff {
+    pub const fn delta_at(&self, offset: u64, len: u64) -> Option<u64> {
+        if self.exec2_offset == 0 || offset.saturating_add(len) <= self.exec2_offset {
             Some(self.delta)
-        } else if self.exec2_offset != 0 && offset == self.exec2_offset {
+        } else if offset == self.exec2_offset {
             Some(self.exec2_delta)
         } else {
             None
@@ -518,12 +520,15 @@ mod tests {
             exec2_delta: 0,
             ..Default::default()
         };
-        assert_eq!(t.delta_at(0x449_a000), Some(0x1000));
-        assert_eq!(t.delta_at(0x860_0000), Some(0));
-        assert_eq!(t.delta_at(0), None, "the file's read-only head");
-        assert_eq!(t.delta_at(0x837_d000), None);
+        assert_eq!(t.delta_at(0x449_a000, 0x3ee_4000), Some(0x1000));
+        // Part of the first segment (a mapping split by mprotect or MAP_FIXED).
+        assert_eq!(t.delta_at(0x500_0000, 0x10_0000), Some(0x1000));
+        assert_eq!(t.delta_at(0x860_0000, 0x20_0000), Some(0));
+        // Reaching into the second segment from elsewhere: its bias is not known here.
+        assert_eq!(t.delta_at(0x837_d000, 0x30_0000), None);
+        assert_eq!(t.delta_at(0x870_0000, 0x1000), None);
         let one = FileTable { delta: 0, exec_vaddr: 0x1000, exec_size: 0x5000, ..Default::default() };
-        assert_eq!((one.delta_at(0x1000), one.delta_at(0)), (Some(0), None));
+        assert_eq!((one.delta_at(0x1000, 0x5000), one.delta_at(0x3000, 0x1000)), (Some(0), Some(0)));
     }
 
     #[test]

@@ -197,7 +197,7 @@ fn try_exit_mmap(ret: u64) -> Result<(), ()> {
         && asid != 0
         && let Some(file) = fd_file(args.fd as u32)
         && let Some(t) = file_table(file)
-        && let Some(delta) = t.delta_at(args.offset)
+        && let Some(delta) = t.delta_at(args.offset, args.len)
     {
         let bias = start.wrapping_sub(args.offset).wrapping_sub(delta);
         install_range(asid, start, start.wrapping_add(args.len), t.slot, bias);

@@ -650,16 +650,7 @@ fn report(args: ReportArgs) -> Result<i32> {
         Format::Html => report::html::render_html(&args.input, &opts)?,
         _ => {
             let summary = report::analyze(&args.input, &opts)?;
-            if let Some(pid) = opts.filters.pid
-                && !summary.comms.contains_key(&pid)
-                && summary.totals.values().all(|t| t.stats.allocs == 0 && t.stats.frees == 0)
-            {
-                let mut pids: Vec<String> = summary.comms.iter().map(|(p, c)| format!("{c} [{p}]")).collect();
-                pids.sort();
-                let more = if pids.len() > 8 { format!(" and {} more", pids.len() - 8) } else { String::new() };
-                pids.truncate(8);
-                bail!("pid {pid} is not in {}: it has {}{more}", args.input.display(), pids.join(", "));
-            }
+            report::check_pid(&summary, &opts, &args.input)?;
             report::render(&summary, &opts)?
         }
     };

@@ -302,11 +302,8 @@ fn a_running_process_with_a_preloaded_allocator_is_traced_by_pid() {
     }
 }
 
-#[test]
-fn a_static_musl_malloc_is_recognised_and_keeps_the_request() {
-    require_root();
-    let _sharing = sharing_the_machine();
-    let dir = scratch("musl");
+/// `tests/programs/musl_alloc.c`, linked statically with musl, in `dir`.
+fn musl_alloc(dir: &Path) -> PathBuf {
     let exe = dir.join("musl_alloc");
     let source = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/programs/musl_alloc.c");
     let status = Command::new("musl-gcc")
@@ -316,6 +313,15 @@ fn a_static_musl_malloc_is_recognised_and_keeps_the_request() {
         .status()
         .expect("musl-gcc (cargo xtask setup installs musl-tools)");
     assert!(status.success());
+    exe
+}
+
+#[test]
+fn a_static_musl_malloc_is_recognised_and_keeps_the_request() {
+    require_root();
+    let _sharing = sharing_the_machine();
+    let dir = scratch("musl");
+    let exe = musl_alloc(&dir);
     let data = dir.join("rec.data");
     run(memtrace().args(["record", "-q", "--no-kernel", "-o"]).arg(&data).arg("--").arg(&exe));
     let report = report_json(&data, &["--by", "function"]);
@@ -338,15 +344,7 @@ fn a_program_a_command_execd_with_its_own_allocator_is_probed_from_the_next_star
     require_root();
     let _sharing = sharing_the_machine();
     let dir = scratch("exec-own-allocator");
-    let exe = dir.join("musl_alloc");
-    let source = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/programs/musl_alloc.c");
-    let status = Command::new("musl-gcc")
-        .args(["-static", "-O2", "-g", "-o"])
-        .arg(&exe)
-        .arg(&source)
-        .status()
-        .expect("musl-gcc (cargo xtask setup installs musl-tools)");
-    assert!(status.success());
+    let exe = musl_alloc(&dir);
     let script = dir.join("launch.sh");
     std::fs::write(&script, format!("#!/bin/sh\nexec {}\n", exe.display())).unwrap();
     use std::os::unix::fs::PermissionsExt as _;

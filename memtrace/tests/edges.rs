@@ -208,6 +208,13 @@ fn errors_say_the_thing_once_and_what_to_do() {
     // A pid the recording does not have: said, with the ones it has, and a failure.
     let line = fails(memtrace().args(["report", "--pid", "1", "-i"]).arg(&data), 1, &["pid 1 is not in"]);
     assert!(line.contains("memtrace-worklo") || line.contains("workload"), "{line}");
+    let html = data.with_extension("pid.html");
+    fails(
+        memtrace().args(["report", "--format", "html", "--pid", "1", "-o"]).arg(&html).arg("-i").arg(&data),
+        1,
+        &["pid 1 is not in"],
+    );
+    assert!(!html.exists(), "no page of nothing");
     // --top 0: the totals alone, no empty table under a header of "0 call sites".
     let text = String::from_utf8(run(memtrace().args(["report", "--top", "0", "-i"]).arg(&data)).stdout).unwrap();
     assert!(text.contains("lost events") && !text.contains("0 call sites"), "{text}");
@@ -581,6 +588,9 @@ int main(void) {
     if (child == 0) {
         pid_t grandchild = fork();
         if (grandchild == 0) {
+            /* Where probes are attached per process (kernels before 6.6), they reach a
+               new process when its fork is read: not at once. */
+            usleep(200 * 1000);
             for (int i = 0; i < 100; i++)
                 free(blocks[i]);
             _exit(0);

@@ -384,7 +384,13 @@ fn an_exec_of_a_program_with_its_own_allocator_is_followed() {
         workload_dir().join("alloc_workload_static").display(),
         manifest_path.display()
     );
-    run(memtrace().args(["record", "-q", "--no-kernel", "-o"]).arg(&data).args(["--", "sh", "-c", &script]));
+    // A cache of its own: `sh` would otherwise remember the static program for every
+    // later `sh -c` session on this machine, and probe it ahead.
+    run(memtrace()
+        .env("MEMTRACE_CACHE_DIR", dir.join("cache"))
+        .args(["record", "-q", "--no-kernel", "-o"])
+        .arg(&data)
+        .args(["--", "sh", "-c", &script]));
     let report = report_json(&data, &["--by", "function"]);
     assert_matches_manifest(&report, &manifest(&manifest_path));
 }

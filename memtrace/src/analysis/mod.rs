@@ -494,6 +494,11 @@ impl<G: FnMut(&Origin) -> u32> Analyzer<G> {
                 self.cut(&cut.block, a.ts_ns);
                 continue;
             }
+            if matches!(space.0, Space::Mmap | Space::GpuMap) {
+                // A mapping replaced whole (`MAP_FIXED`): the kernel unmapped it, a free.
+                self.retire(cut.block, a.ts_ns, a.cpu, false);
+                continue;
+            }
             self.live_count -= 1;
             let old = cut.block;
             if old.group == EXCLUDED {
@@ -525,25 +530,26 @@ impl<G: FnMut(&Origin) -> u32> Analyzer<G> {
         self.totals(part.kind, part.stack).stats.on_cut(part);
     }
 
-    fn retire(&mut self, block: LiveBlock, f: &Free, temporary: bool) {
+    /// `block` freed at `ts_ns` on `cpu`.
+    fn retire(&mut self, block: LiveBlock, ts_ns: u64, cpu: u16, temporary: bool) {
         self.live_count -= 1;
         if block.group == EXCLUDED {
             return;
         }
-        self.live_changed(&block, false, f.ts_ns);
+        self.live_changed(&block, false, ts_ns);
         let g = &mut self.groups[block.group as usize];
         g.on_free(&block);
-        g.lifetimes.record_n(f.ts_ns.saturating_sub(block.ts_ns), block.count);
+        g.lifetimes.record_n(ts_ns.saturating_sub(block.ts_ns), block.count);
         if temporary {
             g.temporary += block.count;
         }
-        let other_cpu = block.kind.is_kernel() && block.cpu != f.cpu;
+        let other_cpu = block.kind.is_kernel() && block.cpu != cpu;
         if other_cpu {
             g.freed_on_other_cpu += 1;
         }
         let t = self.totals(block.kind, block.stack);
         t.stats.on_free(&block);
-        t.stats.lifetimes.record_n(f.ts_ns.saturating_sub(block.ts_ns), block.count);
+        t.stats.lifetimes.record_n(ts_ns.saturating_sub(block.ts_ns), block.count);
         if temporary {
             t.stats.temporary += block.count;
         }
@@ -562,7 +568,7 @@ impl<G: FnMut(&Origin) -> u32> Analyzer<G> {
             let regions = if space.0 == Space::Mmap { &mut self.mmaps } else { &mut self.gpu_maps };
             for cut in regions.unmap(space.1, f.ptr, end) {
                 if cut.gone {
-                    self.retire(cut.block, f, false);
+                    self.retire(cut.block, f.ts_ns, f.cpu, false);
                 } else {
                     self.cut(&cut.block, f.ts_ns);
                 }
@@ -583,7 +589,7 @@ impl<G: FnMut(&Origin) -> u32> Analyzer<G> {
                 if temporary {
                     self.last_alloc.remove(&f.tid);
                 }
-                self.retire(block, f, temporary);
+                self.retire(block, f.ts_ns, f.cpu, temporary);
             }
             None if self.quiet_unmatched => {}
             // After sampling was switched on, frees of blocks never sampled arrive too.

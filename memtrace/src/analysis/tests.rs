@@ -191,6 +191,16 @@ fn a_free_right_after_the_allocation_is_temporary() {
 }
 
 #[test]
+fn a_mapping_replaced_whole_is_freed_not_missed() {
+    // MAP_FIXED over a live mapping: the kernel unmapped it.
+    let a =
+        run(&[alloc(1, 1, 1, Kind::Mmap, 0x10000, 4096, 4096, 1), alloc(5, 1, 1, Kind::Mmap, 0x10000, 4096, 4096, 2)]);
+    let user = &a.totals[&Domain::User];
+    assert_eq!((user.missed_frees, user.stats.frees, user.stats.live_allocs), (0, 1, 1));
+    assert_eq!(user.stats.lifetimes.count(), 1);
+}
+
+#[test]
 fn an_allocation_over_a_live_block_retires_it() {
     let a = run(&[alloc(1, 1, 1, Kind::Malloc, 0x1000, 8, 24, 1), alloc(2, 1, 1, Kind::Malloc, 0x1000, 8, 24, 2)]);
     assert_eq!(a.totals[&Domain::User].missed_frees, 1);

@@ -55,11 +55,31 @@ impl Reader<BufReader<File>> {
     }
 }
 
-/// Whether release `theirs` ("0.2.0") is later than `ours` (numbers compared in order; a
-/// part that is not a number counts as 0).
+/// Whether release `theirs` ("0.2.0") is later than `ours`: the release numbers compared
+/// in order (a missing one counts as 0, one that is not a number too); of one release, a
+/// pre-release ("0.2.0-rc1") comes before the release itself.
 fn newer_release(theirs: &str, ours: &str) -> bool {
-    let parts = |v: &str| -> Vec<u64> { v.split(['.', '-', '+']).map(|p| p.parse().unwrap_or(0)).collect() };
-    parts(theirs) > parts(ours)
+    let parse = |v: &str| -> (Vec<u64>, bool) {
+        let core = v.split('+').next().unwrap_or(v);
+        let (numbers, pre) = match core.split_once('-') {
+            Some((numbers, _)) => (numbers, true),
+            None => (core, false),
+        };
+        let mut parts: Vec<u64> = numbers.split('.').map(|p| p.parse().unwrap_or(0)).collect();
+        while parts.last() == Some(&0) {
+            parts.pop();
+        }
+        (parts, pre)
+    };
+    let ((theirs, their_pre), (ours, our_pre)) = (parse(theirs), parse(ours));
+    theirs > ours || (theirs == ours && our_pre && !their_pre)
+}
+
+/// What a newer format's metadata must still say: which memtrace wrote it (the rest of
+/// its shape may have changed).
+#[derive(serde::Deserialize)]
+struct Writer {
+    memtrace_version: String,
 }
 
 impl<R: Read> Reader<R> {
@@ -83,7 +103,7 @@ impl<R: Read> Reader<R> {
             // metadata chunk (checksummed) says which memtrace wrote the file.
             let writer = match reader.raw_chunk() {
                 Ok(Some((ChunkKind::Meta, payload, _))) => {
-                    serde_json::from_slice::<Meta>(&payload).ok().map(|m| m.memtrace_version)
+                    serde_json::from_slice::<Writer>(&payload).ok().map(|m| m.memtrace_version)
                 }
                 _ => None,
             };
@@ -93,7 +113,10 @@ impl<R: Read> Reader<R> {
                     offset: 8,
                     reason: format!("damaged header: format version {version}, in a file memtrace {w} wrote"),
                 },
-                None => FormatError::Corrupt { offset: 8, reason: format!("damaged header: format version {version}") },
+                None => FormatError::Corrupt {
+                    offset: 8,
+                    reason: format!("format version {version}: a newer format, or a damaged header"),
+                },
             });
         }
         match reader.raw_chunk()? {
@@ -295,5 +318,10 @@ mod tests {
         assert!(super::newer_release("1.0.0", "0.99.0"));
         assert!(!super::newer_release("0.1.0", "0.1.0"));
         assert!(!super::newer_release("test", "0.1.0"));
+        assert!(!super::newer_release("0.2.0-rc1", "0.2.0"));
+        assert!(super::newer_release("0.2.0", "0.2.0-rc1"));
+        assert!(super::newer_release("0.2.1-rc1", "0.2.0"));
+        assert!(!super::newer_release("0.2", "0.2.0"));
+        assert!(!super::newer_release("0.2.0+build5", "0.2.0"));
     }
 }

@@ -148,6 +148,17 @@ fn foreign_files_and_newer_versions_are_refused() {
     let err = read_all(&damaged[..]).unwrap_err();
     assert!(matches!(&err, FormatError::Corrupt { offset: 8, .. }), "{err}");
     assert!(err.to_string().contains("damaged header"), "{err}");
+    // A later memtrace's file whose metadata changed shape: still told by its writer.
+    let json = br#"{"memtrace_version":"99.0.0","targets":[{"pid":42}]}"#;
+    let mut reshaped = newer[..HEADER_LEN].to_vec();
+    reshaped.push(ChunkKind::Meta as u8);
+    reshaped.extend_from_slice(&(json.len() as u32).to_le_bytes());
+    reshaped.extend_from_slice(&crc32fast::hash(json).to_le_bytes());
+    reshaped.extend_from_slice(json);
+    assert!(matches!(read_all(&reshaped[..]), Err(FormatError::UnsupportedVersion(v)) if v == VERSION + 1));
+    // No metadata to tell by: both are said.
+    let err = read_all(&newer[..HEADER_LEN]).unwrap_err();
+    assert!(err.to_string().contains("a newer format, or a damaged header"), "{err}");
 }
 
 #[test]

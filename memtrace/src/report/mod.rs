@@ -36,6 +36,27 @@ pub use self::{
     text::render_text,
 };
 
+/// Fails when `--pid` asks for a process the recording (`input`) has nothing of: neither
+/// its events nor its name, nor among the processes it was recorded for. The message names
+/// the processes it has.
+pub fn check_pid(summary: &Summary, opts: &ReportOptions, input: &std::path::Path) -> anyhow::Result<()> {
+    let Some(pid) = opts.filters.pid else { return Ok(()) };
+    if summary.comms.contains_key(&pid)
+        || summary.meta.target_pids.contains(&pid)
+        || summary.totals.values().any(|t| t.stats.allocs > 0 || t.stats.frees > 0)
+    {
+        return Ok(());
+    }
+    let mut pids: Vec<String> = summary.comms.iter().map(|(p, c)| format!("{c} [{p}]")).collect();
+    if pids.is_empty() {
+        anyhow::bail!("pid {pid} is not in {}: it has no process's events", input.display());
+    }
+    pids.sort();
+    let more = if pids.len() > 8 { format!(" and {} more", pids.len() - 8) } else { String::new() };
+    pids.truncate(8);
+    anyhow::bail!("pid {pid} is not in {}: it has {}{more}", input.display(), pids.join(", "))
+}
+
 /// The report as `opts.format` asks, ending in a newline.
 pub fn render(summary: &Summary, opts: &ReportOptions) -> anyhow::Result<String> {
     Ok(match opts.format {

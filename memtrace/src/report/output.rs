@@ -23,7 +23,8 @@ fn is_report(path: &Path) -> bool {
     REPORT_STARTS.iter().any(|start| head[..n].starts_with(start))
 }
 
-/// Writes `contents` to `path`, the report of the recordings `inputs`.
+/// Writes `contents` to `path`, the report of the recordings `inputs`: as private as they
+/// are, and under sudo the invoking user's.
 pub fn write_file(path: &Path, inputs: &[&Path], contents: &[u8], force: bool) -> Result<()> {
     match fs::symlink_metadata(path) {
         Ok(meta) => {
@@ -62,6 +63,8 @@ pub fn write_file(path: &Path, inputs: &[&Path], contents: &[u8], force: bool) -
         .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
         .open(path)
         .with_context(|| format!("creating {}", path.display()))?;
+    // Under sudo, the user's, as `record` makes its recordings.
+    crate::session::output::hand_to_invoking_user(&file);
     file.write_all(contents).and_then(|()| file.flush()).with_context(|| format!("writing {}", path.display()))
 }
 

@@ -166,12 +166,19 @@ impl Tracer {
         }
     }
 
-    /// The allocators an exec'd program uses get probes for its process.
+    /// The allocators an exec'd program uses get probes for its process. Where probes are
+    /// attached per process (kernels without multi-uprobe links), a process gone before its
+    /// program was looked into (a short one, seen from its exec record) gets none: its
+    /// allocators are registered, probed for the next process that runs the program, and
+    /// remembered for the command's next session.
     fn attach_for_program(&mut self, pid: u32, resolved: Vec<Allocator>) {
         let scope = probe_scope(&self.probes, &self.options, Some(pid)).unwrap_or(0);
+        let gone = scope != 0 && !Path::new(&format!("/proc/{scope}")).exists();
         for allocator in resolved {
             let allocator = self.register(allocator);
-            self.attach(scope, &allocator);
+            if !gone {
+                self.attach(scope, &allocator);
+            }
         }
     }
 

@@ -324,6 +324,8 @@ impl Tracer {
             })
             .collect();
         let allocator = found.first().cloned();
+        // The target's own allocators: what cannot be probed among them fails the session.
+        let own_allocators = found.len();
         // A command may exec a program that preloads an installed allocator (`env
         // LD_PRELOAD=libjemalloc.so.2 prog`, a wrapper script): those libraries are probed
         // from the start, so its first calls are seen too (probes on a file cost nothing in
@@ -344,12 +346,10 @@ impl Tracer {
         // What the files probed so far are, before the programs remembered from earlier
         // sessions add theirs (what this session finds beyond them is remembered).
         let base_allocators: HashSet<(u64, u64)> = found.iter().map(|a| a.file_id).collect();
-        let remembered = match &program {
-            Some(p) if is_command && options.user && options.symbol_prefix.is_empty() && options.unwind.disk_cache => {
-                Some(remembered::look_up(p.clone()))
-            }
-            _ => None,
-        };
+        // Looked up and kept under the same terms: a command's session, with the plain
+        // allocator names, and the disk cache in use.
+        let remembers = is_command && options.user && options.symbol_prefix.is_empty() && options.unwind.disk_cache;
+        let remembered = program.clone().filter(|_| remembers).map(remembered::look_up);
         let mut unwinder = (options.call_graph != CallGraph::Fp && options.user_stacks && options.user)
             .then(|| Unwinder::new(&options.unwind));
         let program_files = program.as_deref().map(probes::allocator::program_files).unwrap_or_default();
@@ -399,7 +399,7 @@ impl Tracer {
             Target::All => None,
         };
         if let Some(look) = remembered {
-            for mut extra in look.join().unwrap_or_default() {
+            for mut extra in look.take() {
                 if found.iter().any(|a| a.file_id == extra.file_id && a.prefix == extra.prefix) {
                     continue;
                 }
@@ -411,6 +411,7 @@ impl Tracer {
                 found.push(extra);
             }
         }
+        let mut not_attached: HashSet<usize> = HashSet::new();
         let attached = (|| -> Result<()> {
             let plan = probes::verify::Plan {
                 mappings: track_mappings,
@@ -431,8 +432,20 @@ impl Tracer {
                 probes.attach_kernel()?;
             }
             let kernel = started.elapsed();
-            for allocator in &found {
-                probes.attach_allocator(allocator, probe_scope(&probes, options, target_pid))?;
+            let scope = probe_scope(&probes, options, target_pid);
+            for (i, allocator) in found.iter().enumerate() {
+                match probes.attach_allocator(allocator, scope) {
+                    Ok(()) => {}
+                    // Probed ahead (an installed library, a program remembered from an
+                    // earlier session): one that cannot be probed is not the command's own,
+                    // and the session goes on without it (a program that maps it later is
+                    // probed then).
+                    Err(e) if i >= own_allocators => {
+                        log::debug!("not probing {} ahead: {e:#}", allocator.object.display());
+                        not_attached.insert(i);
+                    }
+                    Err(e) => return Err(e),
+                }
                 probes.load_cuda_programs()?;
             }
             log::debug!(
@@ -469,7 +482,12 @@ impl Tracer {
         }
         let mut tracer = Self {
             probes,
-            attached: found.iter().map(|a| (attached_to, a.file_id, a.prefix.clone())).collect(),
+            attached: found
+                .iter()
+                .enumerate()
+                .filter(|(i, _)| !not_attached.contains(i))
+                .map(|(_, a)| (attached_to, a.file_id, a.prefix.clone()))
+                .collect(),
             usable,
             followed: target_pid.into_iter().collect(),
             lifecycles: crate::lifecycle::Lifecycles::new(),
@@ -485,7 +503,7 @@ impl Tracer {
                 .into_iter()
                 .collect(),
             allocators: found,
-            base_allocators: program.clone().filter(|_| is_command).map(|p| (p, base_allocators)),
+            base_allocators: program.clone().filter(|_| remembers).map(|p| (p, base_allocators)),
             last_scan: Instant::now(),
             last_loss_check: Instant::now(),
             lost_seen: 0,
@@ -780,9 +798,7 @@ impl Tracer {
             }
             u.save_programs_files();
         }
-        if let Some((command, base)) = &self.base_allocators
-            && self.options.unwind.disk_cache
-        {
+        if let Some((command, base)) = &self.base_allocators {
             // A short program's exec is often looked into after it is gone: its answer
             // still says what to probe from the next start.
             for found in self.objects.wait_for_the_rest(Duration::from_millis(500)) {

@@ -7,7 +7,8 @@
 use std::{
     collections::HashSet,
     path::{Path, PathBuf},
-    thread::JoinHandle,
+    sync::mpsc::{Receiver, RecvTimeoutError},
+    time::Duration,
 };
 
 use crate::{
@@ -18,31 +19,60 @@ use crate::{
 /// Programs kept per command, newest first.
 const MAX_PROGRAMS: usize = 32;
 
+/// How long the session waits, once its probes are loaded, for the programs' symbols: a
+/// look that takes longer (a slow disk) is given up, and the session starts without it.
+const LOOK_DEADLINE: Duration = Duration::from_secs(2);
+
+/// A look-up under way on its thread.
+pub(super) struct Looking(Receiver<Vec<Allocator>>);
+
+impl Looking {
+    /// The allocators found, or none if the look takes past the deadline.
+    pub(super) fn take(self) -> Vec<Allocator> {
+        match self.0.recv_timeout(LOOK_DEADLINE) {
+            Ok(found) => found,
+            Err(RecvTimeoutError::Timeout) => {
+                log::debug!(
+                    "programs exec'd in earlier sessions: not looked into within {LOOK_DEADLINE:?}; not probed ahead"
+                );
+                Vec::new()
+            }
+            Err(RecvTimeoutError::Disconnected) => Vec::new(),
+        }
+    }
+}
+
 /// Looks up, on a thread of its own (it reads the programs' symbols while the probes
 /// load), the allocators of the programs `command` exec'd in earlier sessions.
-pub(super) fn look_up(command: PathBuf) -> JoinHandle<Vec<Allocator>> {
+pub(super) fn look_up(command: PathBuf) -> Looking {
+    let (tx, rx) = std::sync::mpsc::sync_channel(1);
     std::thread::spawn(move || {
-        let Some(cache) = DiskCache::open_default() else { return Vec::new() };
-        let Ok(key) = FileKey::of(&command) else { return Vec::new() };
-        let programs: Vec<PathBuf> = cache.allocator_programs(&key).into_iter().filter(|p| p.exists()).collect();
-        let mut found: Vec<Allocator> = Vec::new();
-        for program in &programs {
-            for a in allocator::all_for_executable(program, None, "").unwrap_or_default() {
-                if !found.iter().any(|f| f.file_id == a.file_id && f.prefix == a.prefix) {
-                    found.push(a);
-                }
+        let _ = tx.send(look(&command));
+    });
+    Looking(rx)
+}
+
+fn look(command: &Path) -> Vec<Allocator> {
+    let Some(cache) = DiskCache::open_default() else { return Vec::new() };
+    let Ok(key) = FileKey::of(command) else { return Vec::new() };
+    let programs: Vec<PathBuf> = cache.allocator_programs(&key).into_iter().filter(|p| p.exists()).collect();
+    let mut found: Vec<Allocator> = Vec::new();
+    for program in &programs {
+        for a in allocator::all_for_executable(program, None, "").unwrap_or_default() {
+            if !found.iter().any(|f| f.file_id == a.file_id && f.prefix == a.prefix) {
+                found.push(a);
             }
         }
-        if !programs.is_empty() {
-            log::debug!(
-                "{}: probing ahead the allocators of {} programs it exec'd before: {:?}",
-                command.display(),
-                programs.len(),
-                found.iter().map(|a| a.object.display().to_string()).collect::<Vec<_>>()
-            );
-        }
-        found
-    })
+    }
+    if !programs.is_empty() {
+        log::debug!(
+            "{}: probing ahead the allocators of {} programs it exec'd before: {:?}",
+            command.display(),
+            programs.len(),
+            found.iter().map(|a| a.object.display().to_string()).collect::<Vec<_>>()
+        );
+    }
+    found
 }
 
 /// Which of the programs exec'd in this session (`resolved`: canonical path, what it

@@ -807,7 +807,7 @@ mod tests {
             (t.slot, t.delta, t.exec_vaddr, t.exec2_offset, t.exec2_delta),
             (3, 0x1000, 0x449_b9a4, 0x860_0000, 0)
         );
-        assert_eq!((t.delta_at(0x449_a000), t.delta_at(0x860_0000)), (Some(0x1000), Some(0)));
+        assert_eq!((t.delta_at(0x449_a000, 0x3ee_4000), t.delta_at(0x860_0000, 0x215_8000)), (Some(0x1000), Some(0)));
         // One code segment, or two alike: nothing more.
         let libc =
             [seg(0, 0, 0x26000, false), seg(0x26000, 0x26000, 0x155_000, true), seg(0x17c000, 0x17c000, 0x4000, true)];
