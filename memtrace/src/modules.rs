@@ -112,11 +112,20 @@ impl ModuleTable {
         }
     }
 
-    /// A forked child starts with its parent's maps (it may exit before they can be read).
-    pub fn learn_fork(&mut self, child: u32, parent: u32) {
-        if let Some(maps) = self.maps.get(&parent).map(|p| p.maps.clone()) {
-            self.keep_maps(child, maps);
+    /// A forked child starts with its parent's maps (it may exit, or exec another program,
+    /// before its own can be read). A parent not met yet (running before tracing began,
+    /// under `-a`) is read now, while it still runs what the child runs. Returns whether
+    /// the child has maps.
+    pub fn learn_fork(&mut self, child: u32, parent: u32) -> bool {
+        if !self.maps.contains_key(&parent) && parent != 0 {
+            self.learn_process(parent);
         }
+        let Some(maps) = self.maps.get(&parent).map(|p| p.maps.clone()) else { return false };
+        // In place of what an earlier process of this pid left.
+        self.maps.remove(&child);
+        self.maps_order.retain(|&p| p != child);
+        self.keep_maps(child, maps);
+        true
     }
 
     fn keep_maps(&mut self, pid: u32, maps: Maps) {
@@ -406,6 +415,18 @@ mod tests {
         assert_eq!(by_build_id, by_ip);
         assert_eq!(table.take_new().len(), 1);
         assert!(table.take_new().is_empty());
+    }
+
+    /// A child forked by a process not met yet (running before `-a` began) has its
+    /// parent's maps, read at the fork, whatever its own `/proc` shows later.
+    #[test]
+    fn a_forked_child_has_its_parents_maps_even_of_a_parent_not_met_yet() {
+        let pid = std::process::id();
+        let mut table = ModuleTable::new();
+        assert!(table.learn_fork(u32::MAX - 1, pid));
+        let code = Maps::read_self().unwrap().mappings.into_iter().find(|m| m.executable && m.is_file()).unwrap();
+        assert!(matches!(table.mapping_for(u32::MAX - 1, code.start), Place::File(..)));
+        assert!(!table.learn_fork(u32::MAX - 2, u32::MAX - 3), "a parent gone: nothing to copy");
     }
 
     #[test]

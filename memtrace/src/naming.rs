@@ -115,8 +115,15 @@ impl Namer {
         self.modules.learn_exec(pid, filename);
     }
 
+    /// A forked child's frames are in its parent's files until it execs: its maps are the
+    /// parent's, not what its `/proc` shows when its first stack is read (by then, often
+    /// the program it exec'd).
     pub fn fork_seen(&mut self, child: u32, parent: u32) {
-        self.modules.learn_fork(child, parent);
+        if self.modules.learn_fork(child, parent) {
+            self.maps_read.insert(child);
+        } else {
+            self.maps_read.remove(&child);
+        }
     }
 
     pub fn file_seen(&mut self, path: &Path) {

@@ -12,6 +12,7 @@ mod common;
 use std::{
     fmt::Write as _,
     fs,
+    io::Write as _,
     os::unix::fs::PermissionsExt as _,
     path::{Path, PathBuf},
     process::{Child, Command, Stdio},
@@ -773,4 +774,91 @@ fn a_fork_read_after_the_childs_exec_leaves_the_child_in_its_new_space() {
     // child's exec) are refused by the address spaces (unit-tested in `spaces`).
     let late = recorder["unwind_late_task_records"].as_u64().unwrap();
     eprintln!("task records read late: {late}");
+}
+
+/// Runs before tracing begins: allocates 30 blocks, waits for a line on its input, then
+/// forks (on its second CPU; the child moves to the first, whose ring is read first). The
+/// child frees the 30 blocks, allocates 100 times through `child_work`, and execs
+/// `/bin/true`. The parent prints the child's pid, and lives on a little.
+const SUBSHELL: &str = r#"
+#define _GNU_SOURCE
+#include <sched.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <unistd.h>
+#include <sys/wait.h>
+#define NOIPA __attribute__((noipa))
+void *before[30];
+volatile unsigned long sink;
+NOIPA void child_leaf(int i) {
+    char *p = malloc(1000 + i);
+    sink += (unsigned long)p;
+    free(p);
+}
+NOIPA void child_work(void) {
+    for (int i = 0; i < 100; i++) child_leaf(i);
+}
+int main(void) {
+    for (int i = 0; i < 30; i++) before[i] = malloc(48);
+    cpu_set_t allowed, cpu;
+    int first = -1, second = -1;
+    sched_getaffinity(0, sizeof allowed, &allowed);
+    for (int c = 0; c < CPU_SETSIZE && second < 0; c++)
+        if (CPU_ISSET(c, &allowed)) { if (first < 0) first = c; else second = c; }
+    if (second >= 0) { CPU_ZERO(&cpu); CPU_SET(second, &cpu); sched_setaffinity(0, sizeof cpu, &cpu); }
+    char line[8];
+    if (!fgets(line, sizeof line, stdin)) return 1;
+    pid_t p = fork();
+    if (p == 0) {
+        if (first >= 0) { CPU_ZERO(&cpu); CPU_SET(first, &cpu); sched_setaffinity(0, sizeof cpu, &cpu); }
+        for (int i = 0; i < 30; i++) free(before[i]);
+        child_work();
+        execl("/bin/true", "true", (char *)0);
+        _exit(127);
+    }
+    printf("%d\n", p);
+    fflush(stdout);
+    waitpid(p, 0, 0);
+    /* A shell outlives its subshells: its maps are read when its child's fork is. */
+    usleep(500 * 1000);
+    return 0;
+}
+"#;
+
+/// Under `-a`, the child of a process running before tracing began (a shell's subshell)
+/// runs its parent's code until it execs: its stacks are walked in its parent's files and
+/// named there, even when read before its fork or after its exec (before: every one cut
+/// short at its first frame, `[unknown]`), and what it frees of its parent's blocks from
+/// before tracing is inherited, not unmatched (before: 30 frees without allocation, and a
+/// warning blaming a late probe).
+#[test]
+fn a_child_of_a_process_running_before_record_all_unwinds_in_its_parents_code() {
+    require_root();
+    let _alone = alone_on_the_machine();
+    let dir = scratch("subshell");
+    let prog = cc(&dir, "subshell", SUBSHELL, &[]);
+    let data = dir.join("all.data");
+    let mut parent = Command::new(&prog).stdin(Stdio::piped()).stdout(Stdio::piped()).spawn().unwrap();
+    let mut recorder = memtrace()
+        .args(["record", "-a", "--no-kernel", "-d", "3s", "-o"])
+        .arg(&data)
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let stderr = wait_until_tracing(&mut recorder);
+    thread::sleep(Duration::from_millis(300));
+    parent.stdin.take().unwrap().write_all(b"go\n").unwrap();
+    let out = parent.wait_with_output().unwrap();
+    assert!(out.status.success());
+    let child = String::from_utf8(out.stdout).unwrap().trim().to_string();
+    assert!(recorder.wait().unwrap().success(), "{}", stderr.join().unwrap());
+    let report = report_json(&data, &["--by", "stack", "--domain", "user", "--pid", &child]);
+    let site = sites_of(&report, "child_leaf");
+    assert_eq!(site.len(), 1, "{:#}", report["sites"]);
+    assert_eq!((&site[0]["allocs"], &site[0]["frees"]), (&100.into(), &100.into()));
+    assert_eq!(site[0]["truncated"], false);
+    assert_eq!(&functions(site[0])[..3], ["child_leaf", "child_work", "main"]);
+    let user = &report["totals"]["user"];
+    assert_eq!((&user["inherited_frees"], &user["unmatched_frees"]), (&30.into(), &0.into()), "{user:#}");
 }

@@ -385,6 +385,7 @@ impl<G: FnMut(&Origin) -> u32> Analyzer<G> {
                     self.forks.forked(t.pid, t.ppid, parent_space, t.ts_ns);
                 }
                 if t.ends_address_space() {
+                    self.forks.ended(t.pid, t.event == TaskEvent::Exit);
                     self.end_process(t.pid, ts);
                 }
             }
@@ -618,7 +619,6 @@ impl<G: FnMut(&Origin) -> u32> Analyzer<G> {
     /// The process's address space is gone: its live blocks stay counted as live (leaked at
     /// exit) but can no longer be freed; later events of the pid start a new space.
     fn end_process(&mut self, pid: u32, ts_ns: u64) {
-        self.forks.ended(pid);
         let Some(instance) = self.instances.remove(&pid) else {
             return;
         };

@@ -367,8 +367,27 @@ fn task(ts: u64, event: TaskEvent, pid: u32, ppid: u32) -> Event {
 }
 
 #[test]
+fn a_child_of_a_process_running_before_tracing_frees_its_unseen_blocks_as_inherited() {
+    // pid 1 was running when tracing began (record -a, --pid): a subshell frees blocks
+    // the shell allocated before; after its exec nothing is inherited.
+    let a = run(&[
+        alloc(1, 1, 1, Kind::Malloc, 0x1000, 8, 24, 1),
+        task(2, TaskEvent::Fork, 2, 1),
+        free(3, 2, 2, Kind::Free, 0x9000),
+        free(4, 1, 1, Kind::Free, 0x8000),
+        task(5, TaskEvent::Exec, 2, 0),
+        free(6, 2, 2, Kind::Free, 0x7000),
+    ]);
+    let user = &a.totals[&Domain::User];
+    assert_eq!((user.inherited_frees, user.unmatched_frees), (1, 2), "{user:?}");
+    assert_eq!((a.unmatched_by_pid.get(&1), a.unmatched_by_pid.get(&2)), (Some(&1), Some(&1)));
+}
+
+#[test]
 fn a_forked_child_freeing_its_parents_blocks_is_not_an_unmatched_free() {
     let a = run(&[
+        // pid 1 started while traced (the command's exec): its blocks are all seen.
+        task(0, TaskEvent::Exec, 1, 0),
         alloc(1, 1, 1, Kind::Malloc, 0x1000, 8, 24, 1),
         alloc(2, 1, 1, Kind::Malloc, 0x2000, 8, 24, 1),
         alloc(3, 1, 1, Kind::Malloc, 0x3000, 8, 24, 1),
@@ -397,6 +416,8 @@ fn a_forked_child_freeing_its_parents_blocks_is_not_an_unmatched_free() {
 #[test]
 fn a_grandchild_freeing_its_grandparents_blocks_is_not_an_unmatched_free() {
     let a = run(&[
+        // pid 1 started while traced (the command's exec): its blocks are all seen.
+        task(0, TaskEvent::Exec, 1, 0),
         alloc(1, 1, 1, Kind::Malloc, 0x1000, 8, 24, 1),
         // The middle process allocates nothing of its own before or after forking.
         task(2, TaskEvent::Fork, 2, 1),

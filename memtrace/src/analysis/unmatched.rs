@@ -49,7 +49,7 @@ impl UnmatchedFrees {
                     self.forks.forked(t.pid, t.ppid, parent_space, t.ts_ns);
                 }
                 if t.ends_address_space() {
-                    self.forks.ended(t.pid);
+                    self.forks.ended(t.pid, t.event == TaskEvent::Exit);
                     if let Some(instance) = self.instances.remove(&t.pid) {
                         self.recent_frees.remove(&instance);
                         self.heap.remove(&instance);
@@ -219,7 +219,11 @@ mod tests {
     #[test]
     fn a_forked_child_freeing_its_parents_block_is_not_unmatched() {
         let mut u = UnmatchedFrees::new(None);
-        for e in [event(1, 0, 0, 0, 0, 0), event(2, 7, 1, 0, 0, 0), event(3, 4, 1, 0, 0, 0), event(4, 4, 1, 0, 1, 0)] {
+        // pid 1 started while traced (its exec): its blocks are all seen.
+        let exec = event(0, 8, 0, 0, 0, 0);
+        for e in
+            [exec, event(1, 0, 0, 0, 0, 0), event(2, 7, 1, 0, 0, 0), event(3, 4, 1, 0, 0, 0), event(4, 4, 1, 0, 1, 0)]
+        {
             u.push(&e);
         }
         u.finish();

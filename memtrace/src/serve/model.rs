@@ -336,6 +336,9 @@ pub struct Model {
     /// Forked processes, until they exec or exit: the instance of the parent whose heap
     /// they started with a copy of.
     forked_from: HashMap<u32, u32>,
+    /// Forked processes whose maps are their parent's (`ModuleTable::learn_fork`), until
+    /// they exec or exit: their `/proc` maps, read later, may be another program's.
+    maps_from_fork: HashSet<u32>,
     /// Processes that exited lately: the kernel still allocates on their behalf while
     /// tearing them down; that is not a new process (a new one with the pid forks first).
     exited: HashMap<u32, Instant>,
@@ -365,6 +368,7 @@ impl Model {
             processes: HashMap::new(),
             current: HashMap::new(),
             forked_from: HashMap::new(),
+            maps_from_fork: HashSet::new(),
             exited: HashMap::new(),
             next_instance: 1,
             kernel: HashMap::new(),
@@ -565,8 +569,12 @@ impl Model {
     fn task(&mut self, t: &Task) {
         match t.event {
             // A new address space: the old program's blocks are gone with it.
-            TaskEvent::Exec => self.end(t.pid),
+            TaskEvent::Exec => {
+                self.maps_from_fork.remove(&t.pid);
+                self.end(t.pid);
+            }
             TaskEvent::Exit if t.flags & flags::GROUP_DEAD != 0 => {
+                self.maps_from_fork.remove(&t.pid);
                 self.end(t.pid);
                 self.exited.insert(t.pid, Instant::now());
             }
@@ -729,7 +737,9 @@ impl Sink for Model {
             let p = self.processes.get_mut(&instance).expect("instance just looked up");
             if !p.maps_read {
                 p.maps_read = true;
-                self.modules.learn_process(s.pid);
+                if !self.maps_from_fork.contains(&s.pid) {
+                    self.modules.learn_process(s.pid);
+                }
             }
         }
         let (user, cut) = self.modules.resolve_stack(s.pid, &s.user, s.python_context.as_deref(), s.walk);
@@ -752,7 +762,11 @@ impl Sink for Model {
     }
 
     fn fork_seen(&mut self, child: u32, parent: u32) {
-        self.modules.learn_fork(child, parent);
+        if self.modules.learn_fork(child, parent) {
+            self.maps_from_fork.insert(child);
+        } else {
+            self.maps_from_fork.remove(&child);
+        }
     }
 
     fn maps_seen(&mut self, pid: u32, maps: crate::procfs::Maps) {

@@ -39,7 +39,8 @@ impl Tracer {
             }
             TaskEvent::Fork => {
                 if let Some(u) = self.unwinder.as_mut() {
-                    u.fork(t.pid, space.asid, t.ts_ns, &mut self.probes);
+                    let all = matches!(self.options.target, Target::All);
+                    u.fork((t.pid, t.ppid), space.asid, all, t.ts_ns, &mut self.probes);
                 }
                 if !self.lifecycles.began(t.pid, t.ts_ns) {
                     log::debug!("pid {}: fork read after a later record of the process", t.pid);

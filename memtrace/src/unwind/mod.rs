@@ -115,6 +115,9 @@ struct Pending {
     /// The table its last walk stopped at: it is walked again once that one is ready, not
     /// at every install (a cold start holds thousands while a hundred tables come in).
     waiting_on: Option<store::Slot>,
+    /// Of a process not known yet: walked at this poll (one whole drain later), when the
+    /// records of its fork, read from another CPU's ring, have had their turn.
+    process_at_poll: Option<u64>,
 }
 
 /// The addresses of a table walk's user frames (a frame-pointer walk's named by build id
@@ -137,6 +140,8 @@ pub struct Unwinder {
     store: TableStore,
     pending: VecDeque<Pending>,
     pending_bytes: usize,
+    /// Polls so far (one per drain of the rings).
+    polls: u64,
     /// Stacks finished outside a poll (copies dropped for memory), handed out at the next.
     ready_late: Vec<StackRecord>,
     build_ids: crate::FastMap<PathBuf, Option<[u8; 20]>>,
@@ -214,6 +219,7 @@ impl Unwinder {
             companions: VecDeque::new(),
             pending: VecDeque::new(),
             pending_bytes: 0,
+            polls: 0,
             ready_late: Vec::new(),
             build_ids: Default::default(),
             new_files: Vec::new(),
@@ -307,9 +313,40 @@ impl Unwinder {
         }
     }
 
-    /// `child` was forked into address space `asid`.
-    pub fn fork(&mut self, child: u32, asid: u32, ts_ns: u64, sink: &mut dyn SpaceSink) {
-        self.spaces.learn_fork(child, asid, ts_ns, sink);
+    /// `child` was forked from `parent` into address space `asid` (0: the probes knew no
+    /// space of the parent's). With `learn_parent` (every process traced, `-a`), a parent
+    /// that was running before tracing began and is not learned yet is learned now, from
+    /// its maps, and the child given its space: the child runs the parent's code until it
+    /// execs (a shell's subshell, a server's worker), and its stacks were otherwise walked
+    /// against whatever the child's `/proc` showed when they were read (the program it
+    /// exec'd since, or nothing: every one cut short at its first frame).
+    pub fn fork(
+        &mut self,
+        (child, parent): (u32, u32),
+        asid: u32,
+        learn_parent: bool,
+        ts_ns: u64,
+        sink: &mut dyn SpaceSink,
+    ) {
+        let mut asid = asid;
+        let mut tell_probes = false;
+        if asid == 0
+            && learn_parent
+            && parent != 0
+            && let Some(parent_asid) =
+                self.spaces.asid_of(parent).or_else(|| self.spaces.learn_process(parent, &mut self.store, sink))
+        {
+            asid = parent_asid;
+            tell_probes = true;
+        }
+        // (Unless the child is gone or has an address space of its own since: its exec's.)
+        if self.spaces.learn_fork(child, asid, ts_ns, sink)
+            && tell_probes
+            && Path::new(&format!("/proc/{child}")).exists()
+            && let Err(e) = sink.set_asid(child, asid, true)
+        {
+            log::debug!("pid {child}: its parent's address space not given: {e:#}");
+        }
         self.forget_emptied();
     }
 
@@ -506,7 +543,16 @@ impl Unwinder {
             );
         }
         let user = frame_addresses(&record.user);
-        match self.finish(&record, &user, sink, false) {
+        // A copy of a process the probes knew no address space of, nor does this side
+        // (under -a: one running before tracing began, or the child of one, until it
+        // execs). A child's stack can be read before its fork, which its parent's CPU's
+        // ring holds; its `/proc`, read now, may show the program it exec'd since. It waits
+        // one drain for the fork to give it its parent's space.
+        let unknown_process = record.miss.as_ref().is_some_and(|m| m.asid == 0)
+            && self.spaces.asid_of(record.pid).is_none()
+            && self.spaces.forked_into(record.pid).is_none();
+        let finished = if unknown_process { Err(None) } else { self.finish(&record, &user, sink, false) };
+        match finished {
             Ok(done) => Some(self.named(done)),
             Err(waiting_on) => {
                 self.stats.waited += 1;
@@ -517,7 +563,15 @@ impl Unwinder {
                     + size_of::<Pending>()
                     + size_of::<crate::event::StackMiss>();
                 self.pending_bytes += bytes;
-                self.pending.push_back(Pending { record, user, since: Instant::now(), bytes, waiting_on });
+                let process_at_poll = unknown_process.then_some(self.polls + 2);
+                self.pending.push_back(Pending {
+                    record,
+                    user,
+                    since: Instant::now(),
+                    bytes,
+                    waiting_on,
+                    process_at_poll,
+                });
                 let mut out = Vec::new();
                 while self.pending_bytes > MAX_PENDING_BYTES {
                     let Some(p) = self.pending.pop_front() else { break };
@@ -544,15 +598,25 @@ impl Unwinder {
         self.request_companions();
         let installed = self.store.poll(sink);
         let mut out = std::mem::take(&mut self.ready_late);
+        self.polls += 1;
         if self.pending.is_empty() {
             return out;
         }
         let timed_out = self.pending.front().is_some_and(|p| p.since.elapsed() > MAX_WAIT);
-        if installed == 0 && !timed_out {
+        let processes_due = self.pending.iter().any(|p| p.process_at_poll.is_some_and(|at| at <= self.polls));
+        if installed == 0 && !timed_out && !processes_due {
             return out;
         }
         for mut p in std::mem::take(&mut self.pending) {
             let give_up = p.since.elapsed() > MAX_WAIT;
+            match p.process_at_poll {
+                Some(at) if at > self.polls && !give_up => {
+                    self.pending.push_back(p);
+                    continue;
+                }
+                Some(_) => p.process_at_poll = None,
+                None => {}
+            }
             let still_building =
                 p.waiting_on.is_some_and(|slot| matches!(self.store.state(slot), Some(TableState::Building)));
             if still_building && !give_up {
@@ -609,9 +673,14 @@ impl Unwinder {
     ) -> Result<StackRecord, Option<store::Slot>> {
         let Some(miss) = record.miss.as_ref() else { return Err(None) };
         let asid = match miss.asid {
-            0 => {
-                self.spaces.asid_of(record.pid).or_else(|| self.spaces.learn_process(record.pid, &mut self.store, sink))
-            }
+            // Taken before the probes knew a space of the process: before any exec of it
+            // while traced (an exec gives one). A child of a process running before tracing
+            // began ran in the space its parent was learned in.
+            0 => self
+                .spaces
+                .forked_into(record.pid)
+                .or_else(|| self.spaces.asid_of(record.pid))
+                .or_else(|| self.spaces.learn_process(record.pid, &mut self.store, sink)),
             asid => Some(asid),
         };
         let mut ips = user.to_vec();
@@ -892,11 +961,32 @@ mod tests {
         unwinder.exec(pid, name, space(11), 2, &mut probes);
         assert_eq!(unwinder.programs.keys().collect::<Vec<_>>(), [&11], "the space the exec left");
         // A forked child shares the space: it stays while either runs there.
-        unwinder.fork(pid + 1, 11, 3, &mut probes);
+        unwinder.fork((pid + 1, pid), 11, false, 3, &mut probes);
         unwinder.exit(pid, 4, &mut probes);
         assert_eq!(unwinder.programs.keys().collect::<Vec<_>>(), [&11]);
         unwinder.exit(pid + 1, 5, &mut probes);
         assert!(unwinder.programs.is_empty());
+    }
+
+    /// Under `-a`, a process running before tracing began forks before it was learned: the
+    /// parent is learned then, and the child (running its code until it execs) shares its
+    /// space, in the probes too. Otherwise a fork of an unknown space stays unknown.
+    #[test]
+    fn a_fork_of_a_process_not_learned_yet_gives_the_child_its_parents_space() {
+        let mut unwinder = Unwinder::with_cache(None, &UnwindOptions::default());
+        let mut probes = FakeProbes::default();
+        let parent = std::process::id();
+        let mut child = std::process::Command::new("sleep").arg("5").spawn().unwrap();
+        unwinder.fork((child.id(), parent), 0, false, 1, &mut probes);
+        assert_eq!((unwinder.spaces.asid_of(parent), unwinder.spaces.asid_of(child.id())), (None, None));
+        unwinder.fork((child.id(), parent), 0, true, 2, &mut probes);
+        let asid = unwinder.spaces.asid_of(parent).expect("the parent learned from its maps");
+        assert_eq!(unwinder.spaces.asid_of(child.id()), Some(asid));
+        assert_eq!(probes.asids.get(&child.id()), Some(&asid), "the probes walk the child in it");
+        let code = Maps::read_self().unwrap().mappings.into_iter().find(|m| m.executable).unwrap();
+        assert!(unwinder.spaces.find(asid, code.start).is_some(), "the child's frames are in the parent's files");
+        child.kill().unwrap();
+        child.wait().unwrap();
     }
 
     /// A program exec'd while tracing: its own table is asked for at once, the files it

@@ -75,6 +75,8 @@ struct Space {
 
 /// Address spaces of exited processes kept for naming late events.
 const DEAD_SPACES_KEPT: usize = 1024;
+/// Forks whose space is remembered (a few MB of copies wait at most a few seconds).
+const FORKS_KEPT: usize = 4096;
 /// Userspace's address-space ids (for processes that existed before tracing began).
 const USER_ASID_BASE: u32 = 1 << 31;
 
@@ -86,6 +88,12 @@ pub struct Spaces {
     /// Spaces emptied since the last [`Spaces::take_emptied`] (an exec leaves its old
     /// space as an exit does), for what the unwinder keeps per space.
     emptied: Vec<u32>,
+    /// pid → the space it was forked into: a stack the probes took before they knew any
+    /// space of the process (the child of a process running before tracing began) was
+    /// taken there, even if it is finished after the child's exec or exit. The latest
+    /// [`FORKS_KEPT`] forks, oldest first in `fork_order`.
+    forked_into: crate::FastMap<u32, u32>,
+    fork_order: VecDeque<u32>,
     /// Which task records are news.
     order: Lifecycles,
     next_user_asid: u32,
@@ -117,6 +125,11 @@ impl Spaces {
 
     pub fn asid_of(&self, pid: u32) -> Option<u32> {
         self.asid_of.get(&pid).copied()
+    }
+
+    /// The space `pid` was forked into (while traced), whatever it runs in now.
+    pub fn forked_into(&self, pid: u32) -> Option<u32> {
+        self.forked_into.get(&pid).copied()
     }
 
     /// Task records handled after a later one of their process and left out.
@@ -209,6 +222,16 @@ impl Spaces {
         }
         if asid != 0 {
             self.join(child, asid, sink);
+            if self.forked_into.insert(child, asid).is_none() {
+                self.fork_order.push_back(child);
+                while self.fork_order.len() > FORKS_KEPT {
+                    if let Some(old) = self.fork_order.pop_front() {
+                        self.forked_into.remove(&old);
+                    }
+                }
+            }
+        } else {
+            self.forked_into.remove(&child);
         }
         true
     }
@@ -298,6 +321,9 @@ impl Spaces {
         // What /proc shows is later than any record of the process made before it is read.
         let seen = crate::session::monotonic_ns();
         let maps = Maps::read(pid).ok()?;
+        if !maps.mappings.iter().any(|m| m.executable) {
+            return None; // a kernel thread, a zombie: nothing to walk
+        }
         let proposed = self.next_user_asid;
         let asid = sink.set_asid(pid, proposed, true).ok()?;
         if asid == proposed {
@@ -539,6 +565,10 @@ pub(crate) mod tests {
         assert!(probes.lookup(5, 0x18000).is_some());
         spaces.learn_exit(2, 40, &mut probes);
         assert!(probes.lookup(5, 0x18000).is_none());
+        // Where the child was forked stays known after its exit: its copies taken before the
+        // probes knew a space of it (asid 0) are finished later, in that space's ranges.
+        assert_eq!((spaces.forked_into(2), spaces.asid_of(2)), (Some(5), None));
+        assert_eq!(spaces.find(5, 0x18000).map(|m| m.start), Some(0x18000));
     }
 
     /// Task records come in the order the rings are read: a child's exec (its CPU's ring)
