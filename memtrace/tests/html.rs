@@ -185,7 +185,7 @@ fn the_report_renders_in_a_real_browser() {
     // Every flame graph is in the page's data, for each domain.
     let data = &dom[dom.find("id=\"flamegraph-data\"").unwrap()..];
     for view in ["allocs", "bytes", "peak", "leaked"] {
-        assert!(data.contains(&format!("\"{view}\":{{\"svg\":")), "{view}");
+        assert!(data.contains(&format!("\"{view}\":{{\"svgz\":")), "{view}");
     }
     // The leaking function, in the top sites.
     let sites = &dom[dom.find("<section id=\"sites\">").unwrap()..];

@@ -6,6 +6,7 @@
 use std::collections::BTreeMap;
 
 use anyhow::Result;
+use base64::Engine as _;
 use serde::Serialize;
 
 use crate::{
@@ -27,12 +28,34 @@ pub const VIEWS: [(&str, &str, Weight); 4] = [
 /// One flame graph, or why there is none.
 #[derive(Serialize)]
 pub struct Flame {
-    /// The SVG, without its XML prologue (the page puts it in an HTML document).
+    /// The SVG, without its XML prologue (the page puts it in an HTML document), deflated
+    /// (zlib) and in base64: the page inflates it (`DecompressionStream`) when it is
+    /// shown. Inferno's SVGs repeat themselves: the heavy Python bench's twelve took 36 MB
+    /// of page as text.
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub svg: Option<String>,
+    pub svgz: Option<String>,
     /// Its height in pixels.
     pub height: u32,
     pub empty: Option<String>,
+}
+
+/// `svg` deflated (zlib, as the browser's `DecompressionStream("deflate")` reads it), in
+/// base64.
+fn packed(svg: &str) -> Result<String> {
+    use std::io::Write as _;
+    let mut z = flate2::write::ZlibEncoder::new(Vec::with_capacity(svg.len() / 8), flate2::Compression::default());
+    z.write_all(svg.as_bytes())?;
+    Ok(base64::engine::general_purpose::STANDARD.encode(z.finish()?))
+}
+
+/// The SVG a page's `svgz` holds (for tests).
+#[cfg(test)]
+pub fn unpacked(svgz: &str) -> String {
+    use std::io::Read as _;
+    let bytes = base64::engine::general_purpose::STANDARD.decode(svgz).expect("base64");
+    let mut svg = String::new();
+    flate2::read::ZlibDecoder::new(&bytes[..]).read_to_string(&mut svg).expect("zlib");
+    svg
 }
 
 /// The SVG from its `<svg` on, and its height.
@@ -55,7 +78,7 @@ fn flame(stacks: &Summary, domain: Domain, weight: Weight) -> Result<Flame> {
         folded_rows(stacks, weight, |r| r.domain == domain).into_iter().map(|(s, v)| format!("{s} {v}")).collect();
     if lines.is_empty() {
         return Ok(Flame {
-            svg: None,
+            svgz: None,
             height: 0,
             empty: Some(format!("No {} stack has any {what}.", domain_name(domain))),
         });
@@ -75,7 +98,7 @@ fn flame(stacks: &Summary, domain: Domain, weight: Weight) -> Result<Flame> {
     let mut svg = Vec::new();
     draw_svg(&lines, weight, &format!("{} {what}", domain_name(domain)), subtitle, &mut svg)?;
     let (svg, height) = body(&String::from_utf8_lossy(&svg));
-    Ok(Flame { svg: Some(svg), height, empty: None })
+    Ok(Flame { svgz: Some(packed(&svg)?), height, empty: None })
 }
 
 /// Every flame graph: domain → view id → flame graph.

@@ -37,6 +37,18 @@
   const params = new URLSearchParams(location.hash.slice(1));
   let view = params.get("flame") || "bytes";
   let domain = domains.includes(params.get("domain")) ? params.get("domain") : domains[0];
+  // Each SVG is deflated in the page's data: inflated once, when first shown.
+  const inflated = new Map();
+  function svgOf(key, packed) {
+    if (!inflated.has(key)) {
+      const bytes = Uint8Array.from(atob(packed), (c) => c.charCodeAt(0));
+      const stream = new Blob([bytes]).stream().pipeThrough(new DecompressionStream("deflate"));
+      inflated.set(key, new Response(stream).text());
+    }
+    return inflated.get(key);
+  }
+  // The tab chosen last wins over an earlier one still inflating.
+  let shown = 0;
   function show() {
     for (const b of document.querySelectorAll("[data-view]")) b.setAttribute("aria-selected", String(b.dataset.view === view));
     for (const b of document.querySelectorAll("[data-domain]")) {
@@ -46,7 +58,8 @@
     frame.dataset.view = view;
     frame.dataset.domain = domain;
     delete frame.dataset.frames;
-    if (!f || !f.svg) {
+    const ticket = ++shown;
+    if (!f || !f.svgz) {
       frame.hidden = true;
       empty.hidden = false;
       empty.textContent = f ? f.empty : "No flame graph.";
@@ -55,8 +68,11 @@
     frame.hidden = false;
     empty.hidden = true;
     frame.style.height = f.height + 2 + "px";
-    frame.srcdoc = "<!DOCTYPE html><html><head><meta charset=\"utf-8\"><style>html,body{margin:0}svg{display:block;width:100%}</style></head><body>" +
-      f.svg + "</body></html>";
+    svgOf(domain + "/" + view, f.svgz).then((svg) => {
+      if (ticket !== shown) return;
+      frame.srcdoc = "<!DOCTYPE html><html><head><meta charset=\"utf-8\"><style>html,body{margin:0}svg{display:block;width:100%}</style></head><body>" +
+        svg + "</body></html>";
+    }, (e) => fail("flame graph: " + e));
   }
   frame.addEventListener("load", () => {
     if (!frame.srcdoc) return;

@@ -18,6 +18,11 @@ fn flame_data(html: &str) -> serde_json::Value {
     serde_json::from_str(json).unwrap()
 }
 
+/// A flame graph's SVG, unpacked.
+fn svg(f: &serde_json::Value) -> Option<String> {
+    f["svgz"].as_str().map(flames::unpacked)
+}
+
 #[test]
 fn the_page_holds_everything_and_fetches_nothing() {
     let html = page_of(&ReportOptions::default());
@@ -45,13 +50,18 @@ fn the_page_holds_everything_and_fetches_nothing() {
     for domain in ["user", "kernel"] {
         for view in ["allocs", "bytes", "peak", "leaked"] {
             let f = &data[domain][view];
-            let svg = f["svg"].as_str().unwrap_or_else(|| panic!("{domain} {view}: {f}"));
+            let svg = svg(f).unwrap_or_else(|| panic!("{domain} {view}: {f}"));
             assert!(svg.starts_with("<svg") && svg.trim_end().ends_with("</svg>"), "{domain} {view}");
             assert!(f["height"].as_u64().unwrap() > 50);
         }
     }
-    assert!(data["user"]["leaked"]["svg"].as_str().unwrap().contains("parse_request"));
-    assert!(data["kernel"]["peak"]["svg"].as_str().unwrap().contains("at the kernel peak: 192 B live"));
+    assert!(svg(&data["user"]["leaked"]).unwrap().contains("parse_request"));
+    assert!(svg(&data["kernel"]["peak"]).unwrap().contains("at the kernel peak: 192 B live"));
+    // Packed: what the page holds is a fraction of the SVGs.
+    let packed: usize =
+        ["allocs", "bytes", "peak", "leaked"].iter().map(|v| data["user"][v]["svgz"].as_str().unwrap().len()).sum();
+    let plain: usize = ["allocs", "bytes", "peak", "leaked"].iter().map(|v| svg(&data["user"][v]).unwrap().len()).sum();
+    assert!(packed * 2 < plain, "{packed} of {plain}");
 }
 
 #[test]
@@ -62,7 +72,7 @@ fn a_domain_without_stacks_says_so() {
     };
     let html = page_of(&opts);
     let data = flame_data(&html);
-    assert!(data.get("kernel").is_none() && data["user"]["bytes"]["svg"].is_string());
+    assert!(data.get("kernel").is_none() && data["user"]["bytes"]["svgz"].is_string());
     assert!(!html.contains("data-domain=\"kernel\""));
     assert_eq!(escape("a<b & \"c\" 'd'>"), "a&lt;b &amp; &quot;c&quot; &#39;d&#39;&gt;");
 }
