@@ -187,10 +187,18 @@ pub(crate) static FILE_TABLES: HashMap<FileId, FileTable, 16384> = HashMap::new(
 #[btf_map]
 pub(crate) static PROBE_BUSY: PerCpuArray<u32, 1> = PerCpuArray::new();
 
+/// Changes when userspace replaces an executable range of a live address space with
+/// another file's (dlclose, then a library mapped at the same address): the rule cache is
+/// keyed by address and address space, and what it held there is the old file's.
+#[btf_map]
+pub(crate) static RANGES_GEN: Array<u64, 1> = Array::new();
+
 /// A rule found for an address of an address space, cached per CPU (direct-mapped).
 #[repr(C)]
 #[derive(Clone, Copy)]
 pub(crate) struct CachedRule {
+    /// The address, its top 16 bits XORed with [`RANGES_GEN`]'s low 16 when it was cached
+    /// (user addresses leave them clear): an entry from before a range was replaced misses.
     pub(crate) addr: u64,
     pub(crate) asid: u32,
     /// `unwind::encode_rule` of the rule.

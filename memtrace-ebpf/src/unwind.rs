@@ -25,7 +25,7 @@ use crate::{
     context::{pid_tgid, read_kernel_at, read_user_u64, regs, scratch, this_cpu},
     maps::{
         ANCHOR_BUFFERS, ANCHORS, ASIDS, AnchorFrame, Anchors, CachedRule, FILE_TABLES, MAPPINGS, NEXT_ASID, PROBE_BUSY,
-        PROC_GEN, PY_PROCS, RULE_CACHE, SLOT_MAPS, TABLES, process_changed,
+        PROC_GEN, PY_PROCS, RANGES_GEN, RULE_CACHE, SLOT_MAPS, TABLES, process_changed,
     },
     reuse::{memtrace_begin_reuse, memtrace_repeat_walk, memtrace_reuse_frames},
     ring::{bump, bump_by, zero},
@@ -302,6 +302,9 @@ pub(crate) struct WalkState {
     pub(crate) cache_hits: u32,
     /// The thread walked.
     pub(crate) tid: u32,
+    /// What the rule cache's entries of this walk's time carry in their address's top bits
+    /// ([`crate::maps::CachedRule`]).
+    pub(crate) cache_tag: u64,
 }
 
 /// Sets `miss` to a walk stopped at these registers: no copy, no anchor. Zeroed a word at
@@ -352,7 +355,7 @@ fn rule_at(st: &mut WalkState, addr: u64) -> Result<u32, NoRule> {
     if let Some(entry) = slot {
         // SAFETY: this CPU's slot; programs on one CPU do not run concurrently.
         let entry = unsafe { &*entry };
-        if entry.addr == addr && entry.asid == st.asid {
+        if entry.addr == addr ^ st.cache_tag && entry.asid == st.asid {
             st.cache_hits += 1;
             return Ok(entry.rule);
         }
@@ -384,7 +387,7 @@ fn rule_at(st: &mut WalkState, addr: u64) -> Result<u32, NoRule> {
     };
     if let Some(entry) = slot {
         // SAFETY: as above.
-        unsafe { *entry = CachedRule { addr, asid: st.asid, rule } };
+        unsafe { *entry = CachedRule { addr: addr ^ st.cache_tag, asid: st.asid, rule } };
     }
     Ok(rule)
 }
@@ -901,6 +904,7 @@ pub(crate) fn walk_user_tables(scratch: &mut Scratch, tgid: u32, regs: UserRegs,
         exact: regs.exact as u32,
         cache_hits: 0,
         tid: pid_tgid().2,
+        cache_tag: RANGES_GEN.get(0).map_or(0, |g| *g << 48),
     };
     // Volatile: the steps change these through their own reference to the scratch value,
     // which the compiler cannot see across the helper call.

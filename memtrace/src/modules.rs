@@ -117,14 +117,21 @@ impl ModuleTable {
     /// under `-a`) is read now, while it still runs what the child runs. Returns whether
     /// the child has maps.
     pub fn learn_fork(&mut self, child: u32, parent: u32) -> bool {
-        if !self.maps.contains_key(&parent) && parent != 0 {
+        // Maps read a while ago (at the parent's exec: its program and ld.so alone) are
+        // read again while the parent runs.
+        if parent != 0 && self.maps.get(&parent).is_none_or(|m| m.read_at.elapsed() > MAPS_REFRESH) {
             self.learn_process(parent);
         }
-        let Some(maps) = self.maps.get(&parent).map(|p| p.maps.clone()) else { return false };
+        let Some((maps, read_at)) = self.maps.get(&parent).map(|p| (p.maps.clone(), p.read_at)) else { return false };
         // In place of what an earlier process of this pid left.
-        self.maps.remove(&child);
-        self.maps_order.retain(|&p| p != child);
+        if self.maps.remove(&child).is_some() {
+            self.maps_order.retain(|&p| p != child);
+        }
         self.keep_maps(child, maps);
+        // As old as the parent's: a frame they do not cover has the child's read soon.
+        if let Some(m) = self.maps.get_mut(&child) {
+            m.read_at = read_at;
+        }
         true
     }
 

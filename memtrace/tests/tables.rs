@@ -777,7 +777,8 @@ fn a_fork_read_after_the_childs_exec_leaves_the_child_in_its_new_space() {
 }
 
 /// Runs before tracing begins: allocates 30 blocks, waits for a line on its input, then
-/// forks (on its second CPU; the child moves to the first, whose ring is read first). The
+/// forks (on its first CPU, whose ring is read first; the child moves to the second: its
+/// stacks may be read in the drain before the one that reads the fork). The
 /// child frees the 30 blocks, allocates 100 times through `child_work`, and execs
 /// `/bin/true`. The parent prints the child's pid, and lives on a little.
 const SUBSHELL: &str = r#"
@@ -805,12 +806,12 @@ int main(void) {
     sched_getaffinity(0, sizeof allowed, &allowed);
     for (int c = 0; c < CPU_SETSIZE && second < 0; c++)
         if (CPU_ISSET(c, &allowed)) { if (first < 0) first = c; else second = c; }
-    if (second >= 0) { CPU_ZERO(&cpu); CPU_SET(second, &cpu); sched_setaffinity(0, sizeof cpu, &cpu); }
+    if (second >= 0) { CPU_ZERO(&cpu); CPU_SET(first, &cpu); sched_setaffinity(0, sizeof cpu, &cpu); }
     char line[8];
     if (!fgets(line, sizeof line, stdin)) return 1;
     pid_t p = fork();
     if (p == 0) {
-        if (first >= 0) { CPU_ZERO(&cpu); CPU_SET(first, &cpu); sched_setaffinity(0, sizeof cpu, &cpu); }
+        if (second >= 0) { CPU_ZERO(&cpu); CPU_SET(second, &cpu); sched_setaffinity(0, sizeof cpu, &cpu); }
         for (int i = 0; i < 30; i++) free(before[i]);
         child_work();
         execl("/bin/true", "true", (char *)0);
@@ -861,4 +862,95 @@ fn a_child_of_a_process_running_before_record_all_unwinds_in_its_parents_code() 
     assert_eq!(&functions(site[0])[..3], ["child_leaf", "child_work", "main"]);
     let user = &report["totals"]["user"];
     assert_eq!((&user["inherited_frees"], &user["unmatched_frees"]), (&30.into(), &0.into()), "{user:#}");
+}
+
+/// A library whose `lib_mid` keeps a frame of `PAD` bytes: built with 4096 and with 8192,
+/// the two have the same code at the same offsets (the frame's size is a 32-bit immediate
+/// either way), and different rules at `lib_mid`'s return address.
+const PADDED_LIBRARY: &str = r#"
+#include <stdlib.h>
+#define NOIPA __attribute__((noipa))
+volatile unsigned long sink;
+NOIPA void *lib_leaf(int n) {
+    void *p = malloc(n);
+    sink += (unsigned long)p;
+    return p;
+}
+NOIPA void *lib_mid(int n) {
+    volatile char pad[PAD];
+    pad[n & (PAD - 1)] = 1;
+    void *p = lib_leaf(n);
+    sink += pad[(n + 1) & (PAD - 1)];
+    return p;
+}
+NOIPA void *lib_run(int n) {
+    void *p = lib_mid(n);
+    sink += 1; /* not a tail call */
+    return p;
+}
+"#;
+
+/// Loads `argv[1]`, waits for its table, allocates 200 times through it, unloads it; then
+/// the same with `argv[2]` (mapped where the first was); prints where each `lib_run` was.
+/// On one CPU: one rule cache.
+const RELOADER: &str = r#"
+#define _GNU_SOURCE
+#include <dlfcn.h>
+#include <sched.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <unistd.h>
+#define NOIPA __attribute__((noipa))
+typedef void *(*run_t)(int);
+NOIPA void *use(const char *path) {
+    void *h = dlopen(path, RTLD_NOW);
+    if (!h) { fprintf(stderr, "%s\n", dlerror()); exit(2); }
+    run_t run = (run_t)dlsym(h, "lib_run");
+    usleep(300 * 1000); /* its table ready and in the probes */
+    for (int i = 0; i < 200; i++) free(run(100 + i));
+    dlclose(h);
+    return (void *)run;
+}
+int main(int argc, char **argv) {
+    cpu_set_t allowed, one;
+    sched_getaffinity(0, sizeof allowed, &allowed);
+    for (int c = 0; c < CPU_SETSIZE; c++)
+        if (CPU_ISSET(c, &allowed)) { CPU_ZERO(&one); CPU_SET(c, &one); sched_setaffinity(0, sizeof one, &one); break; }
+    void *a = use(argv[1]);
+    void *b = use(argv[2]);
+    printf("%p %p\n", a, b);
+    return 0;
+}
+"#;
+
+/// A library unloaded and another loaded at its address in the same process: the rules the
+/// probes cached per CPU for the first one's addresses are not used for the second's (they
+/// are keyed by address and address space). Before, the second library's `lib_mid` was
+/// walked with the first's frame size, and its stacks went astray.
+#[test]
+fn a_library_loaded_where_another_was_unloaded_is_not_walked_by_its_rules() {
+    require_root();
+    let _sharing = sharing_the_machine();
+    let dir = scratch("reload");
+    let small = cc(&dir, "libpad4k.so", PADDED_LIBRARY, &["-shared", "-fPIC", "-DPAD=4096"]);
+    let large = cc(&dir, "libpad8k.so", PADDED_LIBRARY, &["-shared", "-fPIC", "-DPAD=8192"]);
+    let prog = cc(&dir, "reloader", RELOADER, &["-ldl"]);
+    let data = dir.join("reload.data");
+    let out = run(memtrace()
+        .env("MEMTRACE_CACHE_DIR", dir.join("cache"))
+        .args(["record", "-q", "--no-kernel", "-o"])
+        .arg(&data)
+        .arg("--")
+        .args([&prog, &small, &large]));
+    let printed = String::from_utf8(out.stdout).unwrap();
+    let places: Vec<&str> = printed.split_whitespace().collect();
+    assert_eq!(places.len(), 2, "{printed}");
+    assert_eq!(places[0], places[1], "the second library must be mapped where the first was");
+    let report = report_json(&data, &["--by", "stack", "--domain", "user"]);
+    let leaves = sites_of(&report, "lib_leaf");
+    assert_eq!(leaves.iter().map(|s| s["allocs"].as_u64().unwrap()).sum::<u64>(), 400, "{leaves:#?}");
+    for site in leaves {
+        assert_eq!(site["truncated"], false, "{site:#}");
+        assert_eq!(&functions(site)[..5], ["lib_leaf", "lib_mid", "lib_run", "use", "main"], "{site:#}");
+    }
 }

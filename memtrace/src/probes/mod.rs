@@ -968,6 +968,10 @@ impl SpaceSink for Probes {
         trie.remove(&Key::new(prefix_bits, key)).context("removing an address-space mapping")?;
         Ok(())
     }
+
+    fn ranges_replaced(&mut self) -> Result<()> {
+        self.bump_generation("RANGES_GEN")
+    }
 }
 
 /// A duplicate of the descriptor of the array of maps `name`.

@@ -411,7 +411,6 @@ impl Tracer {
                 found.push(extra);
             }
         }
-        let mut not_attached: HashSet<usize> = HashSet::new();
         let attached = (|| -> Result<()> {
             let plan = probes::verify::Plan {
                 mappings: track_mappings,
@@ -438,11 +437,10 @@ impl Tracer {
                     Ok(()) => {}
                     // Probed ahead (an installed library, a program remembered from an
                     // earlier session): one that cannot be probed is not the command's own,
-                    // and the session goes on without it (a program that maps it later is
-                    // probed then).
+                    // and the session goes on without it. It counts as attached: not tried
+                    // again (what failed would fail again, and links it made stay).
                     Err(e) if i >= own_allocators => {
                         log::debug!("not probing {} ahead: {e:#}", allocator.object.display());
-                        not_attached.insert(i);
                     }
                     Err(e) => return Err(e),
                 }
@@ -482,12 +480,7 @@ impl Tracer {
         }
         let mut tracer = Self {
             probes,
-            attached: found
-                .iter()
-                .enumerate()
-                .filter(|(i, _)| !not_attached.contains(i))
-                .map(|(_, a)| (attached_to, a.file_id, a.prefix.clone()))
-                .collect(),
+            attached: found.iter().map(|a| (attached_to, a.file_id, a.prefix.clone())).collect(),
             usable,
             followed: target_pid.into_iter().collect(),
             lifecycles: crate::lifecycle::Lifecycles::new(),

@@ -335,14 +335,19 @@ impl Unwinder {
             && parent != 0
             && let Some(parent_asid) =
                 self.spaces.asid_of(parent).or_else(|| self.spaces.learn_process(parent, &mut self.store, sink))
+            // Only a space learned here: one the kernel gave means the parent exec'd after
+            // this fork (the fork would have shared it), and runs another program now.
+            && spaces::is_learned(parent_asid)
         {
             asid = parent_asid;
             tell_probes = true;
         }
-        // (Unless the child is gone or has an address space of its own since: its exec's.)
+        // In the probes only for a child still running (an exit already handled there would
+        // leave the entry for good) that has no space of its own since (its exec's: kept).
+        let running = || procfs::process_state(child).is_ok_and(|s| s.state != 'Z' && s.state != 'X');
         if self.spaces.learn_fork(child, asid, ts_ns, sink)
             && tell_probes
-            && Path::new(&format!("/proc/{child}")).exists()
+            && running()
             && let Err(e) = sink.set_asid(child, asid, true)
         {
             log::debug!("pid {child}: its parent's address space not given: {e:#}");
@@ -878,11 +883,10 @@ mod tests {
         assert_eq!(stack_hash(7, Some(&[0xffff_0001, 0]), &user, false), k);
     }
 
-    /// Unwinds this very thread from a copy of its own stack, as the probes' miss path
-    /// would: it waits for the executable's table, then reaches the thread's start.
-    #[test]
+    /// A copy of this very thread's stack, as the probes' miss path sends it (no address
+    /// space known: asid 0), said to be of process `pid`; and the copy's length.
     #[inline(never)]
-    fn finishes_a_real_stack_from_a_copy_once_its_table_is_built() {
+    fn own_stack_copy(pid: u32) -> (StackRecord, usize) {
         let (ip, sp, bp): (u64, u64, u64);
         // SAFETY: reads three registers; no memory is touched.
         unsafe {
@@ -893,9 +897,6 @@ mod tests {
         // SAFETY: [sp, sp + len) lies in this thread's mapped stack, above our own frame.
         let copy = unsafe { std::slice::from_raw_parts(sp as *const u8, len) }.to_vec();
         let copy_len = copy.len();
-        let pid = std::process::id();
-        let mut probes = FakeProbes::default();
-        let mut unwinder = Unwinder::new(&UnwindOptions { disk_cache: false, ..Default::default() });
         let record = StackRecord {
             hash: 1,
             pid,
@@ -921,6 +922,29 @@ mod tests {
             python_context: None,
             py_key: 0,
         };
+        (record, copy_len)
+    }
+
+    /// Polls until a waiting copy is finished (at most a minute).
+    fn poll_until_finished(unwinder: &mut Unwinder, probes: &mut FakeProbes) -> Option<StackRecord> {
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while Instant::now() < deadline {
+            if let Some(done) = unwinder.poll(probes).pop() {
+                return Some(done);
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        None
+    }
+
+    /// Unwinds this very thread from a copy of its own stack, as the probes' miss path
+    /// would: it waits for the executable's table, then reaches the thread's start.
+    #[test]
+    fn finishes_a_real_stack_from_a_copy_once_its_table_is_built() {
+        let pid = std::process::id();
+        let (record, copy_len) = own_stack_copy(pid);
+        let mut probes = FakeProbes::default();
+        let mut unwinder = Unwinder::new(&UnwindOptions { disk_cache: false, ..Default::default() });
         // The process is learned on the spot; its tables are being built: the copy waits.
         assert!(unwinder.accept(record.clone(), &mut probes).is_none());
         assert_eq!(unwinder.waiting(), 1);
@@ -929,13 +953,7 @@ mod tests {
         let held = copy_len + 8 + size_of::<Pending>() + size_of::<StackMiss>();
         assert_eq!(unwinder.pending_bytes, held);
         assert!(unwinder.pending[0].record.user.is_empty(), "frames kept once, as addresses");
-        let mut finished = Vec::new();
-        let deadline = Instant::now() + Duration::from_secs(60);
-        while finished.is_empty() && Instant::now() < deadline {
-            finished = unwinder.poll(&mut probes);
-            std::thread::sleep(Duration::from_millis(5));
-        }
-        let whole = finished.pop().expect("finished once the tables were built");
+        let whole = poll_until_finished(&mut unwinder, &mut probes).expect("finished once the tables were built");
         assert!(!whole.truncated, "{whole:?}");
         assert_eq!(whole.hash, 1, "the event's hash names the finished stack");
         assert!(whole.user.len() > 3);
@@ -944,6 +962,26 @@ mod tests {
         // The second time every table is there: finished at once.
         let again = unwinder.accept(record, &mut probes).expect("no wait");
         assert_eq!(again.user, whole.user);
+    }
+
+    /// A copy of a process neither side knows a space of (the child of one running before
+    /// `-a` began) can be read a drain before its fork (in its parent's CPU's ring): it
+    /// waits for the fork, and is walked in the space the fork gives, even after the child
+    /// is gone. Walked at once, it was cut short (the child's `/proc`: gone, or the program
+    /// it exec'd).
+    #[test]
+    fn a_copy_read_before_its_fork_is_walked_in_the_space_the_fork_gives() {
+        let parent = std::process::id();
+        let child = u32::MAX - 7; // no such process: its /proc says nothing
+        let (record, _) = own_stack_copy(child);
+        let mut probes = FakeProbes::default();
+        let mut unwinder = Unwinder::new(&UnwindOptions { disk_cache: false, ..Default::default() });
+        assert!(unwinder.accept(record, &mut probes).is_none(), "it waits for its fork");
+        unwinder.fork((child, parent), 0, true, 1, &mut probes);
+        unwinder.exit(child, 2, &mut probes);
+        let whole = poll_until_finished(&mut unwinder, &mut probes).expect("finished");
+        assert!(!whole.truncated, "{whole:?}");
+        assert!(whole.user.len() > 3, "{whole:?}");
     }
 
     /// The program of a space is forgotten when its last process leaves it, by an exec as

@@ -35,6 +35,11 @@ pub trait SpaceSink: TableSink {
     fn set_asid(&mut self, pid: u32, asid: u32, only_if_absent: bool) -> anyhow::Result<u32>;
     fn insert_mapping(&mut self, key: MappingKey, prefix_bits: u32, value: MappingValue) -> anyhow::Result<()>;
     fn remove_mapping(&mut self, key: MappingKey, prefix_bits: u32) -> anyhow::Result<()>;
+    /// A live space's range now holds another file (or the same at another bias): rules
+    /// the probes cached for its addresses are stale.
+    fn ranges_replaced(&mut self) -> anyhow::Result<()> {
+        Ok(())
+    }
     /// What the probes find at `addr` of `asid` (for diagnostics).
     fn lookup_mapping(&self, _asid: u32, _addr: u64) -> Option<MappingValue> {
         None
@@ -79,6 +84,12 @@ const DEAD_SPACES_KEPT: usize = 1024;
 const FORKS_KEPT: usize = 4096;
 /// Userspace's address-space ids (for processes that existed before tracing began).
 const USER_ASID_BASE: u32 = 1 << 31;
+
+/// Whether `asid` is one userspace gave (to a process learned from `/proc`), not the
+/// kernel at an exec.
+pub fn is_learned(asid: u32) -> bool {
+    asid >= USER_ASID_BASE
+}
 
 #[derive(Default)]
 pub struct Spaces {
@@ -230,8 +241,8 @@ impl Spaces {
                     }
                 }
             }
-        } else {
-            self.forked_into.remove(&child);
+        } else if self.forked_into.remove(&child).is_some() {
+            self.fork_order.retain(|&p| p != child);
         }
         true
     }
@@ -283,12 +294,17 @@ impl Spaces {
         let in_probes = space.pids > 0 || !buried;
         // What the new range covers is unmapped (the kernel replaced it).
         let mut kept = Vec::with_capacity(space.mappings.len() + 1);
+        let mut replaced = false;
         for m in space.mappings.drain(..) {
             if m.end <= mapping.start || m.start >= mapping.end {
                 kept.push(m);
             } else if in_probes {
+                replaced |= m.slot != mapping.slot || m.bias != mapping.bias;
                 remove_entries(asid, &m, sink);
             }
+        }
+        if replaced && let Err(e) = sink.ranges_replaced() {
+            log::debug!("the probes' rule cache not told of a replaced range: {e:#}");
         }
         let at = kept.partition_point(|m| m.start < mapping.start);
         if in_probes {
@@ -450,6 +466,8 @@ pub(crate) mod tests {
         pub asids: std::collections::HashMap<u32, u32>,
         pub trie: BTreeMap<(u32, u64, u32), MappingValue>,
         pub tables: Vec<(Slot, usize)>,
+        /// Times the rule cache was told a range was replaced.
+        pub replaced: u32,
     }
 
     impl TableSink for FakeProbes {
@@ -469,6 +487,10 @@ pub(crate) mod tests {
             }
             self.asids.insert(pid, asid);
             Ok(asid)
+        }
+        fn ranges_replaced(&mut self) -> anyhow::Result<()> {
+            self.replaced += 1;
+            Ok(())
         }
         fn insert_mapping(&mut self, key: MappingKey, bits: u32, value: MappingValue) -> anyhow::Result<()> {
             let asid = u32::from_be_bytes(key.asid);
@@ -555,9 +577,16 @@ pub(crate) mod tests {
         spaces.learn_exec(1, 5, 10, &mut probes);
         spaces.add_mapping(5, 0x10000, 0x10000, 0, None, &mut store, &mut probes);
         assert_eq!(probes.lookup(5, 0x18000).unwrap().flags, mapping_flags::NO_FILE);
+        assert_eq!(probes.replaced, 0);
         spaces.add_mapping(5, 0x18000, 0x1000, 0, None, &mut store, &mut probes);
         assert_eq!(spaces.find(5, 0x18000).unwrap().start, 0x18000);
+        assert_eq!(probes.replaced, 0, "code without a file over the same: no rule the probes cached differs");
         assert!(spaces.find(5, 0x10000).is_none(), "the old range is gone");
+        // A file's code over it (a library mapped where another was): the rules cached
+        // for those addresses are stale.
+        let exe = std::fs::read_link("/proc/self/exe").unwrap();
+        spaces.add_mapping(5, 0x18000, 0x1000, 0, Some(&exe), &mut store, &mut probes);
+        assert_eq!(probes.replaced, 1);
         assert!(probes.lookup(5, 0x10000).is_none());
         // A forked child shares the space: it stays in the trie until both are gone.
         spaces.learn_fork(2, 5, 20, &mut probes);
