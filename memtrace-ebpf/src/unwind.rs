@@ -25,7 +25,7 @@ use crate::{
     context::{pid_tgid, read_kernel_at, read_user_u64, regs, scratch, this_cpu},
     maps::{
         ANCHOR_BUFFERS, ANCHORS, ASIDS, AnchorFrame, Anchors, CachedRule, FILE_TABLES, MAPPINGS, NEXT_ASID, PROBE_BUSY,
-        PROC_GEN, PY_PROCS, RANGES_GEN, RULE_CACHE, SLOT_MAPS, TABLES, process_changed,
+        PROC_GEN, PY_PROCS, RANGES_GEN, RULE_CACHE, SLOT_MAPS, TABLES, bump_generation, process_changed,
     },
     reuse::{memtrace_begin_reuse, memtrace_repeat_walk, memtrace_reuse_frames},
     ring::{bump, bump_by, zero},
@@ -252,6 +252,14 @@ pub extern "C" fn memtrace_install_range(asid: u64, start: u64, end: u64, slot: 
     let (asid, slot) = (asid as u32, slot as u32);
     if slot == NO_SLOT || start >= end {
         return 0;
+    }
+    // Another file's range there (or this one's at another bias: a library mapped where
+    // another was unloaded): the rules each CPU cached for those addresses are stale.
+    let key = Key::new(MappingKey::ASID_BITS + 64, MappingKey::new(asid, start));
+    if let Some(old) = MAPPINGS.get(&key)
+        && (old.table != slot || old.bias != bias)
+    {
+        bump_generation(RANGES_GEN.get_ptr_mut(0));
     }
     let mut st =
         Install { at: start, end, asid, _pad: 0, value: MappingValue { table: slot, flags: 0, start, end, bias } };

@@ -117,9 +117,10 @@ impl ModuleTable {
     /// under `-a`) is read now, while it still runs what the child runs. Returns whether
     /// the child has maps.
     pub fn learn_fork(&mut self, child: u32, parent: u32) -> bool {
-        // Maps read a while ago (at the parent's exec: its program and ld.so alone) are
-        // read again while the parent runs.
-        if parent != 0 && self.maps.get(&parent).is_none_or(|m| m.read_at.elapsed() > MAPS_REFRESH) {
+        // (Maps of the parent read a while ago, at its exec, are kept: read now, they may be
+        // those of a program it exec'd since. The copy keeps their age, so a frame they do
+        // not cover has the child's own read.)
+        if parent != 0 && !self.maps.contains_key(&parent) {
             self.learn_process(parent);
         }
         let Some((maps, read_at)) = self.maps.get(&parent).map(|p| (p.maps.clone(), p.read_at)) else { return false };
@@ -128,7 +129,6 @@ impl ModuleTable {
             self.maps_order.retain(|&p| p != child);
         }
         self.keep_maps(child, maps);
-        // As old as the parent's: a frame they do not cover has the child's read soon.
         if let Some(m) = self.maps.get_mut(&child) {
             m.read_at = read_at;
         }

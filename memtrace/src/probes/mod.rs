@@ -972,6 +972,15 @@ impl SpaceSink for Probes {
     fn ranges_replaced(&mut self) -> Result<()> {
         self.bump_generation("RANGES_GEN")
     }
+
+    fn remove_asid(&mut self, pid: u32, asid: u32) -> Result<()> {
+        let mut map: HashMap<_, u32, u32> = HashMap::try_from(self.ebpf.map_mut("ASIDS").context("ASIDS map")?)?;
+        if map.get(&pid, 0).ok() == Some(asid) {
+            map.remove(&pid).context("removing an address space")?;
+            self.bump_generation("PROC_GEN")?;
+        }
+        Ok(())
+    }
 }
 
 /// A duplicate of the descriptor of the array of maps `name`.

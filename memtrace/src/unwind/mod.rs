@@ -142,6 +142,9 @@ pub struct Unwinder {
     pending_bytes: usize,
     /// Polls so far (one per drain of the rings).
     polls: u64,
+    /// Children given their parent's learned space in the probes at their fork record
+    /// (`-a`), until they exec or exit: what the probes hold for them then is checked.
+    given_at_fork: crate::FastMap<u32, u32>,
     /// Stacks finished outside a poll (copies dropped for memory), handed out at the next.
     ready_late: Vec<StackRecord>,
     build_ids: crate::FastMap<PathBuf, Option<[u8; 20]>>,
@@ -220,6 +223,7 @@ impl Unwinder {
             pending: VecDeque::new(),
             pending_bytes: 0,
             polls: 0,
+            given_at_fork: Default::default(),
             ready_late: Vec::new(),
             build_ids: Default::default(),
             new_files: Vec::new(),
@@ -239,6 +243,8 @@ impl Unwinder {
         if space.asid == 0 {
             return;
         }
+        // The kernel gave it a space of its own: the one given at its fork is replaced.
+        self.given_at_fork.remove(&pid);
         let live = self.spaces.learn_exec(pid, space.asid, ts_ns, sink);
         self.forget_emptied();
         log::trace!(
@@ -345,17 +351,26 @@ impl Unwinder {
         // In the probes only for a child still running (an exit already handled there would
         // leave the entry for good) that has no space of its own since (its exec's: kept).
         let running = || procfs::process_state(child).is_ok_and(|s| s.state != 'Z' && s.state != 'X');
-        if self.spaces.learn_fork(child, asid, ts_ns, sink)
-            && tell_probes
-            && running()
-            && let Err(e) = sink.set_asid(child, asid, true)
-        {
-            log::debug!("pid {child}: its parent's address space not given: {e:#}");
+        if self.spaces.learn_fork(child, asid, ts_ns, sink) && tell_probes && running() {
+            match sink.set_asid(child, asid, true) {
+                Ok(given) if given == asid => {
+                    self.given_at_fork.insert(child, asid);
+                }
+                Ok(_) => {}
+                Err(e) => log::debug!("pid {child}: its parent's address space not given: {e:#}"),
+            }
         }
         self.forget_emptied();
     }
 
     pub fn exit(&mut self, pid: u32, ts_ns: u64, sink: &mut dyn SpaceSink) {
+        // A space given to a child at its fork record may have reached the probes after
+        // they handled its exit (it was still exiting then): taken out again.
+        if let Some(asid) = self.given_at_fork.remove(&pid)
+            && let Err(e) = sink.remove_asid(pid, asid)
+        {
+            log::debug!("pid {pid}: the space given at its fork not taken back: {e:#}");
+        }
         self.spaces.learn_exit(pid, ts_ns, sink);
         self.forget_emptied();
     }
@@ -1021,6 +1036,11 @@ mod tests {
         let asid = unwinder.spaces.asid_of(parent).expect("the parent learned from its maps");
         assert_eq!(unwinder.spaces.asid_of(child.id()), Some(asid));
         assert_eq!(probes.asids.get(&child.id()), Some(&asid), "the probes walk the child in it");
+        // Its exit takes it back out of the probes (their own exit may have come first).
+        let mut gone = FakeProbes::default();
+        gone.asids.insert(child.id(), asid);
+        unwinder.exit(child.id(), 3, &mut gone);
+        assert!(gone.asids.is_empty());
         let code = Maps::read_self().unwrap().mappings.into_iter().find(|m| m.executable).unwrap();
         assert!(unwinder.spaces.find(asid, code.start).is_some(), "the child's frames are in the parent's files");
         child.kill().unwrap();

@@ -35,6 +35,10 @@ pub trait SpaceSink: TableSink {
     fn set_asid(&mut self, pid: u32, asid: u32, only_if_absent: bool) -> anyhow::Result<u32>;
     fn insert_mapping(&mut self, key: MappingKey, prefix_bits: u32, value: MappingValue) -> anyhow::Result<()>;
     fn remove_mapping(&mut self, key: MappingKey, prefix_bits: u32) -> anyhow::Result<()>;
+    /// Takes `pid`'s address space out of the probes if it is still `asid`.
+    fn remove_asid(&mut self, _pid: u32, _asid: u32) -> anyhow::Result<()> {
+        Ok(())
+    }
     /// A live space's range now holds another file (or the same at another bias): rules
     /// the probes cached for its addresses are stale.
     fn ranges_replaced(&mut self) -> anyhow::Result<()> {
@@ -490,6 +494,12 @@ pub(crate) mod tests {
         }
         fn ranges_replaced(&mut self) -> anyhow::Result<()> {
             self.replaced += 1;
+            Ok(())
+        }
+        fn remove_asid(&mut self, pid: u32, asid: u32) -> anyhow::Result<()> {
+            if self.asids.get(&pid) == Some(&asid) {
+                self.asids.remove(&pid);
+            }
             Ok(())
         }
         fn insert_mapping(&mut self, key: MappingKey, bits: u32, value: MappingValue) -> anyhow::Result<()> {
