@@ -468,27 +468,63 @@ impl Probes {
 
     /// Attaches the malloc-family probes at every point of `allocator`, for one process
     /// (`Some(pid)`, its threads included) or for every process mapping the object.
+    /// All or nothing: when one of the allocator's links fails, those made before it are
+    /// closed again (an allocating function probed without its free would report every
+    /// block as leaked) and its `mmap`/`munmap` points are no longer marked probed.
     pub fn attach_allocator(&mut self, allocator: &Allocator, pid: Option<u32>) -> Result<()> {
-        let allocator = &self.without_probed_mappings(allocator, pid.unwrap_or(0));
-        match self.attach_path {
-            AttachPath::Session | AttachPath::Multi => self.attach_allocator_multi(allocator, pid),
-            AttachPath::PerfEvents => self.attach_allocator_per_probe(allocator, pid),
+        let before = self.attachments.len();
+        let (allocator, marked) = self.without_probed_mappings(allocator, pid.unwrap_or(0));
+        let attached = match self.attach_path {
+            AttachPath::Session | AttachPath::Multi => self.attach_allocator_multi(&allocator, pid),
+            AttachPath::PerfEvents => self.attach_allocator_per_probe(&allocator, pid),
+        };
+        if attached.is_err() {
+            for point in marked {
+                self.mapping_points.remove(&point);
+            }
+            let made: Vec<Attachment> = self.attachments.drain(before..).collect();
+            for attachment in made {
+                self.close(attachment);
+            }
+        }
+        attached
+    }
+
+    /// Closes one link now (for an attach undone; `detach` closes the others in parallel).
+    fn close(&mut self, attachment: Attachment) {
+        match attachment {
+            Attachment::UProbeMulti(link) => drop(link),
+            Attachment::UProbe(name, id) => {
+                if let Ok(program) = self.uprobe_program(name) {
+                    let _ = program.detach(id);
+                }
+            }
+            Attachment::RawTracePoint(name, id) => {
+                let prog: Option<&mut RawTracePoint> = self.ebpf.program_mut(name).and_then(|p| p.try_into().ok());
+                if let Some(p) = prog {
+                    let _ = p.detach(id);
+                }
+            }
         }
     }
 
     /// `allocator` less the `mmap`/`munmap` points already probed for `pid` (or for every
-    /// process), which are marked probed.
-    fn without_probed_mappings(&mut self, allocator: &Allocator, pid: u32) -> Allocator {
+    /// process), and those it marked probed.
+    fn without_probed_mappings(&mut self, allocator: &Allocator, pid: u32) -> (Allocator, Vec<((u64, u64), u64, u32)>) {
         let mut kept = allocator.clone();
+        let mut marked = Vec::new();
         kept.points.retain(|p| {
             if !matches!(p.kind, Kind::Mmap | Kind::Munmap) {
                 return true;
             }
-            let file = allocator::file_id(&p.path);
-            let offset = p.offset + p.probe_offset;
-            !self.mapping_points.contains(&(file, offset, 0)) && self.mapping_points.insert((file, offset, pid))
+            let key = (allocator::file_id(&p.path), p.offset + p.probe_offset, pid);
+            if self.mapping_points.contains(&(key.0, key.1, 0)) || !self.mapping_points.insert(key) {
+                return false;
+            }
+            marked.push(key);
+            true
         });
-        kept
+        (kept, marked)
     }
 
     /// One link per program and file: the entry and return programs at every allocating
@@ -1031,6 +1067,50 @@ fn install_rings(ebpf: &mut Ebpf, ring_bytes: u32) -> Result<(Vec<Ring>, RingsIn
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// An allocator one of whose links fails is not left half probed: the links made before
+    /// the failure are closed and its `mmap`/`munmap` points can be probed again by the next
+    /// attach. Needs root (loads the probes); probes only this test's process.
+    #[test]
+    fn an_allocator_whose_attach_fails_midway_leaves_no_link() {
+        // SAFETY: geteuid has no preconditions.
+        if unsafe { libc::geteuid() } != 0 {
+            eprintln!("skipped: loading the probes needs root");
+            return;
+        }
+        let libc = ["/lib/x86_64-linux-gnu/libc.so.6", "/usr/lib/x86_64-linux-gnu/libc.so.6"]
+            .into_iter()
+            .map(std::path::PathBuf::from)
+            .find(|p| p.exists())
+            .expect("the C library");
+        let libc = allocator::resolve(&[libc], "").unwrap();
+        assert!(libc.points.iter().any(|p| p.kind == Kind::Mmap), "libc's mmap is among its points");
+        let mut broken = libc.clone();
+        let mut missing = libc.points.iter().find(|p| p.kind == Kind::Malloc).unwrap().clone();
+        // After libc's path in every order the links are made in (by path, then by point).
+        missing.path = "/zz-memtrace-missing/libc.so.6".into();
+        broken.points.push(missing);
+        let mut probes = Probes::load(&Settings {
+            all_processes: false,
+            user_stacks: false,
+            kernel_stacks: false,
+            ring_bytes: 4096,
+            follow_children: false,
+            sample_bytes: None,
+            call_graph: CallGraph::Fp,
+            track_mappings: false,
+            layout_cache: false,
+        })
+        .unwrap();
+        let me = Some(std::process::id());
+        let err = probes.attach_allocator(&broken, me).unwrap_err();
+        assert!(format!("{err:#}").contains("zz-memtrace-missing"), "{err:#}");
+        assert_eq!(probes.attachments.len(), 0, "the links made before the failure are closed");
+        assert!(probes.mapping_points.is_empty(), "mmap/munmap no longer marked probed");
+        probes.attach_allocator(&libc, me).unwrap();
+        assert!(!probes.attachments.is_empty());
+        assert_eq!(probes.mapping_points.len(), 2, "mmap and munmap, probed by the second attach");
+    }
 
     /// A table written into a map of its own, a window at a time, is read back from that
     /// map (mapped only while lookups use it) as the table built here: every element,

@@ -437,8 +437,8 @@ impl Tracer {
                     Ok(()) => {}
                     // Probed ahead (an installed library, a program remembered from an
                     // earlier session): one that cannot be probed is not the command's own,
-                    // and the session goes on without it. It counts as attached: not tried
-                    // again (what failed would fail again, and links it made stay).
+                    // and the session goes on without it (the links it made are closed). It
+                    // counts as attached: not tried again (what failed would fail again).
                     Err(e) if i >= own_allocators => {
                         log::debug!("not probing {} ahead: {e:#}", allocator.object.display());
                     }
