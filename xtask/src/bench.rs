@@ -572,13 +572,16 @@ pub fn bench() -> Result<()> {
     let notes = fs::read_to_string(workspace_root().join("xtask/bench-notes.md")).unwrap_or_default();
     // Figures from a lent machine (many CPUs, a GPU), which no bench run here can redo.
     let device = fs::read_to_string(workspace_root().join("xtask/bench-device.md")).unwrap_or_default();
+    // Figures measured by hand on this kind of machine, which follow the heavy section.
+    let by_hand = fs::read_to_string(workspace_root().join("xtask/bench-by-hand.md")).unwrap_or_default();
+    let by_hand = by_hand.lines().filter(|l| !l.starts_with("<!--")).collect::<Vec<_>>().join("\n");
     let doc = format!(
         "# memtrace benchmarks\n\nWritten by `cargo xtask bench` (as root), which builds what it needs and measures \
          everything below in one session; rerun it to reproduce. Ratios compare figures of the same run.\n\n\
          ## Machine\n\n{machine}\n\n## Per malloc+free pair\n\nThe bundled workload's loop (`alloc_workload --loop N`: \
          malloc(32) then free, {TRACED_PAIRS} pairs traced, {BARE_PAIRS} bare); {PAIR_RUNS} rounds, each running \
          every configuration once in turn; the added cost is the median minus the bare median.\n\n{table}\n## Two designs for whole stacks without frame pointers\n\n\
-         {designs}\n## Stacks of a distribution binary\n\n{python}\n{}\n{}\n{}\n## Other figures\n\n{other}\n{}\n{device}\n## Targets\n\n\
+         {designs}\n## Stacks of a distribution binary\n\n{python}\n{}{by_hand}\n\n{}\n{}\n## Other figures\n\n{other}\n{}\n{device}\n## Targets\n\n\
          {targets}\n{notes}",
         crate::heavy_bench::SECTION.wrapped(&heavy),
         crate::start_bench::SECTION.wrapped(&start),
