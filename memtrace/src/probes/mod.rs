@@ -177,6 +177,10 @@ const ALLOCATOR_PROGRAMS: [&str; 7] =
 /// for session links).
 const SESSION_PROGRAMS: [&str; 3] = ["alloc_session", "gpu_session", "user_finish_session"];
 
+/// A libc `mmap`/`munmap` entry point probed: (its file, its offset, the pid it is probed
+/// for; 0: every process).
+type MappingPoint = ((u64, u64), u64, u32);
+
 pub struct Probes {
     ebpf: Ebpf,
     rings: Vec<Ring>,
@@ -188,7 +192,7 @@ pub struct Probes {
     /// process). Every allocator resolved in a process brings its libc's pair (jemalloc
     /// found at the start, then libc itself once mapped): probed twice, the later probe's
     /// allocator index would win or lose by attach order. The first one keeps them.
-    mapping_points: std::collections::HashSet<((u64, u64), u64, u32)>,
+    mapping_points: std::collections::HashSet<MappingPoint>,
     /// Whether the probes take user and kernel stacks (their second halves are needed).
     user_stacks: bool,
     kernel_stacks: bool,
@@ -510,7 +514,7 @@ impl Probes {
 
     /// `allocator` less the `mmap`/`munmap` points already probed for `pid` (or for every
     /// process), and those it marked probed.
-    fn without_probed_mappings(&mut self, allocator: &Allocator, pid: u32) -> (Allocator, Vec<((u64, u64), u64, u32)>) {
+    fn without_probed_mappings(&mut self, allocator: &Allocator, pid: u32) -> (Allocator, Vec<MappingPoint>) {
         let mut kept = allocator.clone();
         let mut marked = Vec::new();
         kept.points.retain(|p| {
