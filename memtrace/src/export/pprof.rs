@@ -69,148 +69,55 @@ pub fn pprof_bytes(a: &Summary) -> Vec<u8> {
     pprof_bytes_of(a, None)
 }
 
+/// The sample types of `memtrace export --format pprof`, in their order in each sample.
+const EXPORT_SAMPLE_TYPES: [(&str, &str); 8] = [
+    ("alloc_objects", "count"),
+    ("alloc_space", "bytes"),
+    ("inuse_objects", "count"),
+    ("inuse_space", "bytes"),
+    ("requested_space", "bytes"),
+    ("wasted_space", "bytes"),
+    ("peak_inuse_objects", "count"),
+    ("peak_requested_space", "bytes"),
+];
+
 /// The profile of `a`, less `base` if given (its samples negated), before compression.
 pub fn pprof_bytes_of(a: &Summary, base: Option<&Summary>) -> Vec<u8> {
-    let mut strings = Strings::new();
-    let mut profile = Vec::new();
-    let sample_types = [
-        ("alloc_objects", "count"),
-        ("alloc_space", "bytes"),
-        ("inuse_objects", "count"),
-        ("inuse_space", "bytes"),
-        ("requested_space", "bytes"),
-        ("wasted_space", "bytes"),
-        ("peak_inuse_objects", "count"),
-        ("peak_requested_space", "bytes"),
-    ];
-    for (kind, unit) in sample_types {
-        let mut vt = Vec::new();
-        field_varint(&mut vt, 1, strings.id(kind));
-        field_varint(&mut vt, 2, strings.id(unit));
-        field_bytes(&mut profile, 1, &vt);
-    }
-
-    let mut mappings: HashMap<String, u64> = HashMap::new();
-    let mut mapping_msgs = Vec::new();
-    let mut functions: HashMap<(String, String), u64> = HashMap::new();
-    let mut function_msgs = Vec::new();
-    let mut locations: HashMap<(String, u64, bool), u64> = HashMap::new();
-    let mut location_msgs = Vec::new();
-
+    let mut builder = ProfileBuilder::new(&EXPORT_SAMPLE_TYPES);
     let sides = std::iter::once((a, false)).chain(base.map(|b| (b, true)));
-    for (side, row) in sides.flat_map(|(side, negate)| side.groups.iter().map(move |row| ((side, negate), row))) {
-        let (side, negate) = side;
-        let s = &row.stats;
-        // One location per address: an inline chain (inlined frames, then the frame they
-        // were inlined into) becomes the lines of one location, innermost first.
-        let mut location_ids = Vec::new();
-        let mut chain: Vec<&Frame> = Vec::new();
-        for f in &row.frames {
-            chain.push(f);
-            if f.inlined {
-                continue;
+    for (side, negate) in sides {
+        for row in &side.groups {
+            let s = &row.stats;
+            let values = [
+                s.allocs,
+                s.bytes_alloc,
+                s.live_allocs,
+                s.live_bytes_alloc,
+                s.bytes_req,
+                s.wasted(),
+                s.live_allocs_at_peak,
+                s.live_bytes_req_at_peak,
+            ]
+            .map(|v| if negate { (v as i64).wrapping_neg() } else { v as i64 });
+            let process = process_name(side, row);
+            let mut labels =
+                vec![("domain", LabelValue::Str(domain_name(row.domain))), ("process", LabelValue::Str(&process))];
+            if negate {
+                labels.push(("pprof::base", LabelValue::Str("true")));
             }
-            let key = (f.module.clone(), f.address, f.kernel);
-            let next_id = locations.len() as u64 + 1;
-            let id = *locations.entry(key).or_insert_with(|| {
-                let mapping_id = *mappings.entry(f.module.clone()).or_insert_with(|| {
-                    let id = mapping_msgs.len() as u64 + 1;
-                    let mut m = Vec::new();
-                    field_varint(&mut m, 1, id);
-                    field_varint(&mut m, 5, strings.id(&f.module));
-                    field_varint(&mut m, 7, 1); // has_functions
-                    mapping_msgs.push(m);
-                    id
-                });
-                let mut loc = Vec::new();
-                field_varint(&mut loc, 1, next_id);
-                field_varint(&mut loc, 2, mapping_id);
-                field_varint(&mut loc, 3, f.address);
-                for c in &chain {
-                    let file = c.file.clone().unwrap_or_default();
-                    let fkey = (c.function.clone(), file.clone());
-                    let next_fn = functions.len() as u64 + 1;
-                    let function_id = *functions.entry(fkey).or_insert_with(|| {
-                        let mut func = Vec::new();
-                        field_varint(&mut func, 1, next_fn);
-                        field_varint(&mut func, 2, strings.id(&c.function));
-                        field_varint(&mut func, 3, strings.id(&c.function));
-                        field_varint(&mut func, 4, strings.id(&file));
-                        function_msgs.push(func);
-                        next_fn
-                    });
-                    let mut line = Vec::new();
-                    field_varint(&mut line, 1, function_id);
-                    field_varint(&mut line, 2, u64::from(c.line.unwrap_or(0)));
-                    field_bytes(&mut loc, 4, &line);
-                }
-                location_msgs.push(loc);
-                next_id
-            });
-            location_ids.push(id);
-            chain.clear();
-        }
-        let mut sample = Vec::new();
-        field_packed(&mut sample, 1, location_ids);
-        let values = [
-            s.allocs,
-            s.bytes_alloc,
-            s.live_allocs,
-            s.live_bytes_alloc,
-            s.bytes_req,
-            s.wasted(),
-            s.live_allocs_at_peak,
-            s.live_bytes_req_at_peak,
-        ];
-        // int64 values: a negated one is its two's complement.
-        field_packed(&mut sample, 2, values.map(|v| if negate { (v as i64).wrapping_neg() as u64 } else { v }));
-        let mut labels: Vec<(u64, Option<u64>, u64)> = vec![
-            (strings.id("domain"), Some(strings.id(domain_name(row.domain))), 0),
-            (strings.id("process"), Some(strings.id(&process_name(side, row))), 0),
-        ];
-        if negate {
-            labels.push((strings.id("pprof::base"), Some(strings.id("true")), 0));
-        }
-        if let Some(&pid) = row.pids.first() {
-            labels.push((strings.id("pid"), None, u64::from(pid)));
-        }
-        for (key, str_value, num) in labels {
-            let mut label = Vec::new();
-            field_varint(&mut label, 1, key);
-            match str_value {
-                Some(v) => field_varint(&mut label, 2, v),
-                None => field_varint(&mut label, 3, num),
+            if let Some(&pid) = row.pids.first() {
+                labels.push(("pid", LabelValue::Num(i64::from(pid))));
             }
-            field_bytes(&mut sample, 3, &label);
+            builder.add_sample(&row.frames, &values, &labels);
         }
-        field_bytes(&mut profile, 2, &sample);
     }
-    for m in &mapping_msgs {
-        field_bytes(&mut profile, 3, m);
-    }
-    for l in &location_msgs {
-        field_bytes(&mut profile, 4, l);
-    }
-    for f in &function_msgs {
-        field_bytes(&mut profile, 5, f);
-    }
-    let time_nanos = a.meta.start_unix_ns;
-    let default_type = strings.id("alloc_space");
-    let period_type = {
-        let mut vt = Vec::new();
-        field_varint(&mut vt, 1, strings.id("space"));
-        field_varint(&mut vt, 2, strings.id("bytes"));
-        vt
-    };
-    for s in &strings.table {
-        field_bytes(&mut profile, 6, s.as_bytes());
-    }
-    field_varint(&mut profile, 9, time_nanos);
-    field_varint(&mut profile, 10, a.duration_ns);
-    field_bytes(&mut profile, 11, &period_type);
-    field_varint(&mut profile, 12, a.meta.sample_bytes.unwrap_or(1));
-    field_varint(&mut profile, 14, default_type);
-    profile
+    builder.finish(&ProfileHeader {
+        time_nanos: a.meta.start_unix_ns,
+        duration_nanos: a.duration_ns,
+        period_type: ("space", "bytes"),
+        period: a.meta.sample_bytes.unwrap_or(1) as i64,
+        default_sample_type: Some("alloc_space"),
+    })
 }
 
 pub fn write_pprof(a: &Summary, out: &mut dyn Write) -> Result<()> {
@@ -252,9 +159,22 @@ pub struct ProfileBuilder {
     mapping_msgs: Vec<Vec<u8>>,
     functions: HashMap<(String, String), u64>,
     function_msgs: Vec<Vec<u8>>,
-    locations: HashMap<(String, u64, bool), u64>,
+    locations: HashMap<LocationKey, u64>,
     location_msgs: Vec<Vec<u8>>,
     samples: Vec<Vec<u8>>,
+}
+
+/// What makes a location: its module's name and address, and the names of its inline
+/// chain. The address alone does not tell frames apart: two modules of one name (two
+/// builds of a program, two containers' `libc.so.6`), Python frames (whose address is the
+/// line, in any file), and the stand-in frames of stackless sites (address 0) would share
+/// one location, named after whichever came first.
+#[derive(PartialEq, Eq, Hash)]
+struct LocationKey {
+    module: String,
+    address: u64,
+    kernel: bool,
+    lines: Vec<(String, Option<String>, Option<u32>)>,
 }
 
 impl ProfileBuilder {
@@ -284,7 +204,12 @@ impl ProfileBuilder {
 
     fn location(&mut self, chain: &[&Frame]) -> u64 {
         let f = chain[chain.len() - 1];
-        let key = (f.module.clone(), f.address, f.kernel);
+        let key = LocationKey {
+            module: f.module.clone(),
+            address: f.address,
+            kernel: f.kernel,
+            lines: chain.iter().map(|c| (c.function.clone(), c.file.clone(), c.line)).collect(),
+        };
         if let Some(&id) = self.locations.get(&key) {
             return id;
         }

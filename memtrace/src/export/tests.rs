@@ -273,3 +273,84 @@ fn differential_exports_hold_both_recordings() {
     let allocs: i64 = p.sample.iter().map(|x| x.value[0]).sum();
     assert_eq!(allocs, 100 + 50 + 1, "the allocations below 1000 bytes are the change");
 }
+
+/// Frames that share a module name and an address but not their names are locations of
+/// their own: Python functions at one line of two files named alike, the stand-in frames of
+/// stackless sites, two builds of one program. A stack ending in an inlined frame keeps it.
+#[test]
+fn pprof_locations_keep_frames_of_one_address_apart() {
+    use crate::export::pprof::{LabelValue, ProfileBuilder, ProfileHeader};
+    let frame = |function: &str, file: Option<&str>, module: &str, address: u64| crate::stacks::Frame {
+        function: function.into(),
+        file: file.map(str::to_string),
+        line: file.map(|_| 10),
+        module: module.into(),
+        address,
+        kernel: false,
+        python: file.is_some(),
+        inlined: false,
+        unknown: false,
+    };
+    let inlined = crate::stacks::Frame { inlined: true, ..frame("helper", None, "app", 0x40) };
+    let stacks = [
+        vec![frame("load", Some("/srv/a/__init__.py"), "__init__.py", 10)],
+        vec![frame("save", Some("/srv/b/__init__.py"), "__init__.py", 10)],
+        vec![frame("[no stack: malloc]", None, "[unknown]", 0)],
+        vec![frame("[no stack: mmap]", None, "[unknown]", 0)],
+        vec![frame("parse", None, "server", 0x1234)],
+        vec![frame("render", None, "server", 0x1234)],
+        vec![frame("main", None, "app", 0x10), inlined],
+    ];
+    let mut builder = ProfileBuilder::new(&[("alloc_space", "bytes")]);
+    for (i, frames) in stacks.iter().enumerate() {
+        builder.add_sample(frames, &[i as i64 + 1], &[("pid", LabelValue::Num(1))]);
+    }
+    let raw = builder.finish(&ProfileHeader {
+        time_nanos: 1,
+        duration_nanos: 1,
+        period_type: ("space", "bytes"),
+        period: 1,
+        default_sample_type: None,
+    });
+    let p = Profile::decode(&raw[..]).unwrap();
+    let s = |i: i64| p.string_table[i as usize].as_str();
+    let function_name = |id: u64| s(p.function.iter().find(|f| f.id == id).unwrap().name);
+    let names: Vec<Vec<&str>> = p
+        .sample
+        .iter()
+        .map(|sample| {
+            sample
+                .location_id
+                .iter()
+                .flat_map(|id| p.location.iter().find(|l| l.id == *id).unwrap().line.iter())
+                .map(|l| function_name(l.function_id))
+                .collect()
+        })
+        .collect();
+    assert_eq!(
+        names,
+        [
+            vec!["load"],
+            vec!["save"],
+            vec!["[no stack: malloc]"],
+            vec!["[no stack: mmap]"],
+            vec!["parse"],
+            vec!["render"],
+            vec!["main", "helper"],
+        ]
+    );
+    assert_eq!(p.location.len(), 8);
+    // The same frames again are the same locations.
+    let mut again = ProfileBuilder::new(&[("alloc_space", "bytes")]);
+    for frames in stacks.iter().chain(stacks.iter()) {
+        again.add_sample(frames, &[1], &[]);
+    }
+    let raw = again.finish(&ProfileHeader {
+        time_nanos: 1,
+        duration_nanos: 1,
+        period_type: ("space", "bytes"),
+        period: 1,
+        default_sample_type: None,
+    });
+    assert_eq!(Profile::decode(&raw[..]).unwrap().location.len(), 8);
+}
