@@ -39,7 +39,7 @@ pub struct ServeArgs {
     #[arg(long, value_parser = parse_sample_bytes, default_value = "512k", value_name = "SIZE")]
     pub sample_bytes: u64,
     /// Sites per process (and domain) with their own series in /metrics, by live bytes;
-    /// the others are summed under site="other".
+    /// the others are summed under site="[other]".
     #[arg(long, default_value_t = 20, value_name = "N")]
     pub top_sites: usize,
     /// Add a pid label to the series (one series set per process rather than per command

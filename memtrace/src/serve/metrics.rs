@@ -5,10 +5,11 @@
 //!
 //! **Bounded cardinality.** Per process (its comm and cgroup, or its pid with
 //! `--pid-label`) and domain, the top N sites by live bytes have their own series and the
-//! rest are summed under `site="other"`. Counters stay monotonic while sites move in and
+//! rest are summed under `site="[other]"`. Counters stay monotonic while sites move in and
 //! out of the top N: each scrape adds what a site allocated since the previous one to the
 //! series it belongs to now, so a site's series counts from when it entered (what `rate()`
-//! needs) and `other` never goes down. Series of processes gone end with them.
+//! needs) and `[other]` never goes down. Series of processes gone end with them; their
+//! counters linger ([`GROUP_LINGER`]) for a process of the same group started soon after.
 //!
 //! OpenMetrics is served to clients that ask for it (Prometheus does); others get the
 //! classic text format (0.0.4) that `promtool check metrics` reads.
@@ -17,6 +18,7 @@
 use std::{
     collections::{BTreeMap, HashMap, HashSet},
     sync::Arc,
+    time::{Duration, Instant},
 };
 
 use prometheus_client::{
@@ -99,8 +101,17 @@ pub struct SiteSeries {
     pub groups: BTreeMap<Group, (BTreeMap<String, Figures>, Figures)>,
 }
 
-/// The label value of the series that sums the sites beyond the top N.
-pub const OTHER: &str = "other";
+/// The label value of the series that sums the sites beyond the top N (in brackets: no
+/// function or file is named so, so no site's own series can take its labels).
+pub const OTHER: &str = "[other]";
+
+/// The counters of a group whose processes are all gone are kept this long (not shown): a
+/// process of the same command and cgroup started meanwhile goes on from them. Started from
+/// 0 again, its counter could pass the old value within a `rate()` window, which Prometheus
+/// would take for an increase, not a reset.
+pub const GROUP_LINGER: Duration = Duration::from_secs(600);
+/// At most this many groups linger (the longest gone go first).
+pub const MAX_LINGERING: usize = 4096;
 
 /// What counters need between scrapes.
 #[derive(Debug, Default)]
@@ -110,11 +121,18 @@ pub struct MetricsState {
     /// Per series (group, then site): the counters' values.
     sites: HashMap<Group, HashMap<Arc<str>, Totals>>,
     other: HashMap<Group, Totals>,
+    /// Groups with no process at the last scrapes: when they were last seen.
+    gone: HashMap<Group, Instant>,
 }
 
 impl MetricsState {
     /// The series of this scrape, `top` sites per group.
     pub fn update(&mut self, rows: &[Row], top: usize) -> SiteSeries {
+        self.update_at(rows, top, Instant::now())
+    }
+
+    /// [`Self::update`] at `now` (for tests).
+    pub fn update_at(&mut self, rows: &[Row], top: usize, now: Instant) -> SiteSeries {
         let mut live: HashMap<&Group, HashMap<&str, (u64, u64)>> = HashMap::new();
         for r in rows {
             let e = live.entry(&r.group).or_default().entry(&*r.site).or_default();
@@ -156,9 +174,23 @@ impl MetricsState {
             }
         }
         self.last = last;
-        // Groups gone take their series with them.
-        self.sites.retain(|g, _| live.contains_key(g));
-        self.other.retain(|g, _| live.contains_key(g));
+        // Groups gone stop being shown; their counters linger a while.
+        for g in self.sites.keys().chain(self.other.keys()) {
+            if !live.contains_key(g) && !self.gone.contains_key(g) {
+                self.gone.insert(g.clone(), now);
+            }
+        }
+        self.gone.retain(|g, since| !live.contains_key(g) && now.saturating_duration_since(*since) < GROUP_LINGER);
+        if self.gone.len() > MAX_LINGERING {
+            let mut by_age: Vec<(Instant, Group)> = self.gone.iter().map(|(g, &t)| (t, g.clone())).collect();
+            by_age.sort_unstable();
+            for (_, g) in by_age.into_iter().take(self.gone.len() - MAX_LINGERING) {
+                self.gone.remove(&g);
+            }
+        }
+        let gone = &self.gone;
+        self.sites.retain(|g, _| live.contains_key(g) || gone.contains_key(g));
+        self.other.retain(|g, _| live.contains_key(g) || gone.contains_key(g));
 
         let mut out = SiteSeries::default();
         for (group, sites) in &live {

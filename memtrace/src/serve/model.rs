@@ -41,8 +41,9 @@ pub struct Limits {
     pub sample_bytes: Option<u64>,
 }
 
-/// A process that exited is dropped this long after at the latest.
-pub const EXITED_MAX_AGE: Duration = Duration::from_secs(120);
+/// A process that exited is dropped this long after at the latest (a scraper that scrapes
+/// every 5 minutes, or a delta profile of 300 s, still sees what it did before it exited).
+pub const EXITED_MAX_AGE: Duration = Duration::from_secs(600);
 /// At most this many exited processes wait for their last scrape (the oldest go first).
 pub const MAX_EXITED: usize = 4096;
 /// A scraper not heard from for this long is not waited for.

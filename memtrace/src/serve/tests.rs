@@ -304,10 +304,37 @@ fn counters_never_go_down_as_sites_move_in_and_out_of_the_top() {
     assert_eq!(s3.groups[&g].0["a"].totals.allocs, 11);
     assert_eq!(s3.groups[&g].1.totals.allocs, 25);
     // The process is gone: its group's series end.
-    let s4 = state.update(&[], 1);
+    let t0 = Instant::now();
+    let s4 = state.update_at(&[], 1, t0);
     assert!(s4.groups.is_empty());
-    let s5 = state.update(&[row(3, 1, "a", 1, 1)], 1);
-    assert_eq!(s5.groups[&g].0["a"].totals.allocs, 1, "a new process counts from zero");
+    // A process of the same group started within the linger goes on from the counters.
+    let s5 = state.update_at(&[row(3, 1, "a", 1, 1)], 1, t0 + Duration::from_secs(300));
+    assert_eq!(s5.groups[&g].0["a"].totals.allocs, 12, "11 before, 1 since");
+    assert_eq!(s5.groups[&g].1.totals.allocs, 25);
+    // Gone for longer than the linger: a new process counts from zero.
+    state.update_at(&[], 1, t0 + Duration::from_secs(400));
+    state.update_at(&[], 1, t0 + Duration::from_secs(400) + metrics::GROUP_LINGER);
+    let s6 = state.update_at(&[row(4, 1, "a", 1, 1)], 1, t0 + Duration::from_secs(1100));
+    assert_eq!(s6.groups[&g].0["a"].totals.allocs, 1, "a new process counts from zero");
+}
+
+#[test]
+fn lingering_groups_are_bounded() {
+    let mut state = MetricsState::default();
+    let t0 = Instant::now();
+    let many: Vec<Row> = (0..metrics::MAX_LINGERING as u32 + 10)
+        .map(|i| {
+            let mut r = row(i, 1, "a", 1, 1);
+            r.group = group(&format!("job{i}"), Domain::User);
+            r
+        })
+        .collect();
+    state.update_at(&many, 1, t0);
+    state.update_at(&[], 1, t0 + Duration::from_secs(1));
+    // The first 10 are dropped (arbitrarily among equals); the rest go on.
+    let again = state.update_at(&many, 1, t0 + Duration::from_secs(2));
+    let resumed = again.groups.values().filter(|(sites, _)| sites["a"].totals.allocs == 2).count();
+    assert_eq!(resumed, metrics::MAX_LINGERING);
 }
 
 fn own() -> metrics::SelfFigures {
@@ -321,8 +348,11 @@ fn the_exposition_is_openmetrics_or_classic_text() {
     leak.group.cgroup = Arc::new(Cgroup::from_path(
         "/kubepods.slice/kubepods-pod0a1b2c3d_0000_1111_2222_333344445555.slice/cri-containerd-4f3c9d2a1b0e8f7a6d5c4b3a2918f7e6d5c4b3a29180f7e6d5c4b3a291807f6e.scope",
     ));
-    let series = state.update(&[leak], 20);
+    // A backslash and a newline in a label value are escaped.
+    let odd = row(1, 2, "odd\\path\nnext", 100, 1);
+    let series = state.update(&[leak, odd], 20);
     let om = metrics::encode(&series, &own(), true);
+    assert!(om.contains("site=\"odd\\\\path\\nnext\""), "{om}");
     assert!(om.ends_with("# EOF\n"));
     assert!(om.contains("# TYPE memtrace_allocations counter\n"));
     assert!(
@@ -334,7 +364,7 @@ fn the_exposition_is_openmetrics_or_classic_text() {
     assert!(text.contains("# TYPE memtrace_allocations_total counter\n"));
     assert!(text.contains("# HELP memtrace_allocations_total Allocations"));
     assert!(text.contains("# TYPE memtrace_live_bytes gauge\n"));
-    assert!(text.contains("memtrace_live_bytes{site=\"other\""));
+    assert!(text.contains("memtrace_live_bytes{site=\"[other]\""));
     assert!(text.contains("\nprocess_cpu_seconds_total 0"), "no empty braces: {text}");
     // Every sample belongs to the family declared before it.
     let mut declared = String::new();
