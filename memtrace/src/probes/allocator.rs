@@ -407,6 +407,15 @@ pub fn file_id(path: &Path) -> (u64, u64) {
     fs::metadata(path).map(|m| (m.dev(), m.ino())).unwrap_or((0, 0))
 }
 
+/// memtrace's own executable, whose allocator (the mimalloc linked into it) is never probed
+/// for every process: uprobes go into the file, so this process would trap on each of its
+/// own allocations (another memtrace started beside `record -a`, `top` or `serve -a` is
+/// otherwise found and probed like any program).
+pub fn is_own_executable(file_id: (u64, u64)) -> bool {
+    static OWN: std::sync::OnceLock<(u64, u64)> = std::sync::OnceLock::new();
+    file_id != (0, 0) && file_id == *OWN.get_or_init(|| self::file_id(Path::new("/proc/self/exe")))
+}
+
 /// One attach point per address, named by the first function in list order, with its
 /// probe placed past instructions the kernel would single-step.
 fn group_by_offset(elf: &ElfFile, path: &Path, named: Vec<(String, Function, Kind)>) -> Vec<AttachPoint> {

@@ -100,6 +100,9 @@ impl Tracer {
     }
 
     pub(super) fn attach(&mut self, pid: u32, allocator: &Allocator) {
+        if pid == 0 && crate::probes::allocator::is_own_executable(allocator.file_id) {
+            return;
+        }
         if !self.attached.insert((pid, allocator.file_id, allocator.prefix.clone())) {
             return;
         }
@@ -176,6 +179,10 @@ impl Tracer {
         let scope = probe_scope(&self.probes, &self.options, Some(pid)).unwrap_or(0);
         let gone = scope != 0 && !Path::new(&format!("/proc/{scope}")).exists();
         for allocator in resolved {
+            if scope == 0 && crate::probes::allocator::is_own_executable(allocator.file_id) {
+                log::debug!("not probing {} for every process: memtrace's own executable", allocator.object.display());
+                continue;
+            }
             let allocator = self.register(allocator);
             if !gone {
                 self.attach(scope, &allocator);

@@ -302,9 +302,8 @@ impl Tracer {
             // linked into memtrace's own executable, which would probe every process running
             // it, this one included, and trap on each of its own allocations.
             _ => {
-                let own = probes::allocator::file_id(Path::new("/proc/self/exe"));
                 let mut all = probes::allocator::all_for_process(std::process::id(), prefix)?;
-                all.retain(|a| a.file_id != own);
+                all.retain(|a| !probes::allocator::is_own_executable(a.file_id));
                 all
             }
         };
