@@ -272,7 +272,9 @@ fn export(args: ExportArgs) -> Result<i32> {
     for w in summary.warnings.iter().chain(base.iter().flat_map(|b| &b.warnings)) {
         eprintln!("memtrace: warning: {w}");
     }
-    let mut out: Box<dyn std::io::Write> = match &args.output {
+    // `-o -`: standard output, as without `-o`.
+    let output = args.output.as_deref().filter(|p| *p != std::path::Path::new("-"));
+    let mut out: Box<dyn std::io::Write> = match output {
         Some(path) => {
             let format = args.format;
             let file = session::output::create_export(path, &args.input, args.force, format.noun(), &|p| {
@@ -290,11 +292,12 @@ fn export(args: ExportArgs) -> Result<i32> {
             Ok(0)
         }
         Err(e) => {
-            if let Some(path) = &args.output {
+            if let Some(path) = output {
                 // Nothing usable was written: leave no file behind.
                 let _ = std::fs::remove_file(path);
+                return Err(e.context(format!("writing {}", path.display())));
             }
-            Err(e)
+            Err(e.context("writing the export to standard output"))
         }
         Ok(()) => Ok(0),
     }

@@ -37,16 +37,13 @@ pub fn write_file(path: &Path, inputs: &[&Path], contents: &[u8], force: bool) -
             if kind.is_dir() {
                 bail!("{} is a directory", path.display());
             }
-            if !(force || (kind.is_file() && is_report(path))) {
-                let what = if kind.is_symlink() {
-                    "is a symbolic link"
-                } else if kind.is_file() {
-                    "exists and is not a memtrace report"
-                } else {
-                    "is not a regular file"
-                };
-                bail!("{} {what}; use --force to replace it", path.display());
-            }
+            crate::session::output::refuse_unless_replaceable(
+                path,
+                kind,
+                force,
+                &|| "exists and is not a memtrace report".to_string(),
+                &|| is_report(path),
+            )?;
             // Unlinking removes a symlink itself, never its target.
             fs::remove_file(path).with_context(|| format!("replacing {}", path.display()))?;
         }

@@ -8,7 +8,7 @@ use std::{
     io::{self, Read},
     os::{
         fd::AsRawFd as _,
-        unix::fs::{FileTypeExt, MetadataExt as _, OpenOptionsExt},
+        unix::fs::{MetadataExt as _, OpenOptionsExt},
     },
     path::Path,
 };
@@ -70,6 +70,27 @@ pub fn hand_to_invoking_user(file: &File) {
     unsafe { libc::fchown(file.as_raw_fd(), uid, gid) };
 }
 
+/// Why an existing `path` of type `kind` may not be replaced, if it may not: only a regular
+/// file is ever replaced, one that `replaceable` accepts or with `force` (`unlike` says how
+/// it differs). A symlink, a device, a FIFO or a socket is never replaced, `--force` or not:
+/// as root, `--force -o /dev/null` would have put a file in the device's place.
+pub(crate) fn refuse_unless_replaceable(
+    path: &Path,
+    kind: fs::FileType,
+    force: bool,
+    unlike: &dyn Fn() -> String,
+    replaceable: &dyn Fn() -> bool,
+) -> Result<()> {
+    if kind.is_file() && (force || replaceable()) {
+        return Ok(());
+    }
+    if kind.is_file() {
+        bail!("{} {}; use --force to replace it", path.display(), unlike());
+    }
+    let what = if kind.is_symlink() { "is a symbolic link" } else { "is not a regular file" };
+    bail!("{} {what}: memtrace writes a new regular file only; choose another path", path.display())
+}
+
 /// Creates `path` (mode 0600, never through a symlink); an existing file is replaced only
 /// if `replaceable` says it is `what`, or with `force`.
 fn create_replacing(path: &Path, force: bool, what: &str, replaceable: &dyn Fn(&Path) -> bool) -> Result<File> {
@@ -80,19 +101,9 @@ fn create_replacing(path: &Path, force: bool, what: &str, replaceable: &dyn Fn(&
             if kind.is_dir() {
                 bail!("{} is a directory", path.display());
             }
-            let replaceable = force || (kind.is_file() && replaceable(path));
-            if !replaceable {
-                let what = if kind.is_symlink() {
-                    "is a symbolic link".to_string()
-                } else if kind.is_file() {
-                    format!("exists and is not {noun}")
-                } else if kind.is_fifo() || kind.is_socket() || kind.is_char_device() || kind.is_block_device() {
-                    "is not a regular file".to_string()
-                } else {
-                    "exists".to_string()
-                };
-                bail!("{} {what}; use --force to replace it", path.display());
-            }
+            refuse_unless_replaceable(path, kind, force, &|| format!("exists and is not {noun}"), &|| {
+                replaceable(path)
+            })?;
             // Unlinking removes a symlink itself, never its target.
             fs::remove_file(path).with_context(|| format!("replacing {}", path.display()))?;
         }
@@ -113,7 +124,7 @@ fn create_replacing(path: &Path, force: bool, what: &str, replaceable: &dyn Fn(&
 
 #[cfg(test)]
 mod tests {
-    use std::os::unix::fs::PermissionsExt;
+    use std::os::unix::fs::{FileTypeExt as _, PermissionsExt};
 
     use super::*;
 
@@ -180,11 +191,37 @@ mod tests {
         fs::write(&victim, b"MEMTRACE keep me").unwrap();
         let link = dir.join("memtrace.data");
         std::os::unix::fs::symlink(&victim, &link).unwrap();
-        let err = create(&link, false).unwrap_err().to_string();
-        assert!(err.contains("symbolic link"), "{err}");
-        drop(create(&link, true).unwrap());
+        // Neither written through nor replaced, --force or not (`-o /dev/stdout` is a link).
+        for force in [false, true] {
+            let err = create(&link, force).unwrap_err().to_string();
+            assert!(err.contains("is a symbolic link") && !err.contains("--force"), "{err}");
+        }
         assert_eq!(fs::read(&victim).unwrap(), b"MEMTRACE keep me");
-        assert!(!fs::symlink_metadata(&link).unwrap().file_type().is_symlink());
+        assert!(fs::symlink_metadata(&link).unwrap().file_type().is_symlink());
+        fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// A device, a FIFO or a socket stays what it is, `--force` or not (as root,
+    /// `--force -o /dev/null` replaced the device with a file).
+    #[test]
+    fn never_replaces_what_is_not_a_regular_file() {
+        let dir = tempdir();
+        let fifo = dir.join("fifo");
+        let c = std::ffi::CString::new(fifo.as_os_str().as_encoded_bytes()).unwrap();
+        // SAFETY: a valid NUL-terminated path.
+        assert_eq!(unsafe { libc::mkfifo(c.as_ptr(), 0o600) }, 0);
+        for force in [false, true] {
+            let err = create(&fifo, force).unwrap_err().to_string();
+            assert!(err.contains("is not a regular file") && !err.contains("--force"), "{err}");
+            let err = create_export(&fifo, Path::new("/nonexistent.data"), force, "a folded export", &|_| true)
+                .unwrap_err()
+                .to_string();
+            assert!(err.contains("is not a regular file"), "{err}");
+        }
+        assert!(fs::symlink_metadata(&fifo).unwrap().file_type().is_fifo());
+        let null = Path::new("/dev/null");
+        assert!(create(null, true).unwrap_err().to_string().contains("is not a regular file"));
+        assert!(fs::metadata(null).unwrap().file_type().is_char_device());
         fs::remove_dir_all(&dir).unwrap();
     }
 }
