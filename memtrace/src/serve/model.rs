@@ -46,6 +46,8 @@ pub struct Limits {
 pub const EXITED_MAX_AGE: Duration = Duration::from_secs(600);
 /// At most this many exited processes wait for their last scrape (the oldest go first).
 pub const MAX_EXITED: usize = 4096;
+/// Names told by task records and not taken yet, at most.
+const MAX_TOLD: usize = 65_536;
 /// A scraper not heard from for this long is not waited for.
 const SCRAPER_MEMORY: Duration = Duration::from_secs(600);
 /// Stacks no site refers to are evicted once this old (their event may still come).
@@ -337,6 +339,11 @@ pub struct Model {
     /// Forked processes, until they exec or exit: the instance of the parent whose heap
     /// they started with a copy of.
     forked_from: HashMap<u32, u32>,
+    /// What the task records told of a process with no instance yet: its command name (a
+    /// fork's is its parent's, an exec's the new program's) and its parent's or its own
+    /// earlier cgroup. A process gone before its first event is handled has no `/proc` to
+    /// name it from; a forked child read after its exec would take the new program's name.
+    told: HashMap<u32, (String, Option<Arc<Cgroup>>)>,
     /// Forked processes whose maps are their parent's (`ModuleTable::learn_fork`), until
     /// they exec or exit: their `/proc` maps, read later, may be another program's.
     maps_from_fork: HashSet<u32>,
@@ -369,6 +376,7 @@ impl Model {
             processes: HashMap::new(),
             current: HashMap::new(),
             forked_from: HashMap::new(),
+            told: HashMap::new(),
             maps_from_fork: HashSet::new(),
             exited: HashMap::new(),
             next_instance: 1,
@@ -423,6 +431,8 @@ impl Model {
         self.next_instance = self.next_instance.wrapping_add(1).max(1);
         let (comm, cgroup) = if pid == 0 {
             ("[kernel]".to_string(), self.cgroups.intern(""))
+        } else if let Some((comm, cgroup)) = self.told.remove(&pid) {
+            (comm, cgroup.unwrap_or_else(|| self.cgroups.of_process(pid)))
         } else {
             (crate::procfs::comm(pid, pid).unwrap_or_else(|| format!("pid {pid}")), self.cgroups.of_process(pid))
         };
@@ -572,11 +582,14 @@ impl Model {
             // A new address space: the old program's blocks are gone with it.
             TaskEvent::Exec => {
                 self.maps_from_fork.remove(&t.pid);
+                let cgroup = self.current_process(t.pid).map(|p| Arc::clone(&p.cgroup));
                 self.end(t.pid);
+                self.tell(t.pid, t.comm.clone(), cgroup);
             }
             TaskEvent::Exit if t.flags & flags::GROUP_DEAD != 0 => {
                 self.maps_from_fork.remove(&t.pid);
                 self.end(t.pid);
+                self.told.remove(&t.pid);
                 self.exited.insert(t.pid, Instant::now());
             }
             // A reused pid: whatever had it is gone.
@@ -586,14 +599,31 @@ impl Model {
                 if let Some(&parent) = self.current.get(&t.ppid) {
                     self.forked_from.insert(t.pid, parent);
                 }
+                let cgroup = self.current_process(t.ppid).map(|p| Arc::clone(&p.cgroup));
+                self.tell(t.pid, t.comm.clone(), cgroup);
             }
             TaskEvent::Rename if t.tid == t.pid => {
                 if let Some(p) = self.current.get(&t.pid).and_then(|i| self.processes.get_mut(i)) {
                     p.comm.clone_from(&t.comm);
+                } else if let Some(told) = self.told.get_mut(&t.pid) {
+                    told.0.clone_from(&t.comm);
                 }
             }
             _ => {}
         }
+    }
+
+    fn current_process(&self, pid: u32) -> Option<&Process> {
+        self.current.get(&pid).and_then(|i| self.processes.get(i))
+    }
+
+    /// Keeps what a task record told of `pid` for its instance to come (bounded: processes
+    /// whose exit was lost leave theirs behind).
+    fn tell(&mut self, pid: u32, comm: String, cgroup: Option<Arc<Cgroup>>) {
+        if self.told.len() >= MAX_TOLD {
+            self.told.clear();
+        }
+        self.told.insert(pid, (comm, cgroup));
     }
 
     /// The live instance of `pid` ended (exit, exec): its user blocks are freed with its

@@ -254,6 +254,37 @@ fn a_pid_reused_or_renamed_is_followed() {
     assert!(m.live_pids().contains(&me));
 }
 
+/// A forked child gone before its first event is handled (a shell's `$(…)`) is named as
+/// its fork record says, in its parent's cgroup, not `pid N` in none: one label set per
+/// command, not per pid. A program exec'd and gone is named by its exec record.
+#[test]
+fn short_lived_processes_are_named_by_their_task_records() {
+    let me = std::process::id();
+    let mut m = Model::new(limits());
+    m.event(alloc(me, Kind::Malloc, 0x10, 100, 0, 1));
+    let mut fork = task(GONE, TaskEvent::Fork, 0);
+    if let Event::Task(t) = &mut fork {
+        t.ppid = me;
+        t.comm = "bash".into();
+    }
+    m.event(fork);
+    m.event(alloc(GONE, Kind::Malloc, 0x20, 100, 0, 2));
+    let snap = m.snapshot(Scraper::Metrics);
+    let child = snap.processes.iter().find(|p| p.pid == GONE).unwrap();
+    let parent = snap.processes.iter().find(|p| p.pid == me).unwrap();
+    assert_eq!(child.comm, "bash");
+    assert_eq!(child.cgroup.path, parent.cgroup.path);
+    let mut exec = task(GONE, TaskEvent::Exec, 0);
+    if let Event::Task(t) = &mut exec {
+        t.comm = "seq".into();
+    }
+    m.event(exec);
+    m.event(alloc(GONE, Kind::Malloc, 0x30, 100, 0, 3));
+    let snap = m.snapshot(Scraper::Metrics);
+    let seq = snap.processes.iter().find(|p| p.pid == GONE && p.alive).unwrap();
+    assert_eq!((seq.comm.as_str(), &seq.cgroup.path), ("seq", &parent.cgroup.path));
+}
+
 fn group(comm: &str, domain: Domain) -> Group {
     Group { comm: Arc::from(comm), cgroup: Arc::new(Cgroup::from_path("/a")), pid: None, domain }
 }
