@@ -123,6 +123,8 @@ pub struct MetricsState {
     other: HashMap<Group, Totals>,
     /// Groups with no process at the last scrapes: when they were last seen.
     gone: HashMap<Group, Instant>,
+    /// Per group: the sites with series of their own at the previous scrape.
+    shown: HashMap<Group, HashSet<Arc<str>>>,
 }
 
 impl MetricsState {
@@ -133,18 +135,29 @@ impl MetricsState {
 
     /// [`Self::update`] at `now` (for tests).
     pub fn update_at(&mut self, rows: &[Row], top: usize, now: Instant) -> SiteSeries {
-        let mut live: HashMap<&Group, HashMap<&str, (u64, u64)>> = HashMap::new();
+        // Per site: live bytes, live blocks, bytes allocated in all.
+        let mut live: HashMap<&Group, HashMap<&str, (u64, u64, u64)>> = HashMap::new();
         for r in rows {
             let e = live.entry(&r.group).or_default().entry(&*r.site).or_default();
             e.0 += r.stats.live_bytes_alloc;
             e.1 += r.stats.live_allocs;
+            e.2 += r.stats.bytes_alloc;
         }
+        // The top by live bytes; among equals (a process that exited has none), the sites
+        // shown at the previous scrape first, then by bytes allocated: the series do not
+        // change hands when a process exits.
         let mut exposed: HashMap<&Group, HashSet<&str>> = HashMap::new();
         for (group, sites) in &live {
-            let mut ranked: Vec<(&str, u64)> = sites.iter().map(|(s, (b, _))| (*s, *b)).collect();
-            ranked.sort_by(|a, b| b.1.cmp(&a.1).then(a.0.cmp(b.0)));
-            exposed.insert(*group, ranked.into_iter().take(top).map(|(s, _)| s).collect());
+            let before = self.shown.get(*group);
+            let mut ranked: Vec<(&str, u64, bool, u64)> = sites
+                .iter()
+                .map(|(s, &(bytes, _, total))| (*s, bytes, before.is_some_and(|b| b.contains(*s)), total))
+                .collect();
+            ranked.sort_by(|a, b| b.1.cmp(&a.1).then(b.2.cmp(&a.2)).then(b.3.cmp(&a.3)).then(a.0.cmp(b.0)));
+            exposed.insert(*group, ranked.into_iter().take(top).map(|(s, ..)| s).collect());
         }
+        self.shown =
+            exposed.iter().map(|(g, sites)| ((*g).clone(), sites.iter().map(|s| Arc::from(*s)).collect())).collect();
         // Counters: what each site did since the previous scrape goes to its series now.
         let mut last = HashMap::with_capacity(rows.len());
         for r in rows {
@@ -198,7 +211,7 @@ impl MetricsState {
             let mut series = BTreeMap::new();
             let mut other =
                 Figures { totals: self.other.get(*group).copied().unwrap_or_default(), ..Default::default() };
-            for (site, (bytes, blocks)) in sites {
+            for (site, (bytes, blocks, _)) in sites {
                 if shown.contains(site) {
                     let totals = self.sites.get(*group).and_then(|s| s.get(*site)).copied().unwrap_or_default();
                     series.insert(site.to_string(), Figures { live_bytes: *bytes, live_blocks: *blocks, totals });

@@ -368,6 +368,19 @@ fn lingering_groups_are_bounded() {
     assert_eq!(resumed, metrics::MAX_LINGERING);
 }
 
+/// When a process exits its live bytes are all 0: its series stay those shown before (they
+/// did change hands by name, hiding the counts of the sites that left).
+#[test]
+fn the_sites_shown_stay_shown_when_their_process_exits() {
+    let mut state = MetricsState::default();
+    let g = group("app", Domain::User);
+    let s1 = state.update(&[row(1, 1, "z", 300, 1), row(1, 2, "y", 100, 1), row(1, 3, "a", 0, 50)], 2);
+    assert_eq!(s1.groups[&g].0.keys().collect::<Vec<_>>(), ["y", "z"]);
+    let s2 = state.update(&[row(1, 1, "z", 0, 1), row(1, 2, "y", 0, 1), row(1, 3, "a", 0, 50)], 2);
+    assert_eq!(s2.groups[&g].0.keys().collect::<Vec<_>>(), ["y", "z"]);
+    assert_eq!(s2.groups[&g].1.totals.allocs, 50);
+}
+
 fn own() -> metrics::SelfFigures {
     metrics::SelfFigures { scrapes: vec![("metrics", 3)], responses: vec![(200, 2), (404, 1)], ..Default::default() }
 }
