@@ -107,12 +107,15 @@ impl State {
             Event::Free(x) if x.flags & flags::BY_REALLOC != 0 => {
                 self.realloc_old.insert(x.tid, x.ptr);
             }
-            Event::Alloc(a) => {
+            // A user allocation takes it; the kernel's on the thread's behalf in between (the
+            // pages the copy faults in) do not.
+            Event::Alloc(a) if !a.kind.is_kernel() => {
                 let old = self.realloc_old.remove(&a.tid);
                 if matches!(a.kind, Kind::Realloc | Kind::ReallocArray) {
                     line.old = old;
                 }
             }
+            Event::Alloc(_) => {}
             Event::Task(t) => self.task(t, &mut line),
             Event::Free(_) => {}
         }
@@ -266,6 +269,7 @@ mod tests {
         // A realloc names the block it replaced; an allocation without a stack says none.
         let mut state = State::default();
         let _ = state.line(&free);
+        let _ = state.line(&kmalloc);
         let realloc = alloc(Kind::Realloc, 0x20, 0);
         assert_eq!(
             state.line(&realloc).to_string(),
