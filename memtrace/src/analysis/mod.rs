@@ -330,7 +330,7 @@ impl<G: FnMut(&Origin) -> u32> Analyzer<G> {
     /// As [`Self::live_changed`], for `allocs` of the block's allocations (0: a part of a
     /// mapping unmapped, the mapping still live).
     fn live_bytes_changed(&mut self, b: &LiveBlock, allocs: u64, added: bool, ts_ns: u64) {
-        let (domain, bytes) = (Domain::of(b.kind), b.bytes_req * b.count);
+        let (domain, bytes) = (self.domain(b.kind, b.stack), b.bytes_req * b.count);
         self.peak.change(b.group, domain, bytes, allocs, added, ts_ns);
         if let Some(t) = &mut self.timeline {
             t.change(b.group, domain, b.pid, bytes, added, ts_ns);

@@ -436,3 +436,27 @@ fn a_grandchild_freeing_its_grandparents_blocks_is_not_an_unmatched_free() {
     assert_eq!(a.unmatched_by_pid.get(&3), Some(&1));
     assert_eq!((user.stats.frees, user.stats.live_allocs), (0, 3));
 }
+
+/// The memory the allocator reserved for itself (an mmap whose stack is the allocator's own)
+/// counts in its own domain's peak and timeline, not in the user's, as in every other figure.
+#[test]
+fn reserved_mmaps_are_not_in_the_users_peak() {
+    let mut a = by_stack();
+    a.reserved_stacks = [9].into();
+    a.timeline = Some(Timeline::new(0, 10, true));
+    for e in [
+        alloc(1, 1, 1, Kind::Mmap, 0x7000_0000, 1 << 20, 1 << 20, 9),
+        alloc(2, 1, 1, Kind::Malloc, 0x1000, 100, 112, 1),
+        alloc(3, 1, 1, Kind::Mmap, 0x7100_0000, 4096, 4096, 2),
+    ] {
+        a.push(&e);
+    }
+    a.finish();
+    let peaks = a.peak.peaks();
+    assert_eq!(peaks[&Domain::User].live_bytes_req, 100 + 4096);
+    assert_eq!(peaks[&Domain::Reserved].live_bytes_req, 1 << 20);
+    assert_eq!(a.totals[&Domain::User].stats.peak_live_bytes_req, 100 + 4096);
+    let t = a.timeline.as_mut().unwrap();
+    let n = t.intervals_until(3);
+    assert_eq!(*t.domains[&Domain::User].dense(n).last().unwrap(), 100 + 4096);
+}
