@@ -566,6 +566,46 @@ int main(void) {
     assert_eq!(report["totals"]["user"]["unmatched_frees"], 0, "{:#}", report["totals"]);
 }
 
+/// A file mapped (no MAP_ANONYMOUS) is a view of the file, not memory allocated: neither
+/// its mmap nor its munmap is counted; anonymous mappings are.
+#[test]
+fn file_mappings_are_not_allocations() {
+    require_root();
+    let _sharing = sharing_the_machine();
+    let dir = scratch("file-mmap");
+    let prog = compile(
+        &dir,
+        "views",
+        r#"
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <unistd.h>
+static char *map_file(int fd, int flags) { return mmap(0, 103, PROT_READ, flags, fd, 0); }
+static char *map_anon(long len) {
+    return mmap(0, len, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+}
+int main(int argc, char **argv) {
+    int fd = open(argv[0], O_RDONLY);
+    char *a = map_file(fd, MAP_PRIVATE), *b = map_file(fd, MAP_SHARED), *c = map_file(fd, MAP_PRIVATE);
+    char *d = map_anon(1 << 16);
+    munmap(a, 103);
+    munmap(b, 103);
+    munmap(d, 1 << 16);
+    close(fd);
+    return c == MAP_FAILED;
+}
+"#,
+    );
+    let data = dir.join("v.data");
+    run(memtrace().args(["record", "-q", "--no-kernel", "-o"]).arg(&data).arg("--").arg(&prog));
+    let report = report_json(&data, &["--by", "function", "--kind", "mmap"]);
+    assert!(site(&report, "map_file").is_none(), "{report:#}");
+    let anon = site(&report, "map_anon").unwrap_or_else(|| panic!("{report:#}"));
+    assert_eq!((&anon["allocs"], &anon["frees"], &anon["bytes_req"]), (&1.into(), &1.into(), &65536.into()));
+    let all = report_json(&data, &[]);
+    assert_eq!(all["totals"]["user"]["unmatched_frees"], 0, "{:#}", all["totals"]);
+}
+
 /// A grandchild freeing its copies of its grandparent's blocks frees the grandparent's
 /// blocks, not ones never seen allocated, though the child between them allocated nothing.
 #[test]
