@@ -36,6 +36,8 @@ pub struct Summary {
     pub finalized: bool,
     pub totals: BTreeMap<Domain, Totals>,
     pub groups: Vec<GroupRow>,
+    /// The rows (processes, by process) before `--top` kept the first.
+    pub rows_in_all: usize,
     pub leaks: Vec<LeakRow>,
     pub by: GroupBy,
     pub duration_ns: u64,
@@ -410,6 +412,13 @@ pub fn analyze(path: &Path, opts: &ReportOptions) -> Result<Summary> {
     let mut groups = groups;
     let mut candidates: Vec<usize> =
         (0..groups.len()).filter(|&g| groups[g].allocs != 0 || groups[g].failed != 0).collect();
+    // How many rows there are before `--top` keeps the first (processes, for a report by
+    // process: one row per process and domain).
+    let rows_in_all = if opts.by == GroupBy::Process {
+        candidates.iter().flat_map(|&g| &infos[g].pids).collect::<std::collections::HashSet<_>>().len()
+    } else {
+        candidates.len()
+    };
     let row_of = |group: usize, stats: Stats, frames: Vec<Frame>, label: String| {
         let info = &infos[group];
         GroupRow {
@@ -501,6 +510,7 @@ pub fn analyze(path: &Path, opts: &ReportOptions) -> Result<Summary> {
         finalized,
         totals,
         groups: rows,
+        rows_in_all,
         leaks,
         by: opts.by,
         duration_ns,

@@ -422,6 +422,10 @@ fn headers_say_what_rows_are_and_what_they_are_sorted_by() {
     assert!(text.lines().any(|l| l.ends_with("  PROCESS")), "{text}");
     let text = by(GroupBy::Site, SortKey::Live);
     assert!(text.contains("\n5 call sites, sorted by live bytes:\n"), "{text}");
+    // With --top, how many there are in all.
+    let top =
+        super::tests::text(&ReportOptions { top: Some(2), layout: layout(Width::Columns(120)), ..Default::default() });
+    assert!(top.contains("\nthe first 2 of 5 call sites, sorted by bytes allocated:\n"), "{top}");
     let one = text_of_one_row();
     assert!(one.contains("\n1 function, sorted by bytes allocated:\n"), "{one}");
     // The kernel line says what was cut (the user part) but describes no user walk.

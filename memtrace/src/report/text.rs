@@ -168,7 +168,12 @@ pub fn render_text(a: &Summary, opts: &ReportOptions) -> String {
         GroupBy::Process => a.groups.iter().flat_map(|g| &g.pids).collect::<std::collections::HashSet<_>>().len(),
         _ => a.groups.len(),
     };
-    let _ = writeln!(out, "{}, sorted by {}:", a.by.count(rows), opts.sort.describe());
+    let counted = if rows < a.rows_in_all {
+        format!("the first {rows} of {}", a.by.count(a.rows_in_all))
+    } else {
+        a.by.count(rows)
+    };
+    let _ = writeln!(out, "{counted}, sorted by {}:", opts.sort.describe());
     let lines = groups_table(a, opts).lines(opts.layout.width);
     let mut lines = lines.iter();
     if let Some(h) = lines.next() {
