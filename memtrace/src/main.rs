@@ -112,13 +112,13 @@ struct TopArgs {
     #[arg(short, long, conflicts_with = "command")]
     pid: Option<u32>,
     /// Seconds between refreshes.
-    #[arg(short = 'd', long = "delay", value_parser = parse_duration, default_value = "1")]
+    #[arg(short = 'd', long = "delay", value_parser = parse_positive_duration, default_value = "1")]
     delay: Duration,
     /// Batch mode: plain-text snapshots on stdout, like top -b.
     #[arg(short, long)]
     batch: bool,
     /// Stop after this many refreshes.
-    #[arg(short = 'n', long)]
+    #[arg(short = 'n', long, value_parser = clap::value_parser!(u64).range(1..))]
     iterations: Option<u64>,
     /// Rows per snapshot in batch mode.
     #[arg(long, default_value_t = 25)]
@@ -406,6 +406,15 @@ fn parse_duration(s: &str) -> Result<Duration, String> {
     Ok(Duration::from_secs_f64(value * scale))
 }
 
+/// A duration longer than zero (a refresh delay, how long to record).
+fn parse_positive_duration(s: &str) -> Result<Duration, String> {
+    let d = parse_duration(s)?;
+    if d.is_zero() {
+        return Err(format!("{s:?} is no time: give a duration above zero (e.g. 500ms)"));
+    }
+    Ok(d)
+}
+
 /// A time resolution (`500ns`, `10us`, `1ms`, `1s`) in nanoseconds, from 1 ns to 1 s.
 fn parse_time_resolution(s: &str) -> Result<u64, String> {
     let t = s.trim();
@@ -459,7 +468,7 @@ struct RecordArgs {
     #[arg(long)]
     force: bool,
     /// Stop after this long (e.g. 10s, 500ms, 2m).
-    #[arg(short, long, value_parser = parse_duration)]
+    #[arg(short, long, value_parser = parse_positive_duration)]
     duration: Option<Duration>,
     /// Do not trace user-space allocators.
     #[arg(long)]
@@ -738,7 +747,11 @@ fn readable_recording(path: &Path) -> Result<()> {
             bail!("no {DEFAULT_RECORDING} here; record one with `sudo memtrace record -- CMD`")
         }
         std::io::ErrorKind::NotFound => {
-            bail!("no {} here; record one with `sudo memtrace record -o {} -- CMD`", path.display(), path.display())
+            bail!(
+                "{}: no such file; record one with `sudo memtrace record -o {} -- CMD`",
+                path.display(),
+                path.display()
+            )
         }
         std::io::ErrorKind::PermissionDenied => {
             use std::os::unix::fs::MetadataExt as _;

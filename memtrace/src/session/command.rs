@@ -59,7 +59,11 @@ impl Tracer {
         let mut status = 0;
         // SAFETY: waits for our own child, which the pidfd reported as exited.
         let r = unsafe { libc::waitpid(pid as i32, &mut status, 0) };
-        (r == pid as i32).then(|| spawn::exit_code(status))
+        if r != pid as i32 {
+            return None;
+        }
+        self.command_ended = Some(spawn::describe_status(status));
+        Some(spawn::exit_code(status))
     }
 
     /// Ends a command that is still running (the view it was started for is closing):

@@ -161,6 +161,8 @@ pub struct Tracer {
     pub allocator: Option<Allocator>,
     pub target_pid: Option<u32>,
     pub is_command: bool,
+    /// How the command ended, once reaped (`spawn::describe_status`).
+    pub command_ended: Option<String>,
     pub options: TraceOptions,
     child: Option<PausedChild>,
     reorder: Reorder,
@@ -507,6 +509,7 @@ impl Tracer {
             allocator,
             target_pid,
             is_command,
+            command_ended: None,
             options: options.clone(),
             child,
             reorder: Reorder::new(),

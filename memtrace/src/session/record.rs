@@ -454,7 +454,10 @@ fn finish(
         _ => None,
     };
     let end_reason = match &reason {
-        StopReason::TargetExited(Some(code)) => format!("the command exited with status {code}"),
+        StopReason::TargetExited(Some(code)) => match &tracer.command_ended {
+            Some(how) => format!("the command {how}"),
+            None => format!("the command exited with status {code}"),
+        },
         StopReason::TargetExited(None) => "the target process exited".into(),
         StopReason::Signal(sig) => match left_running {
             Some(pid) => {

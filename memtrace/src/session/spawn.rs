@@ -16,7 +16,8 @@ use thiserror::Error;
 
 #[derive(Debug, Error)]
 pub enum SpawnError {
-    #[error("{0}: command not found")]
+    /// A name looked up in PATH was not there; a path names no file.
+    #[error("{0}: {what}", what = if .0.contains('/') { "no such file" } else { "command not found" })]
     NotFound(String),
     #[error("{0}: permission denied")]
     NotExecutable(String),
@@ -191,15 +192,40 @@ pub fn exit_code(status: i32) -> i32 {
     }
 }
 
+/// How a process ended, from its wait status: "exited with status N", or "was killed by
+/// signal 11 (Segmentation fault)" (the shell's 139 names no signal).
+pub fn describe_status(status: i32) -> String {
+    if libc::WIFEXITED(status) {
+        format!("exited with status {}", libc::WEXITSTATUS(status))
+    } else if libc::WIFSIGNALED(status) {
+        let sig = libc::WTERMSIG(status);
+        // SAFETY: strsignal returns a static or thread-local string, read at once.
+        let name = unsafe { std::ffi::CStr::from_ptr(libc::strsignal(sig)) }.to_string_lossy().into_owned();
+        let core = if libc::WCOREDUMP(status) { ", core dumped" } else { "" };
+        format!("was killed by signal {sig} ({name}{core})")
+    } else {
+        format!("ended with wait status {status:#x}")
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn an_ending_by_signal_names_the_signal() {
+        assert_eq!(describe_status(3 << 8), "exited with status 3");
+        assert_eq!(describe_status(libc::SIGSEGV), "was killed by signal 11 (Segmentation fault)");
+        assert_eq!(exit_code(libc::SIGSEGV), 139);
+    }
 
     #[test]
     fn missing_commands_are_127_like_a_shell() {
         let err = resolve_program(OsStr::new("definitely-not-a-command-xyz")).unwrap_err();
         assert_eq!(err.exit_code(), 127);
         assert_eq!(err.to_string(), "definitely-not-a-command-xyz: command not found");
+        let err = resolve_program(OsStr::new("/nonexistent/cmd")).unwrap_err();
+        assert_eq!(err.to_string(), "/nonexistent/cmd: no such file");
         assert_eq!(resolve_program(OsStr::new("/nonexistent/x")).unwrap_err().exit_code(), 127);
         let not_executable = std::env::temp_dir().join(format!("memtrace-not-exec-{}", std::process::id()));
         std::fs::write(&not_executable, b"#!/bin/sh\n").unwrap();

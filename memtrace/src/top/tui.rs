@@ -227,9 +227,8 @@ pub(super) async fn interactive(tracer: &mut Tracer, live: &mut LiveView, opts: 
     loop {
         match waker.wait().await {
             Wake::TargetExited => {
-                let code = tracer.reap_command();
-                state.status = match code {
-                    Some(c) => format!("  (the command exited with status {c})"),
+                state.status = match tracer.reap_command().and(tracer.command_ended.as_deref()) {
+                    Some(how) => format!("  (the command {how})"),
                     None => "  (the process exited)".into(),
                 };
                 redraw = true;

@@ -627,8 +627,8 @@ impl TableStore {
                 if !self.warned_cap {
                     self.warned_cap = true;
                     eprintln!(
-                        "memtrace: warning: unwind tables reached {} MiB: {} and later files are walked by frame pointers only (stacks through them are cut short where they keep none)",
-                        self.max_bytes >> 20,
+                        "memtrace: warning: unwind tables reached {}: {} and later files are walked by frame pointers only (stacks through them are cut short where they keep none)",
+                        crate::units::bytes(self.max_bytes as u64),
                         path.display()
                     );
                 }
