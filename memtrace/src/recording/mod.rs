@@ -87,6 +87,10 @@ pub enum FormatError {
     Truncated { offset: u64 },
     #[error("recording is corrupt at byte {offset}: {reason}")]
     Corrupt { offset: u64, reason: String },
+    /// A chunk whose payload fails its checksum: its extent is known, so the chunks after
+    /// it can still be read (the reader is past it).
+    #[error("recording is corrupt at byte {offset}: checksum mismatch in a chunk of {len} bytes")]
+    Damaged { offset: u64, len: u32 },
     #[error("reading the recording: {0}")]
     Io(#[from] std::io::Error),
 }

@@ -158,7 +158,7 @@ impl<R: Read> Reader<R> {
             }
             self.offset = start + 9 + u64::from(len);
             if crc32fast::hash(&payload) != crc {
-                return Err(FormatError::Corrupt { offset: start, reason: "checksum mismatch".into() });
+                return Err(FormatError::Damaged { offset: start, len });
             }
             match ChunkKind::from_u8(head[0] & !COMPRESSED) {
                 Some(kind) if head[0] & COMPRESSED != 0 => {
@@ -280,6 +280,11 @@ pub fn read_all(input: impl Read) -> Result<Recording, FormatError> {
         let chunk = match reader.next_chunk() {
             Ok(Some(chunk)) => chunk,
             Ok(None) => break,
+            // Its extent is known: the chunks after it read.
+            Err(e @ FormatError::Damaged { .. }) => {
+                rec.warnings.push(format!("{e}: skipped"));
+                continue;
+            }
             Err(e) => {
                 rec.warnings.push(format!("{e}; reporting the complete part before it"));
                 break;

@@ -123,6 +123,35 @@ fn every_truncation_reads_the_complete_part_or_fails_cleanly() {
     }
 }
 
+/// A chunk that fails its checksum is skipped and the chunks after it are read: one flipped
+/// bit early in a long recording no longer loses all that follows.
+#[test]
+fn the_chunks_after_a_damaged_one_are_read() {
+    let events = sample_events();
+    let mut w = Writer::new(Vec::new(), &meta()).unwrap();
+    for e in &events {
+        w.event(e).unwrap();
+        w.flush().unwrap();
+    }
+    let bytes = w.finish(&Stats::default()).unwrap();
+    let whole = read_all(&bytes[..]).unwrap();
+    assert_eq!(whole.events.len(), events.len());
+    // The first events chunk's payload: past the header and the metadata chunk.
+    let meta_len = u32::from_le_bytes(bytes[HEADER_LEN + 1..HEADER_LEN + 5].try_into().unwrap()) as usize;
+    let first = HEADER_LEN + 9 + meta_len;
+    let mut damaged = bytes.clone();
+    damaged[first + 9] ^= 0x04;
+    let rec = read_all(&damaged[..]).unwrap();
+    assert!(
+        rec.warnings.iter().any(|w| w.contains("checksum mismatch") && w.contains("skipped")),
+        "{:?}",
+        rec.warnings
+    );
+    assert!(rec.finalized, "read to its end");
+    assert!(!rec.events.is_empty() && rec.events.len() < events.len(), "{} of {}", rec.events.len(), events.len());
+    assert_eq!(rec.events[..], whole.events[whole.events.len() - rec.events.len()..]);
+}
+
 #[test]
 fn a_flipped_byte_is_caught_by_the_checksum() {
     let bytes = write(&sample_events(), true);

@@ -1,6 +1,6 @@
 //! Reading a recording for analysis: the definitions (stacks, modules, symbols, stats; a
-//! damaged or unfinished file is read up to the damage, with a warning), then the events,
-//! streamed. `report`, `export` and `dump` read recordings through these.
+//! chunk that fails its checksum is skipped, with a warning, and a file damaged otherwise or
+//! unfinished is read up to the damage), then the events, streamed. `report`, `export` and `dump` read recordings through these.
 use std::{collections::BTreeMap, fs::File, io::BufReader, path::Path};
 
 use anyhow::{Context as _, Result};
@@ -50,6 +50,10 @@ pub fn read_definitions(path: &Path) -> Result<Definitions> {
                 recording::Chunk::End => finalized = true,
                 recording::Chunk::Events { .. } => {}
             },
+            // A chunk that fails its checksum is skipped: what follows it still reads.
+            Err(e @ FormatError::Damaged { .. }) => {
+                warnings.push(format!("{e}: skipped (the events, stacks or names it held are missing)"));
+            }
             Err(e) => {
                 warnings.push(format!("{e}; the report covers the complete part before it"));
                 damaged_at = Some(at);
@@ -73,7 +77,8 @@ pub fn read_definitions(path: &Path) -> Result<Definitions> {
 }
 
 /// Streams every event of a recording to `sink`, up to the chunk at `until` (where
-/// `read_definitions` met damage); stops quietly at the first damaged chunk. The chunks
+/// `read_definitions` met damage it could not read past); skips a chunk that fails its
+/// checksum and stops quietly at other damage. The chunks
 /// of definitions are skipped, not parsed again (on the heavy Python bench's recording
 /// parsing its stacks a second time took most of this pass).
 pub fn for_each_event(path: &Path, until: Option<u64>, sink: &mut dyn FnMut(Event)) -> Result<(), FormatError> {
@@ -81,9 +86,13 @@ pub fn for_each_event(path: &Path, until: Option<u64>, sink: &mut dyn FnMut(Even
     // A chunk starting at `until` or after is not read; one reached past skipped chunks
     // (its payload follows its 9-byte head) is not decoded.
     let before = |at: u64| until.is_none_or(|until| at < until);
-    while before(reader.offset())
-        && let Ok(Some(chunk)) = reader.next_events_chunk()
-    {
+    while before(reader.offset()) {
+        let chunk = match reader.next_events_chunk() {
+            Ok(Some(chunk)) => chunk,
+            // Skipped, as `read_definitions` did (and said).
+            Err(FormatError::Damaged { .. }) => continue,
+            Ok(None) | Err(_) => break,
+        };
         let recording::Chunk::Events { payload, offset, version } = chunk else { continue };
         if !before(offset.saturating_sub(9)) || recording::decode_events(&payload, offset, version, sink).is_err() {
             break;
