@@ -1,6 +1,7 @@
 //! The HTTP side of `serve`, on its own thread and runtime so no client can stall the
 //! tracer: HTTP/1.1 (hyper), GET and HEAD only, an optional bearer token, at most
-//! `--max-connections` clients at once (others wait a second for a slot, then get 503), a
+//! `--max-connections` requests answered at once (others wait a second for a slot, then get
+//! 503; the health check and refusals take none) and 16 times as many connections open, a
 //! deadline for a request's head (idle connections close with it), for building a response,
 //! and for a connection's whole life. Building responses (naming, encoding) runs on the
 //! blocking pool, two at a time. Errors are one line of text, as Go's net/http/pprof
@@ -32,6 +33,9 @@ use super::{
 
 /// Responses built at once (the rest wait, within their deadline).
 const BUILDERS: usize = 2;
+/// Connections kept open per request slot: clients that connect and send nothing (or
+/// slowly) fill these, not the slots scrapes need.
+const CONNECTIONS_PER_SLOT: usize = 16;
 /// How long a client waits for a free slot before a 503.
 const SLOT_WAIT: Duration = Duration::from_secs(1);
 
@@ -57,6 +61,7 @@ impl Server {
                 let ctx = Arc::new(Context {
                     shared,
                     slots: Arc::new(Semaphore::new(config.max_connections)),
+                    connections: Arc::new(Semaphore::new(config.max_connections.saturating_mul(CONNECTIONS_PER_SLOT))),
                     builders: Semaphore::new(BUILDERS),
                     config,
                     stop: stop.clone(),
@@ -86,7 +91,12 @@ impl Server {
 struct Context {
     shared: Arc<Shared>,
     config: HttpConfig,
+    /// Requests being answered (`--max-connections`): taken per request, past the health
+    /// check and the token, so idle or slow clients hold none.
     slots: Arc<Semaphore>,
+    /// Connections open (reading a request, idle, or being answered), at most
+    /// [`CONNECTIONS_PER_SLOT`] per slot: beyond, a new one gets a 503 at once.
+    connections: Arc<Semaphore>,
     builders: Semaphore,
     /// Becomes true when the server stops (delta profiles stop waiting).
     stop: watch::Receiver<bool>,
@@ -105,9 +115,15 @@ async fn accept(listener: std::net::TcpListener, ctx: Arc<Context>, mut stop: wa
         tokio::select! {
             _ = stop.changed() => break,
             accepted = listener.accept() => match accepted {
-                Ok((stream, peer)) => {
-                    connections.spawn(connection(stream, peer, Arc::clone(&ctx), stop.clone()));
-                }
+                Ok((stream, peer)) => match Arc::clone(&ctx.connections).try_acquire_owned() {
+                    Ok(open) => {
+                        connections.spawn(connection(stream, peer, open, Arc::clone(&ctx), stop.clone()));
+                    }
+                    Err(_) => {
+                        ctx.shared.count_response(503);
+                        connections.spawn(busy(stream));
+                    }
+                },
                 // Out of descriptors, or a connection reset before it was accepted.
                 Err(_) => tokio::time::sleep(Duration::from_millis(20)).await,
             },
@@ -120,23 +136,16 @@ async fn accept(listener: std::net::TcpListener, ctx: Arc<Context>, mut stop: wa
     connections.abort_all();
 }
 
-/// One client: waits for a slot, then serves its requests until it goes, idles past the
-/// head deadline, outlives its lifetime, or the server stops.
+/// One client: serves its requests until it goes, idles past the head deadline, outlives
+/// its lifetime, or the server stops (`open`: its place among the connections).
 async fn connection(
     stream: tokio::net::TcpStream,
     _peer: SocketAddr,
+    open: tokio::sync::OwnedSemaphorePermit,
     ctx: Arc<Context>,
     mut stop: watch::Receiver<bool>,
 ) {
     let _ = stream.set_nodelay(true);
-    let permit = match tokio::time::timeout(SLOT_WAIT, Arc::clone(&ctx.slots).acquire_owned()).await {
-        Ok(Ok(permit)) => permit,
-        _ => {
-            ctx.shared.count_response(503);
-            busy(stream).await;
-            return;
-        }
-    };
     let lifetime = ctx.config.request_timeout * 2 + Duration::from_secs(ctx.config.max_profile_seconds);
     let service_ctx = Arc::clone(&ctx);
     let service = service_fn(move |req| {
@@ -169,10 +178,10 @@ async fn connection(
             }
         }
     }
-    drop(permit);
+    drop(open);
 }
 
-/// A 503 to a client that found no free slot, without reading its request.
+/// A 503 to a client beyond the connections kept open, without reading its request.
 async fn busy(stream: tokio::net::TcpStream) {
     let body = "memtrace: too many clients at once (--max-connections); retry later\n";
     let response = format!(
@@ -258,6 +267,15 @@ async fn respond(req: Request<Incoming>, ctx: &Context) -> Reply {
         r.headers_mut().insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer realm=\"memtrace\""));
         return r;
     }
+    // A slot for the answer; the health check and refusals above take none.
+    let Ok(Ok(_slot)) = tokio::time::timeout(SLOT_WAIT, Arc::clone(&ctx.slots).acquire_owned()).await else {
+        let mut r = text(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "memtrace: too many requests at once (--max-connections); retry later",
+        );
+        r.headers_mut().insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
+        return r;
+    };
     match path.as_str() {
         "/metrics" => {
             if !query.is_empty() {
@@ -321,6 +339,10 @@ async fn profile(ctx: &Context, kind: ProfileKind, query: &str) -> Reply {
                 Ok(b) => b,
                 Err(r) => return r,
             };
+            // A pid not traced is told now, not after the wait.
+            if let Some(pid) = q.pids.iter().find(|&&pid| !base.processes.iter().any(|p| p.pid == pid)) {
+                return text(StatusCode::BAD_REQUEST, &format!("pid {pid} is not traced (or exited and was dropped)"));
+            }
             let mut stop = ctx.stop.clone();
             tokio::select! {
                 _ = tokio::time::sleep(Duration::from_secs(seconds)) => {}

@@ -559,6 +559,9 @@ pub const TEXT_TYPE: &str = "text/plain; version=0.0.4; charset=utf-8";
 pub fn wants_openmetrics(accept: &str) -> bool {
     accept.split(',').any(|part| {
         let mut params = part.split(';').map(str::trim);
-        params.next() == Some("application/openmetrics-text") && !params.any(|p| p.replace(' ', "") == "q=0")
+        // q=0 (0.0, 0.000): not acceptable.
+        let refused =
+            |p: &str| p.replace(' ', "").strip_prefix("q=").is_some_and(|q| q.parse::<f64>().is_ok_and(|q| q <= 0.0));
+        params.next() == Some("application/openmetrics-text") && !params.any(refused)
     })
 }

@@ -245,8 +245,11 @@ async fn trace(tracer: &mut Tracer, shared: &Shared, pids: &[u32]) -> Result<Sto
         if housekeeping || wake == Wake::TargetExited {
             last_housekeeping = Instant::now();
             lock(&shared.model).housekeep(Instant::now());
-            let lost_events = tracer.probes.counters().map_or(0, |c| c.lost_events);
-            lock(&shared.status).lost_events = lost_events;
+            // A failed read keeps the last figure: the counter never goes down.
+            if let Ok(c) = tracer.probes.counters() {
+                let mut status = lock(&shared.status);
+                status.lost_events = status.lost_events.max(c.lost_events);
+            }
             let before = running.len();
             running.retain(|&pid| {
                 let gone = exited(pid);

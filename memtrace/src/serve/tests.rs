@@ -447,6 +447,7 @@ fn accept_headers_choose_the_format() {
     assert!(!metrics::wants_openmetrics("*/*"));
     assert!(!metrics::wants_openmetrics("text/plain"));
     assert!(!metrics::wants_openmetrics("application/openmetrics-text; q=0"));
+    assert!(!metrics::wants_openmetrics("application/openmetrics-text;version=1.0.0;q=0.0, text/plain;q=0.5"));
     assert_eq!(
         metrics::openmetrics_to_text("# HELP a_b x\n# TYPE a_b counter\n# UNIT a_b b\na_b_total 1\n# EOF\n"),
         "# HELP a_b_total x\n# TYPE a_b_total counter\na_b_total 1\n"
@@ -728,31 +729,69 @@ fn a_token_is_required_when_configured() {
 #[test]
 fn slow_clients_time_out_and_extra_ones_are_turned_away() {
     let (server, addr, _) = serve(None, Duration::from_secs(2));
-    // Two clients that never finish their request hold both slots...
-    let idle: Vec<TcpStream> = (0..2)
-        .map(|_| {
-            let mut s = TcpStream::connect(addr).unwrap();
-            s.write_all(b"GET /metrics HTTP/1.1\r\n").unwrap();
-            s
-        })
-        .collect();
+    // Clients that never finish their request hold a connection, not a slot: a scrape and
+    // the health check are answered at once beside them.
+    let slow = |n: usize| -> Vec<TcpStream> {
+        (0..n)
+            .map(|_| {
+                let mut s = TcpStream::connect(addr).unwrap();
+                s.write_all(b"GET /metrics HTTP/1.1\r\n").unwrap();
+                s
+            })
+            .collect()
+    };
+    let idle = slow(2);
     std::thread::sleep(Duration::from_millis(100));
-    // ...so a third waits a second for a slot, then hears 503.
+    let started = Instant::now();
+    assert_eq!(get(addr, &request("/metrics", "")).0, 200);
+    assert!(started.elapsed() < Duration::from_millis(900), "no wait for a slot");
+    // Two delta profiles being answered take both slots: a third request waits a second for
+    // one, then hears 503; the health check still takes none.
+    let deltas: Vec<_> = (0..2)
+        .map(|_| std::thread::spawn(move || get(addr, &request("/debug/pprof/allocs?seconds=3", "")).0))
+        .collect();
+    std::thread::sleep(Duration::from_millis(300));
     let started = Instant::now();
     let (code, head, _) = get(addr, &request("/metrics", ""));
     assert_eq!(code, 503, "{head}");
     assert!(started.elapsed() >= Duration::from_millis(900));
-    // The slow ones are cut off at the head deadline (2 s here); then there is room.
-    for mut s in idle {
+    assert_eq!(get(addr, &request("/healthz", "")).0, 200);
+    for d in deltas {
+        assert_eq!(d.join().unwrap(), 200);
+    }
+    // Connections beyond 16 per slot are turned away at once (the first slow ones are gone
+    // by now: their head deadline passed during the deltas).
+    let more = slow(2 * 16);
+    std::thread::sleep(Duration::from_millis(100));
+    let started = Instant::now();
+    assert_eq!(get(addr, &request("/healthz", "")).0, 503);
+    assert!(started.elapsed() < Duration::from_millis(900));
+    // The slow ones are cut off at the head deadline (2 s here), with an end of stream;
+    // then there is room.
+    let started = Instant::now();
+    for mut s in idle.into_iter().chain(more) {
         s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
         let mut buf = Vec::new();
-        let _ = s.read_to_end(&mut buf);
+        s.read_to_end(&mut buf).expect("closed by the server, not timed out here");
     }
+    assert!(started.elapsed() < Duration::from_secs(4), "{:?}", started.elapsed());
     assert_eq!(get(addr, &request("/metrics", "")).0, 200);
     let started = Instant::now();
     server.shutdown(Duration::from_secs(1));
     assert!(started.elapsed() < Duration::from_secs(3));
     assert!(TcpStream::connect(addr).is_err(), "the port is released");
+}
+
+/// A delta profile for a pid not traced is refused before its wait, not after.
+#[test]
+fn a_delta_profile_checks_its_pids_first() {
+    let (server, addr, _) = serve(None, Duration::from_secs(5));
+    let started = Instant::now();
+    let (code, _, body) = get(addr, &request("/debug/pprof/heap?seconds=5&pid=12", ""));
+    assert_eq!(code, 400);
+    assert!(String::from_utf8(body).unwrap().contains("pid 12 is not traced"));
+    assert!(started.elapsed() < Duration::from_secs(2));
+    server.shutdown(Duration::from_secs(1));
 }
 
 #[test]
