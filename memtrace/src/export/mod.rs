@@ -80,11 +80,28 @@ impl Weight {
 /// them (`f (app.py:12)`).
 fn folded_name(f: &Frame) -> String {
     let full = if f.python { f.to_string() } else { f.function.clone() };
-    let mut name: String = full.chars().map(|c| if c == ';' { ':' } else { c }).collect();
+    let mut name = folded_element(&full);
     if f.kernel {
         name.push_str("_[k]");
     }
     name
+}
+
+/// A name made safe for a folded line: no `;` (the separator) and no line break (a process
+/// may call itself `run;1` or anything).
+fn folded_element(s: &str) -> String {
+    s.trim()
+        .chars()
+        .map(|c| {
+            if c == ';' {
+                ':'
+            } else if c.is_control() {
+                ' '
+            } else {
+                c
+            }
+        })
+        .collect()
 }
 
 pub(crate) fn process_name(a: &Summary, row: &GroupRow) -> String {
@@ -107,10 +124,18 @@ pub fn folded_rows(a: &Summary, weight: Weight, keep: impl Fn(&GroupRow) -> bool
         if value == 0 {
             continue;
         }
-        let mut line = process_name(a, row);
+        let mut line = folded_element(&process_name(a, row));
         for f in row.frames.iter().rev() {
             line.push(';');
             line.push_str(&folded_name(f));
+        }
+        // A line ending in a number before its weight reads as a differential line (before
+        // and after counts) to flame graph tools: `job 42` with no frames.
+        if let Some(space) = line.rfind(' ')
+            && space + 1 < line.len()
+            && line[space + 1..].chars().all(|c| c.is_ascii_digit())
+        {
+            line.replace_range(space..=space, "_");
         }
         *out.entry(line).or_insert(0) += value;
     }

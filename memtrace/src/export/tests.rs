@@ -40,6 +40,13 @@ fn folded_stacks_start_at_the_process() {
     write_folded(&stacks(), Weight::Bytes, &mut out).unwrap();
     let text = String::from_utf8(out).unwrap();
     assert!(text.lines().any(|l| l == "app;main;handle_connection;serve;parse_request 10000"), "{text}");
+
+    // A process named with the separator, a line break and a number at its end.
+    let mut odd = stacks();
+    odd.comms.insert(PID, "run;1 42\n".into());
+    let folded = super::folded(&odd, Weight::Bytes);
+    assert_eq!(folded.get("run:1_42"), Some(&64), "{folded:#?}");
+    assert!(folded.contains_key("run:1 42;main;build_index;grow"), "{folded:#?}");
 }
 
 #[test]
