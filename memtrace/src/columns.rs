@@ -162,13 +162,14 @@ pub struct TextTable {
 
 impl TextTable {
     /// The table as lines (no trailing spaces), header first.
-    pub fn lines(&self, width: Width) -> Vec<String> {
+    /// The columns that fit `width` (indices, in order).
+    pub fn kept(&self, width: Width) -> Vec<usize> {
         let widths: Vec<usize> = self.columns.iter().map(TextColumn::width).collect();
         let names_width = self
             .names
             .as_ref()
             .map(|(h, names)| names.iter().map(|n| width_of(n)).chain([width_of(h)]).max().unwrap_or(0));
-        let kept: Vec<usize> = match width {
+        match width {
             Width::Columns(w) if !self.keep_all => {
                 // Room for the names: their own width, up to a comfortable one.
                 let reserve = names_width.map_or(0, |n| n.min(NAME_FIT_WIDTH));
@@ -176,7 +177,12 @@ impl TextTable {
                 fit(&widths, &ranks, GAP.len(), w.saturating_sub(reserve))
             }
             _ => (0..self.columns.len()).collect(),
-        };
+        }
+    }
+
+    pub fn lines(&self, width: Width) -> Vec<String> {
+        let widths: Vec<usize> = self.columns.iter().map(TextColumn::width).collect();
+        let kept = self.kept(width);
         let used: usize = kept.iter().map(|&i| widths[i] + GAP.len()).sum();
         let name_room = match width {
             Width::Columns(w) => Some(w.saturating_sub(used).max(NAME_MIN_WIDTH)),

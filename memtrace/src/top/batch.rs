@@ -14,7 +14,7 @@ use super::{
     title,
 };
 use crate::{
-    columns::Layout,
+    columns::{ColumnChoice, Layout},
     session::{Tracer, Wake, WakeLoop},
 };
 
@@ -27,12 +27,25 @@ pub fn render_batch(s: &Snapshot, title: &str, view: &ViewOptions, rows: usize, 
     out
 }
 
+/// The figure columns a snapshot's table keeps at `layout`'s width: the later snapshots of
+/// a batch show these, so a program reading them meets the same columns each time (fitted
+/// anew, a wider figure swapped one column for another between snapshots).
+pub fn fitted_columns(s: &Snapshot, view: &ViewOptions, rows: usize, layout: &Layout<Column>) -> Vec<Column> {
+    let shown = &s.rows[..rows.min(s.rows.len())];
+    let candidates = layout.candidates(&Column::DISPLAY);
+    // Column 0 of the table is the domain's.
+    let kept = text_table(shown, view.by, view.sort, layout).kept(layout.width);
+    kept.into_iter().filter_map(|i| i.checked_sub(1).map(|c| candidates[c])).collect()
+}
+
 pub(super) async fn batch(tracer: &mut Tracer, live: &mut LiveView, opts: &TopOptions) -> Result<i32> {
     let mut waker = WakeLoop::new(tracer, DRAIN_INTERVAL, None)?;
     let mut last = Instant::now();
     let mut printed = 0u64;
     let title = title(tracer);
     let mut stdout = io::stdout().lock();
+    // Fitted to the first snapshot, then kept.
+    let mut layout = opts.layout.clone();
     loop {
         let wake = waker.wait().await;
         let finished = match wake {
@@ -58,13 +71,11 @@ pub(super) async fn batch(tracer: &mut Tracer, live: &mut LiveView, opts: &TopOp
             let lost = tracer.probes.counters().map(|c| c.lost_events).unwrap_or(0);
             let snap = live.snapshot(&opts.view, last.elapsed(), lost);
             last = Instant::now();
-            let text = render_batch(
-                &snap,
-                &format!("{title} — snapshot {}", printed + 1),
-                &opts.view,
-                opts.rows,
-                &opts.layout,
-            );
+            if matches!(layout.columns, ColumnChoice::Fit) {
+                layout.columns = ColumnChoice::Listed(fitted_columns(&snap, &opts.view, opts.rows, &layout));
+            }
+            let text =
+                render_batch(&snap, &format!("{title} — snapshot {}", printed + 1), &opts.view, opts.rows, &layout);
             if writeln!(stdout, "{text}").and_then(|()| stdout.flush()).is_err() {
                 return Ok(0); // the reader went away
             }

@@ -315,6 +315,25 @@ fn batch_snapshots_align_columns() {
     assert_eq!(lines[header + 2].find("alloc_pipe_info"), Some(site_col), "{text}");
 }
 
+/// The columns fitted to a batch's first snapshot stay for the later ones, whatever their
+/// figures' widths (a program reading `top -b` met GROWTH, then FRAG in its place).
+#[test]
+fn batch_snapshots_keep_the_first_ones_columns() {
+    let view = state().options;
+    let header = |text: &str| -> Vec<String> {
+        text.lines().find(|l| l.contains("SITE")).unwrap().split_whitespace().map(String::from).collect()
+    };
+    for width in [60, 80, 100] {
+        let fit = Layout { width: Width::Columns(width), columns: ColumnChoice::Fit };
+        let first = snapshot();
+        let kept = crate::top::batch::fitted_columns(&first, &view, 10, &fit);
+        let first_header = header(&render_batch(&first, "t", &view, 10, &fit));
+        let later = Layout { width: Width::Columns(width), columns: ColumnChoice::Listed(kept) };
+        let busy = busy_snapshot();
+        assert_eq!(header(&render_batch(&busy, "t", &view, 10, &later)), first_header, "{width}");
+    }
+}
+
 #[test]
 fn batch_snapshots_fit_the_width() {
     let snap = busy_snapshot();
