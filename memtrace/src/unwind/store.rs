@@ -628,7 +628,7 @@ impl TableStore {
                     self.warned_cap = true;
                     eprintln!(
                         "memtrace: warning: unwind tables reached {}: {} and later files are walked by frame pointers only (stacks through them are cut short where they keep none)",
-                        crate::units::bytes(self.max_bytes as u64),
+                        crate::units::bytes(self.max_bytes),
                         path.display()
                     );
                 }
