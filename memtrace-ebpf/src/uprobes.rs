@@ -124,11 +124,13 @@ pub(crate) fn try_alloc_enter(ctx: &ProbeContext, cookie: u64, session: bool) ->
         Some(Kind::Mmap) => (arg(1), 0, 0),
         _ => return Err(()),
     };
-    // A file's mapping (no MAP_ANONYMOUS) is a view of the file, not memory allocated: not
-    // recorded (a 103-byte file mapped read-only showed as a page allocated, 97 % wasted);
-    // its munmap frees nothing recorded and is ignored.
+    // A read-only mapping of a file (no MAP_ANONYMOUS, no PROT_WRITE) is a view of the file
+    // in the page cache, not memory allocated: not recorded (a 103-byte file mapped showed
+    // as a page allocated, 97 % wasted); its munmap frees nothing recorded and is ignored.
+    // Writable ones stay: shared memory (memfd, /dev/shm) and private copies written to.
     const MAP_ANONYMOUS: u64 = 0x20;
-    if kind == Kind::Mmap as u8 && arg(3) & MAP_ANONYMOUS == 0 {
+    const PROT_WRITE: u64 = 0x2;
+    if kind == Kind::Mmap as u8 && arg(3) & MAP_ANONYMOUS == 0 && arg(2) & PROT_WRITE == 0 {
         return Ok(false);
     }
     let reallocating = matches!(Kind::from_u8(kind), Some(Kind::Realloc | Kind::ReallocArray | Kind::Rallocx));

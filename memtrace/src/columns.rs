@@ -164,7 +164,14 @@ impl TextTable {
     /// The table as lines (no trailing spaces), header first.
     /// The columns that fit `width` (indices, in order).
     pub fn kept(&self, width: Width) -> Vec<usize> {
-        let widths: Vec<usize> = self.columns.iter().map(TextColumn::width).collect();
+        self.kept_at_least(width, &[])
+    }
+
+    /// [`Self::kept`], each column counted at least `floors[i]` wide (the width its figures
+    /// may need later).
+    pub fn kept_at_least(&self, width: Width, floors: &[usize]) -> Vec<usize> {
+        let widths: Vec<usize> =
+            self.columns.iter().enumerate().map(|(i, c)| c.width().max(floors.get(i).copied().unwrap_or(0))).collect();
         let names_width = self
             .names
             .as_ref()

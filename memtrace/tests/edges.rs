@@ -566,8 +566,8 @@ int main(void) {
     assert_eq!(report["totals"]["user"]["unmatched_frees"], 0, "{:#}", report["totals"]);
 }
 
-/// A file mapped (no MAP_ANONYMOUS) is a view of the file, not memory allocated: neither
-/// its mmap nor its munmap is counted; anonymous mappings are.
+/// A file mapped read-only is a view of the file, not memory allocated: neither its mmap
+/// nor its munmap is counted; anonymous mappings and writable shared memory are.
 #[test]
 fn file_mappings_are_not_allocations() {
     require_root();
@@ -577,6 +577,7 @@ fn file_mappings_are_not_allocations() {
         &dir,
         "views",
         r#"
+#define _GNU_SOURCE
 #include <fcntl.h>
 #include <sys/mman.h>
 #include <unistd.h>
@@ -584,13 +585,19 @@ static char *map_file(int fd, int flags) { return mmap(0, 103, PROT_READ, flags,
 static char *map_anon(long len) {
     return mmap(0, len, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
 }
+static char *map_shared(int fd) { return mmap(0, 8192, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0); }
 int main(int argc, char **argv) {
     int fd = open(argv[0], O_RDONLY);
     char *a = map_file(fd, MAP_PRIVATE), *b = map_file(fd, MAP_SHARED), *c = map_file(fd, MAP_PRIVATE);
     char *d = map_anon(1 << 16);
+    int shm = memfd_create("buffer", 0);
+    ftruncate(shm, 8192);
+    char *e = map_shared(shm);
+    e[0] = 1;
     munmap(a, 103);
     munmap(b, 103);
     munmap(d, 1 << 16);
+    munmap(e, 8192);
     close(fd);
     return c == MAP_FAILED;
 }
@@ -602,6 +609,8 @@ int main(int argc, char **argv) {
     assert!(site(&report, "map_file").is_none(), "{report:#}");
     let anon = site(&report, "map_anon").unwrap_or_else(|| panic!("{report:#}"));
     assert_eq!((&anon["allocs"], &anon["frees"], &anon["bytes_req"]), (&1.into(), &1.into(), &65536.into()));
+    let shared = site(&report, "map_shared").unwrap_or_else(|| panic!("{report:#}"));
+    assert_eq!((&shared["allocs"], &shared["frees"], &shared["bytes_req"]), (&1.into(), &1.into(), &8192.into()));
     let all = report_json(&data, &[]);
     assert_eq!(all["totals"]["user"]["unmatched_frees"], 0, "{:#}", all["totals"]);
 }

@@ -36,7 +36,9 @@ fn argument_registers(kind: Kind) -> &'static [Register] {
         }
         Kind::ReallocArray => &[Register::RDI, Register::RSI, Register::RDX],
         Kind::PosixMemalign => &[Register::RDI, Register::RDX],
-        Kind::AlignedAlloc | Kind::Memalign | Kind::Mmap => &[Register::RSI],
+        Kind::AlignedAlloc | Kind::Memalign => &[Register::RSI],
+        // Length, protection, flags (the probe tells a file's mapping by them).
+        Kind::Mmap => &[Register::RSI, Register::RDX, Register::RCX],
         _ => &[Register::RDI, Register::RSI, Register::RDX],
     }
 }

@@ -33,7 +33,15 @@ pub struct Reader<R: Read> {
     offset: u64,
     version: u16,
     pub meta: Meta,
+    /// Chunks skipped for failing their checksum.
+    damaged: u32,
+    /// The last chunk read failed its checksum: the next header must look like one (the
+    /// damage may have been in the length, which led here).
+    after_damage: bool,
 }
+
+/// Damaged chunks skipped at most before the file is taken as unreadable past there.
+const MAX_DAMAGED: u32 = 64;
 
 /// Reads until `buf` is full; returns how many bytes were read (short only at EOF).
 fn read_full(input: &mut impl Read, buf: &mut [u8]) -> io::Result<usize> {
@@ -97,7 +105,8 @@ impl<R: Read> Reader<R> {
         if header[11] != 8 {
             return Err(FormatError::Corrupt { offset: 11, reason: format!("pointer size {}", header[11]) });
         }
-        let mut reader = Self { input, offset: HEADER_LEN as u64, version, meta: Meta::default() };
+        let mut reader =
+            Self { input, offset: HEADER_LEN as u64, version, meta: Meta::default(), damaged: 0, after_damage: false };
         if version > VERSION {
             // The header has no checksum: a version byte damaged reads as "newer". The
             // metadata chunk (checksummed) says which memtrace wrote the file.
@@ -151,6 +160,12 @@ impl<R: Read> Reader<R> {
             if len > MAX_CHUNK {
                 return Err(FormatError::Corrupt { offset: start, reason: format!("chunk of {len} bytes") });
             }
+            if self.after_damage && ChunkKind::from_u8(head[0] & !COMPRESSED).is_none() {
+                return Err(FormatError::Corrupt {
+                    offset: start,
+                    reason: "no chunk starts after the damaged one (its length may be what was damaged)".into(),
+                });
+            }
             let mut payload = vec![0u8; len as usize];
             let got = read_full(&mut self.input, &mut payload)?;
             if got < payload.len() {
@@ -158,8 +173,17 @@ impl<R: Read> Reader<R> {
             }
             self.offset = start + 9 + u64::from(len);
             if crc32fast::hash(&payload) != crc {
+                self.damaged += 1;
+                if self.damaged > MAX_DAMAGED {
+                    return Err(FormatError::Corrupt {
+                        offset: start,
+                        reason: format!("more than {MAX_DAMAGED} chunks fail their checksum"),
+                    });
+                }
+                self.after_damage = true;
                 return Err(FormatError::Damaged { offset: start, len });
             }
+            self.after_damage = false;
             match ChunkKind::from_u8(head[0] & !COMPRESSED) {
                 Some(kind) if head[0] & COMPRESSED != 0 => {
                     return Ok(Some((kind, inflate(&payload, start)?, start + 9)));

@@ -150,6 +150,13 @@ fn the_chunks_after_a_damaged_one_are_read() {
     assert!(rec.finalized, "read to its end");
     assert!(!rec.events.is_empty() && rec.events.len() < events.len(), "{} of {}", rec.events.len(), events.len());
     assert_eq!(rec.events[..], whole.events[whole.events.len() - rec.events.len()..]);
+    // Damage in the chunk's length: what it leads to is no chunk header, and the reading
+    // stops there rather than skipping through the data.
+    let mut damaged = bytes.clone();
+    damaged[first + 1] ^= 0x01;
+    let rec = read_all(&damaged[..]).unwrap();
+    assert!(rec.warnings.len() <= 2, "{:?}", rec.warnings);
+    assert!(!rec.finalized);
 }
 
 #[test]

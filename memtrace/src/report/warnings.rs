@@ -65,6 +65,8 @@ fn tally(path: &Path, len: u64, stats: &Stats) -> anyhow::Result<Vec<String>> {
         let chunk = match reader.next_chunk_without_frames() {
             Ok(Some(chunk)) => chunk,
             Ok(None) => break,
+            // Skipped, as the report skips it.
+            Err(recording::FormatError::Damaged { .. }) => continue,
             Err(_) => {
                 damaged_at = Some(at);
                 break;

@@ -151,9 +151,9 @@ async fn connection(
     let service = service_fn(move |req| {
         let ctx = Arc::clone(&service_ctx);
         async move {
-            let response = respond(req, &ctx).await;
+            let (response, slot) = respond(req, &ctx).await;
             ctx.shared.count_response(response.status().as_u16());
-            Ok::<_, Infallible>(response)
+            Ok::<_, Infallible>(response.map(|body| SlotBody { body, _slot: slot }))
         }
     });
     let mut builder = http1::Builder::new();
@@ -215,6 +215,34 @@ async fn busy(stream: tokio::net::TcpStream) {
 
 type Reply = Response<Full<Bytes>>;
 
+/// An answer's body, holding the request's slot until it is written (or the connection
+/// ends): a client that reads slowly holds one slot, so at most `--max-connections` built
+/// answers wait in memory.
+struct SlotBody {
+    body: Full<Bytes>,
+    _slot: Option<tokio::sync::OwnedSemaphorePermit>,
+}
+
+impl hyper::body::Body for SlotBody {
+    type Data = Bytes;
+    type Error = Infallible;
+
+    fn poll_frame(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<hyper::body::Frame<Bytes>, Infallible>>> {
+        std::pin::Pin::new(&mut self.body).poll_frame(cx)
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.body.is_end_stream()
+    }
+
+    fn size_hint(&self) -> hyper::body::SizeHint {
+        self.body.size_hint()
+    }
+}
+
 /// A one-line text answer (errors, as net/http/pprof writes them).
 fn text(status: StatusCode, line: &str) -> Reply {
     let mut r = Response::new(Full::new(Bytes::from(format!("{line}\n"))));
@@ -248,34 +276,48 @@ fn authorized(req: &Request<Incoming>, token: &str) -> bool {
 
 const INDEX: &str = "memtrace serve\n\n/metrics              Prometheus exposition (OpenMetrics when asked)\n/debug/pprof/heap     live memory, Go's heap profile (?seconds=N for a delta, ?pid=, ?domain=user|kernel)\n/debug/pprof/allocs   the same, allocations first\n/healthz              ok while serving\n";
 
-async fn respond(req: Request<Incoming>, ctx: &Context) -> Reply {
-    if req.method() != Method::GET && req.method() != Method::HEAD {
-        let mut r = text(StatusCode::METHOD_NOT_ALLOWED, &format!("method {} not allowed: GET or HEAD", req.method()));
-        r.headers_mut().insert(header::ALLOW, HeaderValue::from_static("GET, HEAD"));
-        return r;
+/// The answer to one request, and the slot it was built in (none for the health check and
+/// refusals).
+async fn respond(req: Request<Incoming>, ctx: &Context) -> (Reply, Option<tokio::sync::OwnedSemaphorePermit>) {
+    if let Some(r) = without_slot(&req, ctx) {
+        return (r, None);
     }
-    let path = req.uri().path().to_string();
-    let query = req.uri().query().unwrap_or("").to_string();
-    if path == "/healthz" {
-        return text(StatusCode::OK, "ok");
-    }
-    if let Some(token) = &ctx.config.auth_token
-        && !authorized(&req, token)
-    {
-        let mut r =
-            text(StatusCode::UNAUTHORIZED, "unauthorized: send Authorization: Bearer <the token of --auth-token-file>");
-        r.headers_mut().insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer realm=\"memtrace\""));
-        return r;
-    }
-    // A slot for the answer; the health check and refusals above take none.
-    let Ok(Ok(_slot)) = tokio::time::timeout(SLOT_WAIT, Arc::clone(&ctx.slots).acquire_owned()).await else {
+    let Ok(Ok(slot)) = tokio::time::timeout(SLOT_WAIT, Arc::clone(&ctx.slots).acquire_owned()).await else {
         let mut r = text(
             StatusCode::SERVICE_UNAVAILABLE,
             "memtrace: too many requests at once (--max-connections); retry later",
         );
         r.headers_mut().insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
-        return r;
+        return (r, None);
     };
+    (answer(req, ctx).await, Some(slot))
+}
+
+/// The answers that take no slot: a method not served, the health check, a missing token.
+fn without_slot(req: &Request<Incoming>, ctx: &Context) -> Option<Reply> {
+    if req.method() != Method::GET && req.method() != Method::HEAD {
+        let mut r = text(StatusCode::METHOD_NOT_ALLOWED, &format!("method {} not allowed: GET or HEAD", req.method()));
+        r.headers_mut().insert(header::ALLOW, HeaderValue::from_static("GET, HEAD"));
+        return Some(r);
+    }
+    if req.uri().path() == "/healthz" {
+        return Some(text(StatusCode::OK, "ok"));
+    }
+    if let Some(token) = &ctx.config.auth_token
+        && !authorized(req, token)
+    {
+        let mut r =
+            text(StatusCode::UNAUTHORIZED, "unauthorized: send Authorization: Bearer <the token of --auth-token-file>");
+        r.headers_mut().insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer realm=\"memtrace\""));
+        return Some(r);
+    }
+    None
+}
+
+/// The answer to a request past [`without_slot`].
+async fn answer(req: Request<Incoming>, ctx: &Context) -> Reply {
+    let path = req.uri().path().to_string();
+    let query = req.uri().query().unwrap_or("").to_string();
     match path.as_str() {
         "/metrics" => {
             if !query.is_empty() {
@@ -339,8 +381,12 @@ async fn profile(ctx: &Context, kind: ProfileKind, query: &str) -> Reply {
                 Ok(b) => b,
                 Err(r) => return r,
             };
-            // A pid not traced is told now, not after the wait.
-            if let Some(pid) = q.pids.iter().find(|&&pid| !base.processes.iter().any(|p| p.pid == pid)) {
+            // A pid that is no process is told now, not after the wait (one that runs may
+            // meet the model with its first event during the wait).
+            let unknown = |pid: u32| {
+                !base.processes.iter().any(|p| p.pid == pid) && !std::path::Path::new(&format!("/proc/{pid}")).exists()
+            };
+            if let Some(pid) = q.pids.iter().copied().find(|&pid| unknown(pid)) {
                 return text(StatusCode::BAD_REQUEST, &format!("pid {pid} is not traced (or exited and was dropped)"));
             }
             let mut stop = ctx.stop.clone();

@@ -431,8 +431,15 @@ impl Model {
         self.next_instance = self.next_instance.wrapping_add(1).max(1);
         let (comm, cgroup) = if pid == 0 {
             ("[kernel]".to_string(), self.cgroups.intern(""))
-        } else if let Some((comm, cgroup)) = self.told.remove(&pid) {
-            (comm, cgroup.unwrap_or_else(|| self.cgroups.of_process(pid)))
+        } else if let Some((comm, told)) = self.told.remove(&pid) {
+            // The cgroup from /proc while it can be read (a runtime moves its child into the
+            // container's cgroup between fork and exec); the parent's once the process is gone.
+            let now = self.cgroups.of_process(pid);
+            let cgroup = match told {
+                Some(told) if now.path.is_empty() => told,
+                _ => now,
+            };
+            (comm, cgroup)
         } else {
             (crate::procfs::comm(pid, pid).unwrap_or_else(|| format!("pid {pid}")), self.cgroups.of_process(pid))
         };
@@ -582,7 +589,10 @@ impl Model {
             // A new address space: the old program's blocks are gone with it.
             TaskEvent::Exec => {
                 self.maps_from_fork.remove(&t.pid);
-                let cgroup = self.current_process(t.pid).map(|p| Arc::clone(&p.cgroup));
+                let cgroup = self
+                    .current_process(t.pid)
+                    .map(|p| Arc::clone(&p.cgroup))
+                    .or_else(|| self.told.get(&t.pid).and_then(|(_, c)| c.clone()));
                 self.end(t.pid);
                 self.tell(t.pid, t.comm.clone(), cgroup);
             }

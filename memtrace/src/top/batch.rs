@@ -33,8 +33,10 @@ pub fn render_batch(s: &Snapshot, title: &str, view: &ViewOptions, rows: usize, 
 pub fn fitted_columns(s: &Snapshot, view: &ViewOptions, rows: usize, layout: &Layout<Column>) -> Vec<Column> {
     let shown = &s.rows[..rows.min(s.rows.len())];
     let candidates = layout.candidates(&Column::DISPLAY);
-    // Column 0 of the table is the domain's.
-    let kept = text_table(shown, view.by, view.sort, layout).kept(layout.width);
+    // Column 0 of the table is the domain's. Each counts as wide as its figures may grow
+    // (the full-screen view's widths): a first snapshot of small figures kept them all.
+    let floors: Vec<usize> = std::iter::once(0).chain(candidates.iter().map(|c| c.min_width())).collect();
+    let kept = text_table(shown, view.by, view.sort, layout).kept_at_least(layout.width, &floors);
     kept.into_iter().filter_map(|i| i.checked_sub(1).map(|c| candidates[c])).collect()
 }
 
