@@ -312,13 +312,14 @@ fn pprof_locations_keep_frames_of_one_address_apart() {
     for (i, frames) in stacks.iter().enumerate() {
         builder.add_sample(frames, &[i as i64 + 1], &[("pid", LabelValue::Num(1))]);
     }
-    let raw = builder.finish(&ProfileHeader {
+    const HEADER: ProfileHeader<'static> = ProfileHeader {
         time_nanos: 1,
         duration_nanos: 1,
         period_type: ("space", "bytes"),
         period: 1,
         default_sample_type: None,
-    });
+    };
+    let raw = builder.finish(&HEADER);
     let p = Profile::decode(&raw[..]).unwrap();
     let s = |i: i64| p.string_table[i as usize].as_str();
     let function_name = |id: u64| s(p.function.iter().find(|f| f.id == id).unwrap().name);
@@ -352,12 +353,6 @@ fn pprof_locations_keep_frames_of_one_address_apart() {
     for frames in stacks.iter().chain(stacks.iter()) {
         again.add_sample(frames, &[1], &[]);
     }
-    let raw = again.finish(&ProfileHeader {
-        time_nanos: 1,
-        duration_nanos: 1,
-        period_type: ("space", "bytes"),
-        period: 1,
-        default_sample_type: None,
-    });
+    let raw = again.finish(&HEADER);
     assert_eq!(Profile::decode(&raw[..]).unwrap().location.len(), 8);
 }
