@@ -294,15 +294,19 @@ impl GroupKey {
     }
 }
 
-/// The frame a row is named after: the first user frame of user allocations (a user stack
-/// may start with the kernel frames of a system call), the first frame of kernel ones.
+/// The frame a row is named after: the first user frame of user allocations that is not
+/// an allocation wrapper's ([`crate::wrappers`]; the first user frame if all are), as a user
+/// stack may start with the kernel frames of a system call and with `alloc::alloc::alloc`
+/// or `xmalloc`; the first frame of kernel ones.
 pub fn first_frame(domain: Domain, frames: &[Frame]) -> Option<&Frame> {
     frames.get(first_frame_index(domain, frames)?)
 }
 
 fn first_frame_index(domain: Domain, frames: &[Frame]) -> Option<usize> {
     match domain {
-        Domain::User | Domain::Reserved | Domain::Gpu | Domain::GpuAddress => frames.iter().position(|f| !f.kernel),
+        Domain::User | Domain::Reserved | Domain::Gpu | Domain::GpuAddress => {
+            frames.iter().position(|f| !f.kernel && !f.wrapper).or_else(|| frames.iter().position(|f| !f.kernel))
+        }
         Domain::Kernel => (!frames.is_empty()).then_some(0),
     }
 }
@@ -424,6 +428,7 @@ mod tests {
             inlined: false,
             python: false,
             unknown: false,
+            wrapper: false,
         }
     }
 

@@ -45,3 +45,4 @@ pub mod symbolize;
 pub mod top;
 pub mod units;
 pub mod unwind;
+pub mod wrappers;

@@ -168,6 +168,8 @@ struct TopArgs {
     /// frames only).
     #[arg(long, value_enum, default_value_t)]
     python_frames: PythonFrames,
+    #[command(flatten)]
+    sites: memtrace::wrappers::AllocFnArgs,
     /// The command to run and watch, with its arguments (`--` before it is optional).
     #[arg(trailing_var_arg = true, value_name = "CMD")]
     command: Vec<OsString>,
@@ -202,6 +204,7 @@ fn top(args: TopArgs) -> Result<i32> {
         rows: args.rows,
         view: ViewOptions { by: args.by, domain: args.domain, sort: args.sort, filter: args.filter },
         layout: Layout::from_flags(args.wide, args.fields),
+        alloc_fns: args.sites.alloc_fns(),
     })
 }
 
@@ -331,6 +334,8 @@ struct DiffArgs {
     /// With -o: replace the file even if it is not an earlier memtrace report.
     #[arg(long, requires = "output")]
     force: bool,
+    #[command(flatten)]
+    sites: memtrace::wrappers::AllocFnArgs,
 }
 
 fn diff(args: DiffArgs) -> Result<i32> {
@@ -342,6 +347,7 @@ fn diff(args: DiffArgs) -> Result<i32> {
         sort: args.sort,
         top: args.top,
         width: Layout::<ReportColumn>::from_flags(args.wide, Vec::new()).width,
+        alloc_fns: args.sites.alloc_fns(),
     };
     let d = report::diff::diff(&args.old, &args.new, &opts)?;
     let text = match opts.format {
@@ -583,6 +589,8 @@ struct ReportArgs {
     /// With -o: replace the file even if it is not an earlier memtrace report.
     #[arg(long, requires = "output")]
     force: bool,
+    #[command(flatten)]
+    sites: memtrace::wrappers::AllocFnArgs,
 }
 
 /// Per-CPU ring size: 32 MiB shared among the CPUs, between 4 and 16 MiB each.
@@ -657,6 +665,7 @@ fn report(args: ReportArgs) -> Result<i32> {
         layout: Layout::from_flags(args.wide, args.fields),
         timeline: args.timeline || args.format == Format::Html,
         histogram: args.histogram,
+        alloc_fns: args.sites.alloc_fns(),
     };
     let text = match opts.format {
         Format::Html => report::html::render_html(&args.input, &opts)?,

@@ -36,6 +36,9 @@ pub struct Frame {
     pub inlined: bool,
     /// No symbol was found: `function` is `module+0xoffset` or an address.
     pub unknown: bool,
+    /// An allocation wrapper's ([`crate::wrappers`]): a site is named after the first
+    /// user frame that is not one.
+    pub wrapper: bool,
 }
 
 impl fmt::Display for Frame {
@@ -68,7 +71,7 @@ impl Frame {
 impl Serialize for Frame {
     fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
         use serde::ser::SerializeStruct as _;
-        let mut st = s.serialize_struct("Frame", 9)?;
+        let mut st = s.serialize_struct("Frame", 10)?;
         st.serialize_field("function", &self.function)?;
         if let Some(file) = &self.file {
             st.serialize_field("file", file)?;
@@ -82,6 +85,7 @@ impl Serialize for Frame {
         st.serialize_field("kernel", &self.kernel)?;
         st.serialize_field("inlined", &self.inlined)?;
         st.serialize_field("unknown", &self.unknown)?;
+        st.serialize_field("wrapper", &self.wrapper)?;
         st.end()
     }
 }
@@ -99,7 +103,12 @@ pub struct StackTable {
     cache: HashMap<(u64, u64), Vec<Frame>>,
     /// The allocator's object, whose own mmaps are reserved memory ([`Self::set_allocator`]).
     allocator: Option<String>,
+    /// The allocation wrappers a site is named past ([`Self::set_alloc_fns`]).
+    alloc_fns: crate::wrappers::AllocFns,
 }
+
+/// Most user addresses of allocation wrappers a site is named past.
+const MAX_WRAPPER_ADDRESSES: usize = 32;
 
 /// Functions of the page allocator: a page allocation's site is the first frame outside
 /// them, as a user allocation's is the caller of malloc.
@@ -197,7 +206,14 @@ impl StackTable {
         symbols: impl IntoIterator<Item = (SymbolKey, Vec<Symbol>)>,
     ) -> Self {
         store.settle();
-        Self { stacks: store, modules, symbols: symbols.into_iter().collect(), cache: HashMap::new(), allocator: None }
+        Self {
+            stacks: store,
+            modules,
+            symbols: symbols.into_iter().collect(),
+            cache: HashMap::new(),
+            allocator: None,
+            alloc_fns: Default::default(),
+        }
     }
 
     /// Adds (or replaces) a stack.
@@ -244,6 +260,29 @@ impl StackTable {
     /// mmaps it makes for itself ([`Self::is_reserved_mmap`]).
     pub fn set_allocator(&mut self, object: Option<&str>) {
         self.allocator = object.map(module_name);
+    }
+
+    /// The allocation wrappers sites are named past (`--alloc-fn`; the built-in ones by
+    /// default).
+    pub fn set_alloc_fns(&mut self, fns: crate::wrappers::AllocFns) {
+        if fns != self.alloc_fns {
+            self.alloc_fns = fns;
+            self.cache.clear();
+        }
+    }
+
+    /// Whether every frame at this user address (its inline chain) is an allocation
+    /// wrapper's: a site is named past it.
+    fn is_wrapper_address(&self, frame: FileFrame) -> bool {
+        self.symbols
+            .get(&SymbolKey::User(frame))
+            .is_some_and(|chain| !chain.is_empty() && chain.iter().all(|s| self.alloc_fns.matches(&s.name)))
+    }
+
+    /// How many of a stack's first user addresses are allocation wrappers' alone (at most
+    /// [`MAX_WRAPPER_ADDRESSES`]): the names of a prefix start after them.
+    fn wrapper_addresses(&self, s: &StackRef<'_>) -> usize {
+        s.user().take(MAX_WRAPPER_ADDRESSES).take_while(|&f| self.is_wrapper_address(f)).count()
     }
 
     /// Whether an mmap with this stack is memory the C library or allocator reserved for
@@ -375,6 +414,7 @@ impl StackTable {
                 python: true,
                 inlined: false,
                 unknown: false,
+                wrapper: false,
             }];
         }
         let (kernel, address, module) = match key {
@@ -403,6 +443,7 @@ impl StackTable {
                     python: false,
                     inlined: s.inlined,
                     unknown: false,
+                    wrapper: !kernel && self.alloc_fns.matches(&s.name),
                 })
                 .collect(),
             _ => vec![Frame {
@@ -421,6 +462,7 @@ impl StackTable {
                 python: false,
                 inlined: false,
                 unknown: true,
+                wrapper: false,
             }],
         }
     }
@@ -480,7 +522,7 @@ impl StackTable {
             key.extend(s.kernel());
             key.push(0);
         }
-        for frame in s.user().take(user) {
+        for frame in s.user().take(user.saturating_add(self.wrapper_addresses(&s))) {
             match frame {
                 FileFrame::Module { module, offset } => key.extend([u64::from(module) | 1 << 63, offset]),
                 FileFrame::Address(a) => key.extend([1 << 62, a]),
@@ -524,7 +566,10 @@ impl StackTable {
                     }
                 }
                 out.extend(named.into_iter().flatten());
-                for frame in s.user().take(user) {
+                // `user` addresses past the allocation wrappers' (a site is named past
+                // them, and its label shows the frames that follow).
+                let wrappers = if user == usize::MAX { 0 } else { self.wrapper_addresses(&s) };
+                for frame in s.user().take(user.saturating_add(wrappers)) {
                     out.extend(self.name(SymbolKey::User(frame)));
                 }
             }
@@ -670,6 +715,72 @@ mod tests {
         // The Python frame is found without naming the native frames below it.
         let f = t.key_frame(1, 0, Domain::User, true).unwrap();
         assert!(f.python, "{f:?}");
+    }
+
+    /// A Rust allocation: two addresses of the standard library's plumbing (the second with
+    /// a user function inlined around it), then the user's callers. The site is the first
+    /// frame past the wrappers; prefixes name that many addresses past them; `none` names
+    /// the allocator's caller.
+    #[test]
+    fn a_site_is_named_past_the_allocation_wrappers() {
+        let at = |offset| FileFrame::Module { module: 0, offset };
+        let sym = |name: &str, inlined| Symbol { name: name.into(), file: None, line: 0, inlined };
+        let stack = |id, user: Vec<FileFrame>| FileStack { id, pid: 1, kernel: vec![], user, truncated: false };
+        let mut modules = BTreeMap::new();
+        modules.insert(0, Module { id: 0, build_id: vec![], path: "/usr/bin/prog".into() });
+        let symbols = vec![
+            (
+                SymbolKey::User(at(0x10)),
+                vec![sym("alloc::alloc::alloc", true), sym("alloc::raw_vec::finish_grow", false)],
+            ),
+            (
+                SymbolKey::User(at(0x20)),
+                vec![sym("alloc::raw_vec::RawVec<T>::grow_one", true), sym("prog::load", false)],
+            ),
+            (SymbolKey::User(at(0x30)), vec![sym("prog::main", false)]),
+            (SymbolKey::User(at(0x40)), vec![sym("main", false)]),
+            (SymbolKey::User(at(0x50)), vec![sym("prog::save", false)]),
+        ];
+        let stacks = [
+            (0, stack(0, vec![at(0x10), at(0x20), at(0x30), at(0x40)])),
+            (1, stack(1, vec![at(0x10), at(0x50), at(0x30), at(0x40)])),
+            (2, stack(2, vec![at(0x10)])),
+        ];
+        let mut t = StackTable::new(stacks, modules, symbols);
+        let key = |t: &StackTable, stack| t.key_frame(stack, 0, Domain::User, false).map(|f| f.function);
+        assert_eq!(key(&t, 1).as_deref(), Some("prog::load"));
+        assert_eq!(key(&t, 2).as_deref(), Some("prog::save"));
+        // All wrappers: the first frame.
+        assert_eq!(key(&t, 3).as_deref(), Some("alloc::alloc::alloc"));
+        let names = |frames: Vec<Frame>| frames.into_iter().map(|f| (f.function, f.wrapper)).collect::<Vec<_>>();
+        assert_eq!(
+            names(t.frames_prefix(1, 0, 2)),
+            [
+                ("alloc::alloc::alloc".to_string(), true),
+                ("alloc::raw_vec::finish_grow".to_string(), true),
+                ("alloc::raw_vec::RawVec<T>::grow_one".to_string(), true),
+                ("prog::load".to_string(), false),
+                ("prog::main".to_string(), false),
+            ]
+        );
+        let whole = t.frames(1, 0);
+        let label = crate::grouping::label(
+            &crate::grouping::GroupKey::Site(Domain::User, "prog".into(), 0x20),
+            &whole,
+            &HashMap::new(),
+        );
+        assert_eq!(label, "prog::load ← prog::main ← main");
+        // Two stacks part at their first address past the wrappers: their label keys differ
+        // there, and include the wrapper's address.
+        assert_eq!(t.prefix_key(1, 0, 1, false), [1 << 63, 0x10, 1 << 63, 0x20]);
+        assert_ne!(t.prefix_key(1, 0, 1, false), t.prefix_key(2, 0, 1, false));
+
+        t.set_alloc_fns(crate::wrappers::AllocFns::none());
+        assert_eq!(key(&t, 1).as_deref(), Some("alloc::alloc::alloc"));
+        assert!(t.frames(1, 0).iter().all(|f| !f.wrapper));
+        assert_eq!(t.prefix_key(1, 0, 1, false), [1 << 63, 0x10]);
+        t.set_alloc_fns(crate::wrappers::AllocFns::from_args(&["prog::load".into()]));
+        assert_eq!(key(&t, 1).as_deref(), Some("prog::main"));
     }
 
     #[test]

@@ -127,6 +127,49 @@ fn cxx_new_and_delete_are_counted_once_under_every_allocator() {
     }
 }
 
+/// The label of the site row whose label starts with `function`, with its counts.
+fn row_named<'a>(report: &'a Value, function: &str) -> Vec<&'a Value> {
+    report["sites"].as_array().unwrap().iter().filter(|s| s["site"].as_str().unwrap().starts_with(function)).collect()
+}
+
+/// C++ allocations reach malloc through `operator new` and, for a container, the standard
+/// library's growth code: each row is named after the program's function that allocated,
+/// not one `operator new ← [3 callers]` row for all of them.
+#[test]
+fn cxx_sites_are_named_past_operator_new_and_the_standard_library() {
+    require_root();
+    let dir = scratch("cxx-sites");
+    let data = dir.join("rec.data");
+    let program = workload().with_file_name("new_workload");
+    run(memtrace()
+        .args(["record", "-q", "--no-kernel", "-o"])
+        .arg(&data)
+        .arg("--")
+        .arg(&program)
+        .args(["100", "vector"]));
+    let report = report_json(&data, &["--domain", "user"]);
+    // A vector of 1000 ints grows 11 times: capacities 1, 2, 4, ... 1024.
+    let vector = row_named(&report, "wl_fill_vector (new_workload.cpp:");
+    assert_eq!(vector.len(), 1, "{report:#}");
+    assert_eq!((vector[0]["allocs"].as_u64(), vector[0]["bytes_req"].as_u64()), (Some(11), Some(4 * 2047)));
+    // Its stack still holds what it went through, marked.
+    let frames = vector[0]["frames"].as_array().unwrap();
+    let first = frames.iter().position(|f| f["function"].as_str().unwrap().starts_with("wl_fill_vector")).unwrap();
+    assert!(first > 0 && frames[..first].iter().all(|f| f["wrapper"] == true), "{frames:#?}");
+    assert!(frames[0]["function"].as_str().unwrap().starts_with("operator new"), "{frames:#?}");
+    for (function, allocs) in [("wl_new_node", 100), ("wl_new_array", 20), ("wl_new_aligned", 10)] {
+        let rows = row_named(&report, &format!("{function} (new_workload.cpp:"));
+        assert_eq!(rows.len(), 1, "{function}: {report:#}");
+        assert_eq!(rows[0]["allocs"], allocs, "{function}");
+    }
+
+    // `--alloc-fn none`: the allocator's direct caller, as before.
+    let direct = report_json(&data, &["--domain", "user", "--alloc-fn", "none"]);
+    assert!(row_named(&direct, "wl_fill_vector").is_empty(), "{direct:#}");
+    let new_rows = row_named(&direct, "operator new(unsigned long) ");
+    assert_eq!(new_rows.iter().map(|r| r["allocs"].as_u64().unwrap()).sum::<u64>(), 11 + 100 + 20, "{direct:#}");
+}
+
 #[test]
 fn a_prefixed_jemalloc_in_a_library_is_found_without_flags() {
     require_root();
@@ -214,6 +257,17 @@ fn a_mimalloc_linked_into_a_rust_program_is_found_and_counted() {
         .filter_map(|f| f["function"].as_str())
         .collect();
     assert!(functions.iter().any(|f| f.starts_with("memtrace::report")), "{functions:#?}");
+
+    // By call site, its rows are named after memtrace's code, past the Rust standard
+    // library's allocation plumbing (`alloc::alloc::alloc`, `RawVec::grow_one`, ...).
+    let by_site = report_json(&outer, &["--domain", "user"]);
+    let labels: Vec<&str> = by_site["sites"].as_array().unwrap().iter().map(|s| s["site"].as_str().unwrap()).collect();
+    let plumbing = |l: &&str| ["alloc::", "<alloc::", "hashbrown::", "__rust_"].iter().any(|p| l.starts_with(p));
+    assert!(!labels.iter().any(plumbing), "{labels:#?}");
+    assert!(labels.iter().any(|l| l.starts_with("memtrace::report")), "{labels:#?}");
+    let direct = report_json(&outer, &["--domain", "user", "--alloc-fn", "none"]);
+    let labels: Vec<&str> = direct["sites"].as_array().unwrap().iter().map(|s| s["site"].as_str().unwrap()).collect();
+    assert!(labels.iter().any(plumbing), "{labels:#?}");
 }
 
 #[test]

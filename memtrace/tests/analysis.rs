@@ -340,4 +340,23 @@ fn a_wrapper_called_from_two_places_names_neither_caller_for_both() {
     let out = run(memtrace().args(["report", "--domain", "user", "--wide", "-i"]).arg(&data));
     let text = String::from_utf8(out.stdout).unwrap();
     assert!(text.contains(") ← [2 callers]\n"), "{text}");
+    // Told that wl_xmalloc is an allocation wrapper (as valgrind's --alloc-fn), `report`
+    // names a row per caller; the stack keeps the wrapper's frame, marked.
+    let told = report_json(&data, &["--domain", "user", "--alloc-fn", "wl_xmalloc"]);
+    let mut rows: Vec<(String, u64, bool)> = told["sites"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|s| s["frames"][0]["function"] == "wl_xmalloc")
+        .map(|s| {
+            let label = s["site"].as_str().unwrap();
+            (
+                label.split(' ').next().unwrap().to_string(),
+                s["allocs"].as_u64().unwrap(),
+                s["frames"][0]["wrapper"] == true,
+            )
+        })
+        .collect();
+    rows.sort();
+    assert_eq!(rows, [("wl_wrapped_a".to_string(), rounds, true), ("wl_wrapped_b".to_string(), rounds, true)]);
 }

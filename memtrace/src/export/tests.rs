@@ -23,7 +23,7 @@ fn folded_stacks_start_at_the_process() {
         ("app;main;build_index;grow", 50_000),
         ("app;main;do_pipe2_[k];create_pipe_files_[k];alloc_pipe_info_[k]", 50 * 192),
         ("app;main;handle_connection;serve;parse_request", 10_000),
-        ("app;main;std::collections::hash::map::HashMap<K,V,S>::insert", 5 << 20),
+        ("app;main;app::collections::hash::map::HashMap<K,V,S>::insert", 5 << 20),
     ]
     .into_iter()
     .map(|(k, v)| (k.to_string(), v))
@@ -238,7 +238,7 @@ fn pprof_profiles_decode_with_every_sample_type() {
 #[test]
 fn the_peak_is_a_weight() {
     let peak = super::folded(&stacks(), Weight::Peak);
-    assert_eq!(peak["app;main;std::collections::hash::map::HashMap<K,V,S>::insert"], 5 << 20);
+    assert_eq!(peak["app;main;app::collections::hash::map::HashMap<K,V,S>::insert"], 5 << 20);
     assert_eq!(peak["app;main;do_pipe2_[k];create_pipe_files_[k];alloc_pipe_info_[k]"], 192);
     // Each domain's stacks add up to its peak.
     assert_eq!(peak.values().sum::<u64>(), (5 << 20) + 50_000 + 200 + 64 + 192);
@@ -297,6 +297,7 @@ fn pprof_locations_keep_frames_of_one_address_apart() {
         python: file.is_some(),
         inlined: false,
         unknown: false,
+        wrapper: false,
     };
     let inlined = crate::stacks::Frame { inlined: true, ..frame("helper", None, "app", 0x40) };
     let stacks = [

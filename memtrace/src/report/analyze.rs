@@ -267,6 +267,7 @@ pub fn analyze(path: &Path, opts: &ReportOptions) -> Result<Summary> {
         }
     }
     table.set_allocator(meta.allocator.as_deref());
+    table.set_alloc_fns(opts.alloc_fns.clone());
     let reserved_stacks = table.reserved_stacks();
     // Looked up per event: with the fast hasher (SipHash took a fifth of a report's time).
     let uprobe_stacks: crate::FastSet<u64> = table.uprobe_stacks().into_iter().collect();

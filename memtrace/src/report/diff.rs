@@ -78,6 +78,8 @@ pub struct DiffOptions {
     pub sort: DiffSort,
     pub top: Option<usize>,
     pub width: Width,
+    /// The allocation wrappers a site is named past (`--alloc-fn`).
+    pub alloc_fns: crate::wrappers::AllocFns,
 }
 
 /// Whether a row is in both runs.
@@ -135,7 +137,12 @@ pub fn row_key(g: &GroupRow, by: GroupBy, a: &Summary) -> String {
 }
 
 fn read(path: &Path, opts: &DiffOptions) -> Result<Summary> {
-    let report = ReportOptions { by: opts.by, filters: opts.filters.clone(), ..Default::default() };
+    let report = ReportOptions {
+        by: opts.by,
+        filters: opts.filters.clone(),
+        alloc_fns: opts.alloc_fns.clone(),
+        ..Default::default()
+    };
     analyze(path, &report).with_context(|| format!("reading {}", path.display()))
 }
 

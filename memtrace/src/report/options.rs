@@ -230,4 +230,6 @@ pub struct ReportOptions {
     pub timeline: bool,
     /// The text report shows the size histograms (`--histogram`).
     pub histogram: bool,
+    /// The allocation wrappers a site is named past (`--alloc-fn`).
+    pub alloc_fns: crate::wrappers::AllocFns,
 }

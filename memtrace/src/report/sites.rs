@@ -93,6 +93,7 @@ mod tests {
             inlined: false,
             python: false,
             unknown: false,
+            wrapper: false,
         }
     }
 

@@ -139,7 +139,7 @@ fn write_recording(path: &std::path::Path) {
         (SymbolKey::User(user(0x400)), vec![sym("main", "/src/app.c", 200)]),
         (
             SymbolKey::User(user(0x500)),
-            vec![sym("std::collections::hash::map::HashMap<K,V,S>::insert", "/rustc/library/std/map.rs", 1105)],
+            vec![sym("app::collections::hash::map::HashMap<K,V,S>::insert", "/rustc/library/std/map.rs", 1105)],
         ),
         (
             SymbolKey::User(user(0x600)),
@@ -225,7 +225,7 @@ fn analyze_adds_up_the_recording() {
     assert_eq!(
         labels,
         [
-            "std::collections::hash::map::HashMap<K,V,S>::insert (map.rs:1105) ← main (app.c:200)",
+            "app::collections::hash::map::HashMap<K,V,S>::insert (map.rs:1105) ← main (app.c:200)",
             "grow (vec.h:10) [inlined] ← build_index (app.c:300) ← main (app.c:200)",
             "alloc_pipe_info ← create_pipe_files ← do_pipe2",
             "parse_request (app.c:42) ← serve (app.c:90) ← handle_connection (app.c:120) ← …",
@@ -338,7 +338,7 @@ fn listed_fields_are_the_columns() {
         groups,
         [
             "   LIVE BYTES  ALLOCS  SITE",
-            "U     1.0 MiB       5  std::collections::hash::map::HashMap…",
+            "U     1.0 MiB       5  app::collections::hash::map::HashMap…",
             "U    48.8 KiB      10  grow (vec.h:10) [inlined] ← build_in…",
             "K       192 B      50  alloc_pipe_info ← create_pipe_files …",
             "U       200 B     100  parse_request (app.c:42) ← serve (ap…",
@@ -354,7 +354,7 @@ fn stacks_follow_their_rows_and_names_fit() {
     let text = text(&opts);
     let rows: Vec<&str> = text.lines().skip_while(|l| !l.ends_with("STACK")).collect();
     assert!(
-        rows[1].ends_with("std::collections::hash::map::HashMap<K,V,S>::insert (map.rs:1105)")
+        rows[1].ends_with("app::collections::hash::map::HashMap<K,V,S>::insert (map.rs:1105)")
             || rows[1].ends_with("…"),
         "{text}"
     );
@@ -401,7 +401,7 @@ fn json_carries_every_figure() {
     assert_eq!(json["totals"]["user"]["unmatched_frees"], 1);
     assert_eq!(json["totals"]["kernel"]["freed_on_other_cpu"], 24);
     assert_eq!(json["sites"].as_array().unwrap().len(), 5);
-    assert_eq!(json["sites"][0]["frames"][0]["function"], "std::collections::hash::map::HashMap<K,V,S>::insert");
+    assert_eq!(json["sites"][0]["frames"][0]["function"], "app::collections::hash::map::HashMap<K,V,S>::insert");
     assert_eq!(json["sites"][1]["truncated"], true);
     assert_eq!(json["sites"][1]["kinds"], serde_json::json!(["calloc"]));
     assert_eq!(json["stacks"]["user"]["allocs_truncated"], 10);

@@ -16,6 +16,7 @@ fn options(by: GroupBy) -> DiffOptions {
         sort: DiffSort::Live,
         top: None,
         width: Width::Columns(100),
+        alloc_fns: Default::default(),
     }
 }
 
@@ -45,7 +46,7 @@ fn rows_are_matched_by_their_names() {
     assert_eq!(
         keys,
         [
-            "user:std::collections::hash::map::HashMap<K,V,S>::insert (map.rs:1105)",
+            "user:app::collections::hash::map::HashMap<K,V,S>::insert (map.rs:1105)",
             "user:grow (vec.h:10) [inlined]",
             "kernel:alloc_pipe_info [k]",
             "user:parse_request (app.c:42)",
@@ -54,6 +55,6 @@ fn rows_are_matched_by_their_names() {
     );
     let stacks = summary(&ReportOptions { by: GroupBy::Stack, ..Default::default() });
     let key = row_key(&stacks.groups[0], GroupBy::Stack, &stacks);
-    assert_eq!(key, "user:std::collections::hash::map::HashMap<K,V,S>::insert (map.rs:1105);main (app.c:200)");
+    assert_eq!(key, "user:app::collections::hash::map::HashMap<K,V,S>::insert (map.rs:1105);main (app.c:200)");
     assert_eq!([signed_count(0), signed_count(-1234), signed_count(5)], ["0", "-1,234", "+5"]);
 }

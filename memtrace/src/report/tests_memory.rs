@@ -86,7 +86,7 @@ fn the_text_report_draws_the_timeline_and_the_histograms() {
     assert!(section[0].starts_with("memory over time: 2.0s in 51 columns of 40.0ms"), "{t}");
     assert_eq!(section[2], format!("U    5.0 MiB  █{}  user: peak 5.0 MiB at 1.5ms", "▂".repeat(50)), "{t}");
     assert_eq!(section[3], format!("K      192 B  {}  kernel: peak 192 B at 1.4ms", "█".repeat(51)), "{t}");
-    assert!(section[4].ends_with("  std::collections::hash::map::Has…"), "{t}");
+    assert!(section[4].ends_with("  app::collections::hash::map::Has…"), "{t}");
     for l in &section {
         assert!(l.chars().count() <= 100, "{l}");
     }

@@ -86,6 +86,8 @@ pub struct ServeArgs {
     /// 8M each (sampling keeps the traffic low; the rings are most of the agent's memory).
     #[arg(long, value_parser = parse_size, value_name = "SIZE")]
     pub ring_size: Option<u64>,
+    #[command(flatten)]
+    pub sites: crate::wrappers::AllocFnArgs,
     /// The command to run and trace, after `--`; memtrace exits with it.
     #[arg(last = true, value_name = "CMD")]
     pub command: Vec<OsString>,
@@ -116,6 +118,8 @@ pub struct Config {
     pub http: HttpConfig,
     pub max_live_blocks: usize,
     pub max_stacks: usize,
+    /// The allocation wrappers a site is named past (`--alloc-fn`).
+    pub alloc_fns: crate::wrappers::AllocFns,
 }
 
 /// Parses a listen address: HOST:PORT, [V6]:PORT, :PORT or PORT (the last two on the
@@ -250,6 +254,7 @@ impl Config {
             },
             max_live_blocks: args.max_live_blocks,
             max_stacks: args.max_stacks,
+            alloc_fns: args.sites.alloc_fns(),
         })
     }
 }

@@ -290,6 +290,7 @@ pub fn run(args: ServeArgs) -> Result<i32> {
         max_stacks: config.max_stacks,
         sample_bytes: config.trace.sample_bytes,
     }));
+    shared.namer.names().set_alloc_fns(config.alloc_fns.clone());
     let server = http::Server::start(listener, Arc::clone(&shared), config.http.clone())?;
     let namer = spawn_namer(Arc::clone(&shared))?;
     let sampling = match config.trace.sample_bytes {

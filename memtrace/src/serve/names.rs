@@ -56,6 +56,11 @@ struct Work {
 }
 
 impl Names {
+    /// The allocation wrappers a site is named past (`--alloc-fn`).
+    pub fn set_alloc_fns(&mut self, fns: crate::wrappers::AllocFns) {
+        self.table.set_alloc_fns(fns);
+    }
+
     /// Takes in what the model collected.
     pub(super) fn integrate(&mut self, pending: Pending) {
         for id in pending.evicted {
@@ -319,7 +324,8 @@ pub fn frame_label(f: &Frame) -> String {
 }
 
 /// A site's name: its first frame in its domain (the allocating function for user
-/// allocations, the requesting function for kernel ones), or what stands for it.
+/// allocations, past the allocation wrappers; the requesting function for kernel ones), or
+/// what stands for it.
 pub fn site_label(domain: Domain, kind: Kind, stack: StackRef, frames: &[Frame]) -> String {
     match first_frame(domain, frames) {
         Some(f) => frame_label(f),

@@ -233,6 +233,7 @@ pub fn build(
                     inlined: false,
                     python: false,
                     unknown: true,
+                    wrapper: false,
                 }]
             } else {
                 frames

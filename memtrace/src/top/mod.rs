@@ -40,6 +40,8 @@ pub struct TopOptions {
     /// Columns shown, and the width of batch snapshots (the full-screen view fits the
     /// screen).
     pub layout: Layout<Column>,
+    /// The allocation wrappers a site is named past (`--alloc-fn`).
+    pub alloc_fns: crate::wrappers::AllocFns,
 }
 
 const DRAIN_INTERVAL: Duration = Duration::from_millis(20);
@@ -61,6 +63,7 @@ pub fn run(opts: TopOptions) -> Result<i32> {
     trace.quiet = trace.quiet || !opts.batch;
     let mut tracer = Tracer::start(&trace, |_| Ok(()))?;
     let mut live = LiveView::new(opts.live_limit, trace.sample_bytes);
+    live.set_alloc_fns(opts.alloc_fns.clone());
     tracer.release()?;
     let result = if opts.batch {
         block_on(batch::batch(&mut tracer, &mut live, &opts))?

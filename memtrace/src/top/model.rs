@@ -175,6 +175,11 @@ impl LiveView {
         }
     }
 
+    /// The allocation wrappers a site is named past (`--alloc-fn`).
+    pub fn set_alloc_fns(&mut self, fns: crate::wrappers::AllocFns) {
+        self.table.set_alloc_fns(fns);
+    }
+
     /// Computes what to show; `interval` is the time since the previous snapshot.
     pub fn snapshot(&mut self, view: &ViewOptions, interval: Duration, lost_events: u64) -> Snapshot {
         if self.unnamed {

@@ -37,6 +37,7 @@ fn frame(function: &str, line: u32, kernel: bool) -> Frame {
         inlined: false,
         python: false,
         unknown: false,
+        wrapper: false,
     }
 }
 
