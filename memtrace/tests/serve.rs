@@ -584,6 +584,35 @@ fn sigterm_during_a_scrape_stops_cleanly_and_leaves_no_probe() {
     assert!(svc.child.try_wait().unwrap().is_none(), "the service runs on");
 }
 
+/// `--max-series`: six traced processes, each a group of its own (`--pid-label`), cost
+/// more series than the cap allows; the groups with the fewest live bytes are summed into
+/// `comm="[other]"`, no family holds more series than the cap, and the gauge says so.
+#[test]
+fn the_series_cap_sums_the_smallest_groups_into_one_series() {
+    require_root();
+    let _machine = sharing_the_machine();
+    let mut services: Vec<Service> = (0..6).map(|_| service(&["--step-ms", "20"], false)).collect();
+    for s in &mut services {
+        s.next();
+    }
+    let mut args: Vec<String> = services.iter().flat_map(|s| ["--pid".to_string(), s.pid().to_string()]).collect();
+    args.extend(["--no-kernel", "--pid-label", "--max-series", "10"].map(String::from));
+    let agent = start(&args.iter().map(String::as_str).collect::<Vec<_>>(), Stdio::null(), Stdio::null());
+    let text = eventually(Duration::from_secs(10), "groups folded", || {
+        let text = agent.metrics();
+        let folded: f64 = text.lines().find_map(|l| l.strip_prefix("memtrace_groups_folded "))?.trim().parse().ok()?;
+        (folded >= 1.0).then_some(text)
+    });
+    let live = text.lines().filter(|l| l.starts_with("memtrace_live_bytes{")).count();
+    assert!((2..=10).contains(&live), "{text}");
+    assert!(text.contains("comm=\"[other]\""), "{text}");
+    let shown = services.iter().filter(|s| text.contains(&format!("pid=\"{}\"", s.pid()))).count();
+    assert!((1..6).contains(&shown), "{text}");
+    drop(services);
+    let (status, stderr) = agent.stop(libc::SIGTERM);
+    assert_eq!(status, Some(0), "{stderr}");
+}
+
 #[test]
 fn a_traced_pid_that_exits_is_reported_and_the_last_one_stops_the_agent() {
     require_root();

@@ -42,6 +42,12 @@ pub struct ServeArgs {
     /// the others are summed under site="[other]".
     #[arg(long, default_value_t = 20, value_name = "N")]
     pub top_sites: usize,
+    /// Series per metric at most (0: no cap), as OpenTelemetry's cardinality limit: past
+    /// it, the process groups with the fewest live bytes are summed into one series,
+    /// comm="[other]" site="[other]" (memtrace_groups_folded says how many). Keeps a
+    /// scrape under Prometheus's sample_limit under -a with --pid-label.
+    #[arg(long, default_value_t = 2000, value_name = "N")]
+    pub max_series: usize,
     /// Add a pid label to the series (one series set per process rather than per command
     /// name and cgroup).
     #[arg(long)]
@@ -106,6 +112,8 @@ pub struct HttpConfig {
     pub request_timeout: Duration,
     pub top_sites: usize,
     pub pid_label: bool,
+    /// Series per metric at most (0: no cap).
+    pub max_series: usize,
 }
 
 /// The whole configuration, checked.
@@ -214,6 +222,9 @@ impl Config {
                 pids.push(pid);
             }
         }
+        if (1..10).contains(&args.max_series) {
+            bail!("--max-series must be at least 10 (or 0: no cap)");
+        }
         if args.top_sites == 0 {
             bail!("--top-sites must be at least 1");
         }
@@ -251,6 +262,7 @@ impl Config {
                 request_timeout: Duration::from_secs(30),
                 top_sites: args.top_sites,
                 pid_label: args.pid_label,
+                max_series: args.max_series,
             },
             max_live_blocks: args.max_live_blocks,
             max_stacks: args.max_stacks,

@@ -10,6 +10,8 @@
 //! series it belongs to now, so a site's series counts from when it entered (what `rate()`
 //! needs) and `[other]` never goes down. Series of processes gone end with them; their
 //! counters linger ([`GROUP_LINGER`]) for a process of the same group started soon after.
+//! Past `--max-series` per family, whole groups (the fewest live bytes first) are summed
+//! into one overflow series per domain the same way ([`overflow_group`]).
 //!
 //! OpenMetrics is served to clients that ask for it (Prometheus does); others get the
 //! classic text format (0.0.4) that `promtool check metrics` reads.
@@ -99,6 +101,15 @@ pub struct Figures {
 #[derive(Debug, Default, PartialEq, Eq)]
 pub struct SiteSeries {
     pub groups: BTreeMap<Group, (BTreeMap<String, Figures>, Figures)>,
+    /// Groups summed into the overflow group ([`overflow_group`]) by `--max-series`.
+    pub folded_groups: u64,
+}
+
+/// Where the groups beyond `--max-series` are summed, per domain: `comm="[other]"`, no
+/// cgroup, its one series `site="[other]"` (as OpenTelemetry's cardinality limit sums the
+/// overflow into one series).
+pub fn overflow_group(domain: Domain) -> Group {
+    Group { comm: Arc::from(OTHER), cgroup: Arc::default(), pid: None, domain }
 }
 
 /// The label value of the series that sums the sites beyond the top N (in brackets: no
@@ -125,6 +136,9 @@ pub struct MetricsState {
     gone: HashMap<Group, Instant>,
     /// Per group: the sites with series of their own at the previous scrape.
     shown: HashMap<Group, HashSet<Arc<str>>>,
+    /// Series per site family at most (`--max-series`; 0: no cap): past it, the groups with
+    /// the fewest live bytes are summed into [`overflow_group`].
+    pub max_series: usize,
 }
 
 impl MetricsState {
@@ -135,6 +149,22 @@ impl MetricsState {
 
     /// [`Self::update`] at `now` (for tests).
     pub fn update_at(&mut self, rows: &[Row], top: usize, now: Instant) -> SiteSeries {
+        // Past `--max-series`, whole groups go to the overflow group, whose only series is
+        // `[other]`: what they did since the previous scrape is added there.
+        let folded = self.folded(rows, top);
+        let folded_rows: Vec<Row>;
+        let rows = if folded.is_empty() {
+            rows
+        } else {
+            folded_rows = rows
+                .iter()
+                .map(|r| match folded.contains(&r.group) {
+                    true => Row { group: overflow_group(r.group.domain), ..r.clone() },
+                    false => r.clone(),
+                })
+                .collect();
+            &folded_rows
+        };
         // Per site: live bytes, live blocks, bytes allocated in all.
         let mut live: HashMap<&Group, HashMap<&str, (u64, u64, u64)>> = HashMap::new();
         for r in rows {
@@ -148,6 +178,10 @@ impl MetricsState {
         // change hands when a process exits.
         let mut exposed: HashMap<&Group, HashSet<&str>> = HashMap::new();
         for (group, sites) in &live {
+            if !folded.is_empty() && **group == overflow_group(group.domain) {
+                exposed.insert(*group, HashSet::new());
+                continue;
+            }
             let before = self.shown.get(*group);
             let mut ranked: Vec<(&str, u64, bool, u64)> = sites
                 .iter()
@@ -221,6 +255,47 @@ impl MetricsState {
                 }
             }
             out.groups.insert((*group).clone(), (series, other));
+        }
+        out.folded_groups = folded.len() as u64;
+        out
+    }
+
+    /// The groups of this scrape summed into the overflow group: with more series than
+    /// `max_series` (per family: a group's top sites and its `[other]`), the groups after
+    /// the longest run of groups that fits, ranked by live bytes (among equals, those
+    /// shown at the previous scrape first, then by bytes allocated), one series kept for
+    /// the overflow's.
+    fn folded(&self, rows: &[Row], top: usize) -> HashSet<Group> {
+        if self.max_series == 0 {
+            return HashSet::new();
+        }
+        // Per group: its distinct sites, live bytes, bytes allocated.
+        let mut groups: HashMap<&Group, (HashSet<&str>, u64, u64)> = HashMap::new();
+        for r in rows {
+            let e = groups.entry(&r.group).or_default();
+            e.0.insert(&r.site);
+            e.1 += r.stats.live_bytes_alloc;
+            e.2 += r.stats.bytes_alloc;
+        }
+        let cost = |sites: &HashSet<&str>| sites.len().min(top) + 1;
+        if groups.values().map(|g| cost(&g.0)).sum::<usize>() <= self.max_series {
+            return HashSet::new();
+        }
+        let mut ranked: Vec<(&Group, usize, u64, bool, u64)> = groups
+            .iter()
+            .map(|(g, (sites, bytes, total))| (*g, cost(sites), *bytes, self.shown.contains_key(*g), *total))
+            .collect();
+        ranked.sort_by(|a, b| b.2.cmp(&a.2).then(b.3.cmp(&a.3)).then(b.4.cmp(&a.4)).then(a.0.cmp(b.0)));
+        // One series per domain for the overflow.
+        let domains: HashSet<Domain> = groups.keys().map(|g| g.domain).collect();
+        let mut used = domains.len();
+        let mut out = HashSet::new();
+        for (group, cost, ..) in ranked {
+            if out.is_empty() && used + cost <= self.max_series {
+                used += cost;
+            } else {
+                out.insert(group.clone());
+            }
         }
         out
     }
@@ -405,6 +480,12 @@ fn site_families(series: &SiteSeries, f: &mut Families) {
         let family = f.family(name, help, unit, counter);
         family.samples.extend(rows.iter().map(|(labels, figures)| (Arc::clone(labels), pick(figures))));
     }
+    f.one(
+        "memtrace_groups_folded",
+        "Process groups whose sites were summed under comm=\"[other]\" at this scrape: --max-series was reached.",
+        None,
+        Value::Gauge(series.folded_groups as i64),
+    );
 }
 
 fn self_families(s: &SelfFigures, f: &mut Families) {

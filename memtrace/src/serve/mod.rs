@@ -122,6 +122,7 @@ impl Shared {
             let mut names = self.namer.names();
             (metrics::rows(&snap, &mut names, config.pid_label), names.symbols())
         };
+        state.max_series = config.max_series;
         let series = state.update(&rows, config.top_sites);
         drop(state);
         let (open_fds, probes) = selfstats::descriptors();

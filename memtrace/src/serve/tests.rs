@@ -393,6 +393,55 @@ fn the_sites_shown_stay_shown_when_their_process_exits() {
     assert_eq!(s2.groups[&g].1.totals.allocs, 50);
 }
 
+/// `--max-series`: the groups with the most live bytes keep their series while they fit;
+/// the rest are summed into one `comm="[other]"` series, whose counters only go up, and a
+/// group that comes back goes on from its own.
+#[test]
+fn groups_past_the_series_cap_are_summed_into_one_series() {
+    let mut state = MetricsState::default();
+    state.max_series = 10;
+    let job = |i: u32, live: u64, allocs: u64| {
+        // Three sites each: with the top 2, a group costs 3 series (2 and its [other]).
+        (0..3).map(move |s| {
+            let mut r = row(i, 10 * i + s, &format!("site{s}"), live, allocs);
+            r.group = group(&format!("job{i}"), Domain::User);
+            r
+        })
+    };
+    let scrape1: Vec<Row> = (1..=5).flat_map(|i| job(i, 100 * u64::from(i), 1)).collect();
+    let s1 = state.update(&scrape1, 2);
+    // 1 series for the overflow, 3 per group: jobs 5, 4 and 3 fit in 10.
+    let shown: Vec<&str> = s1.groups.keys().map(|g| &*g.comm).collect();
+    assert_eq!(shown, ["[other]", "job3", "job4", "job5"]);
+    assert_eq!(s1.folded_groups, 2);
+    let overflow = &s1.groups[&metrics::overflow_group(Domain::User)];
+    assert!(overflow.0.is_empty(), "the overflow has its [other] series only");
+    assert_eq!((overflow.1.live_bytes, overflow.1.totals.allocs), (3 * 100 + 3 * 200, 6));
+    let series: usize = s1.groups.values().map(|(sites, _)| sites.len() + 1).sum();
+    assert!(series <= 10, "{series}");
+
+    // Job 1 grows past the others: it gets series of its own, its counters from its own
+    // (1 each before, folded meanwhile), and job 3 is folded; the overflow's only go up.
+    let scrape2: Vec<Row> = job(1, 10_000, 2).chain((2..=5).flat_map(|i| job(i, 100 * u64::from(i), 2))).collect();
+    let s2 = state.update(&scrape2, 2);
+    let shown: Vec<&str> = s2.groups.keys().map(|g| &*g.comm).collect();
+    assert_eq!(shown, ["[other]", "job1", "job4", "job5"]);
+    let job1 = &s2.groups[&group("job1", Domain::User)];
+    assert_eq!(job1.0.values().map(|f| f.totals.allocs).sum::<u64>() + job1.1.totals.allocs, 3, "1 per site since");
+    let overflow = &s2.groups[&metrics::overflow_group(Domain::User)];
+    assert_eq!(overflow.1.totals.allocs, 6 + 6, "6 before; jobs 2 and 3 did 3 each since");
+    let text = metrics::encode(&s2, &own(), false);
+    assert!(text.contains("memtrace_groups_folded 2\n"), "{text}");
+    assert!(
+        text.contains("memtrace_live_bytes{site=\"[other]\",domain=\"user\",comm=\"[other]\",cgroup=\"\"} "),
+        "{text}"
+    );
+
+    // No cap: every group.
+    let mut uncapped = MetricsState::default();
+    assert_eq!(uncapped.update(&scrape1, 2).groups.len(), 5);
+}
+
 fn own() -> metrics::SelfFigures {
     metrics::SelfFigures { scrapes: vec![("metrics", 3)], responses: vec![(200, 2), (404, 1)], ..Default::default() }
 }
@@ -648,6 +697,7 @@ fn http_config(token: Option<&str>, header_timeout: Duration) -> HttpConfig {
         request_timeout: Duration::from_secs(5),
         top_sites: 20,
         pid_label: false,
+        max_series: 2000,
     }
 }
 
