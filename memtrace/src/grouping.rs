@@ -219,6 +219,15 @@ pub struct Filters {
 }
 
 impl Filters {
+    /// Whether every allocation counts (no filter but the domain).
+    pub fn is_empty(&self) -> bool {
+        self.pid.is_none()
+            && self.comm.is_none()
+            && self.min_size.is_none()
+            && self.kinds.is_empty()
+            && self.allocator.is_none()
+    }
+
     /// Whether allocations of this kind count (domain and kinds).
     pub fn admits_kind(&self, kind: Kind) -> bool {
         self.admits_in(kind, Domain::of(kind))

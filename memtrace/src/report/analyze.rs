@@ -333,13 +333,23 @@ pub fn analyze(path: &Path, opts: &ReportOptions) -> Result<Summary> {
         if let Event::Alloc(a) = &event {
             user_allocs_seen |= !a.kind.is_kernel();
         }
+        let user_heap = |k: Kind| k.space() == memtrace_common::Space::Heap;
+        let other_allocator = |a: &crate::event::Alloc| {
+            allocator_filter
+                .as_deref()
+                .is_some_and(|name| !user_heap(a.kind) || !allocator_matches(&recorded_allocators, a.allocator, name))
+        };
         if let Event::Alloc(a) = &event
             && a.stack != 0
             && process_ok
             && filters.domain.admits(Domain::of(a.kind))
             && !(a.kind.is_kernel() && uprobe_stacks.contains(&a.stack))
         {
-            coverage.count(Domain::of(a.kind), a.stack);
+            // The summary's stack line counts what the report counts (`--kind`,
+            // `--min-size`, `--allocator`); the per-process warnings, whole processes.
+            if filters.admits_kind(a.kind) && filters.admits_size(a.bytes_req) && !other_allocator(a) {
+                coverage.count(Domain::of(a.kind), a.stack);
+            }
             if !a.kind.is_kernel() {
                 let t = tallies.entry(a.pid).or_default();
                 t.with_stack += 1;
@@ -352,7 +362,6 @@ pub fn analyze(path: &Path, opts: &ReportOptions) -> Result<Summary> {
         {
             tallies.entry(f.pid).or_default().frees += 1;
         }
-        let user_heap = |k: Kind| k.space() == memtrace_common::Space::Heap;
         if process_ok {
             match &event {
                 Event::Alloc(a) if user_heap(a.kind) && a.allocator != 0 => {
@@ -373,11 +382,6 @@ pub fn analyze(path: &Path, opts: &ReportOptions) -> Result<Summary> {
                 _ => {}
             }
         }
-        let other_allocator = |a: &crate::event::Alloc| {
-            allocator_filter
-                .as_deref()
-                .is_some_and(|name| !user_heap(a.kind) || !allocator_matches(&recorded_allocators, a.allocator, name))
-        };
         match &event {
             // Kept for pairing (their frees are not "frees without allocation"), not counted.
             Event::Alloc(a) if a.kind.is_kernel() && a.stack != 0 && uprobe_stacks.contains(&a.stack) => {

@@ -260,6 +260,34 @@ fn filters_select_what_counts() {
     assert!(summary(&opts).groups.is_empty());
 }
 
+/// The summary's stack line counts the allocations the filters keep, and a report that
+/// keeps none says so instead of printing tables of headers alone.
+#[test]
+fn the_summary_counts_what_the_filters_keep() {
+    let large = ReportOptions { filters: Filters { min_size: Some(1000), ..Default::default() }, ..Default::default() };
+    let s = summary(&large);
+    let user = s.coverage[&Domain::User];
+    assert_eq!(
+        user.allocs_with_stack,
+        s.groups.iter().filter(|g| g.domain == Domain::User).map(|g| g.stats.allocs).sum::<u64>()
+    );
+    assert!(user.allocs_with_stack < summary(&ReportOptions::default()).coverage[&Domain::User].allocs_with_stack);
+    let kernel_only = ReportOptions {
+        filters: Filters { kinds: vec![KindFilter::Kmalloc], ..Default::default() },
+        ..Default::default()
+    };
+    assert!(summary(&kernel_only).coverage.get(&Domain::User).is_none_or(|c| c.allocs_with_stack == 0));
+
+    let none = ReportOptions {
+        filters: Filters { comm: Some("other".into()), ..Default::default() },
+        layout: layout(Width::Columns(100)),
+        ..Default::default()
+    };
+    let t = text(&none);
+    assert!(t.contains("\nno allocation matches the filters\n") && t.ends_with("\n0 call sites\n"), "{t}");
+    assert!(!t.contains("ALLOCS"), "{t}");
+}
+
 #[test]
 fn a_wide_report_shows_every_column_and_whole_names() {
     let text = text(&at(Width::Unlimited));

@@ -77,7 +77,14 @@ pub fn render_text(a: &Summary, opts: &ReportOptions) -> String {
     }
     out.push('\n');
 
-    out.push_str(&totals_table(a, opts).render(opts.layout.width));
+    if a.totals.keys().any(|d| opts.filters.domain.admits(*d)) {
+        out.push_str(&totals_table(a, opts).render(opts.layout.width));
+    } else {
+        // A table of headers alone says nothing.
+        let what =
+            if opts.filters.is_empty() { "no allocation was recorded" } else { "no allocation matches the filters" };
+        let _ = writeln!(out, "{what}");
+    }
     for (domain, t) in a.totals.iter().filter(|(d, t)| opts.filters.domain.admits(**d) && t.stats.failed > 0) {
         let _ = writeln!(
             out,
@@ -173,6 +180,10 @@ pub fn render_text(a: &Summary, opts: &ReportOptions) -> String {
     } else {
         a.by.count(rows)
     };
+    if a.rows_in_all == 0 {
+        let _ = writeln!(out, "{counted}");
+        return out;
+    }
     let _ = writeln!(out, "{counted}, sorted by {}:", opts.sort.describe());
     let lines = groups_table(a, opts).lines(opts.layout.width);
     let mut lines = lines.iter();
