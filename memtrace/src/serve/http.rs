@@ -28,7 +28,7 @@ use super::{
     config::HttpConfig,
     metrics::{OPENMETRICS_TYPE, TEXT_TYPE, wants_openmetrics},
     model::Scraper,
-    profile::{ProfileKind, parse_query},
+    profile::{ProfileKind, ProfileQuery, parse_query},
 };
 
 /// Responses built at once (the rest wait, within their deadline).
@@ -325,16 +325,23 @@ async fn answer(req: Request<Incoming>, ctx: &Context) -> Reply {
             }
             let accept = req.headers().get(header::ACCEPT).and_then(|v| v.to_str().ok()).unwrap_or("");
             let openmetrics = wants_openmetrics(accept);
+            let content_type = if openmetrics { OPENMETRICS_TYPE } else { TEXT_TYPE };
+            if req.method() == Method::HEAD {
+                // The headers alone (hyper writes no length for an empty HEAD answer): no
+                // scrape is taken, which would count as the scraper having seen the
+                // processes that exited and update the counters' bookkeeping.
+                return body(content_type, Vec::new());
+            }
             let shared = Arc::clone(&ctx.shared);
             let config = ctx.config.clone();
             match build(ctx, move || shared.metrics_text(&config, openmetrics)).await {
-                Ok(text) => body(if openmetrics { OPENMETRICS_TYPE } else { TEXT_TYPE }, text.into_bytes()),
+                Ok(text) => body(content_type, text.into_bytes()),
                 Err(r) => r,
             }
         }
         "/debug/pprof/heap" | "/debug/pprof/allocs" => {
             let kind = if path.ends_with("heap") { ProfileKind::Heap } else { ProfileKind::Allocs };
-            profile(ctx, kind, &query).await
+            profile(ctx, kind, &query, req.method() == Method::HEAD).await
         }
         "/" | "/debug/pprof" | "/debug/pprof/" => text(StatusCode::OK, INDEX.trim_end()),
         p => match p.strip_prefix("/debug/pprof/") {
@@ -367,11 +374,16 @@ async fn build<T: Send + 'static>(ctx: &Context, work: impl FnOnce() -> T + Send
     }
 }
 
-async fn profile(ctx: &Context, kind: ProfileKind, query: &str) -> Reply {
+/// A profile; for HEAD, the headers a GET would get once its query is checked, without
+/// building it (nor waiting `?seconds=`).
+async fn profile(ctx: &Context, kind: ProfileKind, query: &str, head: bool) -> Reply {
     let q = match parse_query(query, ctx.config.max_profile_seconds) {
         Ok(q) => q,
         Err(e) => return text(StatusCode::BAD_REQUEST, &e.0),
     };
+    if head {
+        return profile_reply(kind, &q, Vec::new());
+    }
     let base = match q.seconds {
         None => None,
         Some(seconds) => {
@@ -403,15 +415,17 @@ async fn profile(ctx: &Context, kind: ProfileKind, query: &str) -> Reply {
     let q2 = q.clone();
     let built = build(ctx, move || shared.profile(kind, &q2, base.as_ref())).await;
     match built {
-        Ok(Ok(bytes)) => {
-            let mut r = body("application/octet-stream", bytes);
-            let name = if q.seconds.is_some() { format!("{}-delta", kind.name()) } else { kind.name().to_string() };
-            if let Ok(v) = HeaderValue::from_str(&format!("attachment; filename=\"{name}\"")) {
-                r.headers_mut().insert(header::CONTENT_DISPOSITION, v);
-            }
-            r
-        }
+        Ok(Ok(bytes)) => profile_reply(kind, &q, bytes),
         Ok(Err(bad)) => text(StatusCode::BAD_REQUEST, &bad.0),
         Err(r) => r,
     }
+}
+
+fn profile_reply(kind: ProfileKind, q: &ProfileQuery, bytes: Vec<u8>) -> Reply {
+    let mut r = body("application/octet-stream", bytes);
+    let name = if q.seconds.is_some() { format!("{}-delta", kind.name()) } else { kind.name().to_string() };
+    if let Ok(v) = HeaderValue::from_str(&format!("attachment; filename=\"{name}\"")) {
+        r.headers_mut().insert(header::CONTENT_DISPOSITION, v);
+    }
+    r
 }

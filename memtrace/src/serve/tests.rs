@@ -775,6 +775,32 @@ fn the_server_answers_bad_requests_in_one_line() {
     assert_eq!(counted.get(&400), Some(&3));
 }
 
+/// HEAD gets the headers a GET would, checked as a GET is, at once: no scrape is taken
+/// (it would count as the scraper having seen the processes that exited), no delta waited.
+#[test]
+fn head_requests_get_the_headers_without_a_scrape() {
+    let (server, addr, shared) = serve(None, Duration::from_secs(5));
+    let head = |path: &str| format!("HEAD {path} HTTP/1.1\r\nHost: test\r\nConnection: close\r\n\r\n");
+    let (code, headers, body) = get(addr, &head("/metrics"));
+    assert_eq!(code, 200);
+    assert!(headers.contains("text/plain; version=0.0.4"), "{headers}");
+    assert!(body.is_empty());
+    let started = Instant::now();
+    let (code, headers, body) = get(addr, &head("/debug/pprof/allocs?seconds=5"));
+    assert_eq!(code, 200);
+    assert!(headers.contains("filename=\"allocs-delta\"") && body.is_empty(), "{headers}");
+    assert!(started.elapsed() < Duration::from_secs(2), "no wait for a HEAD");
+    assert_eq!(get(addr, &head("/debug/pprof/heap?seconds=abc")).0, 400);
+    assert_eq!(get(addr, &head("/metrics?x=1")).0, 400);
+    assert_eq!(get(addr, &head("/nope")).0, 404);
+    let scrapes: Vec<u64> = shared.scrapes.iter().map(|n| n.load(std::sync::atomic::Ordering::Relaxed)).collect();
+    assert_eq!(scrapes, [0, 0, 0]);
+    // A GET is a scrape.
+    assert_eq!(get(addr, &request("/metrics", "")).0, 200);
+    assert_eq!(shared.scrapes[0].load(std::sync::atomic::Ordering::Relaxed), 1);
+    server.shutdown(Duration::from_secs(1));
+}
+
 #[test]
 fn a_token_is_required_when_configured() {
     let (server, addr, _) = serve(Some("s3cret"), Duration::from_secs(5));
