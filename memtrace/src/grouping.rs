@@ -320,6 +320,15 @@ fn first_frame_index(domain: Domain, frames: &[Frame]) -> Option<usize> {
     }
 }
 
+/// Where a row's stack starts when it is shown whole (`--by stack`): its first user frame
+/// for user allocations, wrappers included (the whole stack follows its first frame).
+pub fn stack_start(domain: Domain, frames: &[Frame]) -> usize {
+    match domain {
+        Domain::Kernel => 0,
+        _ => frames.iter().position(|f| !f.kernel).unwrap_or(0),
+    }
+}
+
 /// The frames from the one a row is named after (all of them if there is none).
 pub fn site_frames(domain: Domain, frames: &[Frame]) -> &[Frame] {
     &frames[first_frame_index(domain, frames).unwrap_or(0)..]

@@ -98,6 +98,9 @@ fn module_name(path: &str) -> String {
 pub struct StackTable {
     stacks: StackStore,
     pub modules: BTreeMap<u32, Module>,
+    /// Changed after the table is made through [`Self::extend_symbols`],
+    /// [`Self::clear_symbols`] and [`Self::fill_missing_symbols`], which keep
+    /// `wrapper_frames` with it.
     pub symbols: HashMap<SymbolKey, Vec<Symbol>>,
     /// Names computed for (stack id, call site).
     cache: HashMap<(u64, u64), Vec<Frame>>,
@@ -105,10 +108,16 @@ pub struct StackTable {
     allocator: Option<String>,
     /// The allocation wrappers a site is named past ([`Self::set_alloc_fns`]).
     alloc_fns: crate::wrappers::AllocFns,
+    /// Per user address with a wrapper's frame in its inline chain: which of its frames
+    /// are wrappers'. Kept with [`Self::symbols`] (changed through the methods that keep
+    /// it), so that naming a stack matches no name again.
+    wrapper_frames: HashMap<SymbolKey, Vec<bool>>,
 }
 
-/// Most user addresses of allocation wrappers a site is named past.
-const MAX_WRAPPER_ADDRESSES: usize = 32;
+/// Most user addresses of allocation wrappers a site is named past: more than a stack
+/// holds (511 user frames), so that a row's key and its whole stack's first frame agree
+/// (a copy of a big `std::map` recurses 33 addresses deep in the library).
+const MAX_WRAPPER_ADDRESSES: usize = 1024;
 
 /// Functions of the page allocator: a page allocation's site is the first frame outside
 /// them, as a user allocation's is the caller of malloc.
@@ -213,7 +222,9 @@ impl StackTable {
             cache: HashMap::new(),
             allocator: None,
             alloc_fns: Default::default(),
+            wrapper_frames: HashMap::new(),
         }
+        .indexed()
     }
 
     /// Adds (or replaces) a stack.
@@ -268,19 +279,56 @@ impl StackTable {
         if fns != self.alloc_fns {
             self.alloc_fns = fns;
             self.cache.clear();
+            self.wrapper_frames.clear();
+            let keys: Vec<SymbolKey> = self.symbols.keys().copied().collect();
+            self.index_wrappers(keys);
+        }
+    }
+
+    /// Adds symbols (the agent's namer).
+    pub fn extend_symbols(&mut self, found: Vec<(SymbolKey, Vec<Symbol>)>) {
+        let keys: Vec<SymbolKey> = found.iter().map(|(k, _)| *k).collect();
+        self.symbols.extend(found);
+        self.index_wrappers(keys);
+    }
+
+    /// Forgets every symbol (the agent's bound on them).
+    pub fn clear_symbols(&mut self) {
+        self.symbols.clear();
+        self.wrapper_frames.clear();
+    }
+
+    fn indexed(mut self) -> Self {
+        let keys: Vec<SymbolKey> = self.symbols.keys().copied().collect();
+        self.index_wrappers(keys);
+        self
+    }
+
+    /// Notes which frames of these addresses' symbols are allocation wrappers'.
+    fn index_wrappers(&mut self, keys: Vec<SymbolKey>) {
+        for key in keys {
+            let flags: Vec<bool> = match (key, self.symbols.get(&key)) {
+                (SymbolKey::User(_), Some(chain)) => {
+                    chain.iter().map(|s| self.alloc_fns.matches_frame(&s.name, s.file.as_deref())).collect()
+                }
+                _ => Vec::new(),
+            };
+            if flags.contains(&true) {
+                self.wrapper_frames.insert(key, flags);
+            } else {
+                self.wrapper_frames.remove(&key);
+            }
         }
     }
 
     /// Whether every frame at this user address (its inline chain) is an allocation
     /// wrapper's: a site is named past it.
     fn is_wrapper_address(&self, frame: FileFrame) -> bool {
-        self.symbols
-            .get(&SymbolKey::User(frame))
-            .is_some_and(|chain| !chain.is_empty() && chain.iter().all(|s| self.alloc_fns.matches(&s.name)))
+        self.wrapper_frames.get(&SymbolKey::User(frame)).is_some_and(|flags| flags.iter().all(|&w| w))
     }
 
-    /// How many of a stack's first user addresses are allocation wrappers' alone (at most
-    /// [`MAX_WRAPPER_ADDRESSES`]): the names of a prefix start after them.
+    /// How many of a stack's first user addresses are allocation wrappers' alone: the names
+    /// of a prefix start after them.
     fn wrapper_addresses(&self, s: &StackRef<'_>) -> usize {
         s.user().take(MAX_WRAPPER_ADDRESSES).take_while(|&f| self.is_wrapper_address(f)).count()
     }
@@ -395,6 +443,8 @@ impl StackTable {
             }
         }
         self.cache.clear();
+        let keys: Vec<SymbolKey> = self.symbols.keys().copied().collect();
+        self.index_wrappers(keys);
         named
     }
 
@@ -430,10 +480,12 @@ impl StackTable {
             }
             SymbolKey::User(FileFrame::Address(ip)) => (false, ip, "[unknown]".into()),
         };
+        let wrappers = self.wrapper_frames.get(&key);
         match self.symbols.get(&key) {
             Some(chain) if !chain.is_empty() => chain
                 .iter()
-                .map(|s| Frame {
+                .enumerate()
+                .map(|(i, s)| Frame {
                     function: s.name.clone(),
                     file: s.file.clone(),
                     line: (s.line != 0).then_some(s.line),
@@ -443,7 +495,7 @@ impl StackTable {
                     python: false,
                     inlined: s.inlined,
                     unknown: false,
-                    wrapper: !kernel && self.alloc_fns.matches(&s.name),
+                    wrapper: wrappers.and_then(|w| w.get(i)).copied().unwrap_or(false),
                 })
                 .collect(),
             _ => vec![Frame {
@@ -774,6 +826,19 @@ mod tests {
         // there, and include the wrapper's address.
         assert_eq!(t.prefix_key(1, 0, 1, false), [1 << 63, 0x10, 1 << 63, 0x20]);
         assert_ne!(t.prefix_key(1, 0, 1, false), t.prefix_key(2, 0, 1, false));
+
+        // Deeper than any bound a stack could reach (a big std::map's copy recursed 33
+        // addresses into the library): the key and the whole stack's first frame agree.
+        let deep: Vec<FileFrame> = (0..100).map(|i| at(0x1000 + i)).chain([at(0x30), at(0x40)]).collect();
+        t.insert_stack(stack(3, deep));
+        t.extend_symbols(
+            (0..100)
+                .map(|i| (SymbolKey::User(at(0x1000 + i)), vec![sym("std::_Rb_tree<K>::_M_copy", false)]))
+                .collect(),
+        );
+        assert_eq!(key(&t, 4).as_deref(), Some("prog::main"));
+        let whole = t.frames(4, 0);
+        assert_eq!(crate::grouping::first_frame(Domain::User, &whole).map(|f| f.function.as_str()), Some("prog::main"));
 
         t.set_alloc_fns(crate::wrappers::AllocFns::none());
         assert_eq!(key(&t, 1).as_deref(), Some("alloc::alloc::alloc"));

@@ -138,21 +138,44 @@ impl AllocFns {
 
     /// Whether a frame of this function is a wrapper's.
     pub fn matches(&self, function: &str) -> bool {
-        self.extra.iter().any(|p| pattern_matches(p, function))
-            || (self.builtin && (FUNCTIONS.iter().any(|p| pattern_matches(p, function)) || in_std(function)))
+        self.matches_frame(function, None)
+    }
+
+    /// Whether a frame of this function, from this source file, is a wrapper's: by name,
+    /// or (built in) as code of the C++ or Rust standard library's sources, whose inlined
+    /// template frames are named without their namespace (`_M_create<…>`,
+    /// `thread<spawn()::<lambda()> >`) or not demangled at all.
+    pub fn matches_frame(&self, function: &str, file: Option<&str>) -> bool {
+        let q = qualified(function);
+        self.extra.iter().any(|p| pattern_matches(p, function, q))
+            || (self.builtin
+                && (FUNCTIONS.iter().any(|p| pattern_matches(p, function, q))
+                    || q.ends_with("::operator new")
+                    || q.ends_with("::operator new[]")
+                    || in_std(q)
+                    || file.is_some_and(is_std_source)))
     }
 }
 
-fn pattern_matches(pattern: &str, function: &str) -> bool {
+/// Whether a source file is the C++ standard library's (libstdc++'s and libc++'s headers)
+/// or Rust's (`/rustc/<hash>/library/…` as the toolchain's debug information names it, or
+/// the rust-src component's copy).
+fn is_std_source(file: &str) -> bool {
+    file.contains("/include/c++/")
+        || (file.starts_with("/rustc/") && file.contains("/library/"))
+        || file.contains("/lib/rustlib/src/rust/library/")
+}
+
+/// `pattern` against a function's name, and its qualified name `q` ([`qualified`]).
+fn pattern_matches(pattern: &str, function: &str, q: &str) -> bool {
     match pattern.strip_suffix('*') {
-        Some(prefix) => function.starts_with(prefix),
-        None => function == pattern || qualified(function) == pattern,
+        Some(prefix) => function.starts_with(prefix) || q.starts_with(prefix),
+        None => function == pattern || q == pattern,
     }
 }
 
-/// Whether `function` belongs to one of [`NAMESPACES`].
-fn in_std(function: &str) -> bool {
-    let q = qualified(function);
+/// Whether a qualified name belongs to one of [`NAMESPACES`].
+fn in_std(q: &str) -> bool {
     let in_ns = |s: &str| NAMESPACES.iter().any(|ns| s.starts_with(ns));
     if let Some(inner) = q.strip_prefix('<') {
         // `<Type as Trait>::f` or `<Type>::f`.
@@ -200,7 +223,9 @@ fn qualified(name: &str) -> &str {
                 end = i;
                 break;
             }
-            ' ' if depth == 0 => start = i + 1,
+            // The space of `operator new` or of a conversion operator's type is no return
+            // type's end.
+            ' ' if depth == 0 && !name[..i].ends_with("operator") => start = i + 1,
             _ => {}
         }
     }
@@ -262,6 +287,36 @@ mod tests {
         for name in ["fill_vector(int)", "core::Engine::run()", "Node* make_node<int>(int)", "operator delete(void*)"] {
             assert!(!f.matches(name), "{name}");
         }
+    }
+
+    #[test]
+    fn operators_and_standard_library_sources() {
+        let f = AllocFns::default();
+        // A user's conversion operator to a standard type is the user's code.
+        assert!(!f.matches(
+            "Name::operator std::__cxx11::basic_string<char, std::char_traits<char>, std::allocator<char> >() const"
+        ));
+        assert!(!f.matches("Counter::operator unsigned long() const"));
+        // A class's own operator new allocates for its caller.
+        assert!(f.matches("Pool::operator new(unsigned long)") && f.matches("Pool::operator new[](unsigned long)"));
+        // Inlined template frames named without their namespace, or mangled, are known by
+        // their source file.
+        for (name, file) in [
+            ("_M_create<make_fn(int)::<lambda()> >", "/usr/include/c++/12/bits/std_function.h"),
+            ("_ZSt11make_sharedI3BigJEESt10shared_ptrIT_EDpOT0_", "/usr/include/c++/12/bits/shared_ptr.h"),
+            ("thread<spawn()::<lambda()> >", "/usr/include/c++/12/bits/std_thread.h"),
+            ("__append", "/usr/lib/llvm-16/include/c++/v1/vector"),
+            ("grow_one", "/rustc/59807616e0fc3e8c2c1fbd6ba1d9d4b1c3b4f5e6/library/alloc/src/raw_vec/mod.rs"),
+            ("reserve", "/root/.rustup/toolchains/stable/lib/rustlib/src/rust/library/alloc/src/vec/mod.rs"),
+        ] {
+            assert!(f.matches_frame(name, Some(file)), "{name} {file}");
+            assert!(!AllocFns::none().matches_frame(name, Some(file)), "{name}");
+        }
+        for file in ["/src/app/vector.h", "/home/me/include/c/x.h", "/rustc/library.rs"] {
+            assert!(!f.matches_frame("fill", Some(file)), "{file}");
+        }
+        // A prefix is matched against the qualified name too.
+        assert!(AllocFns::from_args(&["Pool::*".into()]).matches("void* Pool::get<int>(unsigned long)"));
     }
 
     #[test]

@@ -163,6 +163,14 @@ fn cxx_sites_are_named_past_operator_new_and_the_standard_library() {
         assert_eq!(rows[0]["allocs"], allocs, "{function}");
     }
 
+    // By stack, each row is its whole stack from the innermost frame: the wrappers, then
+    // the site once.
+    let out = run(memtrace().args(["report", "--by", "stack", "--domain", "user", "--wide", "-i"]).arg(&data));
+    let text = String::from_utf8(out.stdout).unwrap();
+    let row = text.split("\nU ").find(|r| r.contains("wl_fill_vector")).unwrap_or_else(|| panic!("{text}"));
+    assert!(row.lines().next().unwrap().ends_with("operator new(unsigned long)"), "{row}");
+    assert_eq!(row.matches("wl_fill_vector (new_workload.cpp:").count(), 1, "{row}");
+
     // `--alloc-fn none`: the allocator's direct caller, as before.
     let direct = report_json(&data, &["--domain", "user", "--alloc-fn", "none"]);
     assert!(row_named(&direct, "wl_fill_vector").is_empty(), "{direct:#}");

@@ -139,7 +139,7 @@ fn write_recording(path: &std::path::Path) {
         (SymbolKey::User(user(0x400)), vec![sym("main", "/src/app.c", 200)]),
         (
             SymbolKey::User(user(0x500)),
-            vec![sym("app::collections::hash::map::HashMap<K,V,S>::insert", "/rustc/library/std/map.rs", 1105)],
+            vec![sym("app::collections::hash::map::HashMap<K,V,S>::insert", "/src/app/map.rs", 1105)],
         ),
         (
             SymbolKey::User(user(0x600)),

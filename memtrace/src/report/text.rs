@@ -10,7 +10,7 @@ use super::{
 use crate::{
     analysis::Domain,
     columns::{ColumnChoice, TextColumn, TextTable, Width, ellipsize},
-    grouping::{GroupBy, domain_letter, domain_name, process_name, site_frames},
+    grouping::{GroupBy, domain_letter, domain_name, process_name, stack_start},
     units::{bytes, count, counted, duration, percent},
 };
 
@@ -194,7 +194,7 @@ pub fn render_text(a: &Summary, opts: &ReportOptions) -> String {
         let _ = writeln!(out, "{line}");
         if a.by == GroupBy::Stack {
             // Each row, then its whole stack.
-            for f in g.frames.iter().skip(1) {
+            for f in g.frames.iter().skip(stack_start(g.domain, &g.frames) + 1) {
                 let _ = writeln!(out, "{}", frame_line("      ", f, opts.layout.width));
             }
         }
@@ -261,7 +261,7 @@ fn cell(column: ReportColumn, g: &GroupRow) -> String {
 /// stack follows the row).
 fn name(g: &GroupRow, by: GroupBy) -> String {
     match by {
-        GroupBy::Stack => site_frames(g.domain, &g.frames).first().map(|f| f.to_string()).unwrap_or_default(),
+        GroupBy::Stack => g.frames.get(stack_start(g.domain, &g.frames)).map(|f| f.to_string()).unwrap_or_default(),
         _ => g.label.clone(),
     }
 }

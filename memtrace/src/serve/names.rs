@@ -138,11 +138,11 @@ impl Names {
 
     pub(super) fn insert(&mut self, found: Vec<(SymbolKey, Vec<Symbol>)>) {
         if self.table.symbols.len() + self.tried.len() > MAX_SYMBOLS {
-            self.table.symbols.clear();
+            self.table.clear_symbols();
             self.tried.clear();
             self.rescan = true;
         }
-        self.table.symbols.extend(found);
+        self.table.extend_symbols(found);
         self.refresh();
     }
 
