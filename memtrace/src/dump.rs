@@ -29,18 +29,34 @@ pub struct Line<'a> {
     pub event: &'a Event,
     pub old: Option<u64>,
     pub parent: Option<u32>,
+    /// Fractional digits of the time: as many as the recording's resolution has (6 for
+    /// its default 1 µs, as `perf script`; 9 for `--exact-times`).
+    pub digits: u32,
 }
 
 impl<'a> Line<'a> {
     pub fn new(event: &'a Event) -> Self {
-        Self { event, old: None, parent: None }
+        Self { event, old: None, parent: None, digits: 9 }
     }
+}
+
+/// The fractional digits a time resolution has: 9 for 1 ns (or unknown), 6 for 1 µs, 2
+/// for 10 ms.
+pub fn time_digits(resolution_ns: u64) -> u32 {
+    9u32.saturating_sub(resolution_ns.max(1).ilog10())
 }
 
 impl std::fmt::Display for Line<'_> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         let ts = self.event.ts_ns();
-        write!(f, "{:>6}.{:09} ", ts / 1_000_000_000, ts % 1_000_000_000)?;
+        let digits = self.digits.min(9);
+        match digits {
+            0 => write!(f, "{:>6} ", ts / 1_000_000_000)?,
+            d => {
+                let frac = (ts % 1_000_000_000) / 10u64.pow(9 - d);
+                write!(f, "{:>6}.{frac:0width$} ", ts / 1_000_000_000, width = d as usize)?
+            }
+        }
         match self.event {
             Event::Alloc(a) => {
                 write!(f, "{}/{} cpu{} {} 0x{:x}", a.pid, a.tid, a.cpu, a.kind.name(), a.ptr)?;
@@ -97,11 +113,16 @@ fn frame_line(f: &Frame) -> String {
 struct State {
     realloc_old: HashMap<u32, u64>,
     parents: HashMap<u32, u32>,
+    /// [`Line::digits`] (0: 9).
+    digits: u32,
 }
 
 impl State {
     fn line<'a>(&mut self, e: &'a Event) -> Line<'a> {
         let mut line = Line::new(e);
+        if self.digits > 0 {
+            line.digits = self.digits;
+        }
         match e {
             // The old block's free is stamped when realloc was entered: before the new block.
             Event::Free(x) if x.flags & flags::BY_REALLOC != 0 => {
@@ -173,7 +194,8 @@ fn write_events(
     out: &mut dyn Write,
 ) -> Result<std::io::Result<()>> {
     let mut failed = None;
-    let mut state = State::default();
+    let resolution = crate::recording::Reader::open(path).map(|r| r.meta.time_resolution_ns).unwrap_or(0);
+    let mut state = State { digits: time_digits(resolution), ..Default::default() };
     for_each_event(path, until, &mut |e| {
         if failed.is_some() {
             return;
@@ -266,6 +288,13 @@ mod tests {
             arg: 0,
         });
         assert_eq!(Line::new(&free).to_string(), "     0.000000007 42/43 cpu0 free 0x10 (realloc)");
+        // As many digits as the recording's resolution holds.
+        assert_eq!((time_digits(0), time_digits(1), time_digits(1000), time_digits(10_000_000)), (9, 9, 6, 2));
+        assert_eq!(time_digits(1_000_000_000), 0);
+        let micro = Line { digits: 6, ..Line::new(&kmalloc) };
+        assert!(micro.to_string().starts_with("     1.500000 42/43 "), "{micro}");
+        let seconds = Line { digits: 0, ..Line::new(&kmalloc) };
+        assert!(seconds.to_string().starts_with("     1 42/43 "), "{seconds}");
         // A realloc names the block it replaced; an allocation without a stack says none.
         let mut state = State::default();
         let _ = state.line(&free);

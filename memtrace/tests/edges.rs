@@ -461,14 +461,14 @@ fn a_coarser_time_resolution_keeps_counts_and_shrinks_the_recording() {
     // Lifetimes are known to the millisecond: the loop's blocks, freed microseconds after
     // their allocation, mostly live 0 ms.
     assert_eq!(b["totals"]["user"]["lifetime_p50_ns"], 0, "{:#}", b["totals"]);
-    // The sub-millisecond parts of the times printed: one per events chunk at 1 ms (a
-    // chunk each second of the run at most, and one at each 1 MiB of events), nearly all
-    // of the thousand possible at the default microsecond.
+    // The sub-millisecond parts of the times printed: none at 1 ms (`dump` prints the
+    // digits the resolution holds: three), nearly all of the thousand possible at the
+    // default microsecond.
     let parts = |data: &Path| {
         let dump = String::from_utf8(run(memtrace().args(["dump", "-i"]).arg(data)).stdout).unwrap();
         let ns: std::collections::HashSet<u64> = dump
             .lines()
-            .filter_map(|l| l.split_whitespace().next()?.split_once('.')?.1.parse::<u64>().ok())
+            .filter_map(|l| format!("{:0<9}", l.split_whitespace().next()?.split_once('.')?.1).parse::<u64>().ok())
             .map(|frac| frac % 1_000_000)
             .collect();
         ns.len()

@@ -516,6 +516,8 @@ fn overflowing_rings_switch_to_sampling_and_count_the_losses() {
     for line in dump.lines() {
         let mut words = line.split_whitespace();
         let Some((secs, nanos)) = words.next().and_then(|t| t.split_once('.')) else { continue };
+        // As many digits as the recording's time resolution (6 for 1 µs).
+        let nanos = format!("{nanos:0<9}");
         let ts = secs.parse::<u64>().unwrap_or(0) * 1_000_000_000 + nanos.parse::<u64>().unwrap_or(0);
         if ts < from {
             continue;
