@@ -314,7 +314,21 @@ pub fn first_frame(domain: Domain, frames: &[Frame]) -> Option<&Frame> {
 fn first_frame_index(domain: Domain, frames: &[Frame]) -> Option<usize> {
     match domain {
         Domain::User | Domain::Reserved | Domain::Gpu | Domain::GpuAddress => {
-            frames.iter().position(|f| !f.kernel && !f.wrapper).or_else(|| frames.iter().position(|f| !f.kernel))
+            let start = frames.iter().position(|f| !f.kernel)?;
+            // Past the last wrapper frame of the leading run of wrappers' and unnamed
+            // frames (a wrapper's static helper without a symbol sits under it).
+            let mut last_wrapper = None;
+            for (i, f) in frames.iter().enumerate().skip(start) {
+                if f.wrapper {
+                    last_wrapper = Some(i);
+                } else if !f.unknown {
+                    break;
+                }
+            }
+            match last_wrapper {
+                Some(w) if w + 1 < frames.len() => Some(w + 1),
+                _ => Some(start),
+            }
         }
         Domain::Kernel => (!frames.is_empty()).then_some(0),
     }

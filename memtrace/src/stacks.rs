@@ -195,6 +195,20 @@ const ALLOCATOR_MAPPERS: &[&str] = &[
     "__spawnix",
 ];
 
+/// The functions jemalloc, mimalloc and tcmalloc map their pages with, under any prefix
+/// (`je_pages_map`, `_rjem_je_pages_map`): their mmaps are the allocator's reserve, even
+/// where the recording's allocator is another one (the C library's, beside a jemalloc
+/// linked into the program).
+const ALLOCATOR_PAGE_MAPPERS: &[&str] =
+    &["pages_map", "os_pages_map", "mi_unix_mmap", "_mi_prim_alloc", "tcmalloc::MmapSysAllocator::Alloc"];
+
+fn is_allocator_pages_map(function: &str) -> bool {
+    let base = function.split('(').next().unwrap_or(function);
+    ALLOCATOR_PAGE_MAPPERS
+        .iter()
+        .any(|m| base == *m || base.strip_suffix(m).is_some_and(|prefix| prefix.ends_with('_')))
+}
+
 impl StackTable {
     pub fn new(
         stacks: impl IntoIterator<Item = (u32, FileStack)>,
@@ -327,10 +341,32 @@ impl StackTable {
         self.wrapper_frames.get(&SymbolKey::User(frame)).is_some_and(|flags| flags.iter().all(|&w| w))
     }
 
-    /// How many of a stack's first user addresses are allocation wrappers' alone: the names
-    /// of a prefix start after them.
+    /// How many of a stack's first user addresses are allocation wrappers' alone (with the
+    /// unnamed ones between them: a wrapper's static helper without a symbol, as sqlite's
+    /// `sqlite3MemMalloc` under `sqlite3Malloc`): the names of a prefix start after them.
+    /// [`crate::grouping::first_frame`] skips the same frames of a whole stack.
     fn wrapper_addresses(&self, s: &StackRef<'_>) -> usize {
-        s.user().take(MAX_WRAPPER_ADDRESSES).take_while(|&f| self.is_wrapper_address(f)).count()
+        let mut skipped = 0;
+        for (i, f) in s.user().take(MAX_WRAPPER_ADDRESSES).enumerate() {
+            if self.is_wrapper_address(f) {
+                skipped = i + 1;
+            } else if !self.is_unnamed_address(f) {
+                break;
+            }
+        }
+        skipped
+    }
+
+    /// Whether a user address has no name ([`Self::name`] makes it `module+0x…` or
+    /// `[unknown] 0x…`): no symbol, and not a Python function.
+    fn is_unnamed_address(&self, frame: FileFrame) -> bool {
+        match frame {
+            FileFrame::Address(_) => true,
+            FileFrame::Module { module, .. } => {
+                self.symbols.get(&SymbolKey::User(frame)).is_none_or(|chain| chain.is_empty())
+                    && self.modules.get(&module).is_none_or(|m| crate::python::function_of(m).is_none())
+            }
+        }
     }
 
     /// Whether an mmap with this stack is memory the C library or allocator reserved for
@@ -338,13 +374,17 @@ impl StackTable {
     /// user frame is inside the allocator's library, or, for an allocator linked into the
     /// program, in one of the functions known to map for themselves.
     pub fn is_reserved_mmap(&self, stack: u64) -> bool {
-        let Some(allocator) = self.allocator.as_deref() else { return false };
         let Some(s) = self.stack(stack) else { return false };
         // Only the innermost user frame is named: not the whole stack, which a recording
         // of a big program would otherwise build (and keep) for each of its stacks.
         let Some(innermost) = s.user().next() else { return false };
         let chain = self.name(SymbolKey::User(innermost));
         let Some(first) = chain.first() else { return false };
+        // Any allocator's own page mapping, wherever it is linked (jemalloc in rustc).
+        if is_allocator_pages_map(&first.function) {
+            return true;
+        }
+        let Some(allocator) = self.allocator.as_deref() else { return false };
         if allocator.contains(".so") {
             first.module == allocator
         } else {
@@ -354,9 +394,6 @@ impl StackTable {
 
     /// Every stack (id + 1) whose mmaps are reserved memory.
     pub fn reserved_stacks(&self) -> HashSet<u64> {
-        if self.allocator.is_none() {
-            return HashSet::new();
-        }
         self.stacks.iter().map(|s| u64::from(s.id) + 1).filter(|&s| self.is_reserved_mmap(s)).collect()
     }
 
@@ -846,6 +883,16 @@ mod tests {
         assert_eq!(t.prefix_key(1, 0, 1, false), [1 << 63, 0x10]);
         t.set_alloc_fns(crate::wrappers::AllocFns::from_args(&["prog::load".into()]));
         assert_eq!(key(&t, 1).as_deref(), Some("prog::main"));
+        // An unnamed frame under a wrapper (its static helper without a symbol) is skipped
+        // with it; one with no wrapper above it is the site.
+        t.insert_stack(stack(5, vec![at(0x7777), at(0x20), at(0x30)]));
+        t.insert_stack(stack(6, vec![at(0x7777), at(0x30)]));
+        assert_eq!(key(&t, 6).as_deref(), Some("prog::main"));
+        assert_eq!(key(&t, 7).as_deref(), Some("prog+0x7777"));
+        for stack in [6, 7] {
+            let whole = t.frames(stack, 0);
+            assert_eq!(crate::grouping::first_frame(Domain::User, &whole).map(|f| f.function.clone()), key(&t, stack));
+        }
     }
 
     #[test]
@@ -941,6 +988,19 @@ mod tests {
         );
         t.cache.clear();
         assert!(t.is_reserved_mmap(1));
+        // Another allocator's page mapping, whichever allocator the recording names.
+        t.set_allocator(Some("/lib/x86_64-linux-gnu/libc.so.6"));
+        for (name, reserved) in
+            [("_rjem_je_pages_map", true), ("pages_map", true), ("mi_unix_mmap", true), ("map_pages_map", true)]
+                .into_iter()
+                .chain([("my_pages_mapper", false), ("pages_mapping", false)])
+        {
+            t.symbols.insert(
+                SymbolKey::User(FileFrame::Module { module: 0, offset: 0x10 }),
+                vec![Symbol { name: name.into(), ..Default::default() }],
+            );
+            assert_eq!(t.is_reserved_mmap(1), reserved, "{name}");
+        }
     }
 
     #[test]

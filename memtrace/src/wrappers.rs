@@ -26,6 +26,11 @@ const NAMESPACES: &[&str] = &[
 
 /// Functions (a trailing `*`: a prefix) that allocate for their caller.
 const FUNCTIONS: &[&str] = &[
+    // The C library's own names inlined in its callers (ld.so's `calloc` of
+    // rtld-malloc.h, which calls the real one).
+    "malloc",
+    "calloc",
+    "realloc",
     // C++'s allocation functions where they are not probed themselves.
     "operator new*",
     // Rust's global allocator shims.

@@ -364,7 +364,13 @@ pub fn analyze(path: &Path, opts: &ReportOptions) -> Result<Summary> {
         }
         if process_ok {
             match &event {
-                Event::Alloc(a) if user_heap(a.kind) && a.allocator != 0 => {
+                // The allocators' lines count what the report counts, as the summary does.
+                Event::Alloc(a)
+                    if user_heap(a.kind)
+                        && a.allocator != 0
+                        && filters.admits_kind(a.kind)
+                        && filters.admits_size(a.bytes_req) =>
+                {
                     served_by.insert((a.pid, a.ptr), a.allocator);
                     if let Some(row) = allocators.get_mut(usize::from(a.allocator - 1)) {
                         row.allocs += 1;

@@ -77,7 +77,8 @@ pub fn render_text(a: &Summary, opts: &ReportOptions) -> String {
     }
     out.push('\n');
 
-    if a.totals.keys().any(|d| opts.filters.domain.admits(*d)) {
+    let any = |t: &crate::analysis::Totals| t.stats.allocs + t.stats.frees + t.unmatched_frees > 0;
+    if a.totals.iter().any(|(d, t)| opts.filters.domain.admits(*d) && any(t)) {
         out.push_str(&totals_table(a, opts).render(opts.layout.width));
     } else {
         // A table of headers alone says nothing.

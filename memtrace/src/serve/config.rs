@@ -42,10 +42,11 @@ pub struct ServeArgs {
     /// the others are summed under site="[other]".
     #[arg(long, default_value_t = 20, value_name = "N")]
     pub top_sites: usize,
-    /// Series per metric at most (0: no cap), as OpenTelemetry's cardinality limit: past
-    /// it, the process groups with the fewest live bytes are summed into one series,
-    /// comm="[other]" site="[other]" (memtrace_groups_folded says how many). Keeps a
-    /// scrape under Prometheus's sample_limit under -a with --pid-label.
+    /// Series per metric at most (at least 10; 0: no cap), as OpenTelemetry's cardinality
+    /// limit: past it, the process groups with the fewest live bytes are summed into one
+    /// series, comm="[other]" site="[other]" (memtrace_groups_folded says how many), and
+    /// the last group shown keeps the sites that fit. Keeps a scrape under Prometheus's
+    /// sample_limit under -a with --pid-label.
     #[arg(long, default_value_t = 2000, value_name = "N")]
     pub max_series: usize,
     /// Add a pid label to the series (one series set per process rather than per command

@@ -151,7 +151,7 @@ impl MetricsState {
     pub fn update_at(&mut self, rows: &[Row], top: usize, now: Instant) -> SiteSeries {
         // Past `--max-series`, whole groups go to the overflow group, whose only series is
         // `[other]`: what they did since the previous scrape is added there.
-        let folded = self.folded(rows, top);
+        let (folded, tops) = self.folded(rows, top);
         let folded_rows: Vec<Row>;
         let rows = if folded.is_empty() {
             rows
@@ -182,6 +182,7 @@ impl MetricsState {
                 exposed.insert(*group, HashSet::new());
                 continue;
             }
+            let top = tops.get(*group).copied().unwrap_or(top);
             let before = self.shown.get(*group);
             let mut ranked: Vec<(&str, u64, bool, u64)> = sites
                 .iter()
@@ -264,10 +265,12 @@ impl MetricsState {
     /// `max_series` (per family: a group's top sites and its `[other]`), the groups after
     /// the longest run of groups that fits, ranked by live bytes (among equals, those
     /// shown at the previous scrape first, then by bytes allocated), one series kept for
-    /// the overflow's.
-    fn folded(&self, rows: &[Row], top: usize) -> HashSet<Group> {
+    /// the overflow's. The first group that does not fit whole keeps the sites that fit
+    /// (at least one): its number of sites is the second part.
+    fn folded(&self, rows: &[Row], top: usize) -> (HashSet<Group>, HashMap<Group, usize>) {
+        let mut tops = HashMap::new();
         if self.max_series == 0 {
-            return HashSet::new();
+            return (HashSet::new(), tops);
         }
         // Per group: its distinct sites, live bytes, bytes allocated.
         let mut groups: HashMap<&Group, (HashSet<&str>, u64, u64)> = HashMap::new();
@@ -279,7 +282,7 @@ impl MetricsState {
         }
         let cost = |sites: &HashSet<&str>| sites.len().min(top) + 1;
         if groups.values().map(|g| cost(&g.0)).sum::<usize>() <= self.max_series {
-            return HashSet::new();
+            return (HashSet::new(), tops);
         }
         let mut ranked: Vec<(&Group, usize, u64, bool, u64)> = groups
             .iter()
@@ -291,13 +294,18 @@ impl MetricsState {
         let mut used = domains.len();
         let mut out = HashSet::new();
         for (group, cost, ..) in ranked {
-            if out.is_empty() && used + cost <= self.max_series {
+            let left = self.max_series.saturating_sub(used);
+            if !out.is_empty() || left < 2 {
+                out.insert(group.clone());
+            } else if cost <= left {
                 used += cost;
             } else {
-                out.insert(group.clone());
+                // Its first sites and its [other]; the groups after it are folded.
+                tops.insert(group.clone(), left - 1);
+                used = self.max_series;
             }
         }
-        out
+        (out, tops)
     }
 }
 

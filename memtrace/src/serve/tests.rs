@@ -440,6 +440,26 @@ fn groups_past_the_series_cap_are_summed_into_one_series() {
     // No cap: every group.
     let mut uncapped = MetricsState::default();
     assert_eq!(uncapped.update(&scrape1, 2).groups.len(), 5);
+
+    // A group with more sites than the cap holds keeps those that fit (here 10: the
+    // overflow's series, its [other], 8 sites), not none.
+    let mut state = MetricsState::default();
+    state.max_series = 10;
+    let big = |i: u32, live: u64| {
+        (0..30).map(move |s| {
+            let mut r = row(i, 100 * i + s, &format!("site{s:02}"), live + u64::from(s), 1);
+            r.group = group(&format!("big{i}"), Domain::User);
+            r
+        })
+    };
+    let rows: Vec<Row> = big(1, 1000).chain(big(2, 10)).collect();
+    let s = state.update(&rows, 20);
+    let shown: Vec<&str> = s.groups.keys().map(|g| &*g.comm).collect();
+    assert_eq!(shown, ["[other]", "big1"]);
+    let (sites, _) = &s.groups[&group("big1", Domain::User)];
+    assert_eq!(sites.len(), 8);
+    assert!(sites.contains_key("site29"), "the sites with the most live bytes: {sites:?}");
+    assert_eq!(s.groups.values().map(|(sites, _)| sites.len() + 1).sum::<usize>(), 10);
 }
 
 fn own() -> metrics::SelfFigures {
