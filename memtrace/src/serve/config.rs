@@ -40,14 +40,14 @@ pub struct ServeArgs {
     pub sample_bytes: u64,
     /// Sites per process (and domain) with their own series in /metrics, by live bytes;
     /// the others are summed under site="[other]".
-    #[arg(long, default_value_t = 20, value_name = "N")]
+    #[arg(long, default_value_t = 20, value_name = "N", allow_negative_numbers = true)]
     pub top_sites: usize,
     /// Series per metric at most (at least 10; 0: no cap), as OpenTelemetry's cardinality
     /// limit: past it, the process groups with the fewest live bytes are summed into one
     /// series, comm="[other]" site="[other]" (memtrace_groups_folded says how many), and
     /// the last group shown keeps the sites that fit. Keeps a scrape under Prometheus's
     /// sample_limit under -a with --pid-label.
-    #[arg(long, default_value_t = 2000, value_name = "N")]
+    #[arg(long, default_value_t = 2000, value_name = "N", allow_negative_numbers = true)]
     pub max_series: usize,
     /// Add a pid label to the series (one series set per process rather than per command
     /// name and cgroup).
@@ -55,11 +55,11 @@ pub struct ServeArgs {
     pub pid_label: bool,
     /// Live blocks followed at most; beyond, allocations are counted but not followed
     /// (about 50 bytes each).
-    #[arg(long, default_value_t = 1_000_000, value_name = "N")]
+    #[arg(long, default_value_t = 1_000_000, value_name = "N", allow_negative_numbers = true)]
     pub max_live_blocks: usize,
     /// Distinct stacks kept at most (a stack goes when no site of a live process uses it);
     /// beyond, new stacks show as "[stack table full]".
-    #[arg(long, default_value_t = 100_000, value_name = "N")]
+    #[arg(long, default_value_t = 100_000, value_name = "N", allow_negative_numbers = true)]
     pub max_stacks: usize,
     /// Require `Authorization: Bearer TOKEN` (the token is the file's content), as
     /// Prometheus's, Parca's and Alloy's scrape configs can send.
@@ -67,7 +67,7 @@ pub struct ServeArgs {
     pub auth_token_file: Option<PathBuf>,
     /// Requests answered at once; more wait a second for a slot, then get 503 (the health
     /// check takes none). 16 times as many connections are kept open.
-    #[arg(long, default_value_t = 8, value_name = "N")]
+    #[arg(long, default_value_t = 8, value_name = "N", allow_negative_numbers = true)]
     pub max_connections: usize,
     /// Do not trace user-space allocators.
     #[arg(long)]
