@@ -124,22 +124,27 @@ pub fn folded_rows(a: &Summary, weight: Weight, keep: impl Fn(&GroupRow) -> bool
         if value == 0 {
             continue;
         }
-        let mut line = folded_element(&process_name(a, row));
-        for f in row.frames.iter().rev() {
-            line.push(';');
-            line.push_str(&folded_name(f));
-        }
-        // A line ending in a number before its weight reads as a differential line (before
-        // and after counts) to flame graph tools: `job 42` with no frames.
-        if let Some(space) = line.rfind(' ')
-            && space + 1 < line.len()
-            && line[space + 1..].chars().all(|c| c.is_ascii_digit())
-        {
-            line.replace_range(space..=space, "_");
-        }
-        *out.entry(line).or_insert(0) += value;
+        *out.entry(folded_line(a, row)).or_insert(0) += value;
     }
     out
+}
+
+/// A row's folded stack, its process at the root.
+pub fn folded_line(a: &Summary, row: &GroupRow) -> String {
+    let mut line = folded_element(&process_name(a, row));
+    for f in row.frames.iter().rev() {
+        line.push(';');
+        line.push_str(&folded_name(f));
+    }
+    // A line ending in a number before its weight reads as a differential line (before
+    // and after counts) to flame graph tools: `job 42` with no frames.
+    if let Some(space) = line.rfind(' ')
+        && space + 1 < line.len()
+        && line[space + 1..].chars().all(|c| c.is_ascii_digit())
+    {
+        line.replace_range(space..=space, "_");
+    }
+    line
 }
 
 pub fn write_folded(a: &Summary, weight: Weight, out: &mut dyn Write) -> Result<()> {

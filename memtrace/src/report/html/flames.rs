@@ -11,9 +11,9 @@ use serde::Serialize;
 
 use crate::{
     analysis::Domain,
-    export::{Weight, draw_svg, folded_rows},
+    export::{Weight, draw_svg, folded_line},
     grouping::domain_name,
-    report::Summary,
+    report::{GroupRow, Summary},
     units::{bytes, duration},
 };
 
@@ -72,10 +72,18 @@ fn body(svg: &str) -> (String, u32) {
     (svg, height)
 }
 
-fn flame(stacks: &Summary, domain: Domain, weight: Weight) -> Result<Flame> {
+/// A flame graph of the domain's rows, whose folded stacks are `folded` (made once for
+/// every view: on a big recording they took most of the page's time).
+fn flame(stacks: &Summary, folded: &[(&GroupRow, String)], domain: Domain, weight: Weight) -> Result<Flame> {
     let (what, _) = weight.describe();
-    let lines: Vec<String> =
-        folded_rows(stacks, weight, |r| r.domain == domain).into_iter().map(|(s, v)| format!("{s} {v}")).collect();
+    let mut merged: BTreeMap<&str, u64> = BTreeMap::new();
+    for (row, line) in folded {
+        let value = weight.of(&row.stats);
+        if value > 0 {
+            *merged.entry(line.as_str()).or_insert(0) += value;
+        }
+    }
+    let lines: Vec<String> = merged.into_iter().map(|(s, v)| format!("{s} {v}")).collect();
     if lines.is_empty() {
         return Ok(Flame {
             svgz: None,
@@ -105,9 +113,11 @@ fn flame(stacks: &Summary, domain: Domain, weight: Weight) -> Result<Flame> {
 pub fn flames(stacks: &Summary, domains: &[Domain]) -> Result<BTreeMap<&'static str, BTreeMap<&'static str, Flame>>> {
     let mut out = BTreeMap::new();
     for &domain in domains {
+        let folded: Vec<(&GroupRow, String)> =
+            stacks.groups.iter().filter(|r| r.domain == domain).map(|r| (r, folded_line(stacks, r))).collect();
         let mut views = BTreeMap::new();
         for (id, _, weight) in VIEWS {
-            views.insert(id, flame(stacks, domain, weight)?);
+            views.insert(id, flame(stacks, &folded, domain, weight)?);
         }
         out.insert(domain_name(domain), views);
     }
