@@ -451,6 +451,8 @@ impl StackTable {
         }
         let symbolizer = Symbolizer::new();
         let mut named = 0;
+        // The user addresses named here: only theirs are looked at for wrappers.
+        let mut added = Vec::new();
         for (module, offsets) in by_module {
             let Some(m) = self.modules.get(&module) else {
                 continue;
@@ -467,7 +469,9 @@ impl StackTable {
             for (offset, syms) in offsets.iter().zip(symbolizer.object(path, &lookups)) {
                 if !syms.is_empty() {
                     named += 1;
-                    self.symbols.insert(SymbolKey::User(FileFrame::Module { module, offset: *offset }), syms);
+                    let key = SymbolKey::User(FileFrame::Module { module, offset: *offset });
+                    self.symbols.insert(key, syms);
+                    added.push(key);
                 }
             }
         }
@@ -480,8 +484,7 @@ impl StackTable {
             }
         }
         self.cache.clear();
-        let keys: Vec<SymbolKey> = self.symbols.keys().copied().collect();
-        self.index_wrappers(keys);
+        self.index_wrappers(added);
         named
     }
 

@@ -141,8 +141,9 @@ impl AllocFns {
         fns
     }
 
-    /// Whether a frame of this function is a wrapper's.
-    pub fn matches(&self, function: &str) -> bool {
+    /// Whether a frame of this function is a wrapper's (a frame's source file unknown).
+    #[cfg(test)]
+    fn matches(&self, function: &str) -> bool {
         self.matches_frame(function, None)
     }
 
