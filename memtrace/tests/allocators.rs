@@ -426,9 +426,22 @@ fn a_program_a_command_execd_with_its_own_allocator_is_probed_from_the_next_star
     let (first, _) = record("first.data");
     let seen_first = site(&first, "wl_musl_malloc").map_or(0, |s| s["allocs"].as_u64().unwrap());
     assert!(seen_first <= 300, "{seen_first}");
+    // The first record says so: the program's allocator came after its exec.
+    let late_warnings = |report: &Value| -> Vec<String> {
+        let warnings = report["warnings"].as_array().unwrap().iter().map(|w| w.as_str().unwrap().to_string());
+        warnings.filter(|w| w.contains("was probed")).collect()
+    };
+    let warned = late_warnings(&first);
+    assert_eq!(warned.len(), 1, "{:#}", first["warnings"]);
+    let expected = format!("exec'd {}, whose allocator (musl) was probed ", exe.display());
+    assert!(warned[0].contains(&expected) && warned[0].contains("the next `record` of this command"), "{warned:?}");
+    let musl = first["allocators"].as_array().unwrap().iter().find(|a| a["family"] == "musl");
+    let late = &musl.unwrap_or_else(|| panic!("{:#}", first["allocators"]))["probed_late"];
+    assert!(late["exec"] == true && late["after_ns"].as_u64().unwrap() > 0, "{late:#}");
     for run_name in ["second.data", "third.data"] {
         let (report, log) = record(run_name);
         assert!(log.contains("probing ahead the allocators of 1 programs"), "{log}");
+        assert!(late_warnings(&report).is_empty(), "{run_name}: {:#}", report["warnings"]);
         let s = site(&report, "wl_musl_malloc").unwrap_or_else(|| panic!("{report:#}"));
         assert_eq!((&s["allocs"], &s["frees"]), (&300.into(), &300.into()), "{run_name}: {s:#}");
         let musl = report["allocators"].as_array().unwrap().iter().find(|a| a["family"] == "musl");

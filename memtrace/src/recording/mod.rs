@@ -135,6 +135,22 @@ pub struct AllocatorMeta {
     /// Found in a traced program (false: an installed library probed ahead of time).
     #[serde(default = "yes")]
     pub found: bool,
+    /// Probed only after a traced process had started running its code: the program
+    /// that brought it was exec'd, or the library mapped, before it was looked into.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub probed_late: Option<LateProbe>,
+}
+
+/// An allocator probed after a traced process could already call it: the first such
+/// process, and how long after its exec (or its mapping of the library) the probes came.
+/// Its calls in between are not in the recording.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LateProbe {
+    pub pid: u32,
+    /// Nanoseconds from the exec or mapping to the probes' attachment.
+    pub after_ns: u64,
+    /// The allocator is the exec'd program's own (else: in a library it mapped).
+    pub exec: bool,
 }
 
 fn yes() -> bool {

@@ -85,6 +85,10 @@ pub struct AllocatorRow {
     pub frees: u64,
     pub bytes_req: u64,
     pub bytes_alloc: u64,
+    /// Probed after a traced process could call it (its program exec'd, or the library
+    /// mapped, before it was looked into).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub probed_late: Option<recording::LateProbe>,
 }
 
 /// Whether allocator `index` (1-based) of `allocators` is the one `name` names.
@@ -303,6 +307,7 @@ pub fn analyze(path: &Path, opts: &ReportOptions) -> Result<Summary> {
             module: a.module.clone(),
             family: a.family.clone(),
             prefix: a.prefix.clone(),
+            probed_late: a.probed_late,
             ..Default::default()
         })
         .collect();

@@ -45,9 +45,17 @@ pub fn render_text(a: &Summary, opts: &ReportOptions) -> String {
         for r in &a.allocators {
             let prefix = if r.prefix.is_empty() { String::new() } else { format!(", prefix {}", r.prefix) };
             let how = crate::sizes::Family::from_name(&r.family).map_or("", |f| f.usable_source());
+            let late = match r.probed_late {
+                Some(l) => {
+                    let name = a.comms.get(&l.pid).map_or(format!("{}", l.pid), |c| format!("{c} [{}]", l.pid));
+                    let what = if l.exec { "exec'd it" } else { "mapped it" };
+                    format!("; probed {} after {name} {what}", crate::units::duration(l.after_ns))
+                }
+                None => String::new(),
+            };
             let _ = writeln!(
                 out,
-                "allocator: {} ({}{prefix}): {} allocs, {} frees; {how}",
+                "allocator: {} ({}{prefix}): {} allocs, {} frees; {how}{late}",
                 r.module, r.family, r.allocs, r.frees
             );
         }

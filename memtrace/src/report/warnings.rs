@@ -203,11 +203,28 @@ pub fn under_counting(
             stats.user_walks_interleaved
         ));
     }
-    for (&pid, t) in tallies {
-        let name = match comms.get(&pid) {
-            Some(comm) => format!("process {comm} [{pid}]"),
-            None => format!("process {pid}"),
+    let name_of = |pid: u32| match comms.get(&pid) {
+        Some(comm) => format!("process {comm} [{pid}]"),
+        None => format!("process {pid}"),
+    };
+    for a in &stats.allocators {
+        let Some(late) = a.probed_late.filter(|l| l.exec) else { continue };
+        let again = if meta.mode == "command" {
+            "; the next `record` of this command probes it from the start (remembered beside the unwind cache)"
+        } else {
+            ""
         };
+        out.push(format!(
+            "{} exec'd {}, whose allocator ({}) was probed {} after the exec: the calls it made to it before then \
+             are not in the recording{again}",
+            name_of(late.pid),
+            a.module,
+            a.family,
+            crate::units::duration(late.after_ns)
+        ));
+    }
+    for (&pid, t) in tallies {
+        let name = name_of(pid);
         if t.frees >= MIN_EVENTS && t.unmatched_frees as f64 >= SHARE * t.frees as f64 {
             let cause = if t.started_traced || (meta.target_pids.contains(&pid) && meta.mode == "command") {
                 "its allocator was probed after it started (a child or an exec'd program with its own allocator is \
@@ -290,5 +307,23 @@ mod tests {
         let w = under_counting(&BTreeMap::new(), &comms, &meta, &interleaved);
         assert_eq!(w.len(), 1, "{w:#?}");
         assert!(w[0].starts_with("5 user stacks keep their call site alone (cut short)"), "{}", w[0]);
+        // An allocator probed after the program that brought it began: said for an exec'd
+        // program's own; a library's mapped earlier is said on its allocator line.
+        let allocator = |exec| recording::AllocatorMeta {
+            module: "/usr/bin/rustc".into(),
+            family: "jemalloc".into(),
+            probed_late: Some(recording::LateProbe { pid: 7, after_ns: 551_000_000, exec }),
+            ..Default::default()
+        };
+        let late = Stats { allocators: vec![allocator(true), allocator(false)], ..Default::default() };
+        let w = under_counting(&BTreeMap::new(), &comms, &meta, &late);
+        assert_eq!(w.len(), 1, "{w:#?}");
+        assert_eq!(
+            w[0],
+            "process server [7] exec'd /usr/bin/rustc, whose allocator (jemalloc) was probed 551.0ms after the exec: \
+             the calls it made to it before then are not in the recording"
+        );
+        let command = Meta { mode: "command".into(), ..meta.clone() };
+        assert!(under_counting(&BTreeMap::new(), &comms, &command, &late)[0].contains("the next `record`"));
     }
 }

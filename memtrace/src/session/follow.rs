@@ -32,7 +32,7 @@ impl Tracer {
                     return;
                 }
                 sink.exec_seen(t.pid, Path::new(&t.filename));
-                self.on_exec(t.pid, Path::new(&t.filename));
+                self.on_exec(t.pid, Path::new(&t.filename), t.ts_ns);
                 if self.followed.contains(&t.pid) || matches!(self.options.target, Target::All) {
                     self.python_exec(t.pid);
                 }
@@ -50,7 +50,7 @@ impl Tracer {
                         let was_followed = self.followed.contains(&t.pid);
                         self.on_fork(t.pid);
                         if !was_followed && self.followed.contains(&t.pid) {
-                            self.on_exec(t.pid, Path::new(""));
+                            self.on_exec(t.pid, Path::new(""), t.ts_ns);
                             self.python_exec(t.pid);
                         }
                     }
@@ -99,18 +99,35 @@ impl Tracer {
         allocator
     }
 
-    pub(super) fn attach(&mut self, pid: u32, allocator: &Allocator) {
+    /// Probes `allocator` in process `pid` (0: every process); whether it was probed
+    /// just now (not before, and without error).
+    pub(super) fn attach(&mut self, pid: u32, allocator: &Allocator) -> bool {
         if pid == 0 && crate::probes::allocator::is_own_executable(allocator.file_id) {
-            return;
+            return false;
         }
         if !self.attached.insert((pid, allocator.file_id, allocator.prefix.clone())) {
+            return false;
+        }
+        match self.probes.attach_allocator(allocator, (pid != 0).then_some(pid)) {
+            Ok(()) => true,
+            Err(e) => {
+                if !self.options.quiet {
+                    eprintln!("memtrace: not tracing {} in pid {pid}: {e:#}", allocator.object.display());
+                }
+                false
+            }
+        }
+    }
+
+    /// An allocator a process could call before it was probed (its program's own, found
+    /// at the exec; a library's, found at the mapping): the first such process is kept
+    /// for the recording's warnings.
+    fn probed_late(&mut self, allocator: &Allocator, pid: u32, since_ns: u64, exec: bool) {
+        if allocator.index == 0 || since_ns == 0 {
             return;
         }
-        if let Err(e) = self.probes.attach_allocator(allocator, (pid != 0).then_some(pid))
-            && !self.options.quiet
-        {
-            eprintln!("memtrace: not tracing {} in pid {pid}: {e:#}", allocator.object.display());
-        }
+        let after_ns = super::monotonic_ns().saturating_sub(since_ns);
+        self.late_probes.entry(allocator.index).or_insert(crate::recording::LateProbe { pid, after_ns, exec });
     }
 
     /// A child of a followed process: the allocators its parent has are its own. With
@@ -125,7 +142,7 @@ impl Tracer {
             return;
         }
         for allocator in self.allocators.clone() {
-            self.attach(pid, &allocator);
+            let _ = self.attach(pid, &allocator);
         }
     }
 
@@ -135,7 +152,8 @@ impl Tracer {
     /// (`filename`: the program as the exec record names it, for a process gone before its
     /// `/proc` entry is read: a short program's allocator is still looked into, and so
     /// remembered for the command's next session.)
-    pub(super) fn on_exec(&mut self, pid: u32, filename: &Path) {
+    /// (`exec_ns`: when it exec'd.)
+    pub(super) fn on_exec(&mut self, pid: u32, filename: &Path, exec_ns: u64) {
         if !self.options.user || (!self.followed.contains(&pid) && !matches!(self.options.target, Target::All)) {
             return;
         }
@@ -153,17 +171,17 @@ impl Tracer {
         let key = (canonical, preload);
         if let Some(resolved) = self.resolved_programs.get(&key) {
             let resolved = resolved.clone();
-            self.attach_for_program(pid, resolved);
+            self.attach_for_program(pid, resolved, exec_ns);
             return;
         }
         // Looked into on the objects' thread: the program's first mappings, behind its exec
         // in the rings, reach the unwinder meanwhile. Until then its own allocator (a static
         // binary's, a bundled jemalloc) is not probed; the installed libraries are already.
         if let Some(waiting) = self.programs_in_flight.get_mut(&key) {
-            waiting.push(pid);
+            waiting.push((pid, exec_ns));
             return;
         }
-        self.programs_in_flight.insert(key.clone(), vec![pid]);
+        self.programs_in_flight.insert(key.clone(), vec![(pid, exec_ns)]);
         let (canonical, preload) = key;
         if let Some(found) = self.objects.ask_program(pid, (exe, canonical), preload, &self.options.symbol_prefix) {
             self.take_found(found);
@@ -174,8 +192,9 @@ impl Tracer {
     /// attached per process (kernels without multi-uprobe links), a process gone before its
     /// program was looked into (a short one, seen from its exec record) gets none: its
     /// allocators are registered, probed for the next process that runs the program, and
-    /// remembered for the command's next session.
-    fn attach_for_program(&mut self, pid: u32, resolved: Vec<Allocator>) {
+    /// remembered for the command's next session. An allocator probed here for the first
+    /// time came after the process began (`exec_ns`): it is kept as probed late.
+    fn attach_for_program(&mut self, pid: u32, resolved: Vec<Allocator>, exec_ns: u64) {
         let scope = probe_scope(&self.probes, &self.options, Some(pid)).unwrap_or(0);
         let gone = scope != 0 && !Path::new(&format!("/proc/{scope}")).exists();
         for allocator in resolved {
@@ -184,8 +203,9 @@ impl Tracer {
                 continue;
             }
             let allocator = self.register(allocator);
-            if !gone {
-                self.attach(scope, &allocator);
+            // Gone: it ran without them.
+            if gone || self.attach(scope, &allocator) {
+                self.probed_late(&allocator, pid, exec_ns, true);
             }
         }
     }
@@ -195,14 +215,14 @@ impl Tracer {
     /// program's later processes).
     fn take_found(&mut self, found: objects::Found) {
         match found {
-            objects::Found::Object(allocators) => self.attach_allocators(allocators),
+            objects::Found::Object(allocators, mapped) => self.attach_allocators(allocators, mapped),
             objects::Found::Program { pid, canonical, preload, allocators } => {
                 let key = (canonical, preload);
-                let pids = self.programs_in_flight.remove(&key).unwrap_or_else(|| vec![pid]);
+                let pids = self.programs_in_flight.remove(&key).unwrap_or_else(|| vec![(pid, 0)]);
                 let Some(allocators) = allocators else { return };
                 self.resolved_programs.insert(key, allocators.clone());
-                for pid in pids {
-                    self.attach_for_program(pid, allocators.clone());
+                for (pid, exec_ns) in pids {
+                    self.attach_for_program(pid, allocators.clone(), exec_ns);
                 }
             }
         }
@@ -212,13 +232,14 @@ impl Tracer {
     /// jemallocs) get probes in every followed process. The object is looked into on a
     /// thread of its own (`objects`): the probes are attached when
     /// [`Self::attach_found_allocators`] takes the answer.
-    pub(super) fn check_object(&mut self, object: PathBuf) {
+    /// (`mapped`: the process that mapped it and when, where a mapping record said so.)
+    pub(super) fn check_object(&mut self, object: PathBuf, mapped: Option<(u32, u64)>) {
         if !self.checked_objects.insert(object.clone()) {
             return;
         }
         let id = probes::allocator::file_id(&object);
         let known = self.allocators.iter().any(|a| a.file_id == id && a.prefix == self.options.symbol_prefix);
-        if let Some(found) = self.objects.ask(object, &self.options.symbol_prefix, known) {
+        if let Some(found) = self.objects.ask(object, &self.options.symbol_prefix, known, mapped) {
             self.take_found(found);
         }
     }
@@ -231,12 +252,16 @@ impl Tracer {
         }
     }
 
-    fn attach_allocators(&mut self, found: Vec<probes::Allocator>) {
+    fn attach_allocators(&mut self, found: Vec<probes::Allocator>, mapped: Option<(u32, u64)>) {
         for allocator in found {
             let allocator = self.register(allocator);
+            let mut probed = false;
             for p in self.followed.clone() {
                 let scope = probe_scope(&self.probes, &self.options, Some(p)).unwrap_or(0);
-                self.attach(scope, &allocator);
+                probed |= self.attach(scope, &allocator);
+            }
+            if probed && let Some((pid, mapped_ns)) = mapped {
+                self.probed_late(&allocator, pid, mapped_ns, false);
             }
         }
     }
@@ -337,7 +362,7 @@ impl Tracer {
                 .collect();
             for object in objects {
                 self.check_cuda(pid, &object);
-                self.check_object(object);
+                self.check_object(object, None);
             }
         }
     }

@@ -155,6 +155,9 @@ impl std::fmt::Display for CommandFailed {
 }
 impl std::error::Error for CommandFailed {}
 
+/// A program as the session keys it: its canonical path and what it preloads.
+type ProgramKey = (PathBuf, Vec<PathBuf>);
+
 /// The probes of a session and what they trace.
 pub struct Tracer {
     pub probes: Probes,
@@ -183,14 +186,17 @@ pub struct Tracer {
     objects: objects::ObjectChecks,
     /// Programs (and what they preload) whose allocators were resolved (exec'd again and
     /// again: resolved once).
-    resolved_programs: HashMap<(PathBuf, Vec<PathBuf>), Vec<Allocator>>,
+    resolved_programs: HashMap<ProgramKey, Vec<Allocator>>,
     /// A command's program and the allocator files probed from the start without the
     /// memory of earlier sessions ([`remembered`]): the programs exec'd with others are
     /// remembered for the next session.
     base_allocators: Option<(PathBuf, HashSet<(u64, u64)>)>,
     /// Programs being looked into on the objects' thread, and the processes that exec'd
     /// them meanwhile (`make -j` starting the compiler several times): one search each.
-    programs_in_flight: HashMap<(PathBuf, Vec<PathBuf>), Vec<u32>>,
+    programs_in_flight: HashMap<ProgramKey, Vec<(u32, u64)>>,
+    /// Allocators (by index) probed after a traced process could call them: the first
+    /// such process and how late, for the recording's warnings.
+    pub late_probes: HashMap<u8, crate::recording::LateProbe>,
     last_scan: Instant,
     last_loss_check: Instant,
     lost_seen: u64,
@@ -488,6 +494,7 @@ impl Tracer {
             checked_objects: HashSet::new(),
             objects: objects::ObjectChecks::new(),
             programs_in_flight: HashMap::new(),
+            late_probes: HashMap::new(),
             resolved_programs: program
                 .as_ref()
                 .and_then(|p| std::fs::canonicalize(p).ok())
@@ -644,7 +651,7 @@ impl Tracer {
             && self.followed.contains(&m.pid)
         {
             let object = procfs::path_in_process(m.pid, Path::new(path));
-            self.check_object(object);
+            self.check_object(object, Some((m.pid, m.ts_ns)));
         }
         let took = handling.elapsed();
         if took > std::time::Duration::from_millis(10) {

@@ -22,8 +22,8 @@ struct Ask {
 
 enum What {
     /// A mapped object. `skip_primary`: its own malloc family is known already: look for
-    /// prefixed jemallocs only.
-    Object { object: PathBuf, skip_primary: bool },
+    /// prefixed jemallocs only. `mapped`: the process that mapped it, and when.
+    Object { object: PathBuf, skip_primary: bool, mapped: Option<(u32, u64)> },
     /// The program process `pid` exec'd (`exe` as the process names it, `canonical` the
     /// session's key for it), with what it preloads.
     Program { pid: u32, exe: PathBuf, canonical: PathBuf, preload: Vec<PathBuf> },
@@ -31,8 +31,9 @@ enum What {
 
 /// What a look found.
 pub(super) enum Found {
-    /// In a mapped object: for every followed process.
-    Object(Vec<Allocator>),
+    /// In a mapped object: for every followed process (with the process that mapped it
+    /// and when, where a mapping record named it).
+    Object(Vec<Allocator>, Option<(u32, u64)>),
     /// In an exec'd program: for process `pid`, and any later process of that program
     /// (`canonical`, `preload`). None when the program could not be read (the process
     /// exited, its file was replaced): not an answer to remember.
@@ -65,8 +66,14 @@ impl ObjectChecks {
 
     /// Looks into `object` for allocators; the answer comes from [`Self::found`] (at
     /// once, when the thread could not be started).
-    pub(super) fn ask(&mut self, object: PathBuf, prefix: &str, skip_primary: bool) -> Option<Found> {
-        self.send(Ask { what: What::Object { object, skip_primary }, prefix: prefix.to_string() })
+    pub(super) fn ask(
+        &mut self,
+        object: PathBuf,
+        prefix: &str,
+        skip_primary: bool,
+        mapped: Option<(u32, u64)>,
+    ) -> Option<Found> {
+        self.send(Ask { what: What::Object { object, skip_primary, mapped }, prefix: prefix.to_string() })
     }
 
     /// Looks for the allocators the program `exe` (known to the session as `canonical`)
@@ -139,7 +146,7 @@ fn look_into(ask: &Ask) -> Found {
 
 fn look_into_now(ask: &Ask) -> Found {
     match &ask.what {
-        What::Object { object, skip_primary } => {
+        What::Object { object, skip_primary, mapped } => {
             let objects = std::slice::from_ref(object);
             let mut found = allocator::prefixed(objects);
             if !skip_primary
@@ -148,7 +155,7 @@ fn look_into_now(ask: &Ask) -> Found {
             {
                 found.insert(0, primary);
             }
-            Found::Object(found)
+            Found::Object(found, *mapped)
         }
         What::Program { pid, exe, canonical, preload } => Found::Program {
             pid: *pid,
@@ -167,14 +174,14 @@ mod tests {
     fn an_object_without_allocators_answers_empty_and_a_missing_one_too() {
         let mut checks = ObjectChecks::new();
         for object in ["/nonexistent/libnothing.so", "/proc/self/status"] {
-            if let Some(Found::Object(now)) = checks.ask(PathBuf::from(object), "", false) {
+            if let Some(Found::Object(now, _)) = checks.ask(PathBuf::from(object), "", false, None) {
                 assert!(now.is_empty());
             }
         }
         let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
         while checks.pending > 0 && std::time::Instant::now() < deadline {
             for found in checks.found() {
-                assert!(matches!(found, Found::Object(ref a) if a.is_empty()));
+                assert!(matches!(found, Found::Object(ref a, _) if a.is_empty()));
             }
             std::thread::sleep(std::time::Duration::from_millis(1));
         }
@@ -201,8 +208,8 @@ mod tests {
             .find(|p| p.exists());
         let Some(libc) = libc else { return };
         let mut checks = ObjectChecks::new();
-        let now = checks.ask(libc.clone(), "", false);
-        let Some(Found::Object(found)) = first_answer(&mut checks, now) else { panic!("no answer for {libc:?}") };
+        let now = checks.ask(libc.clone(), "", false, None);
+        let Some(Found::Object(found, _)) = first_answer(&mut checks, now) else { panic!("no answer for {libc:?}") };
         assert!(found.iter().any(|a| a.file_id == allocator::file_id(&libc)), "{libc:?}");
     }
 
