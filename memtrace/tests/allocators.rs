@@ -394,6 +394,13 @@ fn a_static_musl_malloc_is_recognised_and_keeps_the_request() {
     let req: u64 = (0..300).map(|i| 10 + i).sum();
     assert_eq!(s["bytes_req"], req);
     assert_eq!(s["bytes_alloc"], req, "musl's usable size is the request");
+    // musl's start code has no call-frame information: its start functions end the stack,
+    // which is whole, not cut short.
+    assert_eq!(report["stacks"]["user"]["allocs_truncated"], 0, "{:#}", report["stacks"]);
+    let by_stack = report_json(&data, &["--by", "stack"]);
+    let frames: Vec<&str> =
+        by_stack["sites"][0]["frames"].as_array().unwrap().iter().map(|f| f["function"].as_str().unwrap()).collect();
+    assert_eq!(frames, ["wl_musl_malloc", "main", "libc_start_main_stage2"]);
 }
 
 /// A command that execs a program with an allocator of its own (rustup's `rustc` proxy

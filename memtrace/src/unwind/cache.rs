@@ -28,8 +28,9 @@ use super::{cfi::Segment, table::Table};
 
 /// Bumped whenever the table format or how tables are built changes: older entries are
 /// rebuilt. 3: of two rows at one pc of an FDE the later one (ab7ede2). 4: CFA offsets
-/// past 256 KiB in 8-byte words (frames up to 2 MiB).
-pub const FORMAT_VERSION: u32 = 4;
+/// past 256 KiB in 8-byte words (frames up to 2 MiB). 5: the C runtime's start functions
+/// without call-frame information are outermost frames (musl's).
+pub const FORMAT_VERSION: u32 = 5;
 const MAGIC: &[u8; 8] = b"MTUNWTB\0";
 /// Default bound of the cache's size.
 pub const DEFAULT_MAX_BYTES: u64 = 512 << 20;

@@ -128,6 +128,30 @@ pub fn vaddr_of_file_offset(segments: &[Segment], offset: u64) -> Option<u64> {
 /// code (ld.so's `_start` has none): the outermost frame.
 const ENTRY_CODE_BYTES: u64 = 64;
 
+/// The C runtime's start functions, between the entry point and `main` (and the
+/// constructors): where no call-frame information describes them, they are the outermost
+/// frame. musl builds its C code without unwind tables, so every stack of a program linked
+/// statically with it (a Rust or C program built for `*-linux-musl`, Alpine's) otherwise
+/// stopped in `libc_start_main_stage2` marked cut short. glibc's have call-frame
+/// information and keep theirs.
+const START_FUNCTIONS: [&str; 5] =
+    ["_start", "_start_c", "__libc_start_main", "libc_start_main_stage2", "__libc_start_init"];
+
+/// The address ranges of the [`START_FUNCTIONS`] a file's symbol tables define.
+fn start_functions(elf: &object::File<'_>) -> Vec<(u64, u64)> {
+    use object::ObjectSymbol as _;
+    let mut found: Vec<(u64, u64)> = elf
+        .symbols()
+        .chain(elf.dynamic_symbols())
+        .filter(|s| s.kind() == object::SymbolKind::Text && s.size() > 0 && s.address() != 0)
+        .filter(|s| s.name_bytes().is_ok_and(|n| START_FUNCTIONS.iter().any(|f| f.as_bytes() == n)))
+        .map(|s| (s.address(), s.address().saturating_add(s.size())))
+        .collect();
+    found.sort_unstable();
+    found.dedup();
+    found
+}
+
 /// A row of a file's table before packing: from `pc` (a virtual address of the file) on,
 /// `rule` applies.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -165,6 +189,8 @@ enum SectionBytes {
 pub struct Cfi {
     pub segments: Vec<Segment>,
     entry: u64,
+    /// The C runtime's start functions the file defines ([`START_FUNCTIONS`]).
+    start_code: Vec<(u64, u64)>,
     data: Bytes,
     endian: RunTimeEndian,
     eh_frame: Option<SectionBytes>,
@@ -224,8 +250,9 @@ impl Cfi {
         });
         let debug_frame = section_bytes(".debug_frame").map(|(_, bytes)| bytes);
         let entry = elf.entry();
+        let start_code = start_functions(&elf);
         drop(elf);
-        Ok(Self { segments, entry, data, endian, eh_frame, debug_frame, bases })
+        Ok(Self { segments, entry, start_code, data, endian, eh_frame, debug_frame, bases })
     }
 
     fn section<'a>(&'a self, bytes: &'a Option<SectionBytes>) -> Option<EndianSlice<'a, RunTimeEndian>> {
@@ -238,8 +265,8 @@ impl Cfi {
 
     /// The file's unwind table (None if its call-frame information has no row): the FDEs'
     /// rows, the frame-pointer rule where no FDE covers code
-    /// ([`UnwindRule::FRAME_POINTER`]), and the entry code as the outermost frame when no
-    /// FDE describes it; sorted, without two consecutive rows of the same rule. Parsing
+    /// ([`UnwindRule::FRAME_POINTER`]), and the entry code and the C runtime's start
+    /// functions as the outermost frame when no FDE describes them; sorted, without two consecutive rows of the same rule. Parsing
     /// stops at the first malformed entry of a section; what came before is kept.
     pub fn table(&self) -> Option<Table> {
         let eh_frame = self.section(&self.eh_frame).map(|s| {
@@ -253,11 +280,12 @@ impl Cfi {
             frame
         });
         // Row pcs are kept relative to a base from the start, 8 bytes a row: the lowest
-        // address any FDE (or the entry) starts at, raised to the first row's after merging.
+        // address any FDE (or the entry, or a start function) starts at, raised to the first row's after merging.
         let base = [
             eh_frame.as_ref().and_then(|s| lowest_start(s, &self.bases)),
             debug_frame.as_ref().and_then(|s| lowest_start(s, &self.bases)),
             (self.entry != 0).then_some(self.entry),
+            self.start_code.first().map(|&(start, _)| start),
         ]
         .into_iter()
         .flatten()
@@ -284,9 +312,12 @@ impl Cfi {
             fde_rows(debug, &self.bases, &mut ctx, &eh_spans, &mut out, &mut covered);
             covered.extend(eh_spans);
         }
-        if self.entry != 0 && !covered.iter().any(|&(s, e)| (s..e).contains(&self.entry)) {
-            out.push(self.entry, encode_rule(UnwindRule::OUTERMOST));
-            out.push(self.entry.saturating_add(ENTRY_CODE_BYTES), FDE_END);
+        let entry = (self.entry != 0).then_some((self.entry, self.entry.saturating_add(ENTRY_CODE_BYTES)));
+        for (start, end) in entry.into_iter().chain(self.start_code.iter().copied()) {
+            if !covered.iter().any(|&(s, e)| (s..e).contains(&start)) {
+                out.push(start, encode_rule(UnwindRule::OUTERMOST));
+                out.push(end, FDE_END);
+            }
         }
         let first = merge(&mut rows)?;
         Some(Table::from_packed(base + u64::from(first), rows, self.segments.clone()))
