@@ -292,7 +292,9 @@ pub(crate) struct WalkState {
     pub(crate) ip: u64,
     pub(crate) sp: u64,
     pub(crate) bp: u64,
-    /// What the uprobe trampoline stands for, if an allocator call is in progress.
+    /// What the uprobe trampoline stands for in the slot of the allocator call in
+    /// progress, if one is: for userspace, finishing a walk from a copy (the probes look
+    /// up each trampoline's slot as they meet it).
     pub(crate) ret_addr: u64,
     /// The stack hash, continued with each frame.
     pub(crate) hash: u64,
@@ -571,8 +573,7 @@ pub(crate) extern "C" fn walk_step(_index: u64, state: *mut c_void) -> i64 {
     let rule = decode_rule(rule_bits);
     memtrace_note_rule(i as u64, u64::from(rule.kind), rule.rbp_offset as i64 as u64);
     cover_step(&regs, rule);
-    let outcome =
-        memtrace_step_frame(regs.ip, regs.sp, regs.bp, u64::from(rule_bits) | u64::from(regs.exact) << 32, st.ret_addr);
+    let outcome = memtrace_step_frame(regs.ip, regs.sp, regs.bp, u64::from(rule_bits) | u64::from(regs.exact) << 32);
     let Some(scratch) = crate::context::scratch() else { return 1 };
     match outcome {
         STEP_CALLER => {
@@ -596,6 +597,10 @@ pub(crate) extern "C" fn walk_step(_index: u64, state: *mut c_void) -> i64 {
     }
 }
 
+/// What `unwind::step` is told the uprobe trampoline stands for, to see where it met one:
+/// no code is at address 1.
+const TRAMPOLINE_SEEN: u64 = 1;
+
 /// [`memtrace_step_frame`]'s answers.
 const STEP_CALLER: u64 = 0;
 const STEP_OUTERMOST: u64 = 1;
@@ -603,17 +608,32 @@ const STEP_STOP: u64 = 2;
 
 /// Applies a rule (`encode_rule` of it, `exact` in bit 32) to the frame at `ip`, `sp`,
 /// `bp`: [`STEP_CALLER`] with the caller's registers in `scratch.step_next`, or
-/// [`STEP_OUTERMOST`], or [`STEP_STOP`]. A global BPF function: its ways through (the rule
-/// kinds, each stack read from the window or not) are checked once, on their own, not
-/// multiplied by every state of the walk step.
+/// [`STEP_OUTERMOST`], or [`STEP_STOP`]. A return address the uprobe trampoline stands
+/// in for is put back from the uprobe machinery's record of its slot: each one met its own
+/// (a kernel allocation in the `mmap` that `malloc` calls meets `mmap`'s return probe's
+/// trampoline, then `malloc`'s; taking `malloc`'s return address for both skipped its
+/// frames and read the rest of the stack from the wrong place). A global BPF function: its
+/// ways through (the rule kinds, each stack read from the window or not) are checked once,
+/// on their own, not multiplied by every state of the walk step.
 #[inline(never)]
 #[unsafe(no_mangle)]
-pub extern "C" fn memtrace_step_frame(ip: u64, sp: u64, bp: u64, rule_exact: u64, ret_addr: u64) -> u64 {
+pub extern "C" fn memtrace_step_frame(ip: u64, sp: u64, bp: u64, rule_exact: u64) -> u64 {
     let Some(scratch) = scratch() else { return STEP_STOP };
     let regs = Regs { ip, sp, bp, exact: rule_exact >> 32 != 0 };
-    match unwind::step(regs, decode_rule(rule_exact as u32), ret_addr, |addr| read_stack(scratch, addr)) {
+    match unwind::step(regs, decode_rule(rule_exact as u32), TRAMPOLINE_SEEN, |addr| read_stack(scratch, addr)) {
         Step::Caller(next) => {
-            scratch.step_next = [next.ip, next.sp, next.bp, u64::from(next.exact)];
+            let ip = if next.ip == TRAMPOLINE_SEEN {
+                // The return address was read from the slot just below the caller's stack
+                // pointer (the CFA).
+                match memtrace_hidden_return(next.sp.wrapping_sub(8)) {
+                    0 => return STEP_STOP,
+                    ip => ip,
+                }
+            } else {
+                next.ip
+            };
+            let Some(scratch) = crate::context::scratch() else { return STEP_STOP };
+            scratch.step_next = [ip, next.sp, next.bp, u64::from(next.exact)];
             STEP_CALLER
         }
         Step::Outermost => STEP_OUTERMOST,

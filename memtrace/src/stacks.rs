@@ -398,19 +398,24 @@ impl StackTable {
     }
 
     /// Every stack (id + 1) with a kernel frame in the uprobe machinery
-    /// ([`is_uprobe_machinery`]): allocations the probes caused, counted apart. Each kernel
-    /// address is looked up once, by its symbols alone.
+    /// ([`is_uprobe_machinery`]), or whose user code was the uprobes' own page (`[uprobes]`:
+    /// the return trampoline and the out-of-line slots, whose first run in a process faults
+    /// in page tables): allocations the probes caused, counted apart. Each kernel address
+    /// is looked up once, by its symbols alone.
     pub fn uprobe_stacks(&self) -> HashSet<u64> {
         let mut machinery: HashMap<u64, bool> = HashMap::new();
         let mut out = HashSet::new();
+        let in_uprobes_page =
+            |f: FileFrame| matches!(f, FileFrame::Address(a) if a & !0xfff == memtrace_common::UPROBE_TRAMPOLINE_PAGE);
         for s in self.stacks.iter() {
-            let hit = s.kernel().any(|addr| {
-                *machinery.entry(addr).or_insert_with(|| {
-                    self.symbols
-                        .get(&SymbolKey::Kernel(addr))
-                        .is_some_and(|chain| chain.iter().any(|sym| is_uprobe_machinery(&sym.name)))
-                })
-            });
+            let hit = s.user().next().is_some_and(in_uprobes_page)
+                || s.kernel().any(|addr| {
+                    *machinery.entry(addr).or_insert_with(|| {
+                        self.symbols
+                            .get(&SymbolKey::Kernel(addr))
+                            .is_some_and(|chain| chain.iter().any(|sym| is_uprobe_machinery(&sym.name)))
+                    })
+                });
             if hit {
                 out.insert(u64::from(s.id) + 1);
             }

@@ -748,3 +748,113 @@ fn attaching_mid_run_is_said_out_loud() {
     let warnings: Vec<&str> = report["warnings"].as_array().unwrap().iter().filter_map(Value::as_str).collect();
     assert!(warnings.iter().any(|w| warning.ends_with(w)), "{warnings:#?}");
 }
+
+/// A kernel allocation made inside a call that an allocator call makes (the `mmap` with
+/// which a thread's first `malloc` makes its arena) meets two return-probe trampolines on
+/// its user stack, `mmap`'s and `malloc`'s: each is put back as its own return address.
+/// Before, `malloc`'s stood in for both: the walk skipped from `mmap` to `malloc`'s caller
+/// and read the rest from the wrong place (`[unknown] 0x21000`). And the page tables the
+/// kernel makes for the uprobes' own page are the probes' cost, not the program's.
+#[test]
+fn kernel_stacks_inside_nested_probed_calls_are_whole() {
+    require_root();
+    let _sharing = sharing_the_machine();
+    let dir = scratch("nested-trampolines");
+    let prog = compile(
+        &dir,
+        "arena",
+        r#"
+#include <pthread.h>
+#include <stdlib.h>
+__attribute__((noinline)) void *wl_thread_alloc(size_t n) {
+    void *p = malloc(n);
+    __asm__ volatile("" ::: "memory");
+    return p;
+}
+static void *body(void *arg) {
+    (void)arg;
+    free(wl_thread_alloc(100)); /* the thread's first malloc maps its arena */
+    return 0;
+}
+int main(void) {
+    for (int i = 0; i < 2; i++) {
+        pthread_t t;
+        pthread_create(&t, 0, body, 0);
+        pthread_join(t, 0);
+    }
+    return 0;
+}
+"#,
+    );
+    let data = dir.join("t.data");
+    run(memtrace().args(["record", "-q", "-o"]).arg(&data).arg("--").arg(&prog));
+    let out = run(memtrace().args(["export", "--format", "folded", "-i"]).arg(&data));
+    let folded = String::from_utf8(out.stdout).unwrap();
+    let nested: Vec<&str> =
+        folded.lines().filter(|l| l.contains("_[k]") && l.contains("mmap") && l.contains("wl_thread_alloc")).collect();
+    assert!(!nested.is_empty(), "no kernel allocation in the arena's mmap:\n{folded}");
+    for line in &nested {
+        assert!(
+            line.contains(";start_thread;") && line.contains("malloc") && !line.contains("[unknown]"),
+            "{line}\n{folded}"
+        );
+    }
+    assert!(!folded.contains("0x7fffffffe000"), "{folded}");
+}
+
+/// A process attached with `--pid` that frees, as it shuts down, the blocks it allocated
+/// before: frees without allocation, said out loud, as when it lives on. (They were taken
+/// for glibc releasing its per-thread cache at the main thread's exit, which it does not,
+/// and the report said nothing.)
+#[test]
+fn frees_of_blocks_from_before_the_attach_count_when_the_process_exits() {
+    require_root();
+    let _sharing = sharing_the_machine();
+    let dir = scratch("attach-exit");
+    let prog = compile(
+        &dir,
+        "shutdown",
+        r#"
+#include <stdio.h>
+#include <stdlib.h>
+int main(void) {
+    static void *blocks[100];
+    for (int i = 0; i < 100; i++)
+        blocks[i] = malloc(64 + i);
+    printf("ready\n");
+    fflush(stdout);
+    char line[8];
+    if (!fgets(line, sizeof line, stdin))
+        return 1;
+    for (int i = 0; i < 100; i++)
+        free(blocks[i]);
+    return 0;
+}
+"#,
+    );
+    let mut target = Command::new(&prog).stdin(Stdio::piped()).stdout(Stdio::piped()).spawn().unwrap();
+    let mut line = String::new();
+    BufReader::new(target.stdout.take().unwrap()).read_line(&mut line).unwrap();
+    let pid = target.id();
+    let data = dir.join("a.data");
+    let mut tracer = memtrace()
+        .args(["record", "--no-kernel", "--pid", &pid.to_string(), "-o"])
+        .arg(&data)
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut stderr = BufReader::new(tracer.stderr.take().unwrap());
+    let mut said = String::new();
+    while stderr.read_line(&mut said).unwrap() > 0 && !said.contains("Ctrl-C to stop") {}
+    assert!(said.contains("Ctrl-C to stop"), "{said}");
+    target.stdin.take().unwrap().write_all(b"go\n").unwrap();
+    assert!(target.wait().unwrap().success());
+    let mut rest = String::new();
+    stderr.read_to_string(&mut rest).unwrap();
+    assert!(tracer.wait().unwrap().success(), "{said}{rest}");
+    let report = report_json(&data, &[]);
+    let user = &report["totals"]["user"];
+    assert_eq!((&user["unmatched_frees"], &user["allocator_frees"]), (&100.into(), &0.into()), "{user:#}");
+    let warning = format!("process shutdown [{pid}]: 100.0% of its frees (100 of 100) had no allocation");
+    assert!(rest.contains(&warning) && rest.contains("attached mid-run"), "{rest}");
+}

@@ -375,10 +375,20 @@ impl<G: FnMut(&Origin) -> u32> Analyzer<G> {
             Event::Alloc(a) => self.alloc(a),
             Event::Free(f) => self.free(f),
             Event::Task(t) => {
+                // A thread's exit releases glibc's per-thread cache; a process's main
+                // thread's does not (glibc frees it only for valgrind's sake): its last
+                // frees of blocks allocated before tracing began (a program attached with
+                // `--pid` freeing them as it shuts down) are the program's.
                 if t.event == TaskEvent::Exit
-                    && let Some((_, n)) = self.pending_unmatched.remove(&t.tid)
+                    && let Some((pid, n)) = self.pending_unmatched.remove(&t.tid)
                 {
-                    self.totals.entry(Domain::User).or_default().allocator_frees += n;
+                    let totals = self.totals.entry(Domain::User).or_default();
+                    if t.tid == t.pid {
+                        totals.unmatched_frees += n;
+                        *self.unmatched_by_pid.entry(pid).or_default() += n;
+                    } else {
+                        totals.allocator_frees += n;
+                    }
                 }
                 if t.event == TaskEvent::Fork {
                     let parent_space = self.instance(t.ppid);

@@ -256,6 +256,22 @@ fn frees_after_a_threads_last_allocation_before_it_exits_are_the_allocators() {
     assert_eq!((user.unmatched_frees, user.allocator_frees), (2, 2));
 }
 
+/// A process's main thread releases no per-thread cache as it exits: the frees after its
+/// last allocation (a process attached with `--pid` freeing, as it shuts down, blocks it
+/// allocated before) are frees without allocation, as when it lives on.
+#[test]
+fn frees_after_the_main_threads_last_allocation_stay_unmatched() {
+    let a = run(&[
+        alloc(1, 1, 1, Kind::Malloc, 0x1000, 8, 24, 1),
+        free(2, 1, 1, Kind::Free, 0x5000),
+        free(3, 1, 1, Kind::Free, 0x6000),
+        exit(9, 1),
+    ]);
+    let user = &a.totals[&Domain::User];
+    assert_eq!((user.unmatched_frees, user.allocator_frees), (2, 0));
+    assert_eq!(a.unmatched_by_pid.get(&1), Some(&2));
+}
+
 #[test]
 fn beyond_the_live_limit_allocations_are_counted_not_followed() {
     let mut a = by_stack();

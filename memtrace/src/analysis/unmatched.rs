@@ -39,9 +39,13 @@ impl UnmatchedFrees {
             Event::Alloc(a) => self.alloc(a),
             Event::Free(f) => self.free(f),
             Event::Task(t) => {
-                if t.event == TaskEvent::Exit {
-                    // The allocator's own frees at thread exit, not the program's.
-                    self.pending.remove(&t.tid);
+                if t.event == TaskEvent::Exit
+                    && let Some((pid, n)) = self.pending.remove(&t.tid)
+                    && t.tid == t.pid
+                {
+                    // A thread's are the allocator's own frees at its exit; a main
+                    // thread's, the program's (the `Analyzer`'s rule).
+                    *self.by_pid.entry(pid).or_default() += n;
                 }
                 if t.event == TaskEvent::Fork
                     && let Some(parent_space) = self.instance(memtrace_common::Kind::Malloc, t.ppid)
