@@ -51,3 +51,20 @@ fn the_live_block_bound_is_shown_when_reached() {
     let last = text.rsplit("memtrace top — ").next().unwrap();
     assert!(last.contains("live-block table full (50 blocks)"), "{last}");
 }
+
+/// Without -b, into a pipe: text snapshots as -b prints them (not the full-screen view's
+/// escape codes, nor "No such device or address"), and why it stopped, on stderr.
+#[test]
+fn into_a_pipe_it_prints_snapshots_and_says_why_it_stopped() {
+    require_root();
+    let out = run(memtrace()
+        .args(["top", "-d", "0.3", "--"])
+        .arg(workload())
+        .args(["--threads", "1", "--iterations", "20"])
+        .stdin(std::process::Stdio::null()));
+    let text = String::from_utf8(out.stdout).unwrap();
+    let stderr = String::from_utf8(out.stderr).unwrap();
+    assert!(text.contains("— snapshot 1") && !text.contains('\x1b'), "{text}");
+    assert!(stderr.contains("top's output is not a terminal"), "{stderr}");
+    assert!(stderr.lines().any(|l| l == "memtrace: the command exited with status 0"), "{stderr}");
+}

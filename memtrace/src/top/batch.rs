@@ -52,7 +52,15 @@ pub(super) async fn batch(tracer: &mut Tracer, live: &mut LiveView, opts: &TopOp
         let wake = waker.wait().await;
         let finished = match wake {
             Wake::TargetExited => {
-                tracer.reap_command();
+                // Said as `record` says it: the last snapshot follows.
+                let ended = match tracer.reap_command().and(tracer.command_ended.as_deref()) {
+                    Some(how) => format!("the command {how}"),
+                    None => match tracer.target_pid {
+                        Some(pid) => format!("pid {pid} exited"),
+                        None => "the traced process exited".into(),
+                    },
+                };
+                eprintln!("memtrace: {ended}");
                 true
             }
             Wake::Signal(_) => true,

@@ -57,7 +57,16 @@ fn title(tracer: &Tracer) -> String {
     }
 }
 
-pub fn run(opts: TopOptions) -> Result<i32> {
+pub fn run(mut opts: TopOptions) -> Result<i32> {
+    use std::io::IsTerminal as _;
+    if !opts.batch && !std::io::stdout().is_terminal() {
+        // Written to a file or a pipe: the snapshots as text, as `-b` writes them.
+        eprintln!("memtrace: top's output is not a terminal: text snapshots, as with -b");
+        opts.batch = true;
+    }
+    if !opts.batch && std::fs::OpenOptions::new().read(true).write(true).open("/dev/tty").is_err() {
+        anyhow::bail!("top's full-screen view needs a terminal, and this process has none: -b prints text snapshots");
+    }
     let mut trace = opts.trace.clone();
     // The view owns the screen: the session's own messages would garble it.
     trace.quiet = trace.quiet || !opts.batch;

@@ -269,6 +269,24 @@ fn key(code: KeyCode) -> KeyEvent {
     KeyEvent::new(code, KeyModifiers::NONE)
 }
 
+/// A terminal whose input ends sends ^D; Ctrl-Space reads as NUL: neither changes the view
+/// (^D read as 'd', or NUL as ' ', left `top` paused on its first frame).
+#[test]
+fn keys_with_ctrl_or_alt_are_no_commands_but_ctrl_c_quits() {
+    let mut st = state();
+    for (code, modifiers) in [
+        (KeyCode::Char('d'), KeyModifiers::CONTROL),
+        (KeyCode::Char(' '), KeyModifiers::CONTROL),
+        (KeyCode::Char('p'), KeyModifiers::ALT),
+        (KeyCode::Char('q'), KeyModifiers::CONTROL),
+    ] {
+        assert!(handle_key(&mut st, KeyEvent::new(code, modifiers), 2), "{code:?} {modifiers:?}");
+    }
+    assert!(!st.paused);
+    assert_eq!((st.options.domain, st.options.sort), (state().options.domain, state().options.sort));
+    assert!(!handle_key(&mut st, KeyEvent::new(KeyCode::Char('c'), KeyModifiers::CONTROL), 2));
+}
+
 #[test]
 fn keys_change_the_view() {
     let mut st = state();

@@ -148,6 +148,11 @@ pub fn handle_key(state: &mut ViewState, key: KeyEvent, rows: usize) -> bool {
     if key.kind != KeyEventKind::Press {
         return true;
     }
+    // Ctrl-C quits; any other key with Ctrl or Alt is no command (a terminal whose input
+    // ends sends ^D, Ctrl-Space reads as NUL: neither is 'd' or ' ').
+    if key.modifiers.intersects(KeyModifiers::CONTROL | KeyModifiers::ALT) {
+        return !(key.code == KeyCode::Char('c') && key.modifiers.contains(KeyModifiers::CONTROL));
+    }
     if let Some(filter) = state.editing_filter.as_mut() {
         match key.code {
             KeyCode::Enter => state.options.filter = state.editing_filter.take().unwrap_or_default(),
@@ -162,7 +167,6 @@ pub fn handle_key(state: &mut ViewState, key: KeyEvent, rows: usize) -> bool {
     }
     let opts = &mut state.options;
     match key.code {
-        KeyCode::Char('c') if key.modifiers.contains(KeyModifiers::CONTROL) => return false,
         KeyCode::Char('q') => return false,
         KeyCode::Esc if state.expanded => state.expanded = false,
         KeyCode::Esc => return false,
