@@ -32,11 +32,13 @@ pub struct Line<'a> {
     /// Fractional digits of the time: as many as the recording's resolution has (6 for
     /// its default 1 µs, as `perf script`; 9 for `--exact-times`).
     pub digits: u32,
+    /// A kernel allocation the probes caused (`report`'s "not counted"), marked `(probes)`.
+    pub probes: bool,
 }
 
 impl<'a> Line<'a> {
     pub fn new(event: &'a Event) -> Self {
-        Self { event, old: None, parent: None, digits: 9 }
+        Self { event, old: None, parent: None, digits: 9, probes: false }
     }
 }
 
@@ -69,6 +71,9 @@ impl std::fmt::Display for Line<'_> {
                 }
                 if a.kind.is_kernel() {
                     write!(f, " call_site=0x{:x} gfp=0x{:x} node={}", a.call_site, a.gfp_flags, a.node)?;
+                }
+                if self.probes {
+                    f.write_str(" (probes)")?;
                 }
                 Ok(())
             }
@@ -196,11 +201,15 @@ fn write_events(
     let mut failed = None;
     let resolution = crate::recording::Reader::open(path).map(|r| r.meta.time_resolution_ns).unwrap_or(0);
     let mut state = State { digits: time_digits(resolution), ..Default::default() };
+    // With the stacks read (-g), the probes' own kernel allocations are marked.
+    let probes = table.as_deref().map(StackTable::uprobe_stacks).unwrap_or_default();
     for_each_event(path, until, &mut |e| {
         if failed.is_some() {
             return;
         }
-        let mut text = format!("{}\n", state.line(&e));
+        let mut line = state.line(&e);
+        line.probes = matches!(&e, Event::Alloc(a) if a.kind.is_kernel() && probes.contains(&a.stack));
+        let mut text = format!("{line}\n");
         if let (Some(table), Event::Alloc(a)) = (table.as_deref_mut(), &e) {
             for f in table.frames(a.stack, a.call_site) {
                 text.push_str(&frame_line(&f));

@@ -29,6 +29,7 @@ pub mod lifecycle;
 pub mod logging;
 pub mod modules;
 pub mod naming;
+pub mod overhead;
 pub mod perf_map;
 pub mod probes;
 pub mod procfs;

@@ -405,8 +405,7 @@ impl StackTable {
     pub fn uprobe_stacks(&self) -> HashSet<u64> {
         let mut machinery: HashMap<u64, bool> = HashMap::new();
         let mut out = HashSet::new();
-        let in_uprobes_page =
-            |f: FileFrame| matches!(f, FileFrame::Address(a) if a & !0xfff == memtrace_common::UPROBE_TRAMPOLINE_PAGE);
+        let in_uprobes_page = |f: FileFrame| matches!(f, FileFrame::Address(a) if crate::overhead::in_uprobes_page(a));
         for s in self.stacks.iter() {
             let hit = s.user().next().is_some_and(in_uprobes_page)
                 || s.kernel().any(|addr| {

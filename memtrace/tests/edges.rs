@@ -800,6 +800,11 @@ int main(void) {
         );
     }
     assert!(!folded.contains("0x7fffffffe000"), "{folded}");
+    // `dump -g` marks the allocations the report leaves out as the probes'.
+    let overhead = report_json(&data, &[])["probe_overhead"]["allocs"].as_u64().unwrap();
+    assert!(overhead > 0);
+    let dump = String::from_utf8(run(memtrace().args(["dump", "-g", "-i"]).arg(&data)).stdout).unwrap();
+    assert_eq!(dump.lines().filter(|l| l.ends_with(" (probes)")).count() as u64, overhead);
 }
 
 /// A process attached with `--pid` that frees, as it shuts down, the blocks it allocated

@@ -216,6 +216,13 @@ fn prometheus_stores_a_growing_live_bytes_series_for_the_leak() {
         let text = agent.metrics();
         sample(&text, "memtrace_live_bytes", &["site=\"wl_steady_leak ("]).map(|_| text)
     });
+    // The probes' own kernel allocations (the uprobe machinery's state for each traced
+    // thread, the BPF programs' task storage) are counted apart, in no site.
+    let probes = text.lines().find_map(|l| l.strip_prefix("memtrace_probe_allocations_total "));
+    assert!(probes.is_some_and(|n| n.parse::<u64>().unwrap() > 0), "{text}");
+    for machinery in ["alloc_utask", "__create_xol_area", "handler_chain", "alloc_bulk", "uprobe_"] {
+        assert!(!text.lines().any(|l| l.contains("site=") && l.contains(machinery)), "{machinery}: {text}");
+    }
     // promtool reads the classic text format memtrace serves to clients that do not ask
     // for OpenMetrics.
     let mut promtool = Command::new("promtool")

@@ -24,6 +24,10 @@ fn batch_mode_shows_the_workloads_sites_and_figures() {
     // The last snapshot is taken once the command exited and everything was drained.
     let last = text.rsplit("memtrace top — ").next().unwrap();
     assert!(last.contains("lost 0"), "{last}");
+    // The probes' own kernel allocations are no row of the program's.
+    for machinery in ["alloc_utask", "__create_xol_area", "handler_chain", "alloc_bulk", "uprobe_"] {
+        assert!(!last.contains(machinery), "{machinery}: {last}");
+    }
     for want in manifest["sites"].as_array().unwrap() {
         let function = want["function"].as_str().unwrap();
         let line = last

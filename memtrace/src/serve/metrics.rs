@@ -351,6 +351,7 @@ pub struct SelfFigures {
     pub untracked_allocations: u64,
     pub unmatched_frees: u64,
     pub inherited_frees: u64,
+    pub probe_allocations: u64,
     pub stacks: u64,
     pub stacks_limit: u64,
     pub stack_table_full: u64,
@@ -555,6 +556,13 @@ fn self_families(s: &SelfFigures, f: &mut Families) {
          not counted again.",
         None,
         Value::Count(s.inherited_frees),
+    );
+    f.one(
+        "memtrace_probe_allocations",
+        "Kernel allocations the probes caused in the traced processes (the uprobe machinery's breakpoint pages, \
+         return instances and task state, the BPF programs' task storage): counted here, in no site.",
+        None,
+        Value::Count(s.probe_allocations),
     );
     f.one("memtrace_stacks", "Distinct stacks kept.", None, Value::Gauge(s.stacks as i64));
     f.one(

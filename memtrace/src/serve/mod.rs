@@ -139,6 +139,7 @@ impl Shared {
             untracked_allocations: counters.untracked,
             unmatched_frees: counters.unmatched_frees,
             inherited_frees: counters.inherited_frees,
+            probe_allocations: counters.probe_allocations,
             stacks: usage.stacks as u64,
             stacks_limit: limits.max_stacks as u64,
             stack_table_full: counters.stacks_dropped,

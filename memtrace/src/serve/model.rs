@@ -286,6 +286,8 @@ pub struct Counters {
     pub inherited_frees: u64,
     /// Allocations whose stack was not interned: the stack table was full.
     pub stacks_dropped: u64,
+    /// Kernel allocations the probes caused (`crate::overhead`): not in any site.
+    pub probe_allocations: u64,
     pub processes_dropped: u64,
 }
 
@@ -363,7 +365,16 @@ pub struct Model {
     /// Sampling switched on by the session while running (rings overflowing).
     pub sample_from: Option<(u64, u64)>,
     pub counters: Counters,
+    /// Tells the probes' own kernel allocations apart: their stacks' hashes, and their
+    /// live blocks (whose frees are theirs too, not unmatched), both bounded.
+    overhead: crate::overhead::ProbeOverhead,
+    probes_stacks: HashSet<u64>,
+    probes_blocks: HashSet<(Space, u64)>,
 }
+
+/// The probes' stacks and live blocks remembered at most (a few per traced thread: its
+/// uprobe task state, return instances, task storage); past this the memory starts over.
+const MAX_PROBES_ENTRIES: usize = 1 << 16;
 
 pub fn unix_now_ns() -> u64 {
     std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos() as u64)
@@ -390,6 +401,9 @@ impl Model {
             last_sweep: Instant::now(),
             sample_from: None,
             counters: Counters::default(),
+            overhead: Default::default(),
+            probes_stacks: HashSet::new(),
+            probes_blocks: HashSet::new(),
         }
     }
 
@@ -481,6 +495,14 @@ impl Model {
         if self.exited.contains_key(&a.pid) {
             return; // its teardown
         }
+        if a.kind.is_kernel() && self.probes_stacks.contains(&a.stack) {
+            self.counters.probe_allocations += 1;
+            if self.probes_blocks.len() >= MAX_PROBES_ENTRIES {
+                self.probes_blocks.clear();
+            }
+            self.probes_blocks.insert((a.kind.space(), a.ptr));
+            return;
+        }
         let instance = self.instance_of(a.pid);
         let stack = match a.stack {
             0 => StackRef::NONE,
@@ -544,6 +566,7 @@ impl Model {
                         p.retire(&block);
                     }
                 }
+                None if self.probes_blocks.remove(&(space, f.ptr)) => {}
                 None => self.counters.unmatched_frees += 1,
             }
             return;
@@ -764,6 +787,14 @@ fn errno() -> i32 {
 
 impl Sink for Model {
     fn stack(&mut self, s: StackRecord) {
+        if !s.kernel.is_empty() && self.overhead.is_probes(&s) {
+            // Its allocations are counted apart, in no site: the stack is not kept.
+            if self.probes_stacks.len() >= MAX_PROBES_ENTRIES {
+                self.probes_stacks.clear();
+            }
+            self.probes_stacks.insert(s.hash);
+            return;
+        }
         let Some(id) = self.stacks.intern(s.hash, self.limits.max_stacks) else {
             return; // counted when an allocation uses it
         };

@@ -51,6 +51,9 @@ pub struct LiveView {
     pub sample_from: Option<(u64, u64)>,
     /// The session's allocators' families, by index - 1 (the tracer's list).
     pub allocator_families: Vec<&'static str>,
+    /// Tells the probes' own kernel allocations apart, and their stacks (id + 1).
+    overhead: crate::overhead::ProbeOverhead,
+    probes_stacks: std::collections::HashSet<u64>,
 }
 
 /// One row of the view.
@@ -172,6 +175,8 @@ impl LiveView {
             first_live: HashMap::new(),
             sample_from: None,
             allocator_families: Vec::new(),
+            overhead: Default::default(),
+            probes_stacks: Default::default(),
         }
     }
 
@@ -276,7 +281,11 @@ impl LiveView {
 
 impl Sink for LiveView {
     fn stack(&mut self, s: StackRecord) {
+        let probes = self.overhead.is_probes(&s);
         let Some(stack) = self.namer.stack(s) else { return };
+        if probes {
+            self.probes_stacks.insert(u64::from(stack.id) + 1);
+        }
         for m in self.namer.modules.take_new() {
             self.table.modules.insert(m.id, m);
         }
@@ -303,7 +312,13 @@ impl Sink for LiveView {
             }
         }
         self.analyzer.sample_from = self.sample_from;
-        self.analyzer.push(&event);
+        match &event {
+            // The probes' own (`overhead`): paired, not counted.
+            Event::Alloc(a) if a.kind.is_kernel() && self.probes_stacks.contains(&a.stack) => {
+                self.analyzer.push_excluded(a)
+            }
+            _ => self.analyzer.push(&event),
+        }
     }
 
     fn exec_seen(&mut self, pid: u32, filename: &Path) {
