@@ -65,8 +65,9 @@ pub struct ServeArgs {
     /// Prometheus's, Parca's and Alloy's scrape configs can send.
     #[arg(long, value_name = "FILE")]
     pub auth_token_file: Option<PathBuf>,
-    /// Requests answered at once; more wait a second for a slot, then get 503 (the health
-    /// check takes none). 16 times as many connections are kept open.
+    /// Requests answered at once, scrapes of /metrics and profiles each; more wait a second
+    /// for a slot, then get 503 (the health check takes none). 16 times as many
+    /// connections are kept open.
     #[arg(long, default_value_t = 8, value_name = "N", allow_negative_numbers = true)]
     pub max_connections: usize,
     /// Do not trace user-space allocators.

@@ -61,6 +61,7 @@ impl Server {
                 let ctx = Arc::new(Context {
                     shared,
                     slots: Arc::new(Semaphore::new(config.max_connections)),
+                    metrics_slots: Arc::new(Semaphore::new(config.max_connections)),
                     connections: Arc::new(Semaphore::new(config.max_connections.saturating_mul(CONNECTIONS_PER_SLOT))),
                     builders: Semaphore::new(BUILDERS),
                     config,
@@ -92,8 +93,11 @@ struct Context {
     shared: Arc<Shared>,
     config: HttpConfig,
     /// Requests being answered (`--max-connections`): taken per request, past the health
-    /// check and the token, so idle or slow clients hold none.
+    /// check and the token, so idle or slow clients hold none. Scrapes of `/metrics` have
+    /// slots of their own: delta profiles waiting out their `?seconds=` (eight
+    /// `go tool pprof -seconds 30` at once) left Prometheus a 503 and a gap in every series.
     slots: Arc<Semaphore>,
+    metrics_slots: Arc<Semaphore>,
     /// Connections open (reading a request, idle, or being answered), at most
     /// [`CONNECTIONS_PER_SLOT`] per slot: beyond, a new one gets a 503 at once.
     connections: Arc<Semaphore>,
@@ -282,7 +286,8 @@ async fn respond(req: Request<Incoming>, ctx: &Context) -> (Reply, Option<tokio:
     if let Some(r) = without_slot(&req, ctx) {
         return (r, None);
     }
-    let Ok(Ok(slot)) = tokio::time::timeout(SLOT_WAIT, Arc::clone(&ctx.slots).acquire_owned()).await else {
+    let slots = if req.uri().path() == "/metrics" { &ctx.metrics_slots } else { &ctx.slots };
+    let Ok(Ok(slot)) = tokio::time::timeout(SLOT_WAIT, Arc::clone(slots).acquire_owned()).await else {
         let mut r = text(
             StatusCode::SERVICE_UNAVAILABLE,
             "memtrace: too many requests at once (--max-connections); retry later",

@@ -851,16 +851,17 @@ fn slow_clients_time_out_and_extra_ones_are_turned_away() {
     let idle = slow(2);
     std::thread::sleep(Duration::from_millis(100));
     assert_eq!(get(addr, &request("/metrics", "")).0, 200, "the two slots are free");
-    // Two delta profiles being answered take both slots: a third request waits a second for
+    // Two delta profiles being answered take both slots: a third profile waits a second for
     // one, then hears 503 (asked until the deltas have their slots, however slow the
-    // machine); the health check still takes none.
+    // machine); scrapes of /metrics have slots of their own, and the health check takes
+    // none.
     let deltas: Vec<_> = (0..2)
         .map(|_| std::thread::spawn(move || get(addr, &request("/debug/pprof/allocs?seconds=4", "")).0))
         .collect();
     let deadline = Instant::now() + Duration::from_secs(3);
     let busy = loop {
         let started = Instant::now();
-        let (code, _, _) = get(addr, &request("/metrics", ""));
+        let (code, _, _) = get(addr, &request("/debug/pprof/heap", ""));
         if code == 503 {
             break Some(started.elapsed());
         }
@@ -870,6 +871,9 @@ fn slow_clients_time_out_and_extra_ones_are_turned_away() {
         std::thread::sleep(Duration::from_millis(50));
     };
     assert!(busy.expect("503 while both slots are taken") >= Duration::from_millis(900));
+    let scraped = Instant::now();
+    assert_eq!(get(addr, &request("/metrics", "")).0, 200);
+    assert!(scraped.elapsed() < Duration::from_millis(900), "a scrape waited for a slot");
     assert_eq!(get(addr, &request("/healthz", "")).0, 200);
     for d in deltas {
         assert_eq!(d.join().unwrap(), 200);
