@@ -268,6 +268,12 @@ const DEFAULT_RECORDING: &str = "memtrace.data";
 
 fn export(args: ExportArgs) -> Result<i32> {
     readable_recording(&args.input)?;
+    // `-o -`: standard output, as without `-o`.
+    let output = args.output.as_deref().filter(|p| *p != std::path::Path::new("-"));
+    if args.format == ExportFormat::Pprof && output.is_none() && std::io::IsTerminal::is_terminal(&std::io::stdout()) {
+        // As gzip refuses to: the profile is gzip-compressed bytes.
+        bail!("a pprof profile is binary (gzip-compressed): give -o FILE.pb.gz (or redirect the output)");
+    }
     let opts =
         ReportOptions { by: GroupBy::Stack, filters: args.filters.into(), split_processes: true, ..Default::default() };
     let summary = report::analyze(&args.input, &opts)?;
@@ -275,8 +281,6 @@ fn export(args: ExportArgs) -> Result<i32> {
     for w in summary.warnings.iter().chain(base.iter().flat_map(|b| &b.warnings)) {
         eprintln!("memtrace: warning: {w}");
     }
-    // `-o -`: standard output, as without `-o`.
-    let output = args.output.as_deref().filter(|p| *p != std::path::Path::new("-"));
     let mut out: Box<dyn std::io::Write> = match output {
         Some(path) => {
             let format = args.format;

@@ -863,3 +863,26 @@ int main(void) {
     let warning = format!("process shutdown [{pid}]: 100.0% of its frees (100 of 100) had no allocation");
     assert!(rest.contains(&warning) && rest.contains("attached mid-run"), "{rest}");
 }
+
+/// Binary or page-sized output is not written to a terminal (as gzip refuses to): a pprof
+/// export or an HTML report without -o, on a terminal, is a one-line error.
+#[test]
+fn binary_exports_are_not_written_to_a_terminal() {
+    require_root();
+    let _sharing = sharing_the_machine();
+    let dir = scratch("terminal-output");
+    let data = dir.join("q.data");
+    quick_recording(&data);
+    let bin = env!("CARGO_BIN_EXE_memtrace");
+    for (args, needle) in [
+        ("export --format pprof", "a pprof profile is binary"),
+        ("report --format html", "an HTML report is a file for a browser"),
+    ] {
+        // `script` gives the command a terminal (util-linux, in every Debian).
+        let line = format!("{bin} {args} -i {}; echo rc=$?", data.display());
+        let out = Command::new("script").args(["-qec", &line, "/dev/null"]).stdin(Stdio::null()).output().unwrap();
+        let text = String::from_utf8_lossy(&out.stdout);
+        assert!(text.contains(needle) && text.contains("rc=1"), "{args}: {text}");
+        assert!(!text.contains('\u{1f}'), "{args}: gzip bytes on the terminal");
+    }
+}

@@ -16,7 +16,7 @@ use std::{
     path::{Path, PathBuf},
 };
 
-use anyhow::{Result, bail};
+use anyhow::{Context as _, Result, bail};
 use memtrace_common::Kind;
 
 use crate::{
@@ -604,7 +604,7 @@ pub fn for_process(pid: u32, prefix: &str) -> Result<Allocator> {
 /// Every allocator a running process has, from what it has mapped: the one its `malloc`
 /// binds to first, then prefixed ones.
 pub fn all_for_process(pid: u32, prefix: &str) -> Result<Vec<Allocator>> {
-    let maps = procfs::Maps::read(pid)?;
+    let maps = procfs::Maps::read(pid).with_context(|| format!("reading /proc/{pid}/maps"))?;
     let mapped: Vec<PathBuf> = {
         let mut seen = HashSet::new();
         maps.file_mappings()
@@ -613,7 +613,8 @@ pub fn all_for_process(pid: u32, prefix: &str) -> Result<Vec<Allocator>> {
             .filter(|p| seen.insert(p.clone()))
             .collect()
     };
-    let exe = procfs::path_in_process(pid, &procfs::exe(pid)?);
+    let exe = procfs::exe(pid).with_context(|| format!("reading /proc/{pid}/exe"))?;
+    let exe = procfs::path_in_process(pid, &exe);
     // LD_PRELOAD names a file as given (often a symlink such as libtcmalloc_minimal.so.4);
     // the maps show the file it resolved to.
     let same_file = |given: &Path, m: &Path| {
