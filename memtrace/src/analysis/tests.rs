@@ -190,6 +190,20 @@ fn a_free_right_after_the_allocation_is_temporary() {
     assert_eq!(a.groups[1].frees, 2);
 }
 
+/// The kernel allocating on the thread's behalf in between (the page its first touch of
+/// the block faults in) leaves the block temporary: a thread's user and kernel allocations
+/// are followed apart.
+#[test]
+fn a_kernel_allocation_in_between_leaves_a_block_temporary() {
+    let a = run(&[
+        alloc(1, 1, 1, Kind::Malloc, 0x1000, 8, 24, 1),
+        alloc(2, 1, 1, Kind::Kmalloc, 0xffff_0000, 64, 64, 2),
+        free(3, 1, 1, Kind::Free, 0x1000),       // temporary
+        free(4, 1, 1, Kind::Kfree, 0xffff_0000), // temporary too, among the kernel's
+    ]);
+    assert_eq!((a.groups[1].temporary, a.groups[2].temporary), (1, 1));
+}
+
 #[test]
 fn a_mapping_replaced_whole_is_freed_not_missed() {
     // MAP_FIXED over a live mapping: the kernel unmapped it.
