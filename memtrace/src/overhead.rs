@@ -25,18 +25,7 @@ struct Functions {
 
 impl Functions {
     fn read() -> Self {
-        let text = std::fs::read_to_string("/proc/kallsyms").unwrap_or_default();
-        let mut all: Vec<(u64, bool)> = text
-            .lines()
-            .filter_map(|l| {
-                let mut w = l.split_whitespace();
-                let addr = u64::from_str_radix(w.next()?, 16).ok().filter(|&a| a != 0)?;
-                let kind = w.next()?;
-                let name = w.next()?;
-                matches!(kind, "t" | "T").then(|| (addr, is_uprobe_machinery(name)))
-            })
-            .collect();
-        all.sort_unstable();
+        let all = crate::procfs::kernel_functions(is_uprobe_machinery);
         Self { starts: all.iter().map(|f| f.0).collect(), machinery: all.iter().map(|f| f.1).collect() }
     }
 
@@ -83,13 +72,7 @@ mod tests {
 
     /// The real kernel's symbols (tests run as root, where kallsyms has addresses).
     fn kernel_function(name: &str) -> Option<u64> {
-        let kallsyms = std::fs::read_to_string("/proc/kallsyms").ok()?;
-        kallsyms.lines().find_map(|l| {
-            let mut w = l.split_whitespace();
-            let addr = u64::from_str_radix(w.next()?, 16).ok().filter(|&a| a != 0)?;
-            let (_, n) = (w.next()?, w.next()?);
-            (n == name).then_some(addr)
-        })
+        crate::procfs::kernel_functions(|n| n == name).into_iter().find_map(|(a, hit)| hit.then_some(a))
     }
 
     #[test]

@@ -208,6 +208,25 @@ pub fn all_pids() -> Vec<u32> {
     dir.filter_map(|e| e.ok()?.file_name().to_str()?.parse().ok()).collect()
 }
 
+/// The kernel's functions as `/proc/kallsyms` lists them (text symbols, weak ones too),
+/// sorted by start address, each with what `of` makes of its name (empty when the file
+/// cannot be read, or shows no addresses).
+pub fn kernel_functions<T: Ord>(mut of: impl FnMut(&str) -> T) -> Vec<(u64, T)> {
+    let Ok(text) = std::fs::read_to_string("/proc/kallsyms") else { return Vec::new() };
+    let mut starts: Vec<(u64, T)> = text
+        .lines()
+        .filter_map(|l| {
+            let mut parts = l.split_whitespace();
+            let address = u64::from_str_radix(parts.next()?, 16).ok().filter(|&a| a != 0)?;
+            let kind = parts.next()?;
+            let name = parts.next()?;
+            matches!(kind, "t" | "T" | "w" | "W").then(|| (address, of(name)))
+        })
+        .collect();
+    starts.sort_unstable();
+    starts
+}
+
 #[cfg(test)]
 mod tests {
 

@@ -53,28 +53,12 @@ struct KernelSymbols {
 
 impl KernelSymbols {
     fn offset(&mut self, address: u64, function: &str) -> Option<u64> {
-        let starts = self.starts.get_or_insert_with(read_kallsyms);
+        let starts = self.starts.get_or_insert_with(|| crate::procfs::kernel_functions(str::to_string));
         // A return address or call site points after the call: look up the byte before.
         let i = starts.partition_point(|(a, _)| *a <= address.saturating_sub(1)).checked_sub(1)?;
         let (start, name) = &starts[i];
         (name == function || name.split('.').next() == function.split('.').next()).then(|| address - start)
     }
-}
-
-fn read_kallsyms() -> Vec<(u64, String)> {
-    let Ok(text) = std::fs::read_to_string("/proc/kallsyms") else { return Vec::new() };
-    let mut starts: Vec<(u64, String)> = text
-        .lines()
-        .filter_map(|l| {
-            let mut parts = l.split_whitespace();
-            let address = u64::from_str_radix(parts.next()?, 16).ok().filter(|&a| a != 0)?;
-            let kind = parts.next()?;
-            let name = parts.next()?;
-            matches!(kind, "t" | "T" | "w" | "W").then(|| (address, name.to_string()))
-        })
-        .collect();
-    starts.sort_unstable();
-    starts
 }
 
 #[cfg(test)]
