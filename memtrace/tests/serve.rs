@@ -247,7 +247,7 @@ fn prometheus_stores_a_growing_live_bytes_series_for_the_leak() {
     std::fs::write(
         &config,
         format!(
-            "global:\n  scrape_interval: 1s\n  evaluation_interval: 1s\nscrape_configs:\n  - job_name: memtrace\n    scrape_interval: 1s\n    scrape_timeout: 1s\n    static_configs:\n      - targets: ['{}']\n",
+            "global:\n  scrape_interval: 1s\n  evaluation_interval: 1s\nscrape_configs:\n  - job_name: memtrace\n    scrape_interval: 1s\n    scrape_timeout: 1s\n    params:\n      module: [memtrace]\n    static_configs:\n      - targets: ['{}']\n",
             agent.addr
         ),
     )
@@ -289,6 +289,13 @@ fn prometheus_stores_a_growing_live_bytes_series_for_the_leak() {
     let allocs = query(r#"rate(memtrace_allocations_total{site=~"wl_steady_leak .*"}[5s])"#);
     let rate: f64 = allocs["data"]["result"][0]["value"][1].as_str().unwrap_or("0").parse().unwrap();
     assert!(rate > 0.0, "{allocs}");
+    // How full the rings were, a histogram Prometheus reads (one observation per drain).
+    let drains = query(r#"memtrace_ring_fill_ratio_count{job="memtrace"}"#);
+    let drains: f64 = drains["data"]["result"][0]["value"][1].as_str().unwrap_or("0").parse().unwrap();
+    assert!(drains > 0.0, "{drains}");
+    let quantile = query(r#"histogram_quantile(0.99, memtrace_ring_fill_ratio_bucket{job="memtrace"})"#);
+    let quantile: f64 = quantile["data"]["result"][0]["value"][1].as_str().unwrap_or("NaN").parse().unwrap();
+    assert!((0.0..=1.0).contains(&quantile), "{quantile}");
     signal(server.id(), libc::SIGTERM);
     wait_at_most(&mut server, Duration::from_secs(20));
     let (status, stderr) = agent.stop(libc::SIGTERM);

@@ -28,7 +28,7 @@ use super::{
     config::HttpConfig,
     metrics::{OPENMETRICS_TYPE, TEXT_TYPE, wants_openmetrics},
     model::Scraper,
-    profile::{ProfileKind, ProfileQuery, parse_query},
+    profile::{self, ProfileKind, ProfileQuery, parse_query},
 };
 
 /// Responses built at once (the rest wait, within their deadline).
@@ -325,8 +325,11 @@ async fn answer(req: Request<Incoming>, ctx: &Context) -> Reply {
     let query = req.uri().query().unwrap_or("").to_string();
     match path.as_str() {
         "/metrics" => {
-            if !query.is_empty() {
-                return text(StatusCode::BAD_REQUEST, &format!("/metrics takes no parameters (got {query:?})"));
+            // Parameters are ignored, as node_exporter ignores those it does not know:
+            // a scrape config's `params:` (one set for several exporters) must not fail
+            // the scrape. A query that is not a query still gets its 400.
+            if let Err(bad) = profile::parse_form(&query) {
+                return text(StatusCode::BAD_REQUEST, &bad.0);
             }
             let accept = req.headers().get(header::ACCEPT).and_then(|v| v.to_str().ok()).unwrap_or("");
             let openmetrics = wants_openmetrics(accept);

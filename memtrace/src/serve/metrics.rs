@@ -25,7 +25,7 @@ use std::{
 
 use prometheus_client::{
     collector::Collector,
-    encoding::{DescriptorEncoder, EncodeMetric},
+    encoding::{DescriptorEncoder, EncodeMetric, NoLabelSet},
     metrics::{MetricType, counter::ConstCounter, gauge::ConstGauge},
     registry::{Registry, Unit},
 };
@@ -344,7 +344,7 @@ pub struct SelfFigures {
     pub lost_events: u64,
     pub sampled_allocations: u64,
     pub sample_period_bytes: u64,
-    pub ring_fill_ratio: f64,
+    pub ring_fill: super::selfstats::FillHistogram,
     pub probes: u64,
     pub live_blocks: u64,
     pub live_blocks_limit: u64,
@@ -367,21 +367,32 @@ pub struct SelfFigures {
     pub start_time_seconds: f64,
 }
 
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 enum Value {
     Count(u64),
     RealCount(f64),
     Gauge(i64),
     Real(f64),
+    Histogram(Arc<HistogramValue>),
+}
+
+/// A histogram's figures as prometheus-client encodes them (bucket counts not cumulative;
+/// the encoder adds them up and writes the `+Inf` bucket).
+#[derive(Debug)]
+struct HistogramValue {
+    sum: f64,
+    count: u64,
+    buckets: Vec<(f64, u64)>,
 }
 
 impl Value {
-    fn encode(self, m: prometheus_client::encoding::MetricEncoder<'_>) -> Result<(), std::fmt::Error> {
-        match self {
+    fn encode(&self, mut m: prometheus_client::encoding::MetricEncoder<'_>) -> Result<(), std::fmt::Error> {
+        match *self {
             Self::Count(v) => ConstCounter::new(v).encode(m),
             Self::RealCount(v) => ConstCounter::new(v).encode(m),
             Self::Gauge(v) => ConstGauge::new(v).encode(m),
             Self::Real(v) => ConstGauge::new(v).encode(m),
+            Self::Histogram(ref h) => m.encode_histogram::<NoLabelSet>(h.sum, h.count, &h.buckets, None),
         }
     }
 }
@@ -408,6 +419,20 @@ impl Families {
         self.0.last_mut().expect("just pushed")
     }
 
+    fn histogram(
+        &mut self,
+        name: &'static str,
+        help: &'static str,
+        unit: Option<Unit>,
+        h: &super::selfstats::FillHistogram,
+    ) {
+        // Every observation is at most 1, so the `+Inf` bucket adds none.
+        let buckets =
+            super::selfstats::FILL_BOUNDS.iter().copied().zip(h.buckets).chain([(f64::INFINITY, 0)]).collect();
+        let value = Value::Histogram(Arc::new(HistogramValue { sum: h.sum, count: h.count, buckets }));
+        self.family(name, help, unit, false).samples.push((Labels::default(), value));
+    }
+
     fn one(&mut self, name: &'static str, help: &'static str, unit: Option<Unit>, value: Value) {
         let counter = matches!(value, Value::Count(_) | Value::RealCount(_));
         self.family(name, help, unit, counter).samples.push((Labels::default(), value));
@@ -417,7 +442,11 @@ impl Families {
 impl Collector for Families {
     fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
         for f in &self.0 {
-            let kind = if f.counter { MetricType::Counter } else { MetricType::Gauge };
+            let kind = match f.samples.first() {
+                Some((_, Value::Histogram(_))) => MetricType::Histogram,
+                _ if f.counter => MetricType::Counter,
+                _ => MetricType::Gauge,
+            };
             let mut metric = encoder.encode_descriptor(f.name, f.help, f.unit.as_ref(), kind)?;
             match f.samples.as_slice() {
                 // A lone sample without labels is written without braces.
@@ -524,11 +553,11 @@ fn self_families(s: &SelfFigures, f: &mut Families) {
         Some(Unit::Bytes),
         Value::Gauge(s.sample_period_bytes as i64),
     );
-    f.one(
+    f.histogram(
         "memtrace_ring_fill",
-        "Fullest a ring buffer was seen since the previous scrape (1: events are being lost).",
-        Some(Unit::Ratios),
-        Value::Real(s.ring_fill_ratio),
+        "How full the fullest ring buffer was at each drain (1: events are being lost).",
+        Some(Unit::Other("ratio".to_string())),
+        &s.ring_fill,
     );
     f.one("memtrace_probes", "Probe links attached (uprobes, tracepoints).", None, Value::Gauge(s.probes as i64));
     f.one("memtrace_tracked_blocks", "Live blocks followed now.", None, Value::Gauge(s.live_blocks as i64));

@@ -68,8 +68,8 @@ pub struct Shared {
     pub namer: Namer,
     pub metrics: Mutex<MetricsState>,
     pub status: Mutex<TracerStatus>,
-    /// Fullest ring since the last scrape of /metrics (f64 bits).
-    pub ring_fill: AtomicU64,
+    /// How full the fullest ring was at each drain.
+    pub ring_fill: Mutex<selfstats::FillHistogram>,
     scrapes: [AtomicU64; 3],
     responses: Mutex<BTreeMap<u16, u64>>,
     start_time: f64,
@@ -82,7 +82,7 @@ impl Shared {
             namer: Namer::default(),
             metrics: Mutex::new(MetricsState::default()),
             status: Mutex::new(TracerStatus::default()),
-            ring_fill: AtomicU64::new(0),
+            ring_fill: Mutex::new(selfstats::FillHistogram::default()),
             scrapes: Default::default(),
             responses: Mutex::new(BTreeMap::new()),
             start_time: model::unix_now_ns() as f64 / 1e9,
@@ -132,7 +132,7 @@ impl Shared {
             lost_events,
             sampled_allocations: if snap.sample_bytes.is_some() { counters.user_allocations } else { 0 },
             sample_period_bytes: snap.sample_bytes.unwrap_or(0),
-            ring_fill_ratio: selfstats::take_peak(&self.ring_fill),
+            ring_fill: lock(&self.ring_fill).clone(),
             probes,
             live_blocks: usage.live_blocks as u64,
             live_blocks_limit: limits.max_live_blocks as u64,

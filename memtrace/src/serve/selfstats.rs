@@ -1,8 +1,6 @@
 //! memtrace's own figures for `/metrics`: resident memory, CPU time, open descriptors and
 //! probe links (read from /proc/self), and how full the ring buffers get — read from the
 //! rings' position pages (`probes::ring`) just before each drain.
-use std::sync::atomic::{AtomicU64, Ordering};
-
 use crate::probes::Ring;
 
 /// Resident memory of this process, in bytes.
@@ -49,13 +47,34 @@ fn fullest(rings: &[Ring]) -> f64 {
     rings.iter().map(|r| (r.ring.waiting_bytes() as f64 / r.ring.size().max(1) as f64).min(1.0)).fold(0.0, f64::max)
 }
 
-/// Records how full the rings are now into `peak` (the largest since it was last taken).
-pub fn sample_fill(rings: &[Ring], peak: &AtomicU64) {
-    // Non-negative floats order as their bits do.
-    peak.fetch_max(fullest(rings).to_bits(), Ordering::Relaxed);
+/// Upper bounds of `memtrace_ring_fill_ratio`'s buckets (the last, 1, is a full ring:
+/// events are being lost).
+pub const FILL_BOUNDS: [f64; 6] = [0.1, 0.25, 0.5, 0.75, 0.9, 1.0];
+
+/// How full the fullest ring was at each drain, as a cumulative histogram: counts only go
+/// up, so any number of scrapers read the same figures (a peak taken and reset per scrape
+/// would split between them).
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct FillHistogram {
+    /// Observations per bucket of [`FILL_BOUNDS`] (not cumulative).
+    pub buckets: [u64; FILL_BOUNDS.len()],
+    pub sum: f64,
+    pub count: u64,
 }
 
-/// Takes the peak fill recorded since the last call.
-pub fn take_peak(peak: &AtomicU64) -> f64 {
-    f64::from_bits(peak.swap(0, Ordering::Relaxed))
+impl FillHistogram {
+    pub fn observe(&mut self, fill: f64) {
+        let fill = fill.clamp(0.0, 1.0);
+        let i = FILL_BOUNDS.iter().position(|&b| fill <= b).unwrap_or(FILL_BOUNDS.len() - 1);
+        self.buckets[i] += 1;
+        self.sum += fill;
+        self.count += 1;
+    }
+}
+
+/// Observes how full the fullest ring is now, just before a drain (between two drains a
+/// ring only fills, so this is the interval's peak).
+pub fn sample_fill(rings: &[Ring], histogram: &std::sync::Mutex<FillHistogram>) {
+    let fill = fullest(rings);
+    histogram.lock().unwrap_or_else(|e| e.into_inner()).observe(fill);
 }

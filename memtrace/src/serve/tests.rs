@@ -463,7 +463,16 @@ fn groups_past_the_series_cap_are_summed_into_one_series() {
 }
 
 fn own() -> metrics::SelfFigures {
-    metrics::SelfFigures { scrapes: vec![("metrics", 3)], responses: vec![(200, 2), (404, 1)], ..Default::default() }
+    let mut ring_fill = super::selfstats::FillHistogram::default();
+    for fill in [0.0, 0.05, 0.3, 0.95, 1.0, 1.5] {
+        ring_fill.observe(fill);
+    }
+    metrics::SelfFigures {
+        scrapes: vec![("metrics", 3)],
+        responses: vec![(200, 2), (404, 1)],
+        ring_fill,
+        ..Default::default()
+    }
 }
 
 #[test]
@@ -491,6 +500,20 @@ fn the_exposition_is_openmetrics_or_classic_text() {
     assert!(text.contains("# TYPE memtrace_live_bytes gauge\n"));
     assert!(text.contains("memtrace_live_bytes{site=\"[other]\""));
     assert!(text.contains("\nprocess_cpu_seconds_total 0"), "no empty braces: {text}");
+    // How full the rings were at each drain: a histogram, cumulative (1.5 is clamped to a
+    // full ring), so two scrapers read the same counts.
+    assert!(text.contains("# TYPE memtrace_ring_fill_ratio histogram\n"), "{text}");
+    for sample in [
+        "memtrace_ring_fill_ratio_bucket{le=\"0.1\"} 2\n",
+        "memtrace_ring_fill_ratio_bucket{le=\"0.5\"} 3\n",
+        "memtrace_ring_fill_ratio_bucket{le=\"0.9\"} 3\n",
+        "memtrace_ring_fill_ratio_bucket{le=\"1.0\"} 6\n",
+        "memtrace_ring_fill_ratio_bucket{le=\"+Inf\"} 6\n",
+        "memtrace_ring_fill_ratio_count 6\n",
+    ] {
+        assert!(text.contains(sample), "{sample}: {text}");
+    }
+    assert!(om.contains("# UNIT memtrace_ring_fill_ratio ratio\n"), "{om}");
     // Every sample belongs to the family declared before it.
     let mut declared = String::new();
     for line in text.lines() {
@@ -498,7 +521,8 @@ fn the_exposition_is_openmetrics_or_classic_text() {
             declared = rest.split(' ').next().unwrap().to_string();
         } else if !line.starts_with('#') {
             let name = line.split(['{', ' ']).next().unwrap();
-            assert_eq!(name, declared, "{line}");
+            let family = ["_bucket", "_sum", "_count"].iter().find_map(|s| name.strip_suffix(s));
+            assert!(name == declared || family == Some(declared.as_str()), "{line} after {declared}");
         }
     }
     // With promtool at hand (cargo xtask setup installs it), the real check.
@@ -767,7 +791,7 @@ fn the_server_answers_bad_requests_in_one_line() {
     for (req, want, needle) in [
         (request("/debug/pprof/heap?seconds=abc", ""), 400, "\"seconds\""),
         (request("/debug/pprof/allocs?pid=12", ""), 400, "pid 12 is not traced"),
-        (request("/metrics?x=1", ""), 400, "no parameters"),
+        (request("/metrics?x=%zz", ""), 400, "bad percent-encoding"),
         (request("/nope", ""), 404, "no such endpoint \"/nope\""),
         (request("/debug/pprof/goroutine", ""), 404, "unknown profile \"goroutine\""),
         (
@@ -782,6 +806,10 @@ fn the_server_answers_bad_requests_in_one_line() {
         assert!(body.contains(needle), "{req}: {body}");
         assert_eq!(body.lines().count(), 1, "{body}");
     }
+    // A scrape config's `params:` (shared with other exporters) do not fail the scrape.
+    let (code, _, body) = get(addr, &request("/metrics?module=memtrace&collect%5B%5D=x", ""));
+    assert_eq!(code, 200);
+    assert!(String::from_utf8(body).unwrap().contains("memtrace_live_bytes{"));
     let (code, _, body) = get(addr, &request("/", ""));
     assert_eq!(code, 200);
     assert!(String::from_utf8(body).unwrap().contains("/debug/pprof/heap"));
@@ -811,7 +839,8 @@ fn head_requests_get_the_headers_without_a_scrape() {
     assert!(headers.contains("filename=\"allocs-delta\"") && body.is_empty(), "{headers}");
     assert!(started.elapsed() < Duration::from_secs(2), "no wait for a HEAD");
     assert_eq!(get(addr, &head("/debug/pprof/heap?seconds=abc")).0, 400);
-    assert_eq!(get(addr, &head("/metrics?x=1")).0, 400);
+    assert_eq!(get(addr, &head("/metrics?x=%zz")).0, 400);
+    assert_eq!(get(addr, &head("/metrics?module=memtrace")).0, 200);
     assert_eq!(get(addr, &head("/nope")).0, 404);
     let scrapes: Vec<u64> = shared.scrapes.iter().map(|n| n.load(std::sync::atomic::Ordering::Relaxed)).collect();
     assert_eq!(scrapes, [0, 0, 0]);
