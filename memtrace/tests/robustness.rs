@@ -89,6 +89,12 @@ fn bad_pids_are_named_in_the_error() {
     let out = dir.join("x.data");
     fails(memtrace().args(["record", "--pid", "4194300", "-o"]).arg(&out), 1, &["no process with pid 4194300"]);
     fails(memtrace().args(["record", "--pid", "2", "-o"]).arg(&out), 1, &["pid 2", "kernel thread"]);
+    // Its kernel allocations can be traced; the report names it even when it made none.
+    let kthreadd = dir.join("kthreadd.data");
+    run(memtrace().args(["record", "--no-user", "--pid", "2", "-d", "300ms", "-o"]).arg(&kthreadd));
+    let text = run(memtrace().arg("report").arg("-i").arg(&kthreadd));
+    let text = String::from_utf8_lossy(&text.stdout);
+    assert!(text.contains("pid 2 (kthreadd)"), "{text}");
     // A zombie: a child that exited and was not reaped yet.
     let mut zombie = Command::new("true").spawn().unwrap();
     thread::sleep(Duration::from_millis(300));

@@ -418,6 +418,13 @@ pub fn record(opts: RecordOptions) -> Result<RecordSummary> {
         write_error: None,
         symbols,
     };
+    // The process attached to is named now: one that makes no allocation while traced
+    // would otherwise have no name in the recording.
+    if let (super::Target::Pid(_), Some(pid)) = (target, tracer.target_pid)
+        && let Some(name) = recorder.namer.name_now(pid, monotonic_ns())
+    {
+        recorder.write(&name);
+    }
     if let Err(e) = tracer.release() {
         drop(recorder);
         let _ = std::fs::remove_file(&opts.output);
