@@ -72,6 +72,16 @@ fn record_command_counts_every_allocation_exactly() {
     assert_eq!(report["totals"]["user"]["unmatched_frees"], 0, "{:#}", report["totals"]);
     let leaked = manifest["sites"].as_array().unwrap().iter().find(|s| s["function"] == "wl_leak").unwrap();
     assert_eq!(leaked["live_allocs"], 12);
+    // The user row is the allocator's line and the program's own mmap calls, said apart.
+    let mmaps = &manifest["sites"].as_array().unwrap().iter().find(|s| s["function"] == "wl_mmap").unwrap();
+    assert_eq!(report["user_mmaps"]["calls"], mmaps["allocs"], "{:#}", report["user_mmaps"]);
+    let heap = report["allocators"].as_array().unwrap().iter().map(|a| a["allocs"].as_u64().unwrap()).sum::<u64>();
+    assert_eq!(
+        heap + report["user_mmaps"]["calls"].as_u64().unwrap(),
+        report["totals"]["user"]["allocs"].as_u64().unwrap(),
+        "{:#}",
+        report["allocators"]
+    );
     assert_kernel_side(&report);
 }
 

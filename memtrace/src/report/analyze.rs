@@ -58,6 +58,16 @@ pub struct Summary {
     /// Kernel allocations the uprobe machinery made for the probes (under `handle_swbp`,
     /// `install_breakpoint`, …): not the program's, left out of every figure above.
     pub probe_overhead: ProbeOverhead,
+    /// The program's own `mmap` calls (not the allocators'): in the user row, on no
+    /// allocator's line.
+    pub user_mmaps: UserMmaps,
+}
+
+/// Anonymous and file mappings the traced programs asked for themselves, after the filters.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+pub struct UserMmaps {
+    pub calls: u64,
+    pub bytes_alloc: u64,
 }
 
 /// Kernel allocations made on the probes' behalf, counted apart.
@@ -276,6 +286,7 @@ pub fn analyze(path: &Path, opts: &ReportOptions) -> Result<Summary> {
     // Looked up per event: with the fast hasher (SipHash took a fifth of a report's time).
     let uprobe_stacks: crate::FastSet<u64> = table.uprobe_stacks().into_iter().collect();
     let mut probe_overhead = ProbeOverhead::default();
+    let mut user_mmaps = UserMmaps::default();
 
     let filters = &opts.filters;
     let duplicates: crate::FastMap<u64, u64> = table.duplicates().into_iter().collect();
@@ -382,6 +393,16 @@ pub fn analyze(path: &Path, opts: &ReportOptions) -> Result<Summary> {
                         row.bytes_req += a.bytes_req;
                         row.bytes_alloc += a.bytes_alloc;
                     }
+                }
+                Event::Alloc(a)
+                    if a.kind == Kind::Mmap
+                        && filters.domain.admits(Domain::User)
+                        && filters.admits_kind(a.kind)
+                        && filters.admits_size(a.bytes_req)
+                        && !other_allocator(a) =>
+                {
+                    user_mmaps.calls += 1;
+                    user_mmaps.bytes_alloc += a.bytes_alloc;
                 }
                 Event::Free(f) if user_heap(f.kind) => {
                     if let Some(i) = served_by.remove(&(f.pid, f.ptr))
@@ -545,6 +566,7 @@ pub fn analyze(path: &Path, opts: &ReportOptions) -> Result<Summary> {
             .map(|(row, _)| row)
             .collect(),
         probe_overhead,
+        user_mmaps,
     })
 }
 

@@ -59,6 +59,14 @@ pub fn render_text(a: &Summary, opts: &ReportOptions) -> String {
                 r.module, r.family, r.allocs, r.frees
             );
         }
+        if a.user_mmaps.calls > 0 {
+            let _ = writeln!(
+                out,
+                "mmap: {} outside the allocators ({}), counted in the user row beside their allocations",
+                counted(a.user_mmaps.calls, "call", "calls"),
+                bytes(a.user_mmaps.bytes_alloc)
+            );
+        }
     } else if let Some(alloc) = &a.meta.allocator {
         let how = if a.meta.allocator_is_glibc {
             "allocated = malloc_usable_size, read from glibc's chunk headers"
