@@ -1,7 +1,7 @@
 //! The grouping vocabulary shared by `report`, `top` and `export`: what a row stands for
 //! ([`GroupBy`], [`GroupKey`]), which allocations count ([`DomainFilter`], [`KindFilter`],
 //! [`Filters`]), and how a row is named on one line ([`label`], [`shared_label`]).
-use std::collections::HashMap;
+use std::{collections::HashMap, sync::Arc};
 
 use clap::ValueEnum;
 use memtrace_common::{Kind, Space};
@@ -254,9 +254,9 @@ impl Filters {
 pub enum GroupKey {
     /// (module, address) of the first frame of the domain; for unknown stacks, the kind as
     /// `[no stack: kind]` and address 0.
-    Site(Domain, String, u64),
+    Site(Domain, Arc<str>, u64),
     /// The function of that frame.
-    Function(Domain, String),
+    Function(Domain, Arc<str>),
     Process(Domain, u32),
     /// (stack, call site, pid): the pid is 0 unless each process's share is kept apart
     /// ([`GroupKey::per_process`]).
@@ -276,7 +276,7 @@ impl GroupKey {
                 match (stacks.key_frame(origin.stack, origin.call_site, domain, python), by) {
                     (Some(f), GroupBy::Site) => Self::Site(domain, f.module, f.address),
                     (Some(f), _) => Self::Function(domain, f.function),
-                    (None, _) => Self::Site(domain, format!("{NO_STACK}{}]", origin.kind.name()), 0),
+                    (None, _) => Self::Site(domain, format!("{NO_STACK}{}]", origin.kind.name()).into(), 0),
                 }
             }
         }
@@ -357,8 +357,8 @@ pub const LABEL_FRAMES: usize = 3;
 pub fn label(key: &GroupKey, frames: &[Frame], comms: &HashMap<u32, String>) -> String {
     match key {
         GroupKey::Process(_, pid) => format!("{} [{pid}]", process_name(*pid, comms)),
-        GroupKey::Function(_, name) => name.clone(),
-        GroupKey::Site(_, module, _) if frames.is_empty() || key.is_stackless() => module.clone(),
+        GroupKey::Function(_, name) => name.to_string(),
+        GroupKey::Site(_, module, _) if frames.is_empty() || key.is_stackless() => module.to_string(),
         _ => {
             let domain = key.domain();
             let frames = site_frames(domain, frames);
@@ -452,7 +452,7 @@ mod tests {
     fn frame(function: &str, kernel: bool) -> Frame {
         Frame {
             function: function.into(),
-            file: (!kernel).then(|| "/src/app.c".to_string()),
+            file: (!kernel).then(|| "/src/app.c".into()),
             line: (!kernel).then_some(7),
             module: if kernel { "[kernel]".into() } else { "app".into() },
             address: 0x10,

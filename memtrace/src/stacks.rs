@@ -7,6 +7,7 @@ use std::{
     collections::{BTreeMap, HashMap, HashSet},
     fmt,
     path::Path,
+    sync::Arc,
 };
 
 use serde::Serialize;
@@ -21,11 +22,14 @@ use crate::{
 /// One named frame. In JSON its `kind` says `native`, `python` or `kernel`.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub struct Frame {
-    pub function: String,
-    pub file: Option<String>,
+    /// Shared with every frame of the same symbol (and `module` with every frame of the
+    /// same file): a report by stack of a heavy program names a million frames, which held
+    /// a copy of each name apiece.
+    pub function: Arc<str>,
+    pub file: Option<Arc<str>>,
     pub line: Option<u32>,
     /// Object file (path or name) for user frames, "[kernel]" for kernel frames.
-    pub module: String,
+    pub module: Arc<str>,
     /// Offset in the module (user) or address (kernel). In JSON a `"0x…"` string: as a
     /// number, a kernel address (above 2^53) would lose bits in jq and JavaScript.
     pub address: u64,
@@ -45,7 +49,7 @@ impl fmt::Display for Frame {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(&self.function)?;
         if let (Some(file), Some(line)) = (&self.file, self.line) {
-            let short = Path::new(file).file_name().map(|n| n.to_string_lossy()).unwrap_or_default();
+            let short = Path::new(&**file).file_name().map(|n| n.to_string_lossy()).unwrap_or_default();
             write!(f, " ({short}:{line})")?;
         }
         if self.inlined {
@@ -72,14 +76,14 @@ impl Serialize for Frame {
     fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
         use serde::ser::SerializeStruct as _;
         let mut st = s.serialize_struct("Frame", 10)?;
-        st.serialize_field("function", &self.function)?;
+        st.serialize_field("function", &*self.function)?;
         if let Some(file) = &self.file {
-            st.serialize_field("file", file)?;
+            st.serialize_field("file", &**file)?;
         }
         if let Some(line) = self.line {
             st.serialize_field("line", &line)?;
         }
-        st.serialize_field("module", &self.module)?;
+        st.serialize_field("module", &*self.module)?;
         st.serialize_field("address", &format!("0x{:x}", self.address))?;
         st.serialize_field("kind", self.kind())?;
         st.serialize_field("kernel", &self.kernel)?;
@@ -112,7 +116,15 @@ pub struct StackTable {
     /// are wrappers'. Kept with [`Self::symbols`] (changed through the methods that keep
     /// it), so that naming a stack matches no name again.
     wrapper_frames: HashMap<SymbolKey, Vec<bool>>,
+    /// The names of the modules as frames show them ([`Self::module_name`]). A module's
+    /// path does not change once the table has it.
+    module_names: std::sync::Mutex<HashMap<u32, Arc<str>>>,
 }
+
+/// [`StackTable::module_name`]'s ids for kernel frames and user frames of no module: no
+/// recording numbers that many modules.
+const KERNEL_MODULE: u32 = u32::MAX;
+const UNKNOWN_MODULE: u32 = u32::MAX - 1;
 
 /// Most user addresses of allocation wrappers a site is named past: more than a stack
 /// holds (511 user frames), so that a row's key and its whole stack's first frame agree
@@ -237,6 +249,7 @@ impl StackTable {
             allocator: None,
             alloc_fns: Default::default(),
             wrapper_frames: HashMap::new(),
+            module_names: Default::default(),
         }
         .indexed()
     }
@@ -386,9 +399,9 @@ impl StackTable {
         }
         let Some(allocator) = self.allocator.as_deref() else { return false };
         if allocator.contains(".so") {
-            first.module == allocator
+            *first.module == *allocator
         } else {
-            first.module == allocator && ALLOCATOR_MAPPERS.contains(&first.function.as_str())
+            *first.module == *allocator && ALLOCATOR_MAPPERS.contains(&&*first.function)
         }
     }
 
@@ -492,6 +505,24 @@ impl StackTable {
         named
     }
 
+    /// The name frames of module `id` show (or of [`KERNEL_MODULE`], [`UNKNOWN_MODULE`]),
+    /// made once and shared by them.
+    fn module_name(&self, id: u32) -> Arc<str> {
+        let module = self.modules.get(&id);
+        if module.is_none() && id != KERNEL_MODULE && id != UNKNOWN_MODULE {
+            // Not kept: `top` and `serve` may learn the module later.
+            return "[unknown module]".into();
+        }
+        let mut names = self.module_names.lock().unwrap_or_else(|e| e.into_inner());
+        let name = names.entry(id).or_insert_with(|| match module {
+            Some(m) if !m.path.is_empty() => module_name(&m.path).into(),
+            Some(m) => format!("[build-id {}]", hex(&m.build_id)).into(),
+            None if id == KERNEL_MODULE => "[kernel]".into(),
+            None => "[unknown]".into(),
+        });
+        Arc::clone(name)
+    }
+
     /// The frames of one address: the inline chain, innermost first.
     fn name(&self, key: SymbolKey) -> Vec<Frame> {
         if let SymbolKey::User(FileFrame::Module { module, offset }) = key
@@ -499,10 +530,10 @@ impl StackTable {
             && let Some(function) = crate::python::function_of(m)
         {
             return vec![Frame {
-                function: function.to_string(),
-                file: Some(m.path.clone()),
+                function: function.into(),
+                file: Some(m.path.as_str().into()),
                 line: u32::try_from(offset).ok().filter(|&l| l != 0),
-                module: module_name(&m.path),
+                module: self.module_name(module),
                 address: offset,
                 kernel: false,
                 python: true,
@@ -512,17 +543,9 @@ impl StackTable {
             }];
         }
         let (kernel, address, module) = match key {
-            SymbolKey::Kernel(addr) => (true, addr, "[kernel]".to_string()),
-            SymbolKey::User(FileFrame::Module { module, offset }) => {
-                let m = self.modules.get(&module);
-                let name = match m {
-                    Some(m) if !m.path.is_empty() => module_name(&m.path),
-                    Some(m) => format!("[build-id {}]", hex(&m.build_id)),
-                    None => "[unknown module]".into(),
-                };
-                (false, offset, name)
-            }
-            SymbolKey::User(FileFrame::Address(ip)) => (false, ip, "[unknown]".into()),
+            SymbolKey::Kernel(addr) => (true, addr, self.module_name(KERNEL_MODULE)),
+            SymbolKey::User(FileFrame::Module { module, offset }) => (false, offset, self.module_name(module)),
+            SymbolKey::User(FileFrame::Address(ip)) => (false, ip, self.module_name(UNKNOWN_MODULE)),
         };
         let wrappers = self.wrapper_frames.get(&key);
         match self.symbols.get(&key) {
@@ -549,7 +572,8 @@ impl StackTable {
                     format!("[unknown] 0x{address:x}")
                 } else {
                     format!("{module}+0x{address:x}")
-                },
+                }
+                .into(),
                 file: None,
                 line: None,
                 module,
@@ -775,7 +799,7 @@ mod tests {
     fn kernel_frames_start_at_the_call_site_and_inlines_expand() {
         let mut t = table();
         let frames = t.frames(1, 0xffff_0002);
-        let names: Vec<String> = frames.iter().map(|f| f.function.clone()).collect();
+        let names: Vec<String> = frames.iter().map(|f| f.function.to_string()).collect();
         assert_eq!(names, ["do_thing", "0xffff0003", "helper", "main", "[unknown] 0x7f00"]);
         assert!(frames[2].inlined && !frames[3].inlined);
         assert_eq!(frames[3].to_string(), "main (a.c:9)");
@@ -848,7 +872,8 @@ mod tests {
         assert_eq!(key(&t, 2).as_deref(), Some("prog::save"));
         // All wrappers: the first frame.
         assert_eq!(key(&t, 3).as_deref(), Some("alloc::alloc::alloc"));
-        let names = |frames: Vec<Frame>| frames.into_iter().map(|f| (f.function, f.wrapper)).collect::<Vec<_>>();
+        let names =
+            |frames: Vec<Frame>| frames.into_iter().map(|f| (f.function.to_string(), f.wrapper)).collect::<Vec<_>>();
         assert_eq!(
             names(t.frames_prefix(1, 0, 2)),
             [
@@ -882,7 +907,7 @@ mod tests {
         );
         assert_eq!(key(&t, 4).as_deref(), Some("prog::main"));
         let whole = t.frames(4, 0);
-        assert_eq!(crate::grouping::first_frame(Domain::User, &whole).map(|f| f.function.as_str()), Some("prog::main"));
+        assert_eq!(crate::grouping::first_frame(Domain::User, &whole).map(|f| &*f.function), Some("prog::main"));
 
         t.set_alloc_fns(crate::wrappers::AllocFns::none());
         assert_eq!(key(&t, 1).as_deref(), Some("alloc::alloc::alloc"));
@@ -907,7 +932,7 @@ mod tests {
         let mut t = table();
         t.symbols.clear();
         let frames = t.frames(1, 0);
-        assert_eq!(frames[3].function, "prog+0x10");
+        assert_eq!(&*frames[3].function, "prog+0x10");
         assert!(frames[3].unknown);
     }
 
@@ -920,7 +945,7 @@ mod tests {
         );
         t.symbols
             .insert(SymbolKey::Kernel(0xffff_0003), vec![Symbol { name: "alloc_pages".into(), ..Default::default() }]);
-        let names: Vec<String> = t.frames(1, 0).iter().map(|f| f.function.clone()).collect();
+        let names: Vec<String> = t.frames(1, 0).iter().map(|f| f.function.to_string()).collect();
         assert_eq!(&names[..2], ["do_thing", "alloc_pages"]);
     }
 
@@ -938,7 +963,7 @@ mod tests {
         );
         t.symbols
             .insert(SymbolKey::Kernel(0xffff_0003), vec![Symbol { name: "alloc_pages".into(), ..Default::default() }]);
-        let names: Vec<String> = t.frames(1, 0).iter().map(|f| f.function.clone()).collect();
+        let names: Vec<String> = t.frames(1, 0).iter().map(|f| f.function.to_string()).collect();
         assert_eq!(names[0], "alloc_pages");
     }
 
@@ -966,7 +991,7 @@ mod tests {
         for (addr, name) in names {
             t.symbols.insert(SymbolKey::Kernel(addr), vec![Symbol { name: name.into(), ..Default::default() }]);
         }
-        let frames: Vec<String> = t.frames(1, 0).iter().map(|f| f.function.clone()).collect();
+        let frames: Vec<String> = t.frames(1, 0).iter().map(|f| f.function.to_string()).collect();
         assert_eq!(frames[0], "0xffff0003", "{frames:?}");
     }
 
@@ -1015,7 +1040,7 @@ mod tests {
         let mut t = table();
         let frames = t.frames(99, 0xffff_0002);
         assert_eq!(frames.len(), 1);
-        assert_eq!(frames[0].function, "do_thing");
+        assert_eq!(&*frames[0].function, "do_thing");
         assert!(t.frames(0, 0).is_empty());
     }
 }

@@ -79,7 +79,7 @@ impl Weight {
 /// as perf and flamegraph.pl do, Python frames with their file and line as py-spy writes
 /// them (`f (app.py:12)`).
 fn folded_name(f: &Frame) -> String {
-    let full = if f.python { f.to_string() } else { f.function.clone() };
+    let full = if f.python { f.to_string() } else { f.function.to_string() };
     let mut name = folded_element(&full);
     if f.kernel {
         name.push_str("_[k]");

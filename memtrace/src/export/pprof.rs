@@ -4,7 +4,7 @@
 //! process and pid; inlined frames become the lines of one location. A differential profile
 //! holds a base recording's samples negated and labelled `pprof::base`, as `pprof
 //! -diff_base` builds it.
-use std::{collections::HashMap, io::Write};
+use std::{collections::HashMap, io::Write, sync::Arc};
 
 use anyhow::Result;
 
@@ -155,9 +155,9 @@ pub struct ProfileHeader<'a> {
 pub struct ProfileBuilder {
     strings: Strings,
     sample_types: Vec<Vec<u8>>,
-    mappings: HashMap<String, u64>,
+    mappings: HashMap<Arc<str>, u64>,
     mapping_msgs: Vec<Vec<u8>>,
-    functions: HashMap<(String, String), u64>,
+    functions: HashMap<(Arc<str>, Arc<str>), u64>,
     function_msgs: Vec<Vec<u8>>,
     locations: HashMap<LocationKey, u64>,
     location_msgs: Vec<Vec<u8>>,
@@ -171,11 +171,14 @@ pub struct ProfileBuilder {
 /// one location, named after whichever came first.
 #[derive(PartialEq, Eq, Hash)]
 struct LocationKey {
-    module: String,
+    module: Arc<str>,
     address: u64,
     kernel: bool,
-    lines: Vec<(String, Option<String>, Option<u32>)>,
+    lines: Vec<Line>,
 }
+
+/// A line of a location: function, file, line.
+type Line = (Arc<str>, Option<Arc<str>>, Option<u32>);
 
 impl ProfileBuilder {
     pub fn new(sample_types: &[(&str, &str)]) -> Self {
@@ -232,7 +235,7 @@ impl ProfileBuilder {
         field_varint(&mut loc, 2, mapping_id);
         field_varint(&mut loc, 3, f.address);
         for c in chain {
-            let file = c.file.clone().unwrap_or_default();
+            let file: Arc<str> = c.file.clone().unwrap_or_else(|| "".into());
             let fkey = (c.function.clone(), file.clone());
             let function_id = match self.functions.get(&fkey) {
                 Some(&id) => id,

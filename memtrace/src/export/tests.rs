@@ -289,7 +289,7 @@ fn pprof_locations_keep_frames_of_one_address_apart() {
     use crate::export::pprof::{LabelValue, ProfileBuilder, ProfileHeader};
     let frame = |function: &str, file: Option<&str>, module: &str, address: u64| crate::stacks::Frame {
         function: function.into(),
-        file: file.map(str::to_string),
+        file: file.map(Into::into),
         line: file.map(|_| 10),
         module: module.into(),
         address,

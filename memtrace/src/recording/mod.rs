@@ -331,8 +331,9 @@ pub struct FileStack {
 /// What a symbolized address is: one entry per function, innermost (inlined) first.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Symbol {
-    pub name: String,
-    pub file: Option<String>,
+    /// Shared with the frames named after it.
+    pub name: std::sync::Arc<str>,
+    pub file: Option<std::sync::Arc<str>>,
     pub line: u32,
     /// Inlined into the next entry.
     pub inlined: bool,

@@ -21,6 +21,8 @@
 //!
 //! Versions 2–4 wrote per address: kind byte, key, count, then per entry the name, a flags
 //! byte (1: inlined, 2: a file follows), the file and the line.
+use std::sync::Arc;
+
 use super::{
     FileFrame, FormatError, Symbol, SymbolKey,
     codec::{Cursor, Streams, put_bytes, put_signed, put_varint},
@@ -102,11 +104,12 @@ impl SymbolEncoder {
 /// Decodes a version-5 `Symbols` chunk.
 pub fn parse_columns(payload: &[u8], offset: u64) -> Result<Vec<(SymbolKey, Vec<Symbol>)>, FormatError> {
     let mut st: [Cursor<'_>; STREAMS] = Cursor::new(payload, offset).streams()?;
-    let mut strings: Vec<String> = Vec::new();
-    let mut string = |st: &mut [Cursor<'_>; STREAMS], stream: usize, back: u64| -> Result<String, FormatError> {
+    // Shared by every entry naming them (a function's addresses, a file's functions).
+    let mut strings: Vec<Arc<str>> = Vec::new();
+    let mut string = |st: &mut [Cursor<'_>; STREAMS], stream: usize, back: u64| -> Result<Arc<str>, FormatError> {
         if back == 0 {
-            let s = st[STRINGS].string()?;
-            strings.push(s.clone());
+            let s: Arc<str> = st[STRINGS].string()?.into();
+            strings.push(Arc::clone(&s));
             return Ok(s);
         }
         let i = (strings.len() as u64)
@@ -172,9 +175,9 @@ pub fn parse_rows(payload: &[u8], offset: u64) -> Result<Vec<(SymbolKey, Vec<Sym
         let n = c.len(3)?;
         let mut symbols = Vec::with_capacity(n);
         for _ in 0..n {
-            let name = c.string()?;
+            let name = c.string()?.into();
             let bits = c.u8()?;
-            let file = if bits & 2 != 0 { Some(c.string()?) } else { None };
+            let file = if bits & 2 != 0 { Some(c.string()?.into()) } else { None };
             let line = c.varint_u32()?;
             symbols.push(Symbol { name, file, line, inlined: bits & 1 != 0 });
         }

@@ -99,7 +99,7 @@ fn round_trips_every_chunk() {
     assert_eq!(rec.stacks[&3].kernel, [0xffff_ffff_8100_0010, 0xffff_ffff_8100_0000]);
     assert_eq!(rec.modules[&0].path, "/usr/bin/prog");
     let key = SymbolKey::User(FileFrame::Module { module: 0, offset: 0x1234 });
-    assert_eq!(rec.symbols[&key][0].name, "inlined_helper");
+    assert_eq!(&*rec.symbols[&key][0].name, "inlined_helper");
     assert!(rec.symbols[&key][0].inlined);
 }
 
@@ -713,7 +713,7 @@ fn arb_symbol() -> impl Strategy<Value = (SymbolKey, Vec<Symbol>)> {
     ];
     let entry =
         (0usize..5, prop::option::of(0usize..3), any::<u32>(), any::<bool>()).prop_map(|(n, f, line, inlined)| {
-            Symbol { name: format!("fn_{n}"), file: f.map(|f| format!("src/{f}.c")), line, inlined }
+            Symbol { name: format!("fn_{n}").into(), file: f.map(|f| format!("src/{f}.c").into()), line, inlined }
         });
     (key, prop::collection::vec(entry, 0..4))
 }

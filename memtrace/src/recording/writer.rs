@@ -257,7 +257,7 @@ impl Item {
                 Self::Stack(s) => s.kernel.len() * size_of::<u64>() + s.user.len() * size_of::<FileFrame>(),
                 Self::Symbol(_, symbols) => symbols
                     .iter()
-                    .map(|s| size_of::<Symbol>() + s.name.len() + s.file.as_ref().map_or(0, String::len))
+                    .map(|s| size_of::<Symbol>() + s.name.len() + s.file.as_ref().map_or(0, |f| f.len()))
                     .sum(),
             }
     }

@@ -69,7 +69,7 @@ mod tests {
     fn twin(function: &str, address: u64, kernel: bool) -> Frame {
         Frame {
             function: function.into(),
-            file: (!kernel).then(|| "/src/a.c".to_string()),
+            file: (!kernel).then(|| "/src/a.c".into()),
             line: (!kernel).then_some(10),
             module: if kernel { "[kernel]".into() } else { "prog".into() },
             address,

@@ -316,10 +316,11 @@ impl Namer {
 pub fn frame_label(f: &Frame) -> String {
     match (&f.file, f.line) {
         (Some(file), Some(line)) => {
-            let short = Path::new(file).file_name().map_or_else(|| file.clone(), |n| n.to_string_lossy().into_owned());
+            let short =
+                Path::new(&**file).file_name().map_or_else(|| file.to_string(), |n| n.to_string_lossy().into_owned());
             format!("{} ({short}:{line})", f.function)
         }
-        _ => f.function.clone(),
+        _ => f.function.to_string(),
     }
 }
 

@@ -224,7 +224,7 @@ pub fn build(
             if frames.is_empty() {
                 // A sample needs a location: the site's name stands for its stack.
                 vec![Frame {
-                    function: site_label(domain, s.key.kind, s.key.stack, &[]),
+                    function: site_label(domain, s.key.kind, s.key.stack, &[]).into(),
                     file: None,
                     line: None,
                     module: "[unknown]".into(),

@@ -202,7 +202,7 @@ impl Recorder {
         }
         for (ip, name) in names {
             if let Some(name) = name {
-                let symbol = Symbol { name, file: None, line: 0, inlined: false };
+                let symbol = Symbol { name: name.into(), file: None, line: 0, inlined: false };
                 self.writer.symbol(SymbolKey::User(FileFrame::Address(ip)), &[symbol]);
             }
         }

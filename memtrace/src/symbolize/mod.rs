@@ -48,10 +48,10 @@ fn chain(sym: &blazesym::symbolize::Sym<'_>) -> Vec<Symbol> {
     let mut out = Vec::with_capacity(sym.inlined.len() + 1);
     for inlined in sym.inlined.iter().rev() {
         let (file, line) = location(inlined.code_info.as_ref());
-        out.push(Symbol { name: demangle(&inlined.name).into_owned(), file, line, inlined: true });
+        out.push(Symbol { name: demangle(&inlined.name).into(), file: file.map(Into::into), line, inlined: true });
     }
     let (file, line) = location(sym.code_info.as_deref());
-    out.push(Symbol { name: demangle(&sym.name).into_owned(), file, line, inlined: false });
+    out.push(Symbol { name: demangle(&sym.name).into(), file: file.map(Into::into), line, inlined: false });
     out
 }
 
@@ -389,12 +389,12 @@ mod tests {
             .filter(|&a| a != 0)
             .expect("schedule in /proc/kallsyms with a real address (tests run as root)");
         let result = Symbolizer::new().kernel(&[addr + 1]);
-        assert_eq!(result[0].last().unwrap().name, "schedule");
+        assert_eq!(&*result[0].last().unwrap().name, "schedule");
         // The same through a prepared symbolizer on its own thread.
         let background = Background::start();
         background.prepare_kernel();
         let result = background.run(move |s| s.kernel(&[addr + 1])).unwrap();
-        assert_eq!(result[0].last().unwrap().name, "schedule");
+        assert_eq!(&*result[0].last().unwrap().name, "schedule");
     }
 
     #[test]

@@ -29,7 +29,7 @@ use crate::{
 fn frame(function: &str, line: u32, kernel: bool) -> Frame {
     Frame {
         function: function.into(),
-        file: (!kernel).then(|| "/src/app.c".to_string()),
+        file: (!kernel).then(|| "/src/app.c".into()),
         line: (!kernel).then_some(line),
         module: if kernel { "[kernel]".into() } else { "app".into() },
         address: u64::from(line),
@@ -214,7 +214,7 @@ fn assert_fits(screen: &str, snap: &Snapshot, width: usize) -> Vec<Column> {
     let shown = header_columns(header);
     assert!(shown.contains(&Column::BytesPerSec), "the column sorted by stays:\n{screen}");
     for r in &snap.rows {
-        let first = r.frames.first().map_or(r.label.as_str(), |f| f.function.as_str());
+        let first = r.frames.first().map_or(r.label.as_str(), |f| &*f.function);
         let line = lines
             .iter()
             .find(|l| l.contains(&r.label[..r.label.len().min(12)]) || l.contains(first))
