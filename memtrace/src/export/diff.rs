@@ -37,7 +37,7 @@ pub fn write_svg_diff(base: &Summary, a: &Summary, weight: Weight, out: &mut dyn
         anyhow::bail!("nothing to draw: no stack has any {what} in either recording");
     }
     let subtitle = "widths: this recording; red grew since the base, blue shrank".to_string();
-    draw_svg(&lines, weight, &format!("memtrace: change in {what}"), Some(subtitle), out)
+    draw_svg(lines.iter().map(String::as_str), weight, &format!("memtrace: change in {what}"), Some(subtitle), out)
 }
 
 pub fn write_pprof_diff(base: &Summary, a: &Summary, out: &mut dyn Write) -> Result<()> {

@@ -160,13 +160,13 @@ pub fn write_svg(a: &Summary, weight: Weight, out: &mut dyn Write) -> Result<()>
     if lines.is_empty() {
         anyhow::bail!("nothing to draw: no stack has any {what}");
     }
-    draw_svg(&lines, weight, &format!("memtrace: {what}"), None, out)
+    draw_svg(lines.iter().map(String::as_str), weight, &format!("memtrace: {what}"), None, out)
 }
 
 /// An inferno flame graph of folded `lines` (`stack value`, or `stack old new` for a
 /// differential one); fluid width, the memory palette.
-pub fn draw_svg(
-    lines: &[String],
+pub fn draw_svg<'a>(
+    lines: impl IntoIterator<Item = &'a str>,
     weight: Weight,
     title: &str,
     subtitle: Option<String>,
@@ -182,7 +182,7 @@ pub fn draw_svg(
     opts.subtitle = subtitle;
     opts.count_name = weight.describe().1.into();
     opts.colors = Palette::Basic(BasicPalette::Mem);
-    from_lines(&mut opts, lines.iter().map(String::as_str), out)?;
+    from_lines(&mut opts, lines, out)?;
     Ok(())
 }
 

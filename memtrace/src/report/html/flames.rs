@@ -13,7 +13,7 @@ use crate::{
     analysis::Domain,
     export::{Weight, draw_svg, folded_line},
     grouping::domain_name,
-    report::{GroupRow, Summary},
+    report::Summary,
     units::{bytes, duration},
 };
 
@@ -72,19 +72,16 @@ fn body(svg: &str) -> (String, u32) {
     (svg, height)
 }
 
-/// A flame graph of the domain's rows, whose folded stacks are `folded` (made once for
-/// every view: on a big recording they took most of the page's time).
-fn flame(stacks: &Summary, folded: &[(&GroupRow, String)], domain: Domain, weight: Weight) -> Result<Flame> {
+/// A domain's distinct folded stacks, each with its weight in every view (made once for
+/// every view: on a big recording they took most of the page's time, and one copy of
+/// them per view most of its memory).
+type Folded = Vec<(String, [u64; VIEWS.len()])>;
+
+/// The flame graph of view `view` of the domain's stacks `folded`.
+fn flame(stacks: &Summary, folded: &mut Folded, domain: Domain, view: usize) -> Result<Flame> {
+    let weight = VIEWS[view].2;
     let (what, _) = weight.describe();
-    let mut merged: BTreeMap<&str, u64> = BTreeMap::new();
-    for (row, line) in folded {
-        let value = weight.of(&row.stats);
-        if value > 0 {
-            *merged.entry(line.as_str()).or_insert(0) += value;
-        }
-    }
-    let lines: Vec<String> = merged.into_iter().map(|(s, v)| format!("{s} {v}")).collect();
-    if lines.is_empty() {
+    if folded.iter().all(|(_, w)| w[view] == 0) {
         return Ok(Flame {
             svgz: None,
             height: 0,
@@ -103,21 +100,55 @@ fn flame(stacks: &Summary, folded: &[(&GroupRow, String)], domain: Domain, weigh
         Weight::Live => Some("blocks never freed: still live when the recording (or their process) ended".into()),
         _ => None,
     };
+    // Each line's weight written after it for this view, and taken off after.
+    let lengths: Vec<usize> = folded.iter().map(|(line, _)| line.len()).collect();
+    for (line, w) in folded.iter_mut() {
+        use std::fmt::Write as _;
+        let _ = write!(line, " {}", w[view]);
+    }
     let mut svg = Vec::new();
-    draw_svg(&lines, weight, &format!("{} {what}", domain_name(domain)), subtitle, &mut svg)?;
+    let drawn = draw_svg(
+        folded.iter().filter(|(_, w)| w[view] > 0).map(|(line, _)| line.as_str()),
+        weight,
+        &format!("{} {what}", domain_name(domain)),
+        subtitle,
+        &mut svg,
+    );
+    for ((line, _), len) in folded.iter_mut().zip(lengths) {
+        line.truncate(len);
+    }
+    drawn?;
     let (svg, height) = body(&String::from_utf8_lossy(&svg));
     Ok(Flame { svgz: Some(packed(&svg)?), height, empty: None })
 }
 
-/// Every flame graph: domain → view id → flame graph.
-pub fn flames(stacks: &Summary, domains: &[Domain]) -> Result<BTreeMap<&'static str, BTreeMap<&'static str, Flame>>> {
+/// Every flame graph: domain → view id → flame graph. The rows of `stacks` are taken:
+/// each one's frames are let go once its folded stack is made.
+pub fn flames(
+    stacks: &mut Summary,
+    domains: &[Domain],
+) -> Result<BTreeMap<&'static str, BTreeMap<&'static str, Flame>>> {
+    let mut by_domain: BTreeMap<Domain, BTreeMap<String, [u64; VIEWS.len()]>> = BTreeMap::new();
+    for row in std::mem::take(&mut stacks.groups) {
+        if !domains.contains(&row.domain) {
+            continue;
+        }
+        let weights = VIEWS.map(|(_, _, weight)| weight.of(&row.stats));
+        let merged = by_domain.entry(row.domain).or_default();
+        if weights.iter().all(|&w| w == 0) {
+            continue;
+        }
+        let sum = merged.entry(folded_line(stacks, &row)).or_default();
+        for (s, w) in sum.iter_mut().zip(weights) {
+            *s += w;
+        }
+    }
     let mut out = BTreeMap::new();
     for &domain in domains {
-        let folded: Vec<(&GroupRow, String)> =
-            stacks.groups.iter().filter(|r| r.domain == domain).map(|r| (r, folded_line(stacks, r))).collect();
+        let mut folded: Folded = by_domain.remove(&domain).unwrap_or_default().into_iter().collect();
         let mut views = BTreeMap::new();
-        for (id, _, weight) in VIEWS {
-            views.insert(id, flame(stacks, &folded, domain, weight)?);
+        for (i, (id, _, _)) in VIEWS.iter().enumerate() {
+            views.insert(*id, flame(stacks, &mut folded, domain, i)?);
         }
         out.insert(domain_name(domain), views);
     }

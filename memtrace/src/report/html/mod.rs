@@ -72,13 +72,13 @@ pub fn render_html(input: &Path, opts: &ReportOptions) -> Result<String> {
         ..Default::default()
     };
     let stacks = analyze(input, &stacks_opts)?;
-    page(&sites, &stacks, opts)
+    page(&sites, stacks, opts)
 }
 
-/// The page, from the report's summary and its stacks'.
-pub fn page(sites: &Summary, stacks: &Summary, opts: &ReportOptions) -> Result<String> {
+/// The page, from the report's summary and its stacks' (whose rows the flame graphs take).
+pub fn page(sites: &Summary, mut stacks: Summary, opts: &ReportOptions) -> Result<String> {
     let domains: Vec<Domain> = sites.totals.keys().copied().filter(|d| opts.filters.domain.admits(*d)).collect();
-    let flames = flames::flames(stacks, &domains)?;
+    let flames = flames::flames(&mut stacks, &domains)?;
     let title = format!("memtrace report: {}", describe(sites));
     let mut out = String::with_capacity(1 << 20);
     let _ = writeln!(

@@ -7,7 +7,7 @@ use crate::report::tests::summary;
 fn page_of(opts: &ReportOptions) -> String {
     let sites = summary(&ReportOptions { timeline: true, ..opts.clone() });
     let stacks = summary(&ReportOptions { by: GroupBy::Stack, split_processes: true, ..Default::default() });
-    page(&sites, &stacks, opts).unwrap()
+    page(&sites, stacks, opts).unwrap()
 }
 
 /// The flame graphs' data.
