@@ -292,7 +292,7 @@ fn export(args: ExportArgs) -> Result<i32> {
         None => Box::new(std::io::BufWriter::new(std::io::stdout().lock())),
     };
     let result =
-        export::write(args.format, &summary, base.as_ref(), args.weight, &mut out).and_then(|()| Ok(out.flush()?));
+        export::write(args.format, summary, base.as_ref(), args.weight, &mut out).and_then(|()| Ok(out.flush()?));
     drop(out);
     match result {
         Err(e) if e.downcast_ref::<std::io::Error>().is_some_and(|e| e.kind() == std::io::ErrorKind::BrokenPipe) => {

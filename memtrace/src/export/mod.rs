@@ -147,15 +147,49 @@ pub fn folded_line(a: &Summary, row: &GroupRow) -> String {
     line
 }
 
+/// [`folded`], taking the rows: each one's frames are let go once its line is made (a
+/// big recording's named frames and its folded lines both held at once took twice the
+/// memory).
+fn folded_taking(mut a: Summary, weight: Weight) -> BTreeMap<String, u64> {
+    let rows = std::mem::take(&mut a.groups);
+    let mut out = BTreeMap::new();
+    for row in rows {
+        let value = weight.of(&row.stats);
+        if value > 0 {
+            *out.entry(folded_line(&a, &row)).or_insert(0) += value;
+        }
+    }
+    out
+}
+
+/// Folded stacks as lines, `stack value` (each line's own string, its value appended).
+fn lines_of(folded: BTreeMap<String, u64>) -> Vec<String> {
+    use std::fmt::Write as _;
+    folded
+        .into_iter()
+        .map(|(mut line, value)| {
+            let _ = write!(line, " {value}");
+            line
+        })
+        .collect()
+}
+
 pub fn write_folded(a: &Summary, weight: Weight, out: &mut dyn Write) -> Result<()> {
-    for (stack, value) in folded(a, weight) {
-        writeln!(out, "{stack} {value}")?;
+    write_lines(&lines_of(folded(a, weight)), out)
+}
+
+fn write_lines(lines: &[String], out: &mut dyn Write) -> Result<()> {
+    for line in lines {
+        writeln!(out, "{line}")?;
     }
     Ok(())
 }
 
 pub fn write_svg(a: &Summary, weight: Weight, out: &mut dyn Write) -> Result<()> {
-    let lines: Vec<String> = folded(a, weight).into_iter().map(|(s, v)| format!("{s} {v}")).collect();
+    svg_of_lines(&lines_of(folded(a, weight)), weight, out)
+}
+
+fn svg_of_lines(lines: &[String], weight: Weight, out: &mut dyn Write) -> Result<()> {
     let (what, _) = weight.describe();
     if lines.is_empty() {
         anyhow::bail!("nothing to draw: no stack has any {what}");
@@ -189,18 +223,18 @@ pub fn draw_svg<'a>(
 /// Writes the export `format` asks for; with a `base`, the change from it.
 pub fn write(
     format: ExportFormat,
-    a: &Summary,
+    a: Summary,
     base: Option<&Summary>,
     weight: Weight,
     out: &mut dyn Write,
 ) -> Result<()> {
     match (format, base) {
-        (ExportFormat::Folded, None) => write_folded(a, weight, out),
-        (ExportFormat::Svg, None) => write_svg(a, weight, out),
-        (ExportFormat::Pprof, None) => write_pprof(a, out),
-        (ExportFormat::Folded, Some(b)) => diff::write_folded_diff(b, a, weight, out),
-        (ExportFormat::Svg, Some(b)) => diff::write_svg_diff(b, a, weight, out),
-        (ExportFormat::Pprof, Some(b)) => diff::write_pprof_diff(b, a, out),
+        (ExportFormat::Folded, None) => write_lines(&lines_of(folded_taking(a, weight)), out),
+        (ExportFormat::Svg, None) => svg_of_lines(&lines_of(folded_taking(a, weight)), weight, out),
+        (ExportFormat::Pprof, None) => write_pprof(&a, out),
+        (ExportFormat::Folded, Some(b)) => diff::write_folded_diff(b, &a, weight, out),
+        (ExportFormat::Svg, Some(b)) => diff::write_svg_diff(b, &a, weight, out),
+        (ExportFormat::Pprof, Some(b)) => diff::write_pprof_diff(b, &a, out),
     }
 }
 

@@ -258,18 +258,18 @@ fn differential_exports_hold_both_recordings() {
     // The base: only the blocks of 1000 bytes and more; this recording: everything.
     let (base, now) = (filtered(1000), stacks());
     let mut out = Vec::new();
-    write(ExportFormat::Folded, &now, Some(&base), Weight::Allocs, &mut out).unwrap();
+    write(ExportFormat::Folded, stacks(), Some(&base), Weight::Allocs, &mut out).unwrap();
     let text = String::from_utf8(out).unwrap();
     assert!(text.lines().any(|l| l == "app;main;handle_connection;serve;parse_request 0 100"), "{text}");
     assert!(text.lines().any(|l| l == "app;main;build_index;grow 10 10"), "{text}");
     let mut svg = Vec::new();
-    write(ExportFormat::Svg, &now, Some(&base), Weight::Bytes, &mut svg).unwrap();
+    write(ExportFormat::Svg, stacks(), Some(&base), Weight::Bytes, &mut svg).unwrap();
     let svg = String::from_utf8(svg).unwrap();
     assert!(svg.contains("memtrace: change in bytes requested") && svg.contains("parse_request"), "{svg}");
 
     // pprof: the base's samples negated and labelled, so the sums are the change.
     let mut gz = Vec::new();
-    write(ExportFormat::Pprof, &now, Some(&base), Weight::Bytes, &mut gz).unwrap();
+    write(ExportFormat::Pprof, now, Some(&base), Weight::Bytes, &mut gz).unwrap();
     let mut raw = Vec::new();
     flate2::read::GzDecoder::new(&gz[..]).read_to_end(&mut raw).unwrap();
     let p = Profile::decode(&raw[..]).unwrap();
