@@ -69,7 +69,10 @@ impl std::fmt::Display for Line<'_> {
                 if a.stack != 0 {
                     write!(f, " stack={}", a.stack)?;
                 }
-                if a.kind.is_kernel() {
+                if a.kind == Kind::PageAlloc {
+                    // As perf prints mm_page_alloc: the order and migrate type (no node).
+                    write!(f, " gfp=0x{:x} order={} migratetype={}", a.gfp_flags, a.order, a.node)?;
+                } else if a.kind.is_kernel() {
                     write!(f, " call_site=0x{:x} gfp=0x{:x} node={}", a.call_site, a.gfp_flags, a.node)?;
                 }
                 if self.probes {
@@ -285,6 +288,13 @@ mod tests {
         assert_eq!(
             Line::new(&kmalloc).to_string(),
             "     1.500000123 42/43 cpu1 kmalloc 0xffff888000001000 req=64 alloc=96 stack=3 call_site=0xffffffff81234567 gfp=0xcc0 node=-1"
+        );
+        // A page's migrate type is not a node (a helper read `node=1` on a one-node VM).
+        let Event::Alloc(mut page) = alloc(Kind::PageAlloc, 0xffff_ea00_0000_0040, 3) else { unreachable!() };
+        (page.call_site, page.bytes_req, page.bytes_alloc, page.order, page.node) = (0, 8192, 8192, 1, 2);
+        assert_eq!(
+            Line::new(&Event::Alloc(page)).to_string(),
+            "     1.500000123 42/43 cpu1 page 0xffffea0000000040 req=8192 alloc=8192 stack=3 gfp=0xcc0 order=1 migratetype=2"
         );
         let free = Event::Free(Free {
             ts_ns: 7,
