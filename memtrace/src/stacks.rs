@@ -116,8 +116,8 @@ pub struct StackTable {
     /// are wrappers'. Kept with [`Self::symbols`] (changed through the methods that keep
     /// it), so that naming a stack matches no name again.
     wrapper_frames: HashMap<SymbolKey, Vec<bool>>,
-    /// The names of the modules as frames show them ([`Self::module_name`]). A module's
-    /// path does not change once the table has it.
+    /// The names of the modules as frames show them ([`Self::module_name`]), kept once a
+    /// module's path is known (a path, once learned, does not change).
     module_names: std::sync::Mutex<HashMap<u32, Arc<str>>>,
 }
 
@@ -509,14 +509,17 @@ impl StackTable {
     /// made once and shared by them.
     fn module_name(&self, id: u32) -> Arc<str> {
         let module = self.modules.get(&id);
-        if module.is_none() && id != KERNEL_MODULE && id != UNKNOWN_MODULE {
-            // Not kept: `top` and `serve` may learn the module later.
-            return "[unknown module]".into();
+        // A Python module's path is its file (possibly empty), whatever it holds.
+        let named = |m: &Module| !m.path.is_empty() || crate::python::function_of(m).is_some();
+        match module {
+            // Not kept: `top` and `serve` may learn the module, or its path, later.
+            None if id != KERNEL_MODULE && id != UNKNOWN_MODULE => return "[unknown module]".into(),
+            Some(m) if !named(m) => return format!("[build-id {}]", hex(&m.build_id)).into(),
+            _ => {}
         }
         let mut names = self.module_names.lock().unwrap_or_else(|e| e.into_inner());
         let name = names.entry(id).or_insert_with(|| match module {
-            Some(m) if !m.path.is_empty() => module_name(&m.path).into(),
-            Some(m) => format!("[build-id {}]", hex(&m.build_id)).into(),
+            Some(m) => module_name(&m.path).into(),
             None if id == KERNEL_MODULE => "[kernel]".into(),
             None => "[unknown]".into(),
         });

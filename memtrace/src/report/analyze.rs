@@ -396,6 +396,7 @@ pub fn analyze(path: &Path, opts: &ReportOptions) -> Result<Summary> {
                 }
                 Event::Alloc(a)
                     if a.kind == Kind::Mmap
+                        && !analyzer.reserved_stacks.contains(&a.stack)
                         && filters.domain.admits(Domain::User)
                         && filters.admits_kind(a.kind)
                         && filters.admits_size(a.bytes_req)

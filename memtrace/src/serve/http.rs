@@ -28,7 +28,7 @@ use super::{
     config::HttpConfig,
     metrics::{OPENMETRICS_TYPE, TEXT_TYPE, wants_openmetrics},
     model::Scraper,
-    profile::{self, ProfileKind, ProfileQuery, parse_query},
+    profile::{ProfileKind, ProfileQuery, parse_query},
 };
 
 /// Responses built at once (the rest wait, within their deadline).
@@ -319,6 +319,16 @@ fn without_slot(req: &Request<Incoming>, ctx: &Context) -> Option<Reply> {
     None
 }
 
+/// Whether every `%` of a query starts an escape (two hex digits); the bytes escaped need
+/// not be UTF-8, as Go's `ParseQuery` does not ask.
+fn well_formed_query(query: &str) -> bool {
+    let bytes = query.as_bytes();
+    bytes
+        .iter()
+        .enumerate()
+        .all(|(i, &b)| b != b'%' || bytes.get(i + 1..i + 3).is_some_and(|h| h.iter().all(u8::is_ascii_hexdigit)))
+}
+
 /// The answer to a request past [`without_slot`].
 async fn answer(req: Request<Incoming>, ctx: &Context) -> Reply {
     let path = req.uri().path().to_string();
@@ -328,8 +338,8 @@ async fn answer(req: Request<Incoming>, ctx: &Context) -> Reply {
             // Parameters are ignored, as node_exporter ignores those it does not know:
             // a scrape config's `params:` (one set for several exporters) must not fail
             // the scrape. A query that is not a query still gets its 400.
-            if let Err(bad) = profile::parse_form(&query) {
-                return text(StatusCode::BAD_REQUEST, &bad.0);
+            if !well_formed_query(&query) {
+                return text(StatusCode::BAD_REQUEST, &format!("malformed query: bad percent-encoding in {query:?}"));
             }
             let accept = req.headers().get(header::ACCEPT).and_then(|v| v.to_str().ok()).unwrap_or("");
             let openmetrics = wants_openmetrics(accept);

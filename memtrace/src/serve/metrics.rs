@@ -426,7 +426,8 @@ impl Families {
         unit: Option<Unit>,
         h: &super::selfstats::FillHistogram,
     ) {
-        // Every observation is at most 1, so the `+Inf` bucket adds none.
+        // Every observation is at most 1: the `+Inf` bucket (which the encoder writes only
+        // when given one) adds none.
         let buckets =
             super::selfstats::FILL_BOUNDS.iter().copied().zip(h.buckets).chain([(f64::INFINITY, 0)]).collect();
         let value = Value::Histogram(Arc::new(HistogramValue { sum: h.sum, count: h.count, buckets }));

@@ -841,6 +841,7 @@ fn head_requests_get_the_headers_without_a_scrape() {
     assert_eq!(get(addr, &head("/debug/pprof/heap?seconds=abc")).0, 400);
     assert_eq!(get(addr, &head("/metrics?x=%zz")).0, 400);
     assert_eq!(get(addr, &head("/metrics?module=memtrace")).0, 200);
+    assert_eq!(get(addr, &head("/metrics?x=%ff")).0, 200, "escaped bytes need not be UTF-8");
     assert_eq!(get(addr, &head("/nope")).0, 404);
     let scrapes: Vec<u64> = shared.scrapes.iter().map(|n| n.load(std::sync::atomic::Ordering::Relaxed)).collect();
     assert_eq!(scrapes, [0, 0, 0]);
