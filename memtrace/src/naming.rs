@@ -94,13 +94,9 @@ impl Namer {
         named
     }
 
-    /// The name of process `pid` as a rename event, unless it was named already (a process
-    /// attached to, named before its first event).
-    pub fn name_now(&mut self, pid: u32, ts_ns: u64) -> Option<Event> {
-        self.name_process(pid, ts_ns)
-    }
-
-    fn name_process(&mut self, pid: u32, ts_ns: u64) -> Option<Event> {
+    /// The name of process `pid` as a rename event, unless it was named already (at its
+    /// first event, or, attached to, before it).
+    pub fn name_process(&mut self, pid: u32, ts_ns: u64) -> Option<Event> {
         if pid == 0 || !self.named.insert(pid) {
             return None;
         }

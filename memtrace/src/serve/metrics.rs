@@ -373,16 +373,7 @@ enum Value {
     RealCount(f64),
     Gauge(i64),
     Real(f64),
-    Histogram(Arc<HistogramValue>),
-}
-
-/// A histogram's figures as prometheus-client encodes them (bucket counts not cumulative;
-/// the encoder adds them up and writes the `+Inf` bucket).
-#[derive(Debug)]
-struct HistogramValue {
-    sum: f64,
-    count: u64,
-    buckets: Vec<(f64, u64)>,
+    Histogram(Box<super::selfstats::FillHistogram>),
 }
 
 impl Value {
@@ -392,7 +383,14 @@ impl Value {
             Self::RealCount(v) => ConstCounter::new(v).encode(m),
             Self::Gauge(v) => ConstGauge::new(v).encode(m),
             Self::Real(v) => ConstGauge::new(v).encode(m),
-            Self::Histogram(ref h) => m.encode_histogram::<NoLabelSet>(h.sum, h.count, &h.buckets, None),
+            Self::Histogram(ref h) => {
+                // Counts per bucket, not cumulative (the encoder adds them up). Every
+                // observation is at most 1: the `+Inf` bucket, which the encoder writes only
+                // when given one, adds none.
+                let buckets: Vec<(f64, u64)> =
+                    super::selfstats::FILL_BOUNDS.iter().copied().zip(h.buckets).chain([(f64::INFINITY, 0)]).collect();
+                m.encode_histogram::<NoLabelSet>(h.sum, h.count, &buckets, None)
+            }
         }
     }
 }
@@ -426,11 +424,7 @@ impl Families {
         unit: Option<Unit>,
         h: &super::selfstats::FillHistogram,
     ) {
-        // Every observation is at most 1: the `+Inf` bucket (which the encoder writes only
-        // when given one) adds none.
-        let buckets =
-            super::selfstats::FILL_BOUNDS.iter().copied().zip(h.buckets).chain([(f64::INFINITY, 0)]).collect();
-        let value = Value::Histogram(Arc::new(HistogramValue { sum: h.sum, count: h.count, buckets }));
+        let value = Value::Histogram(Box::new(h.clone()));
         self.family(name, help, unit, false).samples.push((Labels::default(), value));
     }
 

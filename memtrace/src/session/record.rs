@@ -421,7 +421,7 @@ pub fn record(opts: RecordOptions) -> Result<RecordSummary> {
     // The process attached to is named now: one that makes no allocation while traced
     // would otherwise have no name in the recording.
     if let (super::Target::Pid(_), Some(pid)) = (target, tracer.target_pid)
-        && let Some(name) = recorder.namer.name_now(pid, meta.start_monotonic_ns)
+        && let Some(name) = recorder.namer.name_process(pid, meta.start_monotonic_ns)
     {
         recorder.write(&name);
     }

@@ -134,11 +134,10 @@ pub fn flames(
             continue;
         }
         let weights = VIEWS.map(|(_, _, weight)| weight.of(&row.stats));
-        let merged = by_domain.entry(row.domain).or_default();
         if weights.iter().all(|&w| w == 0) {
             continue;
         }
-        let sum = merged.entry(folded_line(stacks, &row)).or_default();
+        let sum = by_domain.entry(row.domain).or_default().entry(folded_line(stacks, &row)).or_default();
         for (s, w) in sum.iter_mut().zip(weights) {
             *s += w;
         }
