@@ -658,7 +658,12 @@ pub mod counter {
     /// (a thread preempted inside a uprobe program, or a kmem tracepoint in an interrupt):
     /// their allocations carry only their call site, marked cut short.
     pub const USER_WALKS_INTERLEAVED: u32 = 19;
-    pub const COUNT: u32 = 20;
+    /// Kernel allocations of traced tasks made while a program of ours updated a map
+    /// (`PROBE_BUSY`: the address spaces' trie, and the refill of the BPF allocator's
+    /// caches it triggers), and their bytes: the probes' own, left out and only counted.
+    pub const PROBE_BUSY_ALLOCS: u32 = 20;
+    pub const PROBE_BUSY_BYTES: u32 = 21;
+    pub const COUNT: u32 = 22;
 }
 
 /// States of a tgid in the `TRACED` map.

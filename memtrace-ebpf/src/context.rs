@@ -14,6 +14,16 @@ use crate::{
     stack::Scratch,
 };
 
+/// Whether the current task still has its user memory: not a kernel thread, and not a
+/// process past `exit_mm` (the page tables and batches freed as it exits are allocated
+/// after that, with no user stack left to walk).
+#[inline(always)]
+pub(crate) fn current_has_user_memory() -> bool {
+    // SAFETY: no preconditions; the pointer is only read through checked reads.
+    let task = unsafe { generated::bpf_get_current_task() };
+    read_kernel_at::<u64>(task, config!(kernel.task_mm)).is_some_and(|mm| mm != 0)
+}
+
 #[inline(always)]
 pub(crate) fn pid_tgid() -> (u64, u32, u32) {
     let id = bpf_get_current_pid_tgid();

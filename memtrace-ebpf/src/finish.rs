@@ -12,7 +12,7 @@ use aya_ebpf::{
 use memtrace_common::{InFlight, KernelAllocRecord, MAX_STACK_DEPTH, UserAllocRecord, counter, flags, stack_hash_step};
 
 use crate::{
-    context::{pid_tgid, scratch},
+    context::{current_has_user_memory, pid_tgid, scratch},
     maps::{KERNEL_FINISH, Ring, SESSION_FINISH, USER_FINISH},
     ring::{bump, emit, this_ring},
     stack::{KERNEL_NESTING, Scratch, join_user_part, kernel_only_stack, kernel_part, user_stack},
@@ -179,7 +179,7 @@ fn try_kmem_finish(ctx: &RawTracePointContext) -> Result<(), ()> {
     // The kernel stack kept for a path is found by the allocation's kind and call site.
     let seed = stack_hash_step(u64::from(pending.kind), pending.call_site);
     let (n_kernel, hash) = kernel_part(ctx_ptr, pid, seed).ok_or(())?;
-    if pid != 0 && config!(user_stacks) != 0 {
+    if pid != 0 && config!(user_stacks) != 0 && current_has_user_memory() {
         let scratch = scratch().ok_or(())?;
         scratch.pending_kernel_hash[level & (KERNEL_NESTING - 1)] = hash;
         scratch.pending_kernel_frames[level & (KERNEL_NESTING - 1)] = n_kernel as u32;

@@ -177,16 +177,36 @@ fn try_exit(ctx: &RawTracePointContext) -> Result<(), ()> {
     } else {
         tid == tgid
     };
+    // The process stays traced until its task is freed (`sched_process_free`): the
+    // kernel frees its memory after this tracepoint (since 6.16 `exit_mm` comes after
+    // it), allocating page-table batches as it does.
     if group_dead {
-        if config!(trace_all) == 0 {
-            let _ = TRACED.remove(tgid);
-            traced_changed();
-        }
         end_address_space(tgid);
     }
     let ring = this_ring().ok_or(())?;
     let flags = if group_dead { flags::GROUP_DEAD } else { 0 };
     emit_task(ring, TaskEvent::Exit, TaskFacts { pid: tgid, tid, ppid: 0, asid: 0, flags }, |_| {});
+    Ok(())
+}
+
+raw_tracepoint_program!(sched_process_free, |ctx| try_free(ctx));
+
+/// sched_process_free(struct task_struct *p): a task's last reference goes. A process
+/// leaves the traced set when its leader's does, which is after every thread of it
+/// exited and its parent reaped it.
+fn try_free(ctx: &RawTracePointContext) -> Result<(), ()> {
+    if config!(trace_all) != 0 {
+        return Ok(());
+    }
+    let task: u64 = ctx.arg(0);
+    let tgid: u32 = read_kernel_at(task, config!(kernel.task_tgid)).ok_or(())?;
+    let tid: u32 = read_kernel_at(task, config!(kernel.task_pid)).ok_or(())?;
+    // SAFETY: the value is a plain u32, only tested for presence.
+    if tid != tgid || unsafe { TRACED.get(tgid) }.is_none() {
+        return Ok(());
+    }
+    let _ = TRACED.remove(tgid);
+    traced_changed();
     Ok(())
 }
 

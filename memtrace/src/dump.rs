@@ -34,11 +34,13 @@ pub struct Line<'a> {
     pub digits: u32,
     /// A kernel allocation the probes caused (`report`'s "not counted"), marked `(probes)`.
     pub probes: bool,
+    /// A new slab's pages (`report`'s "slab pages"), marked `(slab pages)`.
+    pub slab_pages: bool,
 }
 
 impl<'a> Line<'a> {
     pub fn new(event: &'a Event) -> Self {
-        Self { event, old: None, parent: None, digits: 9, probes: false }
+        Self { event, old: None, parent: None, digits: 9, probes: false, slab_pages: false }
     }
 }
 
@@ -77,6 +79,8 @@ impl std::fmt::Display for Line<'_> {
                 }
                 if self.probes {
                     f.write_str(" (probes)")?;
+                } else if self.slab_pages {
+                    f.write_str(" (slab pages)")?;
                 }
                 Ok(())
             }
@@ -204,14 +208,16 @@ fn write_events(
     let mut failed = None;
     let resolution = crate::recording::Reader::open(path).map(|r| r.meta.time_resolution_ns).unwrap_or(0);
     let mut state = State { digits: time_digits(resolution), ..Default::default() };
-    // With the stacks read (-g), the probes' own kernel allocations are marked.
+    // With the stacks read (-g), the probes' own kernel allocations and slab pages are marked.
     let probes = table.as_deref().map(StackTable::uprobe_stacks).unwrap_or_default();
+    let slab_pages = table.as_deref().map(StackTable::slab_page_stacks).unwrap_or_default();
     for_each_event(path, until, &mut |e| {
         if failed.is_some() {
             return;
         }
         let mut line = state.line(&e);
         line.probes = matches!(&e, Event::Alloc(a) if a.kind.is_kernel() && probes.contains(&a.stack));
+        line.slab_pages = matches!(&e, Event::Alloc(a) if a.kind == Kind::PageAlloc && slab_pages.contains(&a.stack));
         let mut text = format!("{line}\n");
         if let (Some(table), Event::Alloc(a)) = (table.as_deref_mut(), &e) {
             for f in table.frames(a.stack, a.call_site) {

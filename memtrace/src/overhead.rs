@@ -1,14 +1,18 @@
-//! The probes' own kernel allocations, told apart as stacks arrive, for the views that
-//! count as they go (`top`, `serve`); `report` tells them apart from the recording's
-//! symbols ([`crate::stacks::StackTable::uprobe_stacks`]) by the same rule: a kernel stack
-//! through the uprobe machinery (breakpoint pages, return instances, the task storage of
-//! the BPF programs the probes run), or whose user code was the uprobes' own page (the
-//! return trampoline's first run in a process faults in its page tables). On a quiet
-//! service these were most of its kernel rows. The kernel's functions are read once, from
-//! kallsyms (a `Send` table: `serve`'s model moves between threads).
+//! Kernel allocations the views that count as they go (`top`, `serve`) set aside, told
+//! apart as stacks arrive; `report` tells them apart from the recording's symbols by the
+//! same rules ([`crate::stacks::StackTable::uprobe_stacks`], `slab_page_stacks`):
+//! - the probes' own: a kernel stack through the uprobe machinery (breakpoint pages,
+//!   return instances, the task storage of the BPF programs the probes run), or whose user
+//!   code was the uprobes' own page (the return trampoline's first run in a process faults
+//!   in its page tables). On a quiet service these were most of its kernel rows;
+//! - slab pages: pages the slab allocators take (a new slab), whose objects count at their
+//!   own kmalloc or kmem_cache_alloc.
+//!
+//! The kernel's functions are read once, from kallsyms (a `Send` table: `serve`'s model
+//! moves between threads).
 use crate::{
     event::{RawUserFrame, StackRecord},
-    stacks::is_uprobe_machinery,
+    stacks::{is_slab_page_taker, is_uprobe_machinery},
 };
 
 /// Whether a user address is in the uprobes' own page (`[uprobes]`).
@@ -16,24 +20,41 @@ pub fn in_uprobes_page(addr: u64) -> bool {
     addr & !0xfff == memtrace_common::UPROBE_TRAMPOLINE_PAGE
 }
 
+/// What a kernel stack's allocations are, for the views that set some aside.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub enum SetAside {
+    /// Made for the probes (counted apart, in no site).
+    Probes,
+    /// A slab's pages (counted apart where they are page allocations).
+    SlabPages,
+}
+
 /// The kernel's functions as `/proc/kallsyms` lists them: where each starts, and which
-/// are the uprobe machinery's (2 MB for a kernel's ~150,000 functions, read once).
+/// set their allocations aside (2 MB for a kernel's ~150,000 functions, read once).
 struct Functions {
     starts: Vec<u64>,
-    machinery: Vec<bool>,
+    classes: Vec<Option<SetAside>>,
 }
 
 impl Functions {
     fn read() -> Self {
-        let all = crate::procfs::kernel_functions(is_uprobe_machinery);
-        Self { starts: all.iter().map(|f| f.0).collect(), machinery: all.iter().map(|f| f.1).collect() }
+        let all = crate::procfs::kernel_functions(|name| {
+            if is_uprobe_machinery(name) {
+                Some(SetAside::Probes)
+            } else if is_slab_page_taker(name) {
+                Some(SetAside::SlabPages)
+            } else {
+                None
+            }
+        });
+        Self { starts: all.iter().map(|f| f.0).collect(), classes: all.iter().map(|f| f.1).collect() }
     }
 
-    /// Whether the function holding `addr` is the uprobe machinery's.
-    fn in_machinery(&self, addr: u64) -> bool {
+    /// What the function holding `addr` sets aside, if anything.
+    fn class(&self, addr: u64) -> Option<SetAside> {
         match self.starts.partition_point(|&s| s <= addr) {
-            0 => false,
-            i => self.machinery[i - 1],
+            0 => None,
+            i => self.classes[i - 1],
         }
     }
 }
@@ -45,24 +66,33 @@ pub struct ProbeOverhead {
 }
 
 impl ProbeOverhead {
-    /// Whether allocations with this stack are the probes' own.
-    pub fn is_probes(&mut self, s: &StackRecord) -> bool {
+    /// What allocations with this stack are set aside as, if they are: the probes' own
+    /// first (a slab page taken inside the uprobe machinery is the probes').
+    pub fn classify(&mut self, s: &StackRecord) -> Option<SetAside> {
         if let Some(RawUserFrame::Ip(ip)) = s.user.first()
             && in_uprobes_page(*ip)
         {
-            return true;
+            return Some(SetAside::Probes);
         }
-        self.through_machinery(&s.kernel)
-    }
-
-    /// Whether one of these kernel addresses (innermost first: where the allocation was
-    /// made, then return addresses, looked up a byte before) is in the uprobe machinery.
-    pub fn through_machinery(&mut self, kernel: &[u64]) -> bool {
-        if kernel.is_empty() {
-            return false;
+        if s.kernel.is_empty() {
+            return None;
         }
         let functions = self.functions.get_or_insert_with(Functions::read);
-        kernel.iter().any(|&a| functions.in_machinery(a.saturating_sub(1)))
+        // Innermost first: where the allocation was made, then return addresses, looked
+        // up a byte before.
+        let mut found = None;
+        for class in s.kernel.iter().filter_map(|&a| functions.class(a.saturating_sub(1))) {
+            if class == SetAside::Probes {
+                return Some(class);
+            }
+            found = Some(class);
+        }
+        found
+    }
+
+    /// Whether allocations with this stack are the probes' own.
+    pub fn is_probes(&mut self, s: &StackRecord) -> bool {
+        self.classify(s) == Some(SetAside::Probes)
     }
 }
 
@@ -99,5 +129,12 @@ mod tests {
         // Return addresses point past the call: the function's own name at +1.
         assert!(o.is_probes(&record(vec![other + 1, machinery + 1], vec![RawUserFrame::Ip(0x401000)])));
         assert!(!o.is_probes(&record(vec![other + 1], vec![RawUserFrame::Ip(0x401000)])));
+        assert_eq!(o.classify(&record(vec![other + 1], vec![RawUserFrame::Ip(0x401000)])), None);
+        if let Some(slab) = kernel_function("allocate_slab") {
+            let user = || vec![RawUserFrame::Ip(0x401000)];
+            assert_eq!(o.classify(&record(vec![slab + 1, other + 1], user())), Some(SetAside::SlabPages));
+            // A new slab inside the uprobe machinery is the probes'.
+            assert_eq!(o.classify(&record(vec![slab + 1, machinery + 1], user())), Some(SetAside::Probes));
+        }
     }
 }

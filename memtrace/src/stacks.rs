@@ -190,6 +190,18 @@ pub fn is_uprobe_machinery(function: &str) -> bool {
     UPROBE_MACHINERY.contains(&base)
 }
 
+/// Kernel functions through which the slab allocators take pages from the page allocator:
+/// a new slab of a cache (`allocate_slab`), and a kmalloc too large for any cache, which
+/// the page allocator serves whole. The objects in those pages are counted at their own
+/// kmalloc or kmem_cache_alloc.
+const SLAB_PAGE_TAKERS: &[&str] = &["allocate_slab", "alloc_slab_page", "___kmalloc_large_node", "kmalloc_large_node"];
+
+/// Whether a kernel function takes pages for the slab allocators (`allocate_slab`).
+pub fn is_slab_page_taker(function: &str) -> bool {
+    let base = function.split('.').next().unwrap_or(function);
+    SLAB_PAGE_TAKERS.contains(&base)
+}
+
 /// Functions of a C library or allocator linked into a program (no library to tell them
 /// by) that map memory for themselves: thread stacks, malloc's heaps and arenas.
 const ALLOCATOR_MAPPERS: &[&str] = &[
@@ -416,16 +428,33 @@ impl StackTable {
     /// in page tables): allocations the probes caused, counted apart. Each kernel address
     /// is looked up once, by its symbols alone.
     pub fn uprobe_stacks(&self) -> HashSet<u64> {
-        let mut machinery: HashMap<u64, bool> = HashMap::new();
-        let mut out = HashSet::new();
         let in_uprobes_page = |f: FileFrame| matches!(f, FileFrame::Address(a) if crate::overhead::in_uprobes_page(a));
+        self.stacks_through(is_uprobe_machinery, |s| s.user().next().is_some_and(in_uprobes_page))
+    }
+
+    /// Every stack (id + 1) through a kernel function that takes pages for the slab
+    /// allocators ([`is_slab_page_taker`]): page allocations whose memory is counted again
+    /// at each object's own kmalloc or kmem_cache_alloc.
+    pub fn slab_page_stacks(&self) -> HashSet<u64> {
+        self.stacks_through(is_slab_page_taker, |_| false)
+    }
+
+    /// Every stack (id + 1) with a kernel frame named as `function` says, or for which
+    /// `also` holds. Each kernel address is looked up once, by its symbols alone.
+    fn stacks_through(
+        &self,
+        function: impl Fn(&str) -> bool,
+        also: impl Fn(&crate::stack_store::StackRef<'_>) -> bool,
+    ) -> HashSet<u64> {
+        let mut named: HashMap<u64, bool> = HashMap::new();
+        let mut out = HashSet::new();
         for s in self.stacks.iter() {
-            let hit = s.user().next().is_some_and(in_uprobes_page)
+            let hit = also(&s)
                 || s.kernel().any(|addr| {
-                    *machinery.entry(addr).or_insert_with(|| {
+                    *named.entry(addr).or_insert_with(|| {
                         self.symbols
                             .get(&SymbolKey::Kernel(addr))
-                            .is_some_and(|chain| chain.iter().any(|sym| is_uprobe_machinery(&sym.name)))
+                            .is_some_and(|chain| chain.iter().any(|sym| function(&sym.name)))
                     })
                 });
             if hit {

@@ -807,6 +807,99 @@ int main(void) {
     assert_eq!(dump.lines().filter(|l| l.ends_with(" (probes)")).count() as u64, overhead);
 }
 
+/// The kernel's allocations as a process exits (page-table batches while `exit_mmap`
+/// frees its memory) are the process's: they come after `sched_process_exit` since Linux
+/// 6.16, and were lost when the process left the traced set there. They carry no user
+/// stack (the memory is gone), and are not "cut short in user space".
+#[test]
+fn the_kernel_allocations_of_a_process_exiting_are_counted() {
+    require_root();
+    let _sharing = sharing_the_machine();
+    let dir = scratch("exit-pages");
+    let prog = compile(
+        &dir,
+        "exit_pages",
+        r#"
+#include <sys/mman.h>
+int main(void) {
+    unsigned long n = 64ul << 20;
+    char *p = mmap(0, n, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    for (unsigned long i = 0; i < n; i += 4096)
+        p[i] = 1;
+    return 0; /* left to the exit to free */
+}
+"#,
+    );
+    let data = dir.join("t.data");
+    run(memtrace().args(["record", "-q", "--no-user", "-o"]).arg(&data).arg("--").arg(&prog));
+    let out = run(memtrace().args(["export", "--format", "folded", "-i"]).arg(&data));
+    let folded = String::from_utf8(out.stdout).unwrap();
+    let exiting: Vec<&str> = folded.lines().filter(|l| l.contains(";exit_mmap_[k];")).collect();
+    assert!(!exiting.is_empty(), "no allocation as the process exited:\n{folded}");
+    for line in &exiting {
+        assert!(line.starts_with("exit_pages;entry_SYSCALL_64"), "{line}");
+    }
+    let report = report_json(&data, &[]);
+    assert_eq!(report["stacks"]["kernel"]["allocs_truncated"], 0, "{:#}", report["stacks"]);
+}
+
+/// The pages the slab allocators take (a new slab of a cache) hold objects counted at their
+/// own kmem_cache_alloc: left out of the kernel figures where those count, on a line of
+/// their own, and counted where pages alone are asked for. (The kernel row counted both.)
+#[test]
+fn slab_pages_are_not_counted_twice() {
+    require_root();
+    let _sharing = sharing_the_machine();
+    let dir = scratch("slab-pages");
+    let prog = compile(
+        &dir,
+        "sockets",
+        r#"
+#include <sys/resource.h>
+#include <sys/socket.h>
+#include <unistd.h>
+static int fds[3000][2];
+int main(void) {
+    struct rlimit r = {8192, 8192};
+    setrlimit(RLIMIT_NOFILE, &r);
+    for (int i = 0; i < 3000; i++)
+        socketpair(AF_UNIX, SOCK_STREAM, 0, fds[i]); /* ~6,000 sock inodes: new slabs */
+    for (int i = 0; i < 3000; i++) {
+        close(fds[i][0]);
+        close(fds[i][1]);
+    }
+    return 0;
+}
+"#,
+    );
+    let data = dir.join("t.data");
+    run(memtrace().args(["record", "-q", "--no-user", "-o"]).arg(&data).arg("--").arg(&prog));
+    let kernel_allocs = |kinds: &str| {
+        let r = report_json(&data, &["--kind", kinds]);
+        (r["totals"]["kernel"]["allocs"].as_u64().unwrap(), r["slab_pages"]["allocs"].as_u64().unwrap())
+    };
+    let (all, slab) = kernel_allocs("page,cache,kmalloc");
+    assert!(slab > 0, "no new slab in 6,000 sockets");
+    let (pages, none) = kernel_allocs("page");
+    assert_eq!(none, 0);
+    let (objects, none) = kernel_allocs("cache,kmalloc");
+    assert_eq!(none, 0);
+    // Pages alone count the slabs' pages; beside the objects, they are left out.
+    assert_eq!(all + slab, pages + objects);
+    let by_stack = report_json(&data, &["--by", "stack"]);
+    for row in by_stack["sites"].as_array().unwrap().iter().filter(|r| r["kinds"][0] == "page") {
+        let slab_frame = row["frames"].as_array().unwrap().iter().any(|f| f["function"] == "allocate_slab");
+        assert!(!slab_frame, "a slab's pages counted beside its objects: {row:#}");
+    }
+    let text = String::from_utf8_lossy(&run(memtrace().args(["report", "-i"]).arg(&data)).stdout).into_owned();
+    assert!(
+        text.contains("slab pages: ") && text.contains("page allocations") && text.contains("holding slab objects"),
+        "{text}"
+    );
+    let dump = String::from_utf8(run(memtrace().args(["dump", "-g", "-i"]).arg(&data)).stdout).unwrap();
+    assert_eq!(dump.lines().filter(|l| l.ends_with(" (slab pages)")).count() as u64, slab);
+}
+
 /// A process attached with `--pid` that frees, as it shuts down, the blocks it allocated
 /// before: frees without allocation, said out loud, as when it lives on. (They were taken
 /// for glibc releasing its per-thread cache at the main thread's exit, which it does not,

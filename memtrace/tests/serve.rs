@@ -223,6 +223,9 @@ fn prometheus_stores_a_growing_live_bytes_series_for_the_leak() {
     for machinery in ["alloc_utask", "__create_xol_area", "handler_chain", "alloc_bulk", "uprobe_"] {
         assert!(!text.lines().any(|l| l.contains("site=") && l.contains(machinery)), "{machinery}: {text}");
     }
+    // So are a new slab's pages (its objects count in their own sites).
+    assert!(text.lines().any(|l| l.starts_with("memtrace_slab_page_allocations_total ")), "{text}");
+    assert!(!text.contains("site=\"allocate_slab"), "{text}");
     // promtool reads the classic text format memtrace serves to clients that do not ask
     // for OpenMetrics.
     let mut promtool = Command::new("promtool")

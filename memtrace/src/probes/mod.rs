@@ -159,6 +159,9 @@ pub struct Counters {
     pub user_walks_interleaved: u64,
     /// Malloc-family returns the probes ran for.
     pub user_returns: u64,
+    /// Kernel allocations of traced tasks made for our own map updates, and their bytes.
+    pub probe_busy_allocs: u64,
+    pub probe_busy_bytes: u64,
 }
 
 /// An attachment, so detaching can close them all at once.
@@ -740,6 +743,8 @@ impl Probes {
             kstacks_differed: sum(counter::KSTACKS_DIFFERED)?,
             user_walks_interleaved: sum(counter::USER_WALKS_INTERLEAVED)?,
             user_returns: sum(counter::USER_RETURNS)?,
+            probe_busy_allocs: sum(counter::PROBE_BUSY_ALLOCS)?,
+            probe_busy_bytes: sum(counter::PROBE_BUSY_BYTES)?,
         })
     }
 }

@@ -18,7 +18,8 @@ use aya::{
 };
 
 /// Task lifecycle raw tracepoints.
-pub(super) const TASK_PROGRAMS: [&str; 4] = ["task_newtask", "sched_process_exec", "sched_process_exit", "task_rename"];
+pub(super) const TASK_PROGRAMS: [&str; 5] =
+    ["task_newtask", "sched_process_exec", "sched_process_exit", "sched_process_free", "task_rename"];
 /// The mapping tracker's raw syscall tracepoints.
 pub(super) const MAPPING_PROGRAMS: [&str; 2] = ["sys_enter", "sys_exit"];
 /// The kmem raw tracepoints.

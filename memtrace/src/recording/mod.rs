@@ -267,6 +267,13 @@ pub struct Stats {
     /// those of calls recorded).
     #[serde(default)]
     pub user_returns: u64,
+    /// Kernel allocations of traced tasks made while a probe updated one of its maps (the
+    /// address spaces' trie, the BPF allocator's refill it set off), and their bytes: the
+    /// probes' own, left out of the events.
+    #[serde(default)]
+    pub probe_map_allocs: u64,
+    #[serde(default)]
+    pub probe_map_bytes: u64,
     /// Bytes the probes sent through the rings, by kind of record.
     #[serde(default)]
     pub ring_bytes: RingBytes,

@@ -61,6 +61,17 @@ pub struct Summary {
     /// The program's own `mmap` calls (not the allocators'): in the user row, on no
     /// allocator's line.
     pub user_mmaps: UserMmaps,
+    /// Pages the slab allocators took (new slabs, kmallocs too large for a cache), left
+    /// out of the kernel figures where slab objects count: their objects are counted at
+    /// their own kmalloc or kmem_cache_alloc.
+    pub slab_pages: SlabPages,
+}
+
+/// Page allocations that hold slab objects, left out as counted twice.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+pub struct SlabPages {
+    pub allocs: u64,
+    pub bytes_alloc: u64,
 }
 
 /// Anonymous and file mappings the traced programs asked for themselves, after the filters.
@@ -70,11 +81,15 @@ pub struct UserMmaps {
     pub bytes_alloc: u64,
 }
 
-/// Kernel allocations made on the probes' behalf, counted apart.
+/// Kernel allocations made on the probes' behalf, counted apart: those the recording holds
+/// (through the uprobe machinery), and those the probes left out as they were made (for
+/// their own maps' updates), of which the recording holds only the count.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
 pub struct ProbeOverhead {
     pub allocs: u64,
     pub bytes_alloc: u64,
+    pub map_allocs: u64,
+    pub map_bytes_alloc: u64,
 }
 
 /// What `--leaks` found in all: blocks, bytes and stacks.
@@ -285,7 +300,22 @@ pub fn analyze(path: &Path, opts: &ReportOptions) -> Result<Summary> {
     let reserved_stacks = table.reserved_stacks();
     // Looked up per event: with the fast hasher (SipHash took a fifth of a report's time).
     let uprobe_stacks: crate::FastSet<u64> = table.uprobe_stacks().into_iter().collect();
+    // Only where pages and slab objects both count: a view of pages alone (`--kind page`)
+    // counts them all, as `perf kmem --page` does.
+    let f = &opts.filters;
+    let slab_page_stacks: crate::FastSet<u64> =
+        if f.admits_kind(Kind::PageAlloc) && (f.admits_kind(Kind::Kmalloc) || f.admits_kind(Kind::KmemCacheAlloc)) {
+            table.slab_page_stacks().into_iter().collect()
+        } else {
+            Default::default()
+        };
+    let mut slab_pages = SlabPages::default();
+    // Not told by process: shown only where every process counts.
     let mut probe_overhead = ProbeOverhead::default();
+    if opts.filters.pid.is_none() && opts.filters.comm.is_none() {
+        probe_overhead.map_allocs = stats.probe_map_allocs;
+        probe_overhead.map_bytes_alloc = stats.probe_map_bytes;
+    }
     let mut user_mmaps = UserMmaps::default();
 
     let filters = &opts.filters;
@@ -360,6 +390,7 @@ pub fn analyze(path: &Path, opts: &ReportOptions) -> Result<Summary> {
             && process_ok
             && filters.domain.admits(Domain::of(a.kind))
             && !(a.kind.is_kernel() && uprobe_stacks.contains(&a.stack))
+            && !(a.kind == Kind::PageAlloc && slab_page_stacks.contains(&a.stack))
         {
             // The summary's stack line counts what the report counts (`--kind`,
             // `--min-size`, `--allocator`); the per-process warnings, whole processes.
@@ -421,6 +452,14 @@ pub fn analyze(path: &Path, opts: &ReportOptions) -> Result<Summary> {
                 if process_ok {
                     probe_overhead.allocs += 1;
                     probe_overhead.bytes_alloc += a.bytes_alloc;
+                }
+                analyzer.push_excluded(a)
+            }
+            // Kept for pairing too; counted on a line of their own.
+            Event::Alloc(a) if a.kind == Kind::PageAlloc && a.stack != 0 && slab_page_stacks.contains(&a.stack) => {
+                if process_ok && filters.admits_size(a.bytes_req) {
+                    slab_pages.allocs += 1;
+                    slab_pages.bytes_alloc += a.bytes_alloc;
                 }
                 analyzer.push_excluded(a)
             }
@@ -559,15 +598,17 @@ pub fn analyze(path: &Path, opts: &ReportOptions) -> Result<Summary> {
         under_counting,
         leak_totals,
         memory,
-        // Installed libraries probed ahead of time that no traced program used: not shown.
+        // Installed libraries probed ahead of time that no traced program used: not shown;
+        // nor any in a view that leaves user space out (`--domain kernel` read "0 allocs").
         allocators: allocators
             .into_iter()
             .zip(allocators_found)
-            .filter(|(row, found)| *found || row.allocs > 0 || row.frees > 0)
+            .filter(|(row, found)| filters.domain.admits(Domain::User) && (*found || row.allocs > 0 || row.frees > 0))
             .map(|(row, _)| row)
             .collect(),
         probe_overhead,
         user_mmaps,
+        slab_pages,
     })
 }
 

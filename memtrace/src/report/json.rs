@@ -222,6 +222,7 @@ pub fn render_json(a: &Summary, opts: &ReportOptions) -> Result<String> {
         "lost_events": a.stats.lost_events,
         "probe_overhead": a.probe_overhead,
         "user_mmaps": a.user_mmaps,
+        "slab_pages": a.slab_pages,
         "lost_events_per_cpu": a.stats.lost_events_per_cpu,
         "lost_stacks": a.stats.lost_stacks,
         "lost_inflight": a.stats.lost_inflight,

@@ -67,7 +67,7 @@ pub fn render_text(a: &Summary, opts: &ReportOptions) -> String {
                 bytes(a.user_mmaps.bytes_alloc)
             );
         }
-    } else if let Some(alloc) = &a.meta.allocator {
+    } else if let Some(alloc) = a.meta.allocator.as_ref().filter(|_| opts.filters.domain.admits(Domain::User)) {
         let how = if a.meta.allocator_is_glibc {
             "allocated = malloc_usable_size, read from glibc's chunk headers"
         } else {
@@ -125,12 +125,32 @@ pub fn render_text(a: &Summary, opts: &ReportOptions) -> String {
             String::new()
         }
     );
-    if a.probe_overhead.allocs > 0 {
+    let o = &a.probe_overhead;
+    if o.allocs + o.map_allocs > 0 {
+        let mut parts = Vec::new();
+        if o.allocs > 0 {
+            parts.push(format!(
+                "{} ({}) the kernel's uprobe machinery made for the probes (breakpoint pages, return instances)",
+                counted(o.allocs, "kernel allocation", "kernel allocations"),
+                bytes(o.bytes_alloc)
+            ));
+        }
+        if o.map_allocs > 0 {
+            parts.push(format!(
+                "{} ({}) for the probes' own maps, left out as they were made",
+                counted(o.map_allocs, "kernel allocation", "kernel allocations"),
+                bytes(o.map_bytes_alloc)
+            ));
+        }
+        let _ = writeln!(out, "not counted: {}", parts.join("; "));
+    }
+    if a.slab_pages.allocs > 0 {
         let _ = writeln!(
             out,
-            "not counted: {} ({}) the kernel's uprobe machinery made for the probes (breakpoint pages, return instances)",
-            counted(a.probe_overhead.allocs, "kernel allocation", "kernel allocations"),
-            bytes(a.probe_overhead.bytes_alloc)
+            "slab pages: {} ({}) holding slab objects, left out of the kernel figures: the objects count at their own \
+             kmalloc or kmem_cache_alloc (--kind page counts every page)",
+            counted(a.slab_pages.allocs, "page allocation", "page allocations"),
+            bytes(a.slab_pages.bytes_alloc)
         );
     }
     for (domain, c) in &a.coverage {

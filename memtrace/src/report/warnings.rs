@@ -153,9 +153,9 @@ pub fn nothing_seen(meta: &Meta) -> String {
     let program = meta.target_command.first().map_or("the command", String::as_str);
     let allocator = meta.allocator.as_deref().unwrap_or("the C allocator");
     format!(
-        "no user-space allocation was recorded: {program} does not allocate through {allocator}'s malloc (a Go \
-         program manages its own heap, memtrace cannot see into it); record with --no-user to trace its kernel \
-         allocations alone"
+        "no user-space allocation was recorded: {program} made no call to {allocator}'s malloc family (it may \
+         not allocate at all, or manage its own heap, as Go programs do, where memtrace cannot see); record with \
+         --no-user to trace its kernel allocations alone"
     )
 }
 

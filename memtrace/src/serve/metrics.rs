@@ -352,6 +352,7 @@ pub struct SelfFigures {
     pub unmatched_frees: u64,
     pub inherited_frees: u64,
     pub probe_allocations: u64,
+    pub slab_page_allocations: u64,
     pub stacks: u64,
     pub stacks_limit: u64,
     pub stack_table_full: u64,
@@ -587,6 +588,13 @@ fn self_families(s: &SelfFigures, f: &mut Families) {
          return instances and task state, the BPF programs' task storage): counted here, in no site.",
         None,
         Value::Count(s.probe_allocations),
+    );
+    f.one(
+        "memtrace_slab_page_allocations",
+        "Page allocations of new slabs in the traced processes: their objects count in the sites of their own \
+         kmalloc or kmem_cache_alloc, the pages here, in no site.",
+        None,
+        Value::Count(s.slab_page_allocations),
     );
     f.one("memtrace_stacks", "Distinct stacks kept.", None, Value::Gauge(s.stacks as i64));
     f.one(

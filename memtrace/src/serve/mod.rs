@@ -140,6 +140,7 @@ impl Shared {
             unmatched_frees: counters.unmatched_frees,
             inherited_frees: counters.inherited_frees,
             probe_allocations: counters.probe_allocations,
+            slab_page_allocations: counters.slab_page_allocations,
             stacks: usage.stacks as u64,
             stacks_limit: limits.max_stacks as u64,
             stack_table_full: counters.stacks_dropped,

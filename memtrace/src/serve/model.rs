@@ -28,6 +28,7 @@ use crate::{
     analysis::{Domain, sample_multiplicity},
     event::{Alloc, Event, Free, StackRecord, Task},
     modules::ModuleTable,
+    overhead::SetAside,
     recording::{FileStack, Module},
     session::Sink,
 };
@@ -288,6 +289,9 @@ pub struct Counters {
     pub stacks_dropped: u64,
     /// Kernel allocations the probes caused (`crate::overhead`): not in any site.
     pub probe_allocations: u64,
+    /// Page allocations of new slabs (`crate::overhead`): their objects count in their
+    /// own sites, the pages in none.
+    pub slab_page_allocations: u64,
     pub processes_dropped: u64,
 }
 
@@ -365,16 +369,22 @@ pub struct Model {
     /// Sampling switched on by the session while running (rings overflowing).
     pub sample_from: Option<(u64, u64)>,
     pub counters: Counters,
-    /// Tells the probes' own kernel allocations apart: their stacks' hashes, and their
-    /// live blocks (whose frees are theirs too, not unmatched), both bounded.
+    /// Tells apart the kernel allocations set aside (the probes' own, slab pages): their
+    /// stacks' hashes, and their live blocks (whose frees are theirs too, not unmatched),
+    /// both bounded.
     overhead: crate::overhead::ProbeOverhead,
-    probes_stacks: HashSet<u64>,
-    probes_blocks: HashSet<(Space, u64)>,
+    set_aside: HashMap<u64, SetAside>,
+    set_aside_blocks: HashSet<(Space, u64)>,
 }
 
-/// The probes' stacks and live blocks remembered at most (a few per traced thread: its
-/// uprobe task state, return instances, task storage); past this the memory starts over.
-const MAX_PROBES_ENTRIES: usize = 1 << 16;
+/// Set-aside stacks remembered at most (~16 MB). Past it new ones are not remembered, and
+/// none is forgotten: the probes send a stack once, so a forgotten one would count as the
+/// program's from then on (on kernels before 6.13, which allocate a return instance per
+/// hit, each return probe's user stack makes one).
+const MAX_SET_ASIDE_STACKS: usize = 1 << 20;
+/// Live set-aside blocks remembered at most; past this the memory starts over (their frees
+/// then count as unmatched).
+const MAX_SET_ASIDE_BLOCKS: usize = 1 << 16;
 
 pub fn unix_now_ns() -> u64 {
     std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos() as u64)
@@ -402,8 +412,8 @@ impl Model {
             sample_from: None,
             counters: Counters::default(),
             overhead: Default::default(),
-            probes_stacks: HashSet::new(),
-            probes_blocks: HashSet::new(),
+            set_aside: HashMap::new(),
+            set_aside_blocks: HashSet::new(),
         }
     }
 
@@ -495,14 +505,25 @@ impl Model {
         if self.exited.contains_key(&a.pid) {
             return; // its teardown
         }
-        if a.kind.is_kernel() && self.probes_stacks.contains(&a.stack) {
-            self.counters.probe_allocations += 1;
-            if self.probes_blocks.len() >= MAX_PROBES_ENTRIES {
-                self.probes_blocks.clear();
+        if a.kind.is_kernel()
+            && let Some(&class) = self.set_aside.get(&a.stack)
+        {
+            match class {
+                SetAside::Probes => self.counters.probe_allocations += 1,
+                SetAside::SlabPages if a.kind == Kind::PageAlloc => self.counters.slab_page_allocations += 1,
+                SetAside::SlabPages => return self.alloc_in_site(a),
             }
-            self.probes_blocks.insert((a.kind.space(), a.ptr));
+            if self.set_aside_blocks.len() >= MAX_SET_ASIDE_BLOCKS {
+                self.set_aside_blocks.clear();
+            }
+            self.set_aside_blocks.insert((a.kind.space(), a.ptr));
             return;
         }
+        self.alloc_in_site(a);
+    }
+
+    /// Counts `a` in its process's site.
+    fn alloc_in_site(&mut self, a: &Alloc) {
         let instance = self.instance_of(a.pid);
         let stack = match a.stack {
             0 => StackRef::NONE,
@@ -566,7 +587,7 @@ impl Model {
                         p.retire(&block);
                     }
                 }
-                None if self.probes_blocks.remove(&(space, f.ptr)) => {}
+                None if self.set_aside_blocks.remove(&(space, f.ptr)) => {}
                 None => self.counters.unmatched_frees += 1,
             }
             return;
@@ -787,13 +808,22 @@ fn errno() -> i32 {
 
 impl Sink for Model {
     fn stack(&mut self, s: StackRecord) {
-        if !s.kernel.is_empty() && self.overhead.is_probes(&s) {
-            // Its allocations are counted apart, in no site: the stack is not kept.
-            if self.probes_stacks.len() >= MAX_PROBES_ENTRIES {
-                self.probes_stacks.clear();
+        if !s.kernel.is_empty()
+            && let Some(class) = self.overhead.classify(&s)
+        {
+            if self.set_aside.len() < MAX_SET_ASIDE_STACKS {
+                self.set_aside.insert(s.hash, class);
+                // Its allocations are counted apart, in no site: the stack is not kept
+                // (a slab's pages' is, for the kmallocs a new slab makes for itself).
+                if class == SetAside::Probes {
+                    return;
+                }
+            } else if self.set_aside.len() == MAX_SET_ASIDE_STACKS {
+                log::warn!(
+                    "{MAX_SET_ASIDE_STACKS} stacks of the probes' own and slab pages remembered: those of more count in sites"
+                );
+                self.set_aside.insert(s.hash, class); // once over: said once
             }
-            self.probes_stacks.insert(s.hash);
-            return;
         }
         let Some(id) = self.stacks.intern(s.hash, self.limits.max_stacks) else {
             return; // counted when an allocation uses it

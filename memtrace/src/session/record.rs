@@ -527,6 +527,8 @@ fn finish(
         user_walks_interleaved: counters.user_walks_interleaved,
         unwind_walks_reused: counters.unwind_reused,
         user_returns: counters.user_returns,
+        probe_map_allocs: counters.probe_busy_allocs,
+        probe_map_bytes: counters.probe_busy_bytes,
         ring_bytes: tracer.ring_bytes,
         // The maps this process holds (rings, outer arrays, the rest), and the unwind
         // tables, which only their outer array holds.

@@ -51,9 +51,10 @@ pub struct LiveView {
     pub sample_from: Option<(u64, u64)>,
     /// The session's allocators' families, by index - 1 (the tracer's list).
     pub allocator_families: Vec<&'static str>,
-    /// Tells the probes' own kernel allocations apart, and their stacks (id + 1).
+    /// Tells apart the kernel allocations set aside (the probes' own, slab pages).
     overhead: crate::overhead::ProbeOverhead,
-    probes_stacks: std::collections::HashSet<u64>,
+    /// Stacks (id + 1) whose allocations are set aside: the probes' own, and a slab's pages.
+    set_aside: std::collections::HashMap<u64, crate::overhead::SetAside>,
 }
 
 /// One row of the view.
@@ -176,7 +177,7 @@ impl LiveView {
             sample_from: None,
             allocator_families: Vec::new(),
             overhead: Default::default(),
-            probes_stacks: Default::default(),
+            set_aside: Default::default(),
         }
     }
 
@@ -279,12 +280,22 @@ impl LiveView {
     }
 }
 
+impl LiveView {
+    fn sets_aside(&self, a: &crate::event::Alloc) -> bool {
+        match self.set_aside.get(&a.stack) {
+            Some(crate::overhead::SetAside::Probes) => true,
+            Some(crate::overhead::SetAside::SlabPages) => a.kind == memtrace_common::Kind::PageAlloc,
+            None => false,
+        }
+    }
+}
+
 impl Sink for LiveView {
     fn stack(&mut self, s: StackRecord) {
-        let probes = self.overhead.is_probes(&s);
+        let class = self.overhead.classify(&s);
         let Some(stack) = self.namer.stack(s) else { return };
-        if probes {
-            self.probes_stacks.insert(u64::from(stack.id) + 1);
+        if let Some(class) = class {
+            self.set_aside.insert(u64::from(stack.id) + 1, class);
         }
         for m in self.namer.modules.take_new() {
             self.table.modules.insert(m.id, m);
@@ -313,10 +324,9 @@ impl Sink for LiveView {
         }
         self.analyzer.sample_from = self.sample_from;
         match &event {
-            // The probes' own (`overhead`): paired, not counted.
-            Event::Alloc(a) if a.kind.is_kernel() && self.probes_stacks.contains(&a.stack) => {
-                self.analyzer.push_excluded(a)
-            }
+            // The probes' own, and a slab's pages, as `report` leaves them out (`overhead`):
+            // paired, not counted.
+            Event::Alloc(a) if a.kind.is_kernel() && self.sets_aside(a) => self.analyzer.push_excluded(a),
             _ => self.analyzer.push(&event),
         }
     }
