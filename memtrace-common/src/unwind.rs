@@ -399,8 +399,11 @@ pub struct UnwindMiss {
     pub ip: u64,
     pub sp: u64,
     pub bp: u64,
-    /// The return address the uprobe trampoline stands for on this stack (0: none known).
-    pub ret_addr: u64,
+    /// Where the uprobe trampoline stands in for a return address on this stack, and what
+    /// it stands for: (slot, return address) pairs, newest first, from the task's return
+    /// instances (0, 0 past the last). A walk over the copy that meets the trampoline puts
+    /// back the address of its slot, and stops at a slot not here.
+    pub returns: [u64; 2 * RETURN_SLOTS],
     /// The address space the frames belong to.
     pub asid: u32,
     /// 1: `ip` is the exact instruction (look the rule up at it), 0: a return address.
@@ -421,6 +424,11 @@ pub struct UnwindMiss {
     /// Their %rbp as the probes had it.
     pub resume_bps: [u64; RESUME_SPS],
 }
+
+/// Return instances of a task read, newest first: for the one an allocator call in
+/// progress left, and for a stack copy's trampolines (there are more than one only when
+/// return probes fired inside each other: `mmap` inside `malloc`, another tool's).
+pub const RETURN_SLOTS: usize = 4;
 
 /// Frames walked from an anchor whose stack pointers go with a copy (the copy reaches the
 /// last of them within its slack). Eight, not two: a function whose locals are left
@@ -459,7 +467,7 @@ const _: () = {
     assert!(core::mem::size_of::<UnwindRule>() == 8);
     assert!(core::mem::size_of::<MappingKey>() == 16);
     assert!(core::mem::size_of::<MappingValue>() == 32);
-    assert!(core::mem::size_of::<UnwindMiss>() == 48 + 16 * RESUME_SPS && RESUME_SPS <= 8);
+    assert!(core::mem::size_of::<UnwindMiss>() == 40 + 16 * RETURN_SLOTS + 16 * RESUME_SPS && RESUME_SPS <= 8);
     assert!(core::mem::size_of::<FileId>() == 16);
     assert!(core::mem::size_of::<FileTable>() == 64);
 };

@@ -11,7 +11,7 @@ use aya_ebpf::{
 };
 use memtrace_common::{
     FILENAME_LEN, FileId, FileTable, MAX_CPUS, MAX_TABLES, MAX_USER_DEPTH, MappingKey, MappingValue, RULE_CACHE_SLOTS,
-    SAMPLED_LIVE_ENTRIES, SampledKey, TABLE_MAPS, counter, python::PY_SENT_KEYS,
+    SAMPLED_LIVE_ENTRIES, SampledKey, TABLE_MAPS, counter, python::PY_SENT_KEYS, unwind::RETURN_SLOTS,
 };
 
 use crate::{
@@ -180,6 +180,12 @@ pub(crate) static SLOT_MAPS: Array<u32, { MAX_TABLES as usize }> = Array::new();
 /// exec and mmap, before userspace hears of them.
 #[btf_map]
 pub(crate) static FILE_TABLES: HashMap<FileId, FileTable, 16384> = HashMap::new();
+
+/// The current task's return instances (slot, return address), newest first, as a miss's
+/// stack copy is sent (`unwind::memtrace_return_slots`): a map of its own, not the
+/// scratch, which the program sending the copy holds borrowed.
+#[btf_map]
+pub(crate) static RETURNS_SEEN: PerCpuArray<[u64; 2 * RETURN_SLOTS], 1> = PerCpuArray::new();
 
 /// Set while a program of ours updates a map that allocates kernel memory (the address
 /// spaces' trie): the kmem programs that run nested on this CPU ignore those allocations,

@@ -461,6 +461,14 @@ pub(crate) fn append_stack_copy(scratch: &mut Scratch, off: usize) -> usize {
         }
     }
     scratch.miss.copy_len = copied;
+    crate::unwind::memtrace_return_slots();
+    if let Some(seen) = crate::maps::RETURNS_SEEN.get(0) {
+        for (k, w) in scratch.miss.returns.iter_mut().enumerate() {
+            // SAFETY: a word of the map value, read one at a time (a whole-array copy may
+            // become a `memcpy` call).
+            *w = unsafe { core::ptr::read_volatile(&seen[k]) };
+        }
+    }
     // SAFETY: off + size_of::<UnwindMiss>() = copy_off, within the buffer; `off` is the
     // header and whole 8-byte frames, so the write is aligned (below).
     unsafe { core::ptr::write(scratch.record.as_mut_ptr().add(off) as *mut UnwindMiss, scratch.miss) };

@@ -16,8 +16,8 @@ use aya_ebpf::{
 use memtrace_common::{
     FileId, FileTable, MAX_CPUS, MAX_USER_DEPTH, MappingKey, MappingValue, RULE_CACHE_SLOTS,
     UNWIND_ANCHORED_COPY_BYTES, UPROBE_TRAMPOLINE_PAGE, UnwindMiss, UnwindRule, counter, stack_flags, stack_hash_step,
-    unwind::RESUME_SPS,
     unwind::{self, NO_SLOT, Regs, Step, decode_rule, encode_rule, kind, mapping_flags, table},
+    unwind::{RESUME_SPS, RETURN_SLOTS},
     unwind_mode,
 };
 
@@ -25,7 +25,7 @@ use crate::{
     context::{pid_tgid, read_kernel_at, read_user_u64, regs, scratch, this_cpu},
     maps::{
         ANCHOR_BUFFERS, ANCHORS, ASIDS, AnchorFrame, Anchors, CachedRule, FILE_TABLES, MAPPINGS, NEXT_ASID, PROBE_BUSY,
-        PROC_GEN, PY_PROCS, RANGES_GEN, RULE_CACHE, SLOT_MAPS, TABLES, bump_generation, process_changed,
+        PROC_GEN, PY_PROCS, RANGES_GEN, RETURNS_SEEN, RULE_CACHE, SLOT_MAPS, TABLES, bump_generation, process_changed,
     },
     reuse::{memtrace_begin_reuse, memtrace_repeat_walk, memtrace_reuse_frames},
     ring::{bump, bump_by, zero},
@@ -79,11 +79,6 @@ impl UserRegs {
     }
 }
 
-/// Return instances of the current task looked at, newest first, for the one an
-/// allocator call in progress left (there are more only when other return probes of the
-/// task, ours or another tool's, fired inside it).
-const RETURN_INSTANCES_SEEN: usize = 4;
-
 /// The return address the uprobe trampoline stands for in the slot at `slot` (the stack
 /// pointer at the probed function's entry), from the uprobe machinery's own record of it
 /// (0: not found). Read only when a walk meets an allocator call in progress (a kernel
@@ -96,7 +91,7 @@ pub extern "C" fn memtrace_hidden_return(slot: u64) -> u64 {
     let task = unsafe { generated::bpf_get_current_task() };
     let Some(utask) = read_kernel_at::<u64>(task, layout.task_utask).filter(|&u| u != 0) else { return 0 };
     let mut ri = read_kernel_at::<u64>(utask, layout.utask_return_instances).unwrap_or(0);
-    for _ in 0..RETURN_INSTANCES_SEEN {
+    for _ in 0..RETURN_SLOTS {
         if ri == 0 {
             return 0;
         }
@@ -106,6 +101,38 @@ pub extern "C" fn memtrace_hidden_return(slot: u64) -> u64 {
         ri = read_kernel_at::<u64>(ri, layout.ri_next).unwrap_or(0);
     }
     0
+}
+
+/// Fills [`RETURNS_SEEN`] with the current task's return instances (slot, return
+/// address), newest first, 0 past the last, for userspace's walk over a miss's copy: each
+/// trampoline it meets is put back by its own slot. Only on a miss, as its copy is sent.
+/// A global BPF function: checked once.
+#[inline(never)]
+#[unsafe(no_mangle)]
+pub extern "C" fn memtrace_return_slots() -> u64 {
+    let Some(seen) = RETURNS_SEEN.get_ptr_mut(0) else { return 0 };
+    // SAFETY: this CPU's slot; programs on one CPU do not run concurrently.
+    let seen = unsafe { &mut *seen };
+    for w in seen.iter_mut() {
+        // SAFETY: a word of the map value.
+        unsafe { core::ptr::write_volatile(w, 0) };
+    }
+    let layout = config!(kernel);
+    // SAFETY: no preconditions; the task stays valid while this program runs.
+    let task = unsafe { generated::bpf_get_current_task() };
+    let Some(utask) = read_kernel_at::<u64>(task, layout.task_utask).filter(|&u| u != 0) else { return 0 };
+    let mut ri = read_kernel_at::<u64>(utask, layout.utask_return_instances).unwrap_or(0);
+    let mut n = 0;
+    for k in 0..RETURN_SLOTS {
+        if ri == 0 {
+            break;
+        }
+        seen[2 * k] = read_kernel_at::<u64>(ri, layout.ri_stack).unwrap_or(0);
+        seen[2 * k + 1] = read_kernel_at::<u64>(ri, layout.ri_orig_ret_vaddr).unwrap_or(0);
+        n += 1;
+        ri = read_kernel_at::<u64>(ri, layout.ri_next).unwrap_or(0);
+    }
+    n
 }
 
 /// The address space of `tgid` (None: not known yet, a process that existed before
@@ -292,10 +319,6 @@ pub(crate) struct WalkState {
     pub(crate) ip: u64,
     pub(crate) sp: u64,
     pub(crate) bp: u64,
-    /// What the uprobe trampoline stands for in the slot of the allocator call in
-    /// progress, if one is: for userspace, finishing a walk from a copy (the probes look
-    /// up each trampoline's slot as they meet it).
-    pub(crate) ret_addr: u64,
     /// The stack hash, continued with each frame.
     pub(crate) hash: u64,
     /// The mapping the previous frame was in: consecutive frames in one file skip the
@@ -321,12 +344,11 @@ pub(crate) struct WalkState {
 /// a time, then filled (a struct literal's zeroed arrays became a byte-by-byte `memset`
 /// call the verifier followed on every pass over the walk step).
 #[inline(always)]
-fn set_miss(miss: &mut UnwindMiss, ip: u64, sp: u64, bp: u64, ret_addr: u64, asid: u32, exact: u8) {
+fn set_miss(miss: &mut UnwindMiss, ip: u64, sp: u64, bp: u64, asid: u32, exact: u8) {
     zero(miss);
     miss.ip = ip;
     miss.sp = sp;
     miss.bp = bp;
-    miss.ret_addr = ret_addr;
     miss.asid = asid;
     miss.exact = exact;
 }
@@ -550,13 +572,13 @@ pub(crate) extern "C" fn walk_step(_index: u64, state: *mut c_void) -> i64 {
                 memtrace_note_frame(i as u64, 0, 0, 0);
                 scratch.walk_n = scratch.miss.resume_at;
                 let m = scratch.miss;
-                set_miss(&mut scratch.miss, m.ip, m.sp, m.bp, m.ret_addr, m.asid, m.exact);
+                set_miss(&mut scratch.miss, m.ip, m.sp, m.bp, m.asid, m.exact);
                 scratch.walk_result = stack_flags::MISS as u32;
                 return 1;
             }
             // No anchor at a frame without a table: a walk from it would miss at once.
             memtrace_note_frame(i as u64, 0, 0, 0);
-            set_miss(&mut scratch.miss, regs.ip, regs.sp, regs.bp, st.ret_addr, st.asid, st.exact as u8);
+            set_miss(&mut scratch.miss, regs.ip, regs.sp, regs.bp, st.asid, st.exact as u8);
             scratch.walk_result = stack_flags::MISS as u32;
             // The thread's earlier walks may have left frames above (the search picks the
             // CPU whose anchors are its newest first).
@@ -900,15 +922,7 @@ pub(crate) fn walk_user_tables(scratch: &mut Scratch, tgid: u32, regs: UserRegs,
         scratch.user_ips[0] = regs.ip;
         scratch.user_ips[1] = 0;
         scratch.user_ips[MAX_USER_DEPTH] = 0;
-        set_miss(
-            &mut scratch.miss,
-            regs.ip,
-            regs.sp,
-            regs.bp,
-            regs.hidden_return,
-            known.unwrap_or(0),
-            regs.exact as u8,
-        );
+        set_miss(&mut scratch.miss, regs.ip, regs.sp, regs.bp, known.unwrap_or(0), regs.exact as u8);
         return (1, stack_flags::MISS | stack_flags::USER_IPS, stack_hash_step(hash, regs.ip), known.unwrap_or(0));
     };
     // The stack is another one now (or has moved on).
@@ -921,7 +935,6 @@ pub(crate) fn walk_user_tables(scratch: &mut Scratch, tgid: u32, regs: UserRegs,
         ip: regs.ip,
         sp: regs.sp,
         bp: regs.bp,
-        ret_addr: regs.hidden_return,
         hash,
         map_start: zero,
         map_end: zero,

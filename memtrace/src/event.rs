@@ -144,8 +144,9 @@ pub struct StackMiss {
     pub ip: u64,
     pub sp: u64,
     pub bp: u64,
-    /// What the uprobe trampoline stands for on this stack (0: unknown).
-    pub ret_addr: u64,
+    /// Where the uprobe trampoline stands in for a return address on this stack, and what
+    /// for: (slot, return address), newest first.
+    pub returns: Vec<(u64, u64)>,
     /// The address space (0: the process was not known to the probes).
     pub asid: u32,
     pub exact: bool,
@@ -457,7 +458,7 @@ pub fn decode(bytes: &[u8], cpu: u16) -> Result<Record, DecodeError> {
                     ip: m.ip,
                     sp: m.sp,
                     bp: m.bp,
-                    ret_addr: m.ret_addr,
+                    returns: m.returns.chunks_exact(2).map(|p| (p[0], p[1])).take_while(|p| p.0 != 0).collect(),
                     asid: m.asid,
                     exact: m.exact != 0,
                     copy: rest[size_of::<UnwindMiss>()..copy_need].to_vec(),

@@ -144,13 +144,21 @@ pub struct AllocatorMeta {
 /// An allocator probed after a traced process could already call it: the first such
 /// process, and how long after its exec (or its mapping of the library) the probes came.
 /// Its calls in between are not in the recording.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct LateProbe {
     pub pid: u32,
     /// Nanoseconds from the exec or mapping to the probes' attachment.
     pub after_ns: u64,
-    /// The allocator is the exec'd program's own (else: in a library it mapped).
+    /// The allocator came with an exec'd program (in its executable, or a library it
+    /// links or preloads); else in a library mapped later.
     pub exec: bool,
+    /// The exec'd program (its canonical path), with `exec`.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub program: String,
+    /// The program was kept for the command's next `record`, which probes its allocators
+    /// from the start (not when it preloads them, nor without the disk cache).
+    #[serde(default)]
+    pub remembered: bool,
 }
 
 fn yes() -> bool {

@@ -348,7 +348,7 @@ pub fn analyze(path: &Path, opts: &ReportOptions) -> Result<Summary> {
             module: a.module.clone(),
             family: a.family.clone(),
             prefix: a.prefix.clone(),
-            probed_late: a.probed_late,
+            probed_late: a.probed_late.clone(),
             ..Default::default()
         })
         .collect();

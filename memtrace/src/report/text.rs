@@ -45,10 +45,14 @@ pub fn render_text(a: &Summary, opts: &ReportOptions) -> String {
         for r in &a.allocators {
             let prefix = if r.prefix.is_empty() { String::new() } else { format!(", prefix {}", r.prefix) };
             let how = crate::sizes::Family::from_name(&r.family).map_or("", |f| f.usable_source());
-            let late = match r.probed_late {
+            let late = match &r.probed_late {
                 Some(l) => {
                     let name = a.comms.get(&l.pid).map_or(format!("{}", l.pid), |c| format!("{c} [{}]", l.pid));
-                    let what = if l.exec { "exec'd it" } else { "mapped it" };
+                    let what = match (l.exec, l.program.as_str()) {
+                        (false, _) => "mapped it".to_string(),
+                        (true, program) if program.is_empty() || program == r.module => "exec'd it".to_string(),
+                        (true, program) => format!("exec'd {program}"),
+                    };
                     format!("; probed {} after {name} {what}", crate::units::duration(l.after_ns))
                 }
                 None => String::new(),

@@ -208,18 +208,25 @@ pub fn under_counting(
         None => format!("process {pid}"),
     };
     for a in &stats.allocators {
-        let Some(late) = a.probed_late.filter(|l| l.exec) else { continue };
-        let again = if meta.mode == "command" {
+        let Some(late) = a.probed_late.as_ref().filter(|l| l.exec) else { continue };
+        // Only what this session kept for the next: not a program that preloads its
+        // allocator, nor without the disk cache. (Recordings before the program was kept
+        // name none, and promised it for every command.)
+        let again = if meta.mode == "command" && (late.remembered || late.program.is_empty()) {
             "; the next `record` of this command probes it from the start (remembered beside the unwind cache)"
         } else {
             ""
         };
+        // The allocator is the program's own, or in a library it links or preloads.
+        let whose = if late.program.is_empty() || late.program == a.module {
+            format!("{}, whose allocator ({})", a.module, a.family)
+        } else {
+            format!("{}, whose allocator ({}, {})", late.program, a.family, a.module)
+        };
         out.push(format!(
-            "{} exec'd {}, whose allocator ({}) was probed {} after the exec: the calls it made to it before then \
-             are not in the recording{again}",
+            "{} exec'd {whose} was probed {} after the exec: the calls it made to it before then are not in the \
+             recording{again}",
             name_of(late.pid),
-            a.module,
-            a.family,
             crate::units::duration(late.after_ns)
         ));
     }
@@ -312,7 +319,7 @@ mod tests {
         let allocator = |exec| recording::AllocatorMeta {
             module: "/usr/bin/rustc".into(),
             family: "jemalloc".into(),
-            probed_late: Some(recording::LateProbe { pid: 7, after_ns: 551_000_000, exec }),
+            probed_late: Some(recording::LateProbe { pid: 7, after_ns: 551_000_000, exec, ..Default::default() }),
             ..Default::default()
         };
         let late = Stats { allocators: vec![allocator(true), allocator(false)], ..Default::default() };
@@ -325,5 +332,33 @@ mod tests {
         );
         let command = Meta { mode: "command".into(), ..meta.clone() };
         assert!(under_counting(&BTreeMap::new(), &comms, &command, &late)[0].contains("the next `record`"));
+        // A library's allocator that came with an exec'd program: the program is named, and
+        // the next record is promised only where the session kept the program for it (not
+        // under LD_PRELOAD, nor without the disk cache).
+        let preloaded = |remembered| recording::AllocatorMeta {
+            module: "/usr/lib/libjemalloc.so.2".into(),
+            family: "jemalloc".into(),
+            probed_late: Some(recording::LateProbe {
+                pid: 7,
+                after_ns: 2_000_000,
+                exec: true,
+                program: "/usr/bin/ls".into(),
+                remembered,
+            }),
+            ..Default::default()
+        };
+        for remembered in [false, true] {
+            let late = Stats { allocators: vec![preloaded(remembered)], ..Default::default() };
+            let w = under_counting(&BTreeMap::new(), &comms, &command, &late);
+            assert!(
+                w[0].starts_with(
+                    "process server [7] exec'd /usr/bin/ls, whose allocator (jemalloc, /usr/lib/libjemalloc.so.2) was \
+                     probed 2.0ms after the exec"
+                ),
+                "{}",
+                w[0]
+            );
+            assert_eq!(w[0].contains("the next `record`"), remembered, "{}", w[0]);
+        }
     }
 }

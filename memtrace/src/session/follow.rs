@@ -122,12 +122,19 @@ impl Tracer {
     /// An allocator a process could call before it was probed (its program's own, found
     /// at the exec; a library's, found at the mapping): the first such process is kept
     /// for the recording's warnings.
-    fn probed_late(&mut self, allocator: &Allocator, pid: u32, since_ns: u64, exec: bool) {
+    /// (`exec`: the program exec'd, for an exec's.)
+    fn probed_late(&mut self, allocator: &Allocator, pid: u32, since_ns: u64, exec: Option<&Path>) {
         if allocator.index == 0 || since_ns == 0 {
             return;
         }
         let after_ns = super::monotonic_ns().saturating_sub(since_ns);
-        self.late_probes.entry(allocator.index).or_insert(crate::recording::LateProbe { pid, after_ns, exec });
+        self.late_probes.entry(allocator.index).or_insert_with(|| crate::recording::LateProbe {
+            pid,
+            after_ns,
+            exec: exec.is_some(),
+            program: exec.map(|p| p.display().to_string()).unwrap_or_default(),
+            remembered: false,
+        });
     }
 
     /// A child of a followed process: the allocators its parent has are its own. With
@@ -171,7 +178,7 @@ impl Tracer {
         let key = (canonical, preload);
         if let Some(resolved) = self.resolved_programs.get(&key) {
             let resolved = resolved.clone();
-            self.attach_for_program(pid, resolved, exec_ns);
+            self.attach_for_program(&key.0, pid, resolved, exec_ns);
             return;
         }
         // Looked into on the objects' thread: the program's first mappings, behind its exec
@@ -194,7 +201,7 @@ impl Tracer {
     /// allocators are registered, probed for the next process that runs the program, and
     /// remembered for the command's next session. An allocator probed here for the first
     /// time came after the process began (`exec_ns`): it is kept as probed late.
-    fn attach_for_program(&mut self, pid: u32, resolved: Vec<Allocator>, exec_ns: u64) {
+    fn attach_for_program(&mut self, program: &Path, pid: u32, resolved: Vec<Allocator>, exec_ns: u64) {
         let scope = probe_scope(&self.probes, &self.options, Some(pid)).unwrap_or(0);
         let gone = scope != 0 && !Path::new(&format!("/proc/{scope}")).exists();
         for allocator in resolved {
@@ -205,7 +212,7 @@ impl Tracer {
             let allocator = self.register(allocator);
             // Gone: it ran without them.
             if gone || self.attach(scope, &allocator) {
-                self.probed_late(&allocator, pid, exec_ns, true);
+                self.probed_late(&allocator, pid, exec_ns, Some(program));
             }
         }
     }
@@ -220,10 +227,10 @@ impl Tracer {
                 let key = (canonical, preload);
                 let pids = self.programs_in_flight.remove(&key).unwrap_or_else(|| vec![(pid, 0)]);
                 let Some(allocators) = allocators else { return };
-                self.resolved_programs.insert(key, allocators.clone());
                 for (pid, exec_ns) in pids {
-                    self.attach_for_program(pid, allocators.clone(), exec_ns);
+                    self.attach_for_program(&key.0, pid, allocators.clone(), exec_ns);
                 }
+                self.resolved_programs.insert(key, allocators);
             }
         }
     }
@@ -261,7 +268,7 @@ impl Tracer {
                 probed |= self.attach(scope, &allocator);
             }
             if probed && let Some((pid, mapped_ns)) = mapped {
-                self.probed_late(&allocator, pid, mapped_ns, false);
+                self.probed_late(&allocator, pid, mapped_ns, None);
             }
         }
     }

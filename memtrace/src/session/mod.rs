@@ -810,7 +810,12 @@ impl Tracer {
             }
             let canonical = std::fs::canonicalize(command).unwrap_or_else(|_| command.clone());
             let programs = remembered::programs_with_own_allocators(&canonical, base, self.resolved_programs.iter());
-            remembered::save(command, &programs);
+            if remembered::save(command, &programs) {
+                // What the warnings may promise: the next record probes these from the start.
+                for late in self.late_probes.values_mut().filter(|l| l.exec) {
+                    late.remembered = programs.iter().any(|p| p.display().to_string() == late.program);
+                }
+            }
         }
         log::debug!("stack copies delivered as a stack met before: {}", self.copies.merged);
         log::debug!(

@@ -542,7 +542,7 @@ fn finish(
                 family: a.family.name().to_string(),
                 prefix: a.prefix.clone(),
                 found: a.found,
-                probed_late: tracer.late_probes.get(&a.index).copied(),
+                probed_late: tracer.late_probes.get(&a.index).cloned(),
             })
             .collect(),
         ..Default::default()

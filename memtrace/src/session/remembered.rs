@@ -94,15 +94,20 @@ pub(super) fn programs_with_own_allocators<'a>(
     programs
 }
 
-/// Keeps `programs` (found this session) for the next session of `command`.
-pub(super) fn save(command: &Path, programs: &[PathBuf]) {
+/// Keeps `programs` (found this session) for the next session of `command`; whether
+/// they were kept.
+pub(super) fn save(command: &Path, programs: &[PathBuf]) -> bool {
     if programs.is_empty() {
-        return;
+        return false;
     }
-    let Some(cache) = DiskCache::open_default() else { return };
-    let Ok(key) = FileKey::of(command) else { return };
-    if let Err(e) = cache.store_allocator_programs(&key, programs, MAX_PROGRAMS) {
-        log::debug!("keeping the programs {} exec'd: {e}", command.display());
+    let Some(cache) = DiskCache::open_default() else { return false };
+    let Ok(key) = FileKey::of(command) else { return false };
+    match cache.store_allocator_programs(&key, programs, MAX_PROGRAMS) {
+        Ok(()) => true,
+        Err(e) => {
+            log::debug!("keeping the programs {} exec'd: {e}", command.display());
+            false
+        }
     }
 }
 

@@ -727,7 +727,7 @@ impl Unwinder {
                 let memory = StackCopy { base: miss.sp, bytes: &miss.copy };
                 let (spaces, store) = (&self.spaces, &self.store);
                 let mut waiting_on = None;
-                let end = walk::walk(regs, &memory, &mut ips, miss.ret_addr, &anchors, |addr| {
+                let end = walk::walk(regs, &memory, &mut ips, &miss.returns, &anchors, |addr| {
                     let Some(m) = spaces.find(asid, addr) else {
                         return Lookup::Rule(memtrace_common::UnwindRule::STOP);
                     };
@@ -924,7 +924,7 @@ mod tests {
                 ip,
                 sp,
                 bp,
-                ret_addr: 0,
+                returns: Vec::new(),
                 asid: 0,
                 exact: true,
                 copy,

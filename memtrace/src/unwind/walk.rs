@@ -54,17 +54,23 @@ pub struct Anchor {
     pub bp: Option<u64>,
 }
 
+/// What `step` is told the uprobe trampoline stands for, to see where it met one: no code
+/// is at address 1.
+const TRAMPOLINE_SEEN: u64 = 1;
+
 /// Walks on from `regs`, whose instruction pointer is already the last of `ips`, appending
 /// the callers' up to [`MAX_USER_DEPTH`] frames in all. `rule_at` gives the rule for a
-/// lookup address. A return address replaced by the uprobe trampoline is put back as
-/// `trampoline_for` (0: unknown, the walk stops). The walk ends on the first of `anchors`
-/// it lands on ([`End::Anchored`] with its index; its frame not appended); past them all
-/// it goes on as without.
+/// lookup address. A return address replaced by the uprobe trampoline is put back from
+/// `returns` (slot, return address), by the slot it was read from, as the probes do: each
+/// trampoline its own (nested return probes: `mmap`'s inside `malloc`'s); at a slot not
+/// there the walk stops. The walk ends on the first of `anchors` it lands on
+/// ([`End::Anchored`] with its index; its frame not appended); past them all it goes on as
+/// without.
 pub fn walk(
     mut regs: Regs,
     memory: &StackCopy,
     ips: &mut Vec<u64>,
-    trampoline_for: u64,
+    returns: &[(u64, u64)],
     anchors: &[Anchor],
     mut rule_at: impl FnMut(u64) -> Lookup,
 ) -> End {
@@ -73,8 +79,17 @@ pub fn walk(
             Lookup::Rule(rule) => rule,
             Lookup::Wait => return End::Wait,
         };
-        match step(regs, rule, trampoline_for, |a| memory.read_u64(a)) {
-            Step::Caller(next) => {
+        match step(regs, rule, TRAMPOLINE_SEEN, |a| memory.read_u64(a)) {
+            Step::Caller(mut next) => {
+                if next.ip == TRAMPOLINE_SEEN {
+                    // The return address was read from the slot just below the caller's
+                    // stack pointer (the CFA).
+                    let slot = next.sp.wrapping_sub(8);
+                    match returns.iter().find(|r| r.0 == slot) {
+                        Some(&(_, ip)) if ip != 0 => next.ip = ip,
+                        _ => return End::Truncated,
+                    }
+                }
                 if let Some(k) = anchors
                     .iter()
                     .position(|a| a.sp == next.sp && a.ip == next.ip && a.bp.is_none_or(|bp| bp == next.bp))
@@ -143,7 +158,7 @@ mod tests {
         let memory = StackCopy { base: BASE, bytes: &bytes };
         let mut ips = vec![0x4100];
         let regs = Regs { ip: 0x4100, sp: BASE, bp: 0, exact: false };
-        assert_eq!(walk(regs, &memory, &mut ips, 0, &[], lookup(&rules)), End::Outermost);
+        assert_eq!(walk(regs, &memory, &mut ips, &[], &[], lookup(&rules)), End::Outermost);
         assert_eq!(ips, vec![0x4100, 0x5000, 0x6000, 0x7000]);
     }
 
@@ -153,13 +168,13 @@ mod tests {
         let memory = StackCopy { base: BASE, bytes: &bytes[..16] };
         let regs = Regs { ip: 0x1000, sp: BASE, bp: 0, exact: true };
         let mut ips = vec![0x1000];
-        assert_eq!(walk(regs, &memory, &mut ips, 0, &[], |_| Lookup::Rule(UnwindRule::STOP)), End::Truncated);
+        assert_eq!(walk(regs, &memory, &mut ips, &[], &[], |_| Lookup::Rule(UnwindRule::STOP)), End::Truncated);
         assert_eq!(ips, vec![0x1000]);
         let r = rule(kind::CFA_SP, 16, 0);
-        assert_eq!(walk(regs, &memory, &mut ips, 0, &[], |_| Lookup::Rule(r)), End::Truncated);
+        assert_eq!(walk(regs, &memory, &mut ips, &[], &[], |_| Lookup::Rule(r)), End::Truncated);
         assert_eq!(ips, vec![0x1000, 0x2000]);
         let mut ips = vec![0x1000];
-        assert_eq!(walk(regs, &memory, &mut ips, 0, &[], |_| Lookup::Wait), End::Wait);
+        assert_eq!(walk(regs, &memory, &mut ips, &[], &[], |_| Lookup::Wait), End::Wait);
     }
 
     #[test]
@@ -176,24 +191,33 @@ mod tests {
         let regs = Regs { ip: 0x1000, sp: BASE, bp: BASE, exact: false };
         let mut ips = vec![0x1000];
         let r = rule(kind::CFA_BP, 16, -16);
-        assert_eq!(walk(regs, &memory, &mut ips, 0, &[], |_| Lookup::Rule(r)), End::Truncated);
+        assert_eq!(walk(regs, &memory, &mut ips, &[], &[], |_| Lookup::Rule(r)), End::Truncated);
         assert_eq!(ips.len(), MAX_USER_DEPTH);
         // A %rbp that loops on itself gives a frame at the stack pointer: not a frame.
         let bytes = stack(&[(BASE, BASE), (BASE + 8, 0x1000)]);
         let memory = StackCopy { base: BASE, bytes: &bytes };
         let mut ips = vec![0x1000];
-        assert_eq!(walk(regs, &memory, &mut ips, 0, &[], |_| Lookup::Rule(r)), End::Truncated);
+        assert_eq!(walk(regs, &memory, &mut ips, &[], &[], |_| Lookup::Rule(r)), End::Truncated);
         assert_eq!(ips, vec![0x1000, 0x1000]);
 
-        let bytes = stack(&[(BASE + 8, UPROBE_TRAMPOLINE_PAGE), (BASE + 24, 0x3000)]);
+        // Two return probes' trampolines, one inside the other (`mmap`'s in `malloc`'s):
+        // each put back by its own slot; one whose slot is not known stops the walk.
+        let bytes = stack(&[(BASE + 8, UPROBE_TRAMPOLINE_PAGE), (BASE + 24, UPROBE_TRAMPOLINE_PAGE)]);
         let memory = StackCopy { base: BASE, bytes: &bytes };
         let regs = Regs { ip: 0x1000, sp: BASE, bp: 0, exact: true };
         let rules: HashMap<u64, UnwindRule> =
             [(0x1000, rule(kind::CFA_SP, 16, 0)), (0x1fff, rule(kind::CFA_SP, 16, 0)), (0x2fff, UnwindRule::OUTERMOST)]
                 .into();
         let mut ips = vec![0x1000];
-        assert_eq!(walk(regs, &memory, &mut ips, 0x2000, &[], lookup(&rules)), End::Outermost);
+        let returns = [(BASE + 8, 0x2000), (BASE + 24, 0x3000)];
+        assert_eq!(walk(regs, &memory, &mut ips, &returns, &[], lookup(&rules)), End::Outermost);
         assert_eq!(ips, vec![0x1000, 0x2000, 0x3000]);
+        let mut ips = vec![0x1000];
+        assert_eq!(walk(regs, &memory, &mut ips, &returns[..1], &[], lookup(&rules)), End::Truncated);
+        assert_eq!(ips, vec![0x1000, 0x2000]);
+        let mut ips = vec![0x1000];
+        assert_eq!(walk(regs, &memory, &mut ips, &[], &[], lookup(&rules)), End::Truncated);
+        assert_eq!(ips, vec![0x1000]);
     }
 
     /// A gap of two frames under an anchor: the walk lands on the frame with the anchor's
@@ -210,7 +234,7 @@ mod tests {
         let regs = Regs { ip: 0x1000, sp: BASE, bp: 7, exact: true };
         let landed = |anchor: Anchor| {
             let mut ips = vec![0x1000];
-            let end = walk(regs, &memory, &mut ips, 0, &[anchor], lookup(&rules));
+            let end = walk(regs, &memory, &mut ips, &[], &[anchor], lookup(&rules));
             (end, ips)
         };
         let anchor = Anchor { sp: BASE + 0x30, ip: 0x3000, bp: None };
