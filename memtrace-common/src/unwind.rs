@@ -56,6 +56,10 @@ pub mod kind {
     /// A signal trampoline (`__restore_rt`): rsp points at the `ucontext_t` the kernel
     /// pushed; the interrupted registers are read from it.
     pub const SIGNAL: u8 = 6;
+    /// CFA = rsp + offset, and the return address is in %rdi (glibc's `vfork` during its
+    /// syscall, which pops it there). Only a syscall's own frame has %rdi known (the
+    /// task's saved user registers): the probes follow it there; [`super::step`] stops.
+    pub const RA_RDI: u8 = 7;
 }
 
 /// Offsets in the x86-64 `ucontext_t` a signal trampoline's rsp points at

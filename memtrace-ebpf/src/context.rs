@@ -14,14 +14,31 @@ use crate::{
     stack::Scratch,
 };
 
-/// Whether the current task still has its user memory: not a kernel thread, and not a
-/// process past `exit_mm` (the page tables and batches freed as it exits are allocated
-/// after that, with no user stack left to walk).
+/// What the current task's memory holds of the user stack its saved registers point at.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub(crate) enum UserMemory {
+    /// Its program's memory: the stack can be walked.
+    Program,
+    /// None: a kernel thread, or a process past `exit_mm` (the page tables and batches
+    /// freed as it exits are allocated after that).
+    Gone,
+    /// A program being loaded: `execve` past its point of no return (`exec_mmap`), before
+    /// it sets the new memory's code bounds. The registers are still the old program's,
+    /// whose memory is gone.
+    Replaced,
+}
+
+/// See [`UserMemory`].
 #[inline(always)]
-pub(crate) fn current_has_user_memory() -> bool {
+pub(crate) fn current_user_memory() -> UserMemory {
+    let layout = config!(kernel);
     // SAFETY: no preconditions; the pointer is only read through checked reads.
     let task = unsafe { generated::bpf_get_current_task() };
-    read_kernel_at::<u64>(task, config!(kernel.task_mm)).is_some_and(|mm| mm != 0)
+    let Some(mm) = read_kernel_at::<u64>(task, layout.task_mm).filter(|&mm| mm != 0) else { return UserMemory::Gone };
+    match read_kernel_at::<u64>(mm, layout.mm_end_code) {
+        Some(0) => UserMemory::Replaced,
+        _ => UserMemory::Program,
+    }
 }
 
 #[inline(always)]

@@ -12,10 +12,11 @@ use aya_ebpf::{
 use memtrace_common::{InFlight, KernelAllocRecord, MAX_STACK_DEPTH, UserAllocRecord, counter, flags, stack_hash_step};
 
 use crate::{
-    context::{current_has_user_memory, pid_tgid, scratch},
+    context::{UserMemory, current_user_memory, pid_tgid, scratch},
     maps::{KERNEL_FINISH, Ring, SESSION_FINISH, USER_FINISH},
     ring::{bump, emit, this_ring},
     stack::{KERNEL_NESTING, Scratch, join_user_part, kernel_only_stack, kernel_part, user_stack},
+    syscall,
 };
 
 /// What the first half of an allocation program leaves to the second.
@@ -179,7 +180,7 @@ fn try_kmem_finish(ctx: &RawTracePointContext) -> Result<(), ()> {
     // The kernel stack kept for a path is found by the allocation's kind and call site.
     let seed = stack_hash_step(u64::from(pending.kind), pending.call_site);
     let (n_kernel, hash) = kernel_part(ctx_ptr, pid, seed).ok_or(())?;
-    if pid != 0 && config!(user_stacks) != 0 && current_has_user_memory() {
+    if pid != 0 && config!(user_stacks) != 0 && user_stack_reachable() {
         let scratch = scratch().ok_or(())?;
         scratch.pending_kernel_hash[level & (KERNEL_NESTING - 1)] = hash;
         scratch.pending_kernel_frames[level & (KERNEL_NESTING - 1)] = n_kernel as u32;
@@ -191,6 +192,22 @@ fn try_kmem_finish(ctx: &RawTracePointContext) -> Result<(), ()> {
     }
     let stack = kernel_only_stack(ctx_ptr, ring, pid, n_kernel, hash);
     send_kernel_alloc(ring, level, stack)
+}
+
+/// Whether a kmem allocation's user stack can be had: walked in its program's memory, or,
+/// while `execve` replaces that memory, taken from a walk earlier in the same syscall on
+/// this CPU (`stack::user_part_in_syscall`; it walks only when the registers differ, which
+/// they do not within a syscall). Else the stack goes without its user part, as a kernel
+/// thread's does, rather than with one frame marked cut short (`execve` moves the task to
+/// another CPU before it loads the program, so its allocations there were most of a shell
+/// loop's stacks cut short).
+#[inline(always)]
+fn user_stack_reachable() -> bool {
+    match current_user_memory() {
+        UserMemory::Program => true,
+        UserMemory::Gone => false,
+        UserMemory::Replaced => scratch().is_some_and(|s| syscall::current(s).is_some_and(|seq| seq == s.reuse_seq)),
+    }
 }
 
 /// Sends the pending kernel record of `level`, with the hash of its stack if it has one.

@@ -642,7 +642,11 @@ const STEP_STOP: u64 = 2;
 pub extern "C" fn memtrace_step_frame(ip: u64, sp: u64, bp: u64, rule_exact: u64) -> u64 {
     let Some(scratch) = scratch() else { return STEP_STOP };
     let regs = Regs { ip, sp, bp, exact: rule_exact >> 32 != 0 };
-    match unwind::step(regs, decode_rule(rule_exact as u32), TRAMPOLINE_SEEN, |addr| read_stack(scratch, addr)) {
+    let rule = decode_rule(rule_exact as u32);
+    if rule.kind == kind::RA_RDI {
+        return step_ra_in_rdi(scratch, regs, rule);
+    }
+    match unwind::step(regs, rule, TRAMPOLINE_SEEN, |addr| read_stack(scratch, addr)) {
         Step::Caller(next) => {
             let ip = if next.ip == TRAMPOLINE_SEEN {
                 // The return address was read from the slot just below the caller's stack
@@ -661,6 +665,24 @@ pub extern "C" fn memtrace_step_frame(ip: u64, sp: u64, bp: u64, rule_exact: u64
         Step::Outermost => STEP_OUTERMOST,
         Step::Stop => STEP_STOP,
     }
+}
+
+/// A frame whose return address is in %rdi (glibc's `vfork` during its syscall): followed
+/// only where the frame is the one the task's saved user registers are (a kernel
+/// allocation in the syscall), whose %rdi the kernel kept; anywhere else %rdi is unknown.
+#[inline(always)]
+fn step_ra_in_rdi(scratch: &mut Scratch, regs: Regs, rule: UnwindRule) -> u64 {
+    // SAFETY: both helpers take the current task, which stays valid while we run; the
+    // verifier checks the loads against the BTF of pt_regs.
+    let (rip, rsp, rdi) = unsafe {
+        let r = generated::bpf_task_pt_regs(generated::bpf_get_current_task_btf()) as *const pt_regs;
+        ((*r).rip, (*r).rsp, (*r).rdi)
+    };
+    if !regs.exact || rip != regs.ip || rsp != regs.sp || rdi == 0 {
+        return STEP_STOP;
+    }
+    scratch.step_next = [rdi, regs.sp.wrapping_add(rule.cfa_offset as i64 as u64), regs.bp, 0];
+    STEP_CALLER
 }
 
 /// One step of the search for an anchor after a miss (`scratch.miss`) by thread `tid` in

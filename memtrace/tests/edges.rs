@@ -807,6 +807,60 @@ int main(void) {
     assert_eq!(dump.lines().filter(|l| l.ends_with(" (probes)")).count() as u64, overhead);
 }
 
+/// Kernel allocations in `vfork` and `execve` keep their user stacks: glibc's `vfork` pops
+/// its return address into %rdi for the syscall (its unwind rule says so, and the probes
+/// take %rdi from the syscall's saved registers), and past `execve`'s point of no return
+/// the old program's memory is gone: the walk made earlier in the call is taken, or the
+/// stack goes without a user part. Both read "cut short in user space" before (13 % of a
+/// shell loop's kernel stacks).
+#[test]
+fn kernel_stacks_in_vfork_and_execve_are_not_cut_short() {
+    require_root();
+    let _sharing = sharing_the_machine();
+    let dir = scratch("vfork-exec");
+    let prog = compile(
+        &dir,
+        "spawner",
+        r#"
+#include <sys/wait.h>
+#include <unistd.h>
+__attribute__((noinline)) void spawn_true(void) {
+    pid_t pid = vfork();
+    if (pid == 0) {
+        execl("/bin/true", "true", (char *)0);
+        _exit(127);
+    }
+    waitpid(pid, 0, 0);
+}
+int main(void) {
+    for (int i = 0; i < 10; i++)
+        spawn_true();
+    return 0;
+}
+"#,
+    );
+    let data = dir.join("t.data");
+    run(memtrace().args(["record", "-q", "-o"]).arg(&data).arg("--").arg(&prog));
+    let rows = report_json(&data, &["--by", "stack", "--domain", "kernel"]);
+    let functions = |row: &Value| -> Vec<String> {
+        row["frames"].as_array().unwrap().iter().map(|f| f["function"].as_str().unwrap_or("").to_string()).collect()
+    };
+    let (mut vforks, mut execs) = (0, 0);
+    for row in rows["sites"].as_array().unwrap() {
+        let names = functions(row);
+        let has = |name: &str| names.iter().any(|n| n.split('.').next() == Some(name));
+        if has("__do_sys_vfork") {
+            vforks += row["allocs"].as_u64().unwrap();
+            assert!(has("spawn_true") && has("main") && row["truncated"] == false, "{names:?}");
+        }
+        if has("load_elf_binary") {
+            execs += row["allocs"].as_u64().unwrap();
+            assert!(row["truncated"] == false, "{names:?}");
+        }
+    }
+    assert!(vforks >= 10 && execs >= 10, "{vforks} in vfork, {execs} in execve");
+}
+
 /// The kernel's allocations as a process exits (page-table batches while `exit_mmap`
 /// frees its memory) are the process's: they come after `sched_process_exit` since Linux
 /// 6.16, and were lost when the process left the traced set there. They carry no user

@@ -30,7 +30,7 @@ use super::{cfi::Segment, table::Table};
 /// rebuilt. 3: of two rows at one pc of an FDE the later one (ab7ede2). 4: CFA offsets
 /// past 256 KiB in 8-byte words (frames up to 2 MiB). 5: the C runtime's start functions
 /// without call-frame information are outermost frames (musl's).
-pub const FORMAT_VERSION: u32 = 5;
+pub const FORMAT_VERSION: u32 = 6;
 const MAGIC: &[u8; 8] = b"MTUNWTB\0";
 /// Default bound of the cache's size.
 pub const DEFAULT_MAX_BYTES: u64 = 512 << 20;

@@ -38,6 +38,8 @@ pub enum Saved {
     At(i64),
     /// The caller has no value (the return address of the outermost frame).
     Undefined,
+    /// In %rdi (the return address of glibc's `vfork` during its syscall).
+    InRdi,
     /// Anything else (another register, an expression).
     Other,
 }
@@ -55,9 +57,17 @@ pub fn rule_for(row: RowSummary) -> UnwindRule {
     if row.signal_frame {
         return UnwindRule::SIGNAL;
     }
-    match row.ra {
-        Saved::Undefined => return UnwindRule::OUTERMOST,
-        Saved::At(-8) => {}
+    match (row.ra, row.cfa, row.rbp) {
+        (Saved::Undefined, ..) => return UnwindRule::OUTERMOST,
+        (Saved::At(-8), ..) => {}
+        (Saved::InRdi, Cfa::Sp(o), Saved::Unchanged) => {
+            return i32::try_from(o).map_or(UnwindRule::STOP, |cfa_offset| UnwindRule {
+                cfa_offset,
+                rbp_offset: 0,
+                kind: kind::RA_RDI,
+                _pad: 0,
+            });
+        }
         _ => return UnwindRule::STOP,
     }
     let (kind, offset) = match row.cfa {
@@ -73,7 +83,7 @@ pub fn rule_for(row: RowSummary) -> UnwindRule {
             Ok(o) if o != 0 => o,
             _ => return UnwindRule::STOP,
         },
-        Saved::Undefined | Saved::Other => return UnwindRule::STOP,
+        Saved::Undefined | Saved::InRdi | Saved::Other => return UnwindRule::STOP,
     };
     UnwindRule { cfa_offset, rbp_offset, kind, _pad: 0 }
 }
@@ -477,6 +487,7 @@ fn summarize<R: Reader<Offset = usize>, S: UnwindSection<R>>(
     let ra = match row.register(X86_64::RA) {
         // The return address column is always described; absent means undefined.
         None => Saved::Undefined,
+        Some(RegisterRule::Register(r)) if r == X86_64::RDI => Saved::InRdi,
         _ => saved(X86_64::RA),
     };
     Some(RowSummary { signal_frame, cfa, ra, rbp: saved(X86_64::RBP) })
@@ -513,6 +524,7 @@ fn sleb128(bytes: &[u8]) -> Option<(i64, usize)> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use memtrace_common::unwind::decode_rule;
 
     fn row(cfa: Cfa, ra: Saved, rbp: Saved) -> RowSummary {
         RowSummary { signal_frame: false, cfa, ra, rbp }
@@ -527,6 +539,10 @@ mod tests {
         let r = rule_for(row(Cfa::BpDeref(-8), Saved::At(-8), Saved::At(-16)));
         assert_eq!((r.kind, r.cfa_offset), (kind::CFA_BP_DEREF, -8));
         assert_eq!(rule_for(row(Cfa::Sp(8), Saved::Undefined, Saved::Unchanged)).kind, kind::OUTERMOST);
+        // glibc's vfork after its `pop %rdi`: CFA = rsp, the return address in %rdi.
+        let r = rule_for(row(Cfa::Sp(0), Saved::InRdi, Saved::Unchanged));
+        assert_eq!((r.kind, r.cfa_offset), (kind::RA_RDI, 0));
+        assert_eq!(decode_rule(encode_rule(r)), r);
         assert_eq!(
             rule_for(RowSummary { signal_frame: true, ..row(Cfa::Other, Saved::Other, Saved::Other) }).kind,
             kind::SIGNAL
@@ -539,6 +555,8 @@ mod tests {
             row(Cfa::Sp(8), Saved::At(-8), Saved::Other),
             row(Cfa::Sp(1 << 40), Saved::At(-8), Saved::Unchanged),
             row(Cfa::Sp(8), Saved::At(-8), Saved::At(1 << 20)),
+            row(Cfa::Bp(8), Saved::InRdi, Saved::Unchanged),
+            row(Cfa::Sp(8), Saved::InRdi, Saved::At(-16)),
         ] {
             assert_eq!(rule_for(r).kind, kind::STOP, "{r:?}");
         }
