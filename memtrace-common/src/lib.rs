@@ -331,6 +331,9 @@ pub mod flags {
     pub const FOREIGN_FREE: u8 = 1 << 4;
     /// TaskRecord exit: the whole thread group is gone.
     pub const GROUP_DEAD: u8 = 1 << 5;
+    /// TaskRecord fork: the child shares its parent's memory (`CLONE_VM`: `vfork`,
+    /// `posix_spawn`) until it execs or exits; what it allocates there is its parent's heap.
+    pub const SHARED_MEMORY: u8 = 1 << 6;
     /// A GPU allocation call that failed: `ptr` holds the `CUresult`, nothing was allocated
     /// (its stack and requested size are what a user looks for after an out-of-memory).
     pub const FAILED: u8 = 1 << 7;

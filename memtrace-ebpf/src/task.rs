@@ -51,6 +51,7 @@ raw_tracepoint_program!(task_newtask, |ctx| try_task_newtask(ctx));
 /// task_newtask(struct task_struct *task, u64 clone_flags)
 fn try_task_newtask(ctx: &RawTracePointContext) -> Result<(), ()> {
     const CLONE_THREAD: u64 = 0x0001_0000;
+    const CLONE_VM: u64 = 0x0000_0100;
     let (_, parent_tgid, _) = pid_tgid();
     if !is_traced(parent_tgid) {
         return Ok(());
@@ -79,7 +80,8 @@ fn try_task_newtask(ctx: &RawTracePointContext) -> Result<(), ()> {
     let ring = this_ring().ok_or(())?;
     let (event, pid) = if is_thread { (TaskEvent::Thread, parent_tgid) } else { (TaskEvent::Fork, child_tgid) };
     let asid = asid_of(pid).unwrap_or(0);
-    emit_task(ring, event, TaskFacts { pid, tid: child_tid, ppid: parent_tgid, asid, flags: 0 }, |_| {});
+    let flags = if !is_thread && clone_flags & CLONE_VM != 0 { flags::SHARED_MEMORY } else { 0 };
+    emit_task(ring, event, TaskFacts { pid, tid: child_tid, ppid: parent_tgid, asid, flags }, |_| {});
     Ok(())
 }
 

@@ -17,6 +17,9 @@ pub(super) struct Forks {
     /// Live processes seen starting (forked or exec'd while traced); the others were
     /// running when tracing began.
     started: crate::FastSet<u32>,
+    /// Children sharing their parent's memory (`vfork`, `posix_spawn`) until they exec
+    /// or exit: their events are in their parent's address space.
+    sharing: crate::FastSet<u32>,
 }
 
 #[derive(Debug, Default)]
@@ -42,6 +45,20 @@ impl Forks {
         };
         self.chains.insert(child, Chain { spaces, from_before_tracing });
         self.started.insert(child);
+    }
+
+    /// `child` was made sharing its parent's memory (`vfork`): its allocations and frees
+    /// until it execs or exits are its parent's heap (a shell's child allocates there, and
+    /// the shell frees those blocks once the child has exec'd).
+    pub fn shared(&mut self, child: u32) {
+        self.sharing.insert(child);
+        self.started.insert(child);
+    }
+
+    /// `pid` exec'd or exited: whether it was sharing its parent's memory (which then
+    /// lives on: only `pid`'s use of it ends).
+    pub fn stops_sharing(&mut self, pid: u32) -> bool {
+        self.sharing.remove(&pid)
     }
 
     /// `pid` exec'd (`exited`: false) or exited: its address space is its own from now on.

@@ -395,11 +395,22 @@ impl<G: FnMut(&Origin) -> u32> Analyzer<G> {
                 }
                 if t.event == TaskEvent::Fork {
                     let parent_space = self.instance(t.ppid);
-                    self.forks.forked(t.pid, t.ppid, parent_space, t.ts_ns);
+                    if t.flags & memtrace_common::flags::SHARED_MEMORY != 0 {
+                        // Until it execs, the child's blocks are in its parent's space.
+                        self.forks.shared(t.pid);
+                        self.instances.insert(t.pid, parent_space);
+                    } else {
+                        self.forks.forked(t.pid, t.ppid, parent_space, t.ts_ns);
+                    }
                 }
                 if t.ends_address_space() {
+                    let shared = self.forks.stops_sharing(t.pid);
                     self.forks.ended(t.pid, t.event == TaskEvent::Exit);
-                    self.end_process(t.pid, ts);
+                    if shared {
+                        self.instances.remove(&t.pid);
+                    } else {
+                        self.end_process(t.pid, ts);
+                    }
                 }
             }
         }

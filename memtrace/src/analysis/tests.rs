@@ -444,6 +444,39 @@ fn a_forked_child_freeing_its_parents_blocks_is_not_an_unmatched_free() {
 }
 
 #[test]
+fn a_vfork_child_allocates_in_its_parents_heap_until_it_execs() {
+    let vfork = |ts: u64, pid: u32, ppid: u32| match task(ts, TaskEvent::Fork, pid, ppid) {
+        Event::Task(t) => Event::Task(Task { flags: flags::SHARED_MEMORY, ..t }),
+        _ => unreachable!(),
+    };
+    let events = [
+        task(0, TaskEvent::Exec, 1, 0),
+        alloc(1, 1, 1, Kind::Malloc, 0x1000, 8, 24, 1),
+        vfork(2, 2, 1),
+        // The child allocates in the shared heap, and frees a block of its parent's.
+        alloc(3, 2, 2, Kind::Malloc, 0x2000, 8, 24, 2),
+        free(4, 2, 2, Kind::Free, 0x1000),
+        // Its exec leaves the shared heap to the parent, which frees the child's block.
+        task(5, TaskEvent::Exec, 2, 0),
+        free(6, 1, 1, Kind::Free, 0x2000),
+        // The child's own heap now: a block it did not allocate there is unmatched.
+        free(7, 2, 2, Kind::Free, 0x2000),
+    ];
+    let a = run(&events);
+    let user = &a.totals[&Domain::User];
+    assert_eq!((user.stats.allocs, user.stats.frees, user.stats.live_allocs), (2, 2, 0), "{user:?}");
+    assert_eq!((user.inherited_frees, user.unmatched_frees), (0, 1), "{user:?}");
+    assert_eq!(a.unmatched_by_pid.get(&2), Some(&1));
+    // The report's per-process warnings count alike.
+    let mut u = super::unmatched::UnmatchedFrees::new(None);
+    for e in &events {
+        u.push(e);
+    }
+    u.finish();
+    assert_eq!(u.by_pid, a.unmatched_by_pid);
+}
+
+#[test]
 fn a_grandchild_freeing_its_grandparents_blocks_is_not_an_unmatched_free() {
     let a = run(&[
         // pid 1 started while traced (the command's exec): its blocks are all seen.

@@ -50,11 +50,19 @@ impl UnmatchedFrees {
                 if t.event == TaskEvent::Fork
                     && let Some(parent_space) = self.instance(memtrace_common::Kind::Malloc, t.ppid)
                 {
-                    self.forks.forked(t.pid, t.ppid, parent_space, t.ts_ns);
+                    if t.flags & flags::SHARED_MEMORY != 0 {
+                        self.forks.shared(t.pid);
+                        self.instances.insert(t.pid, parent_space);
+                    } else {
+                        self.forks.forked(t.pid, t.ppid, parent_space, t.ts_ns);
+                    }
                 }
                 if t.ends_address_space() {
+                    let shared = self.forks.stops_sharing(t.pid);
                     self.forks.ended(t.pid, t.event == TaskEvent::Exit);
-                    if let Some(instance) = self.instances.remove(&t.pid) {
+                    if let Some(instance) = self.instances.remove(&t.pid)
+                        && !shared
+                    {
                         self.recent_frees.remove(&instance);
                         self.heap.remove(&instance);
                     }
