@@ -870,6 +870,9 @@ int main(void) {
     assert!(user["frees"].as_u64().unwrap() >= 10, "{user:#}");
     assert_eq!(user["unmatched_frees"], 0, "{user:#}");
     assert_eq!(report["warnings"], serde_json::json!([]), "{:#}", report["warnings"]);
+    // The C library's line counts them too.
+    let libc = &report["allocators"][0];
+    assert_eq!((&libc["allocs"], &libc["frees"]), (&user["allocs"], &user["frees"]), "{:#}", report["allocators"]);
 }
 
 /// The kernel's allocations as a process exits (page-table batches while `exit_mmap`

@@ -10,7 +10,7 @@ use std::{
 };
 
 use anyhow::Result;
-use memtrace_common::Kind;
+use memtrace_common::{Kind, TaskEvent};
 use serde::Serialize;
 
 use super::{
@@ -354,6 +354,8 @@ pub fn analyze(path: &Path, opts: &ReportOptions) -> Result<Summary> {
         .collect();
     // Live heap blocks by (pid, address): the allocator that served them, for its frees.
     let mut served_by: crate::FastMap<(u32, u64), u8> = Default::default();
+    // vfork children → the process whose heap they use until they exec or exit.
+    let mut heap_of: crate::FastMap<u32, u32> = Default::default();
     let allocator_filter = filters.allocator.clone();
     let mut analyzer = Analyzer::new(|o: &Origin| grouper.group_of(o));
     analyzer.sample_bytes = meta.sample_bytes;
@@ -369,7 +371,13 @@ pub fn analyze(path: &Path, opts: &ReportOptions) -> Result<Summary> {
         }
         if let Event::Task(t) = &event {
             note_task(t, &mut comms, &mut tallies);
+            if t.event == TaskEvent::Fork && t.flags & memtrace_common::flags::SHARED_MEMORY != 0 {
+                heap_of.insert(t.pid, heap_of.get(&t.ppid).copied().unwrap_or(t.ppid));
+            } else if t.ends_address_space() {
+                heap_of.remove(&t.pid);
+            }
         }
+        let heap_pid = |pid: u32| heap_of.get(&pid).copied().unwrap_or(pid);
         let pid = match &event {
             Event::Alloc(a) => a.pid,
             Event::Free(f) => f.pid,
@@ -418,7 +426,7 @@ pub fn analyze(path: &Path, opts: &ReportOptions) -> Result<Summary> {
                         && filters.admits_kind(a.kind)
                         && filters.admits_size(a.bytes_req) =>
                 {
-                    served_by.insert((a.pid, a.ptr), a.allocator);
+                    served_by.insert((heap_pid(a.pid), a.ptr), a.allocator);
                     if let Some(row) = allocators.get_mut(usize::from(a.allocator - 1)) {
                         row.allocs += 1;
                         row.bytes_req += a.bytes_req;
@@ -437,7 +445,7 @@ pub fn analyze(path: &Path, opts: &ReportOptions) -> Result<Summary> {
                     user_mmaps.bytes_alloc += a.bytes_alloc;
                 }
                 Event::Free(f) if user_heap(f.kind) => {
-                    if let Some(i) = served_by.remove(&(f.pid, f.ptr))
+                    if let Some(i) = served_by.remove(&(heap_pid(f.pid), f.ptr))
                         && let Some(row) = allocators.get_mut(usize::from(i - 1))
                     {
                         row.frees += 1;
