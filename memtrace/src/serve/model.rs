@@ -345,6 +345,8 @@ pub struct Model {
     /// Forked processes, until they exec or exit: the instance of the parent whose heap
     /// they started with a copy of.
     forked_from: HashMap<u32, u32>,
+    /// vfork children using their parent's instance (its heap) until they exec or exit.
+    sharing: HashSet<u32>,
     /// What the task records told of a process with no instance yet: its command name (a
     /// fork's is its parent's, an exec's the new program's) and its parent's or its own
     /// earlier cgroup. A process gone before its first event is handled has no `/proc` to
@@ -397,6 +399,7 @@ impl Model {
             processes: HashMap::new(),
             current: HashMap::new(),
             forked_from: HashMap::new(),
+            sharing: HashSet::new(),
             told: HashMap::new(),
             maps_from_fork: HashSet::new(),
             exited: HashMap::new(),
@@ -651,7 +654,13 @@ impl Model {
                 self.end(t.pid);
                 self.exited.remove(&t.pid);
                 if let Some(&parent) = self.current.get(&t.ppid) {
-                    self.forked_from.insert(t.pid, parent);
+                    if t.flags & flags::SHARED_MEMORY != 0 {
+                        // Its blocks are its parent's heap (the parent frees them).
+                        self.sharing.insert(t.pid);
+                        self.current.insert(t.pid, parent);
+                    } else {
+                        self.forked_from.insert(t.pid, parent);
+                    }
                 }
                 let cgroup = self.current_process(t.ppid).map(|p| Arc::clone(&p.cgroup));
                 self.tell(t.pid, t.comm.clone(), cgroup);
@@ -684,6 +693,11 @@ impl Model {
     /// address space; its figures stay until it is dropped.
     fn end(&mut self, pid: u32) {
         self.forked_from.remove(&pid);
+        if self.sharing.remove(&pid) {
+            // The parent's instance lives on: only this process's use of it ends.
+            self.current.remove(&pid);
+            return;
+        }
         let Some(instance) = self.current.remove(&pid) else { return };
         let Some(p) = self.processes.get_mut(&instance) else { return };
         p.exited = Some(Instant::now());

@@ -254,6 +254,26 @@ fn a_pid_reused_or_renamed_is_followed() {
     assert!(m.live_pids().contains(&me));
 }
 
+/// A vfork child allocates in its parent's heap until it execs: the parent frees those
+/// blocks (a shell's child), paired; the child's exec leaves the parent's blocks live.
+#[test]
+fn a_vfork_childs_blocks_are_its_parents_heap() {
+    let mut m = Model::new(limits());
+    m.event(alloc(GONE, Kind::Malloc, 0x10, 100, 0, 1));
+    let mut vfork = task(GONE + 1, TaskEvent::Fork, flags::SHARED_MEMORY);
+    if let Event::Task(t) = &mut vfork {
+        t.ppid = GONE;
+    }
+    m.event(vfork);
+    m.event(alloc(GONE + 1, Kind::Malloc, 0x20, 100, 0, 2));
+    m.event(task(GONE + 1, TaskEvent::Exec, 0));
+    m.event(free(GONE, Kind::Free, 0x20, 0));
+    assert_eq!((m.counters.inherited_frees, m.counters.unmatched_frees), (0, 0));
+    assert_eq!(m.usage().live_blocks, 1, "the parent's block outlives the child's exec");
+    m.event(free(GONE, Kind::Free, 0x10, 0));
+    assert_eq!((m.usage().live_blocks, m.counters.unmatched_frees), (0, 0));
+}
+
 /// A forked child gone before its first event is handled (a shell's `$(…)`) is named as
 /// its fork record says, in its parent's cgroup, not `pid N` in none: one label set per
 /// command, not per pid. A program exec'd and gone is named by its exec record.
