@@ -52,7 +52,25 @@ fn chain(sym: &blazesym::symbolize::Sym<'_>) -> Vec<Symbol> {
     }
     let (file, line) = location(sym.code_info.as_deref());
     out.push(Symbol { name: demangle(&sym.name).into(), file: file.map(Into::into), line, inlined: false });
-    out
+    merge_self_inlined(out)
+}
+
+/// One function described as inlined into itself at one address, which GCC's partial
+/// inlining and clones (`.part.0`) leave in the debug information (`_PyBytes_FromSize`
+/// within `_PyBytes_FromSize`, `Py_InitializeFromConfig` within itself), is one frame: at
+/// the innermost one's line (where the code is; the outer one's is the clone's call, or
+/// the function's first line), inlined as the outer one is. A stack read the name twice.
+/// (A function GCC inlines into itself for recursion, at `-O3`, loses those levels: rare,
+/// where the clones are in every GCC-built library.)
+fn merge_self_inlined(mut chain: Vec<Symbol>) -> Vec<Symbol> {
+    chain.dedup_by(|outer, inner| {
+        let same = outer.name == inner.name;
+        if same {
+            inner.inlined = outer.inlined;
+        }
+        same
+    });
+    chain
 }
 
 /// A function's name as people read it: mangled Rust and C++ names (`_R…`, `_ZN…17h…E`,
@@ -324,6 +342,27 @@ impl Drop for Background {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_function_inlined_into_itself_is_one_frame_at_the_innermost_line() {
+        let sym = |name: &str, line: u32, inlined: bool| Symbol { name: name.into(), file: None, line, inlined };
+        let chain = vec![
+            sym("_PyBytes_FromSize", 101, true),
+            sym("_PyBytes_FromSize", 84, true),
+            sym("bytes_new_impl", 2676, true),
+            sym("bytes_new", 2600, false),
+        ];
+        let merged = merge_self_inlined(chain);
+        let lines: Vec<(&str, u32, bool)> = merged.iter().map(|s| (&*s.name, s.line, s.inlined)).collect();
+        assert_eq!(
+            lines,
+            [("_PyBytes_FromSize", 101, true), ("bytes_new_impl", 2676, true), ("bytes_new", 2600, false)]
+        );
+        let merged = merge_self_inlined(vec![sym("Py_Init", 1254, true), sym("Py_Init", 1239, false)]);
+        assert_eq!(merged.iter().map(|s| (s.line, s.inlined)).collect::<Vec<_>>(), [(1254, false)]);
+        // Recursion is frames at different addresses: another chain each, left alone.
+        assert_eq!(merge_self_inlined(vec![sym("f", 3, false)]).len(), 1);
+    }
 
     /// The helper takes the small files from the back and leaves every big one to the
     /// caller, so two big objects are never read at once.
