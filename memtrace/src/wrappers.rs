@@ -68,6 +68,21 @@ const FUNCTIONS: &[&str] = &[
     "g_memdup2",
     "g_slice_alloc",
     "g_slice_alloc0",
+    // SQLite's allocation API, in front of its (static, often stripped) malloc helper.
+    "sqlite3_malloc",
+    "sqlite3_malloc64",
+    "sqlite3_realloc",
+    "sqlite3_realloc64",
+    "sqlite3Malloc",
+    "sqlite3MallocZero",
+    "sqlite3Realloc",
+    "sqlite3DbMallocRaw",
+    "sqlite3DbMallocRawNN",
+    "sqlite3DbMallocZero",
+    "sqlite3DbRealloc",
+    "sqlite3DbReallocOrFree",
+    "sqlite3DbStrDup",
+    "sqlite3DbStrNDup",
     // GMP's default allocation functions.
     "__gmp_default_allocate",
     "__gmp_default_reallocate",
@@ -95,7 +110,8 @@ pub struct AllocFnArgs {
     /// A function that allocates for its caller, as valgrind massif's --alloc-fn: a call
     /// site is named after its caller. Repeat for several; NAME* matches a prefix; `none`
     /// empties the list, built-in wrappers included (the Rust and C++ standard libraries'
-    /// containers, operator new, strdup, xmalloc, g_malloc, PyMem_Malloc and the like).
+    /// containers, operator new, strdup, xmalloc, g_malloc, sqlite3Malloc, PyMem_Malloc and
+    /// the like).
     #[arg(long = "alloc-fn", value_name = "NAME")]
     pub alloc_fn: Vec<String>,
 }
@@ -329,6 +345,9 @@ mod tests {
     fn c_wrappers_are_matched_by_whole_name() {
         let f = AllocFns::default();
         assert!(f.matches("xmalloc") && f.matches("g_malloc0") && f.matches("PyMem_RawMalloc"));
+        assert!(
+            f.matches("sqlite3Malloc") && f.matches("sqlite3DbMallocRawNN") && !f.matches("sqlite3VdbeSorterWrite")
+        );
         assert!(!f.matches("xmalloc_failed") && !f.matches("my_xmalloc") && !f.matches("g_malloc_wrapper"));
     }
 

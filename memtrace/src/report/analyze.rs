@@ -547,7 +547,18 @@ pub fn analyze(path: &Path, opts: &ReportOptions) -> Result<Summary> {
         // Other rows are made and named once sorted, only those shown: a report by stack of
         // a million stacks named them all (gigabytes). The warnings after `record` show none.
         candidates.sort_by(|&a, &b| row_order(opts.sort, &groups[a], &groups[b]));
-        candidates.truncate(opts.top.unwrap_or(usize::MAX));
+        match (opts.by, opts.top) {
+            // `--top N` by process keeps N processes, each with all its rows (one per
+            // domain), as the header counts them.
+            (GroupBy::Process, Some(n)) => {
+                let mut kept: HashSet<&[u32]> = HashSet::new();
+                candidates.retain(|&g| {
+                    let pids = infos[g].pids.as_slice();
+                    kept.contains(pids) || (kept.len() < n && kept.insert(pids))
+                });
+            }
+            _ => candidates.truncate(opts.top.unwrap_or(usize::MAX)),
+        }
         candidates
             .into_iter()
             .map(|group| {

@@ -403,6 +403,11 @@ fn functions_and_processes_name_their_rows() {
     assert_eq!(s.groups.iter().map(|g| g.label.as_str()).collect::<Vec<_>>(), ["app [42]", "app [42]"]);
     let json: serde_json::Value = serde_json::from_str(&render_json(&s, &opts).unwrap()).unwrap();
     assert_eq!(json["sites"][0]["process"], "app [42]");
+    // `--top` counts processes, each with all its rows, as the header does.
+    let opts = ReportOptions { top: Some(1), ..opts };
+    assert_eq!(summary(&opts).groups.len(), 2);
+    let top = self::text(&opts);
+    assert!(top.contains("1 process, sorted by"), "{top}");
 }
 
 #[test]

@@ -143,7 +143,11 @@ pub fn note_task(t: &crate::event::Task, comms: &mut HashMap<u32, String>, talli
         }
         _ => {}
     }
-    if matches!(t.event, TaskEvent::Exec | TaskEvent::Fork) {
+    // Only a fork says so: a process forked before tracing began that execs while traced
+    // (a subshell's last command, exec'd in place) was running before, and its frees of
+    // blocks from then are those of a process attached mid-run. (A command's own process
+    // is told apart by the recording's target.)
+    if t.event == TaskEvent::Fork {
         tallies.entry(t.pid).or_default().started_traced = true;
     }
 }
@@ -174,7 +178,7 @@ pub struct ProcessTally {
     /// User heap frees, and of those, frees of blocks whose allocation was not seen.
     pub frees: u64,
     pub unmatched_frees: u64,
-    /// Its fork or exec was recorded: it started while traced.
+    /// Its fork was recorded: it started while traced.
     pub started_traced: bool,
 }
 
@@ -276,6 +280,28 @@ pub fn under_counting(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A process started while traced when its fork was recorded; an exec alone (a
+    /// subshell running its last command in place under `-a`) does not say so.
+    #[test]
+    fn only_a_fork_says_a_process_started_while_traced() {
+        let task = |event, pid| crate::event::Task {
+            ts_ns: 1,
+            event,
+            flags: 0,
+            pid,
+            tid: pid,
+            ppid: 1,
+            comm: "tar".into(),
+            filename: String::new(),
+        };
+        let (mut comms, mut tallies) = (HashMap::new(), BTreeMap::new());
+        note_task(&task(TaskEvent::Exec, 7), &mut comms, &mut tallies);
+        assert!(!tallies.get(&7).is_some_and(|t: &ProcessTally| t.started_traced));
+        assert_eq!(comms[&7], "tar");
+        note_task(&task(TaskEvent::Fork, 8), &mut comms, &mut tallies);
+        assert!(tallies[&8].started_traced);
+    }
 
     #[test]
     fn warnings_name_the_process_and_the_cause_past_a_few_percent() {
