@@ -300,11 +300,12 @@ pub fn analyze(path: &Path, opts: &ReportOptions) -> Result<Summary> {
     let reserved_stacks = table.reserved_stacks();
     // Looked up per event: with the fast hasher (SipHash took a fifth of a report's time).
     let uprobe_stacks: crate::FastSet<u64> = table.uprobe_stacks().into_iter().collect();
-    // Only where pages and slab objects both count: a view of pages alone (`--kind page`)
-    // counts them all, as `perf kmem --page` does.
+    // Only where pages and every slab object (kmalloc and kmem_cache_alloc: which a page's
+    // slab holds is not told) count: a view of pages (`--kind page`, or beside one kind of
+    // object) counts them all, as `perf kmem --page` does.
     let f = &opts.filters;
     let slab_page_stacks: crate::FastSet<u64> =
-        if f.admits_kind(Kind::PageAlloc) && (f.admits_kind(Kind::Kmalloc) || f.admits_kind(Kind::KmemCacheAlloc)) {
+        if f.admits_kind(Kind::PageAlloc) && f.admits_kind(Kind::Kmalloc) && f.admits_kind(Kind::KmemCacheAlloc) {
             table.slab_page_stacks().into_iter().collect()
         } else {
             Default::default()
