@@ -562,7 +562,8 @@ struct ReportArgs {
     /// allocated first by default).
     #[arg(long, value_enum, default_value_t)]
     sort: SortKey,
-    /// Show only the first N rows.
+    /// Show only the first N rows (with --by process, the first N processes, each with its
+    /// rows per domain).
     #[arg(long)]
     top: Option<usize>,
     /// Every column, and lines as long as their names (default: the columns that fit the
