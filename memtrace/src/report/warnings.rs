@@ -258,13 +258,18 @@ pub fn under_counting(
                  frames",
                 memtrace_common::MAX_USER_DEPTH
             );
+            // The ring-room count is the session's, not the process's: both causes are named.
             let cause = if meta.call_graph != "dwarf" {
                 "code built without frame pointers stops a frame-pointer walk: record with --call-graph dwarf"
+                    .to_string()
             } else if stats.unwind_budget_truncated > 0 {
-                "the rings had no room for stack copies while unwind rules were learned: record with a larger \
-                 --ring-size"
+                format!(
+                    "{no_unwind_info}; or no room in the rings for stack copies while unwind rules were learned, \
+                     which cut short {} stacks of the session (a larger --ring-size keeps those)",
+                    stats.unwind_budget_truncated
+                )
             } else {
-                &no_unwind_info
+                no_unwind_info
             };
             out.push(format!(
                 "{name}: {} of its allocations ({} of {}) have a stack cut short: {cause}",
@@ -329,6 +334,11 @@ mod tests {
         assert!(w[1].contains("without unwind information"), "{}", w[1]);
         let fp = Meta { call_graph: "fp".into(), ..meta.clone() };
         assert!(under_counting(&tallies, &comms, &fp, &Stats::default())[1].contains("--call-graph dwarf"));
+        // Copies refused for want of ring room are counted for the session, not per
+        // process: that cause is named beside the other, with the session's count.
+        let budget = Stats { unwind_budget_truncated: 17, ..Default::default() };
+        let w = under_counting(&tallies, &comms, &meta, &budget);
+        assert!(w[1].contains("without unwind information") && w[1].contains("cut short 17 stacks of the session"));
         tallies
             .insert(7, ProcessTally { frees: 1000, unmatched_frees: 200, started_traced: true, ..Default::default() });
         assert!(under_counting(&tallies, &comms, &meta, &Stats::default())[0].contains("probed after it started"));
