@@ -303,23 +303,24 @@ pub fn analyze(path: &Path, opts: &ReportOptions) -> Result<Summary> {
     // Only where pages and every slab object (kmalloc and kmem_cache_alloc: which a page's
     // slab holds is not told) count: a view of pages (`--kind page`, or beside one kind of
     // object) counts them all, as `perf kmem --page` does.
-    let f = &opts.filters;
-    let slab_page_stacks: crate::FastSet<u64> =
-        if f.admits_kind(Kind::PageAlloc) && f.admits_kind(Kind::Kmalloc) && f.admits_kind(Kind::KmemCacheAlloc) {
-            table.slab_page_stacks().into_iter().collect()
-        } else {
-            Default::default()
-        };
+    let filters = &opts.filters;
+    let slab_page_stacks: crate::FastSet<u64> = if filters.admits_kind(Kind::PageAlloc)
+        && filters.admits_kind(Kind::Kmalloc)
+        && filters.admits_kind(Kind::KmemCacheAlloc)
+    {
+        table.slab_page_stacks().into_iter().collect()
+    } else {
+        Default::default()
+    };
     let mut slab_pages = SlabPages::default();
     // Not told by process: shown only where every process counts.
     let mut probe_overhead = ProbeOverhead::default();
-    if opts.filters.pid.is_none() && opts.filters.comm.is_none() {
+    if filters.pid.is_none() && filters.comm.is_none() {
         probe_overhead.map_allocs = stats.probe_map_allocs;
         probe_overhead.map_bytes_alloc = stats.probe_map_bytes;
     }
     let mut user_mmaps = UserMmaps::default();
 
-    let filters = &opts.filters;
     let duplicates: crate::FastMap<u64, u64> = table.duplicates().into_iter().collect();
     let mut comms: HashMap<u32, String> = HashMap::new();
     let mut coverage = CoverageCounter {
