@@ -182,6 +182,29 @@ pub fn process_state(pid: u32) -> io::Result<ProcessState> {
     Ok(ProcessState { state, kernel_thread: flags & 0x0020_0000 != 0 })
 }
 
+/// When process `pid` started, in clock ticks since boot (`/proc/PID/stat`'s 22nd field).
+pub fn start_ticks(pid: u32) -> io::Result<u64> {
+    let stat = fs::read_to_string(format!("/proc/{pid}/stat"))?;
+    start_ticks_of(&stat).ok_or_else(|| io::Error::new(io::ErrorKind::InvalidData, "no start time in stat"))
+}
+
+fn start_ticks_of(stat: &str) -> Option<u64> {
+    // The fields after the command's closing parenthesis begin with the third (state).
+    let after = stat.rsplit_once(')')?.1;
+    after.split_whitespace().nth(19)?.parse().ok()
+}
+
+/// Clock ticks since boot now (`CLOCK_BOOTTIME`, the clock `/proc/PID/stat` starts from).
+pub fn boot_ticks_now() -> u64 {
+    let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
+    // SAFETY: clock_gettime writes the timespec it is given, which lives for the call.
+    unsafe { libc::clock_gettime(libc::CLOCK_BOOTTIME, &mut ts) };
+    // SAFETY: sysconf has no preconditions.
+    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as u64;
+    let ns = (ts.tv_sec.max(0) as u64).saturating_mul(1_000_000_000).saturating_add(ts.tv_nsec.max(0) as u64);
+    ns / (1_000_000_000 / hz).max(1)
+}
+
 /// LD_PRELOAD entries of a process's environment.
 pub fn ld_preload(pid: u32) -> Vec<PathBuf> {
     let Ok(environ) = fs::read(format!("/proc/{pid}/environ")) else {
@@ -229,6 +252,15 @@ pub fn kernel_functions<T: Ord>(mut of: impl FnMut(&str) -> T) -> Vec<(u64, T)> 
 
 #[cfg(test)]
 mod tests {
+
+    #[test]
+    fn a_start_time_is_read_after_a_command_with_spaces_and_parentheses() {
+        let stat = "42 (a (b) c) S 1 42 42 0 -1 4194560 100 0 0 0 1 2 0 0 20 0 1 0 123456 1000 10";
+        assert_eq!(super::start_ticks_of(stat), Some(123456));
+        assert_eq!(super::start_ticks_of("42 (cut) S 1"), None);
+        let me = super::start_ticks(std::process::id()).unwrap();
+        assert!(me <= super::boot_ticks_now(), "this process started before now");
+    }
 
     #[test]
     fn the_resident_bytes_of_bpf_map_mappings_are_summed_from_smaps() {

@@ -46,6 +46,10 @@ const MAX_PENDING_BYTES: usize = 64 << 20;
 const MAX_PROGRAMS_REMEMBERED: usize = 4096;
 /// A copy waits at most this long for a table.
 const MAX_WAIT: Duration = Duration::from_secs(20);
+/// A copy of a child taken before its exec, whose exec record came first, waits at most
+/// this long for its fork record (its parent's CPU's ring, drained later: 20 ms seen on 2
+/// CPUs under `-a`).
+const FORK_WAIT: Duration = Duration::from_secs(2);
 
 /// The hash the probes give a stack (see memtrace-ebpf `user_stack` / `kernel_stack`); a
 /// stack that ends truncated after a miss is marked so it never equals a whole one.
@@ -116,7 +120,9 @@ struct Pending {
     /// at every install (a cold start holds thousands while a hundred tables come in).
     waiting_on: Option<store::Slot>,
     /// Of a process not known yet: walked at this poll (one whole drain later), when the
-    /// records of its fork, read from another CPU's ring, have had their turn.
+    /// records of its fork, read from another CPU's ring, have had their turn; later, up to
+    /// [`FORK_WAIT`], where its exec came and its fork not yet
+    /// ([`Unwinder::awaits_fork`]).
     process_at_poll: Option<u64>,
 }
 
@@ -142,6 +148,9 @@ pub struct Unwinder {
     pending_bytes: usize,
     /// Polls so far (one per drain of the rings).
     polls: u64,
+    /// When this unwinder was made, in clock ticks since boot: a process started before
+    /// has no fork record to wait for.
+    made_at_ticks: u64,
     /// Children given their parent's learned space in the probes at their fork record
     /// (`-a`), until they exec or exit: what the probes hold for them then is checked.
     given_at_fork: crate::FastMap<u32, u32>,
@@ -223,6 +232,7 @@ impl Unwinder {
             pending: VecDeque::new(),
             pending_bytes: 0,
             polls: 0,
+            made_at_ticks: procfs::boot_ticks_now(),
             given_at_fork: Default::default(),
             ready_late: Vec::new(),
             build_ids: Default::default(),
@@ -567,9 +577,12 @@ impl Unwinder {
         // (under -a: one running before tracing began, or the child of one, until it
         // execs). A child's stack can be read before its fork, which its parent's CPU's
         // ring holds; its `/proc`, read now, may show the program it exec'd since. It waits
-        // one drain for the fork to give it its parent's space.
+        // one drain for the fork to give it its parent's space (longer where the fork is
+        // still to come: `awaits_fork`). A space its exec gave it, read first from another
+        // CPU's ring, is not the one the copy was taken in: the probes knew none, so it was
+        // taken before the exec.
         let unknown_process = record.miss.as_ref().is_some_and(|m| m.asid == 0)
-            && self.spaces.asid_of(record.pid).is_none()
+            && self.spaces.asid_of(record.pid).is_none_or(|a| !spaces::is_learned(a))
             && self.spaces.forked_into(record.pid).is_none();
         let finished = if unknown_process { Err(None) } else { self.finish(&record, &user, sink, false) };
         match finished {
@@ -627,10 +640,21 @@ impl Unwinder {
         if installed == 0 && !timed_out && !processes_due {
             return out;
         }
+        // Per process, for this poll: whether its fork record may still come.
+        let mut awaits_fork = crate::FastMap::default();
         for mut p in std::mem::take(&mut self.pending) {
             let give_up = p.since.elapsed() > MAX_WAIT;
             match p.process_at_poll {
                 Some(at) if at > self.polls && !give_up => {
+                    self.pending.push_back(p);
+                    continue;
+                }
+                Some(_)
+                    if p.since.elapsed() < FORK_WAIT
+                        && !give_up
+                        && *awaits_fork.entry(p.record.pid).or_insert_with(|| self.awaits_fork(p.record.pid)) =>
+                {
+                    p.process_at_poll = Some(self.polls + 1);
                     self.pending.push_back(p);
                     continue;
                 }
@@ -658,6 +682,19 @@ impl Unwinder {
             }
         }
         out
+    }
+
+    /// Whether a copy of `pid` the probes took in no space they knew, one drain on, must
+    /// wait longer: its fork record has not been read, and the process started while
+    /// traced (or is gone), so that record is coming. Such a copy is of the child of a
+    /// process running before tracing began (a subshell's under `-a`), taken in its
+    /// parent's space, which only the fork names: by the time its parent's CPU's ring is
+    /// drained the child may have exec'd, and its `/proc` (or its exec's space) named
+    /// every frame `[unknown]` (helper-35). A process that started before tracing has no
+    /// fork to come: its copies are walked in what its `/proc` shows.
+    fn awaits_fork(&self, pid: u32) -> bool {
+        self.spaces.forked_into(pid).is_none()
+            && procfs::start_ticks(pid).ok().is_none_or(|started| started >= self.made_at_ticks)
     }
 
     /// Finishes every waiting stack now (tracing is over): as far as the tables built so

@@ -231,24 +231,37 @@ impl Spaces {
 
     /// `child` was forked into its parent's address space `asid` at `ts_ns`. Returns
     /// whether that is news.
+    ///
+    /// A fork read after the child's exec (its parent's CPU's ring drained later than the
+    /// child's) is not news: the child runs in its exec's space. Its stacks taken before
+    /// the exec, in a space the probes did not know, still ran in the parent's: that is
+    /// remembered for them (not for a fork older than the pid's last exit: another
+    /// process's).
     pub fn learn_fork(&mut self, child: u32, asid: u32, ts_ns: u64, sink: &mut dyn SpaceSink) -> bool {
         if !self.order.began(child, ts_ns) {
+            if asid != 0 && !self.order.exited_since(child, ts_ns) && !self.forked_into.contains_key(&child) {
+                self.remember_fork(child, asid);
+            }
             return false;
         }
         if asid != 0 {
             self.join(child, asid, sink);
-            if self.forked_into.insert(child, asid).is_none() {
-                self.fork_order.push_back(child);
-                while self.fork_order.len() > FORKS_KEPT {
-                    if let Some(old) = self.fork_order.pop_front() {
-                        self.forked_into.remove(&old);
-                    }
-                }
-            }
+            self.remember_fork(child, asid);
         } else if self.forked_into.remove(&child).is_some() {
             self.fork_order.retain(|&p| p != child);
         }
         true
+    }
+
+    fn remember_fork(&mut self, child: u32, asid: u32) {
+        if self.forked_into.insert(child, asid).is_none() {
+            self.fork_order.push_back(child);
+            while self.fork_order.len() > FORKS_KEPT {
+                if let Some(old) = self.fork_order.pop_front() {
+                    self.forked_into.remove(&old);
+                }
+            }
+        }
     }
 
     /// `pid` exited at `ts_ns`. Returns the address space it was the last process of.
@@ -628,6 +641,9 @@ pub(crate) mod tests {
         spaces.add_mapping(7, 0x40000, 0x1000, 0, None, &mut store, &mut probes);
         assert!(!spaces.learn_fork(2, 5, 100, &mut probes));
         assert_eq!(spaces.asid_of(2), Some(7));
+        // Its stacks taken before the exec, in a space the probes did not know, are walked
+        // in the parent's (a subshell's child under -a: every frame `[unknown]` before).
+        assert_eq!(spaces.forked_into(2), Some(5));
         assert!(probes.lookup(7, 0x40000).is_some(), "the child's code stays in the probes");
         spaces.add_mapping(7, 0x50000, 0x1000, 0, None, &mut store, &mut probes);
         assert!(probes.lookup(7, 0x50000).is_some(), "and so does what it maps next");
@@ -643,6 +659,7 @@ pub(crate) mod tests {
         assert_eq!(spaces.learn_exit(3, 500, &mut probes), None);
         assert!(!spaces.learn_exec(3, 9, 400, &mut probes));
         assert!(!spaces.learn_fork(3, 7, 350, &mut probes));
+        assert_eq!(spaces.forked_into(3), None, "a fork older than the pid's exit: another process's");
         spaces.add_mapping(9, 0x60000, 0x1000, 0, None, &mut store, &mut probes);
         assert_eq!(spaces.asid_of(3), None);
         assert!(probes.lookup(9, 0x60000).is_none());
