@@ -391,9 +391,16 @@ impl Tracer {
             layout_cache: options.unwind.disk_cache,
         })?;
         let mut child = None;
+        let mut python_state = python::PythonState::default();
         let target_pid = match &options.target {
             Target::Pid(pid) => {
                 probes.trace_tgid(*pid, false)?;
+                // Its interpreter, before its allocator is probed: else its allocations
+                // until the tracer is made (the tables' wait, up to a second) had no Python
+                // frames.
+                if python {
+                    python_state.check(*pid, &mut probes, options.quiet);
+                }
                 Some(*pid)
             }
             Target::Command(argv) => {
@@ -404,6 +411,11 @@ impl Tracer {
                 Some(pid)
             }
             Target::All => None,
+        };
+        let pythons_running = if python && matches!(options.target, Target::All) {
+            python_state.scan_all(&mut probes, options.quiet)
+        } else {
+            Vec::new()
         };
         if let Some(look) = remembered {
             for mut extra in look.take() {
@@ -526,19 +538,20 @@ impl Tracer {
             unwinder,
             ring_bytes: RingBytes::default(),
             gpu: Default::default(),
-            python: Default::default(),
+            python: python_state,
             copies: Default::default(),
         };
         if let (Target::Pid(pid), true) = (&options.target, options.user) {
             // A running process may have loaded the CUDA driver already.
             tracer.check_cuda_mapped(*pid);
-            tracer.check_python(*pid);
         }
-        if matches!(options.target, Target::All)
-            && tracer.python_scan_all() > 0
+        if !pythons_running.is_empty()
             && let Some(u) = tracer.unwinder.as_mut()
         {
             // As for --pid: their first stacks find the tables of the files they run.
+            for &pid in &pythons_running {
+                u.learn_process(pid, &mut tracer.probes);
+            }
             u.wait_tables(&mut tracer.probes, PID_TABLES_WAIT);
         }
         Ok(tracer)

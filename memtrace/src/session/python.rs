@@ -38,6 +38,69 @@ pub(super) struct PythonState {
     exited: crate::FastMap<u32, std::time::Instant>,
 }
 
+impl PythonState {
+    /// Looks for an interpreter in `pid` and tells the probes what was found (also before
+    /// the session's tracer exists: a running process's interpreter is described to the
+    /// probes before its allocator is probed, so its first allocations have their Python
+    /// frames).
+    pub(super) fn check(&mut self, pid: u32, probes: &mut crate::probes::Probes, quiet: bool) {
+        let finding = self.names.detect(pid);
+        let info = match &finding {
+            Some(Finding::Walkable(i)) => Some(i.info),
+            _ => None,
+        };
+        let was = self.walked.insert(pid, info.is_some()).unwrap_or(false);
+        if (info.is_some() || was)
+            && let Err(e) = probes.set_python(pid, info.as_ref())
+        {
+            log::debug!("python frames of pid {pid}: {e:#}");
+        }
+        if let Some(finding) = finding {
+            let (version, path, walked, note) = match &finding {
+                Finding::Walkable(i) => (i.version.clone(), i.path.clone(), true, String::new()),
+                Finding::Unsupported { path, version, why } => (version.clone(), path.clone(), false, why.clone()),
+            };
+            let path = path.to_string_lossy().into_owned();
+            if !self.found.iter().any(|m| m.path == path && m.walked == walked) {
+                if !quiet && !walked {
+                    eprintln!("memtrace: {}", finding.describe());
+                }
+                self.found.push(PythonMeta { version, path, walked, note });
+            }
+        }
+    }
+}
+
+impl PythonState {
+    /// Every running process whose program is a Python interpreter or maps a libpython
+    /// (`-a`): its interpreter described to the probes, before the allocators are probed
+    /// (as for `--pid`). Returns the processes walked: their address spaces are learned
+    /// next, so that their stacks unwind in the probes from the first allocation.
+    pub(super) fn scan_all(&mut self, probes: &mut crate::probes::Probes, quiet: bool) -> Vec<u32> {
+        let mut found = Vec::new();
+        let own = std::process::id();
+        for pid in crate::procfs::all_pids() {
+            if pid == own {
+                continue;
+            }
+            let named = crate::procfs::exe(pid)
+                .ok()
+                .as_deref()
+                .and_then(Path::file_name)
+                .is_some_and(|n| n.to_string_lossy().starts_with("python"));
+            let embeds =
+                || std::fs::read_to_string(format!("/proc/{pid}/maps")).is_ok_and(|maps| maps.contains("/libpython"));
+            if named || embeds() {
+                self.check(pid, probes, quiet);
+                if self.walked.get(&pid) == Some(&true) {
+                    found.push(pid);
+                }
+            }
+        }
+        found
+    }
+}
+
 /// Stacks waiting for their Python frames at most, and for how long.
 const MAX_WAITING: usize = 4096;
 const WAIT_FOR_FRAMES: std::time::Duration = std::time::Duration::from_millis(500);
@@ -67,30 +130,7 @@ impl Tracer {
         if !self.python_wanted() || pid == 0 {
             return;
         }
-        let finding = self.python.names.detect(pid);
-        let info = match &finding {
-            Some(Finding::Walkable(i)) => Some(i.info),
-            _ => None,
-        };
-        let was = self.python.walked.insert(pid, info.is_some()).unwrap_or(false);
-        if (info.is_some() || was)
-            && let Err(e) = self.probes.set_python(pid, info.as_ref())
-        {
-            log::debug!("python frames of pid {pid}: {e:#}");
-        }
-        if let Some(finding) = finding {
-            let (version, path, walked, note) = match &finding {
-                Finding::Walkable(i) => (i.version.clone(), i.path.clone(), true, String::new()),
-                Finding::Unsupported { path, version, why } => (version.clone(), path.clone(), false, why.clone()),
-            };
-            let path = path.to_string_lossy().into_owned();
-            if !self.python.found.iter().any(|m| m.path == path && m.walked == walked) {
-                if !self.options.quiet && !walked {
-                    eprintln!("memtrace: {}", finding.describe());
-                }
-                self.python.found.push(PythonMeta { version, path, walked, note });
-            }
-        }
+        self.python.check(pid, &mut self.probes, self.options.quiet);
     }
 
     /// The interpreters met, for the recording.
@@ -218,42 +258,6 @@ impl Tracer {
             }
         }
         self.check_python(pid);
-    }
-
-    /// `record -a`/`serve -a`: the Python processes already running when tracing starts
-    /// (programs named like an interpreter, or processes with a libpython mapped); later
-    /// ones are found at their exec or their mapping of libpython. Returns how many were
-    /// found walkable.
-    pub(super) fn python_scan_all(&mut self) -> usize {
-        if !self.python_wanted() {
-            return 0;
-        }
-        let mut found = 0;
-        let own = std::process::id();
-        for pid in crate::procfs::all_pids() {
-            if pid == own {
-                continue;
-            }
-            let named = crate::procfs::exe(pid)
-                .ok()
-                .as_deref()
-                .and_then(Path::file_name)
-                .is_some_and(|n| n.to_string_lossy().starts_with("python"));
-            let embeds =
-                || std::fs::read_to_string(format!("/proc/{pid}/maps")).is_ok_and(|maps| maps.contains("/libpython"));
-            if named || embeds() {
-                self.check_python(pid);
-                // Its address space too, now: like a process given with --pid, its stacks
-                // then unwind in the probes from the first allocation.
-                if self.python.walked.get(&pid) == Some(&true) {
-                    found += 1;
-                    if let Some(u) = self.unwinder.as_mut() {
-                        u.learn_process(pid, &mut self.probes);
-                    }
-                }
-            }
-        }
-        found
     }
 
     /// A process mapped executable code from `path`: a libpython makes it a Python process.

@@ -1,7 +1,9 @@
 # Allocations at known lines, for the Python-frames tests (memtrace/tests/python.rs reads
 # the line numbers from the markers at the ends of lines). With "wait" it first reads a
-# line from stdin, so memtrace can attach to it while it runs.
+# line from stdin, so memtrace can attach to it while it runs. With "spin" it allocates at
+# one line without a pause for two seconds, so memtrace attaches while it allocates.
 import sys
+import time
 import zlib
 
 DATA = zlib.compress(bytes(3_000_007))
@@ -20,7 +22,16 @@ def h():
     return zlib.decompress(DATA)  # LINE:h
 
 
+def spin():
+    end = time.monotonic() + 2
+    while time.monotonic() < end:
+        bytearray(77_777)  # LINE:spin
+
+
 def main():
+    if sys.argv[1:] == ["spin"]:
+        spin()  # LINE:main-spin
+        return
     if sys.argv[1:] == ["wait"]:
         sys.stdin.readline()
     for _ in range(3):
