@@ -466,6 +466,9 @@ pub mod stack_flags {
     pub const MISS: u8 = 4;
     /// A kernel stack joined with the user stack of its task (hashed with the kernel seed).
     pub const KERNEL: u8 = 8;
+    /// With [`TRUNCATED`]: cut short at a frame with no rule learned yet, the ring having
+    /// no room for the copy that would have finished it.
+    pub const NO_ROOM: u8 = 16;
 }
 
 /// `ProbeConfig::unwind_mode`: how the probes walk user stacks.

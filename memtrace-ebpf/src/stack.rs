@@ -275,7 +275,7 @@ pub(crate) fn after_miss(ring: &Ring, hash: u64, user: UserPart) -> (u64, UserPa
             stack_hash_step(hash, MISS_HASH_MARK),
             UserPart {
                 n: (opaque(memtrace_frames_without_copy(user.n as u64)) as usize).min(MAX_USER_DEPTH),
-                flags: (user.flags & !stack_flags::MISS) | stack_flags::TRUNCATED,
+                flags: (user.flags & !stack_flags::MISS) | stack_flags::TRUNCATED | stack_flags::NO_ROOM,
                 with_copy: false,
                 asid: user.asid,
                 py_key: 0,

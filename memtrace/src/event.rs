@@ -114,6 +114,8 @@ pub struct StackRecord {
     pub walk: UserWalk,
     /// The user walk stopped before the outermost frame.
     pub truncated: bool,
+    /// It stopped there because the ring had no room for a stack copy.
+    pub no_room: bool,
     /// A kernel stack joined with its task's user stack (even when no kernel frame came).
     pub joined_kernel: bool,
     /// The probes' walk stopped for want of a table: where, and a copy of the stack.
@@ -477,6 +479,7 @@ pub fn decode(bytes: &[u8], cpu: u16) -> Result<Record, DecodeError> {
                 user,
                 walk: if user_ips { UserWalk::CallFrameInfo } else { UserWalk::FramePointers },
                 truncated: h.flags & stack_flags::TRUNCATED != 0,
+                no_room: h.flags & stack_flags::NO_ROOM != 0,
                 joined_kernel: h.flags & stack_flags::KERNEL != 0,
                 miss: miss.map(Box::new),
                 asid: h.asid,

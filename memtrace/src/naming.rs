@@ -174,6 +174,7 @@ mod tests {
             user,
             walk: UserWalk::FramePointers,
             truncated: false,
+            no_room: false,
             joined_kernel: false,
             miss: None,
             python_context: None,

@@ -114,6 +114,7 @@ mod tests {
             user,
             walk: Default::default(),
             truncated: false,
+            no_room: false,
             joined_kernel: true,
             miss: None,
             asid: 0,

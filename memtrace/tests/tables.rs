@@ -653,6 +653,46 @@ fn a_flood_through_tiny_rings_stays_bounded_and_readable() {
     assert!(report["totals"]["user"]["allocs"].as_u64().unwrap() > 0);
 }
 
+/// Stacks cut short because a ring had no room for the copy that would have finished them
+/// are told from the other causes: counted in the summary (each copy the probes refused is
+/// one allocation on such a stack), and named alone in the process's warning. Before, the
+/// warning named both causes with the session's count, whatever cut the process's stacks.
+#[test]
+fn stacks_cut_for_want_of_ring_room_are_told_apart() {
+    require_root();
+    let _sharing = sharing_the_machine();
+    let dir = scratch("no-room");
+    let data = dir.join("no-room.data");
+    // A cold cache, small rings, and an interpreter importing a few modules: many copies
+    // at once.
+    run(memtrace()
+        .env("MEMTRACE_CACHE_DIR", dir.join("cache"))
+        .args(["record", "-q", "--no-kernel", "--ring-size", "64K", "-o"])
+        .arg(&data)
+        .args(["--", "/usr/bin/python3", "-c"])
+        .arg("import json, decimal, email, http.client, xml.dom.minidom, sqlite3, asyncio, unittest, argparse, logging, csv, ssl, urllib.request, concurrent.futures, hashlib, ctypes"));
+    let report = report_json(&data, &[]);
+    let refused = report["recorder"]["unwind_budget_truncated"].as_u64().unwrap();
+    assert!(refused > 0, "no copy refused: {:#}", report["recorder"]);
+    let user = &report["stacks"]["user"];
+    let no_room = user["allocs_no_room"].as_u64().unwrap();
+    assert!(no_room > 0 && no_room <= user["allocs_truncated"].as_u64().unwrap(), "{user}");
+    if report["lost_events"] == 0 {
+        assert_eq!(no_room, refused, "{user}");
+    } else {
+        assert!(no_room <= refused, "{user}");
+    }
+    let text = String::from_utf8(run(memtrace().args(["report", "-i"]).arg(&data)).stdout).unwrap();
+    assert!(text.contains(&format!("{no_room} for want of ring room for a stack copy")), "{text}");
+    // The interpreter's stacks cut short are all for room (its files all have unwind
+    // information): its warning, where it has one, names that cause alone.
+    for warning in report["warnings"].as_array().unwrap().iter().filter_map(|w| w.as_str()) {
+        if warning.contains("have a stack cut short") && user["allocs_truncated"] == no_room {
+            assert!(warning.contains("the rings had no room") && !warning.contains("without unwind"), "{warning}");
+        }
+    }
+}
+
 /// A busy loop on every core, until dropped.
 struct Hogs(Vec<Child>);
 

@@ -165,6 +165,10 @@ fn yes() -> bool {
     true
 }
 
+/// Stacks cut short for want of ring room a recording lists at most (each is a distinct
+/// partial stack: a few per program in a cold start).
+pub const MAX_NO_ROOM_STACKS: usize = 4096;
+
 /// Counters of the recording (the `Stats` chunk).
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Stats {
@@ -224,6 +228,10 @@ pub struct Stats {
     /// another CPU's ring) and kept out of its address space.
     #[serde(default)]
     pub unwind_late_task_records: u64,
+    /// The stacks (ids) of `unwind_budget_truncated`, as far as listed (the first
+    /// [`MAX_NO_ROOM_STACKS`]): the report tells each process's share of that cause.
+    #[serde(default)]
+    pub unwind_no_room_stacks: Vec<u32>,
     /// Per-file unwind tables: built here, read from the disk cache, files without
     /// call-frame information, files refused for the memory cap; bytes and rows installed
     /// in the probes; build time (all files, and the longest).

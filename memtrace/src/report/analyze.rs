@@ -133,6 +133,9 @@ pub struct StackCoverage {
     pub allocs_truncated: u64,
     /// Distinct truncated stacks among them.
     pub stacks_truncated: u64,
+    /// Of the allocations cut short, those cut for want of ring room for a stack copy
+    /// (recordings that list those stacks).
+    pub allocs_no_room: u64,
     /// Allocations whose stack names a Python function (processes running CPython).
     pub allocs_with_python: u64,
 }
@@ -267,6 +270,7 @@ impl Grouper<'_> {
 /// Counts, per domain, the allocations with a stack and those whose stack was cut.
 struct CoverageCounter {
     truncated_ids: crate::FastSet<u64>,
+    no_room_ids: crate::FastSet<u64>,
     python_ids: crate::FastSet<u64>,
     seen: crate::FastSet<u64>,
     coverage: BTreeMap<Domain, StackCoverage>,
@@ -279,6 +283,7 @@ impl CoverageCounter {
         c.allocs_with_python += u64::from(self.python_ids.contains(&stack));
         if self.truncated_ids.contains(&stack) {
             c.allocs_truncated += 1;
+            c.allocs_no_room += u64::from(self.no_room_ids.contains(&stack));
             if self.seen.insert(stack) {
                 c.stacks_truncated += 1;
             }
@@ -322,9 +327,11 @@ pub fn analyze(path: &Path, opts: &ReportOptions) -> Result<Summary> {
     let mut user_mmaps = UserMmaps::default();
 
     let duplicates: crate::FastMap<u64, u64> = table.duplicates().into_iter().collect();
+    let no_room = super::warnings::no_room_stacks(&stats);
     let mut comms: HashMap<u32, String> = HashMap::new();
     let mut coverage = CoverageCounter {
         truncated_ids: table.truncated_stacks().into_iter().collect(),
+        no_room_ids: no_room.clone(),
         python_ids: table.python_stacks().into_iter().collect(),
         seen: Default::default(),
         coverage: BTreeMap::new(),
@@ -410,7 +417,9 @@ pub fn analyze(path: &Path, opts: &ReportOptions) -> Result<Summary> {
             if !a.kind.is_kernel() {
                 let t = tallies.entry(a.pid).or_default();
                 t.with_stack += 1;
-                t.truncated += u64::from(coverage.truncated_ids.contains(&a.stack));
+                let cut = coverage.truncated_ids.contains(&a.stack);
+                t.truncated += u64::from(cut);
+                t.no_room += u64::from(cut && no_room.contains(&a.stack));
             }
         }
         if let Event::Free(f) = &event

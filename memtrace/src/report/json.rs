@@ -241,6 +241,7 @@ pub fn render_json(a: &Summary, opts: &ReportOptions) -> Result<String> {
             "lost_sampled_live": a.stats.lost_sampled_live,
             "unwind_copies": a.stats.unwind_copies,
             "unwind_budget_truncated": a.stats.unwind_budget_truncated,
+            "unwind_no_room_stacks": a.stats.unwind_no_room_stacks.len(),
             "unwind_copies_waited": a.stats.unwind_copies_waited,
             "unwind_copies_gave_up": a.stats.unwind_copies_gave_up,
             "unwind_copies_anchored": a.stats.unwind_copies_anchored,

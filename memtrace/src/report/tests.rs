@@ -236,7 +236,7 @@ fn analyze_adds_up_the_recording() {
     assert!(s.groups[1].truncated && !s.groups[0].truncated);
     assert_eq!(
         s.coverage[&Domain::User],
-        StackCoverage { allocs_with_stack: 115, allocs_truncated: 10, stacks_truncated: 1, allocs_with_python: 0 }
+        StackCoverage { allocs_with_stack: 115, allocs_truncated: 10, stacks_truncated: 1, ..Default::default() }
     );
     assert_eq!(s.comms[&PID], "app");
 }

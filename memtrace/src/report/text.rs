@@ -161,11 +161,14 @@ pub fn render_text(a: &Summary, opts: &ReportOptions) -> String {
         if c.allocs_with_stack == 0 {
             continue;
         }
-        let share = format!(
+        let mut share = format!(
             "{}, {}",
             percent(100.0 * c.allocs_truncated as f64 / c.allocs_with_stack as f64),
             counted(c.stacks_truncated, "distinct stack", "distinct stacks")
         );
+        if c.allocs_no_room > 0 {
+            let _ = write!(share, "; {} for want of ring room for a stack copy", count(c.allocs_no_room));
+        }
         let (cut, walk) = match domain {
             // The user part of a kernel allocation's stack (the code that made the system
             // call) is what can be cut; how it was walked is said on the user line.

@@ -90,6 +90,7 @@ fn tally(path: &Path, len: u64, stats: &Stats) -> anyhow::Result<Vec<String>> {
     let mut tallies: BTreeMap<u32, ProcessTally> = BTreeMap::new();
     let mut comms: HashMap<u32, String> = HashMap::new();
     let mut user_allocs_seen = false;
+    let no_room = no_room_stacks(stats);
     // The user heap paired as the report pairs it, keeping only addresses and times (no
     // groups, no kernel blocks: on PyTorch the report's pairing held 300 MB for this).
     let mut unmatched = UnmatchedFrees::new(stats.sampled_from.map(|(from, _)| from));
@@ -107,6 +108,7 @@ fn tally(path: &Path, len: u64, stats: &Stats) -> anyhow::Result<Vec<String>> {
                         None => u32::try_from(id).ok().and_then(|id| cut_far.get(&id)).copied().unwrap_or(false),
                     };
                     t.truncated += u64::from(was_cut);
+                    t.no_room += u64::from(was_cut && no_room.contains(&a.stack));
                 }
             }
             Event::Free(f) if f.kind.space() == Space::Heap => {
@@ -175,11 +177,18 @@ pub struct ProcessTally {
     /// User allocations recorded with a stack, and of those, stacks cut short.
     pub with_stack: u64,
     pub truncated: u64,
+    /// Of those, cut short for want of ring room for a stack copy.
+    pub no_room: u64,
     /// User heap frees, and of those, frees of blocks whose allocation was not seen.
     pub frees: u64,
     pub unmatched_frees: u64,
     /// Its fork was recorded: it started while traced.
     pub started_traced: bool,
+}
+
+/// The stacks cut short for want of ring room for a copy, as events refer to them (id + 1).
+pub fn no_room_stacks(stats: &Stats) -> crate::FastSet<u64> {
+    stats.unwind_no_room_stacks.iter().map(|&id| u64::from(id) + 1).collect()
 }
 
 /// The warnings for these processes (pid → tally), named with `comms`.
@@ -258,11 +267,20 @@ pub fn under_counting(
                  frames",
                 memtrace_common::MAX_USER_DEPTH
             );
-            // The ring-room count is the session's, not the process's: both causes are named.
+            let room = "the rings had no room for stack copies while unwind rules were learned (a larger \
+                        --ring-size keeps those)";
+            // Told per stack since the recordings list them; before, or past the list's
+            // bound, only the session's count is known: both causes are named.
+            let listed = !stats.unwind_no_room_stacks.is_empty()
+                && (stats.unwind_no_room_stacks.len() < recording::MAX_NO_ROOM_STACKS || t.no_room == t.truncated);
             let cause = if meta.call_graph != "dwarf" {
                 "code built without frame pointers stops a frame-pointer walk: record with --call-graph dwarf"
                     .to_string()
-            } else if stats.unwind_budget_truncated > 0 {
+            } else if listed && t.no_room == t.truncated {
+                room.to_string()
+            } else if listed && t.no_room > 0 {
+                format!("for {} of them, {room}; for the others, {no_unwind_info}", t.no_room)
+            } else if stats.unwind_budget_truncated > 0 && !listed {
                 format!(
                     "{no_unwind_info}; or no room in the rings for stack copies while unwind rules were learned, \
                      which cut short {} stacks of the session (a larger --ring-size keeps those)",
@@ -319,7 +337,14 @@ mod tests {
         );
         tallies.insert(
             8,
-            ProcessTally { frees: 1000, unmatched_frees: 20, with_stack: 1000, truncated: 400, started_traced: true },
+            ProcessTally {
+                frees: 1000,
+                unmatched_frees: 20,
+                with_stack: 1000,
+                truncated: 400,
+                started_traced: true,
+                ..Default::default()
+            },
         );
         tallies.insert(9, ProcessTally { frees: 10, unmatched_frees: 10, ..Default::default() });
         let w = under_counting(&tallies, &comms, &meta, &Stats::default());
@@ -334,11 +359,32 @@ mod tests {
         assert!(w[1].contains("without unwind information"), "{}", w[1]);
         let fp = Meta { call_graph: "fp".into(), ..meta.clone() };
         assert!(under_counting(&tallies, &comms, &fp, &Stats::default())[1].contains("--call-graph dwarf"));
-        // Copies refused for want of ring room are counted for the session, not per
-        // process: that cause is named beside the other, with the session's count.
+        // Copies refused for want of ring room, in a recording that does not list their
+        // stacks: counted for the session, not per process, and that cause is named beside
+        // the other, with the session's count.
         let budget = Stats { unwind_budget_truncated: 17, ..Default::default() };
         let w = under_counting(&tallies, &comms, &meta, &budget);
         assert!(w[1].contains("without unwind information") && w[1].contains("cut short 17 stacks of the session"));
+        // Listed: each process's share is told.
+        let listed = Stats { unwind_budget_truncated: 17, unwind_no_room_stacks: vec![3], ..Default::default() };
+        let cause_of = |no_room: u64| {
+            let mut tallies = tallies.clone();
+            tallies.get_mut(&8).unwrap().no_room = no_room;
+            under_counting(&tallies, &comms, &meta, &listed)[1].clone()
+        };
+        let all = cause_of(400);
+        assert!(all.ends_with("cut short: the rings had no room for stack copies while unwind rules were learned (a larger --ring-size keeps those)"), "{all}");
+        let some = cause_of(100);
+        assert!(
+            some.contains("for 100 of them, the rings had no room")
+                && some.contains("for the others, code without unwind information"),
+            "{some}"
+        );
+        let none = cause_of(0);
+        assert!(
+            none.contains("have a stack cut short: code without unwind information") && !none.contains("ring"),
+            "{none}"
+        );
         tallies
             .insert(7, ProcessTally { frees: 1000, unmatched_frees: 200, started_traced: true, ..Default::default() });
         assert!(under_counting(&tallies, &comms, &meta, &Stats::default())[0].contains("probed after it started"));

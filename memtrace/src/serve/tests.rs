@@ -188,6 +188,7 @@ fn exited_processes_stay_until_scraped_then_go_with_their_stacks() {
         user: vec![RawUserFrame::Ip(0x1234)],
         walk: UserWalk::FramePointers,
         truncated: false,
+        no_room: false,
         joined_kernel: false,
         miss: None,
         python_context: None,

@@ -144,6 +144,7 @@ mod tests {
             user: user.iter().map(|&ip| RawUserFrame::Ip(ip)).collect(),
             walk: UserWalk::CallFrameInfo,
             truncated: false,
+            no_room: false,
             joined_kernel: false,
             miss: None,
             asid: 1,

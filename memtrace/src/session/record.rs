@@ -103,6 +103,9 @@ struct Recorder {
     /// When the recording began.
     started: std::time::SystemTime,
     kernel_addrs: crate::FastSet<u64>,
+    /// Stacks cut short for want of ring room for a copy (the first
+    /// [`crate::recording::MAX_NO_ROOM_STACKS`]), so the report names that cause per process.
+    no_room_stacks: crate::FastSet<u32>,
     write_error: Option<io::Error>,
     /// Has read the kernel's symbols and the command's files' while the probes loaded;
     /// names every frame at the end. (The other objects a recording meets are read then,
@@ -211,7 +214,14 @@ impl Recorder {
 
 impl Sink for Recorder {
     fn stack(&mut self, s: StackRecord) {
+        let no_room = s.no_room;
         let Some(stack) = self.namer.stack(s) else { return };
+        if no_room && self.no_room_stacks.len() < crate::recording::MAX_NO_ROOM_STACKS {
+            self.no_room_stacks.insert(stack.id);
+        } else if !no_room && !self.no_room_stacks.is_empty() {
+            // (An id defined again names another stack.)
+            self.no_room_stacks.remove(&stack.id);
+        }
         for frame in &stack.user {
             if let FileFrame::Address(ip) = *frame {
                 let pid = stack.pid;
@@ -413,6 +423,7 @@ pub fn record(opts: RecordOptions) -> Result<RecordSummary> {
         namer: Namer::new(),
         user_frames: Default::default(),
         jit_frames: Default::default(),
+        no_room_stacks: Default::default(),
         started: std::time::SystemTime::now(),
         kernel_addrs: Default::default(),
         write_error: None,
@@ -510,6 +521,11 @@ fn finish(
         unwind_copies_anchored: unwind.anchored,
         unwind_copies_anchor_missed: unwind.anchor_missed,
         unwind_late_task_records: unwind.late_task_records,
+        unwind_no_room_stacks: {
+            let mut ids: Vec<u32> = recorder.no_room_stacks.iter().copied().collect();
+            ids.sort_unstable();
+            ids
+        },
         unwind_tables_built: unwind.tables.built,
         unwind_tables_cached: unwind.tables.from_cache,
         unwind_tables_without_cfi: unwind.tables.without_cfi,

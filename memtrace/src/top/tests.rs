@@ -547,6 +547,7 @@ fn rows_rates_add_up_to_the_summarys_even_when_names_change() {
         user: vec![RawUserFrame::Ip(0x1234)],
         walk: UserWalk::FramePointers,
         truncated: false,
+        no_room: false,
         joined_kernel: false,
         miss: None,
         python_context: None,

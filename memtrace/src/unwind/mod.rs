@@ -817,6 +817,7 @@ impl Unwinder {
             user: ips.into_iter().map(RawUserFrame::Ip).collect(),
             walk: UserWalk::CallFrameInfo,
             truncated,
+            no_room: false,
             joined_kernel: record.joined_kernel,
             miss: None,
             asid: asid.unwrap_or(0),
@@ -956,6 +957,7 @@ mod tests {
             user: vec![RawUserFrame::Ip(ip)],
             walk: UserWalk::CallFrameInfo,
             truncated: false,
+            no_room: false,
             joined_kernel: false,
             miss: Some(Box::new(StackMiss {
                 ip,
