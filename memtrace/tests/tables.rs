@@ -963,6 +963,57 @@ fn a_shells_child_under_record_all_has_its_stacks_before_the_exec_in_bash() {
     }
 }
 
+/// Under `-a`, a process that execs twice in quick succession (`env bash -c …`, as every
+/// `#!/usr/bin/env` script does): by the time its first exec is handled, `/proc` shows the
+/// second program. env's frames were named with bash's file at env's offsets
+/// (`__GI_setlocale ← bash+0x2f4cd … main (bash)` for env's `setlocale` call; 6 of 12
+/// processes in a run, helper-36). The program is now the file whose code spans what the
+/// kernel mapped at the exec.
+#[test]
+fn a_program_exec_replaced_at_once_is_named_in_its_own_file() {
+    require_root();
+    let _alone = alone_on_the_machine();
+    let dir = scratch("env-exec");
+    let data = dir.join("all.data");
+    // From a shell running before tracing began (not known to the probes at its forks).
+    let mut shell = Command::new("bash")
+        .args(["-c", "read line; for i in $(seq 12); do /usr/bin/env bash -c 'sleep 0.1; true'; done"])
+        .stdin(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut recorder = memtrace()
+        .args(["record", "-a", "--no-kernel", "-d", "4s", "-o"])
+        .arg(&data)
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let stderr = wait_until_tracing(&mut recorder);
+    thread::sleep(Duration::from_millis(300));
+    shell.stdin.take().unwrap().write_all(b"go\n").unwrap();
+    assert!(shell.wait().unwrap().success());
+    assert!(recorder.wait().unwrap().success(), "{}", stderr.join().unwrap());
+    let report = report_json(&data, &["--by", "stack", "--domain", "user"]);
+    let (mut in_env, mut in_bash) = (0, 0);
+    for site in report["sites"].as_array().unwrap() {
+        let frames = site["frames"].as_array().unwrap();
+        let Some(at) = frames.iter().position(|f| f["function"] == "__GI_setlocale") else { continue };
+        let Some(caller) = frames.get(at + 1) else { continue };
+        match caller["module"].as_str() {
+            Some("env") => in_env += 1,
+            // bash calls it from its locale functions, under more of its own; env from its
+            // `main`, right above libc's start: such a stack with a bash frame is env's code
+            // named in bash's file.
+            Some("bash") => {
+                assert_eq!(frames[at + 2]["module"], "bash", "{site:#}");
+                in_bash += 1;
+            }
+            _ => {}
+        }
+    }
+    assert!(in_env > 0 && in_bash > 0, "env's and bash's setlocale calls: {in_env} and {in_bash}");
+}
+
 /// A library whose `lib_mid` keeps a frame of `PAD` bytes: built with 4096 and with 8192,
 /// the two have the same code at the same offsets (the frame's size is a 32-bit immediate
 /// either way), and different rules at `lib_mid`'s return address.

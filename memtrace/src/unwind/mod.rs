@@ -126,6 +126,57 @@ struct Pending {
     process_at_poll: Option<u64>,
 }
 
+/// Whether a file's loadable `segments` are the program the kernel mapped for `space`: its
+/// code (`mm.start_code`..`end_code`) spans the file's executable segments (from the
+/// lowest one's start to the highest one's end in the file), at a page-aligned bias.
+fn spans_code(segments: &[cfi::Segment], space: &TaskSpace) -> bool {
+    let code = segments.iter().filter(|s| s.executable);
+    let (Some(low), Some(high)) = (code.clone().map(|s| s.vaddr).min(), code.map(|s| s.vaddr + s.file_size).max())
+    else {
+        return false;
+    };
+    high - low == space.code_end - space.code_start && space.code_start.wrapping_sub(low) % 4096 == 0
+}
+
+/// The interpreters a `#!` script runs under, in the order to try: the one its first line
+/// names (through `env`, the program `env` finds first in the usual directories), nested
+/// scripts followed a few levels, as the kernel does.
+fn script_interpreters(pid: u32, script: &Path) -> Vec<PathBuf> {
+    let mut out = Vec::new();
+    let mut at = script.to_path_buf();
+    for _ in 0..4 {
+        let Some(line) = shebang(&at) else { break };
+        let mut words = line.split_whitespace();
+        let Some(interpreter) = words.next() else { break };
+        let interpreter = PathBuf::from(interpreter);
+        if interpreter.file_name().is_some_and(|n| n == "env") {
+            // `env [-S] prog`: the first word not an option.
+            if let Some(program) = words.find(|w| !w.starts_with('-')) {
+                let found = ["/usr/local/sbin", "/usr/local/bin", "/usr/sbin", "/usr/bin", "/sbin", "/bin"]
+                    .iter()
+                    .map(|dir| procfs::path_in_process(pid, &Path::new(dir).join(program)))
+                    .find(|p| p.is_file());
+                out.push(procfs::path_in_process(pid, &interpreter));
+                out.extend(found);
+            }
+            break;
+        }
+        at = procfs::path_in_process(pid, &interpreter);
+        out.push(at.clone());
+    }
+    out
+}
+
+/// The `#!` line of a file (without the `#!`), if it starts with one.
+fn shebang(path: &Path) -> Option<String> {
+    use std::io::Read as _;
+    let mut head = [0u8; 256];
+    let n = std::fs::File::open(path).ok()?.read(&mut head).ok()?;
+    let line = head[..n].strip_prefix(b"#!")?;
+    let end = line.iter().position(|&b| b == b'\n').unwrap_or(line.len());
+    Some(String::from_utf8_lossy(&line[..end]).trim().to_string())
+}
+
 /// The addresses of a table walk's user frames (a frame-pointer walk's named by build id
 /// give their offset).
 fn frame_addresses(user: &[RawUserFrame]) -> Vec<u64> {
@@ -272,20 +323,29 @@ impl Unwinder {
             self.spaces.forget_range(space.asid, space.code_start, space.code_end, sink);
         }
         // The program: /proc while the process lives, else the name it was exec'd by (only
-        // that for a space no process runs in any more: /proc shows what the pid runs now).
-        // Not a name that means something else from here (/proc/self/exe is memtrace's).
-        let by_name = || {
+        // that for a space no process runs in any more: /proc shows what the pid runs now),
+        // or the interpreter its `#!` line names. Not a name that means something else from
+        // here (/proc/self/exe is memtrace's). Only a file whose code spans what the kernel
+        // mapped: `/proc` read after a second exec (`env prog`, a `#!/usr/bin/env` script)
+        // names the next program, whose file offsets named this one's frames wrongly.
+        let by_name =
             (filename.starts_with('/') && !filename.starts_with("/proc/") && !filename.starts_with("/dev/fd/"))
                 .then(|| PathBuf::from(filename))
-                .filter(|p| p.exists())
-        };
-        let exe = if live {
-            procfs::exe(pid).ok().map(|p| procfs::path_in_process(pid, &p)).filter(|p| p.exists()).or_else(by_name)
-        } else {
-            by_name()
-        };
+                .filter(|p| p.exists());
+        let from_proc = live.then(|| procfs::exe(pid).ok().map(|p| procfs::path_in_process(pid, &p))).flatten();
+        let interpreters = by_name.as_deref().map(|script| script_interpreters(pid, script)).unwrap_or_default();
+        let exe = from_proc.into_iter().chain(by_name).chain(interpreters).find(|candidate| {
+            candidate.exists()
+                && (space.code_end <= space.code_start
+                    || self.store.identify(candidate).is_some_and(|(_, segments)| spans_code(&segments, &space)))
+        });
         let Some(exe) = exe else {
-            log::debug!("pid {pid}: its program {filename:?} cannot be read: its frames are walked by frame pointers");
+            log::debug!(
+                "pid {pid}: its program {filename:?} cannot be read (or is not what was mapped at {:#x}..{:#x}): its \
+                 frames are walked by frame pointers",
+                space.code_start,
+                space.code_end
+            );
             return;
         };
         if live {
@@ -1036,6 +1096,62 @@ mod tests {
         let whole = poll_until_finished(&mut unwinder, &mut probes).expect("finished");
         assert!(!whole.truncated, "{whole:?}");
         assert!(whole.user.len() > 3, "{whole:?}");
+    }
+
+    /// The program the kernel mapped is told by its code's span: `/proc/PID/exe` read after
+    /// a second exec names another file, whose span differs.
+    #[test]
+    fn a_program_is_the_file_whose_code_spans_what_was_mapped() {
+        let segment = |vaddr, file_size, executable| cfi::Segment { file_offset: vaddr, vaddr, file_size, executable };
+        // Two code segments (the kernel spans them both) around data.
+        let file = [
+            segment(0, 0x800, false),
+            segment(0x1000, 0x500, true),
+            segment(0x3000, 0x140, true),
+            segment(0x5000, 0x200, false),
+        ];
+        let space =
+            |start: u64, len: u64| TaskSpace { asid: 1, code_start: start, code_end: start + len, interp_base: 0 };
+        assert!(spans_code(&file, &space(0x5555_0000_1000, 0x2140)));
+        assert!(!spans_code(&file, &space(0x5555_0000_1000, 0x2141)), "another file's code");
+        assert!(!spans_code(&file, &space(0x5555_0000_1800, 0x2140)), "a bias not page-aligned");
+        assert!(!spans_code(&file[..1], &space(0x1000, 0x500)), "no code");
+        // This test's own program, as the kernel mapped it.
+        let exe = std::fs::read_link("/proc/self/exe").unwrap();
+        let segments = cfi::segments_of(&object::File::parse(&*std::fs::read(&exe).unwrap()).unwrap());
+        let maps = Maps::read(std::process::id()).unwrap();
+        let text = maps.file_mappings().find(|m| m.executable && m.path == exe).unwrap();
+        let low = segments.iter().filter(|s| s.executable).map(|s| s.vaddr).min().unwrap();
+        let high = segments.iter().filter(|s| s.executable).map(|s| s.vaddr + s.file_size).max().unwrap();
+        // The mapping holds file offset `text.offset` at `text.start`.
+        let first = segments.iter().find(|s| s.executable).unwrap();
+        let bias = text.start.wrapping_sub(text.offset).wrapping_add(first.file_offset).wrapping_sub(first.vaddr);
+        assert!(spans_code(&segments, &space(bias + low, high - low)));
+    }
+
+    /// A `#!` script runs under the interpreter its first line names, through `env` too, and
+    /// nested scripts are followed.
+    #[test]
+    fn a_scripts_interpreters_are_found_from_its_first_line() {
+        let dir = std::env::temp_dir().join(format!("memtrace-shebang-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let write = |name: &str, text: &str| {
+            let path = dir.join(name);
+            std::fs::write(&path, text).unwrap();
+            path
+        };
+        let pid = std::process::id();
+        let plain = write("plain", "#!/bin/sh -e\necho\n");
+        assert_eq!(script_interpreters(pid, &plain), [PathBuf::from("/bin/sh")]);
+        let env = write("env", "#!/usr/bin/env -S sh -e\n");
+        let found = script_interpreters(pid, &env);
+        assert_eq!(found[0], PathBuf::from("/usr/bin/env"));
+        assert!(found.len() == 2 && found[1].ends_with("sh") && found[1].is_file(), "{found:?}");
+        let nested = write("nested", &format!("#!{}\n", plain.display()));
+        assert_eq!(script_interpreters(pid, &nested), [plain.clone(), PathBuf::from("/bin/sh")]);
+        let binary = std::fs::read_link("/proc/self/exe").unwrap();
+        assert!(script_interpreters(pid, &binary).is_empty());
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     /// The program of a space is forgotten when its last process leaves it, by an exec as
