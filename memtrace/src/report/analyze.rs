@@ -329,6 +329,7 @@ pub fn analyze(path: &Path, opts: &ReportOptions) -> Result<Summary> {
     let duplicates: crate::FastMap<u64, u64> = table.duplicates().into_iter().collect();
     let no_room = super::warnings::no_room_stacks(&stats);
     let mut comms: HashMap<u32, String> = HashMap::new();
+    let mut task_order = crate::lifecycle::Lifecycles::new();
     let mut coverage = CoverageCounter {
         truncated_ids: table.truncated_stacks().into_iter().collect(),
         no_room_ids: no_room.clone(),
@@ -379,7 +380,7 @@ pub fn analyze(path: &Path, opts: &ReportOptions) -> Result<Summary> {
             a.stack = canonical;
         }
         if let Event::Task(t) = &event {
-            note_task(t, &mut comms, &mut tallies);
+            note_task(t, &mut comms, &mut tallies, &mut task_order);
             if t.event == TaskEvent::Fork && t.flags & memtrace_common::flags::SHARED_MEMORY != 0 {
                 heap_of.insert(t.pid, heap_of.get(&t.ppid).copied().unwrap_or(t.ppid));
             } else if t.ends_address_space() {

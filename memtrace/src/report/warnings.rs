@@ -89,6 +89,7 @@ fn tally(path: &Path, len: u64, stats: &Stats) -> anyhow::Result<Vec<String>> {
     }
     let mut tallies: BTreeMap<u32, ProcessTally> = BTreeMap::new();
     let mut comms: HashMap<u32, String> = HashMap::new();
+    let mut order = crate::lifecycle::Lifecycles::new();
     let mut user_allocs_seen = false;
     let no_room = no_room_stacks(stats);
     // The user heap paired as the report pairs it, keeping only addresses and times (no
@@ -96,7 +97,7 @@ fn tally(path: &Path, len: u64, stats: &Stats) -> anyhow::Result<Vec<String>> {
     let mut unmatched = UnmatchedFrees::new(stats.sampled_from.map(|(from, _)| from));
     super::load::for_each_event(path, damaged_at, &mut |event| {
         match &event {
-            Event::Task(t) => note_task(t, &mut comms, &mut tallies),
+            Event::Task(t) => note_task(t, &mut comms, &mut tallies, &mut order),
             Event::Alloc(a) if !a.kind.is_kernel() => {
                 user_allocs_seen = true;
                 if a.stack != 0 {
@@ -130,17 +131,31 @@ fn tally(path: &Path, len: u64, stats: &Stats) -> anyhow::Result<Vec<String>> {
 }
 
 /// A process's name and whether it started while traced, from its main thread's task
-/// events (the report's and `record`'s end-of-run warnings name processes alike).
-pub fn note_task(t: &crate::event::Task, comms: &mut HashMap<u32, String>, tallies: &mut BTreeMap<u32, ProcessTally>) {
+/// events (the report's and `record`'s end-of-run warnings name processes alike). A
+/// record older than what `order` knows of its process (a fork read from its parent's
+/// CPU's ring after the child's exec was written) does not name it: the child read as its
+/// parent (`sort` as the script that ran it), and `--comm` lost what it did after.
+pub fn note_task(
+    t: &crate::event::Task,
+    comms: &mut HashMap<u32, String>,
+    tallies: &mut BTreeMap<u32, ProcessTally>,
+    order: &mut crate::lifecycle::Lifecycles,
+) {
     if t.tid != t.pid {
         return;
     }
     match t.event {
-        TaskEvent::Exec | TaskEvent::Rename | TaskEvent::Fork => {
+        TaskEvent::Exec | TaskEvent::Fork if order.began(t.pid, t.ts_ns) => {
+            comms.insert(t.pid, t.comm.clone());
+        }
+        TaskEvent::Rename if order.is_news(t.pid, t.ts_ns) => {
             comms.insert(t.pid, t.comm.clone());
         }
         // A process that was never named otherwise: its name as it exits.
         TaskEvent::Exit => {
+            if t.flags & memtrace_common::flags::GROUP_DEAD != 0 {
+                order.ended(t.pid, t.ts_ns);
+            }
             comms.entry(t.pid).or_insert_with(|| t.comm.clone());
         }
         _ => {}
@@ -318,12 +333,37 @@ mod tests {
             comm: "tar".into(),
             filename: String::new(),
         };
-        let (mut comms, mut tallies) = (HashMap::new(), BTreeMap::new());
-        note_task(&task(TaskEvent::Exec, 7), &mut comms, &mut tallies);
+        let (mut comms, mut tallies, mut order) = (HashMap::new(), BTreeMap::new(), Default::default());
+        note_task(&task(TaskEvent::Exec, 7), &mut comms, &mut tallies, &mut order);
         assert!(!tallies.get(&7).is_some_and(|t: &ProcessTally| t.started_traced));
         assert_eq!(comms[&7], "tar");
-        note_task(&task(TaskEvent::Fork, 8), &mut comms, &mut tallies);
+        note_task(&task(TaskEvent::Fork, 8), &mut comms, &mut tallies, &mut order);
         assert!(tallies[&8].started_traced);
+    }
+
+    /// A fork written after its child's exec (read a drain late, from the parent's CPU's
+    /// ring) says the child started while traced, but does not name it after its parent.
+    #[test]
+    fn a_fork_read_after_the_exec_does_not_rename_the_child() {
+        let task = |event, ts_ns, comm: &str| crate::event::Task {
+            ts_ns,
+            event,
+            flags: 0,
+            pid: 9,
+            tid: 9,
+            ppid: 1,
+            comm: comm.into(),
+            filename: String::new(),
+        };
+        let (mut comms, mut tallies, mut order) = (HashMap::new(), BTreeMap::new(), Default::default());
+        note_task(&task(TaskEvent::Exec, 20, "sort"), &mut comms, &mut tallies, &mut order);
+        note_task(&task(TaskEvent::Fork, 10, "wl.sh"), &mut comms, &mut tallies, &mut order);
+        assert_eq!(comms[&9], "sort");
+        assert!(tallies[&9].started_traced);
+        note_task(&task(TaskEvent::Rename, 15, "early"), &mut comms, &mut tallies, &mut order);
+        assert_eq!(comms[&9], "sort", "a rename from before the exec");
+        note_task(&task(TaskEvent::Rename, 30, "worker"), &mut comms, &mut tallies, &mut order);
+        assert_eq!(comms[&9], "worker");
     }
 
     #[test]

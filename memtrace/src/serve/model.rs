@@ -358,6 +358,9 @@ pub struct Model {
     /// Processes that exited lately: the kernel still allocates on their behalf while
     /// tearing them down; that is not a new process (a new one with the pid forks first).
     exited: HashMap<u32, Instant>,
+    /// Which task records are news: a fork written after its child's exec (read from its
+    /// parent's CPU's ring a drain late) must not end the program the child runs now.
+    task_order: crate::lifecycle::Lifecycles,
     next_instance: u32,
     /// Kernel blocks, one space for the machine: (instance that allocated, block).
     kernel: HashMap<(Space, u64), (u32, Block)>,
@@ -403,6 +406,7 @@ impl Model {
             told: HashMap::new(),
             maps_from_fork: HashSet::new(),
             exited: HashMap::new(),
+            task_order: Default::default(),
             next_instance: 1,
             kernel: HashMap::new(),
             live_blocks: 0,
@@ -632,6 +636,14 @@ impl Model {
     }
 
     fn task(&mut self, t: &Task) {
+        let news = match t.event {
+            TaskEvent::Fork | TaskEvent::Exec => self.task_order.began(t.pid, t.ts_ns),
+            TaskEvent::Exit if t.flags & flags::GROUP_DEAD != 0 => self.task_order.ended(t.pid, t.ts_ns),
+            _ => self.task_order.is_news(t.pid, t.ts_ns),
+        };
+        if !news {
+            return;
+        }
         match t.event {
             // A new address space: the old program's blocks are gone with it.
             TaskEvent::Exec => {

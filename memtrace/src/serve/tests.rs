@@ -232,6 +232,26 @@ fn without_scrapes_exited_processes_wait_their_full_time() {
     assert_eq!(m.usage().exited, 0);
 }
 
+/// A fork written after its child's exec (read a drain late from its parent's CPU's ring)
+/// is not a new process: the program the child runs since its exec keeps its blocks.
+#[test]
+fn a_fork_read_after_the_exec_does_not_end_the_program() {
+    let me = std::process::id();
+    let mut m = Model::new(limits());
+    let at = |ts_ns, event| match task(me, event, 0) {
+        Event::Task(t) => Event::Task(Task { ts_ns, ..t }),
+        other => other,
+    };
+    m.event(at(20, TaskEvent::Exec));
+    m.event(alloc(me, Kind::Malloc, 0x10, 100, 0, 30));
+    m.event(at(10, TaskEvent::Fork));
+    assert_eq!(m.usage().exited, 0, "the program is not ended");
+    m.event(free(me, Kind::Malloc, 0x10, 0));
+    assert_eq!(m.counters.unmatched_frees, 0, "its block's free pairs");
+    let live: u64 = stats(&mut m, me).iter().map(|(_, s)| s.live_bytes_req).sum();
+    assert_eq!(live, 0);
+}
+
 #[test]
 fn a_pid_reused_or_renamed_is_followed() {
     let me = std::process::id();

@@ -17,7 +17,7 @@ use crate::{
     session::Sink,
     stacks::{Frame, StackTable},
 };
-use memtrace_common::TaskEvent;
+use memtrace_common::{TaskEvent, flags};
 
 type Grouping = Box<dyn FnMut(&Origin) -> u32>;
 
@@ -40,6 +40,9 @@ pub struct LiveView {
     /// New stacks since the last naming pass.
     unnamed: bool,
     pub comms: HashMap<u32, String>,
+    /// Which task records are news for the names (a fork written after its child's exec
+    /// does not name the child after its parent).
+    task_order: crate::lifecycle::Lifecycles,
     pub events: u64,
     /// Per origin (the analyzer's group): allocations, frees and bytes requested at the
     /// previous snapshot. Rates are the growth of these, whatever the grouping, so rows
@@ -171,6 +174,7 @@ impl LiveView {
             table: StackTable::default(),
             unnamed: false,
             comms: HashMap::new(),
+            task_order: Default::default(),
             events: 0,
             previous: HashMap::new(),
             first_live: HashMap::new(),
@@ -312,14 +316,25 @@ impl Sink for LiveView {
         if let Event::Task(t) = &event
             && t.tid == t.pid
         {
+            let news = match t.event {
+                TaskEvent::Fork | TaskEvent::Exec => self.task_order.began(t.pid, t.ts_ns),
+                TaskEvent::Exit => {
+                    if t.flags & flags::GROUP_DEAD != 0 {
+                        self.task_order.ended(t.pid, t.ts_ns);
+                    }
+                    false
+                }
+                _ => self.task_order.is_news(t.pid, t.ts_ns),
+            };
             match t.event {
                 TaskEvent::Exit => {
                     // A process never named otherwise: its name as it exits.
                     self.comms.entry(t.pid).or_insert_with(|| t.comm.clone());
                 }
-                _ => {
+                _ if news => {
                     self.comms.insert(t.pid, t.comm.clone());
                 }
+                _ => {}
             }
         }
         self.analyzer.sample_from = self.sample_from;
