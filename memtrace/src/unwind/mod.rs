@@ -129,13 +129,15 @@ struct Pending {
 /// Whether a file's loadable `segments` are the program the kernel mapped for `space`: its
 /// code (`mm.start_code`..`end_code`) spans the file's executable segments (from the
 /// lowest one's start to the highest one's end in the file), at a page-aligned bias.
+/// (Older kernels began `start_code` at the lowest loadable segment, code or not: either
+/// span is taken.)
 fn spans_code(segments: &[cfi::Segment], space: &TaskSpace) -> bool {
     let code = segments.iter().filter(|s| s.executable);
-    let (Some(low), Some(high)) = (code.clone().map(|s| s.vaddr).min(), code.map(|s| s.vaddr + s.file_size).max())
-    else {
-        return false;
-    };
-    high - low == space.code_end - space.code_start && space.code_start.wrapping_sub(low) % 4096 == 0
+    let Some(high) = code.clone().map(|s| s.vaddr + s.file_size).max() else { return false };
+    let lows = [code.map(|s| s.vaddr).min(), segments.iter().map(|s| s.vaddr).min()];
+    lows.into_iter()
+        .flatten()
+        .any(|low| high - low == space.code_end - space.code_start && space.code_start.wrapping_sub(low) % 4096 == 0)
 }
 
 /// The interpreters a `#!` script runs under, in the order to try: the one its first line
@@ -1116,6 +1118,7 @@ mod tests {
         assert!(!spans_code(&file, &space(0x5555_0000_1000, 0x2141)), "another file's code");
         assert!(!spans_code(&file, &space(0x5555_0000_1800, 0x2140)), "a bias not page-aligned");
         assert!(!spans_code(&file[..1], &space(0x1000, 0x500)), "no code");
+        assert!(spans_code(&file, &space(0x5555_0000_0000, 0x3140)), "from the first segment (older kernels)");
         // This test's own program, as the kernel mapped it.
         let exe = std::fs::read_link("/proc/self/exe").unwrap();
         let segments = cfi::segments_of(&object::File::parse(&*std::fs::read(&exe).unwrap()).unwrap());
