@@ -608,7 +608,9 @@ impl Tracer {
         match unwinder.accept(stack, &mut self.probes) {
             Some(done) if copy => Self::deliver_copy(unwinder, &mut self.copies, done, sink),
             Some(done) => Self::deliver(unwinder, Some(done), sink),
-            None => self.copies.waiting(hash),
+            None if copy => self.copies.waiting(hash),
+            // Waits for the ranges of its frames (`Unwinder::poll_unplaced`).
+            None => {}
         }
     }
 
@@ -767,6 +769,9 @@ impl Tracer {
             for done in u.poll(&mut self.probes) {
                 Self::deliver_copy(u, &mut self.copies, done, sink);
             }
+            for done in u.poll_unplaced(false) {
+                Self::deliver(u, Some(done), sink);
+            }
         }
         self.forget_python_keys();
         let (usable, copies, overload) = (&mut self.usable, &mut self.copies, &mut self.overload);
@@ -810,6 +815,9 @@ impl Tracer {
         if let Some(u) = self.unwinder.as_mut() {
             for done in u.flush(&mut self.probes) {
                 Self::deliver_copy(u, &mut self.copies, done, sink);
+            }
+            for done in u.poll_unplaced(true) {
+                Self::deliver(u, Some(done), sink);
             }
             u.save_programs_files();
         }
