@@ -53,9 +53,9 @@ const MAX_WAIT: Duration = Duration::from_secs(20);
 const PLACE_WAIT_POLLS: u64 = 3;
 const PLACE_WAIT: Duration = Duration::from_millis(500);
 const MAX_UNPLACED: usize = 1 << 16;
-/// A copy of a child taken before its exec, whose exec record came first, waits at most
-/// this long for its fork record (its parent's CPU's ring, drained later: 20 ms seen on 2
-/// CPUs under `-a`).
+/// A copy taken in no space the probes knew, of a process started while traced, waits at
+/// most this long for its fork record (its parent's CPU's ring, drained later: 20 ms seen
+/// on 2 CPUs under `-a`).
 const FORK_WAIT: Duration = Duration::from_secs(2);
 
 /// The hash the probes give a stack (see memtrace-ebpf `user_stack` / `kernel_stack`); a
@@ -128,8 +128,7 @@ struct Pending {
     waiting_on: Option<store::Slot>,
     /// Of a process not known yet: walked at this poll (one whole drain later), when the
     /// records of its fork, read from another CPU's ring, have had their turn; later, up to
-    /// [`FORK_WAIT`], where its exec came and its fork not yet
-    /// ([`Unwinder::awaits_fork`]).
+    /// [`FORK_WAIT`], while that fork may still come ([`Unwinder::awaits_fork`]).
     process_at_poll: Option<u64>,
 }
 
