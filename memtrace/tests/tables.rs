@@ -919,6 +919,25 @@ fn a_child_of_a_process_running_before_record_all_unwinds_in_its_parents_code() 
     assert_eq!((&user["inherited_frees"], &user["unmatched_frees"]), (&30.into(), &0.into()), "{user:#}");
 }
 
+/// Starts `shell` (running before tracing began; it waits for a line on its input), then
+/// `record -a` with `args` into `data`; once tracing, lets the shell go, and waits for both.
+fn record_all_around(shell: &mut Command, data: &Path, args: &[&str]) {
+    let mut shell = shell.stdin(Stdio::piped()).spawn().unwrap();
+    let mut recorder = memtrace()
+        .args(["record", "-a", "-o"])
+        .arg(data)
+        .args(args)
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let stderr = wait_until_tracing(&mut recorder);
+    thread::sleep(Duration::from_millis(300));
+    shell.stdin.take().unwrap().write_all(b"go\n").unwrap();
+    assert!(shell.wait().unwrap().success());
+    assert!(recorder.wait().unwrap().success(), "{}", stderr.join().unwrap());
+}
+
 /// The same with a real shell (helper-35): bash, running before tracing began, forks `ls`
 /// (allocating in bash's code before the exec). The shell is not known to the probes: each
 /// of its kernel allocations in the fork sends a stack copy, full size under a big
@@ -933,25 +952,9 @@ fn a_shells_child_under_record_all_has_its_stacks_before_the_exec_in_bash() {
     let _alone = alone_on_the_machine();
     let dir = scratch("bash-child");
     let data = dir.join("all.data");
-    let mut shell = Command::new("bash")
-        .args(["-c", "read line; ls / > /dev/null; ls /usr > /dev/null; sleep 0.3"])
-        .env("BIG", "x".repeat(60_000))
-        .stdin(Stdio::piped())
-        .stdout(Stdio::null())
-        .spawn()
-        .unwrap();
-    let mut recorder = memtrace()
-        .args(["record", "-a", "-d", "2s", "-o"])
-        .arg(&data)
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let stderr = wait_until_tracing(&mut recorder);
-    thread::sleep(Duration::from_millis(300));
-    shell.stdin.take().unwrap().write_all(b"go\n").unwrap();
-    assert!(shell.wait().unwrap().success());
-    assert!(recorder.wait().unwrap().success(), "{}", stderr.join().unwrap());
+    let mut shell = Command::new("bash");
+    shell.args(["-c", "read line; ls / > /dev/null; ls /usr > /dev/null; sleep 0.3"]).env("BIG", "x".repeat(60_000));
+    record_all_around(shell.stdout(Stdio::null()), &data, &["-d", "2s"]);
     let processes = report_json(&data, &["--by", "process", "--domain", "user"]);
     let children: Vec<&str> = processes["sites"]
         .as_array()
@@ -991,23 +994,9 @@ fn a_program_exec_replaced_at_once_is_named_in_its_own_file() {
     let dir = scratch("env-exec");
     let data = dir.join("all.data");
     // From a shell running before tracing began (not known to the probes at its forks).
-    let mut shell = Command::new("bash")
-        .args(["-c", "read line; for i in $(seq 12); do /usr/bin/env bash -c 'sleep 0.1; true'; done"])
-        .stdin(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let mut recorder = memtrace()
-        .args(["record", "-a", "--no-kernel", "-d", "4s", "-o"])
-        .arg(&data)
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let stderr = wait_until_tracing(&mut recorder);
-    thread::sleep(Duration::from_millis(300));
-    shell.stdin.take().unwrap().write_all(b"go\n").unwrap();
-    assert!(shell.wait().unwrap().success());
-    assert!(recorder.wait().unwrap().success(), "{}", stderr.join().unwrap());
+    let mut shell = Command::new("bash");
+    shell.args(["-c", "read line; for i in $(seq 12); do /usr/bin/env bash -c 'sleep 0.1; true'; done"]);
+    record_all_around(&mut shell, &data, &["--no-kernel", "-d", "4s"]);
     let report = report_json(&data, &["--by", "stack", "--domain", "user"]);
     let (mut in_env, mut in_bash) = (0, 0);
     for site in report["sites"].as_array().unwrap() {
