@@ -58,7 +58,7 @@ use memtrace::{
     grouping::{DomainFilter, Filters, GroupBy, KindFilter},
     probes::{CallGraph, PythonFrames},
     report::{self, Format, ReportColumn, ReportOptions, SortKey},
-    session::{self, CommandFailed, RecordOptions, Target, TraceOptions},
+    session::{self, CommandFailed, RecordOptions, Target, TraceOptions, priority::Niceness},
     top::model::{Column, ViewOptions},
     unwind::UnwindOptions,
 };
@@ -168,6 +168,12 @@ struct TopArgs {
     /// frames only).
     #[arg(long, value_enum, default_value_t)]
     python_frames: PythonFrames,
+    /// memtrace's own niceness while it traces, -20 to 19 (default: -10 when started at the
+    /// usual 0, else the one it was started with): its threads drain the rings and build
+    /// unwind tables ahead of a busy machine's load. The command runs at the niceness
+    /// memtrace was started with.
+    #[arg(long, allow_negative_numbers = true, value_parser = clap::value_parser!(i32).range(-20..=19))]
+    nice: Option<i32>,
     #[command(flatten)]
     sites: memtrace::wrappers::AllocFnArgs,
     /// The command to run and watch, with its arguments (`--` before it is optional).
@@ -196,6 +202,7 @@ fn top(args: TopArgs) -> Result<i32> {
             call_graph: args.call_graph,
             unwind: UnwindOptions::default(),
             python_frames: args.python_frames,
+            nice: Niceness::Take(args.nice),
         },
         interval: args.delay.max(Duration::from_millis(100)),
         batch: args.batch,
@@ -519,6 +526,12 @@ struct RecordArgs {
     /// rules are learned).
     #[arg(long, value_parser = parse_size)]
     ring_size: Option<u64>,
+    /// memtrace's own niceness while it traces, -20 to 19 (default: -10 when started at the
+    /// usual 0, else the one it was started with): its threads drain the rings and build
+    /// unwind tables ahead of a busy machine's load. The command runs at the niceness
+    /// memtrace was started with.
+    #[arg(long, allow_negative_numbers = true, value_parser = clap::value_parser!(i32).range(-20..=19))]
+    nice: Option<i32>,
     /// With --pid, also trace the children the process forks from now on.
     #[arg(long)]
     follow_forks: bool,
@@ -637,6 +650,7 @@ fn record(args: RecordArgs) -> Result<i32> {
                 max_table_bytes: args.unwind_memory.unwrap_or(memtrace::unwind::store::DEFAULT_MAX_BYTES),
             },
             python_frames: args.python_frames,
+            nice: Niceness::Take(args.nice),
         },
         output: args.output,
         force: args.force,

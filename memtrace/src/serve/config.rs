@@ -254,6 +254,7 @@ impl Config {
                 call_graph: args.call_graph,
                 unwind: Default::default(),
                 python_frames: args.python_frames,
+                nice: crate::session::priority::Niceness::Keep,
             },
             pids,
             http: HttpConfig {

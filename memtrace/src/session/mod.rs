@@ -4,8 +4,9 @@
 //! time order. This file owns the tracer's core (start, drain, stop); beside it:
 //! [`follow`] (forks, execs, dlopens, sampling on loss), [`overload`] (what that switch hands
 //! the probes), [`command`] (signals, reaping),
-//! [`wake`] (the loop it runs on), [`spawn`] (the paused command), [`reorder`] (time
-//! order), [`output`] (files written safely), [`record`] (the `record` subcommand).
+//! [`wake`] (the loop it runs on), [`spawn`] (the paused command), [`priority`] (its own
+//! niceness), [`reorder`] (time order), [`output`] (files written safely), [`record`] (the
+//! `record` subcommand).
 //!
 //! Over 500 lines: the tracer's core (start, drain, stop) is one state machine; following, commands, the wake loop and the baseline are already in their own files.
 mod baseline;
@@ -16,6 +17,7 @@ mod gpu;
 mod objects;
 pub mod output;
 pub mod overload;
+pub mod priority;
 mod python;
 pub mod record;
 mod remembered;
@@ -76,6 +78,9 @@ pub struct TraceOptions {
     pub unwind: UnwindOptions,
     /// Walk the Python frames of processes running CPython (`--python-frames`).
     pub python_frames: crate::probes::PythonFrames,
+    /// memtrace's own niceness while it traces (`--nice`); `serve`, an agent that samples,
+    /// keeps the one it was started with.
+    pub nice: priority::Niceness,
 }
 
 /// Where drained records go.
@@ -289,6 +294,7 @@ impl Tracer {
         if !options.user && !options.kernel {
             bail!("--no-user and --no-kernel together leave nothing to trace");
         }
+        priority::take(options.nice);
         let mut program = None;
         match &options.target {
             Target::Pid(pid) => check_pid(*pid, options.user)?,

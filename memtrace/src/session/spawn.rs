@@ -109,8 +109,11 @@ pub fn spawn_paused(argv: &[OsString]) -> Result<PausedChild, SpawnError> {
     let (go_read, go_write) = pipe().map_err(|e| SpawnError::Fork(name.clone(), e))?;
     let (err_read, err_write) = pipe().map_err(|e| SpawnError::Fork(name.clone(), e))?;
     let go_write_fd = go_write.as_raw_fd();
-    // SAFETY: the child only calls async-signal-safe functions (close, read, execve,
-    // write, _exit) on memory prepared before the fork.
+    // The command runs at the niceness memtrace was started with, not at the one memtrace
+    // took to drain ahead of it (a higher niceness takes no privilege).
+    let restore_nice = super::priority::caller();
+    // SAFETY: the child only calls async-signal-safe functions (close, read, signal,
+    // setpriority, execve, write, _exit) on memory prepared before the fork.
     let pid = unsafe { libc::fork() };
     if pid < 0 {
         return Err(SpawnError::Fork(name, io::Error::last_os_error()));
@@ -131,6 +134,9 @@ pub fn spawn_paused(argv: &[OsString]) -> Result<PausedChild, SpawnError> {
             // ignored across exec): a SIGINT passed on must reach it.
             libc::signal(libc::SIGINT, libc::SIG_DFL);
             libc::signal(libc::SIGQUIT, libc::SIG_DFL);
+            if let Some(nice) = restore_nice {
+                libc::setpriority(libc::PRIO_PROCESS, 0, nice);
+            }
             libc::execve(path_c.as_ptr(), arg_ptrs.as_ptr(), env_ptrs.as_ptr());
             let errno = *libc::__errno_location();
             libc::write(err_write.as_raw_fd(), (&raw const errno).cast(), size_of::<i32>());

@@ -233,7 +233,8 @@ impl Background {
         self.send(Box::new(move |s| s.prepare_object(&path)));
     }
 
-    /// From now on the symbolizer runs at the priority of the other threads: at the end of
+    /// From now on the symbolizer runs at the priority of the other threads
+    /// ([`crate::session::priority::own`]): at the end of
     /// a recording naming the frames is what the user waits for, and at the lowest
     /// priority it got little of two cores beside the end-of-run warnings' pass.
     /// (Raising a priority takes CAP_SYS_NICE: without it, as with CAP_BPF and
@@ -241,7 +242,8 @@ impl Background {
     pub fn hurry(&self) {
         self.send(Box::new(|_| {
             // SAFETY: a plain syscall on the symbolizer thread's own id.
-            if unsafe { libc::setpriority(libc::PRIO_PROCESS, libc::gettid() as libc::id_t, 0) } != 0 {
+            let nice = crate::session::priority::own();
+            if unsafe { libc::setpriority(libc::PRIO_PROCESS, libc::gettid() as libc::id_t, nice) } != 0 {
                 log::debug!("the symbolizer keeps its low priority: {}", std::io::Error::last_os_error());
             }
         }));
