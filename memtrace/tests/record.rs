@@ -333,7 +333,7 @@ fn the_uprobe_machinerys_kernel_allocations_are_not_charged_to_the_program() {
 
 /// memtrace drains its rings and builds tables ahead of the load (niceness −10 by default
 /// when started at 0, or `--nice`); the command it runs keeps the niceness memtrace was
-/// started with.
+/// started with. `serve`, an agent, keeps its own unless told.
 #[test]
 fn memtrace_runs_ahead_of_the_load_and_its_command_at_the_callers_niceness() {
     require_root();
@@ -342,19 +342,22 @@ fn memtrace_runs_ahead_of_the_load_and_its_command_at_the_callers_niceness() {
     // SAFETY: a plain syscall (a niceness of -1 is told from an error by errno, which
     // cannot be set here: the test runs as root, for which getpriority does not fail).
     let ours = unsafe { libc::getpriority(libc::PRIO_PROCESS, 0) };
+    let data = dir.join("nice.data");
+    let record = ["record", "-q", "--no-kernel", "-o", data.to_str().unwrap()];
     let niceness = |args: &[&str]| -> (i32, i32) {
-        let out = run(memtrace()
-            .args(["record", "-q", "--no-kernel", "-o"])
-            .arg(dir.join("nice.data"))
-            .args(args)
-            .args(["--", "sh", "-c", r#"cut -d" " -f19 /proc/self/stat /proc/$PPID/stat"#]));
+        let out =
+            run(memtrace().args(args).args(["--", "sh", "-c", r#"cut -d" " -f19 /proc/self/stat /proc/$PPID/stat"#]));
         let lines: Vec<i32> = String::from_utf8(out.stdout).unwrap().lines().map(|l| l.parse().unwrap()).collect();
         (lines[0], lines[1])
     };
     let default = if ours == 0 { -10 } else { ours };
-    assert_eq!(niceness(&[]), (ours, default), "(command, memtrace) by default, started at {ours}");
+    assert_eq!(niceness(&record), (ours, default), "(command, memtrace) by default, started at {ours}");
     let asked = if ours == 7 { 6 } else { 7 };
-    assert_eq!(niceness(&["--nice", &asked.to_string()]), (ours, asked), "with --nice {asked}");
+    let asked_arg = asked.to_string();
+    assert_eq!(niceness(&[&record[..], &["--nice", &asked_arg]].concat()), (ours, asked), "with --nice {asked}");
+    let serve = ["serve", "--listen", "127.0.0.1:0", "--no-kernel"];
+    assert_eq!(niceness(&serve), (ours, ours), "serve keeps its niceness");
+    assert_eq!(niceness(&[&serve[..], &["--nice", &asked_arg]].concat()), (ours, asked), "serve --nice {asked}");
     let out = memtrace().args(["record", "--nice", "-21", "--", "true"]).output().unwrap();
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success() && stderr.contains("-21") && stderr.contains("--nice"), "{stderr}");

@@ -13,7 +13,7 @@ use clap::Args;
 
 use crate::{
     probes::{CallGraph, PythonFrames},
-    session::{Target, TraceOptions},
+    session::{Target, TraceOptions, priority::Niceness},
 };
 
 /// The port Go programs serve pprof on by convention.
@@ -38,6 +38,11 @@ pub struct ServeArgs {
     /// (Go's and jemalloc's default, 512k); 0 records every allocation.
     #[arg(long, value_parser = parse_sample_bytes, default_value = "512k", value_name = "SIZE")]
     pub sample_bytes: u64,
+    /// memtrace's own niceness, -20 to 19 (default: the one it was started with; `record`
+    /// and `top` take -10): under `-a` on a busy host, its threads then drain the rings
+    /// ahead of the load. The command runs at the niceness memtrace was started with.
+    #[arg(long, allow_negative_numbers = true, value_parser = clap::value_parser!(i32).range(-20..=19))]
+    pub nice: Option<i32>,
     /// Sites per process (and domain) with their own series in /metrics, by live bytes;
     /// the others are summed under site="[other]".
     #[arg(long, default_value_t = 20, value_name = "N", allow_negative_numbers = true)]
@@ -254,7 +259,7 @@ impl Config {
                 call_graph: args.call_graph,
                 unwind: Default::default(),
                 python_frames: args.python_frames,
-                nice: crate::session::priority::Niceness::Keep,
+                nice: args.nice.map_or(Niceness::Keep, |n| Niceness::Take(Some(n))),
             },
             pids,
             http: HttpConfig {

@@ -79,7 +79,7 @@ pub struct TraceOptions {
     /// Walk the Python frames of processes running CPython (`--python-frames`).
     pub python_frames: crate::probes::PythonFrames,
     /// memtrace's own niceness while it traces (`--nice`); `serve`, an agent that samples,
-    /// keeps the one it was started with.
+    /// keeps the one it was started with unless told.
     pub nice: priority::Niceness,
 }
 

@@ -26,7 +26,7 @@ static OWN: AtomicI32 = AtomicI32::new(UNSET);
 /// What memtrace does with its niceness.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Niceness {
-    /// Keeps the one it was started with (`serve`, an agent that samples).
+    /// Keeps the one it was started with (`serve` without `--nice`: an agent that samples).
     Keep,
     /// Takes this one (`--nice`), or by default the one [`chosen`] names.
     Take(Option<i32>),
