@@ -758,7 +758,7 @@ fn a_short_lived_process_under_record_all_on_a_busy_machine_unwinds_whole() {
 /// Many processes of a program new to memtrace (python3, with no table built: the cache
 /// unused), started at once on a machine kept busy by a CPU hog per core: until the
 /// program's table is built, each allocation in its code sends a stack copy, and a drain
-/// with no more of the CPUs than each hog let the rings fill and refuse copies (0.9–16 %
+/// with no more of the CPUs than each hog let the rings fill and refuse copies (0.9–38 %
 /// of their stacks cut short). memtrace drains and builds at a lower niceness than the
 /// load (`--nice`, −10 by default), while the commands it starts keep the caller's.
 #[test]

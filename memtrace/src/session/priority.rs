@@ -4,7 +4,7 @@
 //!
 //! On a busy machine (a CPU hog per core and ten new processes at once) the drain got the
 //! same share of the CPUs as each traced process: the rings filled with the stack copies new
-//! programs send until their tables are built, and copies were refused (2.5–6.8 % of user
+//! programs send until their tables are built, and copies were refused (0.1–6.8 % of user
 //! stacks cut short in 4 runs of 6). At niceness −10, 0 in 6 of 6. memtrace's own CPU is
 //! what its events cost (0.4 s for 10 s of that load), so running it first takes little
 //! from the traced programs; it is the lag that cost them stacks. (`perf record -r` offers
