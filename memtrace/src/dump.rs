@@ -1,6 +1,6 @@
 //! `memtrace dump`: every event of a recording, one line each, in time order (like
 //! `perf script`): timestamp, pid/tid, CPU, kind, address and sizes, the stack reference
-//! and, for kernel events, call site, GFP flags and node. With `-g` each allocation's stack
+//! and, for kernel events, call site, GFP flags, node and a slab cache's name. With `-g` each allocation's stack
 //! follows it, symbolized, one frame a line; `--stacks` lists every stack a `stack=N`
 //! refers to. A realloc names the block it replaced (`old=`), an exec its parent process.
 use std::{collections::HashMap, io::Write, path::Path};
@@ -36,11 +36,14 @@ pub struct Line<'a> {
     pub probes: bool,
     /// A new slab's pages (`report`'s "slab pages"), marked `(slab pages)`.
     pub slab_pages: bool,
+    /// The name of a kmem_cache_alloc's slab cache, where the recording has it (else its
+    /// address is shown).
+    pub cache: Option<&'a str>,
 }
 
 impl<'a> Line<'a> {
     pub fn new(event: &'a Event) -> Self {
-        Self { event, old: None, parent: None, digits: 9, probes: false, slab_pages: false }
+        Self { event, old: None, parent: None, digits: 9, probes: false, slab_pages: false, cache: None }
     }
 }
 
@@ -76,6 +79,11 @@ impl std::fmt::Display for Line<'_> {
                     write!(f, " gfp=0x{:x} order={} migratetype={}", a.gfp_flags, a.order, a.node)?;
                 } else if a.kind.is_kernel() {
                     write!(f, " call_site=0x{:x} gfp=0x{:x} node={}", a.call_site, a.gfp_flags, a.node)?;
+                    match (self.cache, a.cache) {
+                        (Some(name), _) => write!(f, " cache={name}")?,
+                        (None, 0) => {}
+                        (None, cache) => write!(f, " cache=0x{cache:x}")?,
+                    }
                 }
                 if self.probes {
                     f.write_str(" (probes)")?;
@@ -206,7 +214,9 @@ fn write_events(
     out: &mut dyn Write,
 ) -> Result<std::io::Result<()>> {
     let mut failed = None;
-    let resolution = crate::recording::Reader::open(path).map(|r| r.meta.time_resolution_ns).unwrap_or(0);
+    let reader = crate::recording::Reader::open(path);
+    let resolution = reader.as_ref().map_or(0, |r| r.meta.time_resolution_ns);
+    let caches: HashMap<u64, String> = reader.map(|r| r.stats().slab_caches.into_iter().collect()).unwrap_or_default();
     let mut state = State { digits: time_digits(resolution), ..Default::default() };
     // With the stacks read (-g), the probes' own kernel allocations and slab pages are marked.
     let probes = table.as_deref().map(StackTable::uprobe_stacks).unwrap_or_default();
@@ -218,6 +228,9 @@ fn write_events(
         let mut line = state.line(&e);
         line.probes = matches!(&e, Event::Alloc(a) if a.kind.is_kernel() && probes.contains(&a.stack));
         line.slab_pages = matches!(&e, Event::Alloc(a) if a.kind == Kind::PageAlloc && slab_pages.contains(&a.stack));
+        if let Event::Alloc(a) = &e {
+            line.cache = caches.get(&a.cache).map(String::as_str);
+        }
         let mut text = format!("{line}\n");
         if let (Some(table), Event::Alloc(a)) = (table.as_deref_mut(), &e) {
             for f in table.frames(a.stack, a.call_site) {
@@ -272,6 +285,7 @@ mod tests {
             node: -1,
             order: 0,
             allocator: 0,
+            cache: 0,
         })
     }
 
@@ -295,6 +309,14 @@ mod tests {
             Line::new(&kmalloc).to_string(),
             "     1.500000123 42/43 cpu1 kmalloc 0xffff888000001000 req=64 alloc=96 stack=3 call_site=0xffffffff81234567 gfp=0xcc0 node=-1"
         );
+        // A kmem_cache_alloc names its cache: by name where the recording has it.
+        let Event::Alloc(mut cached) = alloc(Kind::KmemCacheAlloc, 0xffff_8880_0000_2000, 3) else { unreachable!() };
+        cached.cache = 0xffff_8880_0000_0100;
+        let cached = Event::Alloc(cached);
+        let mut line = Line::new(&cached);
+        assert!(line.to_string().ends_with(" node=-1 cache=0xffff888000000100"), "{line}");
+        line.cache = Some("names_cache");
+        assert!(line.to_string().ends_with(" node=-1 cache=names_cache"), "{line}");
         // A page's migrate type is not a node (a helper read `node=1` on a one-node VM).
         let Event::Alloc(mut page) = alloc(Kind::PageAlloc, 0xffff_ea00_0000_0040, 3) else { unreachable!() };
         (page.call_site, page.bytes_req, page.bytes_alloc, page.order, page.node) = (0, 8192, 8192, 1, 2);

@@ -35,6 +35,9 @@ pub struct Alloc {
     pub order: u8,
     /// User allocations: the allocator's index in the session's list plus one (0: not known).
     pub allocator: u8,
+    /// kmem_cache_alloc: the slab cache (`struct kmem_cache *`; its name arrives once in a
+    /// cache record and is kept in the recording's `Stats::slab_caches`); else 0.
+    pub cache: u64,
 }
 
 /// A free of any space.
@@ -304,6 +307,7 @@ pub fn decode(bytes: &[u8], cpu: u16) -> Result<Record, DecodeError> {
                     0
                 },
                 allocator: if kind(r.kind)?.is_gpu() { 0 } else { r.allocator },
+                cache: 0,
             }))
         }
         RecordType::KernelAlloc => {
@@ -324,6 +328,7 @@ pub fn decode(bytes: &[u8], cpu: u16) -> Result<Record, DecodeError> {
                 node: r.node,
                 order: r.order,
                 allocator: 0,
+                cache: r.cache,
             }))
         }
         RecordType::Free => {

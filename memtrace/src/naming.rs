@@ -161,6 +161,7 @@ mod tests {
             node: 0,
             order: 0,
             allocator: 0,
+            cache: 0,
         })
     }
 

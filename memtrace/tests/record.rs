@@ -233,6 +233,41 @@ fn kernel_allocations_in_one_syscall_share_its_walk_and_never_another_syscalls()
     assert!(reused > 0, "no walk was reused: {:#}", report["recorder"]);
 }
 
+/// Each kmem_cache_alloc names its slab cache, as the kernel names it (`/proc/slabinfo`):
+/// a pipe's dentry, inode and two files, per call site in the report's JSON and per event
+/// in `dump`; kmalloc's rows name none.
+#[test]
+fn kernel_cache_allocations_name_their_slab_cache() {
+    require_root();
+    let _sharing = sharing_the_machine();
+    let dir = scratch("slab-caches");
+    let data = dir.join("caches.data");
+    run(memtrace().args(["record", "-q", "-o"]).arg(&data).arg("--").arg(workload()).args(["--kernel-sites", "40"]));
+    let report = report_json(&data, &["--by", "function", "--domain", "kernel"]);
+    assert_clean(&report);
+    let row = |function: &str| {
+        report["sites"].as_array().unwrap().iter().find(|s| s["function"] == function).cloned().unwrap_or(Value::Null)
+    };
+    // Each of the 40 pipes has a dentry and an inode of its own; its two ends, a file each.
+    assert_eq!(
+        (&row("__d_alloc")["allocs"], &row("__d_alloc")["caches"]),
+        (&Value::from(40), &serde_json::json!(["dentry"]))
+    );
+    assert_eq!(row("alloc_inode")["caches"], serde_json::json!(["inode_cache"]), "{:#}", row("alloc_inode"));
+    assert_eq!(row("alloc_empty_file")["caches"], serde_json::json!(["filp"]), "{:#}", row("alloc_empty_file"));
+    assert!(row("alloc_empty_file")["allocs"].as_u64().unwrap() >= 80);
+    for site in report["sites"].as_array().unwrap() {
+        let caches = site["caches"].as_array().map_or(0, Vec::len);
+        let from_caches = site["kinds"].as_array().unwrap().iter().any(|k| k == "cache");
+        assert_eq!(caches > 0, from_caches, "only kmem_cache_alloc rows name caches: {site:#}");
+        assert!(!site["caches"].to_string().contains("0x"), "every cache by name: {site:#}");
+    }
+    let dump = String::from_utf8(run(memtrace().args(["dump", "-i"]).arg(&data)).stdout).unwrap();
+    let dentries = dump.lines().filter(|l| l.contains(" cache ") && l.ends_with(" cache=dentry")).count();
+    assert!(dentries >= 40, "{dentries} dentries in dump");
+    assert!(!dump.contains("cache=0x"), "dump names every cache");
+}
+
 /// The kernel allocations of `--kernel-sites 400` (200 pipes from each of two callers), per
 /// whole stack: kernel and user frames by name, with their allocation counts.
 fn pipe_stacks(data: &std::path::Path) -> (std::collections::BTreeMap<Vec<(String, bool)>, u64>, Value) {

@@ -79,12 +79,22 @@ pub struct Origin {
     pub allocator: u8,
     /// GPU allocations: the device ordinal (-1: not known, and for every other kind).
     pub device: i32,
+    /// kmem_cache_alloc: the slab cache (0 for every other kind).
+    pub cache: u64,
 }
 
 impl Origin {
     pub fn of(a: &Alloc) -> Self {
         let device = if a.kind.is_gpu() { a.node } else { -1 };
-        Self { stack: a.stack, call_site: a.call_site, kind: a.kind, pid: a.pid, allocator: a.allocator, device }
+        Self {
+            stack: a.stack,
+            call_site: a.call_site,
+            kind: a.kind,
+            pid: a.pid,
+            allocator: a.allocator,
+            device,
+            cache: a.cache,
+        }
     }
 }
 

@@ -22,6 +22,7 @@ fn alloc(ts: u64, pid: u32, tid: u32, kind: Kind, ptr: u64, req: u64, alloc: u64
         node: -1,
         order: 0,
         allocator: 0,
+        cache: 0,
     })
 }
 

@@ -175,6 +175,7 @@ mod tests {
                 node: -1,
                 order: 0,
                 allocator: 0,
+                cache: 0,
             }),
             4..=6 => Event::Free(crate::event::Free {
                 ts_ns: ts,

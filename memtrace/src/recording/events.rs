@@ -40,6 +40,8 @@
 //!          GFP flags, zigzag node, order byte; GPU allocations: zigzag device; user
 //!          allocations with the allocator flag: its index byte; frees: the argument
 //!          (version 8: in a stream of its own); task events: parent pid, command, file name
+//!          (version 9: a new call site's entry is followed by the slab cache of its
+//!          allocations, `struct kmem_cache *`, 0 for none; an entry per site and cache)
 //! version 8, after `other` (`Layout`): the times of frees after events that are not,
 //!          of events that are not frees after frees, of frees after frees; the deltas
 //!          that follow an allocation's address reference of 0; the frees' address codes
@@ -111,11 +113,14 @@ const CODES: usize = 64;
 #[derive(Clone, Copy, Default)]
 struct Layout {
     v8: bool,
+    /// Version 9: a kernel call-site table entry also names the slab cache its
+    /// allocations came from (0: none, as kmalloc's and the page allocator's).
+    caches: bool,
 }
 
 impl Layout {
     fn for_version(version: u16) -> Self {
-        Self { v8: version >= 8 }
+        Self { v8: version >= 8, caches: version >= 9 }
     }
 
     /// The streams of a chunk of this layout.
@@ -621,7 +626,8 @@ pub(super) struct EncodeState {
     task_index: HashMap<(u32, u32), u64>,
     /// Version 6: each task's previous stack id, by task index, and the current task's.
     stacks: TaskStacks,
-    call_site_index: HashMap<u64, u64>,
+    /// (call site, slab cache) → its index in the chunk's table (the cache from version 9).
+    call_site_index: HashMap<(u64, u64), u64>,
     refs: Option<AddrRefs>,
     /// Version 5: the allocation number of each live block of the chunk.
     live: crate::FastMap<(u8, u64), usize>,
@@ -774,13 +780,17 @@ pub(super) fn encode_event(out: &mut impl FieldsOut, st: &mut EncodeState, event
             st.stacks.put(out.field(STACKS), a.stack);
             let other = out.field(OTHER);
             if a.kind.is_kernel() {
-                match st.call_site_index.get(&a.call_site) {
+                let key = (a.call_site, if st.layout.caches { a.cache } else { 0 });
+                match st.call_site_index.get(&key) {
                     Some(&i) => put_varint(other, i),
                     None => {
                         let i = st.call_site_index.len() as u64;
                         put_varint(other, i);
                         put_varint(other, a.call_site);
-                        st.call_site_index.insert(a.call_site, i);
+                        if st.layout.caches {
+                            put_varint(other, a.cache);
+                        }
+                        st.call_site_index.insert(key, i);
                     }
                 }
                 put_varint(other, u64::from(a.gfp_flags));
@@ -818,7 +828,8 @@ pub(super) struct DecodeState {
     prev_task: Option<(u32, u32)>,
     tasks: Vec<(u32, u32)>,
     stacks: TaskStacks,
-    call_sites: Vec<u64>,
+    /// The chunk's (call site, slab cache) table.
+    call_sites: Vec<(u64, u64)>,
     prev_ptr: [u64; SPACES],
     refs: Option<AddrRefs>,
     layout: Layout,
@@ -967,10 +978,12 @@ pub(super) fn decode_event<'a>(
     }
     let stack = st.stacks.get(inp.field(STACKS))?;
     let o = inp.field(OTHER);
-    let (call_site, gfp_flags, node, order) = if kind.is_kernel() {
+    let ((call_site, cache), gfp_flags, node, order) = if kind.is_kernel() {
         let i = o.varint()? as usize;
         if i == st.call_sites.len() {
-            st.call_sites.push(o.varint()?);
+            let site = o.varint()?;
+            let cache = if st.layout.caches { o.varint()? } else { 0 };
+            st.call_sites.push((site, cache));
         }
         let site = *st.call_sites.get(i).ok_or_else(|| corrupt("call-site reference out of range"))?;
         let gfp = o.varint_u32()?;
@@ -978,9 +991,9 @@ pub(super) fn decode_event<'a>(
         (site, gfp, node, o.u8()?)
     } else if kind.is_gpu() {
         let node = i32::try_from(o.signed()?).map_err(|_| corrupt("device out of range"))?;
-        (0, 0, node, 0)
+        ((0, 0), 0, node, 0)
     } else {
-        (0, 0, -1, 0)
+        ((0, 0), 0, -1, 0)
     };
     let allocator = if !kind.is_kernel() && flags & ALLOCATOR_FOLLOWS != 0 { o.u8()? } else { 0 };
     let flags = if kind.is_kernel() { flags } else { flags & !ALLOCATOR_FOLLOWS };
@@ -1000,6 +1013,7 @@ pub(super) fn decode_event<'a>(
         node,
         order,
         allocator,
+        cache,
     }))
 }
 

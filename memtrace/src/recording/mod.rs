@@ -41,8 +41,9 @@ pub const MAGIC: &[u8; 8] = b"MEMTRACE";
 /// pages (`struct page` strides). 7: an allocation's address by reference to the freed
 /// blocks of its own size first. 8: an event's flags written when they change, times,
 /// address codes and deltas, and frees' arguments in streams by context; an allocation
-/// names a block freed up to 4096 slots back. Versions 2 to 7 are read as ever.
-pub const VERSION: u16 = 8;
+/// names a block freed up to 4096 slots back. 9: kernel call sites with the slab cache of
+/// their allocations (names in `Stats::slab_caches`). Versions 2 to 8 are read as ever.
+pub const VERSION: u16 = 9;
 pub const HEADER_LEN: usize = 16;
 pub const CLOCK_MONOTONIC: u8 = 1;
 /// Chunks larger than this (stored or inflated) are treated as corruption.
@@ -232,6 +233,10 @@ pub struct Stats {
     /// [`MAX_NO_ROOM_STACKS`]): the report tells each process's share of that cause.
     #[serde(default)]
     pub unwind_no_room_stacks: Vec<u32>,
+    /// The names of the kernel's slab caches the kmem_cache_alloc events name (`struct
+    /// kmem_cache *` → name), as the probes sent them (version 9).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub slab_caches: Vec<(u64, String)>,
     /// Per-file unwind tables: built here, read from the disk cache, files without
     /// call-frame information, files refused for the memory cap; bytes and rows installed
     /// in the probes; build time (all files, and the longest).

@@ -38,6 +38,8 @@ pub struct Reader<R: Read> {
     /// The last chunk read failed its checksum: the next header must look like one (the
     /// damage may have been in the length, which led here).
     after_damage: bool,
+    /// Only chunks of this kind are inflated; the others are skipped ([`Reader::stats`]).
+    only: Option<ChunkKind>,
 }
 
 /// Damaged chunks skipped at most before the file is taken as unreadable past there.
@@ -105,8 +107,15 @@ impl<R: Read> Reader<R> {
         if header[11] != 8 {
             return Err(FormatError::Corrupt { offset: 11, reason: format!("pointer size {}", header[11]) });
         }
-        let mut reader =
-            Self { input, offset: HEADER_LEN as u64, version, meta: Meta::default(), damaged: 0, after_damage: false };
+        let mut reader = Self {
+            input,
+            offset: HEADER_LEN as u64,
+            version,
+            meta: Meta::default(),
+            damaged: 0,
+            after_damage: false,
+            only: None,
+        };
         if version > VERSION {
             // The header has no checksum: a version byte damaged reads as "newer". The
             // metadata chunk (checksummed) says which memtrace wrote the file.
@@ -185,6 +194,7 @@ impl<R: Read> Reader<R> {
             }
             self.after_damage = false;
             match ChunkKind::from_u8(head[0] & !COMPRESSED) {
+                Some(kind) if self.only.is_some_and(|only| only != kind) => continue,
                 Some(kind) if head[0] & COMPRESSED != 0 => {
                     return Ok(Some((kind, inflate(&payload, start)?, start + 9)));
                 }
@@ -217,6 +227,21 @@ impl<R: Read> Reader<R> {
                     return Err(FormatError::Corrupt { offset, reason: "second metadata chunk".into() });
                 }
                 _ => {}
+            }
+        }
+    }
+
+    /// The recording's counters (its `Stats` chunk; the default where it has none: a
+    /// recording not finalized), read past the other chunks without inflating them, as
+    /// far as the file reads (damaged chunks are skipped).
+    pub fn stats(mut self) -> Stats {
+        self.only = Some(ChunkKind::Stats);
+        let mut stats = Stats::default();
+        loop {
+            match self.next_chunk_without_frames() {
+                Ok(Some(Chunk::Stats(s))) => stats = *s,
+                Ok(Some(_)) | Err(FormatError::Damaged { .. }) => {}
+                Ok(None) | Err(_) => return stats,
             }
         }
     }

@@ -161,6 +161,9 @@ pub struct GroupRow {
     pub timeline: Vec<u64>,
     /// User sites: the family of the allocator that served them (the first allocation's).
     pub allocator: Option<String>,
+    /// Kernel rows: the slab caches their kmem_cache_alloc allocations came from, by name
+    /// (`0x…` where the recording has none), first met first.
+    pub caches: Vec<String>,
 }
 
 /// Blocks still live at the end, from one stack.
@@ -186,6 +189,8 @@ struct GroupInfo {
     pids: Vec<u32>,
     allocator: u8,
     devices: Vec<i32>,
+    /// Kernel rows: the slab caches of their kmem_cache_alloc allocations, first met first.
+    caches: Vec<u64>,
     /// Grouped by site: a (stack, call site) of its allocations per distinct
     /// [`StackTable::prefix_key`], the first included, to name the row by what they share
     /// (`grouping::shared_label`), and those keys.
@@ -212,6 +217,8 @@ struct Grouper<'a> {
 impl Grouper<'_> {
     /// Most processes listed per group.
     const MAX_PIDS: usize = 64;
+    /// Slab caches listed per row at most (a helper such as `mempool_alloc_slab` serves many).
+    const MAX_CACHES: usize = 16;
 
     fn group_of(&mut self, o: &Origin) -> u32 {
         if !self.filters.admits_in(o.kind, domain_of(o, self.stacks)) {
@@ -232,6 +239,7 @@ impl Grouper<'_> {
                 pids: Vec::new(),
                 allocator: o.allocator,
                 devices: Vec::new(),
+                caches: Vec::new(),
                 stacks: Vec::new(),
                 prefixes: HashSet::new(),
             });
@@ -262,6 +270,9 @@ impl Grouper<'_> {
         }
         if o.device >= 0 && !info.devices.contains(&o.device) {
             info.devices.push(o.device);
+        }
+        if o.cache != 0 && info.caches.len() < Self::MAX_CACHES && !info.caches.contains(&o.cache) {
+            info.caches.push(o.cache);
         }
         g
     }
@@ -516,6 +527,7 @@ pub fn analyze(path: &Path, opts: &ReportOptions) -> Result<Summary> {
     } else {
         candidates.len()
     };
+    let cache_names: HashMap<u64, String> = stats.slab_caches.iter().cloned().collect();
     let row_of = |group: usize, stats: Stats, frames: Vec<Frame>, label: String| {
         let info = &infos[group];
         GroupRow {
@@ -536,6 +548,11 @@ pub fn analyze(path: &Path, opts: &ReportOptions) -> Result<Summary> {
                 .checked_sub(1)
                 .and_then(|i| recorded_allocators.get(usize::from(i)))
                 .map(|a| a.family.clone()),
+            caches: info
+                .caches
+                .iter()
+                .map(|c| cache_names.get(c).cloned().unwrap_or_else(|| format!("0x{c:x}")))
+                .collect(),
         }
     };
     let mut rows: Vec<GroupRow> = if opts.by == GroupBy::Site && opts.top != Some(0) {

@@ -130,6 +130,9 @@ struct JsonSite<'a> {
     /// GPU sites: the devices allocated on, where the call names one.
     #[serde(skip_serializing_if = "<[i32]>::is_empty")]
     devices: &'a [i32],
+    /// Kernel sites: the slab caches of their kmem_cache_alloc allocations, by name.
+    #[serde(skip_serializing_if = "<[String]>::is_empty")]
+    caches: &'a [String],
     /// GPU allocation calls from this site that failed, and the bytes they asked for.
     #[serde(skip_serializing_if = "is_zero")]
     failed: u64,
@@ -199,6 +202,7 @@ pub fn render_json(a: &Summary, opts: &ReportOptions) -> Result<String> {
                 timeline: (!g.timeline.is_empty()).then_some(&g.timeline[..]),
                 allocator: g.allocator.as_deref(),
                 devices: &g.devices,
+                caches: &g.caches,
                 failed: s.failed,
                 failed_bytes_req: s.failed_bytes_req,
             }

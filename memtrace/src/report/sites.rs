@@ -97,6 +97,7 @@ mod tests {
             group: 0,
             timeline: vec![],
             allocator: None,
+            caches: vec![],
         }
     }
 

@@ -46,6 +46,7 @@ fn alloc(ts_ns: u64, kind: Kind, ptr: u64, bytes_req: u64, bytes_alloc: u64, sta
         node: -1,
         order: 0,
         allocator: 0,
+        cache: 0,
     })
 }
 
@@ -546,6 +547,7 @@ fn record_end_warnings_say_what_the_report_says() {
             node: -1,
             order: 0,
             allocator: 1,
+            cache: 0,
         })
     };
     let free = |ts: u64, pid: u32, tid: u32, ptr: u64| {

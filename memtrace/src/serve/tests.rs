@@ -58,6 +58,7 @@ fn alloc(pid: u32, kind: Kind, ptr: u64, size: u64, stack: u64, ts: u64) -> Even
         node: -1,
         order: 0,
         allocator: 0,
+        cache: 0,
     })
 }
 

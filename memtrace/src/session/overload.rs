@@ -181,6 +181,7 @@ mod tests {
             node: -1,
             order: 0,
             allocator: 1,
+            cache: 0,
         })
     }
 

@@ -106,6 +106,8 @@ struct Recorder {
     /// Stacks cut short for want of ring room for a copy (the first
     /// [`crate::recording::MAX_NO_ROOM_STACKS`]), so the report names that cause per process.
     no_room_stacks: crate::FastSet<u32>,
+    /// The slab caches' names, as the probes sent them (each once a session).
+    slab_caches: std::collections::BTreeMap<u64, String>,
     write_error: Option<io::Error>,
     /// Has read the kernel's symbols and the command's files' while the probes loaded;
     /// names every frame at the end. (The other objects a recording meets are read then,
@@ -272,7 +274,17 @@ impl Sink for Recorder {
     fn file_seen(&mut self, path: &Path) {
         self.namer.file_seen(path);
     }
+
+    fn cache_seen(&mut self, cache: u64, name: &str) {
+        // A kernel has a few hundred caches; the bound is against a runaway, not a need.
+        if self.slab_caches.len() < MAX_SLAB_CACHES {
+            self.slab_caches.insert(cache, name.to_string());
+        }
+    }
 }
+
+/// Slab cache names a recording keeps at most.
+const MAX_SLAB_CACHES: usize = 65_536;
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 enum StopReason {
@@ -424,6 +436,7 @@ pub fn record(opts: RecordOptions) -> Result<RecordSummary> {
         user_frames: Default::default(),
         jit_frames: Default::default(),
         no_room_stacks: Default::default(),
+        slab_caches: Default::default(),
         started: std::time::SystemTime::now(),
         kernel_addrs: Default::default(),
         write_error: None,
@@ -526,6 +539,7 @@ fn finish(
             ids.sort_unstable();
             ids
         },
+        slab_caches: std::mem::take(&mut recorder.slab_caches).into_iter().collect(),
         unwind_tables_built: unwind.tables.built,
         unwind_tables_cached: unwind.tables.from_cache,
         unwind_tables_without_cfi: unwind.tables.without_cfi,

@@ -121,6 +121,7 @@ fn a_free_seen_by_two_probes_is_reported_once_but_a_reused_block_frees_again() {
             node: -1,
             order: 0,
             allocator: 0,
+            cache: 0,
         })
     };
     let free = |ptr: u64, tid: u32| {

@@ -424,6 +424,7 @@ fn alloc(ts: u64, pid: u32, kind: Kind, ptr: u64, req: u64) -> Event {
         node: -1,
         order: 0,
         allocator: 0,
+        cache: 0,
     })
 }
 
