@@ -157,6 +157,13 @@ impl Stats {
         self.live_bytes_alloc -= block.bytes_alloc * block.count;
     }
 
+    /// A live block went with its address space (not freed: no free counted).
+    fn on_gone(&mut self, block: &LiveBlock) {
+        self.live_allocs -= block.count;
+        self.live_bytes_req -= block.bytes_req * block.count;
+        self.live_bytes_alloc -= block.bytes_alloc * block.count;
+    }
+
     /// Part of a live block's bytes went (a mapping's head, tail or a hole unmapped).
     fn on_cut(&mut self, part: &LiveBlock) {
         self.live_bytes_req -= part.bytes_req * part.count;
@@ -283,6 +290,10 @@ pub struct Analyzer<G: FnMut(&Origin) -> u32> {
     pub live_limit: usize,
     /// Blocks followed now.
     live_count: usize,
+    /// The blocks of an address space that ended (exec, exit) are let go: they no longer
+    /// count as live, nor take room in the live table (`top`: "live now"). Unset (`report`),
+    /// they stay live to the end as leaked at exit.
+    pub forget_ended: bool,
     /// Allocations not followed because the table was full.
     pub untracked: u64,
     /// The recording sampled user allocations (each byte with probability 1/this): each
@@ -326,6 +337,7 @@ impl<G: FnMut(&Origin) -> u32> Analyzer<G> {
             quiet_unmatched: false,
             live_limit: usize::MAX,
             live_count: 0,
+            forget_ended: false,
             untracked: 0,
             sample_bytes: None,
             sample_from: None,
@@ -671,6 +683,12 @@ impl<G: FnMut(&Origin) -> u32> Analyzer<G> {
             block.orphaned = true;
             self.live_changed(&block, false, ts_ns);
             self.groups[block.group as usize].leaked_at_exit += block.count;
+            if self.forget_ended {
+                self.live_count -= 1;
+                self.groups[block.group as usize].on_gone(&block);
+                self.totals(block.kind, block.stack).stats.on_gone(&block);
+                continue;
+            }
             self.orphans.push(block);
         }
     }

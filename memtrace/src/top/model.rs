@@ -168,6 +168,8 @@ impl LiveView {
         let mut analyzer = Analyzer::new(grouping);
         analyzer.live_limit = live_limit;
         analyzer.sample_bytes = sample_bytes;
+        // Live now: a process's blocks go with it (its exit, or its exec).
+        analyzer.forget_ended = true;
         Self {
             analyzer,
             namer: Namer::new(),

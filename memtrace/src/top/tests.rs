@@ -5,7 +5,7 @@
 //! Over 500 lines: tests only.
 use std::{collections::BTreeMap, time::Duration};
 
-use memtrace_common::{Kind, TaskEvent};
+use memtrace_common::{Kind, TaskEvent, flags};
 use ratatui::{
     Terminal,
     backend::TestBackend,
@@ -493,6 +493,41 @@ fn the_model_aggregates_per_process_and_sorts() {
     assert_eq!(by_live.rows[0].label, "web [10]", "5,200 live bytes before 3,000");
     assert_eq!(by_live.rows[0].allocs_per_sec, 0.0, "nothing new since the last snapshot");
     assert_eq!(by_live.allocs_per_sec, 0.0);
+}
+
+/// `top` shows what is live now: an exited process's blocks go with it, from the rows,
+/// the totals and the live table (`-a` on a busy host filled it with the dead's blocks).
+#[test]
+fn an_exited_process_has_nothing_live() {
+    let mut view = LiveView::new(5, None);
+    view.event(exec(30, "ls"));
+    for i in 0..4 {
+        view.event(alloc(2 + i, 30, Kind::Malloc, 0x1000 + i * 0x100, 100));
+    }
+    let live = |view: &mut LiveView| {
+        let snap = view.snapshot(&options(GroupBy::Process, Column::Live), Duration::from_secs(1), 0);
+        (snap.rows.first().map_or(0, |r| r.stats.live_bytes_req), snap.totals[&Domain::User].stats.live_bytes_req)
+    };
+    assert_eq!(live(&mut view), (400, 400));
+    view.event(Event::Task(Task {
+        ts_ns: 10,
+        event: TaskEvent::Exit,
+        flags: flags::GROUP_DEAD,
+        pid: 30,
+        tid: 30,
+        ppid: 1,
+        comm: "ls".into(),
+        filename: String::new(),
+    }));
+    assert_eq!(live(&mut view), (0, 0));
+    // Its blocks no longer hold the live table (5 blocks at most): the next ones are followed.
+    view.event(exec(31, "ls"));
+    for i in 0..4 {
+        view.event(alloc(20 + i, 31, Kind::Malloc, 0x1000 + i * 0x100, 100));
+    }
+    let snap = view.snapshot(&options(GroupBy::Process, Column::Live), Duration::from_secs(1), 0);
+    assert_eq!(snap.untracked, 0, "the live table holds no dead process's block");
+    assert_eq!(snap.rows.iter().map(|r| r.stats.live_bytes_req).sum::<u64>(), 400);
 }
 
 #[test]
