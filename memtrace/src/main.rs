@@ -117,7 +117,8 @@ struct TopArgs {
     /// Batch mode: plain-text snapshots on stdout, like top -b.
     #[arg(short, long)]
     batch: bool,
-    /// Stop after this many refreshes.
+    /// Stop after this many refreshes (with a command: one still running then is ended,
+    /// SIGTERM, and top says so).
     #[arg(short = 'n', long, value_parser = clap::value_parser!(u64).range(1..))]
     iterations: Option<u64>,
     /// Rows per snapshot in batch mode.

@@ -72,3 +72,19 @@ fn into_a_pipe_it_prints_snapshots_and_says_why_it_stopped() {
     assert!(stderr.contains("top's output is not a terminal"), "{stderr}");
     assert!(stderr.lines().any(|l| l == "memtrace: the command exited with status 0"), "{stderr}");
 }
+
+/// `-n`'s last snapshot with the command still running: the command is ended with top,
+/// and top says how (it had exited 0 before, silently).
+#[test]
+fn a_command_still_running_at_the_last_snapshot_is_ended_and_said_so() {
+    require_root();
+    let started = std::time::Instant::now();
+    let out = run(memtrace().args(["top", "-b", "-n", "1", "-d", "0.2", "--", "sleep", "30"]));
+    let stderr = String::from_utf8(out.stderr).unwrap();
+    assert!(
+        stderr.lines().any(|l| l
+            == "memtrace: the command was still running when top stopped: SIGTERM sent; it was killed by signal 15 (Terminated)"),
+        "{stderr}"
+    );
+    assert!(started.elapsed() < std::time::Duration::from_secs(20), "sleep 30 was ended, not waited for");
+}

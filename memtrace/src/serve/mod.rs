@@ -234,7 +234,7 @@ async fn trace(tracer: &mut Tracer, shared: &Shared, pids: &[u32]) -> Result<Sto
             _ => None,
         };
         if let (None, Some(sig)) = (stop, tracer.signal_grace_expired()) {
-            tracer.end_command();
+            let _ = tracer.end_command();
             stop = Some(Stop::Command(128 + sig));
         }
         selfstats::sample_fill(tracer.probes.rings_mut(), &shared.ring_fill);
@@ -318,7 +318,7 @@ pub fn run(args: ServeArgs) -> Result<i32> {
         Stop::Pids => eprintln!("memtrace: every traced process exited: stopping"),
     }
     // A command still running (a second Ctrl-C, or it ignored the first) ends with us.
-    tracer.end_command();
+    let _ = tracer.end_command();
     // The probes go first; clients in flight get their answer from what was gathered.
     let (teardown, _) = {
         let mut model = lock(&shared.model);

@@ -67,26 +67,30 @@ impl Tracer {
     }
 
     /// Ends a command that is still running (the view it was started for is closing):
-    /// SIGTERM, then SIGKILL if it has not exited within a second.
-    pub fn end_command(&mut self) {
-        let (true, Some(pid)) = (self.is_command, self.target_pid) else { return };
+    /// SIGTERM, then SIGKILL if it has not exited within a second. Returns what was done
+    /// and how the command ended ("SIGTERM sent; it exited with status 3"), or `None` when
+    /// it had already exited (or there is no command).
+    pub fn end_command(&mut self) -> Option<String> {
+        let (true, Some(pid)) = (self.is_command, self.target_pid) else { return None };
         let pid = pid as i32;
         let mut status = 0;
         // SAFETY: signals and reaps our own child; WNOHANG never blocks.
         unsafe {
             if libc::waitpid(pid, &mut status, libc::WNOHANG) != 0 {
-                return; // already reaped, or exited just now
+                return None; // already reaped, or exited just now
             }
             libc::kill(pid, libc::SIGTERM);
             for _ in 0..100 {
-                if libc::waitpid(pid, &mut status, libc::WNOHANG) != 0 {
-                    return;
+                match libc::waitpid(pid, &mut status, libc::WNOHANG) {
+                    0 => std::thread::sleep(Duration::from_millis(10)),
+                    r if r == pid => return Some(format!("SIGTERM sent; it {}", spawn::describe_status(status))),
+                    _ => return None, // reaped elsewhere: nothing more to send
                 }
-                std::thread::sleep(Duration::from_millis(10));
             }
             libc::kill(pid, libc::SIGKILL);
             libc::waitpid(pid, &mut status, 0);
         }
+        Some(format!("SIGTERM sent, then SIGKILL a second later; it {}", spawn::describe_status(status)))
     }
 }
 

@@ -79,7 +79,11 @@ pub fn run(mut opts: TopOptions) -> Result<i32> {
     } else {
         block_on(tui::interactive(&mut tracer, &mut live, &opts))?
     };
-    tracer.end_command();
+    // `-n`'s last snapshot, or the view closed, with the command still running: it ends
+    // with the view, and says so.
+    if let Some(how) = tracer.end_command() {
+        eprintln!("memtrace: the command was still running when top stopped: {how}");
+    }
     let (teardown, _) = tracer.stop(&mut live);
     teardown.join();
     result
