@@ -10,7 +10,7 @@ use memtrace_common::{Kind, TaskEvent, flags};
 
 use crate::{
     event::{Event, Task},
-    report::{for_each_event, read_definitions},
+    report::{Outline, for_each_event, read_definitions, read_outline},
     stacks::{Frame, StackTable},
 };
 
@@ -184,22 +184,26 @@ impl State {
 /// Writes the recording at `path` to `out` as `opts` asks; a reader that went away
 /// (broken pipe) ends the dump quietly.
 pub fn dump(path: &Path, opts: DumpOptions, out: &mut dyn Write) -> Result<()> {
-    let mut damaged_at = None;
-    let mut table = (opts.call_graph || opts.stacks)
-        .then(|| -> Result<StackTable> {
-            let defs = read_definitions(path)?;
-            damaged_at = defs.damaged_at;
-            let mut table = defs.stacks;
-            if !defs.finalized {
-                table.fill_missing_symbols();
-            }
-            Ok(table)
-        })
-        .transpose()?;
+    // The stacks when they are printed; else only the outline (the counters, the damage),
+    // which costs a read of the file, no inflating. Damage is said on stderr either way,
+    // as `report` says it (a truncated file dumped nothing, in silence).
+    let (mut table, outline) = if opts.call_graph || opts.stacks {
+        let defs = read_definitions(path)?;
+        let mut table = defs.stacks;
+        if !defs.finalized {
+            table.fill_missing_symbols();
+        }
+        (Some(table), Outline { stats: defs.stats, warnings: defs.warnings, damaged_at: defs.damaged_at })
+    } else {
+        (None, read_outline(path)?)
+    };
+    for warning in &outline.warnings {
+        eprintln!("memtrace: warning: {}: {warning}", path.display());
+    }
     let result = if opts.stacks {
         write_stacks(table.as_mut().expect("read above"), out)
     } else {
-        write_events(path, table.as_mut(), damaged_at, out)?
+        write_events(path, table.as_mut(), &outline, out)?
     };
     match result.and_then(|()| out.flush()) {
         Err(e) if e.kind() != std::io::ErrorKind::BrokenPipe => bail!("writing: {e}"),
@@ -210,13 +214,13 @@ pub fn dump(path: &Path, opts: DumpOptions, out: &mut dyn Write) -> Result<()> {
 fn write_events(
     path: &Path,
     mut table: Option<&mut StackTable>,
-    until: Option<u64>,
+    outline: &Outline,
     out: &mut dyn Write,
 ) -> Result<std::io::Result<()>> {
     let mut failed = None;
-    let reader = crate::recording::Reader::open(path);
-    let resolution = reader.as_ref().map_or(0, |r| r.meta.time_resolution_ns);
-    let caches: HashMap<u64, String> = reader.map(|r| r.stats().slab_caches.into_iter().collect()).unwrap_or_default();
+    let until = outline.damaged_at;
+    let resolution = crate::recording::Reader::open(path).map_or(0, |r| r.meta.time_resolution_ns);
+    let caches: HashMap<u64, &str> = outline.stats.slab_caches.iter().map(|(c, n)| (*c, n.as_str())).collect();
     let mut state = State { digits: time_digits(resolution), ..Default::default() };
     // With the stacks read (-g), the probes' own kernel allocations and slab pages are marked.
     let probes = table.as_deref().map(StackTable::uprobe_stacks).unwrap_or_default();
@@ -229,7 +233,7 @@ fn write_events(
         line.probes = matches!(&e, Event::Alloc(a) if a.kind.is_kernel() && probes.contains(&a.stack));
         line.slab_pages = matches!(&e, Event::Alloc(a) if a.kind == Kind::PageAlloc && slab_pages.contains(&a.stack));
         if let Event::Alloc(a) = &e {
-            line.cache = caches.get(&a.cache).map(String::as_str);
+            line.cache = caches.get(&a.cache).copied();
         }
         let mut text = format!("{line}\n");
         if let (Some(table), Event::Alloc(a)) = (table.as_deref_mut(), &e) {

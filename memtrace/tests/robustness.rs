@@ -177,7 +177,27 @@ fn damaged_recordings_give_clear_errors_or_the_complete_part() {
             let out = memtrace().args(args).arg("-i").arg(&path).output().unwrap();
             assert!(!String::from_utf8_lossy(&out.stderr).contains("panicked"), "{args:?}");
         }
+        // `dump` says so too (it printed what it could, in silence).
+        let out = memtrace().args(["dump", "-i"]).arg(&path).output().unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(stderr.starts_with("memtrace: warning: ") && stderr.contains("truncated"), "{stderr}");
     }
+    // An events chunk (kind 2) with its kind byte damaged: the checksum catches it (format
+    // 9), `report` and `dump` say so and read on.
+    let mut at = 16;
+    while bytes[at] & 0x7f != 2 {
+        at += 9 + u32::from_le_bytes(bytes[at + 1..at + 5].try_into().unwrap()) as usize;
+    }
+    let mut kind = bytes.clone();
+    kind[at] = 0x87; // the end marker
+    let path = dir.join("kind.data");
+    fs::write(&path, &kind).unwrap();
+    let report = report_json(&path, &[]);
+    let warnings = report["warnings"].to_string();
+    assert!(warnings.contains(&format!("byte {at}")) && warnings.contains("skipped"), "{warnings}");
+    let out = memtrace().args(["dump", "-i"]).arg(&path).output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains(&format!("byte {at}")) && stderr.contains("skipped"), "{stderr}");
 }
 
 #[test]

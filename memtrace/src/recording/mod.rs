@@ -45,6 +45,19 @@ pub const MAGIC: &[u8; 8] = b"MEMTRACE";
 /// their allocations (names in `Stats::slab_caches`). Versions 2 to 8 are read as ever.
 pub const VERSION: u16 = 9;
 pub const HEADER_LEN: usize = 16;
+
+/// A chunk's checksum (CRC-32): from version 9 over its kind and length too, so that a
+/// damaged kind byte is caught (it read as an unknown chunk, skipped in silence, or as the
+/// end marker, which dropped the rest of the file); before, over the payload alone.
+pub(crate) fn chunk_crc(version: u16, kind: u8, len: u32, payload: &[u8]) -> u32 {
+    let mut crc = crc32fast::Hasher::new();
+    if version >= 9 {
+        crc.update(&[kind]);
+        crc.update(&len.to_le_bytes());
+    }
+    crc.update(payload);
+    crc.finalize()
+}
 pub const CLOCK_MONOTONIC: u8 = 1;
 /// Chunks larger than this (stored or inflated) are treated as corruption.
 pub const MAX_CHUNK: u32 = 64 << 20;

@@ -9,7 +9,8 @@ use flate2::read::DeflateDecoder;
 
 use super::{
     COMPRESSED, ChunkKind, FileStack, FormatError, HEADER_LEN, MAGIC, MAX_CHUNK, Meta, Module, Recording, Stats,
-    Symbol, SymbolKey, VERSION, codec::Cursor, events::decode_chunk, events_rows::decode_rows, stacks, symbols,
+    Symbol, SymbolKey, VERSION, chunk_crc, codec::Cursor, events::decode_chunk, events_rows::decode_rows, stacks,
+    symbols,
 };
 use crate::event::Event;
 
@@ -38,8 +39,9 @@ pub struct Reader<R: Read> {
     /// The last chunk read failed its checksum: the next header must look like one (the
     /// damage may have been in the length, which led here).
     after_damage: bool,
-    /// Only chunks of this kind are inflated; the others are skipped ([`Reader::stats`]).
-    only: Option<ChunkKind>,
+    /// Only chunks of these kinds are inflated; the others are checked and skipped
+    /// ([`Reader::only`]).
+    only: Option<&'static [ChunkKind]>,
 }
 
 /// Damaged chunks skipped at most before the file is taken as unreadable past there.
@@ -181,7 +183,7 @@ impl<R: Read> Reader<R> {
                 return Err(FormatError::Truncated { offset: start });
             }
             self.offset = start + 9 + u64::from(len);
-            if crc32fast::hash(&payload) != crc {
+            if chunk_crc(self.version, head[0], len, &payload) != crc {
                 self.damaged += 1;
                 if self.damaged > MAX_DAMAGED {
                     return Err(FormatError::Corrupt {
@@ -194,7 +196,7 @@ impl<R: Read> Reader<R> {
             }
             self.after_damage = false;
             match ChunkKind::from_u8(head[0] & !COMPRESSED) {
-                Some(kind) if self.only.is_some_and(|only| only != kind) => continue,
+                Some(kind) if self.only.is_some_and(|only| !only.contains(&kind)) => continue,
                 Some(kind) if head[0] & COMPRESSED != 0 => {
                     return Ok(Some((kind, inflate(&payload, start)?, start + 9)));
                 }
@@ -231,19 +233,11 @@ impl<R: Read> Reader<R> {
         }
     }
 
-    /// The recording's counters (its `Stats` chunk; the default where it has none: a
-    /// recording not finalized), read past the other chunks without inflating them, as
-    /// far as the file reads (damaged chunks are skipped).
-    pub fn stats(mut self) -> Stats {
-        self.only = Some(ChunkKind::Stats);
-        let mut stats = Stats::default();
-        loop {
-            match self.next_chunk_without_frames() {
-                Ok(Some(Chunk::Stats(s))) => stats = *s,
-                Ok(Some(_)) | Err(FormatError::Damaged { .. }) => {}
-                Ok(None) | Err(_) => return stats,
-            }
-        }
+    /// From now on only chunks of `kinds` are returned: the others are read and checked
+    /// (their checksums, their lengths) but neither inflated nor parsed. A pass over a
+    /// file's outline (`dump`: its counters and its damage) costs its reading only.
+    pub fn only(&mut self, kinds: &'static [ChunkKind]) {
+        self.only = Some(kinds);
     }
 
     /// As [`Reader::next_chunk`], but the stacks of a format-5 (or later) `Stacks` chunk

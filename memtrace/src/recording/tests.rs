@@ -170,6 +170,32 @@ fn a_flipped_byte_is_caught_by_the_checksum() {
     assert!(rec.warnings.iter().any(|w| w.contains("corrupt")), "{:?}", rec.warnings);
 }
 
+/// A chunk's kind byte damaged (to an unknown kind, another kind, or the end marker): the
+/// checksum covers it (version 9), so the chunk is skipped and said so, and the chunks
+/// after it still read. Before, the events chunk vanished, or the file ended there, in
+/// silence (helper-37 finding 3).
+#[test]
+fn a_damaged_chunk_kind_is_caught_by_the_checksum() {
+    let events = sample_events();
+    let bytes = write(&events, true);
+    // The first events chunk.
+    let mut at = HEADER_LEN;
+    while bytes[at] & !COMPRESSED != ChunkKind::Events as u8 {
+        at += 9 + u32::from_le_bytes(bytes[at + 1..at + 5].try_into().unwrap()) as usize;
+    }
+    for kind in [0x7f, ChunkKind::Stats as u8, ChunkKind::End as u8, bytes[at] ^ 0xff] {
+        let mut damaged = bytes.clone();
+        damaged[at] = kind;
+        let rec = read_all(&damaged[..]).unwrap();
+        assert!(
+            rec.warnings.iter().any(|w| w.contains(&format!("byte {at}")) && w.contains("skipped")),
+            "kind {kind:#x}: {:?}",
+            rec.warnings
+        );
+        assert!(rec.finalized, "the chunks after it read, the end marker too (kind {kind:#x})");
+    }
+}
+
 #[test]
 fn foreign_files_and_newer_versions_are_refused() {
     assert!(matches!(read_all(&b"\x7fELF\x02\x01\x01"[..]), Err(FormatError::NotMemtrace)));
@@ -190,7 +216,8 @@ fn foreign_files_and_newer_versions_are_refused() {
     let mut reshaped = newer[..HEADER_LEN].to_vec();
     reshaped.push(ChunkKind::Meta as u8);
     reshaped.extend_from_slice(&(json.len() as u32).to_le_bytes());
-    reshaped.extend_from_slice(&crc32fast::hash(json).to_le_bytes());
+    let crc = super::chunk_crc(VERSION + 1, ChunkKind::Meta as u8, json.len() as u32, json);
+    reshaped.extend_from_slice(&crc.to_le_bytes());
     reshaped.extend_from_slice(json);
     assert!(matches!(read_all(&reshaped[..]), Err(FormatError::UnsupportedVersion(v)) if v == VERSION + 1));
     // No metadata to tell by: both are said.
@@ -334,7 +361,7 @@ fn assemble(version: u16, chunks: &[(u8, Vec<u8>)]) -> Vec<u8> {
     for (kind, payload) in chunks {
         out.push(*kind);
         out.extend((payload.len() as u32).to_le_bytes());
-        out.extend(crc32fast::hash(payload).to_le_bytes());
+        out.extend(super::chunk_crc(version, *kind, payload.len() as u32, payload).to_le_bytes());
         out.extend(payload);
     }
     out

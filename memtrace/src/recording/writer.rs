@@ -17,6 +17,7 @@ use flate2::{Compression, write::DeflateEncoder};
 
 use super::{
     COMPRESSED, ChunkKind, FileFrame, FileStack, HEADER_LEN, MAGIC, Meta, Module, Stats, Symbol, SymbolKey, VERSION,
+    chunk_crc,
     codec::{put_bytes, put_str, put_varint},
     events::EventEncoder,
     stacks::StackEncoder,
@@ -119,7 +120,7 @@ impl<W: Write> ChunkWriter<W> {
         let mut head = [0u8; 9];
         head[0] = kind;
         head[1..5].copy_from_slice(&(payload.len() as u32).to_le_bytes());
-        head[5..9].copy_from_slice(&crc32fast::hash(payload).to_le_bytes());
+        head[5..9].copy_from_slice(&chunk_crc(VERSION, kind, payload.len() as u32, payload).to_le_bytes());
         self.out.write_all(&head)?;
         self.out.write_all(payload)?;
         self.bytes_written += (head.len() + payload.len()) as u64;

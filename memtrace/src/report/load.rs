@@ -76,6 +76,45 @@ pub fn read_definitions(path: &Path) -> Result<Definitions> {
     })
 }
 
+/// What a pass over a recording's chunks tells without inflating those of events or
+/// definitions: its counters, and the damage [`read_definitions`] warns of.
+pub struct Outline {
+    pub stats: recording::Stats,
+    /// As [`Definitions::warnings`].
+    pub warnings: Vec<String>,
+    /// As [`Definitions::damaged_at`].
+    pub damaged_at: Option<u64>,
+}
+
+/// Reads a recording's outline (`dump` without stacks).
+pub fn read_outline(path: &Path) -> Result<Outline> {
+    let mut reader = Reader::open(path).with_context(|| format!("reading {}", path.display()))?;
+    reader.only(&[recording::ChunkKind::Stats, recording::ChunkKind::End]);
+    let (mut stats, mut finalized, mut warnings, mut damaged_at) =
+        (recording::Stats::default(), false, Vec::new(), None);
+    loop {
+        let at = reader.offset();
+        match reader.next_chunk_without_frames() {
+            Ok(None) => break,
+            Ok(Some(recording::Chunk::Stats(s))) => stats = *s,
+            Ok(Some(recording::Chunk::End)) => finalized = true,
+            Ok(Some(_)) => {}
+            Err(e @ FormatError::Damaged { .. }) => {
+                warnings.push(format!("{e}: skipped (the events it held are missing)"))
+            }
+            Err(e) => {
+                warnings.push(format!("{e}; what follows covers the complete part before it"));
+                damaged_at = Some(at);
+                break;
+            }
+        }
+    }
+    if !finalized && warnings.is_empty() {
+        warnings.push("the recording was not finalized (memtrace stopped abruptly); it holds what was written".into());
+    }
+    Ok(Outline { stats, warnings, damaged_at })
+}
+
 /// Streams every event of a recording to `sink`, up to the chunk at `until` (where
 /// `read_definitions` met damage it could not read past); skips a chunk that fails its
 /// checksum and stops quietly at other damage. The chunks

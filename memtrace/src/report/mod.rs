@@ -31,7 +31,7 @@ pub mod warnings;
 pub use self::{
     analyze::{GroupRow, LeakRow, LeakTotals, StackCoverage, Summary, analyze},
     json::render_json,
-    load::{Definitions, for_each_event, read_definitions},
+    load::{Definitions, Outline, for_each_event, read_definitions, read_outline},
     options::{Format, ReportColumn, ReportOptions, SortKey},
     text::render_text,
 };
