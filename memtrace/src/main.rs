@@ -619,6 +619,11 @@ fn default_ring_bytes() -> u64 {
 }
 
 fn record(args: RecordArgs) -> Result<i32> {
+    // `perf record -o -` writes to stdout; a recording is read twice (its definitions,
+    // then its events) and so must be a file: a file named "-" was written instead.
+    if args.output.as_os_str() == "-" {
+        bail!("-o -: a recording is a file that report, export and dump read more than once; give a path");
+    }
     let target = match (args.pid, args.all, args.command.is_empty()) {
         (Some(pid), _, _) => Target::Pid(pid),
         (None, true, _) => Target::All,

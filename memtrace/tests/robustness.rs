@@ -216,6 +216,9 @@ fn output_paths_that_cannot_be_written_fail_clearly() {
     };
     fails(&mut record(&dir.join("no/such/dir/x.data")), 1, &["creating", "No such file or directory"]);
     fails(&mut record(&dir), 1, &["is a directory"]);
+    // Not stdout, as perf's `-o -`, nor a file named "-".
+    fails(&mut record(Path::new("-")), 1, &["-o -: a recording is a file", "give a path"]);
+    assert!(!Path::new("-").exists());
     // Someone else's file is kept unless --force.
     let precious = dir.join("precious.txt");
     fs::write(&precious, b"keep me").unwrap();
