@@ -285,6 +285,7 @@ fn export(args: ExportArgs) -> Result<i32> {
     let opts =
         ReportOptions { by: GroupBy::Stack, filters: args.filters.into(), split_processes: true, ..Default::default() };
     let summary = report::analyze(&args.input, &opts)?;
+    report::check_filters(&summary, &opts.filters, &args.input)?;
     let base = args.diff_base.as_ref().map(|p| report::analyze(p, &opts)).transpose()?;
     for w in summary.warnings.iter().chain(base.iter().flat_map(|b| &b.warnings)) {
         eprintln!("memtrace: warning: {w}");
@@ -696,7 +697,7 @@ fn report(args: ReportArgs) -> Result<i32> {
         Format::Html => report::html::render_html(&args.input, &opts)?,
         _ => {
             let summary = report::analyze(&args.input, &opts)?;
-            report::check_pid(&summary, &opts, &args.input)?;
+            report::check_filters(&summary, &opts.filters, &args.input)?;
             report::render(&summary, &opts)?
         }
     };

@@ -207,7 +207,26 @@ fn errors_say_the_thing_once_and_what_to_do() {
     assert!(!line.contains("os error"), "{line}");
     // A pid the recording does not have: said, with the ones it has, and a failure.
     let line = fails(memtrace().args(["report", "--pid", "1", "-i"]).arg(&data), 1, &["pid 1 is not in"]);
-    assert!(line.contains("memtrace-worklo") || line.contains("workload"), "{line}");
+    assert!(line.contains("alloc_workload [") && line.contains(" allocations)"), "{line}");
+    assert!(!line.contains("memtrace ["), "the recorder, parent of the command, allocated nothing: {line}");
+    // As a name or an allocator it does not have, in report, export and diff alike.
+    for sub in [&["report"][..], &["export", "--format", "folded"]] {
+        let line =
+            fails(memtrace().args(sub).args(["--comm", "nosuch", "-i"]).arg(&data), 1, &["no process named nosuch"]);
+        assert!(line.contains("alloc_workload ["), "{line}");
+        let line =
+            fails(memtrace().args(sub).args(["--allocator", "nosuch", "-i"]).arg(&data), 1, &["no allocator nosuch"]);
+        assert!(line.contains("glibc (") && line.ends_with(", unknown"), "{line}");
+        // jemalloc, installed and probed ahead of time, but not the workload's.
+        fails(memtrace().args(sub).args(["--allocator", "jemalloc", "-i"]).arg(&data), 1, &["no allocator jemalloc"]);
+    }
+    fails(memtrace().args(["diff", "--comm", "nosuch"]).arg(&data).arg(&data), 1, &["no process named nosuch"]);
+    // There, but nothing kept: an empty report, not an error.
+    let text = String::from_utf8(
+        run(memtrace().args(["report", "--comm", "alloc_workload", "--min-size", "1G", "-i"]).arg(&data)).stdout,
+    )
+    .unwrap();
+    assert!(text.contains("no allocation matches the filters"), "{text}");
     let html = data.with_extension("pid.html");
     fails(
         memtrace().args(["report", "--format", "html", "--pid", "1", "-o"]).arg(&html).arg("-i").arg(&data),

@@ -43,6 +43,9 @@ pub struct Summary {
     pub duration_ns: u64,
     pub events: u64,
     pub comms: HashMap<u32, String>,
+    /// Allocations recorded per process, before the filters: what `--pid` and `--comm`
+    /// could have asked for.
+    pub allocs_by_pid: BTreeMap<u32, u64>,
     pub stacks: StackTable,
     /// Per domain: allocations traced with a stack, and how many of those stacks were cut.
     pub coverage: BTreeMap<Domain, StackCoverage>,
@@ -117,7 +120,7 @@ pub struct AllocatorRow {
 }
 
 /// Whether allocator `index` (1-based) of `allocators` is the one `name` names.
-fn allocator_matches(allocators: &[recording::AllocatorMeta], index: u8, name: &str) -> bool {
+pub(crate) fn allocator_matches(allocators: &[recording::AllocatorMeta], index: u8, name: &str) -> bool {
     let Some(a) = index.checked_sub(1).and_then(|i| allocators.get(usize::from(i))) else {
         return name == "unknown";
     };
@@ -361,6 +364,7 @@ pub fn analyze(path: &Path, opts: &ReportOptions) -> Result<Summary> {
 
     let mut tallies: BTreeMap<u32, ProcessTally> = BTreeMap::new();
     let mut user_allocs_seen = false;
+    let mut allocs_by_pid: crate::FastMap<u32, u64> = Default::default();
     let recorded_allocators = stats.allocators.clone();
     let allocators_found: Vec<bool> = recorded_allocators.iter().map(|a| a.found).collect();
     let mut allocators: Vec<AllocatorRow> = recorded_allocators
@@ -407,6 +411,7 @@ pub fn analyze(path: &Path, opts: &ReportOptions) -> Result<Summary> {
         let process_ok = filters.admits_process(pid, &comms);
         if let Event::Alloc(a) = &event {
             user_allocs_seen |= !a.kind.is_kernel();
+            *allocs_by_pid.entry(a.pid).or_default() += 1;
         }
         let user_heap = |k: Kind| k.space() == memtrace_common::Space::Heap;
         let other_allocator = |a: &crate::event::Alloc| {
@@ -641,6 +646,7 @@ pub fn analyze(path: &Path, opts: &ReportOptions) -> Result<Summary> {
         duration_ns,
         events,
         comms,
+        allocs_by_pid: allocs_by_pid.into_iter().collect(),
         stacks: table,
         coverage: coverage.coverage,
         under_counting,

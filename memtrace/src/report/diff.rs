@@ -164,7 +164,15 @@ impl DiffSummary {
 
 /// Compares the recordings at `old` and `new`.
 pub fn diff(old: &Path, new: &Path, opts: &DiffOptions) -> Result<DiffSummary> {
+    let (old_path, new_path) = (old, new);
     let (old, new) = (read(old, opts)?, read(new, opts)?);
+    // A --pid, --comm or --allocator that one recording has is a comparison (all gone, or
+    // all new); one that neither has is a mistake, said as `report` says it.
+    if let (Err(e), Err(_)) =
+        (super::check_filters(&old, &opts.filters, old_path), super::check_filters(&new, &opts.filters, new_path))
+    {
+        return Err(e);
+    }
     let mut rows: Vec<DiffRow> = match_rows(keyed(&old, opts.by), keyed(&new, opts.by))
         .into_iter()
         .map(|m| {

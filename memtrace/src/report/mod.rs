@@ -28,6 +28,10 @@ mod tests_memory;
 pub mod text;
 pub mod warnings;
 
+use std::path::Path;
+
+use crate::grouping::Filters;
+
 pub use self::{
     analyze::{GroupRow, LeakRow, LeakTotals, StackCoverage, Summary, analyze},
     json::render_json,
@@ -36,25 +40,70 @@ pub use self::{
     text::render_text,
 };
 
-/// Fails when `--pid` asks for a process the recording (`input`) has nothing of: neither
-/// its events nor its name, nor among the processes it was recorded for. The message names
-/// the processes it has.
-pub fn check_pid(summary: &Summary, opts: &ReportOptions, input: &std::path::Path) -> anyhow::Result<()> {
-    let Some(pid) = opts.filters.pid else { return Ok(()) };
-    if summary.comms.contains_key(&pid)
-        || summary.meta.target_pids.contains(&pid)
-        || summary.totals.values().any(|t| t.stats.allocs > 0 || t.stats.frees > 0)
-    {
+/// Fails when a filter names what the recording (`input`) has none of: a `--pid` with
+/// neither events nor a name there, a `--comm` no process had, an `--allocator` it did not
+/// find. Each message names what it has. A filter that exists there but matches nothing
+/// (with `--min-size`, say) is an empty report, not an error.
+pub fn check_filters(summary: &Summary, filters: &Filters, input: &Path) -> anyhow::Result<()> {
+    if summary.totals.values().any(|t| t.stats.allocs > 0 || t.stats.frees > 0) {
         return Ok(());
     }
-    let mut pids: Vec<String> = summary.comms.iter().map(|(p, c)| format!("{c} [{p}]")).collect();
-    if pids.is_empty() {
-        anyhow::bail!("pid {pid} is not in {}: it has no process's events", input.display());
+    let at = input.display();
+    if let Some(pid) = filters.pid
+        && !summary.comms.contains_key(&pid)
+        && !summary.meta.target_pids.contains(&pid)
+    {
+        anyhow::bail!("pid {pid} is not in {at}: {}", processes(summary));
     }
-    pids.sort();
+    if let Some(comm) = &filters.comm
+        && !summary.comms.values().any(|c| c == comm)
+    {
+        // The kernel keeps a name's first 15 bytes (TASK_COMM_LEN).
+        let cut = comm.char_indices().nth(15).map(|(i, _)| &comm[..i]);
+        let hint = match cut {
+            Some(cut) if summary.comms.values().any(|c| c == cut) => {
+                format!(" (the kernel keeps a name's first 15 characters: --comm {cut})")
+            }
+            _ => String::new(),
+        };
+        anyhow::bail!("no process named {comm} in {at}: {}{hint}", processes(summary));
+    }
+    if let Some(name) = &filters.allocator {
+        let all = &summary.stats.allocators;
+        // Those a traced program used: the installed libraries probed ahead of time that none
+        // did are not there to ask for.
+        let known = name == "unknown"
+            || (1..=all.len())
+                .filter_map(|i| u8::try_from(i).ok())
+                .any(|i| all[usize::from(i) - 1].found && analyze::allocator_matches(all, i, name));
+        if !known {
+            let mut found: Vec<String> =
+                all.iter().filter(|a| a.found).map(|a| format!("{} ({})", a.family, a.module)).collect();
+            found.push("unknown".into());
+            anyhow::bail!("no allocator {name} in {at}: it has {}", found.join(", "));
+        }
+    }
+    Ok(())
+}
+
+/// The processes a recording has allocations of, most first: `it has sort [12] (4,000
+/// allocations), …`.
+fn processes(summary: &Summary) -> String {
+    let mut pids: Vec<(u32, u64)> = summary.allocs_by_pid.iter().map(|(&p, &n)| (p, n)).collect();
+    if pids.is_empty() {
+        return "it has no process's allocations".into();
+    }
+    pids.sort_by(|a, b| b.1.cmp(&a.1).then(a.0.cmp(&b.0)));
     let more = if pids.len() > 8 { format!(" and {} more", pids.len() - 8) } else { String::new() };
-    pids.truncate(8);
-    anyhow::bail!("pid {pid} is not in {}: it has {}{more}", input.display(), pids.join(", "))
+    let named: Vec<String> = pids
+        .iter()
+        .take(8)
+        .map(|&(pid, n)| {
+            let comm = summary.comms.get(&pid).map_or("?", String::as_str);
+            format!("{comm} [{pid}] ({})", crate::units::counted(n, "allocation", "allocations"))
+        })
+        .collect();
+    format!("it has {}{more}", named.join(", "))
 }
 
 /// The report as `opts.format` asks, ending in a newline.

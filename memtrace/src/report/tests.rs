@@ -261,6 +261,36 @@ fn filters_select_what_counts() {
     assert!(summary(&opts).groups.is_empty());
 }
 
+/// A filter that names what the recording has none of is a mistake said in one line with
+/// what it has; one that exists but keeps nothing is an empty report.
+#[test]
+fn filters_naming_nothing_recorded_fail_with_what_there_is() {
+    let path = Path::new("x.data");
+    let check = |filters: Filters| {
+        let s = summary(&ReportOptions { filters: filters.clone(), ..Default::default() });
+        super::check_filters(&s, &filters, path).map_err(|e| e.to_string())
+    };
+    let err = check(Filters { comm: Some("nosuch".into()), ..Default::default() }).unwrap_err();
+    assert!(err.starts_with("no process named nosuch in x.data: it has app [42] ("), "{err}");
+    assert!(err.ends_with(" allocations)"), "{err}");
+    let err = check(Filters { pid: Some(7), ..Default::default() }).unwrap_err();
+    assert!(err.starts_with("pid 7 is not in x.data: it has app [42] ("), "{err}");
+    let err = check(Filters { allocator: Some("nosuch".into()), ..Default::default() }).unwrap_err();
+    assert!(err.starts_with("no allocator nosuch in x.data: it has ") && err.ends_with("unknown"), "{err}");
+    // There, but nothing kept: no error.
+    assert_eq!(check(Filters { comm: Some("app".into()), min_size: Some(1 << 40), ..Default::default() }), Ok(()));
+    assert_eq!(check(Filters { allocator: Some("unknown".into()), ..Default::default() }), Ok(()));
+    assert_eq!(check(Filters { pid: Some(PID), ..Default::default() }), Ok(()));
+    // A name the kernel cut to 15 characters: the cut one is suggested.
+    let mut s = summary(&ReportOptions::default());
+    s.comms.insert(PID, "a_long_program_".into());
+    let filters = Filters { comm: Some("a_long_program_name".into()), ..Default::default() };
+    let mut s2 = summary(&ReportOptions { filters: filters.clone(), ..Default::default() });
+    s2.comms = s.comms.clone();
+    let err = super::check_filters(&s2, &filters, path).unwrap_err().to_string();
+    assert!(err.ends_with("(the kernel keeps a name's first 15 characters: --comm a_long_program_)"), "{err}");
+}
+
 /// The summary's stack line counts the allocations the filters keep, and a report that
 /// keeps none says so instead of printing tables of headers alone.
 #[test]

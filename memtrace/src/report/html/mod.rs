@@ -64,7 +64,7 @@ fn describe(a: &Summary) -> String {
 /// sort), its stacks for the flame graphs.
 pub fn render_html(input: &Path, opts: &ReportOptions) -> Result<String> {
     let sites = analyze(input, &ReportOptions { timeline: true, ..opts.clone() })?;
-    super::check_pid(&sites, opts, input)?;
+    super::check_filters(&sites, &opts.filters, input)?;
     let stacks_opts = ReportOptions {
         by: GroupBy::Stack,
         split_processes: true,
