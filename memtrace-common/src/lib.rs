@@ -134,6 +134,10 @@ pub enum Kind {
     Kmalloc = 32,
     KmemCacheAlloc = 33,
     PageAlloc = 34,
+    /// `mremap(old, old_len, new_len, flags, …)`: a probe's kind only. The call is
+    /// recorded as what it does: the old mapping's `Munmap` (unless `MREMAP_DONTUNMAP`)
+    /// and the new one's `Mmap`, at the caller's stack.
+    Mremap = 35,
     Kfree = 40,
     KmemCacheFree = 41,
     PageFree = 42,
@@ -176,6 +180,7 @@ impl Kind {
             32 => Self::Kmalloc,
             33 => Self::KmemCacheAlloc,
             34 => Self::PageAlloc,
+            35 => Self::Mremap,
             40 => Self::Kfree,
             41 => Self::KmemCacheFree,
             42 => Self::PageFree,
@@ -201,7 +206,7 @@ impl Kind {
             | Self::Mallocx
             | Self::Rallocx
             | Self::Free => Space::Heap,
-            Self::Mmap | Self::MmapReserved | Self::Munmap => Space::Mmap,
+            Self::Mmap | Self::MmapReserved | Self::Munmap | Self::Mremap => Space::Mmap,
             Self::Kmalloc | Self::KmemCacheAlloc | Self::Kfree | Self::KmemCacheFree => Space::Slab,
             Self::PageAlloc | Self::PageFree => Space::Page,
             Self::GpuDevice
@@ -268,6 +273,7 @@ impl Kind {
             Self::Rallocx => "rallocx",
             Self::Free => "free",
             Self::Munmap => "munmap",
+            Self::Mremap => "mremap",
             Self::Kmalloc => "kmalloc",
             Self::KmemCacheAlloc => "cache",
             Self::PageAlloc => "page",
@@ -882,6 +888,8 @@ pub struct InFlight {
     pub bytes_req: u64,
     /// realloc/reallocarray: the old block; posix_memalign: where the result is stored.
     pub ptr_arg: u64,
+    /// mremap: the length of the old mapping it unmaps (0: `MREMAP_DONTUNMAP`, it stays).
+    pub old_len: u64,
     /// Whether the thread's process is traced (`inflight::TRACED_*`), as the traced set said
     /// when its generation (`TRACED_GEN`) was `traced_gen`: kept across calls, so a call
     /// costs one lookup of this storage rather than one of the traced set too.
@@ -930,6 +938,6 @@ const _: () = {
     assert!(core::mem::size_of::<ProbeConfig>() == 52 + 29 * 4 + 8);
     assert!(core::mem::size_of::<CacheRecord>() == 16 + CACHE_NAME_LEN);
     assert!(core::mem::size_of::<SampledKey>() == 16);
-    assert!(core::mem::size_of::<InFlight>() == 48 + 48 + 8);
+    assert!(core::mem::size_of::<InFlight>() == 56 + 48 + 8);
     assert!(core::mem::size_of::<MappingRecord>() == 48 + FILENAME_LEN);
 };

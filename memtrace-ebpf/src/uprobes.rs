@@ -122,6 +122,8 @@ pub(crate) fn try_alloc_enter(ctx: &ProbeContext, cookie: u64, session: bool) ->
         Some(Kind::Mallocx) => (arg(0), 0, (arg(1) & 63) as u8),
         Some(Kind::Rallocx) => (arg(1), arg(0), (arg(2) & 63) as u8),
         Some(Kind::Mmap) => (arg(1), 0, 0),
+        // The new length, the old mapping (unmapped at the return, if it succeeded).
+        Some(Kind::Mremap) => (arg(2), arg(0), 0),
         _ => return Err(()),
     };
     // A read-only mapping of a file (no MAP_ANONYMOUS, no PROT_WRITE) is a view of the file
@@ -134,6 +136,8 @@ pub(crate) fn try_alloc_enter(ctx: &ProbeContext, cookie: u64, session: bool) ->
         return Ok(false);
     }
     let reallocating = matches!(Kind::from_u8(kind), Some(Kind::Realloc | Kind::ReallocArray | Kind::Rallocx));
+    // An mremap's unmapping is recorded whatever the new mapping draws, as munmap's is.
+    let remapping = kind == Kind::Mremap as u8;
     let mean = sampling_mean();
     // Sampling, where an unsampled call skips its return (a session): most calls are drawn
     // out here, before anything is looked up. A call that is not the user's (the allocator
@@ -143,7 +147,7 @@ pub(crate) fn try_alloc_enter(ctx: &ProbeContext, cookie: u64, session: bool) ->
     // probed call made inside an unsampled one, which left no state, is drawn as a call
     // of its own: glibc's mmap under a large malloc, say.) A reallocation draws below,
     // once its old block is known.
-    let drawn = session && mean != 0 && !reallocating;
+    let drawn = session && mean != 0 && !reallocating && !remapping;
     if drawn && !sample_hit(bytes_req, mean) {
         return Ok(false);
     }
@@ -187,7 +191,7 @@ pub(crate) fn try_alloc_enter(ctx: &ProbeContext, cookie: u64, session: bool) ->
             && (!frees_filtered() || may_be_sampled(&old_key) && unsafe { SAMPLED_LIVE.get(old_key) }.is_some());
         sampling = if sample_hit(bytes_req, mean) { inflight::SAMPLE_NEW } else { 0 }
             | if old_sampled { inflight::OLD_SAMPLED } else { 0 };
-        if sampling == 0 && !reallocating {
+        if sampling == 0 && !reallocating && !remapping {
             // Nothing of this call is recorded: its return finds no state. (realloc keeps
             // an empty state, so the malloc it may tail-call, whatever it draws, finds the
             // call already decided: no second chance.)
@@ -208,6 +212,8 @@ pub(crate) fn try_alloc_enter(ctx: &ProbeContext, cookie: u64, session: bool) ->
     slot.ts_entry = if reallocating { unsafe { bpf_ktime_get_ns() } } else { 0 };
     slot.bytes_req = bytes_req;
     slot.ptr_arg = ptr_arg;
+    const MREMAP_DONTUNMAP: u64 = 4;
+    slot.old_len = if remapping && arg(3) & MREMAP_DONTUNMAP == 0 { arg(1) } else { 0 };
     Ok(true)
 }
 
@@ -292,15 +298,27 @@ pub(crate) fn try_alloc_return(ctx: &RetProbeContext) -> Result<Next, ()> {
             // SAFETY: checked read of the caller's result slot.
             unsafe { bpf_probe_read_user(state.ptr_arg as *const u64) }.map_err(|_| ())?
         }
-        Kind::Mmap => {
+        Kind::Mmap | Kind::Mremap => {
             if ret as i64 == -1 {
-                return Ok(Next::Done); // MAP_FAILED
+                return Ok(Next::Done); // MAP_FAILED: an mremap's old mapping is untouched
             }
             ret
         }
         _ => ret,
     };
     let ring = this_ring().ok_or(())?;
+    if kind == Kind::Mremap && state.old_len != 0 {
+        // The old mapping is gone (moved, or resized where it was: the new one follows).
+        emit::<FreeRecord>(ring, |r| {
+            r.rtype = RecordType::Free as u8;
+            r.kind = Kind::Munmap as u8;
+            r.pid = tgid;
+            r.tid = tid;
+            r.arg = state.old_len.div_ceil(4096).min(u32::MAX as u64) as u32;
+            r.ts_ns = now;
+            r.ptr = state.ptr_arg;
+        });
+    }
     let is_realloc = matches!(kind, Kind::Realloc | Kind::ReallocArray | Kind::Rallocx);
     let sampling = sampling_mean() != 0;
     if is_realloc && state.ptr_arg != 0 && state.flags & inflight::OLD_SAMPLED != 0 {
@@ -327,7 +345,7 @@ pub(crate) fn try_alloc_return(ctx: &RetProbeContext) -> Result<Next, ()> {
     if sampling && !insert_sampled(sampled_key(tgid, ptr)) {
         bump(counter::LOST_SAMPLED_LIVE);
     }
-    let (bytes_alloc, exact) = if kind == Kind::Mmap {
+    let (bytes_alloc, exact) = if kind == Kind::Mmap || kind == Kind::Mremap {
         ((state.bytes_req + 4095) & !4095, true)
     } else if state.flags & inflight::GLIBC != 0 {
         match glibc_usable_size(ptr) {
@@ -359,6 +377,8 @@ pub(crate) fn try_alloc_return(ctx: &RetProbeContext) -> Result<Next, ()> {
     };
     let recorded_kind = if kind == Kind::Mmap && state.flags & inflight::NO_ACCESS != 0 {
         Kind::MmapReserved as u8
+    } else if kind == Kind::Mremap {
+        Kind::Mmap as u8
     } else {
         state.kind
     };

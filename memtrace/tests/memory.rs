@@ -300,3 +300,36 @@ fn address_space_reserved_with_prot_none_is_not_user_memory() {
     assert!(user["live_bytes_req"].as_u64().unwrap() < 1 << 30, "the reservation counted as user memory: {user:#}");
     assert!(report["totals"]["reserved"]["live_bytes_req"].as_u64().unwrap() >= 17_179_869_184);
 }
+
+/// mremap moves, resizes and copies mappings: each call is recorded as what it does, the
+/// old mapping unmapped (all of it, or the part it moved) and the new one mapped at the
+/// caller's site, so a mapping moved then unmapped is not left live at its old address.
+#[test]
+fn mappings_moved_resized_and_copied_by_mremap_are_followed() {
+    require_root();
+    let _sharing = sharing_the_machine();
+    let dir = scratch("remap");
+    let data = dir.join("remap.data");
+    let rounds = 20u64;
+    run(memtrace()
+        .args(["record", "-q", "--no-kernel", "-o"])
+        .arg(&data)
+        .arg("--")
+        .arg(workload())
+        .args(["--remap", &rounds.to_string()]));
+    let report = report_json(&data, &["--by", "function"]);
+    for (function, bytes) in
+        [("wl_remap_map", 8192u64), ("wl_remap_grow", 65536), ("wl_remap_shrink", 8192), ("wl_remap_copy", 8192)]
+    {
+        let s = site(&report, function).unwrap_or_else(|| panic!("{function}: {report:#}"));
+        let figures: Vec<u64> =
+            ["allocs", "frees", "bytes_req", "live_allocs", "live_bytes_req"].map(|f| s[f].as_u64().unwrap()).into();
+        assert_eq!(figures, [rounds, rounds, rounds * bytes, 0, 0], "{function}: {s:#}");
+        assert_eq!(s["kinds"], serde_json::json!(["mmap"]), "{function}");
+    }
+    let user = &report["totals"]["user"];
+    assert_eq!(user["unmatched_frees"], 0, "a copy's original (MREMAP_DONTUNMAP) is unmapped once: {user:#}");
+    assert_eq!(user["live_bytes_req"], 0, "{user:#}");
+    // At most: the mapped page left of the first mapping and the 16 pages it grew to.
+    assert_eq!(user["peak_live_bytes_req"], 4096 + 65536, "{user:#}");
+}

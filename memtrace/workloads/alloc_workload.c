@@ -27,6 +27,10 @@
  * each site's figures, its bytes live at the peak and the peak's moment: see wl_peak_run),
  * --reserve BYTES (reserve BYTES of address space with mmap(PROT_NONE) from wl_reserve, as the
  * CUDA driver and allocators do, and map 1 MiB read-write from wl_map_rw; both stay mapped),
+ * --remap N (N rounds of mappings changed by mremap, each unmapped in the end, so nothing
+ * stays live: wl_remap_map maps two pages; wl_remap_grow moves its first to a mapping of 16
+ * pages (the second page is in the way); wl_remap_shrink cuts that to two pages where it is;
+ * wl_remap_copy duplicates it elsewhere with MREMAP_DONTUNMAP, which keeps the original),
  * --sleep-ms MS (pause before starting), --wait-stdin (start once a line is read from
  * stdin), so a recorder can attach with --pid first.
  * --steady-leak (a service that leaks, for `memtrace serve`): a startup burst kept live
@@ -235,6 +239,50 @@ NOINLINE static void *wl_mmap(struct tally *t, size_t n) {
     t->f[S_MMAP].live_bytes_req += n;
     touch(p, n);
     return p;
+}
+
+#ifndef MREMAP_DONTUNMAP
+#define MREMAP_DONTUNMAP 4
+#endif
+#define PAGE 4096
+
+NOIPA static char *wl_remap_map(void) {
+    char *p = mmap(NULL, 2 * PAGE, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (p == MAP_FAILED)
+        abort();
+    p[0] = 1;
+    return p;
+}
+
+NOIPA static char *wl_remap_grow(char *p) {
+    char *q = mremap(p, PAGE, 16 * PAGE, MREMAP_MAYMOVE);
+    if (q == MAP_FAILED || q == p)
+        abort(); /* p's second page is still mapped: growing in place cannot be */
+    return q;
+}
+
+NOIPA static char *wl_remap_shrink(char *q) {
+    char *r = mremap(q, 16 * PAGE, 2 * PAGE, 0);
+    if (r != q)
+        abort();
+    return r;
+}
+
+NOIPA static char *wl_remap_copy(char *r) {
+    char *c = mremap(r, 2 * PAGE, 2 * PAGE, MREMAP_MAYMOVE | MREMAP_DONTUNMAP);
+    if (c == MAP_FAILED || c == r)
+        abort();
+    return c;
+}
+
+static void wl_remap(long rounds) {
+    for (long i = 0; i < rounds; i++) {
+        char *p = wl_remap_map();
+        char *r = wl_remap_shrink(wl_remap_grow(p));
+        char *c = wl_remap_copy(r);
+        if (munmap(p + PAGE, PAGE) || munmap(r, 2 * PAGE) || munmap(c, 2 * PAGE))
+            abort();
+    }
 }
 
 NOINLINE static void *wl_leak(struct tally *t, size_t n) {
@@ -944,6 +992,11 @@ int main(int argc, char **argv) {
     long custom = arg_value(argc, argv, "--custom", 0);
     if (custom > 0) {
         wl_custom(custom, arg_string(argc, argv, "--manifest"));
+        return 0;
+    }
+    long remap = arg_value(argc, argv, "--remap", 0);
+    if (remap > 0) {
+        wl_remap(remap);
         return 0;
     }
     long kernel_sites = arg_value(argc, argv, "--kernel-sites", 0);

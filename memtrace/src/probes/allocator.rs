@@ -39,6 +39,8 @@ fn argument_registers(kind: Kind) -> &'static [Register] {
         Kind::AlignedAlloc | Kind::Memalign => &[Register::RSI],
         // Length, protection, flags (the probe tells a file's mapping by them).
         Kind::Mmap => &[Register::RSI, Register::RDX, Register::RCX],
+        // Old address, old length, new length, flags.
+        Kind::Mremap => &[Register::RDI, Register::RSI, Register::RDX, Register::RCX],
         _ => &[Register::RDI, Register::RSI, Register::RDX],
     }
 }
@@ -235,7 +237,8 @@ const FAMILY: &[(&str, Kind)] = &[
     ("free", Kind::Free),
 ];
 
-const MAPPING: &[(&str, Kind)] = &[("mmap", Kind::Mmap), ("mmap64", Kind::Mmap), ("munmap", Kind::Munmap)];
+const MAPPING: &[(&str, Kind)] =
+    &[("mmap", Kind::Mmap), ("mmap64", Kind::Mmap), ("munmap", Kind::Munmap), ("mremap", Kind::Mremap)];
 
 /// Picks the allocator among `candidates` (in symbol-lookup order).
 pub fn resolve(candidates: &[PathBuf], prefix: &str) -> Result<Allocator> {
@@ -664,7 +667,7 @@ mod tests {
         assert!(alloc.glibc);
         assert!(alloc.object.to_string_lossy().contains("libc.so"));
         let kinds: Vec<Kind> = alloc.points.iter().map(|p| p.kind).collect();
-        for kind in [Kind::Malloc, Kind::Calloc, Kind::Realloc, Kind::Free, Kind::Mmap, Kind::Munmap] {
+        for kind in [Kind::Malloc, Kind::Calloc, Kind::Realloc, Kind::Free, Kind::Mmap, Kind::Munmap, Kind::Mremap] {
             assert!(kinds.contains(&kind), "{kind:?} missing from {kinds:?}");
         }
         // No address is probed twice, or its calls would count twice.

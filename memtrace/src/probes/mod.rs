@@ -515,13 +515,13 @@ impl Probes {
         }
     }
 
-    /// `allocator` less the `mmap`/`munmap` points already probed for `pid` (or for every
+    /// `allocator` less the `mmap`/`munmap`/`mremap` points already probed for `pid` (or for every
     /// process), and those it marked probed.
     fn without_probed_mappings(&mut self, allocator: &Allocator, pid: u32) -> (Allocator, Vec<MappingPoint>) {
         let mut kept = allocator.clone();
         let mut marked = Vec::new();
         kept.points.retain(|p| {
-            if !matches!(p.kind, Kind::Mmap | Kind::Munmap) {
+            if !matches!(p.kind, Kind::Mmap | Kind::Munmap | Kind::Mremap) {
                 return true;
             }
             let key = (allocator::file_id(&p.path), p.offset + p.probe_offset, pid);
@@ -1115,10 +1115,10 @@ mod tests {
         let err = probes.attach_allocator(&broken, me).unwrap_err();
         assert!(format!("{err:#}").contains("zz-memtrace-missing"), "{err:#}");
         assert_eq!(probes.attachments.len(), 0, "the links made before the failure are closed");
-        assert!(probes.mapping_points.is_empty(), "mmap/munmap no longer marked probed");
+        assert!(probes.mapping_points.is_empty(), "mmap/munmap/mremap no longer marked probed");
         probes.attach_allocator(&libc, me).unwrap();
         assert!(!probes.attachments.is_empty());
-        assert_eq!(probes.mapping_points.len(), 2, "mmap and munmap, probed by the second attach");
+        assert_eq!(probes.mapping_points.len(), 3, "mmap, munmap and mremap, probed by the second attach");
     }
 
     /// A table written into a map of its own, a window at a time, is read back from that
