@@ -245,22 +245,32 @@ fn a_full_disk_stops_the_recording_and_keeps_what_was_written() {
     // Beside the every-core load below, the reader fell behind the faster probes and the
     // disk filled only when the recording was finished (a CI run): not side by side.
     let _sharing = sharing_the_machine();
+    // Nanosecond times, 800,000 events: how well they compress depends on the machine's
+    // clock and speed (360-410 KB on one VM, 0.9-1.1 MB on another), so the disk is sized
+    // from the same run written whole first: half of it fills while events are written,
+    // after the first events chunks (each cut at 1 MiB of payload).
+    let record = |data: &Path| {
+        memtrace()
+            .args(["record", "-q", "--exact-times", "-o"])
+            .arg(data)
+            .arg("--")
+            .arg(workload())
+            .args(["--loop", "400000"])
+            .output()
+            .unwrap()
+    };
+    let whole = scratch("full-whole").join("whole.data");
+    assert!(record(&whole).status.success());
+    let size_kib = (fs::metadata(&whole).unwrap().len() / 2).div_ceil(4096) * 4;
     let dir = scratch("full");
-    let mounted =
-        Command::new("mount").args(["-t", "tmpfs", "-o", "size=192k", "memtrace-full"]).arg(&dir).status().unwrap();
+    let mounted = Command::new("mount")
+        .args(["-t", "tmpfs", "-o", &format!("size={size_kib}k"), "memtrace-full"])
+        .arg(&dir)
+        .status()
+        .unwrap();
     assert!(mounted.success());
     let data = dir.join("full.data");
-    // Nanosecond times: the loop's 800,000 events take 360-410 KB in format 8, so they fill
-    // the 192 KiB about half way through, while it runs (room for a whole events chunk or
-    // two, each cut at 1 MiB of payload). With 384 KiB the whole recording fit in some runs.
-    let out = memtrace()
-        .args(["record", "-q", "--exact-times", "-o"])
-        .arg(&data)
-        .arg("--")
-        .arg(workload())
-        .args(["--loop", "400000"])
-        .output()
-        .unwrap();
+    let out = record(&data);
     let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
     assert_eq!(out.status.code(), Some(1), "{stderr}");
     // Whether the disk fills while the command runs or while the last events, the

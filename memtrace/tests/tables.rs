@@ -787,8 +787,12 @@ fn new_processes_started_at_once_on_a_busy_machine_keep_whole_stacks() {
     let report = report_json(&data, &["--domain", "user", "--comm", "python3"]);
     let user = &report["stacks"]["user"];
     eprintln!("{user}");
-    assert!(user["allocs_with_stack"].as_u64().unwrap() > 1000 * n as u64, "{user}");
-    assert_eq!(user["allocs_truncated"], 0, "{user}");
+    let with_stack = user["allocs_with_stack"].as_u64().unwrap();
+    assert!(with_stack > 1000 * n as u64, "{user}");
+    // None for want of ring room (the load's cause); 0.08 % for others in one CI run of a
+    // 2-core machine (24 of 30,592), within the 1 %.
+    assert_eq!(user["allocs_no_room"], 0, "{user}");
+    assert!(user["allocs_truncated"].as_u64().unwrap() * 200 <= with_stack, "over 0.5 % cut short: {user}");
     // The interpreter is described to the probes in time too: 88 % of the allocations
     // have a Python frame (the rest are start-up's), 15–43 % at the load's niceness.
     assert!(

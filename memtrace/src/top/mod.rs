@@ -71,7 +71,8 @@ pub fn run(mut opts: TopOptions) -> Result<i32> {
     // The view owns the screen: the session's own messages would garble it.
     trace.quiet = trace.quiet || !opts.batch;
     let mut tracer = Tracer::start(&trace, |_| Ok(()))?;
-    let mut live = LiveView::new(opts.live_limit, trace.sample_bytes);
+    let everything = matches!(trace.target, crate::session::Target::All);
+    let mut live = LiveView::new(opts.live_limit, trace.sample_bytes, everything);
     live.set_alloc_fns(opts.alloc_fns.clone());
     tracer.release()?;
     let result = if opts.batch {

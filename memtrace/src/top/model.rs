@@ -159,7 +159,10 @@ pub struct ViewOptions {
 }
 
 impl LiveView {
-    pub fn new(live_limit: usize, sample_bytes: Option<u64>) -> Self {
+    /// `forget_ended`: a process's blocks go with it (its exit, or its exec), as under `-a`
+    /// on a busy host, where they would otherwise stay live without end; a traced command's
+    /// or pid's stay, its leaks at exit, as `report` shows them.
+    pub fn new(live_limit: usize, sample_bytes: Option<u64>, forget_ended: bool) -> Self {
         let mut next = 0u32;
         let grouping: Grouping = Box::new(move |_| {
             next += 1;
@@ -168,8 +171,7 @@ impl LiveView {
         let mut analyzer = Analyzer::new(grouping);
         analyzer.live_limit = live_limit;
         analyzer.sample_bytes = sample_bytes;
-        // Live now: a process's blocks go with it (its exit, or its exec).
-        analyzer.forget_ended = true;
+        analyzer.forget_ended = forget_ended;
         Self {
             analyzer,
             namer: Namer::new(),

@@ -435,7 +435,7 @@ fn free(ts: u64, pid: u32, kind: Kind, ptr: u64) -> Event {
 /// Two processes: `web` mallocs 10 × 100 bytes (frees 8) and callocs 1 × 5000; `db`
 /// mallocs 3 × 1000 (frees none); the kernel kmallocs 4 × 64 for `db` (frees 4).
 fn fed_view() -> LiveView {
-    let mut view = LiveView::new(1000, None);
+    let mut view = LiveView::new(1000, None, false);
     view.event(exec(10, "web"));
     view.event(exec(20, "db"));
     let mut ts = 100;
@@ -499,7 +499,24 @@ fn the_model_aggregates_per_process_and_sorts() {
 /// the totals and the live table (`-a` on a busy host filled it with the dead's blocks).
 #[test]
 fn an_exited_process_has_nothing_live() {
-    let mut view = LiveView::new(5, None);
+    // As a traced command's: its leaks at exit stay, as report shows them.
+    let mut kept = LiveView::new(5, None, false);
+    kept.event(exec(30, "ls"));
+    kept.event(alloc(2, 30, Kind::Malloc, 0x1000, 100));
+    kept.event(Event::Task(Task {
+        ts_ns: 10,
+        event: TaskEvent::Exit,
+        flags: flags::GROUP_DEAD,
+        pid: 30,
+        tid: 30,
+        ppid: 1,
+        comm: "ls".into(),
+        filename: String::new(),
+    }));
+    let snap = kept.snapshot(&options(GroupBy::Process, Column::Live), Duration::from_secs(1), 0);
+    assert_eq!(snap.totals[&Domain::User].stats.live_bytes_req, 100);
+    // Under -a: each process's blocks go with it.
+    let mut view = LiveView::new(5, None, true);
     view.event(exec(30, "ls"));
     for i in 0..4 {
         view.event(alloc(2 + i, 30, Kind::Malloc, 0x1000 + i * 0x100, 100));
@@ -602,7 +619,7 @@ fn rows_rates_add_up_to_the_summarys_even_when_names_change() {
 
 #[test]
 fn processes_are_named_even_when_gone_before_they_were_asked() {
-    let mut view = LiveView::new(1000, None);
+    let mut view = LiveView::new(1000, None, false);
     // A process not running any more (no /proc entry): named at its exit.
     let pid = 4_194_000;
     view.event(alloc(10, pid, Kind::Malloc, 0x10, 8));
