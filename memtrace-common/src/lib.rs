@@ -326,7 +326,8 @@ pub mod flags {
     /// own metadata (glibc chunk header) by the probes, or computed from the family's size
     /// classes in user space; otherwise it is a copy of `bytes_req` ("unknown").
     pub const USABLE_EXACT: u8 = 1 << 0;
-    /// The free is the old block of a successful `realloc`/`reallocarray`.
+    /// The free is the old block of a successful `realloc`/`reallocarray`, or the old
+    /// mapping of an `mremap`; the mmap is the new mapping of an `mremap`.
     pub const BY_REALLOC: u8 = 1 << 1;
     /// Kernel event raised in hard-IRQ, soft-IRQ or NMI context: not on behalf of a task.
     pub const IRQ: u8 = 1 << 2;

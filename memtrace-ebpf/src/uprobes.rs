@@ -312,6 +312,7 @@ pub(crate) fn try_alloc_return(ctx: &RetProbeContext) -> Result<Next, ()> {
         emit::<FreeRecord>(ring, |r| {
             r.rtype = RecordType::Free as u8;
             r.kind = Kind::Munmap as u8;
+            r.flags = flags::BY_REALLOC;
             r.pid = tgid;
             r.tid = tid;
             r.arg = state.old_len.div_ceil(4096).min(u32::MAX as u64) as u32;
@@ -386,7 +387,8 @@ pub(crate) fn try_alloc_return(ctx: &RetProbeContext) -> Result<Next, ()> {
         r.rtype = RecordType::UserAlloc as u8;
         r.kind = recorded_kind;
         r.allocator = state.allocator;
-        r.flags = if exact { flags::USABLE_EXACT } else { 0 };
+        r.flags =
+            if exact { flags::USABLE_EXACT } else { 0 } | if kind == Kind::Mremap { flags::BY_REALLOC } else { 0 };
         r.pid = tgid;
         r.tid = tid;
         r.bytes_extra = extra;

@@ -66,8 +66,10 @@ impl std::fmt::Display for Line<'_> {
         }
         match self.event {
             Event::Alloc(a) => {
-                write!(f, "{}/{} cpu{} {} 0x{:x}", a.pid, a.tid, a.cpu, a.kind.name(), a.ptr)?;
-                if matches!(a.kind, Kind::Realloc | Kind::ReallocArray) {
+                let remapped = a.kind == Kind::Mmap && a.flags & flags::BY_REALLOC != 0;
+                let name = if remapped { "mremap" } else { a.kind.name() };
+                write!(f, "{}/{} cpu{} {} 0x{:x}", a.pid, a.tid, a.cpu, name, a.ptr)?;
+                if matches!(a.kind, Kind::Realloc | Kind::ReallocArray) || remapped && self.old.is_some() {
                     write!(f, " old=0x{:x}", self.old.unwrap_or(0))?;
                 }
                 write!(f, " req={} alloc={}", a.bytes_req, a.bytes_alloc)?;
@@ -95,7 +97,7 @@ impl std::fmt::Display for Line<'_> {
             Event::Free(x) => {
                 write!(f, "{}/{} cpu{} {} 0x{:x}", x.pid, x.tid, x.cpu, x.kind.name(), x.ptr)?;
                 if x.flags & flags::BY_REALLOC != 0 {
-                    f.write_str(" (realloc)")?;
+                    f.write_str(if x.kind == Kind::Munmap { " (mremap)" } else { " (realloc)" })?;
                 }
                 if x.arg != 0 {
                     write!(f, " arg={}", x.arg)?;
@@ -152,7 +154,7 @@ impl State {
             // pages the copy faults in) do not.
             Event::Alloc(a) if !a.kind.is_kernel() => {
                 let old = self.realloc_old.remove(&a.tid);
-                if matches!(a.kind, Kind::Realloc | Kind::ReallocArray) {
+                if matches!(a.kind, Kind::Realloc | Kind::ReallocArray | Kind::Mmap) {
                     line.old = old;
                 }
             }

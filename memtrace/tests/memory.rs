@@ -332,4 +332,12 @@ fn mappings_moved_resized_and_copied_by_mremap_are_followed() {
     assert_eq!(user["live_bytes_req"], 0, "{user:#}");
     // At most: the mapped page left of the first mapping and the 16 pages it grew to.
     assert_eq!(user["peak_live_bytes_req"], 4096 + 65536, "{user:#}");
+    let mmaps = &report["user_mmaps"];
+    assert_eq!((mmaps["calls"].as_u64(), mmaps["remaps"].as_u64()), (Some(rounds), Some(3 * rounds)), "{mmaps:#}");
+    // dump: each mremap with the mapping it came from (but the copy's, which stays).
+    let dump = String::from_utf8(run(memtrace().args(["dump", "-i"]).arg(&data)).stdout).unwrap();
+    let remaps: Vec<&str> = dump.lines().filter(|l| l.contains(" mremap 0x")).collect();
+    assert_eq!(remaps.len() as u64, 3 * rounds, "{dump}");
+    assert_eq!(remaps.iter().filter(|l| l.contains(" old=0x")).count() as u64, 2 * rounds, "{dump}");
+    assert_eq!(dump.lines().filter(|l| l.contains(" munmap 0x") && l.contains("(mremap)")).count() as u64, 2 * rounds);
 }

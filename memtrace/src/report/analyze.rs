@@ -80,7 +80,9 @@ pub struct SlabPages {
 /// Anonymous and file mappings the traced programs asked for themselves, after the filters.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
 pub struct UserMmaps {
+    /// mmap calls, and mremap calls (each a new mapping).
     pub calls: u64,
+    pub remaps: u64,
     pub bytes_alloc: u64,
 }
 
@@ -469,7 +471,11 @@ pub fn analyze(path: &Path, opts: &ReportOptions) -> Result<Summary> {
                         && filters.admits_size(a.bytes_req)
                         && !other_allocator(a) =>
                 {
-                    user_mmaps.calls += 1;
+                    if a.flags & memtrace_common::flags::BY_REALLOC != 0 {
+                        user_mmaps.remaps += 1;
+                    } else {
+                        user_mmaps.calls += 1;
+                    }
                     user_mmaps.bytes_alloc += a.bytes_alloc;
                 }
                 Event::Free(f) if user_heap(f.kind) => {

@@ -63,10 +63,14 @@ pub fn render_text(a: &Summary, opts: &ReportOptions) -> String {
                 r.module, r.family, r.allocs, r.frees
             );
         }
-        if a.user_mmaps.calls > 0 {
+        if a.user_mmaps.calls + a.user_mmaps.remaps > 0 {
+            let remaps = match a.user_mmaps.remaps {
+                0 => String::new(),
+                n => format!(" and {}", counted(n, "mremap", "mremaps")),
+            };
             let _ = writeln!(
                 out,
-                "mmap: {} outside the allocators ({}), counted in the user row beside their allocations",
+                "mmap: {}{remaps} outside the allocators ({}), counted in the user row beside their allocations",
                 counted(a.user_mmaps.calls, "call", "calls"),
                 bytes(a.user_mmaps.bytes_alloc)
             );

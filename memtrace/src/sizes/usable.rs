@@ -178,7 +178,8 @@ impl UsableSizes {
 
     fn free(&mut self, f: &Free) {
         let old = self.live.get_mut(&f.pid).and_then(|m| m.remove(&f.ptr));
-        if f.flags & flags::BY_REALLOC != 0 {
+        // (An mremap's old mapping is not a heap block: no realloc takes it.)
+        if f.flags & flags::BY_REALLOC != 0 && f.kind == Kind::Free {
             self.realloc_old.insert(f.tid, old);
         }
     }
