@@ -294,6 +294,9 @@ pub struct Analyzer<G: FnMut(&Origin) -> u32> {
     /// count as live, nor take room in the live table (`top`: "live now"). Unset (`report`),
     /// they stay live to the end as leaked at exit.
     pub forget_ended: bool,
+    /// With `forget_ended`, the process whose blocks stay when it ends: the traced
+    /// command's or pid's, its leaks at exit (its children's go with them).
+    pub keep_ended: Option<u32>,
     /// Allocations not followed because the table was full.
     pub untracked: u64,
     /// The recording sampled user allocations (each byte with probability 1/this): each
@@ -338,6 +341,7 @@ impl<G: FnMut(&Origin) -> u32> Analyzer<G> {
             live_limit: usize::MAX,
             live_count: 0,
             forget_ended: false,
+            keep_ended: None,
             untracked: 0,
             sample_bytes: None,
             sample_from: None,
@@ -683,7 +687,7 @@ impl<G: FnMut(&Origin) -> u32> Analyzer<G> {
             block.orphaned = true;
             self.live_changed(&block, false, ts_ns);
             self.groups[block.group as usize].leaked_at_exit += block.count;
-            if self.forget_ended {
+            if self.forget_ended && self.keep_ended != Some(pid) {
                 self.live_count -= 1;
                 self.groups[block.group as usize].on_gone(&block);
                 self.totals(block.kind, block.stack).stats.on_gone(&block);

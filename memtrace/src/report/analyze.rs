@@ -80,7 +80,7 @@ pub struct SlabPages {
 /// Anonymous and file mappings the traced programs asked for themselves, after the filters.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
 pub struct UserMmaps {
-    /// mmap calls, and mremap calls (each a new mapping).
+    /// mmap calls, and mremap calls (each a new mapping): the mappings are the sum.
     pub calls: u64,
     pub remaps: u64,
     pub bytes_alloc: u64,

@@ -51,6 +51,7 @@ pub fn check_filters(summary: &Summary, filters: &Filters, input: &Path) -> anyh
     let at = input.display();
     if let Some(pid) = filters.pid
         && !summary.comms.contains_key(&pid)
+        && !summary.allocs_by_pid.contains_key(&pid)
         && !summary.meta.target_pids.contains(&pid)
     {
         anyhow::bail!("pid {pid} is not in {at}: {}", processes(summary));
@@ -58,8 +59,8 @@ pub fn check_filters(summary: &Summary, filters: &Filters, input: &Path) -> anyh
     if let Some(comm) = &filters.comm
         && !summary.comms.values().any(|c| c == comm)
     {
-        // The kernel keeps a name's first 15 bytes (TASK_COMM_LEN).
-        let cut = comm.char_indices().nth(15).map(|(i, _)| &comm[..i]);
+        // The kernel keeps a name's first 15 bytes (TASK_COMM_LEN), cut at a character.
+        let cut = (comm.len() > 15).then(|| &comm[..comm.floor_char_boundary(15)]);
         let hint = match cut {
             Some(cut) if summary.comms.values().any(|c| c == cut) => {
                 format!(" (the kernel keeps a name's first 15 characters: --comm {cut})")
@@ -89,7 +90,9 @@ pub fn check_filters(summary: &Summary, filters: &Filters, input: &Path) -> anyh
 /// The processes a recording has allocations of, most first: `it has sort [12] (4,000
 /// allocations), …`.
 fn processes(summary: &Summary) -> String {
-    let mut pids: Vec<(u32, u64)> = summary.allocs_by_pid.iter().map(|(&p, &n)| (p, n)).collect();
+    // Not pid 0: kernel allocations in interrupts, no process's.
+    let mut pids: Vec<(u32, u64)> =
+        summary.allocs_by_pid.iter().filter(|&(&p, _)| p != 0).map(|(&p, &n)| (p, n)).collect();
     if pids.is_empty() {
         return "it has no process's allocations".into();
     }

@@ -281,6 +281,12 @@ fn filters_naming_nothing_recorded_fail_with_what_there_is() {
     assert_eq!(check(Filters { comm: Some("app".into()), min_size: Some(1 << 40), ..Default::default() }), Ok(()));
     assert_eq!(check(Filters { allocator: Some("unknown".into()), ..Default::default() }), Ok(()));
     assert_eq!(check(Filters { pid: Some(PID), ..Default::default() }), Ok(()));
+    // A process with allocations but no name (it exited before it could be read).
+    let filters = Filters { pid: Some(PID), min_size: Some(1 << 40), ..Default::default() };
+    let mut nameless = summary(&ReportOptions { filters: filters.clone(), ..Default::default() });
+    nameless.comms.clear();
+    nameless.meta.target_pids.clear();
+    assert!(super::check_filters(&nameless, &filters, path).is_ok());
     // A name the kernel cut to 15 characters: the cut one is suggested.
     let mut s = summary(&ReportOptions::default());
     s.comms.insert(PID, "a_long_program_".into());

@@ -64,14 +64,15 @@ pub fn render_text(a: &Summary, opts: &ReportOptions) -> String {
             );
         }
         if a.user_mmaps.calls + a.user_mmaps.remaps > 0 {
-            let remaps = match a.user_mmaps.remaps {
-                0 => String::new(),
-                n => format!(" and {}", counted(n, "mremap", "mremaps")),
-            };
+            let calls = [(a.user_mmaps.calls, "call", "calls"), (a.user_mmaps.remaps, "mremap", "mremaps")]
+                .into_iter()
+                .filter(|c| c.0 > 0)
+                .map(|(n, one, many)| counted(n, one, many))
+                .collect::<Vec<_>>()
+                .join(" and ");
             let _ = writeln!(
                 out,
-                "mmap: {}{remaps} outside the allocators ({}), counted in the user row beside their allocations",
-                counted(a.user_mmaps.calls, "call", "calls"),
+                "mmap: {calls} outside the allocators ({}), counted in the user row beside their allocations",
                 bytes(a.user_mmaps.bytes_alloc)
             );
         }

@@ -71,8 +71,7 @@ pub fn run(mut opts: TopOptions) -> Result<i32> {
     // The view owns the screen: the session's own messages would garble it.
     trace.quiet = trace.quiet || !opts.batch;
     let mut tracer = Tracer::start(&trace, |_| Ok(()))?;
-    let everything = matches!(trace.target, crate::session::Target::All);
-    let mut live = LiveView::new(opts.live_limit, trace.sample_bytes, everything);
+    let mut live = LiveView::new(opts.live_limit, trace.sample_bytes, tracer.target_pid);
     live.set_alloc_fns(opts.alloc_fns.clone());
     tracer.release()?;
     let result = if opts.batch {

@@ -159,10 +159,11 @@ pub struct ViewOptions {
 }
 
 impl LiveView {
-    /// `forget_ended`: a process's blocks go with it (its exit, or its exec), as under `-a`
-    /// on a busy host, where they would otherwise stay live without end; a traced command's
-    /// or pid's stay, its leaks at exit, as `report` shows them.
-    pub fn new(live_limit: usize, sample_bytes: Option<u64>, forget_ended: bool) -> Self {
+    /// A process's blocks go with it (its exit, or its exec): on a busy host (`-a`), or
+    /// under a command that runs many (`make`), they would otherwise stay live without end.
+    /// But `keep`'s, the traced command's or pid's, stay: its leaks at exit, as `report`
+    /// shows them.
+    pub fn new(live_limit: usize, sample_bytes: Option<u64>, keep: Option<u32>) -> Self {
         let mut next = 0u32;
         let grouping: Grouping = Box::new(move |_| {
             next += 1;
@@ -171,7 +172,8 @@ impl LiveView {
         let mut analyzer = Analyzer::new(grouping);
         analyzer.live_limit = live_limit;
         analyzer.sample_bytes = sample_bytes;
-        analyzer.forget_ended = forget_ended;
+        analyzer.forget_ended = true;
+        analyzer.keep_ended = keep;
         Self {
             analyzer,
             namer: Namer::new(),

@@ -435,7 +435,7 @@ fn free(ts: u64, pid: u32, kind: Kind, ptr: u64) -> Event {
 /// Two processes: `web` mallocs 10 × 100 bytes (frees 8) and callocs 1 × 5000; `db`
 /// mallocs 3 × 1000 (frees none); the kernel kmallocs 4 × 64 for `db` (frees 4).
 fn fed_view() -> LiveView {
-    let mut view = LiveView::new(1000, None, false);
+    let mut view = LiveView::new(1000, None, None);
     view.event(exec(10, "web"));
     view.event(exec(20, "db"));
     let mut ts = 100;
@@ -499,24 +499,29 @@ fn the_model_aggregates_per_process_and_sorts() {
 /// the totals and the live table (`-a` on a busy host filled it with the dead's blocks).
 #[test]
 fn an_exited_process_has_nothing_live() {
-    // As a traced command's: its leaks at exit stay, as report shows them.
-    let mut kept = LiveView::new(5, None, false);
-    kept.event(exec(30, "ls"));
-    kept.event(alloc(2, 30, Kind::Malloc, 0x1000, 100));
-    kept.event(Event::Task(Task {
-        ts_ns: 10,
-        event: TaskEvent::Exit,
-        flags: flags::GROUP_DEAD,
-        pid: 30,
-        tid: 30,
-        ppid: 1,
-        comm: "ls".into(),
-        filename: String::new(),
-    }));
+    let exit = |pid: u32, ts_ns: u64| {
+        Event::Task(Task {
+            ts_ns,
+            event: TaskEvent::Exit,
+            flags: flags::GROUP_DEAD,
+            pid,
+            tid: pid,
+            ppid: 1,
+            comm: "ls".into(),
+            filename: String::new(),
+        })
+    };
+    // The traced command's leaks at exit stay, as report shows them; its children's go.
+    let mut kept = LiveView::new(5, None, Some(30));
+    for pid in [30, 40] {
+        kept.event(exec(pid, "ls"));
+        kept.event(alloc(u64::from(pid), pid, Kind::Malloc, 0x1000, 100 + u64::from(pid)));
+        kept.event(exit(pid, u64::from(pid) + 1));
+    }
     let snap = kept.snapshot(&options(GroupBy::Process, Column::Live), Duration::from_secs(1), 0);
-    assert_eq!(snap.totals[&Domain::User].stats.live_bytes_req, 100);
-    // Under -a: each process's blocks go with it.
-    let mut view = LiveView::new(5, None, true);
+    assert_eq!(snap.totals[&Domain::User].stats.live_bytes_req, 130);
+    // Under -a (no target): each process's blocks go with it.
+    let mut view = LiveView::new(5, None, None);
     view.event(exec(30, "ls"));
     for i in 0..4 {
         view.event(alloc(2 + i, 30, Kind::Malloc, 0x1000 + i * 0x100, 100));
@@ -526,16 +531,7 @@ fn an_exited_process_has_nothing_live() {
         (snap.rows.first().map_or(0, |r| r.stats.live_bytes_req), snap.totals[&Domain::User].stats.live_bytes_req)
     };
     assert_eq!(live(&mut view), (400, 400));
-    view.event(Event::Task(Task {
-        ts_ns: 10,
-        event: TaskEvent::Exit,
-        flags: flags::GROUP_DEAD,
-        pid: 30,
-        tid: 30,
-        ppid: 1,
-        comm: "ls".into(),
-        filename: String::new(),
-    }));
+    view.event(exit(30, 10));
     assert_eq!(live(&mut view), (0, 0));
     // Its blocks no longer hold the live table (5 blocks at most): the next ones are followed.
     view.event(exec(31, "ls"));
@@ -619,7 +615,7 @@ fn rows_rates_add_up_to_the_summarys_even_when_names_change() {
 
 #[test]
 fn processes_are_named_even_when_gone_before_they_were_asked() {
-    let mut view = LiveView::new(1000, None, false);
+    let mut view = LiveView::new(1000, None, None);
     // A process not running any more (no /proc entry): named at its exit.
     let pid = 4_194_000;
     view.event(alloc(10, pid, Kind::Malloc, 0x10, 8));
