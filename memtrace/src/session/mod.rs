@@ -363,8 +363,11 @@ impl Tracer {
         // allocator names, and the disk cache in use.
         let remembers = is_command && options.user && options.symbol_prefix.is_empty() && options.unwind.disk_cache;
         let remembered = program.clone().filter(|_| remembers).map(remembered::look_up);
-        let mut unwinder = (options.call_graph != CallGraph::Fp && options.user_stacks && options.user)
-            .then(|| Unwinder::new(&options.unwind));
+        // The user stacks of kernel allocations need the tables too (`--no-user`): without
+        // them each walk stopped at its first frame and sent a stack copy no one read (136 MB
+        // of ring for a program faulting in 64 MiB, whose stacks then waited for room).
+        let mut unwinder =
+            (options.call_graph != CallGraph::Fp && options.user_stacks).then(|| Unwinder::new(&options.unwind));
         let program_files = program.as_deref().map(probes::allocator::program_files).unwrap_or_default();
         if let (Some(u), Some(program)) = (unwinder.as_mut(), &program) {
             // The program's own files: their tables are built while the probes load.
