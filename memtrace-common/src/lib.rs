@@ -732,6 +732,9 @@ pub struct KernelLayout {
     pub ri_stack: u32,
     pub ri_orig_ret_vaddr: u32,
     pub ri_next: u32,
+    /// `vm_area_struct.vm_flags` and `vm_file`: what an mremap's old mapping is (`vma`).
+    pub vma_flags: u32,
+    pub vma_file: u32,
     /// Keeps `ProbeConfig::sample_bytes` aligned with no padding.
     pub _pad: u32,
 }
@@ -823,6 +826,8 @@ impl ProbeConfig {
                 ri_stack: 0,
                 ri_orig_ret_vaddr: 0,
                 ri_next: 0,
+                vma_flags: 0,
+                vma_file: 0,
                 _pad: 0,
             },
             sample_bytes: 0,
@@ -935,8 +940,8 @@ const _: () = {
     assert!((MAX_USER_DEPTH + 1).is_power_of_two() && MAX_USER_DEPTH <= u16::MAX as usize);
     assert!(core::mem::size_of::<UserFrame>() == 32);
     assert!(core::mem::size_of::<TaskRecord>() == 56 + COMM_LEN + FILENAME_LEN);
-    assert!(core::mem::size_of::<KernelLayout>() == 29 * 4);
-    assert!(core::mem::size_of::<ProbeConfig>() == 52 + 29 * 4 + 8);
+    assert!(core::mem::size_of::<KernelLayout>() == 31 * 4);
+    assert!(core::mem::size_of::<ProbeConfig>() == 52 + 31 * 4 + 8);
     assert!(core::mem::size_of::<CacheRecord>() == 16 + CACHE_NAME_LEN);
     assert!(core::mem::size_of::<SampledKey>() == 16);
     assert!(core::mem::size_of::<InFlight>() == 56 + 48 + 8);

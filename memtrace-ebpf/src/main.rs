@@ -35,6 +35,7 @@ mod syscall;
 mod task;
 mod unwind;
 mod uprobes;
+mod vma;
 
 #[cfg(not(test))]
 #[panic_handler]

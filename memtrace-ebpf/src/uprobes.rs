@@ -24,6 +24,7 @@ use crate::{
     sampling::{
         frees_filtered, insert_sampled, may_be_sampled, remove_sampled, sample_hit, sampled_key, sampling_mean,
     },
+    vma::{Vma, vma_at},
 };
 
 // ---------------------------------------------------------------------------------------
@@ -157,6 +158,12 @@ pub(crate) fn try_alloc_enter(ctx: &ProbeContext, cookie: u64, session: bool) ->
         bump(counter::LOST_INFLIGHT);
         return Ok(false);
     };
+    // An mremap's mapping is what its mmap was: a file's read-only view is left alone
+    // (neither its unmapping nor the new one is memory), a reservation stays reserved.
+    let old_vma = if remapping { vma_at(ptr_arg) } else { Vma::Unknown };
+    if old_vma == Vma::FileView {
+        return Ok(false);
+    }
     let glibc = if cookie & memtrace_common::cookie::GLIBC != 0 { inflight::GLIBC } else { 0 }
         | if cookie & memtrace_common::cookie::MIMALLOC != 0 { inflight::MIMALLOC } else { 0 };
     // SAFETY: ctx is this probe's pt_regs.
@@ -199,7 +206,8 @@ pub(crate) fn try_alloc_enter(ctx: &ProbeContext, cookie: u64, session: bool) ->
         }
     }
     // PROT_NONE (0): address space only.
-    let no_access = if kind == Kind::Mmap as u8 && arg(2) == 0 { inflight::NO_ACCESS } else { 0 };
+    let no_access =
+        if kind == Kind::Mmap as u8 && arg(2) == 0 || old_vma == Vma::NoAccess { inflight::NO_ACCESS } else { 0 };
     // Field by field: the pending record and claim after them are the return's to write.
     slot.kind = kind;
     slot.flags = sampling | glibc | no_access;
@@ -376,7 +384,7 @@ pub(crate) fn try_alloc_return(ctx: &RetProbeContext) -> Result<Next, ()> {
     } else {
         0
     };
-    let recorded_kind = if kind == Kind::Mmap && state.flags & inflight::NO_ACCESS != 0 {
+    let recorded_kind = if matches!(kind, Kind::Mmap | Kind::Mremap) && state.flags & inflight::NO_ACCESS != 0 {
         Kind::MmapReserved as u8
     } else if kind == Kind::Mremap {
         Kind::Mmap as u8

@@ -66,8 +66,12 @@ impl std::fmt::Display for Line<'_> {
         }
         match self.event {
             Event::Alloc(a) => {
-                let remapped = a.kind == Kind::Mmap && a.flags & flags::BY_REALLOC != 0;
-                let name = if remapped { "mremap" } else { a.kind.name() };
+                let remapped = matches!(a.kind, Kind::Mmap | Kind::MmapReserved) && a.flags & flags::BY_REALLOC != 0;
+                let name = match (remapped, a.kind) {
+                    (true, Kind::MmapReserved) => "mremap_reserve",
+                    (true, _) => "mremap",
+                    _ => a.kind.name(),
+                };
                 write!(f, "{}/{} cpu{} {} 0x{:x}", a.pid, a.tid, a.cpu, name, a.ptr)?;
                 if matches!(a.kind, Kind::Realloc | Kind::ReallocArray) || remapped && self.old.is_some() {
                     write!(f, " old=0x{:x}", self.old.unwrap_or(0))?;
@@ -154,7 +158,7 @@ impl State {
             // pages the copy faults in) do not.
             Event::Alloc(a) if !a.kind.is_kernel() => {
                 let old = self.realloc_old.remove(&a.tid);
-                if matches!(a.kind, Kind::Realloc | Kind::ReallocArray | Kind::Mmap) {
+                if matches!(a.kind, Kind::Realloc | Kind::ReallocArray | Kind::Mmap | Kind::MmapReserved) {
                     line.old = old;
                 }
             }

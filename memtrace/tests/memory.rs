@@ -303,7 +303,8 @@ fn address_space_reserved_with_prot_none_is_not_user_memory() {
 
 /// mremap moves, resizes and copies mappings: each call is recorded as what it does, the
 /// old mapping unmapped (all of it, or the part it moved) and the new one mapped at the
-/// caller's site, so a mapping moved then unmapped is not left live at its old address.
+/// caller's site, so a mapping moved then unmapped is not left live at its old address;
+/// as its mmap was: a file's read-only view not at all, a reservation as reserved.
 #[test]
 fn mappings_moved_resized_and_copied_by_mremap_are_followed() {
     require_root();
@@ -327,6 +328,14 @@ fn mappings_moved_resized_and_copied_by_mremap_are_followed() {
         assert_eq!(figures, [rounds, rounds, rounds * bytes, 0, 0], "{function}: {s:#}");
         assert_eq!(s["kinds"], serde_json::json!(["mmap"]), "{function}");
     }
+    // A read-only view of a file is no memory, moved or not (mremap has no protection
+    // argument: the probe looks the mapping up); a reservation stays reserved.
+    assert!(site(&report, "wl_remap_view").is_none(), "a file's view recorded: {report:#}");
+    let reserve = site(&report, "wl_remap_reserve").unwrap_or_else(|| panic!("wl_remap_reserve: {report:#}"));
+    let figures: Vec<u64> =
+        ["allocs", "frees", "bytes_req", "live_bytes_req"].map(|f| reserve[f].as_u64().unwrap()).into();
+    assert_eq!(figures, [2 * rounds, 2 * rounds, rounds * 18 * 4096, 0], "{reserve:#}");
+    assert_eq!(reserve["domain"], "reserved", "{reserve:#}");
     let user = &report["totals"]["user"];
     assert_eq!(user["unmatched_frees"], 0, "a copy's original (MREMAP_DONTUNMAP) is unmapped once: {user:#}");
     assert_eq!(user["live_bytes_req"], 0, "{user:#}");
@@ -339,5 +348,8 @@ fn mappings_moved_resized_and_copied_by_mremap_are_followed() {
     let remaps: Vec<&str> = dump.lines().filter(|l| l.contains(" mremap 0x")).collect();
     assert_eq!(remaps.len() as u64, 3 * rounds, "{dump}");
     assert_eq!(remaps.iter().filter(|l| l.contains(" old=0x")).count() as u64, 2 * rounds, "{dump}");
-    assert_eq!(dump.lines().filter(|l| l.contains(" munmap 0x") && l.contains("(mremap)")).count() as u64, 2 * rounds);
+    let reserved: Vec<&str> = dump.lines().filter(|l| l.contains(" mremap_reserve 0x")).collect();
+    assert_eq!(reserved.iter().filter(|l| l.contains(" old=0x")).count() as u64, rounds, "{dump}");
+    // The moves' and the reservations' (not the copy's).
+    assert_eq!(dump.lines().filter(|l| l.contains(" munmap 0x") && l.contains("(mremap)")).count() as u64, 3 * rounds);
 }

@@ -30,7 +30,10 @@
  * --remap N (N rounds of mappings changed by mremap, each unmapped in the end, so nothing
  * stays live: wl_remap_map maps two pages; wl_remap_grow moves its first to a mapping of 16
  * pages (the second page is in the way); wl_remap_shrink cuts that to two pages where it is;
- * wl_remap_copy duplicates it elsewhere with MREMAP_DONTUNMAP, which keeps the original),
+ * wl_remap_copy duplicates it elsewhere with MREMAP_DONTUNMAP, which keeps the original;
+ * wl_remap_view grows a read-only view of the program's file from one page to four, which
+ * is not memory allocated; wl_remap_reserve grows a PROT_NONE reservation from two pages
+ * to sixteen, which stays reserved address space),
  * --sleep-ms MS (pause before starting), --wait-stdin (start once a line is read from
  * stdin), so a recorder can attach with --pid first.
  * --steady-leak (a service that leaks, for `memtrace serve`): a startup burst kept live
@@ -48,6 +51,7 @@
 #define _GNU_SOURCE
 #include <dlfcn.h>
 #include <errno.h>
+#include <fcntl.h>
 #include <malloc.h>
 #include <pthread.h>
 #include <signal.h>
@@ -275,14 +279,38 @@ NOIPA static char *wl_remap_copy(char *r) {
     return c;
 }
 
+NOIPA static void wl_remap_view(int fd) {
+    char *v = mmap(NULL, PAGE, PROT_READ, MAP_PRIVATE, fd, 0);
+    if (v == MAP_FAILED)
+        abort();
+    char *w = mremap(v, PAGE, 4 * PAGE, MREMAP_MAYMOVE);
+    if (w == MAP_FAILED || munmap(w, 4 * PAGE))
+        abort();
+}
+
+NOIPA static void wl_remap_reserve(void) {
+    char *v = mmap(NULL, 2 * PAGE, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    if (v == MAP_FAILED)
+        abort();
+    char *w = mremap(v, 2 * PAGE, 16 * PAGE, MREMAP_MAYMOVE);
+    if (w == MAP_FAILED || munmap(w, 16 * PAGE))
+        abort();
+}
+
 static void wl_remap(long rounds) {
+    int fd = open("/proc/self/exe", O_RDONLY);
+    if (fd < 0)
+        abort();
     for (long i = 0; i < rounds; i++) {
         char *p = wl_remap_map();
         char *r = wl_remap_shrink(wl_remap_grow(p));
         char *c = wl_remap_copy(r);
         if (munmap(p + PAGE, PAGE) || munmap(r, 2 * PAGE) || munmap(c, 2 * PAGE))
             abort();
+        wl_remap_view(fd);
+        wl_remap_reserve();
     }
+    close(fd);
 }
 
 NOINLINE static void *wl_leak(struct tally *t, size_t n) {

@@ -800,6 +800,8 @@ fn kernel_layout(btf: &Btf) -> Result<KernelLayout> {
         ri_stack: f("return_instance", "stack")?,
         ri_orig_ret_vaddr: f("return_instance", "orig_ret_vaddr")?,
         ri_next: f("return_instance", "next")?,
+        vma_flags: f("vm_area_struct", "vm_flags")?,
+        vma_file: f("vm_area_struct", "vm_file")?,
         _pad: 0,
     })
 }
