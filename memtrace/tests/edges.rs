@@ -907,12 +907,17 @@ fn the_kernel_allocations_of_a_process_exiting_are_counted() {
         &dir,
         "exit_pages",
         r#"
+#include <stdlib.h>
 #include <sys/mman.h>
+#include <unistd.h>
 int main(void) {
     unsigned long n = 64ul << 20;
     char *p = mmap(0, n, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
     for (unsigned long i = 0; i < n; i += 4096)
         p[i] = 1;
+    usleep(300000); /* time for any probe to be attached */
+    for (int i = 0; i < 100; i++)
+        free(malloc(1000));
     return 0; /* left to the exit to free */
 }
 "#,
@@ -941,6 +946,9 @@ int main(void) {
     assert_eq!(report["stacks"]["kernel"]["allocs_truncated"], 0, "{:#}", report["stacks"]);
     let copies = report["recorder"]["ring_bytes"]["stack_copies"].as_u64().unwrap();
     assert!(copies < 1 << 20, "{copies} bytes of stack copies: {:#}", report["recorder"]);
+    // The mappings the tables follow do not get the C library's malloc probed.
+    let user = report["totals"]["user"]["allocs"].as_u64().unwrap_or(0);
+    assert_eq!(user, 0, "user allocations under --no-user: {:#}", report["totals"]);
 }
 
 /// The pages the slab allocators take (a new slab of a cache) hold objects counted at their

@@ -241,7 +241,8 @@ impl Tracer {
     /// [`Self::attach_found_allocators`] takes the answer.
     /// (`mapped`: the process that mapped it and when, where a mapping record said so.)
     pub(super) fn check_object(&mut self, object: PathBuf, mapped: Option<(u32, u64)>) {
-        if !self.checked_objects.insert(object.clone()) {
+        // `--no-user`: no allocator is probed, whatever the processes map.
+        if !self.options.user || !self.checked_objects.insert(object.clone()) {
             return;
         }
         let id = probes::allocator::file_id(&object);
