@@ -155,6 +155,17 @@ fn python_lines_are_in_the_stacks_of_a_command() {
     assert!(f["allocs"].as_u64().unwrap() >= 3 && f["bytes_req"].as_u64().unwrap() >= 3_000_012, "{f:#}");
     assert!(rows.iter().any(|s| s["function"] == "g.<locals>.<listcomp>"));
     assert!(rows.iter().any(|s| s["function"] == "h"));
+    // Kernel allocations alone (`--no-user`) name the Python lines above them too: f's
+    // bytearrays fault their pages in.
+    run(memtrace().args(["record", "-q", "--force", "--no-user", "-o"]).arg(&data).arg("--").arg(PYTHON).arg(script()));
+    let out = run(memtrace().args(["export", "--format", "folded", "-i"]).arg(&data));
+    let folded = String::from_utf8(out.stdout).unwrap();
+    assert!(
+        folded.lines().any(|line| line.contains(&chain) && line.contains(";asm_exc_page_fault_[k];")),
+        "no page fault under {chain} with --no-user"
+    );
+    let report = report_json(&data, &[]);
+    assert!(report["stacks"]["kernel"]["allocs_with_python"].as_u64().unwrap() > 0, "{:#}", report["stacks"]);
 }
 
 #[test]

@@ -122,7 +122,7 @@ const MAX_PENDING: usize = 65536;
 
 impl Tracer {
     fn python_wanted(&self) -> bool {
-        self.options.user && self.options.user_stacks && self.options.python_frames == PythonFrames::On
+        self.options.user_stacks && self.options.python_frames == PythonFrames::On
     }
 
     /// Looks for an interpreter in `pid` and tells the probes what was found.
