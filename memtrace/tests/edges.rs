@@ -309,6 +309,29 @@ fn ctrl_c_is_passed_on_and_tracing_goes_on_until_the_command_exits() {
     assert_eq!((report["exit_code"].as_i64(), report["finalized"].as_bool()), (Some(7), Some(true)));
 }
 
+/// `timeout -s INT` signals memtrace and then its whole process group (the command too),
+/// microseconds apart: one interrupt, not a second Ctrl-C that leaves the command running
+/// untraced and loses its exit status.
+#[test]
+fn an_interrupt_sent_to_memtrace_and_its_group_at_once_is_one() {
+    require_root();
+    let _sharing = sharing_the_machine();
+    let dir = scratch("sigint-group");
+    let data = dir.join("t.data");
+    let out = Command::new("timeout")
+        .args(["-s", "INT", "0.5", env!("CARGO_BIN_EXE_memtrace")])
+        .args(["record", "--no-kernel", "-o"])
+        .arg(&data)
+        .args(["--", "sh", "-c", "trap 'sleep 0.3; exit 3' INT; sleep 5"])
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!stderr.contains("left running"), "{stderr}");
+    assert!(stderr.contains("the command exited with status 3"), "{stderr}");
+    let report = report_json(&data, &[]);
+    assert_eq!((report["exit_code"].as_i64(), report["finalized"].as_bool()), (Some(3), Some(true)));
+}
+
 #[test]
 fn a_second_ctrl_c_stops_tracing_and_leaves_the_command_running() {
     require_root();

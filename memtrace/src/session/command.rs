@@ -7,13 +7,20 @@ use super::{Tracer, spawn};
 /// After a signal was passed to the command, how long an agent waits for it to exit.
 const CHILD_GRACE: Duration = Duration::from_secs(2);
 
+/// The same signal again within this long is the first one seen twice, not a second
+/// Ctrl-C: `timeout -s INT` signals memtrace and then its whole process group, a few
+/// microseconds apart (the second was taken as "stop and leave it running", and the
+/// command's exit status was lost). A person's second Ctrl-C comes much later.
+const REPEAT_WINDOW: Duration = Duration::from_millis(50);
+
 impl Tracer {
     /// Decides what a signal does, like perf: a command gets the first one and tracing
     /// goes on until it exits (it decides how to stop, or whether to); a second one stops
     /// tracing and leaves the command running. Anything else stops the session at once.
     /// Ctrl-C at a terminal already reached the command (the terminal signals the whole
     /// foreground process group), so it is passed on only when it came from elsewhere
-    /// (`kill`): the command sees each Ctrl-C once. Returns whether to stop now.
+    /// (`kill`): the command sees each Ctrl-C once. The same signal again within
+    /// [`REPEAT_WINDOW`] is the first one delivered twice. Returns whether to stop now.
     pub fn on_signal(&mut self, sig: i32) -> bool {
         match (self.is_command, self.forwarded_signal, self.target_pid) {
             (true, None, Some(pid)) => {
@@ -30,6 +37,7 @@ impl Tracer {
                 }
                 false
             }
+            (true, Some((first, at)), _) if first == sig && at.elapsed() < REPEAT_WINDOW => false,
             _ => true,
         }
     }
