@@ -282,8 +282,14 @@ fn export(args: ExportArgs) -> Result<i32> {
         // As gzip refuses to: the profile is gzip-compressed bytes.
         bail!("a pprof profile is binary (gzip-compressed): give -o FILE.pb.gz (or redirect the output)");
     }
-    let opts =
-        ReportOptions { by: GroupBy::Stack, filters: args.filters.into(), split_processes: true, ..Default::default() };
+    let opts = ReportOptions {
+        by: GroupBy::Stack,
+        filters: args.filters.into(),
+        split_processes: true,
+        // Each export names its rows one at a time.
+        rows_unnamed: true,
+        ..Default::default()
+    };
     let summary = report::analyze(&args.input, &opts)?;
     report::check_filters(&summary, &opts.filters, &args.input)?;
     let base = args.diff_base.as_ref().map(|p| report::analyze(p, &opts)).transpose()?;
@@ -692,6 +698,7 @@ fn report(args: ReportArgs) -> Result<i32> {
         timeline: args.timeline || args.format == Format::Html,
         histogram: args.histogram,
         alloc_fns: args.sites.alloc_fns(),
+        rows_unnamed: false,
     };
     let text = match opts.format {
         Format::Html => report::html::render_html(&args.input, &opts)?,

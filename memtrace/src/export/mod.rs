@@ -129,10 +129,20 @@ pub fn folded_rows(a: &Summary, weight: Weight, keep: impl Fn(&GroupRow) -> bool
     out
 }
 
+/// A row's frames: those the analysis named, else named now (rows left unnamed,
+/// [`crate::report::ReportOptions::rows_unnamed`], are named one at a time by the export).
+pub(crate) fn row_frames<'a>(a: &Summary, row: &'a GroupRow) -> std::borrow::Cow<'a, [Frame]> {
+    if row.frames.is_empty() {
+        std::borrow::Cow::Owned(a.stacks.frames_once(row.stack, row.call_site))
+    } else {
+        std::borrow::Cow::Borrowed(&row.frames)
+    }
+}
+
 /// A row's folded stack, its process at the root.
 pub fn folded_line(a: &Summary, row: &GroupRow) -> String {
     let mut line = folded_element(&process_name(a, row));
-    for f in row.frames.iter().rev() {
+    for f in row_frames(a, row).iter().rev() {
         line.push(';');
         line.push_str(&folded_name(f));
     }
@@ -149,7 +159,8 @@ pub fn folded_line(a: &Summary, row: &GroupRow) -> String {
 
 /// [`folded`], taking the rows: each one's frames are let go once its line is made (a
 /// big recording's named frames and its folded lines both held at once took twice the
-/// memory).
+/// memory). Rows left unnamed ([`crate::report::ReportOptions::rows_unnamed`]) are named
+/// here, one at a time.
 fn folded_taking(mut a: Summary, weight: Weight) -> BTreeMap<String, u64> {
     let rows = std::mem::take(&mut a.groups);
     let mut out = BTreeMap::new();

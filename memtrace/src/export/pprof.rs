@@ -108,7 +108,7 @@ pub fn pprof_bytes_of(a: &Summary, base: Option<&Summary>) -> Vec<u8> {
             if let Some(&pid) = row.pids.first() {
                 labels.push(("pid", LabelValue::Num(i64::from(pid))));
             }
-            builder.add_sample(&row.frames, &values, &labels);
+            builder.add_sample(&super::row_frames(side, row), &values, &labels);
         }
     }
     builder.finish(&ProfileHeader {

@@ -609,8 +609,10 @@ pub fn analyze(path: &Path, opts: &ReportOptions) -> Result<Summary> {
             })
             .collect()
     };
-    for row in &mut rows {
-        row.frames = table.frames_once(row.stack, row.call_site);
+    if !opts.rows_unnamed {
+        for row in &mut rows {
+            row.frames = table.frames_once(row.stack, row.call_site);
+        }
     }
 
     let end_ts = last_ts.max(stats.end_monotonic_ns);
