@@ -55,7 +55,7 @@ pub fn read_definitions(path: &Path) -> Result<Definitions> {
                 warnings.push(format!("{e}: skipped (the events, stacks or names it held are missing)"));
             }
             Err(e) => {
-                warnings.push(format!("{e}; the report covers the complete part before it"));
+                warnings.push(format!("{e}; only the complete part before it is read"));
                 damaged_at = Some(at);
                 break;
             }
@@ -63,7 +63,7 @@ pub fn read_definitions(path: &Path) -> Result<Definitions> {
     }
     if !finalized && warnings.is_empty() {
         warnings.push(
-            "the recording was not finalized (memtrace stopped abruptly); the report covers what was written".into(),
+            "the recording was not finalized (memtrace stopped abruptly); what was written is read".into(),
         );
     }
     Ok(Definitions {

@@ -460,6 +460,8 @@ fn leaks_list_the_blocks_still_live() {
         2 + 1 + 10,
         "the kernel block and the late ones are younger"
     );
+    let older = self::text(&opts);
+    assert!(older.contains("13 blocks") && older.contains("still live at the end, allocated over 2.0s before it"), "{older}");
 }
 
 #[test]
