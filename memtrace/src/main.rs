@@ -369,6 +369,12 @@ fn diff(args: DiffArgs) -> Result<i32> {
         alloc_fns: args.sites.alloc_fns(),
     };
     let d = report::diff::diff(&args.old, &args.new, &opts)?;
+    // What report would say of each recording (truncated, not finalized, damaged).
+    for (path, side) in [(&args.old, &d.old), (&args.new, &d.new)] {
+        for w in &side.warnings {
+            eprintln!("memtrace: warning: {}: {w}", path.display());
+        }
+    }
     let text = match opts.format {
         DiffFormat::Text => report::diff_render::render_diff_text(&d, opts.width),
         DiffFormat::Json => report::diff_render::render_diff_json(&d)?,

@@ -181,6 +181,13 @@ fn damaged_recordings_give_clear_errors_or_the_complete_part() {
         let out = memtrace().args(["dump", "-i"]).arg(&path).output().unwrap();
         let stderr = String::from_utf8_lossy(&out.stderr);
         assert!(stderr.starts_with("memtrace: warning: ") && stderr.contains("truncated"), "{stderr}");
+        // `diff` too, naming the recording, on stderr and in its JSON.
+        let out = memtrace().args(["diff", "--format", "json"]).arg(&good).arg(&path).output().unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(stderr.contains(&format!("{}: ", path.display())) && stderr.contains("truncated"), "{stderr}");
+        let json: Value = serde_json::from_slice(&out.stdout).unwrap();
+        assert!(json["new"]["warnings"].to_string().contains("truncated"), "{:#}", json["new"]);
+        assert_eq!(json["old"]["warnings"], serde_json::json!([]));
     }
     // An events chunk (kind 2) with its kind byte damaged: the checksum catches it (format
     // 9), `report` and `dump` say so and read on.

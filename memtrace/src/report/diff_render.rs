@@ -196,7 +196,7 @@ pub fn render_diff_json(d: &DiffSummary) -> Result<String> {
             deltas: Deltas::of(&r.old, &r.new),
         })
         .collect();
-    let side = |a: &Summary| json!({"recording": a.meta, "duration_ns": a.duration_ns, "events": a.events});
+    let side = |a: &Summary| json!({"recording": a.meta, "duration_ns": a.duration_ns, "events": a.events, "warnings": a.warnings});
     let value = json!({
         "old": side(&d.old),
         "new": side(&d.new),

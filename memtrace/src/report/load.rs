@@ -62,9 +62,7 @@ pub fn read_definitions(path: &Path) -> Result<Definitions> {
         }
     }
     if !finalized && warnings.is_empty() {
-        warnings.push(
-            "the recording was not finalized (memtrace stopped abruptly); what was written is read".into(),
-        );
+        warnings.push("the recording was not finalized (memtrace stopped abruptly); what was written is read".into());
     }
     Ok(Definitions {
         meta,

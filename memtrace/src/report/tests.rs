@@ -461,7 +461,10 @@ fn leaks_list_the_blocks_still_live() {
         "the kernel block and the late ones are younger"
     );
     let older = self::text(&opts);
-    assert!(older.contains("13 blocks") && older.contains("still live at the end, allocated over 2.0s before it"), "{older}");
+    assert!(
+        older.contains("13 blocks") && older.contains("still live at the end, allocated over 2.0s before it"),
+        "{older}"
+    );
 }
 
 #[test]

@@ -338,7 +338,8 @@ fn render_leaks(a: &Summary, opts: &ReportOptions, out: &mut String) {
         counted(t.blocks, "block", "blocks"),
         bytes(t.bytes_req),
         // `--older-than`: those alone are counted (none younger is a leak yet).
-        opts.older_than.map_or(String::new(), |d| format!(", allocated over {} before it", duration(d.as_nanos() as u64))),
+        opts.older_than
+            .map_or(String::new(), |d| format!(", allocated over {} before it", duration(d.as_nanos() as u64))),
         counted(t.stacks as u64, "stack", "stacks"),
         opts.sort.describe_leaks(),
         if a.leaks.len() < t.stacks { format!("; the first {}", a.leaks.len()) } else { String::new() },
