@@ -70,10 +70,14 @@ pub fn render_text(a: &Summary, opts: &ReportOptions) -> String {
                 .map(|(n, one, many)| counted(n, one, many))
                 .collect::<Vec<_>>()
                 .join(" and ");
+            // Sampled: the calls recorded, where the user row estimates every call.
+            let sampled = a.meta.sample_bytes.is_some() || a.stats.sampled_from.is_some();
             let _ = writeln!(
                 out,
-                "mmap: {calls} outside the allocators ({}), counted in the user row beside their allocations",
-                bytes(a.user_mmaps.bytes_alloc)
+                "mmap: {calls} {}outside the allocators ({}), counted in the user row beside their allocations{}",
+                if sampled { "recorded " } else { "" },
+                bytes(a.user_mmaps.bytes_alloc),
+                if sampled { " (which estimates all of them)" } else { "" }
             );
         }
     } else if let Some(alloc) = a.meta.allocator.as_ref().filter(|_| opts.filters.domain.admits(Domain::User)) {
