@@ -158,12 +158,6 @@ pub(crate) fn try_alloc_enter(ctx: &ProbeContext, cookie: u64, session: bool) ->
         bump(counter::LOST_INFLIGHT);
         return Ok(false);
     };
-    // An mremap's mapping is what its mmap was: a file's read-only view is left alone
-    // (neither its unmapping nor the new one is memory), a reservation stays reserved.
-    let old_vma = if remapping { vma_at(ptr_arg) } else { Vma::Unknown };
-    if old_vma == Vma::FileView {
-        return Ok(false);
-    }
     let glibc = if cookie & memtrace_common::cookie::GLIBC != 0 { inflight::GLIBC } else { 0 }
         | if cookie & memtrace_common::cookie::MIMALLOC != 0 { inflight::MIMALLOC } else { 0 };
     // SAFETY: ctx is this probe's pt_regs.
@@ -204,6 +198,15 @@ pub(crate) fn try_alloc_enter(ctx: &ProbeContext, cookie: u64, session: bool) ->
             // call already decided: no second chance.)
             return Ok(false);
         }
+    }
+    // An mremap's mapping is what its mmap was (looked up here, past the nested calls:
+    // glibc's realloc of a mapped chunk calls mremap inside): a file's read-only view is
+    // not memory, so only the old range's unmapping goes (quiet where nothing was
+    // recorded there; a shared anonymous mapping has a file too, and was recorded); a
+    // reservation stays reserved.
+    let old_vma = if remapping { vma_at(ptr_arg) } else { Vma::Unknown };
+    if old_vma == Vma::FileView {
+        sampling &= !inflight::SAMPLE_NEW;
     }
     // PROT_NONE (0): address space only.
     let no_access =

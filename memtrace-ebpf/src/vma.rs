@@ -18,7 +18,8 @@ pub(crate) enum Vma {
     FileView,
     /// Address space only (no access): reserved.
     NoAccess,
-    /// Not found (no mapping there, or the memory map was busy): taken as memory.
+    /// Not found (no mapping there, or the memory map was busy: its lock is only tried):
+    /// taken as memory.
     Unknown,
 }
 
@@ -70,11 +71,11 @@ fn classify(flags: u64, file: bool) -> Vma {
 }
 
 /// `bpf_find_vma`'s callback, run under the memory map's lock with the mapping found.
+#[inline(never)]
 extern "C" fn vma_found(_task: *mut c_void, vma: *mut c_void, ctx: *mut c_void) -> i64 {
-    let layout = config!(kernel);
     let vma = vma as u64;
-    let flags = read_kernel_at::<u64>(vma, layout.vma_flags);
-    let file = read_kernel_at::<u64>(vma, layout.vma_file);
+    let flags = read_kernel_at::<u64>(vma, config!(kernel.vma_flags));
+    let file = read_kernel_at::<u64>(vma, config!(kernel.vma_file));
     if let (Some(flags), Some(file)) = (flags, file) {
         // SAFETY: ctx is the caller's `Found` (see `vma_at`).
         let found = unsafe { &mut *(ctx as *mut Found) };

@@ -293,8 +293,13 @@ fn export(args: ExportArgs) -> Result<i32> {
     let summary = report::analyze(&args.input, &opts)?;
     report::check_filters(&summary, &opts.filters, &args.input)?;
     let base = args.diff_base.as_ref().map(|p| report::analyze(p, &opts)).transpose()?;
-    for w in summary.warnings.iter().chain(base.iter().flat_map(|b| &b.warnings)) {
+    for w in &summary.warnings {
         eprintln!("memtrace: warning: {w}");
+    }
+    if let (Some(base), Some(path)) = (&base, &args.diff_base) {
+        for w in &base.warnings {
+            eprintln!("memtrace: warning: {}: {w}", path.display());
+        }
     }
     let mut out: Box<dyn std::io::Write> = match output {
         Some(path) => {
@@ -369,7 +374,8 @@ fn diff(args: DiffArgs) -> Result<i32> {
         alloc_fns: args.sites.alloc_fns(),
     };
     let d = report::diff::diff(&args.old, &args.new, &opts)?;
-    // What report would say of each recording (truncated, not finalized, damaged).
+    // The warnings report gives of each recording (truncated, not finalized, damaged,
+    // under-counting), naming it.
     for (path, side) in [(&args.old, &d.old), (&args.new, &d.new)] {
         for w in &side.warnings {
             eprintln!("memtrace: warning: {}: {w}", path.display());

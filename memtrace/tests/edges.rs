@@ -311,23 +311,40 @@ fn ctrl_c_is_passed_on_and_tracing_goes_on_until_the_command_exits() {
 
 /// `timeout -s INT` signals memtrace and then its whole process group (the command too),
 /// microseconds apart: one interrupt, not a second Ctrl-C that leaves the command running
-/// untraced and loses its exit status.
+/// untraced and loses its exit status. Sent here as `timeout` sends them, once tracing runs.
 #[test]
 fn an_interrupt_sent_to_memtrace_and_its_group_at_once_is_one() {
+    use std::os::unix::process::CommandExt as _;
     require_root();
     let _sharing = sharing_the_machine();
     let dir = scratch("sigint-group");
     let data = dir.join("t.data");
-    let out = Command::new("timeout")
-        .args(["-s", "INT", "0.5", env!("CARGO_BIN_EXE_memtrace")])
+    let mut rec = memtrace()
         .args(["record", "--no-kernel", "-o"])
         .arg(&data)
         .args(["--", "sh", "-c", "trap 'sleep 0.3; exit 3' INT; sleep 5"])
-        .output()
+        .process_group(0)
+        .stderr(Stdio::piped())
+        .spawn()
         .unwrap();
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(!stderr.contains("left running"), "{stderr}");
-    assert!(stderr.contains("the command exited with status 3"), "{stderr}");
+    let mut lines = BufReader::new(rec.stderr.take().unwrap()).lines();
+    let tracing = lines.next().unwrap().unwrap();
+    assert!(tracing.contains("tracing sh"), "{tracing}");
+    // Time for the shell to set its trap.
+    thread::sleep(Duration::from_millis(300));
+    let group = rec.id() as i32;
+    // SAFETY: signals our own child, then its process group. (Apart by a few ms, not the
+    // microseconds of `timeout`, so that the two are not one pending signal: memtrace
+    // reads the twin while or after it reads its rings.)
+    unsafe { libc::kill(group, libc::SIGINT) };
+    thread::sleep(Duration::from_millis(20));
+    // SAFETY: as above.
+    unsafe { libc::kill(-group, libc::SIGINT) };
+    let status = rec.wait().unwrap();
+    let rest: String = lines.map_while(Result::ok).collect::<Vec<_>>().join("\n");
+    assert!(!rest.contains("left running"), "{rest}");
+    assert!(rest.contains("the command exited with status 3"), "{rest}");
+    assert_eq!(status.code(), Some(3), "{rest}");
     let report = report_json(&data, &[]);
     assert_eq!((report["exit_code"].as_i64(), report["finalized"].as_bool()), (Some(3), Some(true)));
 }
@@ -936,6 +953,7 @@ fn the_kernel_allocations_of_a_process_exiting_are_counted() {
 int main(void) {
     unsigned long n = 64ul << 20;
     char *p = mmap(0, n, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    madvise(p, n, MADV_NOHUGEPAGE); /* page by page, whatever the machine's THP setting */
     for (unsigned long i = 0; i < n; i += 4096)
         p[i] = 1;
     usleep(300000); /* time for any probe to be attached */

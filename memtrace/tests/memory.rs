@@ -350,6 +350,7 @@ fn mappings_moved_resized_and_copied_by_mremap_are_followed() {
     assert_eq!(remaps.iter().filter(|l| l.contains(" old=0x")).count() as u64, 2 * rounds, "{dump}");
     let reserved: Vec<&str> = dump.lines().filter(|l| l.contains(" mremap_reserve 0x")).collect();
     assert_eq!(reserved.iter().filter(|l| l.contains(" old=0x")).count() as u64, rounds, "{dump}");
-    // The moves' and the reservations' (not the copy's).
-    assert_eq!(dump.lines().filter(|l| l.contains(" munmap 0x") && l.contains("(mremap)")).count() as u64, 3 * rounds);
+    // The moves', the reservations' and the views' (not the copy's): a view's unmapping
+    // frees nothing recorded, quietly.
+    assert_eq!(dump.lines().filter(|l| l.contains(" munmap 0x") && l.contains("(mremap)")).count() as u64, 4 * rounds);
 }

@@ -609,10 +609,9 @@ pub fn analyze(path: &Path, opts: &ReportOptions) -> Result<Summary> {
             })
             .collect()
     };
-    if !opts.rows_unnamed {
-        for row in &mut rows {
-            row.frames = table.frames_once(row.stack, row.call_site);
-        }
+    for row in &mut rows {
+        // Unnamed: empty, not a site's label frames (the caller names each row whole).
+        row.frames = if opts.rows_unnamed { Vec::new() } else { table.frames_once(row.stack, row.call_site) };
     }
 
     let end_ts = last_ts.max(stats.end_monotonic_ns);

@@ -7,11 +7,12 @@ use super::{Tracer, spawn};
 /// After a signal was passed to the command, how long an agent waits for it to exit.
 const CHILD_GRACE: Duration = Duration::from_secs(2);
 
-/// The same signal again within this long is the first one seen twice, not a second
-/// Ctrl-C: `timeout -s INT` signals memtrace and then its whole process group, a few
-/// microseconds apart (the second was taken as "stop and leave it running", and the
-/// command's exit status was lost). A person's second Ctrl-C comes much later.
-const REPEAT_WINDOW: Duration = Duration::from_millis(50);
+/// The same signal again within this long (of the reads its first one waited for) is the
+/// first one seen twice, not a second Ctrl-C: `timeout -s INT` signals memtrace and then
+/// its whole process group, a few microseconds apart (the second was taken as "stop and
+/// leave it running", and the command's exit status was lost). A person's second Ctrl-C
+/// comes much later.
+const REPEAT_WINDOW: Duration = Duration::from_millis(100);
 
 impl Tracer {
     /// Decides what a signal does, like perf: a command gets the first one and tracing
@@ -39,6 +40,14 @@ impl Tracer {
             }
             (true, Some((first, at)), _) if first == sig && at.elapsed() < REPEAT_WINDOW => false,
             _ => true,
+        }
+    }
+
+    /// The rings were read through after a signal passed on: its repeat window starts
+    /// now (its twin waited through those reads, however long they took).
+    pub fn signal_read_through(&mut self) {
+        if let Some((sig, _)) = self.forwarded_signal {
+            self.forwarded_signal = Some((sig, Instant::now()));
         }
     }
 

@@ -72,10 +72,10 @@ impl Tracer {
         }
     }
 
+    /// Children are followed (under `--no-user` too: their Python frames are looked for
+    /// at their exec; no allocator is probed there).
     pub(super) fn following(&self) -> bool {
-        (self.is_command || self.options.follow_forks)
-            && self.options.user
-            && !matches!(self.options.target, Target::All)
+        (self.is_command || self.options.follow_forks) && !matches!(self.options.target, Target::All)
     }
 
     /// Adds an allocator to the session's list (or finds it there), giving it its index.

@@ -337,6 +337,13 @@ async fn run(tracer: &mut Tracer, recorder: &mut Recorder, opts: &RecordOptions)
     let mut last_flush = Instant::now();
     let reason = loop {
         let wake = waker.wait().await;
+        // A signal is decided as it is read, and one passed on is timed again once the
+        // drains below are done: its twin (`timeout` signals memtrace, then its process
+        // group) waits through them, and is read at once after.
+        let stop_on = match wake {
+            Wake::Signal(sig) => tracer.on_signal(sig).then_some(sig),
+            _ => None,
+        };
         // A ring with more than one batch waiting is read again at once (a few times).
         for _ in 0..8 {
             tracer.drain(recorder, false);
@@ -352,8 +359,8 @@ async fn run(tracer: &mut Tracer, recorder: &mut Recorder, opts: &RecordOptions)
             Wake::Tick => {}
             Wake::Deadline => break StopReason::Duration,
             Wake::TargetExited => break StopReason::TargetExited(tracer.reap_command()),
-            Wake::Signal(sig) if tracer.on_signal(sig) => break StopReason::Signal(sig),
-            Wake::Signal(_) => {}
+            Wake::Signal(sig) if stop_on == Some(sig) => break StopReason::Signal(sig),
+            Wake::Signal(_) => tracer.signal_read_through(),
         }
         if last_flush.elapsed() >= FLUSH_INTERVAL {
             if let Err(e) = recorder.writer.flush_behind() {

@@ -119,9 +119,10 @@ impl WakeLoop {
                 None => std::future::pending::<()>().await,
             }
         };
+        // Signals first: one that came during the last drains is read before the next tick
+        // (a repeat is told by how soon it follows, `Tracer::on_signal`).
         tokio::select! {
-            _ = self.tick.tick() => Wake::Tick,
-            _ = self.notify.notified() => Wake::Tick,
+            biased;
             _ = self.sigint.recv() => Wake::Signal(libc::SIGINT),
             _ = self.sigterm.recv() => Wake::Signal(libc::SIGTERM),
             _ = self.sighup.recv() => Wake::Signal(libc::SIGHUP),
@@ -130,6 +131,8 @@ impl WakeLoop {
                 Wake::TargetExited
             }
             _ = until_deadline => Wake::Deadline,
+            _ = self.tick.tick() => Wake::Tick,
+            _ = self.notify.notified() => Wake::Tick,
         }
     }
 }

@@ -354,7 +354,10 @@ impl Unwinder {
         // here (/proc/self/exe is memtrace's). Only a file whose code spans what the kernel
         // mapped: `/proc` read after a second exec (`env prog`, a `#!/usr/bin/env` script)
         // names the next program, whose file offsets named this one's frames wrongly.
-        let by_name = program_by_name(filename);
+        // A relative name, resolved from memtrace's directory, only where the code the
+        // kernel mapped can confirm it (a process elsewhere may have run another `./prog`).
+        let by_name =
+            program_by_name(filename).filter(|_| filename.starts_with('/') || space.code_end > space.code_start);
         let from_proc = live.then(|| procfs::exe(pid).ok().map(|p| procfs::path_in_process(pid, &p))).flatten();
         let interpreters = by_name.as_deref().map(|script| script_interpreters(pid, script)).unwrap_or_default();
         let exe = from_proc.into_iter().chain(by_name).chain(interpreters).find(|candidate| {
@@ -1289,8 +1292,17 @@ mod tests {
         let ups = cwd.strip_prefix(base).unwrap().components().count();
         let relative = "../".repeat(ups) + exe.strip_prefix(base).unwrap().to_str().unwrap();
         assert!(!relative.starts_with('/'), "{relative}");
-        let space = TaskSpace { asid: 10, ..Default::default() };
-        unwinder.exec(gone.id(), &relative, space, 1, &mut probes);
+        // The code the kernel mapped, as it would for this program: a relative name is
+        // taken only where that confirms it.
+        let (_, segments) = unwinder.store.identify(&exe).unwrap();
+        let code = segments.iter().filter(|s| s.executable);
+        let low = code.clone().map(|s| s.vaddr).min().unwrap();
+        let high = code.map(|s| s.vaddr + s.file_size).max().unwrap();
+        let code_start = 0x5555_0000_0000 + low;
+        let space = TaskSpace { asid: 10, code_start, code_end: code_start + high - low, interp_base: 0 };
+        unwinder.exec(gone.id(), &relative, TaskSpace { asid: 9, ..Default::default() }, 1, &mut probes);
+        assert!(!unwinder.programs.contains_key(&9), "nothing mapped to confirm it by");
+        unwinder.exec(gone.id(), &relative, space, 2, &mut probes);
         assert_eq!(unwinder.programs.get(&10).map(|p| p.canonicalize().unwrap()), Some(exe));
         assert_eq!(program_by_name("/proc/self/exe"), None, "memtrace's own");
         assert_eq!(program_by_name("./no-such-program"), None);
