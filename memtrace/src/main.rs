@@ -297,9 +297,7 @@ fn export(args: ExportArgs) -> Result<i32> {
         eprintln!("memtrace: warning: {w}");
     }
     if let (Some(base), Some(path)) = (&base, &args.diff_base) {
-        for w in &base.warnings {
-            eprintln!("memtrace: warning: {}: {w}", path.display());
-        }
+        warn_of(path, &base.warnings);
     }
     let mut out: Box<dyn std::io::Write> = match output {
         Some(path) => {
@@ -362,6 +360,13 @@ struct DiffArgs {
     sites: memtrace::wrappers::AllocFnArgs,
 }
 
+/// A recording's warnings on stderr, each naming the recording (one of two read).
+fn warn_of(recording: &std::path::Path, warnings: &[String]) {
+    for w in warnings {
+        eprintln!("memtrace: warning: {}: {w}", recording.display());
+    }
+}
+
 fn diff(args: DiffArgs) -> Result<i32> {
     use report::diff::{DiffFormat, DiffOptions};
     let opts = DiffOptions {
@@ -376,11 +381,8 @@ fn diff(args: DiffArgs) -> Result<i32> {
     let d = report::diff::diff(&args.old, &args.new, &opts)?;
     // The warnings report gives of each recording (truncated, not finalized, damaged,
     // under-counting), naming it.
-    for (path, side) in [(&args.old, &d.old), (&args.new, &d.new)] {
-        for w in &side.warnings {
-            eprintln!("memtrace: warning: {}: {w}", path.display());
-        }
-    }
+    warn_of(&args.old, &d.old.warnings);
+    warn_of(&args.new, &d.new.warnings);
     let text = match opts.format {
         DiffFormat::Text => report::diff_render::render_diff_text(&d, opts.width),
         DiffFormat::Json => report::diff_render::render_diff_json(&d)?,

@@ -385,8 +385,7 @@ impl Tracer {
         // them a library's allocator was found by the scan of the processes' maps every 2 s:
         // pyarrow's mimalloc, loaded and used within a second of a script's start, went
         // unseen with `--no-user-stacks` and its arenas showed as 1.1 GiB of user mmaps).
-        // (Under `--no-user` too: the user stacks of kernel allocations name their Python lines.)
-        let python = options.user_stacks && options.python_frames == crate::probes::PythonFrames::On;
+        let python = python::wanted(options);
         let loads_allocators = options.user && !matches!(options.target, Target::All);
         let track_mappings = unwinder.is_some() || python || loads_allocators;
         let mut probes = Probes::load(&probes::Settings {

@@ -120,9 +120,15 @@ struct SharedFrames {
 /// Python frames kept waiting for their stack (past it, the oldest are dropped).
 const MAX_PENDING: usize = 65536;
 
+/// Whether a session walks Python frames: with user stacks (under `--no-user` too: the
+/// user stacks of kernel allocations name their Python lines) unless turned off.
+pub(super) fn wanted(options: &super::TraceOptions) -> bool {
+    options.user_stacks && options.python_frames == PythonFrames::On
+}
+
 impl Tracer {
     fn python_wanted(&self) -> bool {
-        self.options.user_stacks && self.options.python_frames == PythonFrames::On
+        wanted(&self.options)
     }
 
     /// Looks for an interpreter in `pid` and tells the probes what was found.
