@@ -99,22 +99,51 @@ struct Row {
     file_bytes: u64,
 }
 
-/// Runs of each tool and memtrace configuration; the row shown is the median run's.
+/// Rounds of runs: each round runs every tool and memtrace configuration once, in turn,
+/// and the row shown is each one's median run. Alternating keeps the VM's drift (its
+/// speed moves by tens of percent over minutes) out of the ratios between rows.
 const RUNS: usize = 3;
 
-/// The median of [`RUNS`] wall times.
-fn median_wall(mut run: impl FnMut() -> Result<f64>) -> Result<f64> {
-    let mut walls = (0..RUNS).map(|_| run()).collect::<Result<Vec<f64>>>()?;
-    walls.sort_by(f64::total_cmp);
-    Ok(walls[RUNS / 2])
+/// One configuration of a table: its row's name and how to run it once.
+type Config<'a> = (String, Box<dyn FnMut() -> Result<Row> + 'a>);
+
+/// Runs `configs` in [`RUNS`] rounds, each once per round in the order given; returns each
+/// configuration's runs, in round order.
+fn rounds(configs: &mut [Config<'_>], part: &str) -> Result<Vec<Vec<Row>>> {
+    let mut runs: Vec<Vec<Row>> = configs.iter().map(|_| Vec::new()).collect();
+    for round in 0..RUNS {
+        for ((name, run), runs) in configs.iter_mut().zip(runs.iter_mut()) {
+            let row = run()?;
+            eprintln!("xtask bench: heavy: {part} round {}: {name} {:.2} s", round + 1, row.wall_s);
+            runs.push(row);
+        }
+    }
+    Ok(runs)
 }
 
-/// The row of the median run (by wall time) of `n` runs: the VM's noise moves a single
-/// run by tens of percent.
-fn median_row(n: usize, mut run: impl FnMut() -> Result<Row>) -> Result<Row> {
-    let mut rows = (0..n.max(1)).map(|_| run()).collect::<Result<Vec<Row>>>()?;
+/// The row of the median run (by wall time): the VM's noise moves a single run by tens of
+/// percent.
+fn median_row(mut rows: Vec<Row>) -> Row {
     rows.sort_by(|a, b| a.wall_s.total_cmp(&b.wall_s));
-    Ok(rows.swap_remove(rows.len() / 2))
+    rows.swap_remove(rows.len() / 2)
+}
+
+/// The median over rounds of (`a`'s added time ÷ `b`'s), each added time against the same
+/// round's bare run: a ratio of runs made side by side, which drift moves least.
+fn paired_ratio(bare: &[Row], a: &[Row], b: &[Row]) -> Option<f64> {
+    let mut ratios: Vec<f64> = bare
+        .iter()
+        .zip(a.iter().zip(b))
+        .filter(|(bare, (_, b))| b.wall_s > bare.wall_s)
+        .map(|(bare, (a, b))| (a.wall_s - bare.wall_s) / (b.wall_s - bare.wall_s))
+        .collect();
+    ratios.sort_by(f64::total_cmp);
+    (!ratios.is_empty()).then(|| ratios[ratios.len() / 2])
+}
+
+/// A row of a tool timed alone (bare, heaptrack, memray): no report of memtrace's.
+fn timed_row(name: &str, wall_s: f64, allocs: Option<u64>, file_bytes: u64) -> Row {
+    Row { name: name.into(), wall_s, allocs, report: None, file_bytes }
 }
 
 fn timed(cmd: &mut Command) -> Result<f64> {
@@ -224,56 +253,70 @@ pub fn section(memtrace: &Path) -> Result<String> {
     let dir = target_dir().join("bench");
     let script = dir.join("heavy.py");
     fs::write(&script, SCRIPT)?;
-    let mut rows = Vec::new();
-    let bare: Vec<f64> = (0..3).map(|_| timed(Command::new(&python).arg(&script))).collect::<Result<_>>()?;
-    let bare_s = {
-        let mut b = bare.clone();
-        b.sort_by(f64::total_cmp);
-        b[1]
-    };
-    eprintln!("xtask bench: heavy: bare {bare_s:.2} s");
-    rows.push(Row { name: "bare".into(), wall_s: bare_s, allocs: None, report: None, file_bytes: 0 });
-
     let ht = dir.join("heavy-heaptrack");
-    let wall_s = median_wall(|| {
-        let _ = fs::remove_file(ht.with_extension("zst"));
-        timed(Command::new("heaptrack").arg("-o").arg(&ht).arg(&python).arg(&script))
-    })?;
-    let ht_file = ht.with_extension("zst");
-    let allocs = heaptrack_allocs(&ht_file);
-    let file_bytes = fs::metadata(&ht_file).map(|m| m.len()).unwrap_or(0);
-    eprintln!("xtask bench: heavy: heaptrack {wall_s:.2} s, {allocs:?} allocations");
-    rows.push(Row { name: "heaptrack (LD_PRELOAD, libunwind)".into(), wall_s, allocs, report: None, file_bytes });
-
     let mr = dir.join("heavy-memray.bin");
-    let wall_s = median_wall(|| {
-        let _ = fs::remove_file(&mr);
-        timed(Command::new(&python).args(["-m", "memray", "run", "--native", "-q", "-f", "-o"]).arg(&mr).arg(&script))
-    })?;
-    let file_bytes = fs::metadata(&mr).map(|m| m.len()).unwrap_or(0);
-    eprintln!("xtask bench: heavy: memray --native {wall_s:.2} s");
-    rows.push(Row { name: "memray run --native".into(), wall_s, allocs: None, report: None, file_bytes });
-
     let cache = dir.join("heavy-unwind-cache");
     let command = [python.as_os_str(), script.as_os_str()];
-    // Cold: every run starts without the cache (the last one leaves it filled).
-    let row = median_row(RUNS, || {
-        let _ = fs::remove_dir_all(&cache);
-        memtrace_row(memtrace, "memtrace record, cold cache (first run on the machine)", &command, &cache, &[])
-    })?;
-    eprintln!("xtask bench: heavy: {} {:.2} s", row.name, row.wall_s);
-    rows.push(row);
+    const COLD: &str = "memtrace record, cold cache (first run on the machine)";
+    const WARM: &str = "memtrace record, warm cache (any later run)";
+    const NO_PY: &str = "memtrace record --python-frames off";
+    const FP: &str = "memtrace record --call-graph fp";
+    const FP_NO_PY: &str = "memtrace record --call-graph fp --python-frames off";
+    let mut configs: Vec<Config<'_>> = vec![
+        ("bare".into(), Box::new(|| Ok(timed_row("bare", timed(Command::new(&python).arg(&script))?, None, 0)))),
+        (
+            "heaptrack (LD_PRELOAD, libunwind)".into(),
+            Box::new(|| {
+                let file = ht.with_extension("zst");
+                let _ = fs::remove_file(&file);
+                let wall_s = timed(Command::new("heaptrack").arg("-o").arg(&ht).arg(&python).arg(&script))?;
+                let bytes = fs::metadata(&file).map(|m| m.len()).unwrap_or(0);
+                Ok(timed_row("heaptrack (LD_PRELOAD, libunwind)", wall_s, heaptrack_allocs(&file), bytes))
+            }),
+        ),
+        (
+            "memray run --native".into(),
+            Box::new(|| {
+                let _ = fs::remove_file(&mr);
+                let wall_s = timed(
+                    Command::new(&python)
+                        .args(["-m", "memray", "run", "--native", "-q", "-f", "-o"])
+                        .arg(&mr)
+                        .arg(&script),
+                )?;
+                Ok(timed_row("memray run --native", wall_s, None, fs::metadata(&mr).map(|m| m.len()).unwrap_or(0)))
+            }),
+        ),
+        // Cold: each run starts without the cache (and leaves it filled for the rows after it).
+        (
+            COLD.into(),
+            Box::new(|| {
+                let _ = fs::remove_dir_all(&cache);
+                memtrace_row(memtrace, COLD, &command, &cache, &[])
+            }),
+        ),
+    ];
     for (name, extra) in [
-        ("memtrace record, warm cache (any later run)", &[][..]),
-        ("memtrace record --python-frames off", &["--python-frames", "off"][..]),
-        ("memtrace record --call-graph fp", &["--call-graph", "fp"][..]),
-        ("memtrace record --call-graph fp --python-frames off", &["--call-graph", "fp", "--python-frames", "off"][..]),
+        (WARM, &[][..]),
+        (NO_PY, &["--python-frames", "off"][..]),
+        (FP, &["--call-graph", "fp"][..]),
+        (FP_NO_PY, &["--call-graph", "fp", "--python-frames", "off"][..]),
         ("memtrace record --no-user-stacks", &["--no-user-stacks"][..]),
     ] {
-        let row = median_row(RUNS, || memtrace_row(memtrace, name, &command, &cache, extra))?;
-        eprintln!("xtask bench: heavy: {name} {:.2} s", row.wall_s);
-        rows.push(row);
+        let (cache, command) = (&cache, &command);
+        configs.push((name.into(), Box::new(move || memtrace_row(memtrace, name, command, cache, extra))));
     }
+    let runs = rounds(&mut configs, "python")?;
+    drop(configs);
+    let runs_of = |name: &str| &runs[runs.iter().position(|r| r[0].name == name).expect("a configuration")];
+    // What walking the native frames by call-frame information costs against frame
+    // pointers, the same Python frames walked or not either way.
+    let ratio = |dwarf: &str, fp: &str| {
+        paired_ratio(runs_of("bare"), runs_of(dwarf), runs_of(fp)).map_or("—".into(), |r| format!("{r:.2}"))
+    };
+    let ratios = (ratio(WARM, FP), ratio(NO_PY, FP_NO_PY));
+    let mut rows: Vec<Row> = runs.into_iter().map(median_row).collect();
+    let bare_s = rows[0].wall_s;
 
     // The always-on agent, sampled as it runs by default, around the same command.
     let wall_s = timed(
@@ -293,23 +336,15 @@ pub fn section(memtrace: &Path) -> Result<String> {
     });
 
     let mut out = table(&rows, bare_s, true);
-    // What walking the native frames by call-frame information costs against frame
-    // pointers, the same Python frames walked or not either way.
-    let added = |name: &str| rows.iter().find(|r| r.name == name).map(|r| r.wall_s - bare_s);
-    let ratio = |dwarf: &str, fp: &str| match (added(dwarf), added(fp)) {
-        (Some(d), Some(f)) if f > 0.0 => format!("{:.2}", d / f),
-        _ => "—".into(),
-    };
     let _ = writeln!(
         out,
-        "\n`--call-graph dwarf` added time ÷ `--call-graph fp` added time: {} with Python frames (warm cache), {} with `--python-frames off` on both.",
-        ratio("memtrace record, warm cache (any later run)", "memtrace record --call-graph fp"),
-        ratio("memtrace record --python-frames off", "memtrace record --call-graph fp --python-frames off"),
+        "\n`--call-graph dwarf` added time ÷ `--call-graph fp` added time (the median of the rounds' ratios, each against its round's bare run): {} with Python frames (warm cache), {} with `--python-frames off` on both.",
+        ratios.0, ratios.1,
     );
     // The other allocators the warm run found (heaptrack sees none of their calls).
     let others: Vec<String> = rows
         .iter()
-        .find(|r| r.name == "memtrace record, warm cache (any later run)")
+        .find(|r| r.name == WARM)
         .and_then(|r| r.report.as_ref()?["allocators"].as_array().cloned())
         .unwrap_or_default()
         .iter()
@@ -338,7 +373,7 @@ Beside the C library's malloc family counted above, memtrace found and counted {
         out,
         "\nThe script (`xtask/src/heavy_bench.rs`) builds a 120,000-row data frame, groups, joins, \
          converts it to Arrow, writes and reads Parquet, filters and dumps JSON; Python, numpy, pandas, \
-         pyarrow, memray: {versions}. Every row is the median of 3 runs (by wall time; the cold rows each start without the cache). \"Copies\" are stacks \
+         pyarrow, memray: {versions}. The runs alternate: 3 rounds, each running every row's command once in turn (the cold run without the cache); each row is its median run by wall time. \"Copies\" are stacks \
          the probes could not walk because a library's unwind table was not ready yet (they are finished in \
          userspace from a copy of the stack); the cold run builds every table (and fills the cache), later \
          runs load a program's tables before it maps the libraries. heaptrack counts calls to allocation \
@@ -353,7 +388,7 @@ Beside the C library's malloc family counted above, memtrace found and counted {
         out,
         "\n### A Debian program: sqlite3\n\n{sqlite}\n`sqlite3 :memory: '.read heavy.sql'` (the script is `SQL` in \
          `xtask/src/heavy_bench.rs`): builds, indexes, groups, joins, sorts and dumps as JSON a 200,000-row table; \
-         libsqlite3 from Debian, without frame pointers. Every row is the median of 3 runs; memtrace ran with a \
+         libsqlite3 from Debian, without frame pointers. Runs alternate as above (3 rounds, each row its median run); memtrace ran with a \
          warm unwind cache. Its allocations are many, small and short-lived, from shallow stacks: the case where an \
          in-process tracer's cheap call beats two traps per allocation.\n"
     );
@@ -363,7 +398,7 @@ Beside the C library's malloc family counted above, memtrace found and counted {
          (GCC 12's compiler proper from Debian, a C++ program without frame pointers; the source is `c_source` in \
          `xtask/src/heavy_bench.rs`: {CC1_FUNCTIONS} functions whose expressions nest 4 to 25 deep, through which the \
          parser and folders recurse): millions of allocations through `xmalloc`/`xcalloc`/`operator new` from a few \
-         hundred callers, stacks up to ~250 frames. Every row is the median of 3 runs; memtrace ran with a warm unwind \
+         hundred callers, stacks up to ~250 frames. Runs alternate as above; memtrace ran with a warm unwind \
          cache. memtrace keeps up to 511 frames of a user stack (deeper ones are cut there and counted as cut short); \
          heaptrack keeps at most 64 (`Trace::MAX_SIZE`) and says nothing of the rest; `perf` 127 by default \
          (`kernel.perf_event_max_stack`). On both programs, `--time-resolution 10ms` keeps times as heaptrack does \
@@ -450,37 +485,37 @@ pub fn c_source(functions: usize) -> String {
 fn native_table(memtrace: &Path, cache: &Path, native: &Native) -> Result<String> {
     let dir = target_dir().join("bench");
     let name = native.name;
-    let bare: Vec<f64> = (0..RUNS).map(|_| timed(&mut native.command())).collect::<Result<_>>()?;
-    let bare_s = {
-        let mut b = bare;
-        b.sort_by(f64::total_cmp);
-        b[RUNS / 2]
-    };
-    eprintln!("xtask bench: heavy: {name} bare {bare_s:.2} s");
-    let mut rows = vec![Row { name: "bare".into(), wall_s: bare_s, allocs: None, report: None, file_bytes: 0 }];
     let ht = dir.join(format!("{name}-heaptrack"));
-    let wall_s = median_wall(|| {
-        let _ = fs::remove_file(ht.with_extension("zst"));
-        timed(Command::new("heaptrack").arg("-o").arg(&ht).arg(&native.program).args(&native.args))
-    })?;
-    let ht_file = ht.with_extension("zst");
-    let allocs = heaptrack_allocs(&ht_file);
-    let file_bytes = fs::metadata(&ht_file).map(|m| m.len()).unwrap_or(0);
-    eprintln!("xtask bench: heavy: {name} under heaptrack {wall_s:.2} s, {allocs:?} allocations");
-    rows.push(Row { name: "heaptrack (LD_PRELOAD, libunwind)".into(), wall_s, allocs, report: None, file_bytes });
     let mut command = vec![native.program.as_os_str()];
     command.extend(native.args.iter().map(OsStr::new));
     // The first run fills the cache with the program's tables; the rows are the later runs.
     memtrace_row(memtrace, "warm-up", &command, cache, &[])?;
+    let mut configs: Vec<Config<'_>> = vec![
+        ("bare".into(), Box::new(|| Ok(timed_row("bare", timed(&mut native.command())?, None, 0)))),
+        (
+            "heaptrack (LD_PRELOAD, libunwind)".into(),
+            Box::new(|| {
+                let file = ht.with_extension("zst");
+                let _ = fs::remove_file(&file);
+                let wall_s =
+                    timed(Command::new("heaptrack").arg("-o").arg(&ht).arg(&native.program).args(&native.args))?;
+                let bytes = fs::metadata(&file).map(|m| m.len()).unwrap_or(0);
+                Ok(timed_row("heaptrack (LD_PRELOAD, libunwind)", wall_s, heaptrack_allocs(&file), bytes))
+            }),
+        ),
+    ];
     for (row_name, extra) in [
         ("memtrace record (warm cache)", &[][..]),
         ("memtrace record --call-graph fp", &["--call-graph", "fp"][..]),
         ("memtrace record --time-resolution 10ms", &["--time-resolution", "10ms"][..]),
     ] {
-        let row = median_row(RUNS, || memtrace_row(memtrace, row_name, &command, cache, extra))?;
-        eprintln!("xtask bench: heavy: {name} under {row_name} {:.2} s", row.wall_s);
-        rows.push(row);
+        let command = &command;
+        configs.push((row_name.into(), Box::new(move || memtrace_row(memtrace, row_name, command, cache, extra))));
     }
+    let runs = rounds(&mut configs, name)?;
+    drop(configs);
+    let rows: Vec<Row> = runs.into_iter().map(median_row).collect();
+    let bare_s = rows[0].wall_s;
     Ok(table(&rows, bare_s, false))
 }
 
@@ -497,6 +532,23 @@ pub fn run_alone() -> Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn row(wall_s: f64) -> Row {
+        timed_row("r", wall_s, None, 0)
+    }
+
+    #[test]
+    fn a_paired_ratio_takes_each_round_against_its_own_bare_run() {
+        // The machine slows in the last round: two rounds' ratios are 2, the other 2.1
+        // (the ratio of the medians would be 2.1).
+        let bare = [row(1.0), row(1.0), row(1.5)];
+        let dwarf = [row(3.0), row(3.1), row(3.5)];
+        let fp = [row(2.0), row(2.0), row(2.5)];
+        assert_eq!(paired_ratio(&bare, &dwarf, &fp), Some(2.0));
+        // A round whose second run added nothing says nothing.
+        assert_eq!(paired_ratio(&bare[..1], &dwarf[..1], &[row(0.9)]), None);
+        assert_eq!(median_row(vec![row(3.0), row(1.0), row(2.0)]).wall_s, 2.0);
+    }
 
     #[test]
     fn the_c_source_nests_as_said_and_compiles() {
