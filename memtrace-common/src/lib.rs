@@ -676,7 +676,11 @@ pub mod counter {
     /// caches it triggers), and their bytes: the probes' own, left out and only counted.
     pub const PROBE_BUSY_ALLOCS: u32 = 20;
     pub const PROBE_BUSY_BYTES: u32 = 21;
-    pub const COUNT: u32 = 22;
+    /// `mremap`s whose old mapping the probe could not look up (the memory map's lock was
+    /// held for writing: `bpf_find_vma` only tries it): their new mapping is recorded as
+    /// memory, whatever it is (a file's read-only view, a reservation).
+    pub const MREMAP_UNLOOKED: u32 = 22;
+    pub const COUNT: u32 = 23;
 }
 
 /// States of a tgid in the `TRACED` map.

@@ -44,7 +44,7 @@ static TUNE_HEAP: extern "C" fn() = tune_heap;
 
 use std::{
     ffi::OsString,
-    io::Write as _,
+    io::Write,
     path::{Path, PathBuf},
     process::ExitCode,
     time::Duration,
@@ -58,6 +58,7 @@ use memtrace::{
     grouping::{DomainFilter, Filters, GroupBy, KindFilter},
     probes::{CallGraph, PythonFrames},
     report::{self, Format, ReportColumn, ReportOptions, SortKey},
+    serve::config::{parse_sample_bytes, parse_size},
     session::{self, CommandFailed, RecordOptions, Target, TraceOptions, priority::Niceness},
     top::model::{Column, ViewOptions},
     unwind::UnwindOptions,
@@ -157,7 +158,8 @@ struct TopArgs {
     /// Prefix of the allocator's functions, for custom allocators.
     #[arg(long, default_value = "")]
     symbol_prefix: String,
-    /// Sample user allocations: each byte with probability 1/SIZE (figures are estimates).
+    /// Sample user allocations: each byte with probability 1/SIZE (figures are estimates);
+    /// 0 (the default) shows every allocation.
     #[arg(long, value_parser = parse_sample_bytes)]
     sample_bytes: Option<u64>,
     /// How to walk user stacks: dwarf (call-frame information, whole stacks without frame
@@ -199,7 +201,7 @@ fn top(args: TopArgs) -> Result<i32> {
             ring_bytes: default_ring_bytes() as u32,
             follow_forks: false,
             quiet: false,
-            sample_bytes: args.sample_bytes,
+            sample_bytes: args.sample_bytes.filter(|&n| n > 0),
             call_graph: args.call_graph,
             unwind: UnwindOptions::default(),
             python_frames: args.python_frames,
@@ -469,29 +471,6 @@ fn parse_time_resolution(s: &str) -> Result<u64, String> {
     Ok(total as u64)
 }
 
-fn parse_size(s: &str) -> Result<u64, String> {
-    let s = s.trim();
-    let split = s.find(|c: char| !c.is_ascii_digit()).unwrap_or(s.len());
-    let (number, unit) = s.split_at(split);
-    let n: u64 = number.parse().map_err(|_| format!("not a size: {s:?}"))?;
-    let scale = match unit.trim().to_ascii_lowercase().as_str() {
-        "" | "b" => 1,
-        "k" | "kb" | "kib" => 1 << 10,
-        "m" | "mb" | "mib" => 1 << 20,
-        "g" | "gb" | "gib" => 1 << 30,
-        other => return Err(format!("unknown size unit {other:?}")),
-    };
-    n.checked_mul(scale).ok_or_else(|| format!("size too large: {s:?}"))
-}
-
-fn parse_sample_bytes(s: &str) -> Result<u64, String> {
-    let n = parse_size(s)?;
-    if n == 0 || n >= 1 << 40 {
-        return Err(format!("sampling period must be between 1 byte and 1 TiB, not {s:?}"));
-    }
-    Ok(n)
-}
-
 #[derive(Args)]
 struct RecordArgs {
     /// Trace a running process (and its threads).
@@ -558,7 +537,8 @@ struct RecordArgs {
     #[arg(long)]
     follow_forks: bool,
     /// Sample user allocations: each byte with probability 1/SIZE (e.g. 512k), like
-    /// jemalloc/tcmalloc heap profiles; reports scale the figures back (estimates).
+    /// jemalloc/tcmalloc heap profiles; reports scale the figures back (estimates). 0 (the
+    /// default) records every allocation, as `serve --sample-bytes 0` does.
     #[arg(long, value_parser = parse_sample_bytes)]
     sample_bytes: Option<u64>,
     /// Keep event timestamps to the nanosecond (default: to the microsecond, as `perf
@@ -670,7 +650,7 @@ fn record(args: RecordArgs) -> Result<i32> {
             ring_bytes,
             follow_forks: args.follow_forks,
             quiet: args.quiet,
-            sample_bytes: args.sample_bytes,
+            sample_bytes: args.sample_bytes.filter(|&n| n > 0),
             call_graph: args.call_graph,
             unwind: UnwindOptions {
                 disk_cache: !args.no_unwind_cache,
@@ -712,22 +692,46 @@ fn report(args: ReportArgs) -> Result<i32> {
         timeline: args.timeline || args.format == Format::Html,
         histogram: args.histogram,
         alloc_fns: args.sites.alloc_fns(),
-        rows_unnamed: false,
+        // The text and JSON reports name each row as they write it (by stack, a deep
+        // recording's rows held every whole stack at once: 1.4 GB, 12.5 GB in JSON).
+        rows_unnamed: args.format != Format::Html,
     };
     let text = match opts.format {
         Format::Html => report::html::render_html(&args.input, &opts)?,
-        _ => {
+        Format::Text => {
             let summary = report::analyze(&args.input, &opts)?;
             report::check_filters(&summary, &opts.filters, &args.input)?;
-            report::render(&summary, &opts)?
+            // Written as it is made: hundreds of MB for every stack of a deep recording.
+            let write = |w: &mut dyn Write| report::write_text(&summary, &opts, w);
+            return write_report(args.output.as_deref(), &args.input, args.force, &write);
+        }
+        Format::Json => {
+            let summary = report::analyze(&args.input, &opts)?;
+            report::check_filters(&summary, &opts.filters, &args.input)?;
+            let write = |w: &mut dyn Write| {
+                report::write_json(&summary, &opts, w).map_err(std::io::Error::other)?;
+                w.write_all(b"\n")
+            };
+            return write_report(args.output.as_deref(), &args.input, args.force, &write);
         }
     };
-    if let Some(path) = &args.output {
-        report::output::write_file(path, &[&args.input], text.as_bytes(), args.force)?;
+    write_report(args.output.as_deref(), &args.input, args.force, &|w| w.write_all(text.as_bytes()))
+}
+
+/// Writes a report to `output` (as `report::output::write_file` does) or to stdout (a
+/// closed pipe ends it quietly, as `| head` does).
+fn write_report(
+    output: Option<&Path>,
+    input: &Path,
+    force: bool,
+    write: &dyn Fn(&mut dyn Write) -> std::io::Result<()>,
+) -> Result<i32> {
+    if let Some(path) = output {
+        report::output::write_file_with(path, &[input], force, write)?;
         return Ok(0);
     }
-    let mut stdout = std::io::stdout().lock();
-    if let Err(e) = stdout.write_all(text.as_bytes()).and_then(|()| stdout.flush())
+    let mut stdout = std::io::BufWriter::with_capacity(1 << 16, std::io::stdout().lock());
+    if let Err(e) = write(&mut stdout).and_then(|()| stdout.flush())
         && e.kind() != std::io::ErrorKind::BrokenPipe
     {
         bail!("writing the report: {e}");

@@ -500,8 +500,8 @@ mod tests {
     fn frames_of_a_gone_process_in_a_file_without_build_id_are_named_by_the_probes_maps() {
         // A file with no build id, "mapped" by a process that no longer exists (pid 0 has
         // no /proc maps).
-        let dir = std::env::temp_dir().join(format!("memtrace-modules-{}", std::process::id()));
-        fs::create_dir_all(&dir).unwrap();
+        let tmp = tempfile::Builder::new().prefix("memtrace-modules-").tempdir().unwrap();
+        let dir = tmp.path().to_path_buf();
         let file = dir.join("static_prog");
         fs::write(&file, b"not an ELF file").unwrap();
         let mapping = procfs::Mapping {

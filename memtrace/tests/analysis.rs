@@ -19,11 +19,12 @@ fn recording() -> &'static (PathBuf, Value) {
     static RECORDING: OnceLock<(PathBuf, Value)> = OnceLock::new();
     RECORDING.get_or_init(|| {
         require_root();
-        let dir = scratch("analysis");
+        let dir = scratch("analysis").until_exit();
         let data = dir.join("analysis.data");
         let manifest_path = dir.join("manifest.json");
+        // `--sample-bytes 0` is every allocation, as serve's is (the figures below are exact).
         run(memtrace()
-            .args(["record", "-q", "-o"])
+            .args(["record", "-q", "--sample-bytes", "0", "-o"])
             .arg(&data)
             .arg("--")
             .arg(workload())

@@ -32,7 +32,7 @@ fn figure(v: &Value, name: &str) -> u64 {
 /// Records the workload (with `env` set for memtrace); returns the recording and the
 /// workload's manifest.
 fn record_workload(name: &str, env: &[(&str, &str)]) -> (std::path::PathBuf, Value) {
-    let dir = scratch(name);
+    let dir = scratch(name).until_exit();
     let data = dir.join("gpu.data");
     let manifest_path = dir.join("manifest.json");
     run(memtrace()

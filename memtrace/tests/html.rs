@@ -36,7 +36,7 @@ fn reports() -> &'static (PathBuf, PathBuf) {
     static REPORTS: OnceLock<(PathBuf, PathBuf)> = OnceLock::new();
     REPORTS.get_or_init(|| {
         require_root();
-        let dir = scratch("html");
+        let dir = scratch("html").until_exit();
         let data = dir.join("html.data");
         {
             let _sharing = sharing_the_machine();

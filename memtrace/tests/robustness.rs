@@ -266,7 +266,8 @@ fn a_full_disk_stops_the_recording_and_keeps_what_was_written() {
             .output()
             .unwrap()
     };
-    let whole = scratch("full-whole").join("whole.data");
+    let whole_dir = scratch("full-whole");
+    let whole = whole_dir.join("whole.data");
     assert!(record(&whole).status.success());
     let size_kib = (fs::metadata(&whole).unwrap().len() / 2).div_ceil(4096) * 4;
     let dir = scratch("full");

@@ -18,7 +18,7 @@ fn nofp_workload() -> PathBuf {
 
 /// Records `program` running the default exercise; returns the recording and its manifest.
 fn record_exercise(name: &str, program: &Path, call_graph: &str) -> (PathBuf, Value) {
-    let dir = scratch(name);
+    let dir = scratch(name).until_exit();
     let data = dir.join("rec.data");
     let manifest_path = dir.join("manifest.json");
     run(memtrace()

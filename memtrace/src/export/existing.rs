@@ -79,8 +79,8 @@ mod tests {
 
     #[test]
     fn each_format_recognizes_its_own_exports_only() {
-        let dir = std::env::temp_dir().join(format!("memtrace-existing-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
+        let tmp = tempfile::Builder::new().prefix("memtrace-existing-").tempdir().unwrap();
+        let dir = tmp.path().to_path_buf();
         let summary = crate::report::tests::summary(&ReportOptions {
             by: crate::grouping::GroupBy::Stack,
             split_processes: true,
@@ -109,6 +109,5 @@ mod tests {
             assert!(!format.recognizes(&source), "{format:?}");
             assert!(!format.recognizes(recording), "{format:?}");
         }
-        std::fs::remove_dir_all(&dir).unwrap();
     }
 }

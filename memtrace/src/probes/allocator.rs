@@ -828,8 +828,8 @@ mod tests {
     /// shell wrapper), an ELF file or a missing one is itself.
     #[test]
     fn a_script_is_run_by_the_program_its_first_line_names() {
-        let dir = std::env::temp_dir().join(format!("memtrace-shebang-{}", std::process::id()));
-        fs::create_dir_all(&dir).unwrap();
+        let tmp = tempfile::Builder::new().prefix("memtrace-shebang-").tempdir().unwrap();
+        let dir = tmp.path().to_path_buf();
         let inner = dir.join("inner");
         fs::write(&inner, "#!/bin/sh -e\nexec true\n").unwrap();
         let outer = dir.join("outer");
@@ -841,6 +841,5 @@ mod tests {
         fs::write(&looping, format!("#!{}\n", looping.display())).unwrap();
         assert_eq!(program_behind(&looping), looping, "stops after 4");
         assert!(for_executable(&outer, "").is_ok(), "the shell's allocator");
-        let _ = fs::remove_dir_all(&dir);
     }
 }

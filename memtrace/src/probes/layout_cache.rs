@@ -160,16 +160,14 @@ mod tests {
 
     #[test]
     fn a_stored_entry_is_read_back_and_a_foreign_one_is_not() {
-        let dir = std::env::temp_dir().join(format!("memtrace-layout-test-{}", std::process::id()));
-        let _ = fs::remove_dir_all(&dir);
-        fs::create_dir_all(&dir).unwrap();
+        let tmp = tempfile::Builder::new().prefix("memtrace-layout-test-").tempdir().unwrap();
+        let dir = tmp.path().to_path_buf();
         store(&dir, b"key", &sample()).unwrap();
         assert_eq!(load(&dir, b"key"), Ok(sample()));
         assert_eq!(load(&dir, b"other"), Err(Rejected::OtherKey));
         use std::os::unix::fs::PermissionsExt as _;
         fs::set_permissions(dir.join(FILE_NAME), fs::Permissions::from_mode(0o666)).unwrap();
         assert!(matches!(load(&dir, b"key"), Err(Rejected::WritableByOthers(_))));
-        fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]

@@ -162,6 +162,8 @@ pub struct Counters {
     /// Kernel allocations of traced tasks made for our own map updates, and their bytes.
     pub probe_busy_allocs: u64,
     pub probe_busy_bytes: u64,
+    /// mremaps whose old mapping could not be looked up (recorded as memory).
+    pub mremap_unlooked: u64,
 }
 
 /// An attachment, so detaching can close them all at once.
@@ -745,6 +747,7 @@ impl Probes {
             user_returns: sum(counter::USER_RETURNS)?,
             probe_busy_allocs: sum(counter::PROBE_BUSY_ALLOCS)?,
             probe_busy_bytes: sum(counter::PROBE_BUSY_BYTES)?,
+            mremap_unlooked: sum(counter::MREMAP_UNLOOKED)?,
         })
     }
 }

@@ -308,6 +308,10 @@ pub struct Stats {
     pub probe_map_allocs: u64,
     #[serde(default)]
     pub probe_map_bytes: u64,
+    /// `mremap`s whose old mapping the probe could not look up (the memory map was busy):
+    /// their new mappings were recorded as memory, whatever they were.
+    #[serde(default)]
+    pub mremaps_unlooked: u64,
     /// Bytes the probes sent through the rings, by kind of record.
     #[serde(default)]
     pub ring_bytes: RingBytes,

@@ -1268,8 +1268,8 @@ fn events_after_damaged_definitions_are_not_read() {
     let meta_chunk = stored_chunks(&write(&[], false))[0].clone();
     let bad_stacks = (ChunkKind::Stacks as u8, vec![0xff; 40]);
     let file = assemble(VERSION, &[meta_chunk, chunk_of(first), bad_stacks, chunk_of(second)]);
-    let dir = std::env::temp_dir().join(format!("memtrace-damaged-defs-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
+    let tmp = tempfile::Builder::new().prefix("memtrace-damaged-defs-").tempdir().unwrap();
+    let dir = tmp.path().to_path_buf();
     let path = dir.join("damaged.data");
     std::fs::write(&path, &file).unwrap();
     let defs = crate::report::load::read_definitions(&path).unwrap();

@@ -34,10 +34,10 @@ use crate::grouping::Filters;
 
 pub use self::{
     analyze::{GroupRow, LeakRow, LeakTotals, StackCoverage, Summary, analyze},
-    json::render_json,
+    json::{render_json, write_json},
     load::{Definitions, Outline, for_each_event, read_definitions, read_outline},
     options::{Format, ReportColumn, ReportOptions, SortKey},
-    text::render_text,
+    text::{render_text, write_text},
 };
 
 /// Fails when a filter names what the recording (`input`) has none of: a `--pid` with

@@ -3,7 +3,7 @@
 //! file only if it is an earlier memtrace report, unless `--force`.
 use std::{
     fs::{self, OpenOptions},
-    io::{self, Read as _, Write as _},
+    io::{self, Read as _, Write},
     os::unix::fs::{MetadataExt as _, OpenOptionsExt as _},
     path::Path,
 };
@@ -26,6 +26,16 @@ fn is_report(path: &Path) -> bool {
 /// Writes `contents` to `path`, the report of the recordings `inputs`: as private as they
 /// are, and under sudo the invoking user's.
 pub fn write_file(path: &Path, inputs: &[&Path], contents: &[u8], force: bool) -> Result<()> {
+    write_file_with(path, inputs, force, &|w| w.write_all(contents))
+}
+
+/// [`write_file`], the contents written by `write` as they are made.
+pub fn write_file_with(
+    path: &Path,
+    inputs: &[&Path],
+    force: bool,
+    write: &dyn Fn(&mut dyn Write) -> io::Result<()>,
+) -> Result<()> {
     match fs::symlink_metadata(path) {
         Ok(meta) => {
             for input in inputs {
@@ -53,7 +63,7 @@ pub fn write_file(path: &Path, inputs: &[&Path], contents: &[u8], force: bool) -
     // As private as the recordings it reads (0600 as `record` writes them), its paths,
     // command lines and sizes included.
     let mode = inputs.iter().fold(0o666, |m, input| m & fs::metadata(input).map_or(0o600, |i| i.mode() & 0o666));
-    let mut file = OpenOptions::new()
+    let file = OpenOptions::new()
         .write(true)
         .create_new(true)
         .mode(mode)
@@ -62,7 +72,8 @@ pub fn write_file(path: &Path, inputs: &[&Path], contents: &[u8], force: bool) -
         .with_context(|| format!("creating {}", path.display()))?;
     // Under sudo, the user's, as `record` makes its recordings.
     crate::session::output::hand_to_invoking_user(&file);
-    file.write_all(contents).and_then(|()| file.flush()).with_context(|| format!("writing {}", path.display()))
+    let mut file = io::BufWriter::with_capacity(1 << 16, file);
+    write(&mut file).and_then(|()| file.flush()).with_context(|| format!("writing {}", path.display()))
 }
 
 #[cfg(test)]
@@ -73,9 +84,8 @@ mod tests {
 
     #[test]
     fn replaces_only_earlier_reports_and_never_the_recording() {
-        let dir = std::env::temp_dir().join(format!("memtrace-report-output-{}", std::process::id()));
-        let _ = fs::remove_dir_all(&dir);
-        fs::create_dir_all(&dir).unwrap();
+        let tmp = tempfile::Builder::new().prefix("memtrace-report-output-").tempdir().unwrap();
+        let dir = tmp.path().to_path_buf();
         let data = dir.join("memtrace.data");
         fs::write(&data, b"MEMTRACE\x01").unwrap();
         let out = dir.join("report.html");
@@ -95,6 +105,5 @@ mod tests {
         let link = dir.join("link.html");
         std::os::unix::fs::symlink(&out, &link).unwrap();
         assert!(write_file(&link, &[&data], b"x", false).unwrap_err().to_string().contains("symbolic link"));
-        fs::remove_dir_all(&dir).unwrap();
     }
 }

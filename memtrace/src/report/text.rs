@@ -1,7 +1,7 @@
 //! The text report: what was traced, the totals per domain, losses and stack coverage,
 //! then one table row per group (or the blocks still live, with `--leaks`). Tables fit the
 //! width of the layout: figures are dropped by priority, never cut; names are ellipsized.
-use std::fmt::Write as _;
+use std::{fmt::Write as _, io};
 
 use super::{
     analyze::{GroupRow, Summary},
@@ -39,6 +39,18 @@ fn frame_line(indent: &str, f: &crate::stacks::Frame, width: Width) -> String {
 }
 
 pub fn render_text(a: &Summary, opts: &ReportOptions) -> String {
+    let mut text = Vec::new();
+    write_text(a, opts, &mut text).expect("writing to memory");
+    String::from_utf8(text).expect("the report is UTF-8")
+}
+
+/// Below this many bytes of report text, [`write_text`] holds it before writing it out.
+const WRITE_EVERY: usize = 1 << 16;
+
+/// The text report written to `w` as it is made: the rows of a report by stack of a deep
+/// recording, each with its whole stack (named as it is written, when the analysis left
+/// rows unnamed), run to hundreds of MB.
+pub fn write_text(a: &Summary, opts: &ReportOptions, w: &mut dyn io::Write) -> io::Result<()> {
     let mut out = String::new();
     let _ = writeln!(out, "memtrace report: {}", describe_target(a));
     if !a.allocators.is_empty() {
@@ -216,12 +228,12 @@ pub fn render_text(a: &Summary, opts: &ReportOptions) -> String {
 
     if opts.leaks {
         render_leaks(a, opts, &mut out);
-        return out;
+        return w.write_all(out.as_bytes());
     }
     if opts.top == Some(0) {
         // The totals alone.
         out.pop();
-        return out;
+        return w.write_all(out.as_bytes());
     }
     // A process's rows are one per domain (user, reserved, kernel): processes are counted.
     let rows = match a.by {
@@ -235,7 +247,7 @@ pub fn render_text(a: &Summary, opts: &ReportOptions) -> String {
     };
     if a.rows_in_all == 0 {
         let _ = writeln!(out, "{counted}");
-        return out;
+        return w.write_all(out.as_bytes());
     }
     let _ = writeln!(out, "{counted}, sorted by {}:", opts.sort.describe());
     let lines = groups_table(a, opts).lines(opts.layout.width);
@@ -247,12 +259,17 @@ pub fn render_text(a: &Summary, opts: &ReportOptions) -> String {
         let _ = writeln!(out, "{line}");
         if a.by == GroupBy::Stack {
             // Each row, then its whole stack.
-            for f in g.frames.iter().skip(stack_start(g.domain, &g.frames) + 1) {
+            let frames = crate::export::row_frames(a, g);
+            for f in frames.iter().skip(stack_start(g.domain, &frames) + 1) {
                 let _ = writeln!(out, "{}", frame_line("      ", f, opts.layout.width));
             }
         }
+        if out.len() >= WRITE_EVERY {
+            w.write_all(out.as_bytes())?;
+            out.clear();
+        }
     }
-    out
+    w.write_all(out.as_bytes())
 }
 
 /// One row per domain: what was allocated and freed, and what could not be paired.
@@ -312,9 +329,12 @@ fn cell(column: ReportColumn, g: &GroupRow) -> String {
 
 /// A group's name in its row: its label, or with `--by stack` the first frame (the whole
 /// stack follows the row).
-fn name(g: &GroupRow, by: GroupBy) -> String {
+fn name(a: &Summary, g: &GroupRow, by: GroupBy) -> String {
     match by {
-        GroupBy::Stack => g.frames.get(stack_start(g.domain, &g.frames)).map(|f| f.to_string()).unwrap_or_default(),
+        GroupBy::Stack => {
+            let frames = crate::export::row_frames(a, g);
+            frames.get(stack_start(g.domain, &frames)).map(|f| f.to_string()).unwrap_or_default()
+        }
         _ => g.label.clone(),
     }
 }
@@ -329,7 +349,7 @@ fn groups_table(a: &Summary, opts: &ReportOptions) -> TextTable {
     }
     TextTable {
         columns,
-        names: Some((a.by.header().into(), a.groups.iter().map(|g| name(g, a.by)).collect())),
+        names: Some((a.by.header().into(), a.groups.iter().map(|g| name(a, g, a.by)).collect())),
         keep_all: !matches!(opts.layout.columns, ColumnChoice::Fit),
     }
 }

@@ -231,6 +231,14 @@ pub fn under_counting(
             stats.user_walks_interleaved
         ));
     }
+    if stats.mremaps_unlooked > 0 {
+        out.push(format!(
+            "{} mremap calls could not look up the mapping they moved (the process's memory map was locked for \
+             writing): their new mappings are counted as memory, whatever they were (a file's read-only view is \
+             not memory, a PROT_NONE reservation is reserved)",
+            stats.mremaps_unlooked
+        ));
+    }
     let name_of = |pid: u32| match comms.get(&pid) {
         Some(comm) => format!("process {comm} [{pid}]"),
         None => format!("process {pid}"),
@@ -436,6 +444,10 @@ mod tests {
         let w = under_counting(&BTreeMap::new(), &comms, &meta, &interleaved);
         assert_eq!(w.len(), 1, "{w:#?}");
         assert!(w[0].starts_with("5 user stacks keep their call site alone (cut short)"), "{}", w[0]);
+        let unlooked = Stats { mremaps_unlooked: 3, ..Default::default() };
+        let w = under_counting(&BTreeMap::new(), &comms, &meta, &unlooked);
+        assert_eq!(w.len(), 1, "{w:#?}");
+        assert!(w[0].starts_with("3 mremap calls could not look up the mapping they moved"), "{}", w[0]);
         // An allocator probed after the program that brought it began: said for an exec'd
         // program's own; a library's mapped earlier is said on its allocator line.
         let allocator = |exec| recording::AllocatorMeta {

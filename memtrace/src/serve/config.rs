@@ -179,7 +179,8 @@ pub fn parse_size(s: &str) -> Result<u64, String> {
     n.checked_mul(scale).ok_or_else(|| format!("size too large: {s:?}"))
 }
 
-fn parse_sample_bytes(s: &str) -> Result<u64, String> {
+/// A sampling period (`--sample-bytes`): below 1 TiB; 0 records every allocation.
+pub fn parse_sample_bytes(s: &str) -> Result<u64, String> {
     let n = parse_size(s)?;
     if n >= 1 << 40 {
         return Err(format!("sampling period must be below 1 TiB, not {s:?}"));

@@ -759,9 +759,8 @@ fn listen_addresses() {
 
 #[test]
 fn tokens_are_one_line_and_may_come_through_a_symlink() {
-    let dir = std::env::temp_dir().join(format!("memtrace-token-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
+    let tmp = tempfile::Builder::new().prefix("memtrace-token-").tempdir().unwrap();
+    let dir = tmp.path().to_path_buf();
     std::fs::write(dir.join("token"), "s3cret\n").unwrap();
     std::os::unix::fs::symlink(dir.join("token"), dir.join("link")).unwrap();
     assert_eq!(read_token(&dir.join("link")).unwrap(), "s3cret");
@@ -771,7 +770,6 @@ fn tokens_are_one_line_and_may_come_through_a_symlink() {
     assert!(read_token(&dir.join("two")).is_err());
     assert!(read_token(&dir).unwrap_err().to_string().contains("not a regular file"));
     assert!(read_token(&dir.join("missing")).is_err());
-    std::fs::remove_dir_all(&dir).unwrap();
 }
 
 fn http_config(token: Option<&str>, header_timeout: Duration) -> HttpConfig {

@@ -128,20 +128,14 @@ mod tests {
 
     use super::*;
 
-    fn tempdir() -> std::path::PathBuf {
-        let dir = std::env::temp_dir().join(format!(
-            "memtrace-output-{}-{:?}",
-            std::process::id(),
-            std::thread::current().id()
-        ));
-        let _ = fs::remove_dir_all(&dir);
-        fs::create_dir_all(&dir).unwrap();
-        dir
+    fn tempdir() -> tempfile::TempDir {
+        tempfile::Builder::new().prefix("memtrace-output-").tempdir().unwrap()
     }
 
     #[test]
     fn creates_private_files_and_replaces_only_recordings() {
-        let dir = tempdir();
+        let tmp = tempdir();
+        let dir = tmp.path();
         let out = dir.join("memtrace.data");
         drop(create(&out, false).unwrap());
         assert_eq!(fs::metadata(&out).unwrap().permissions().mode() & 0o777, 0o600);
@@ -152,12 +146,12 @@ mod tests {
         fs::write(&out, b"precious").unwrap();
         drop(create(&out, true).unwrap());
         assert_eq!(fs::read(&out).unwrap(), b"");
-        fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]
     fn exports_never_replace_their_recording_nor_foreign_files() {
-        let dir = tempdir();
+        let tmp = tempdir();
+        let dir = tmp.path();
         let input = dir.join("in.data");
         fs::write(&input, b"MEMTRACE\x01\x00").unwrap();
         let folded = |p: &Path| fs::read(p).is_ok_and(|b| b.ends_with(b" 1\n"));
@@ -181,12 +175,12 @@ mod tests {
         fs::write(&earlier, b"app;main 1\n").unwrap();
         drop(create_export(&earlier, &input, false, "a folded export", &folded).unwrap());
         assert_eq!(fs::read(&earlier).unwrap(), b"");
-        fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]
     fn never_writes_through_a_symlink() {
-        let dir = tempdir();
+        let tmp = tempdir();
+        let dir = tmp.path();
         let victim = dir.join("victim");
         fs::write(&victim, b"MEMTRACE keep me").unwrap();
         let link = dir.join("memtrace.data");
@@ -198,14 +192,14 @@ mod tests {
         }
         assert_eq!(fs::read(&victim).unwrap(), b"MEMTRACE keep me");
         assert!(fs::symlink_metadata(&link).unwrap().file_type().is_symlink());
-        fs::remove_dir_all(&dir).unwrap();
     }
 
     /// A device, a FIFO or a socket stays what it is, `--force` or not (as root,
     /// `--force -o /dev/null` replaced the device with a file).
     #[test]
     fn never_replaces_what_is_not_a_regular_file() {
-        let dir = tempdir();
+        let tmp = tempdir();
+        let dir = tmp.path();
         let fifo = dir.join("fifo");
         let c = std::ffi::CString::new(fifo.as_os_str().as_encoded_bytes()).unwrap();
         // SAFETY: a valid NUL-terminated path.
@@ -222,6 +216,5 @@ mod tests {
         let null = Path::new("/dev/null");
         assert!(create(null, true).unwrap_err().to_string().contains("is not a regular file"));
         assert!(fs::metadata(null).unwrap().file_type().is_char_device());
-        fs::remove_dir_all(&dir).unwrap();
     }
 }

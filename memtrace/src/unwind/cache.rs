@@ -535,15 +535,16 @@ mod tests {
         FileKey::BuildId { build_id: vec![7; 20], size: 1234 }
     }
 
-    fn cache(name: &str) -> DiskCache {
-        let dir = std::env::temp_dir().join(format!("memtrace-cache-test-{name}-{}", std::process::id()));
-        let _ = fs::remove_dir_all(&dir);
-        DiskCache::open(&dir, 1 << 20).unwrap()
+    /// A cache in a fresh directory, removed when the first is dropped.
+    fn cache(name: &str) -> (tempfile::TempDir, DiskCache) {
+        let tmp = tempfile::Builder::new().prefix(&format!("memtrace-cache-test-{name}-")).tempdir().unwrap();
+        let c = DiskCache::open(tmp.path(), 1 << 20).unwrap();
+        (tmp, c)
     }
 
     #[test]
     fn a_stored_table_loads_back() {
-        let c = cache("roundtrip");
+        let (_tmp, c) = cache("roundtrip");
         assert_eq!(c.load(&key()), Err(Rejected::Missing));
         c.store(&key(), &table()).unwrap();
         assert_eq!(c.load(&key()).unwrap(), table());
@@ -562,8 +563,8 @@ mod tests {
         let cfi = crate::unwind::cfi::Cfi::open(&exe).unwrap();
         let built = cfi.table().unwrap();
         let rows = built.decoded_rows();
-        let dir = std::env::temp_dir().join(format!("memtrace-cache-test-in-place-{}", std::process::id()));
-        let _ = fs::remove_dir_all(&dir);
+        let tmp = tempfile::Builder::new().prefix("memtrace-cache-test-in-place-").tempdir().unwrap();
+        let dir = tmp.path().to_path_buf();
         // (The test binary's table is larger than the other tests' bound.)
         let c = DiskCache::open(&dir, 1 << 30).unwrap();
         c.store(&key(), &built).unwrap();
@@ -583,12 +584,11 @@ mod tests {
             assert_eq!(loaded.rule_at(vaddr), built.rule_at(vaddr), "{vaddr:#x}");
         }
         drop(loaded);
-        let _ = fs::remove_dir_all(&dir);
     }
 
     #[test]
     fn damaged_or_untrusted_entries_are_rejected() {
-        let c = cache("damaged");
+        let (_tmp, c) = cache("damaged");
         c.store(&key(), &table()).unwrap();
         let path = c.path_of(&key());
         let good = fs::read(&path).unwrap();
@@ -631,7 +631,7 @@ mod tests {
 
     #[test]
     fn a_programs_files_are_remembered_newest_first_and_bounded() {
-        let c = cache("companions");
+        let (_tmp, c) = cache("companions");
         let program = key();
         assert!(c.companions(&program).is_empty(), "nothing known yet");
         let a = [PathBuf::from("/usr/lib/liba.so"), PathBuf::from("/usr/lib/libb.so")];
@@ -667,8 +667,8 @@ mod tests {
 
     #[test]
     fn the_least_recently_used_entries_are_evicted() {
-        let dir = std::env::temp_dir().join(format!("memtrace-cache-test-evict-{}", std::process::id()));
-        let _ = fs::remove_dir_all(&dir);
+        let tmp = tempfile::Builder::new().prefix("memtrace-cache-test-evict-").tempdir().unwrap();
+        let dir = tmp.path().to_path_buf();
         let one = encode(&key(), &table()).len() as u64;
         let c = DiskCache::open(&dir, one * 2).unwrap();
         let keys: Vec<FileKey> = (0..3).map(|i| FileKey::BuildId { build_id: vec![i; 20], size: 1 }).collect();
@@ -687,9 +687,8 @@ mod tests {
 
     #[test]
     fn a_cache_directory_writable_by_others_is_refused() {
-        let dir = std::env::temp_dir().join(format!("memtrace-cache-test-perm-{}", std::process::id()));
-        let _ = fs::remove_dir_all(&dir);
-        fs::create_dir_all(&dir).unwrap();
+        let tmp = tempfile::Builder::new().prefix("memtrace-cache-test-perm-").tempdir().unwrap();
+        let dir = tmp.path().to_path_buf();
         fs::set_permissions(&dir, fs::Permissions::from_mode(0o777)).unwrap();
         assert!(DiskCache::open(&dir, 1).is_err());
     }

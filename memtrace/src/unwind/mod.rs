@@ -1235,8 +1235,8 @@ mod tests {
     /// nested scripts are followed.
     #[test]
     fn a_scripts_interpreters_are_found_from_its_first_line() {
-        let dir = std::env::temp_dir().join(format!("memtrace-shebang-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
+        let tmp = tempfile::Builder::new().prefix("memtrace-shebang-").tempdir().unwrap();
+        let dir = tmp.path().to_path_buf();
         let write = |name: &str, text: &str| {
             let path = dir.join(name);
             std::fs::write(&path, text).unwrap();
@@ -1253,7 +1253,6 @@ mod tests {
         assert_eq!(script_interpreters(pid, &nested), [plain.clone(), PathBuf::from("/bin/sh")]);
         let binary = std::fs::read_link("/proc/self/exe").unwrap();
         assert!(script_interpreters(pid, &binary).is_empty());
-        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     /// The program of a space is forgotten when its last process leaves it, by an exec as
@@ -1340,8 +1339,8 @@ mod tests {
     /// Before the command starts, all at once.
     #[test]
     fn an_exec_asks_for_the_programs_table_first_and_its_files_between_reads() {
-        let dir = std::env::temp_dir().join(format!("memtrace-companions-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
+        let tmp = tempfile::Builder::new().prefix("memtrace-companions-").tempdir().unwrap();
+        let dir = tmp.path().to_path_buf();
         let cache = DiskCache::open(&dir, 1 << 30).unwrap();
         let exe = std::fs::read_link("/proc/self/exe").unwrap();
         let files: Vec<PathBuf> = Maps::read_self()
@@ -1373,6 +1372,5 @@ mod tests {
         now.prepare_program(&exe, false);
         assert!(now.companions.is_empty());
         assert!(files.iter().chain([&exe]).all(|f| now.store.slot_of(f).is_some()));
-        let _ = std::fs::remove_dir_all(&dir);
     }
 }

@@ -839,8 +839,8 @@ mod tests {
     #[test]
     fn a_table_built_with_a_cache_is_kept_as_its_mapped_entry() {
         let exe = std::env::current_exe().unwrap();
-        let dir = std::env::temp_dir().join(format!("memtrace-store-mapped-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
+        let tmp = tempfile::Builder::new().prefix("memtrace-store-mapped-").tempdir().unwrap();
+        let dir = tmp.path().to_path_buf();
         let cache = DiskCache::open(&dir, 1 << 30).unwrap();
         let job = Job { slot: 0, key: FileKey::of(&exe).unwrap(), path: exe.clone(), asked: Instant::now() };
         let (plain, _) = build_or_load(&job, None);
@@ -854,7 +854,6 @@ mod tests {
         assert!(loaded.is_mapped() && from_cache);
         assert!(built == plain && loaded == plain);
         drop((built, loaded));
-        let _ = std::fs::remove_dir_all(&dir);
     }
 
     /// What a sink of the install-thread test was asked: (on the install thread, "install"
@@ -938,7 +937,8 @@ mod tests {
         let exe = std::env::current_exe().unwrap();
         let mut store = TableStore::new(None, 1, 1024);
         let (slot, _) = store.request(&exe).unwrap();
-        let not_elf = std::env::temp_dir().join(format!("memtrace-not-elf-{}", std::process::id()));
+        let tmp = tempfile::Builder::new().prefix("memtrace-not-elf-").tempdir().unwrap();
+        let not_elf = tmp.path().join("not-elf");
         std::fs::write(&not_elf, b"not an ELF file").unwrap();
         assert!(store.request(&not_elf).is_none(), "a file that is not ELF has no segments");
         let mut sink = Installed::default();

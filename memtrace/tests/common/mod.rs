@@ -42,12 +42,73 @@ pub fn require_root() {
     );
 }
 
-/// A fresh directory for one test's files.
-pub fn scratch(name: &str) -> PathBuf {
+/// A fresh directory for one test's files, removed when the test is done with it; a
+/// failing test's is kept (and named on stderr) to be looked at.
+pub fn scratch(name: &str) -> Scratch {
     let dir = std::env::temp_dir().join(format!("memtrace-it-{name}-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).unwrap();
-    dir
+    Scratch(Some(dir))
+}
+
+/// A test's directory (see [`scratch`]): a `Path` that goes when it is dropped.
+pub struct Scratch(Option<PathBuf>);
+
+impl Scratch {
+    /// Keeps the directory for the tests of this binary that share what is in it (a
+    /// recording made once): it is removed when the binary exits.
+    pub fn until_exit(mut self) -> PathBuf {
+        let dir = self.0.take().expect("a scratch directory");
+        let mut shared = SHARED.lock().unwrap_or_else(|e| e.into_inner());
+        if shared.is_empty() {
+            // SAFETY: atexit takes a plain function with no arguments, which it calls once
+            // as the process exits; it only reads the list under its lock.
+            unsafe { libc::atexit(remove_shared) };
+        }
+        shared.push(dir.clone());
+        dir
+    }
+}
+
+/// The directories [`Scratch::until_exit`] keeps.
+static SHARED: std::sync::Mutex<Vec<PathBuf>> = std::sync::Mutex::new(Vec::new());
+
+extern "C" fn remove_shared() {
+    // A test that panicked while holding the lock poisons it: the list is still whole.
+    let shared = SHARED.lock().unwrap_or_else(|e| e.into_inner());
+    for dir in shared.iter() {
+        let _ = std::fs::remove_dir_all(dir);
+    }
+}
+
+impl std::ops::Deref for Scratch {
+    type Target = Path;
+    fn deref(&self) -> &Path {
+        self.0.as_deref().expect("a scratch directory")
+    }
+}
+
+impl AsRef<Path> for Scratch {
+    fn as_ref(&self) -> &Path {
+        self
+    }
+}
+
+impl AsRef<std::ffi::OsStr> for Scratch {
+    fn as_ref(&self) -> &std::ffi::OsStr {
+        self.as_os_str()
+    }
+}
+
+impl Drop for Scratch {
+    fn drop(&mut self) {
+        let Some(dir) = self.0.take() else { return };
+        if std::thread::panicking() {
+            eprintln!("kept {} for a look at the failure", dir.display());
+        } else {
+            let _ = std::fs::remove_dir_all(&dir);
+        }
+    }
 }
 
 pub fn run(cmd: &mut Command) -> Output {
