@@ -226,8 +226,17 @@ const ALLOCATOR_MAPPERS: &[&str] = &[
 const ALLOCATOR_PAGE_MAPPERS: &[&str] =
     &["pages_map", "os_pages_map", "mi_unix_mmap", "_mi_prim_alloc", "tcmalloc::MmapSysAllocator::Alloc"];
 
+/// Suffixes GCC gives the clones of a function it specializes or splits
+/// (`os_pages_map.constprop.0`, `foo.isra.0`, `foo.part.0`, `foo.cold`), and LLVM's.
+const CLONE_SUFFIXES: &[&str] = &["constprop", "isra", "part", "cold", "lto_priv", "llvm"];
+
 fn is_allocator_pages_map(function: &str) -> bool {
     let base = function.split('(').next().unwrap_or(function);
+    // A clone is its function (jemalloc linked statically: `os_pages_map.constprop.0`).
+    let base = match base.split_once('.') {
+        Some((name, clone)) if CLONE_SUFFIXES.iter().any(|c| clone.starts_with(c)) => name,
+        _ => base,
+    };
     ALLOCATOR_PAGE_MAPPERS
         .iter()
         .any(|m| base == *m || base.strip_suffix(m).is_some_and(|prefix| prefix.ends_with('_')))
@@ -1057,7 +1066,8 @@ mod tests {
         for (name, reserved) in
             [("_rjem_je_pages_map", true), ("pages_map", true), ("mi_unix_mmap", true), ("map_pages_map", true)]
                 .into_iter()
-                .chain([("my_pages_mapper", false), ("pages_mapping", false)])
+                .chain([("os_pages_map.constprop.0", true), ("je_pages_map.part.1", true), ("pages_map.cold", true)])
+                .chain([("my_pages_mapper", false), ("pages_mapping", false), ("my_pages_mapper.constprop.0", false)])
         {
             t.symbols.insert(
                 SymbolKey::User(FileFrame::Module { module: 0, offset: 0x10 }),

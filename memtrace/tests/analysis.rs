@@ -361,3 +361,32 @@ fn a_wrapper_called_from_two_places_names_neither_caller_for_both() {
     rows.sort();
     assert_eq!(rows, [("wl_wrapped_a".to_string(), rounds, true), ("wl_wrapped_b".to_string(), rounds, true)]);
 }
+
+/// A report read by `head` (its pipe closed early) ends quietly, text or JSON (both written
+/// as they are made, a row at a time).
+#[test]
+fn a_report_into_a_closed_pipe_ends_quietly() {
+    let (data, _) = recording();
+    for args in [
+        &["report", "--by", "stack", "--wide"][..],
+        &["report", "--by", "stack", "--format", "json"],
+        &["report", "--leaks", "--format", "json"],
+    ] {
+        let whole = run(memtrace().args(args).arg("-i").arg(data)).stdout.len();
+        // More than a pipe holds (64 KiB): the writer meets the closed end.
+        assert!(whole > 96 << 10, "{args:?}: {whole} bytes");
+        let mut child = memtrace()
+            .args(args)
+            .arg("-i")
+            .arg(data)
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        let mut first = [0u8; 16];
+        child.stdout.take().unwrap().read_exact(&mut first).unwrap();
+        let out = child.wait_with_output().unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(out.status.success() && stderr.is_empty(), "{args:?}: {} {stderr}", out.status);
+    }
+}

@@ -569,6 +569,11 @@ fn reserved_memory_is_counted_apart_from_the_programs() {
     // limit says, never the program's request.
     assert_eq!(reserved["allocs"], 4, "{:#}", report["totals"]);
     assert!(reserved["bytes_req"].as_u64().unwrap() >= 4 * 64 * 1024, "{reserved:#}");
+    // The summary's stack lines count them where the totals do (they were user's).
+    let stacks = &report["stacks"];
+    assert_eq!(stacks["reserved"]["allocs_with_stack"], 4, "{stacks:#}");
+    let user_allocs = report["totals"]["user"]["allocs"].as_u64().unwrap();
+    assert!(stacks["user"]["allocs_with_stack"].as_u64().unwrap() <= user_allocs, "{stacks:#}");
     let only = report_json(&data, &["--kind", "reserved"]);
     let sites = only["sites"].as_array().unwrap();
     assert!(!sites.is_empty());

@@ -424,14 +424,15 @@ pub fn analyze(path: &Path, opts: &ReportOptions) -> Result<Summary> {
         if let Event::Alloc(a) = &event
             && a.stack != 0
             && process_ok
-            && filters.domain.admits(Domain::of(a.kind))
+            && filters.domain.admits(analyzer.domain(a.kind, a.stack))
             && !(a.kind.is_kernel() && uprobe_stacks.contains(&a.stack))
             && !(a.kind == Kind::PageAlloc && slab_page_stacks.contains(&a.stack))
         {
             // The summary's stack line counts what the report counts (`--kind`,
             // `--min-size`, `--allocator`); the per-process warnings, whole processes.
             if filters.admits_kind(a.kind) && filters.admits_size(a.bytes_req) && !other_allocator(a) {
-                coverage.count(Domain::of(a.kind), a.stack);
+                // An allocator's page mappings count as reserved, as in the totals.
+                coverage.count(analyzer.domain(a.kind, a.stack), a.stack);
             }
             if !a.kind.is_kernel() {
                 let t = tallies.entry(a.pid).or_default();
@@ -579,7 +580,9 @@ pub fn analyze(path: &Path, opts: &ReportOptions) -> Result<Summary> {
                 row_of(group, std::mem::take(&mut groups[group]), frames, name)
             })
             .collect();
-        sites::disambiguate(&mut rows, opts.by);
+        if !opts.labels_without_addresses {
+            sites::disambiguate(&mut rows, opts.by);
+        }
         rows.sort_by(|a, b| row_order(opts.sort, &a.stats, &b.stats));
         rows.truncate(opts.top.unwrap_or(usize::MAX));
         rows

@@ -94,12 +94,20 @@ pub enum Status {
     Gone,
 }
 
+/// Which recording's row shows a row of the comparison (the new one's where both have
+/// it), by its index among that summary's groups: its frames are named when written.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Shown {
+    pub new: bool,
+    pub group: usize,
+}
+
 /// One row of the comparison.
 #[derive(Debug, Clone)]
 pub struct DiffRow {
     pub domain: Domain,
     pub label: String,
-    pub frames: Vec<Frame>,
+    pub shown: Shown,
     pub status: Status,
     pub old: Stats,
     pub new: Stats,
@@ -128,30 +136,46 @@ fn frame_name(f: &Frame) -> String {
 /// The key two runs' rows are matched by: the domain and the names that identify the row.
 pub fn row_key(g: &GroupRow, by: GroupBy, a: &Summary) -> String {
     let name = match by {
-        GroupBy::Site => first_frame(g.domain, &g.frames).map_or_else(|| g.label.clone(), frame_name),
+        GroupBy::Site => {
+            first_frame(g.domain, &crate::export::row_frames(a, g)).map_or_else(|| g.label.clone(), frame_name)
+        }
         GroupBy::Function => g.label.clone(),
         GroupBy::Process => g.pids.first().and_then(|p| a.comms.get(p)).cloned().unwrap_or_else(|| g.label.clone()),
-        GroupBy::Stack => g.frames.iter().map(frame_name).collect::<Vec<_>>().join(";"),
+        GroupBy::Stack => crate::export::row_frames(a, g).iter().map(frame_name).collect::<Vec<_>>().join(";"),
     };
     format!("{}:{name}", domain_name(g.domain))
 }
 
+/// [`row_key`] as the rows are matched by: 128 bits of it (a key by stack is every frame's
+/// name: a deep Python recording's took 0.9 GB a side).
+fn key_hash(key: &str) -> u128 {
+    use std::hash::BuildHasher as _;
+    let half = |seed| foldhash::quality::FixedState::with_seed(seed).hash_one(key);
+    u128::from(half(0x6d656d7472616365)) << 64 | u128::from(half(0x64696666))
+}
+
+/// A recording's rows unnamed: each is named when its key is made, and again only if it is
+/// written ([`DiffSummary::frames`]).
 fn read(path: &Path, opts: &DiffOptions) -> Result<Summary> {
     let report = ReportOptions {
         by: opts.by,
         filters: opts.filters.clone(),
         alloc_fns: opts.alloc_fns.clone(),
+        rows_unnamed: true,
+        labels_without_addresses: true,
         ..Default::default()
     };
     analyze(path, &report).with_context(|| format!("reading {}", path.display()))
 }
 
-type Shown = (Domain, String, Vec<Frame>);
-
-fn keyed(a: &Summary, by: GroupBy) -> Vec<(String, Stats, Shown)> {
+fn keyed(a: &Summary, by: GroupBy, new: bool) -> Vec<(u128, Stats, (Domain, String, Shown))> {
     a.groups
         .iter()
-        .map(|g| (row_key(g, by, a), g.stats.clone(), (g.domain, g.label.clone(), g.frames.clone())))
+        .enumerate()
+        .map(|(group, g)| {
+            let shown = Shown { new, group };
+            (key_hash(&row_key(g, by, a)), g.stats.clone(), (g.domain, g.label.clone(), shown))
+        })
         .collect()
 }
 
@@ -159,6 +183,12 @@ impl DiffSummary {
     /// The rows that changed, the first `--top` of them.
     pub fn changed(&self) -> impl Iterator<Item = &DiffRow> {
         self.rows.iter().filter(|r| r.status != Status::Unchanged).take(self.top.unwrap_or(usize::MAX))
+    }
+
+    /// A row's frames, named now.
+    pub fn frames(&self, row: &DiffRow) -> std::borrow::Cow<'_, [Frame]> {
+        let a = if row.shown.new { &self.new } else { &self.old };
+        crate::export::row_frames(a, &a.groups[row.shown.group])
     }
 }
 
@@ -173,11 +203,11 @@ pub fn diff(old: &Path, new: &Path, opts: &DiffOptions) -> Result<DiffSummary> {
     {
         return Err(e);
     }
-    let mut rows: Vec<DiffRow> = match_rows(keyed(&old, opts.by), keyed(&new, opts.by))
+    let mut rows: Vec<DiffRow> = match_rows(keyed(&old, opts.by, false), keyed(&new, opts.by, true))
         .into_iter()
         .map(|m| {
             let delta = m.delta();
-            let (domain, label, frames) = m.shown().clone();
+            let (domain, label, shown) = m.shown().clone();
             let status = match (&m.old, &m.new) {
                 (None, _) => Status::New,
                 (_, None) => Status::Gone,
@@ -185,7 +215,7 @@ pub fn diff(old: &Path, new: &Path, opts: &DiffOptions) -> Result<DiffSummary> {
                 _ => Status::Changed,
             };
             let (old, new) = (m.old.map(|o| o.0).unwrap_or_default(), m.new.map(|n| n.0).unwrap_or_default());
-            DiffRow { domain, label, frames, status, old, new, delta }
+            DiffRow { domain, label, shown, status, old, new, delta }
         })
         .collect();
     rows.sort_by(|a, b| {
@@ -194,6 +224,7 @@ pub fn diff(old: &Path, new: &Path, opts: &DiffOptions) -> Result<DiffSummary> {
             .cmp(&opts.sort.of(&a.delta))
             .then(b.delta.bytes_req.cmp(&a.delta.bytes_req))
             .then(a.label.cmp(&b.label))
+            .then(domain_name(a.domain).cmp(domain_name(b.domain)))
     });
     let mut totals: BTreeMap<Domain, (Stats, Stats)> = BTreeMap::new();
     for (domain, t) in &old.totals {

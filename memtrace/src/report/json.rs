@@ -270,8 +270,9 @@ pub fn render_json(a: &Summary, opts: &ReportOptions) -> Result<String> {
     Ok(String::from_utf8(out)?)
 }
 
-/// The JSON report written to `w` as it is made (see [`Sites`]).
-pub fn write_json(a: &Summary, opts: &ReportOptions, w: &mut dyn std::io::Write) -> Result<()> {
+/// The JSON report written to `w` as it is made (see [`Sites`]). A failed write keeps its
+/// kind (a closed pipe is not an error of the report's).
+pub fn write_json(a: &Summary, opts: &ReportOptions, w: &mut dyn std::io::Write) -> std::io::Result<()> {
     let mut totals: BTreeMap<&str, JsonTotals> = a
         .totals
         .iter()
@@ -348,6 +349,5 @@ pub fn write_json(a: &Summary, opts: &ReportOptions, w: &mut dyn std::io::Write)
         "timeline": json_memory::timeline(a, opts.filters.domain),
     });
     let serde_json::Value::Object(value) = value else { unreachable!("the report is an object") };
-    serde_json::to_writer_pretty(w, &Document { value, sites: Sites(a), leaks: opts.leaks.then_some(Leaks(a)) })?;
-    Ok(())
+    Ok(serde_json::to_writer_pretty(w, &Document { value, sites: Sites(a), leaks: opts.leaks.then_some(Leaks(a)) })?)
 }

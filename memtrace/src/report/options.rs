@@ -236,4 +236,8 @@ pub struct ReportOptions {
     /// `Summary::stacks` and lets it go (a folded export of a deep Python recording held
     /// all 11 million of its frames at once, 870 MB).
     pub rows_unnamed: bool,
+    /// Rows of one name stay named alike, without the offset that tells them apart
+    /// (`sites::disambiguate`): `diff` matches rows by name across builds, where addresses
+    /// move, so twins are one row there and an offset in its name would be one of theirs.
+    pub labels_without_addresses: bool,
 }

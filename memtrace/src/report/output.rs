@@ -73,7 +73,12 @@ pub fn write_file_with(
     // Under sudo, the user's, as `record` makes its recordings.
     crate::session::output::hand_to_invoking_user(&file);
     let mut file = io::BufWriter::with_capacity(1 << 16, file);
-    write(&mut file).and_then(|()| file.flush()).with_context(|| format!("writing {}", path.display()))
+    let written = write(&mut file).and_then(|()| file.flush()).with_context(|| format!("writing {}", path.display()));
+    if written.is_err() {
+        // No partial report left behind (a full disk): the file is the one made above.
+        let _ = fs::remove_file(path);
+    }
+    written
 }
 
 #[cfg(test)]
@@ -105,5 +110,14 @@ mod tests {
         let link = dir.join("link.html");
         std::os::unix::fs::symlink(&out, &link).unwrap();
         assert!(write_file(&link, &[&data], b"x", false).unwrap_err().to_string().contains("symbolic link"));
+        // A write that fails half-way (a full disk) leaves no partial report.
+        let full = dir.join("full.txt");
+        let err = write_file_with(&full, &[&data], false, &|w| {
+            w.write_all(&[b'x'; 1 << 17])?;
+            Err(io::Error::from_raw_os_error(libc::ENOSPC))
+        })
+        .unwrap_err();
+        assert!(format!("{err:#}").contains("No space left on device"), "{err:#}");
+        assert!(!full.exists());
     }
 }

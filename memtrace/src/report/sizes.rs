@@ -79,11 +79,18 @@ pub fn render_histogram(a: &Summary, opts: &ReportOptions) -> String {
         out.push('\n');
     }
     let rows: Vec<_> = a.groups.iter().take(SITE_ROWS).collect();
+    // A process has a row per domain: rows are counted, each named with its domain.
+    let by_process = a.by == crate::grouping::GroupBy::Process;
     if !rows.is_empty() {
-        let _ = writeln!(out, "requested sizes of the first {} {}:", rows.len(), a.by.plural());
+        let what = if by_process { "rows (a process in a domain each)" } else { a.by.plural() };
+        let _ = writeln!(out, "requested sizes of the first {} {what}:", rows.len());
     }
     for g in rows {
-        let _ = writeln!(out, "{}", g.label);
+        if by_process {
+            let _ = writeln!(out, "{}, {}", g.label, domain_name(g.domain));
+        } else {
+            let _ = writeln!(out, "{}", g.label);
+        }
         let items: Vec<String> = g
             .stats
             .sizes

@@ -46,12 +46,7 @@ fn row(out: &mut String, domain: Domain, series: &[u64], per_column: usize, name
     let squeezed = squeeze(series, per_column);
     let columns = squeezed.len();
     let max = squeezed.iter().copied().max().unwrap_or(0);
-    let letter = match domain {
-        Domain::Kernel => "K",
-        Domain::Gpu => "G",
-        Domain::GpuAddress => "V",
-        Domain::User | Domain::Reserved => "U",
-    };
+    let letter = crate::grouping::domain_letter(domain);
     let line = format!("{letter}  {:>9}  {:<columns$}  {name}", bytes(max), sparkline(&squeezed, max));
     let line = match width {
         Width::Columns(w) => ellipsize(&line, w.max(PREFIX + columns + 2 + NAME_MIN_WIDTH)),

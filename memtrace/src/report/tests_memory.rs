@@ -100,4 +100,9 @@ fn the_text_report_draws_the_timeline_and_the_histograms() {
         "{h}"
     );
     assert!(h.contains("\nalloc_pipe_info ← create_pipe_files ← do_pipe2\n    ≤ 256 B: 50 (25.0% frag)\n"), "{h}");
+    // By process: a row per domain, counted as rows and named with its domain.
+    let h = text(ReportOptions { histogram: true, by: crate::grouping::GroupBy::Process, ..Default::default() });
+    let head = h.lines().find(|l| l.starts_with("requested sizes of the first")).unwrap_or_default();
+    assert_eq!(head, "requested sizes of the first 2 rows (a process in a domain each):", "{h}");
+    assert!(h.lines().any(|l| l.ends_with(", kernel")) && h.lines().any(|l| l.ends_with(", user")), "{h}");
 }

@@ -40,17 +40,18 @@ pub fn same_file(a: &Path, b: &Path) -> bool {
     }
 }
 
-/// Creates `path` for writing an export of the recording `input`: never the recording
-/// itself (not even with `--force`), and an existing file only if `is_same_kind` says it
-/// is an earlier export of the same format (`what` names that kind), or with `--force`.
+/// Creates `path` for writing an export of the recordings `inputs` (the one exported, and
+/// the base of a comparison): never one of them (not even with `--force`), and an existing
+/// file only if `is_same_kind` says it is an earlier export of the same format (`what`
+/// names that kind), or with `--force`.
 pub fn create_export(
     path: &Path,
-    input: &Path,
+    inputs: &[&Path],
     force: bool,
     what: &str,
     is_same_kind: &dyn Fn(&Path) -> bool,
 ) -> Result<File> {
-    if same_file(path, input) {
+    if inputs.iter().any(|input| same_file(path, input)) {
         bail!("{} is the recording being exported; write the export to another file", path.display());
     }
     create_replacing(path, force, what, is_same_kind)
@@ -157,23 +158,28 @@ mod tests {
         let folded = |p: &Path| fs::read(p).is_ok_and(|b| b.ends_with(b" 1\n"));
         // The recording itself, even with --force, and through another name.
         for force in [false, true] {
-            let err = create_export(&input, &input, force, "a folded export", &folded).unwrap_err().to_string();
+            let err = create_export(&input, &[&input], force, "a folded export", &folded).unwrap_err().to_string();
             assert!(err.contains("is the recording being exported"), "{err}");
         }
         let alias = dir.join("alias.data");
         std::os::unix::fs::symlink(&input, &alias).unwrap();
-        assert!(create_export(&alias, &input, true, "a folded export", &folded).is_err());
+        assert!(create_export(&alias, &[&input], true, "a folded export", &folded).is_err());
         assert_eq!(fs::read(&input).unwrap(), b"MEMTRACE\x01\x00");
+        // Nor the base of a comparison (`export --diff-base BASE -o BASE --force`).
+        let base = dir.join("base.data");
+        fs::write(&base, b"MEMTRACE\x01\x00").unwrap();
+        assert!(create_export(&base, &[&input, &base], true, "a folded export", &folded).is_err());
+        assert_eq!(fs::read(&base).unwrap(), b"MEMTRACE\x01\x00");
         // A file of another kind only with --force; an earlier export of the same kind.
         let source = dir.join("prog.c");
         fs::write(&source, b"int main(void) { return 0; }\n").unwrap();
-        let err = create_export(&source, &input, false, "a folded export", &folded).unwrap_err().to_string();
+        let err = create_export(&source, &[&input], false, "a folded export", &folded).unwrap_err().to_string();
         assert_eq!(err, format!("{} exists and is not a folded export; use --force to replace it", source.display()));
         assert_eq!(fs::read(&source).unwrap(), b"int main(void) { return 0; }\n");
-        drop(create_export(&source, &input, true, "a folded export", &folded).unwrap());
+        drop(create_export(&source, &[&input], true, "a folded export", &folded).unwrap());
         let earlier = dir.join("out.folded");
         fs::write(&earlier, b"app;main 1\n").unwrap();
-        drop(create_export(&earlier, &input, false, "a folded export", &folded).unwrap());
+        drop(create_export(&earlier, &[&input], false, "a folded export", &folded).unwrap());
         assert_eq!(fs::read(&earlier).unwrap(), b"");
     }
 
@@ -207,7 +213,7 @@ mod tests {
         for force in [false, true] {
             let err = create(&fifo, force).unwrap_err().to_string();
             assert!(err.contains("is not a regular file") && !err.contains("--force"), "{err}");
-            let err = create_export(&fifo, Path::new("/nonexistent.data"), force, "a folded export", &|_| true)
+            let err = create_export(&fifo, &[Path::new("/nonexistent.data")], force, "a folded export", &|_| true)
                 .unwrap_err()
                 .to_string();
             assert!(err.contains("is not a regular file"), "{err}");
