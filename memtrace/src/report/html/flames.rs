@@ -123,7 +123,8 @@ fn flame(stacks: &Summary, folded: &mut Folded, domain: Domain, view: usize) -> 
 }
 
 /// Every flame graph: domain → view id → flame graph. The rows of `stacks` are taken:
-/// each one's frames are let go once its folded stack is made.
+/// each one's frames (named now when the analysis left them unnamed) are let go once its
+/// folded stack is made.
 pub fn flames(
     stacks: &mut Summary,
     domains: &[Domain],

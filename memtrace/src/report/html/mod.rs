@@ -69,6 +69,8 @@ pub fn render_html(input: &Path, opts: &ReportOptions) -> Result<String> {
         by: GroupBy::Stack,
         split_processes: true,
         filters: opts.filters.clone(),
+        // Each row is named as it is folded (all at once: 1 GB for a deep Python recording).
+        rows_unnamed: true,
         ..Default::default()
     };
     let stacks = analyze(input, &stacks_opts)?;
