@@ -205,7 +205,7 @@ pub(crate) fn try_alloc_enter(ctx: &ProbeContext, cookie: u64, session: bool) ->
     // recorded there; a shared anonymous mapping has a file too, and was recorded); a
     // reservation stays reserved.
     let old_vma = if remapping { vma_at(ptr_arg) } else { Vma::Unknown };
-    if remapping && old_vma == Vma::Unknown {
+    if old_vma == Vma::Busy {
         bump(counter::MREMAP_UNLOOKED);
     }
     if old_vma == Vma::FileView {

@@ -18,10 +18,15 @@ pub(crate) enum Vma {
     FileView,
     /// Address space only (no access): reserved.
     NoAccess,
-    /// Not found (no mapping there, or the memory map was busy: its lock is only tried):
-    /// taken as memory.
+    /// No mapping there (the call fails): taken as memory.
     Unknown,
+    /// The memory map was locked for writing (`bpf_find_vma` only tries its lock): taken
+    /// as memory, and counted.
+    Busy,
 }
+
+/// `bpf_find_vma`'s answer when the memory map's lock was not free.
+const EBUSY: i64 = 16;
 
 /// What the callback reads of the mapping: its `vm_flags` and `vm_file`.
 #[repr(C)]
@@ -50,6 +55,9 @@ pub(crate) fn vma_at(addr: u64) -> Vma {
             0,
         )
     };
+    if ret == -EBUSY {
+        return Vma::Busy;
+    }
     if ret != 0 || found.found == 0 {
         return Vma::Unknown;
     }

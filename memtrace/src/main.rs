@@ -389,12 +389,12 @@ fn diff(args: DiffArgs) -> Result<i32> {
     match opts.format {
         DiffFormat::Text => {
             let text = report::diff_render::render_diff_text(&d, opts.width);
-            write_report(args.output.as_deref(), &inputs, args.force, &|w| w.write_all(text.as_bytes()))
+            write_report("comparison", args.output.as_deref(), &inputs, args.force, &|w| w.write_all(text.as_bytes()))
         }
         // Written as it is made: every row of two deep recordings by stack runs to GBs.
         DiffFormat::Json => {
             let write = |w: &mut dyn Write| report::diff_render::write_diff_json(&d, w);
-            write_report(args.output.as_deref(), &inputs, args.force, &write)
+            write_report("comparison", args.output.as_deref(), &inputs, args.force, &write)
         }
     }
 }
@@ -689,9 +689,9 @@ fn report(args: ReportArgs) -> Result<i32> {
         timeline: args.timeline || args.format == Format::Html,
         histogram: args.histogram,
         alloc_fns: args.sites.alloc_fns(),
-        // The text and JSON reports name each row as they write it (by stack, a deep
-        // recording's rows held every whole stack at once: 1.4 GB, 12.5 GB in JSON).
-        rows_unnamed: args.format != Format::Html,
+        // Reports name each row as they write it (by stack, a deep recording's rows held
+        // every whole stack at once: 1.4 GB of text, 12.5 GB as JSON values).
+        rows_unnamed: true,
         labels_without_addresses: false,
     };
     let text = match opts.format {
@@ -701,7 +701,7 @@ fn report(args: ReportArgs) -> Result<i32> {
             report::check_filters(&summary, &opts.filters, &args.input)?;
             // Written as it is made: hundreds of MB for every stack of a deep recording.
             let write = |w: &mut dyn Write| report::write_text(&summary, &opts, w);
-            return write_report(args.output.as_deref(), &[&args.input], args.force, &write);
+            return write_report("report", args.output.as_deref(), &[&args.input], args.force, &write);
         }
         Format::Json => {
             let summary = report::analyze(&args.input, &opts)?;
@@ -710,15 +710,17 @@ fn report(args: ReportArgs) -> Result<i32> {
                 report::write_json(&summary, &opts, w)?;
                 w.write_all(b"\n")
             };
-            return write_report(args.output.as_deref(), &[&args.input], args.force, &write);
+            return write_report("report", args.output.as_deref(), &[&args.input], args.force, &write);
         }
     };
-    write_report(args.output.as_deref(), &[&args.input], args.force, &|w| w.write_all(text.as_bytes()))
+    write_report("report", args.output.as_deref(), &[&args.input], args.force, &|w| w.write_all(text.as_bytes()))
 }
 
-/// Writes a report to `output` (as `report::output::write_file` does) or to stdout (a
-/// closed pipe ends it quietly, as `| head` does).
+/// Writes a report (`what` names it in an error) to `output` (as
+/// `report::output::write_file` does) or to stdout (a closed pipe ends it quietly, as
+/// `| head` does).
 fn write_report(
+    what: &str,
     output: Option<&Path>,
     inputs: &[&Path],
     force: bool,
@@ -732,7 +734,7 @@ fn write_report(
     if let Err(e) = write(&mut stdout).and_then(|()| stdout.flush())
         && e.kind() != std::io::ErrorKind::BrokenPipe
     {
-        bail!("writing the report: {e}");
+        bail!("writing the {what}: {e}");
     }
     Ok(0)
 }

@@ -575,6 +575,7 @@ fn reserved_memory_is_counted_apart_from_the_programs() {
     let user_allocs = report["totals"]["user"]["allocs"].as_u64().unwrap();
     assert!(stacks["user"]["allocs_with_stack"].as_u64().unwrap() <= user_allocs, "{stacks:#}");
     let only = report_json(&data, &["--kind", "reserved"]);
+    assert_eq!(only["stacks"]["reserved"]["allocs_with_stack"], 4, "{:#}", only["stacks"]);
     let sites = only["sites"].as_array().unwrap();
     assert!(!sites.is_empty());
     for s in sites {
@@ -583,6 +584,7 @@ fn reserved_memory_is_counted_apart_from_the_programs() {
     }
     // The user figures are the program's: its own sites add up to them.
     let user = report_json(&data, &["--kind", "user", "--domain", "user"]);
+    assert!(user["stacks"]["reserved"].is_null(), "{:#}", user["stacks"]);
     let sum: u64 = user["sites"].as_array().unwrap().iter().map(|s| s["bytes_req"].as_u64().unwrap()).sum();
     assert_eq!(sum, report["totals"]["user"]["bytes_req"].as_u64().unwrap());
     assert_matches_manifest(&report_json(&data, &["--by", "function"]), &manifest(&manifest_path));

@@ -89,6 +89,8 @@ fn browse(page: &Path, fragment: &str, action: &str) -> String {
         .arg(&url)
         .output()
         .expect("running chromium");
+    // Chromium's profile says nothing of a failure: gone before anything is checked.
+    let _ = std::fs::remove_dir_all(&profile);
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "chromium failed ({}): {stderr}", out.status);
     // Console messages: Chromium logs them as `INFO:CONSOLE...] "message", source: URL`.
@@ -100,7 +102,6 @@ fn browse(page: &Path, fragment: &str, action: &str) -> String {
         .filter(|l| !l.contains("source: chrome://"))
         .collect();
     assert!(ours.is_empty(), "console messages from the report:\n{}", ours.join("\n"));
-    let _ = std::fs::remove_dir_all(&profile);
     String::from_utf8_lossy(&out.stdout).into_owned()
 }
 

@@ -85,7 +85,7 @@ fn without_frame_pointers_the_figures_and_whole_stacks_match_the_frame_pointer_b
 
     // The frame-pointer walk of the same code, for contrast, stops after the first frame or
     // two (what users of frame-pointer tracers see).
-    let (fp_walk_of_nofp, _) = {
+    let (fp_walk_of_nofp, _fp_dir) = {
         let dir = scratch("unwind-fp-walk");
         let data = dir.join("rec.data");
         run(memtrace()
@@ -94,7 +94,8 @@ fn without_frame_pointers_the_figures_and_whole_stacks_match_the_frame_pointer_b
             .arg("--")
             .arg(nofp_workload())
             .args(["--threads", "1", "--iterations", "20"]));
-        (data, ())
+        // The directory goes with its guard: it is kept until the report below is read.
+        (data, dir)
     };
     let fp_stacks = report_json(&fp_walk_of_nofp, &["--by", "stack", "--domain", "user"]);
     let whole = fp_stacks["sites"]

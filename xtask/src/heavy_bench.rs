@@ -205,8 +205,8 @@ fn table(rows: &[Row], bare_s: f64, python: bool) -> String {
     let heaptrack_added = rows[1].wall_s - bare_s;
     let (py_head, py_rule) = if python { (" with a Python frame |", " ---: |") } else { ("", "") };
     let mut out = format!(
-        "| under | wall s | added / heaptrack's added | allocations counted | user stacks cut short |{py_head} lost events | copies | tool CPU s | tool peak RSS | BPF maps | file |\n\
-         | --- | ---: | ---: | ---: | ---: |{py_rule} ---: | ---: | ---: | ---: | ---: | ---: |\n"
+        "| under | wall s | added / heaptrack's added | allocations counted | user stacks cut short |{py_head} lost events | copies | ring bytes an event | tool CPU s | tool peak RSS | BPF maps | file |\n\
+         | --- | ---: | ---: | ---: | ---: |{py_rule} ---: | ---: | ---: | ---: | ---: | ---: | ---: |\n"
     );
     for r in rows {
         let ratio =
@@ -222,9 +222,16 @@ fn table(rows: &[Row], bare_s: f64, python: bool) -> String {
                 let rec = &j["recorder"];
                 let share = j["python_share"].as_f64().unwrap_or(0.0);
                 let share = if python { format!(" {:.1} % |", 100.0 * share) } else { String::new() };
+                // What the probes sent through the rings (events, stacks, stack copies, the
+                // rest) per event recorded.
+                let ring = &rec["ring_bytes"];
+                let ring: u64 =
+                    ["events", "stacks", "stack_copies", "other"].iter().filter_map(|k| ring[*k].as_u64()).sum();
+                let events = j["events"].as_u64().unwrap_or(0);
+                let per_event = if events > 0 { format!("{:.1}", ring as f64 / events as f64) } else { "—".into() };
                 let _ = writeln!(
                     out,
-                    "| {} | {:.2} | {ratio} | {allocs} | {cut} |{share} {} | {} | {:.1} | {:.0} MB | {:.0} MB | {file} |",
+                    "| {} | {:.2} | {ratio} | {allocs} | {cut} |{share} {} | {} | {per_event} | {:.1} | {:.0} MB | {:.0} MB | {file} |",
                     r.name,
                     r.wall_s,
                     j["lost_events"],
@@ -238,7 +245,7 @@ fn table(rows: &[Row], bare_s: f64, python: bool) -> String {
                 let share = if python { " — |" } else { "" };
                 let _ = writeln!(
                     out,
-                    "| {} | {:.2} | {ratio} | {allocs} | — |{share} — | — | — | — | — | {file} |",
+                    "| {} | {:.2} | {ratio} | {allocs} | — |{share} — | — | — | — | — | — | {file} |",
                     r.name, r.wall_s
                 );
             }
@@ -376,7 +383,9 @@ Beside the C library's malloc family counted above, memtrace found and counted {
          pyarrow, memray: {versions}. The runs alternate: 3 rounds, each running every row's command once in turn (the cold run without the cache); each row is its median run by wall time. \"Copies\" are stacks \
          the probes could not walk because a library's unwind table was not ready yet (they are finished in \
          userspace from a copy of the stack); the cold run builds every table (and fills the cache), later \
-         runs load a program's tables before it maps the libraries. heaptrack counts calls to allocation \
+         runs load a program's tables before it maps the libraries. \"Ring bytes an event\" is what the probes sent \
+         through the rings (event records, each distinct stack once, stack copies, task and mapping records) \
+         per event recorded. heaptrack counts calls to allocation \
          functions; memtrace's count is of the C library's malloc family; \"with a Python frame\" is the share of \
          them whose stack names the Python function and line (the rest run before the script's first line, \
          in interpreter start-up and shutdown, or in threads running no Python); `--python-frames off` \

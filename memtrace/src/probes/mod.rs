@@ -163,7 +163,7 @@ pub struct Counters {
     pub probe_busy_allocs: u64,
     pub probe_busy_bytes: u64,
     /// mremaps whose old mapping could not be looked up (recorded as memory).
-    pub mremap_unlooked: u64,
+    pub mremaps_unlooked: u64,
 }
 
 /// An attachment, so detaching can close them all at once.
@@ -747,7 +747,7 @@ impl Probes {
             user_returns: sum(counter::USER_RETURNS)?,
             probe_busy_allocs: sum(counter::PROBE_BUSY_ALLOCS)?,
             probe_busy_bytes: sum(counter::PROBE_BUSY_BYTES)?,
-            mremap_unlooked: sum(counter::MREMAP_UNLOOKED)?,
+            mremaps_unlooked: sum(counter::MREMAP_UNLOOKED)?,
         })
     }
 }

@@ -152,6 +152,9 @@ pub struct GroupRow {
     pub truncated: bool,
     /// The row's name on one line ([`crate::grouping::label`]).
     pub label: String,
+    /// Its stack, named; empty when the analysis left rows unnamed
+    /// ([`super::ReportOptions::rows_unnamed`]): readers name it with
+    /// [`crate::export::row_frames`].
     pub frames: Vec<Frame>,
     pub kinds: Vec<Kind>,
     pub pids: Vec<u32>,
@@ -430,9 +433,11 @@ pub fn analyze(path: &Path, opts: &ReportOptions) -> Result<Summary> {
         {
             // The summary's stack line counts what the report counts (`--kind`,
             // `--min-size`, `--allocator`); the per-process warnings, whole processes.
-            if filters.admits_kind(a.kind) && filters.admits_size(a.bytes_req) && !other_allocator(a) {
-                // An allocator's page mappings count as reserved, as in the totals.
-                coverage.count(analyzer.domain(a.kind, a.stack), a.stack);
+            // An allocator's page mappings count as reserved, as in the totals (and `--kind
+            // reserved` takes them, `--kind user` leaves them out).
+            let domain = analyzer.domain(a.kind, a.stack);
+            if filters.admits_in(a.kind, domain) && filters.admits_size(a.bytes_req) && !other_allocator(a) {
+                coverage.count(domain, a.stack);
             }
             if !a.kind.is_kernel() {
                 let t = tallies.entry(a.pid).or_default();

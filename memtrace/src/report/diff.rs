@@ -225,6 +225,9 @@ pub fn diff(old: &Path, new: &Path, opts: &DiffOptions) -> Result<DiffSummary> {
             .then(b.delta.bytes_req.cmp(&a.delta.bytes_req))
             .then(a.label.cmp(&b.label))
             .then(domain_name(a.domain).cmp(domain_name(b.domain)))
+            // Then as each recording's own report lists them (the new one's first): rows
+            // are matched in the order of their keys' hashes, no order for a reader.
+            .then((!a.shown.new, a.shown.group).cmp(&(!b.shown.new, b.shown.group)))
     });
     let mut totals: BTreeMap<Domain, (Stats, Stats)> = BTreeMap::new();
     for (domain, t) in &old.totals {

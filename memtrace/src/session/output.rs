@@ -51,8 +51,9 @@ pub fn create_export(
     what: &str,
     is_same_kind: &dyn Fn(&Path) -> bool,
 ) -> Result<File> {
-    if inputs.iter().any(|input| same_file(path, input)) {
-        bail!("{} is the recording being exported; write the export to another file", path.display());
+    if let Some(input) = inputs.iter().position(|input| same_file(path, input)) {
+        let what = if input == 0 { "the recording being exported" } else { "the base recording of the comparison" };
+        bail!("{} is {what}; write the export to another file", path.display());
     }
     create_replacing(path, force, what, is_same_kind)
 }
@@ -168,7 +169,8 @@ mod tests {
         // Nor the base of a comparison (`export --diff-base BASE -o BASE --force`).
         let base = dir.join("base.data");
         fs::write(&base, b"MEMTRACE\x01\x00").unwrap();
-        assert!(create_export(&base, &[&input, &base], true, "a folded export", &folded).is_err());
+        let err = create_export(&base, &[&input, &base], true, "a folded export", &folded).unwrap_err().to_string();
+        assert!(err.contains("is the base recording of the comparison"), "{err}");
         assert_eq!(fs::read(&base).unwrap(), b"MEMTRACE\x01\x00");
         // A file of another kind only with --force; an earlier export of the same kind.
         let source = dir.join("prog.c");

@@ -566,7 +566,7 @@ fn finish(
         user_returns: counters.user_returns,
         probe_map_allocs: counters.probe_busy_allocs,
         probe_map_bytes: counters.probe_busy_bytes,
-        mremaps_unlooked: counters.mremap_unlooked,
+        mremaps_unlooked: counters.mremaps_unlooked,
         ring_bytes: tracer.ring_bytes,
         // The maps this process holds (rings, outer arrays, the rest), and the unwind
         // tables, which only their outer array holds.

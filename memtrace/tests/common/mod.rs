@@ -43,7 +43,8 @@ pub fn require_root() {
 }
 
 /// A fresh directory for one test's files, removed when the test is done with it; a
-/// failing test's is kept (and named on stderr) to be looked at.
+/// failing test's is kept (and named on stderr) to be looked at. (Shared ones:
+/// [`Scratch::until_exit`].)
 pub fn scratch(name: &str) -> Scratch {
     let dir = std::env::temp_dir().join(format!("memtrace-it-{name}-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
@@ -56,7 +57,9 @@ pub struct Scratch(Option<PathBuf>);
 
 impl Scratch {
     /// Keeps the directory for the tests of this binary that share what is in it (a
-    /// recording made once): it is removed when the binary exits.
+    /// recording made once): it is removed when the binary exits, whether its tests
+    /// passed or not (a rerun of one of them makes the recording again; the HTML tests
+    /// panic on purpose, so a panic says nothing of a failure here).
     pub fn until_exit(mut self) -> PathBuf {
         let dir = self.0.take().expect("a scratch directory");
         let mut shared = SHARED.lock().unwrap_or_else(|e| e.into_inner());

@@ -63,7 +63,8 @@ fn describe(a: &Summary) -> String {
 /// The page for the recording at `input`: its sites as `opts` asks (grouping, filters,
 /// sort), its stacks for the flame graphs.
 pub fn render_html(input: &Path, opts: &ReportOptions) -> Result<String> {
-    let sites = analyze(input, &ReportOptions { timeline: true, ..opts.clone() })?;
+    // Rows named only for the first sites the table shows (`tables::sites`).
+    let sites = analyze(input, &ReportOptions { timeline: true, rows_unnamed: true, ..opts.clone() })?;
     super::check_filters(&sites, &opts.filters, input)?;
     let stacks_opts = ReportOptions {
         by: GroupBy::Stack,

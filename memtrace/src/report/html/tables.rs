@@ -73,8 +73,10 @@ pub fn sites(a: &Summary) -> String {
          <th>temporary</th><th data-sort=\"text\">site</th></tr></thead>\n<tbody>\n",
     );
     for g in a.groups.iter().take(MAX_SITES) {
-        let stack: Vec<String> =
-            g.frames.iter().map(|f| format!("{}{f}", if f.kernel { "[k] " } else { "" })).collect();
+        let stack: Vec<String> = crate::export::row_frames(a, g)
+            .iter()
+            .map(|f| format!("{}{f}", if f.kernel { "[k] " } else { "" }))
+            .collect();
         let _ = writeln!(
             out,
             "<tr><td data-value=\"{d}\"><span class=\"swatch {d}\"></span>{d}</td>{}<td class=\"site\" title=\"{}\">{}</td></tr>",
