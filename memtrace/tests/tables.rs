@@ -991,7 +991,10 @@ fn record_all_around(shell: &mut Command, data: &Path, args: &[&str]) {
 /// fork record. That record is read a drain after the child's exec, and so are the copies
 /// the child took before its exec on another CPU: they were walked in the exec's space or
 /// in what the child's `/proc` showed (`ls`), and its first stacks read `[unknown]`, cut
-/// short (17 of 256 allocations in 2 runs of 3 before). They now wait for the fork.
+/// short (17 of 256 allocations in 2 runs of 3 before). They now wait for the fork. The
+/// mapping records of `ls`'s libraries came behind those copies, more than the 3 drains a
+/// walked stack waited for its ranges: every libc frame of one `ls` was `[unknown]` (a CI
+/// run; 1 run of 15 here). Such a stack now waits for a drain that reads the rings dry.
 #[test]
 fn a_shells_child_under_record_all_has_its_stacks_before_the_exec_in_bash() {
     require_root();
@@ -1000,7 +1003,12 @@ fn a_shells_child_under_record_all_has_its_stacks_before_the_exec_in_bash() {
     let data = dir.join("all.data");
     let mut shell = Command::new("bash");
     shell.args(["-c", "read line; ls / > /dev/null; ls /usr > /dev/null; sleep 0.3"]).env("BIG", "x".repeat(60_000));
-    record_all_around(shell.stdout(Stdio::null()), &data, &["-d", "2s"]);
+    // A ring of 64 MiB a CPU: under the big environment each copy is 16 KiB, and each
+    // kernel allocation of a syscall sends its own (~1,900 copies, 26 MB through the rings
+    // in this test; 119 from one `fork` of bash): on a busy 2-core machine a 16 MiB ring
+    // filled in 1 run of 30 and 23 of ls's 242 allocations were cut for want of room
+    // (counted and told apart below; what this test is about is where they are walked).
+    record_all_around(shell.stdout(Stdio::null()), &data, &["-d", "2s", "--ring-size", "64M"]);
     let processes = report_json(&data, &["--by", "process", "--domain", "user"]);
     let children: Vec<&str> = processes["sites"]
         .as_array()
@@ -1020,7 +1028,13 @@ fn a_shells_child_under_record_all_has_its_stacks_before_the_exec_in_bash() {
         let allocs = |cut: bool| -> u64 {
             sites.iter().filter(|s| !cut || s["truncated"] == true).map(|s| s["allocs"].as_u64().unwrap()).sum()
         };
-        assert!(allocs(true) * 100 <= allocs(false), "pid {child}: over 1 % cut short: {sites:#?}");
+        // Cut for want of ring room is counted apart (the summary says so and how many);
+        // any other cut is a walk gone wrong.
+        let no_room = report["stacks"]["user"]["allocs_no_room"].as_u64().unwrap_or(0);
+        assert!(
+            allocs(true).saturating_sub(no_room) * 100 <= allocs(false),
+            "pid {child}: over 1 % cut short ({no_room} for want of ring room): {sites:#?}"
+        );
         for site in sites {
             // (bash's static functions are named `bash+0x…`, in its file: known.)
             let unplaced = site["frames"]

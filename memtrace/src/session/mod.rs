@@ -778,7 +778,7 @@ impl Tracer {
             for done in u.poll(&mut self.probes) {
                 Self::deliver_copy(u, &mut self.copies, done, sink);
             }
-            for done in u.poll_unplaced(false) {
+            for done in u.poll_unplaced(false, dry) {
                 Self::deliver(u, Some(done), sink);
             }
         }
@@ -825,7 +825,7 @@ impl Tracer {
             for done in u.flush(&mut self.probes) {
                 Self::deliver_copy(u, &mut self.copies, done, sink);
             }
-            for done in u.poll_unplaced(true) {
+            for done in u.poll_unplaced(true, true) {
                 Self::deliver(u, Some(done), sink);
             }
             u.save_programs_files();

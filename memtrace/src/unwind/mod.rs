@@ -48,10 +48,12 @@ const MAX_PROGRAMS_REMEMBERED: usize = 4096;
 const MAX_WAIT: Duration = Duration::from_secs(20);
 /// A stack the probes walked whole, with frames in no range of its space known here yet
 /// (its exec's or its library's mapping record, from another CPU's ring, not read yet),
-/// waits this many polls (and at most [`PLACE_WAIT`]) to be named; at most
-/// [`MAX_UNPLACED`] wait.
-const PLACE_WAIT_POLLS: u64 = 3;
-const PLACE_WAIT: Duration = Duration::from_millis(500);
+/// waits to be named until a drain begun after it was read has read every ring dry (every
+/// record made before it is then handled), and at most [`PLACE_WAIT`]; at most
+/// [`MAX_UNPLACED`] wait. (A count of polls was not enough: a ring full of stack copies is
+/// read a share a drain, and its mapping records came more than 3 drains late: every libc
+/// frame of a short `ls` under `-a` was `[unknown]` in a CI run.)
+const PLACE_WAIT: Duration = Duration::from_secs(2);
 const MAX_UNPLACED: usize = 1 << 16;
 /// A copy taken in no space the probes knew, of a process started while traced, waits at
 /// most this long for its fork record (its parent's CPU's ring, drained later: 20 ms seen
@@ -221,6 +223,8 @@ pub struct Unwinder {
     pending_bytes: usize,
     /// Polls so far (one per drain of the rings).
     polls: u64,
+    /// The poll of the last drain that read every ring dry.
+    last_dry_poll: u64,
     /// When this unwinder was made, in clock ticks since boot: a process started before
     /// has no fork record to wait for.
     made_at_ticks: u64,
@@ -308,6 +312,7 @@ impl Unwinder {
             pending: VecDeque::new(),
             pending_bytes: 0,
             polls: 0,
+            last_dry_poll: 0,
             made_at_ticks: procfs::boot_ticks_now(),
             given_at_fork: Default::default(),
             ready_late: Vec::new(),
@@ -641,7 +646,8 @@ impl Unwinder {
     pub fn accept(&mut self, record: StackRecord, sink: &mut dyn SpaceSink) -> Option<StackRecord> {
         if record.miss.is_none() {
             if self.unplaced.len() < MAX_UNPLACED && self.has_unplaced_frames(&record) {
-                self.unplaced.push_back((self.polls + PLACE_WAIT_POLLS, Instant::now(), record));
+                // (This drain's poll comes next: a later one must read the rings dry.)
+                self.unplaced.push_back((self.polls + 1, Instant::now(), record));
                 return None;
             }
             return Some(self.named(record));
@@ -730,16 +736,30 @@ impl Unwinder {
     }
 
     /// The stacks the probes walked that waited for their ranges ([`Self::accept`]),
-    /// named: those whose ranges are known now, or that waited their time (`all`: every
-    /// one, tracing is over). Not copies: their hash is the probes' own, for every event
-    /// of that stack.
-    pub fn poll_unplaced(&mut self, all: bool) -> Vec<StackRecord> {
+    /// named: those whose ranges are known now, those read before a drain that read every
+    /// ring dry (`dry`: the drain just handled did; what their frames lie in is known by
+    /// then, or never will be), or that waited their time (`all`: every one, tracing is
+    /// over). Not copies: their hash is the probes' own, for every event of that stack.
+    pub fn poll_unplaced(&mut self, all: bool, dry: bool) -> Vec<StackRecord> {
+        if dry {
+            self.last_dry_poll = self.polls;
+        }
         let mut out = Vec::new();
-        for (due, since, record) in std::mem::take(&mut self.unplaced) {
-            if all || due <= self.polls || since.elapsed() >= PLACE_WAIT || !self.has_unplaced_frames(&record) {
+        for (read_at_poll, since, record) in std::mem::take(&mut self.unplaced) {
+            let settled = self.last_dry_poll > read_at_poll;
+            if all || settled || since.elapsed() >= PLACE_WAIT || !self.has_unplaced_frames(&record) {
+                if !all && self.has_unplaced_frames(&record) {
+                    log::debug!(
+                        "pid {}: a stack named with frames in no known range of its space {} after {} ms{}",
+                        record.pid,
+                        record.asid,
+                        since.elapsed().as_millis(),
+                        if settled { "" } else { " (the rings were not read dry meanwhile)" }
+                    );
+                }
                 out.push(self.named(record));
             } else {
-                self.unplaced.push_back((due, since, record));
+                self.unplaced.push_back((read_at_poll, since, record));
             }
         }
         out
@@ -1191,7 +1211,7 @@ mod tests {
     }
 
     /// A stack the probes walked whose frames lie in ranges not known here yet (their
-    /// records in another CPU's ring) waits to be named until they are, or its polls pass.
+    /// records in another CPU's ring) waits to be named until they are, or until the rings were read dry.
     #[test]
     fn a_walked_stack_waits_for_the_ranges_of_its_frames() {
         let mut unwinder = Unwinder::with_cache(None, &UnwindOptions::default());
@@ -1214,21 +1234,26 @@ mod tests {
             py_key: 0,
         };
         assert!(unwinder.accept(record.clone(), &mut probes).is_none(), "its range is not known yet");
-        assert!(unwinder.poll_unplaced(false).is_empty());
+        assert!(unwinder.poll_unplaced(false, false).is_empty());
         unwinder.spaces.learn_exec(99, 5, 1, &mut probes);
         let len = text.end - text.start;
         unwinder.spaces.add_mapping(5, text.start, len, text.offset, Some(&exe), &mut unwinder.store, &mut probes);
-        let named = unwinder.poll_unplaced(false);
+        let named = unwinder.poll_unplaced(false, false);
         assert_eq!(named.iter().map(|s| s.hash).collect::<Vec<_>>(), [7]);
         // Named at once when its ranges are known.
         assert!(unwinder.accept(StackRecord { hash: 8, ..record.clone() }, &mut probes).is_some());
-        // A stack whose ranges never come is named after its polls, as it is.
+        // A stack whose ranges never come is named as it is once a drain begun after it
+        // was read has read every ring dry: not at its own drain's poll, dry or not, nor
+        // while the drains leave records in a ring.
         assert!(unwinder.accept(StackRecord { hash: 9, asid: 6, ..record }, &mut probes).is_none());
-        for _ in 0..PLACE_WAIT_POLLS {
-            assert!(unwinder.poll_unplaced(false).is_empty());
+        unwinder.poll(&mut probes);
+        assert!(unwinder.poll_unplaced(false, true).is_empty(), "its own drain may have read a ring before the record");
+        for _ in 0..5 {
             unwinder.poll(&mut probes);
+            assert!(unwinder.poll_unplaced(false, false).is_empty(), "a ring still holds records");
         }
-        assert_eq!(unwinder.poll_unplaced(false).len(), 1);
+        unwinder.poll(&mut probes);
+        assert_eq!(unwinder.poll_unplaced(false, true).len(), 1);
     }
 
     /// A `#!` script runs under the interpreter its first line names, through `env` too, and
