@@ -196,8 +196,8 @@ fn try_kmem_finish(ctx: &RawTracePointContext) -> Result<(), ()> {
 
 /// Whether a kmem allocation's user stack can be had: walked in its program's memory, or,
 /// while `execve` replaces that memory, taken from a walk earlier in the same syscall on
-/// this CPU (`stack::user_part_in_syscall`; it walks only when the registers differ, which
-/// they do not within a syscall). Else the stack goes without its user part, as a kernel
+/// this CPU, or finished by the copy sent with it (`stack::user_part_in_syscall`; it walks
+/// only when the registers differ, which they do not within a syscall). Else the stack goes without its user part, as a kernel
 /// thread's does, rather than with one frame marked cut short (`execve` moves the task to
 /// another CPU before it loads the program, so its allocations there were most of a shell
 /// loop's stacks cut short).
@@ -206,7 +206,9 @@ fn user_stack_reachable() -> bool {
     match current_user_memory() {
         UserMemory::Program => true,
         UserMemory::Gone => false,
-        UserMemory::Replaced => scratch().is_some_and(|s| syscall::current(s).is_some_and(|seq| seq == s.reuse_seq)),
+        UserMemory::Replaced => scratch().is_some_and(|s| {
+            syscall::current(s).is_some_and(|seq| seq == s.reuse_seq || (seq == s.copy_seq && s.copy_hash != 0))
+        }),
     }
 }
 

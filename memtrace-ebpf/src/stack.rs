@@ -92,6 +92,12 @@ pub(crate) struct Scratch {
     pub(crate) reuse_flags: u32,
     pub(crate) reuse_asid: u32,
     pub(crate) _pad: u32,
+    /// The walk in `user_ips` missed a rule, in window `copy_seq` (0: none, or overwritten
+    /// since), from `reuse_regs`, and its copy went out in the record of hash `copy_hash`
+    /// (0: it did not go out): the window's later allocations refer to that copy
+    /// ([`stack_flags::COPY_REPEAT`]) rather than send their own.
+    pub(crate) copy_seq: u64,
+    pub(crate) copy_hash: u64,
     /// A window of the user stack the table walk is reading (`unwind::read_stack`): one
     /// bulk read serves the return addresses and saved registers of several frames.
     /// `win_words` words from `win_base`; 0 before each walk.
@@ -218,6 +224,7 @@ pub(crate) fn walk_user(
 ) -> (UserPart, u64) {
     // `user_ips` is about to hold another walk.
     scratch.reuse_seq = 0;
+    scratch.copy_seq = 0;
     if config!(unwind_mode) != unwind_mode::FRAME_POINTERS {
         match regs {
             Some(regs) => {
@@ -258,9 +265,15 @@ pub(crate) fn copy_hash(ring: &Ring, h: u64) -> Option<u64> {
         bump(counter::UNWIND_BUDGET);
         return None;
     }
+    Some(unique_hash(h))
+}
+
+/// A hash for stack `h` unique to this event (a copy's, or a reference to one).
+#[inline(always)]
+fn unique_hash(h: u64) -> u64 {
     // SAFETY: no preconditions.
     let (now, cpu) = (unsafe { bpf_ktime_get_ns() }, crate::context::this_cpu());
-    Some(stack_hash_step(stack_hash_step(stack_hash_step(h, MISS_HASH_MARK), now), u64::from(cpu)))
+    stack_hash_step(stack_hash_step(stack_hash_step(h, MISS_HASH_MARK), now), u64::from(cpu))
 }
 
 /// The hash, and the user part with whether to send a copy, for a walk that may have missed.
@@ -304,6 +317,7 @@ pub(crate) fn send_stack_once(
     claim: u64,
 ) -> bool {
     let with_copy = user.with_copy;
+    // A copy, or a reference to one, is this allocation's alone: never marked sent.
     if !with_copy {
         if sent_recently(scratch, hash) {
             return true;
@@ -388,6 +402,8 @@ pub(crate) fn send_stack_once(
     if ret != 0 {
         forget_sent(hash, with_copy);
         bump(counter::LOST_STACKS);
+        // A copy that did not go out finishes no later allocation (`join_user_part`).
+        scratch.copy_hash = 0;
     } else if !with_copy {
         remember_sent(scratch, hash);
     }
@@ -704,7 +720,9 @@ pub(crate) fn kernel_only_stack(ctx: *mut c_void, ring: &Ring, pid: u32, n_kerne
 
 /// The user part of a kmem allocation's stack, continuing `hash`: the walk an earlier
 /// allocation made in the same syscall window from the same registers when there is one
-/// (see `syscall`), else a walk, kept for the next allocation of the window.
+/// (see `syscall`), else a walk, kept for the next allocation of the window. A walk that
+/// missed a rule is reused only while the copy sent with it stands for the rest (the
+/// record refers to it: [`stack_flags::COPY_REPEAT`]).
 #[inline(always)]
 fn user_part_in_syscall(
     ctx: *mut c_void,
@@ -718,15 +736,17 @@ fn user_part_in_syscall(
     // byte-at-a-time `memcmp`, run for every kmem event.
     let r = &scratch.reuse_regs;
     let same_regs = ((r[0] ^ key[0]) | (r[1] ^ key[1]) | (r[2] ^ key[2]) | (r[3] ^ key[3])) == 0;
-    if syscall::current(scratch).is_some_and(|seq| scratch.reuse_seq == seq && same_regs) {
+    let window = syscall::current(scratch).unwrap_or(0);
+    let copy_out = scratch.copy_seq == window && scratch.copy_hash != 0;
+    if window != 0 && same_regs && (scratch.reuse_seq == window || copy_out) {
         bump(counter::UNWIND_REUSED);
         scratch.reuse_hash = hash_words::<MAX_USER_DEPTH>(hash, scratch.user_ips.as_ptr());
     } else {
         scratch.reuse_regs = key;
         let (user, hash) = walk_user(ctx, scratch, pid, Some(regs), hash);
         // The window is asked again, not kept across the walk: the walk is verified once,
-        // not once per way here. A walk that missed a table is not kept: its copy is this
-        // event's alone.
+        // not once per way here. A walk that missed a table is kept only through the copy
+        // sent with it (`copy_seq`, set by `join_user_part` once it goes).
         scratch.reuse_seq =
             if user.flags & stack_flags::MISS == 0 { syscall::current(scratch).unwrap_or(0) } else { 0 };
         scratch.reuse_n = user.n as u32;
@@ -745,7 +765,14 @@ fn user_part_in_syscall(
             core::ptr::read_volatile(&scratch.reuse_hash),
         )
     };
-    (UserPart { n: (n as usize).min(MAX_USER_DEPTH), flags: flags as u8, with_copy: false, asid, py_key: 0 }, hash)
+    // A reused walk that missed stands on the copy sent with it (a walk just made cleared
+    // `copy_seq`, a whole one had none): the record refers to it. (The window asked again,
+    // as above.)
+    let window = syscall::current(scratch).unwrap_or(0);
+    // SAFETY: a field of this CPU's scratch.
+    let repeat = window != 0 && unsafe { core::ptr::read_volatile(&scratch.copy_seq) } == window;
+    let flags = if repeat { (flags as u8 & !stack_flags::MISS) | stack_flags::COPY_REPEAT } else { flags as u8 };
+    (UserPart { n: (n as usize).min(MAX_USER_DEPTH), flags, with_copy: false, asid, py_key: 0 }, hash)
 }
 
 /// Joins the user stack of the task a kmem allocation ran for (and its Python frames) to
@@ -763,9 +790,86 @@ pub(crate) fn join_user_part(ctx: *mut c_void, ring: &Ring, pid: u32, n_kernel: 
     if n_kernel == 0 && user.n == 0 {
         return None;
     }
-    let (hash, user) = after_miss(ring, stack_hash_step(hash, python_hash), user);
+    let hash = stack_hash_step(hash, python_hash);
+    if user.flags & stack_flags::COPY_REPEAT != 0 {
+        // Finished by the copy an earlier allocation of this syscall sent: a hash of its
+        // own (its kernel part is its own), no copy.
+        let hash = unique_hash(hash);
+        let py_key = send_python_once(hash);
+        memtrace_send_repeat(u64::from(pid), n_kernel as u64, hash, py_key);
+        return Some(hash);
+    }
+    let (hash, user) = after_miss(ring, hash, user);
+    if user.with_copy {
+        // Later allocations of this window refer to it (`send_stack_once` takes it back
+        // if it does not go out).
+        scratch.copy_seq = syscall::current(scratch).unwrap_or(0);
+        scratch.copy_hash = hash;
+    }
     let py_key = send_python_once(hash);
     let user = UserPart { flags: user.flags | stack_flags::KERNEL, py_key, ..user };
     send_stack_once(ctx, ring, scratch, hash, pid, n_kernel, user, 0);
     Some(hash)
+}
+
+/// Sends the stack record of a kmem allocation whose user part is the walk in `user_ips`
+/// that missed a rule, finished by the copy of record `copy_hash` (see
+/// [`stack_flags::COPY_REPEAT`]): the header, the kernel frames already in `record`, the
+/// user addresses and that hash. A global BPF function: checked once, on its own, and
+/// out of the frames of the programs that call it.
+#[inline(never)]
+#[unsafe(no_mangle)]
+pub extern "C" fn memtrace_send_repeat(pid: u64, n_kernel: u64, hash: u64, py_key: u64) -> u64 {
+    let Some(scratch) = scratch() else { return 0 };
+    let Some(ring) = crate::ring::this_ring() else { return 0 };
+    let n_kernel = (n_kernel as usize).min(MAX_STACK_DEPTH);
+    let user_off = size_of::<StackHeader>() + n_kernel * 8;
+    if user_off > USER_PART_MAX_OFF {
+        return 0;
+    }
+    let n = (scratch.reuse_n as usize).min(MAX_USER_DEPTH);
+    // SAFETY: user_off + USER_IPS_BYTES <= STACK_RECORD_MAX and the length is at most
+    // USER_IPS_BYTES; the source is this CPU's scratch array.
+    unsafe {
+        generated::bpf_probe_read_kernel(
+            scratch.record.as_mut_ptr().add(user_off) as *mut c_void,
+            ((n * 8) as u32).min(USER_IPS_BYTES as u32),
+            scratch.user_ips.as_ptr() as *const c_void,
+        )
+    };
+    let len = user_off + n * 8;
+    if len > MISS_MAX_OFF {
+        return 0;
+    }
+    // SAFETY: len + 8 <= MISS_MAX_OFF + 8 <= STACK_RECORD_MAX, and 8-byte aligned: the
+    // buffer is, and the header and every frame are whole words.
+    unsafe { core::ptr::write(scratch.record.as_mut_ptr().add(len) as *mut u64, scratch.copy_hash) };
+    let flags = (scratch.reuse_flags as u8 & !stack_flags::MISS) | stack_flags::COPY_REPEAT | stack_flags::KERNEL;
+    let header = StackHeader {
+        rtype: RecordType::Stack as u8,
+        flags,
+        n_user: n as u16,
+        pid: pid as u32,
+        hash,
+        asid: scratch.reuse_asid,
+        n_kernel: n_kernel as u16,
+        _pad: 0,
+        py_key,
+    };
+    // SAFETY: the record buffer starts with room for a header, 8-byte aligned.
+    unsafe { core::ptr::write(scratch.record.as_mut_ptr() as *mut StackHeader, header) };
+    let ring_ptr = ring as *const Ring as *mut c_void;
+    // SAFETY: `len + 8` bytes of the per-CPU record buffer are initialised and in bounds.
+    let ret = unsafe {
+        generated::bpf_ringbuf_output(
+            ring_ptr,
+            scratch.record.as_mut_ptr() as *mut c_void,
+            (len + 8) as u64,
+            wakeup_flags(ring),
+        )
+    };
+    if ret != 0 {
+        bump(counter::LOST_STACKS);
+    }
+    0
 }

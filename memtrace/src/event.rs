@@ -202,6 +202,9 @@ pub enum Record {
     /// A task event and the address space it concerns.
     Task(Task, TaskSpace),
     Stack(StackRecord),
+    /// A kernel allocation's stack whose user part is finished by the copy of the record
+    /// of this hash, sent before it on the same ring ([`stack_flags::COPY_REPEAT`]).
+    CopyRepeat(StackRecord, u64),
     Mapping(FileMapping),
     /// The name of a kernel slab cache.
     Cache {
@@ -477,7 +480,15 @@ pub fn decode(bytes: &[u8], cpu: u16) -> Result<Record, DecodeError> {
             } else {
                 None
             };
-            Record::Stack(StackRecord {
+            let repeat_of = if h.flags & stack_flags::COPY_REPEAT != 0 {
+                let Some(word) = bytes.get(need..need + 8) else {
+                    return Err(DecodeError::Truncated { rtype, len: bytes.len(), need: need + 8 });
+                };
+                u64::from_ne_bytes(word.try_into().expect("8 bytes"))
+            } else {
+                0
+            };
+            let stack = StackRecord {
                 hash: h.hash,
                 pid: h.pid,
                 kernel,
@@ -490,7 +501,8 @@ pub fn decode(bytes: &[u8], cpu: u16) -> Result<Record, DecodeError> {
                 asid: h.asid,
                 python_context: None,
                 py_key: h.py_key,
-            })
+            };
+            if repeat_of != 0 { Record::CopyRepeat(stack, repeat_of) } else { Record::Stack(stack) }
         }
     })
 }
@@ -664,6 +676,37 @@ pub(crate) mod tests {
         }
         let huge = miss_record(UNWIND_ANCHORED_COPY_BYTES as u32 + 1, &vec![0; UNWIND_ANCHORED_COPY_BYTES + 1]);
         assert!(matches!(decode(&huge, 0), Err(DecodeError::Truncated { .. })));
+    }
+
+    /// A kernel allocation's stack finished by an earlier copy of its syscall: its frames,
+    /// then the hash of that copy's record; never read as a copy of its own.
+    #[test]
+    fn decodes_a_stack_that_refers_to_an_earlier_copy() {
+        let header = StackHeader {
+            rtype: RecordType::Stack as u8,
+            flags: stack_flags::USER_IPS | stack_flags::COPY_REPEAT | stack_flags::KERNEL,
+            n_kernel: 1,
+            n_user: 1,
+            pid: 7,
+            hash: 100,
+            asid: 5,
+            _pad: 0,
+            py_key: 0,
+        };
+        let mut bytes = bytes_of(&header);
+        bytes.extend(0xffff_ffff_8100_0040u64.to_ne_bytes());
+        bytes.extend(0x40_1000u64.to_ne_bytes());
+        bytes.extend(99u64.to_ne_bytes());
+        let Record::CopyRepeat(s, of) = decode(&bytes, 0).unwrap() else { panic!() };
+        assert_eq!(of, 99);
+        assert_eq!(
+            (s.hash, s.kernel.as_slice(), s.user.as_slice()),
+            (100, &[0xffff_ffff_8100_0040][..], &[RawUserFrame::Ip(0x40_1000)][..])
+        );
+        assert!(s.miss.is_none() && !s.truncated && s.joined_kernel);
+        for len in 1..bytes.len() {
+            assert!(matches!(decode(&bytes[..len], 0), Err(DecodeError::Truncated { .. })), "{len}");
+        }
     }
 
     #[test]

@@ -1010,6 +1010,12 @@ fn a_shells_child_under_record_all_has_its_stacks_before_the_exec_in_bash() {
     // (counted and told apart below; what this test is about is where they are walked).
     record_all_around(shell.stdout(Stdio::null()), &data, &["-d", "2s", "--ring-size", "64M"]);
     let processes = report_json(&data, &["--by", "process", "--domain", "user"]);
+    // bash's `fork`s and the children's `execve`s allocate in the kernel again and again
+    // under one syscall, each time from the same user registers: the copy the first sends
+    // finishes the others (each sent its own 16 KiB copy before).
+    let recorder = &processes["recorder"];
+    assert!(recorder["unwind_copy_repeats"].as_u64().unwrap() > 0, "{recorder:#}");
+    assert_eq!(recorder["unwind_copy_repeats_unmatched"], 0, "{recorder:#}");
     let children: Vec<&str> = processes["sites"]
         .as_array()
         .unwrap()

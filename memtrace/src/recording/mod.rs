@@ -238,6 +238,13 @@ pub struct Stats {
     pub unwind_copies_anchored: u64,
     #[serde(default)]
     pub unwind_copies_anchor_missed: u64,
+    /// Of `unwind_copies`, kernel allocations finished by the copy an earlier allocation
+    /// of their syscall sent (the probes sent it once), and references whose copy was not
+    /// found (cut short).
+    #[serde(default)]
+    pub unwind_copy_repeats: u64,
+    #[serde(default)]
+    pub unwind_copy_repeats_unmatched: u64,
     /// Fork, exec and exit records read after a later record of their process (from
     /// another CPU's ring) and kept out of its address space.
     #[serde(default)]

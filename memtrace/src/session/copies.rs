@@ -12,7 +12,7 @@ use memtrace_common::stack_hash_step;
 
 use crate::{
     FastMap, FastSet,
-    event::{RawUserFrame, StackRecord},
+    event::{RawUserFrame, StackMiss, StackRecord},
 };
 
 /// Renames and delivered contents kept at most (a long `serve -a` meets copies all along).
@@ -91,6 +91,54 @@ impl CopyNames {
     }
 }
 
+/// Copies each ring carried last, for the kernel allocations of one syscall that refer to
+/// the copy an earlier one sent (`memtrace_common::stack_flags::COPY_REPEAT`): the probes
+/// send the copy once, userspace finishes each allocation's stack with it.
+#[derive(Default)]
+pub struct RecentCopies {
+    rings: Vec<std::collections::VecDeque<(u64, Box<StackMiss>)>>,
+    /// References finished with their copy, and those whose copy was not found (cut short).
+    pub matched: u64,
+    pub unmatched: u64,
+}
+
+/// Copies kept per ring: a reference comes from the same syscall on the same CPU, after
+/// its copy and before that CPU sends another (an interrupt's allocation may, in between).
+const RECENT_PER_RING: usize = 4;
+
+impl RecentCopies {
+    /// A copy read from ring `ring` (a stack record without one is passed over).
+    pub fn seen(&mut self, ring: usize, stack: &StackRecord) {
+        let Some(miss) = &stack.miss else { return };
+        if self.rings.len() <= ring {
+            self.rings.resize_with(ring + 1, Default::default);
+        }
+        let recent = &mut self.rings[ring];
+        if recent.len() == RECENT_PER_RING {
+            recent.pop_front();
+        }
+        recent.push_back((stack.hash, miss.clone()));
+    }
+
+    /// A stack read from ring `ring` whose user part is that of copy `of`: given that
+    /// copy, to be finished as one; cut short where it went after the copy was read (a
+    /// copy lost or not decoded).
+    pub fn resolve(&mut self, ring: usize, mut stack: StackRecord, of: u64) -> StackRecord {
+        let found = self.rings.get(ring).and_then(|r| r.iter().rev().find(|(hash, _)| *hash == of));
+        match found {
+            Some((_, miss)) => {
+                self.matched += 1;
+                stack.miss = Some(miss.clone());
+            }
+            None => {
+                self.unmatched += 1;
+                stack.truncated = true;
+            }
+        }
+        stack
+    }
+}
+
 /// A hash of everything a finished stack shows: its process, kernel and user frames, how
 /// it ended, its Python frames.
 fn content_hash(s: &StackRecord) -> u64 {
@@ -135,6 +183,44 @@ fn content_hash(s: &StackRecord) -> u64 {
 mod tests {
     use super::*;
     use crate::event::UserWalk;
+
+    /// A reference finds its copy among its ring's last ones, not another ring's; one
+    /// whose copy is gone is cut short rather than left waiting.
+    #[test]
+    fn a_reference_is_finished_with_its_rings_copy() {
+        let mut with_copy = copy(7, &[0x40_1000]);
+        with_copy.miss = Some(Box::new(StackMiss {
+            ip: 0x40_1000,
+            sp: 0x7ffc_0000,
+            bp: 0,
+            returns: Vec::new(),
+            asid: 3,
+            exact: true,
+            copy: vec![1, 2, 3],
+            resume_at: 0,
+            resume_sps: Default::default(),
+            resume_bps: Default::default(),
+            bp_used: 0,
+        }));
+        let mut recent = RecentCopies::default();
+        recent.seen(1, &with_copy);
+        for other in 100..100 + RECENT_PER_RING as u64 - 1 {
+            let mut c = with_copy.clone();
+            c.hash = other;
+            recent.seen(1, &c);
+        }
+        let finished = recent.resolve(1, copy(8, &[0x40_1000]), 7);
+        assert_eq!(finished.miss.as_ref().map(|m| m.copy.clone()), Some(vec![1, 2, 3]));
+        assert!(!finished.truncated);
+        let elsewhere = recent.resolve(0, copy(9, &[0x40_1000]), 7);
+        assert!(elsewhere.miss.is_none() && elsewhere.truncated, "another ring's copy");
+        let mut c = with_copy.clone();
+        c.hash = 200;
+        recent.seen(1, &c);
+        let gone = recent.resolve(1, copy(10, &[0x40_1000]), 7);
+        assert!(gone.miss.is_none() && gone.truncated, "pushed out by later copies");
+        assert_eq!((recent.matched, recent.unmatched), (1, 2));
+    }
 
     fn copy(hash: u64, user: &[u64]) -> StackRecord {
         StackRecord {

@@ -231,6 +231,8 @@ pub struct Tracer {
     python: python::PythonState,
     /// Finished stack copies named by their content.
     copies: copies::CopyNames,
+    /// The copies each ring carried last (`Record::CopyRepeat`).
+    recent_copies: copies::RecentCopies,
 }
 
 /// How long `-- CMD` waits for the unwind tables of its program before it starts (its
@@ -549,6 +551,7 @@ impl Tracer {
             gpu: Default::default(),
             python: python_state,
             copies: Default::default(),
+            recent_copies: Default::default(),
         };
         if let (Target::Pid(pid), true) = (&options.target, options.user) {
             // A running process may have loaded the CUDA driver already.
@@ -570,6 +573,12 @@ impl Tracer {
     /// waiting than one drain takes: read again at once).
     pub fn caught_up(&self) -> bool {
         self.last_drain_dry
+    }
+
+    /// Kernel allocations finished by an earlier copy of their syscall, and references
+    /// whose copy was not found.
+    pub fn copy_repeats(&self) -> (u64, u64) {
+        (self.recent_copies.matched, self.recent_copies.unmatched)
     }
 
     pub fn unwind_stats(&self) -> Option<UnwindStats> {
@@ -723,12 +732,19 @@ impl Tracer {
                 match &record {
                     Ok(Record::Event(_)) => bytes.events += len,
                     Ok(Record::Stack(s)) if s.miss.is_some() => bytes.stack_copies += len,
-                    Ok(Record::Stack(_)) => bytes.stacks += len,
+                    Ok(Record::Stack(_) | Record::CopyRepeat(..)) => bytes.stacks += len,
                     _ => bytes.other += len,
                 }
                 match record {
                     Ok(Record::Stack(s)) => {
                         stack_bytes += len;
+                        self.recent_copies.seen(cpu, &s);
+                        stacks.push(s);
+                    }
+                    Ok(Record::CopyRepeat(s, of)) => {
+                        let s = self.recent_copies.resolve(cpu, s, of);
+                        // Held as a copy of its own until finished.
+                        stack_bytes += len + s.miss.as_ref().map_or(0, |m| m.copy.len() as u64);
                         stacks.push(s);
                     }
                     Ok(Record::Mapping(m)) => lifecycle.push(Lifecycle::Mapping(m)),
@@ -848,6 +864,11 @@ impl Tracer {
             }
         }
         log::debug!("stack copies delivered as a stack met before: {}", self.copies.merged);
+        log::debug!(
+            "kernel allocations finished by an earlier copy of their syscall: {} ({} whose copy was not found)",
+            self.recent_copies.matched,
+            self.recent_copies.unmatched
+        );
         log::debug!(
             "most stack record bytes one drain held: {} (at most {} from each of {} rings)",
             self.most_stack_bytes_held,

@@ -540,6 +540,8 @@ fn finish(
         unwind_copies_gave_up: unwind.gave_up,
         unwind_copies_anchored: unwind.anchored,
         unwind_copies_anchor_missed: unwind.anchor_missed,
+        unwind_copy_repeats: tracer.copy_repeats().0,
+        unwind_copy_repeats_unmatched: tracer.copy_repeats().1,
         unwind_late_task_records: unwind.late_task_records,
         unwind_no_room_stacks: {
             let mut ids: Vec<u32> = recorder.no_room_stacks.iter().copied().collect();
