@@ -1003,10 +1003,10 @@ fn a_shells_child_under_record_all_has_its_stacks_before_the_exec_in_bash() {
     let data = dir.join("all.data");
     let mut shell = Command::new("bash");
     shell.args(["-c", "read line; ls / > /dev/null; ls /usr > /dev/null; sleep 0.3"]).env("BIG", "x".repeat(60_000));
-    // A ring of 64 MiB a CPU: under the big environment each copy is 16 KiB, and each
-    // kernel allocation of a syscall sends its own (~1,900 copies, 26 MB through the rings
-    // in this test; 119 from one `fork` of bash): on a busy 2-core machine a 16 MiB ring
-    // filled in 1 run of 30 and 23 of ls's 242 allocations were cut for want of room
+    // A ring of 64 MiB a CPU: under the big environment each copy is 16 KiB (~1,900
+    // copies, 26 MB through the rings in this test when each kernel allocation of a
+    // syscall sent its own: 119 from one `fork` of bash); on a busy 2-core machine a 16 MiB
+    // ring filled in 1 run of 30 and 23 of ls's 242 allocations were cut for want of room
     // (counted and told apart below; what this test is about is where they are walked).
     record_all_around(shell.stdout(Stdio::null()), &data, &["-d", "2s", "--ring-size", "64M"]);
     let processes = report_json(&data, &["--by", "process", "--domain", "user"]);
