@@ -33,11 +33,12 @@ pub fn write_svg_diff(base: &Summary, a: &Summary, weight: Weight, out: &mut dyn
     let lines: Vec<String> =
         folded_diff(base, a, weight).into_iter().map(|(s, (old, new))| format!("{s} {old} {new}")).collect();
     let (what, _) = weight.describe();
+    let title = format!("memtrace: change in {what}");
     if lines.is_empty() {
-        anyhow::bail!("nothing to draw: no stack has any {what} in either recording");
+        return super::empty_svg(&title, &format!("nothing to draw: no stack has any {what} in either recording"), out);
     }
     let subtitle = "widths: this recording; red grew since the base, blue shrank".to_string();
-    draw_svg(lines.iter().map(String::as_str), weight, &format!("memtrace: change in {what}"), Some(subtitle), out)
+    draw_svg(lines.iter().map(String::as_str), weight, &title, Some(subtitle), out)
 }
 
 pub fn write_pprof_diff(base: &Summary, a: &Summary, out: &mut dyn Write) -> Result<()> {

@@ -202,10 +202,30 @@ pub fn write_svg(a: &Summary, weight: Weight, out: &mut dyn Write) -> Result<()>
 
 fn svg_of_lines(lines: &[String], weight: Weight, out: &mut dyn Write) -> Result<()> {
     let (what, _) = weight.describe();
+    let title = format!("memtrace: {what}");
     if lines.is_empty() {
-        anyhow::bail!("nothing to draw: no stack has any {what}");
+        return empty_svg(&title, &format!("nothing to draw: no stack has any {what}"), out);
     }
-    draw_svg(lines.iter().map(String::as_str), weight, &format!("memtrace: {what}"), None, out)
+    draw_svg(lines.iter().map(String::as_str), weight, &title, None, out)
+}
+
+/// The flame graph of nothing (a filter that matched no stack, a process that allocated
+/// nothing): a page that says so under its title, as the folded and pprof exports of
+/// nothing are an empty file and an empty profile, not a failure (inferno refuses empty
+/// input).
+fn empty_svg(title: &str, message: &str, out: &mut dyn Write) -> Result<()> {
+    let escape = |t: &str| t.replace('&', "&amp;").replace('<', "&lt;").replace('>', "&gt;");
+    write!(
+        out,
+        "<?xml version=\"1.0\" standalone=\"no\"?>\n\
+         <svg version=\"1.1\" width=\"1200\" height=\"90\" xmlns=\"http://www.w3.org/2000/svg\">\n\
+         <text x=\"600\" y=\"24\" text-anchor=\"middle\" font-size=\"17\" font-family=\"Verdana\">{}</text>\n\
+         <text x=\"600\" y=\"60\" text-anchor=\"middle\" font-size=\"12\" font-family=\"Verdana\">{}</text>\n\
+         </svg>\n",
+        escape(title),
+        escape(message)
+    )?;
+    Ok(())
 }
 
 /// An inferno flame graph of folded `lines` (`stack value`, or `stack old new` for a
