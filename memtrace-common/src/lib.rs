@@ -479,8 +479,9 @@ pub mod stack_flags {
     /// A kernel allocation's stack whose user part is that of the copy sent for an earlier
     /// allocation of the same syscall on this CPU (the same user registers: the user stack
     /// cannot change while its task is in the kernel): after the user addresses, in place
-    /// of an [`super::UnwindMiss`] and a copy, the hash of that copy's record, which went
-    /// before it in this CPU's ring. Userspace finishes it with that copy. (A `fork` of a
+    /// of an [`super::UnwindMiss`] and a copy, the hash of that copy's record, which goes
+    /// before it in this CPU's ring (an allocation in an interrupt of the one sending the
+    /// copy never refers to it). Userspace finishes it with that copy. (A `fork` of a
     /// shell under a big environment sent 119 copies of 16 KiB, one per page table and
     /// other allocation of the syscall.)
     pub const COPY_REPEAT: u8 = 32;

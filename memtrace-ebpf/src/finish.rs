@@ -195,9 +195,10 @@ fn try_kmem_finish(ctx: &RawTracePointContext) -> Result<(), ()> {
 }
 
 /// Whether a kmem allocation's user stack can be had: walked in its program's memory, or,
-/// while `execve` replaces that memory, taken from a walk earlier in the same syscall on
-/// this CPU, or finished by the copy sent with it (`stack::user_part_in_syscall`; it walks
-/// only when the registers differ, which they do not within a syscall). Else the stack goes without its user part, as a kernel
+/// while `execve` replaces that memory, taken from a walk an earlier allocation of the same
+/// syscall made on this CPU, whole or finished by the copy that allocation sent
+/// (`stack::user_part_in_syscall`; it walks only when the registers differ, which they do
+/// not within a syscall). Else the stack goes without its user part, as a kernel
 /// thread's does, rather than with one frame marked cut short (`execve` moves the task to
 /// another CPU before it loads the program, so its allocations there were most of a shell
 /// loop's stacks cut short).

@@ -93,9 +93,10 @@ pub(crate) struct Scratch {
     pub(crate) reuse_asid: u32,
     pub(crate) _pad: u32,
     /// The walk in `user_ips` missed a rule, in window `copy_seq` (0: none, or overwritten
-    /// since), from `reuse_regs`, and its copy went out in the record of hash `copy_hash`
-    /// (0: it did not go out): the window's later allocations refer to that copy
-    /// ([`stack_flags::COPY_REPEAT`]) rather than send their own.
+    /// since), from `reuse_regs`, and its copy goes out in the record of hash `copy_hash`
+    /// (set before the record is sent, 0 once it failed to go): the window's later
+    /// allocations refer to that copy ([`stack_flags::COPY_REPEAT`]) rather than send
+    /// their own (not one in an interrupt of the allocation sending it).
     pub(crate) copy_seq: u64,
     pub(crate) copy_hash: u64,
     /// A window of the user stack the table walk is reading (`unwind::read_stack`): one
@@ -402,8 +403,10 @@ pub(crate) fn send_stack_once(
     if ret != 0 {
         forget_sent(hash, with_copy);
         bump(counter::LOST_STACKS);
-        // A copy that did not go out finishes no later allocation (`join_user_part`).
-        scratch.copy_hash = 0;
+        if with_copy {
+            // A copy that did not go out finishes no later allocation (`join_user_part`).
+            scratch.copy_hash = 0;
+        }
     } else if !with_copy {
         remember_sent(scratch, hash);
     }
@@ -737,7 +740,9 @@ fn user_part_in_syscall(
     let r = &scratch.reuse_regs;
     let same_regs = ((r[0] ^ key[0]) | (r[1] ^ key[1]) | (r[2] ^ key[2]) | (r[3] ^ key[3])) == 0;
     let window = syscall::current(scratch).unwrap_or(0);
-    let copy_out = scratch.copy_seq == window && scratch.copy_hash != 0;
+    // Not for an allocation in an interrupt of another's (its level above the first): it
+    // may come while that one's copy is still on its way to the ring.
+    let copy_out = scratch.kernel_depth <= 1 && scratch.copy_seq == window && scratch.copy_hash != 0;
     if window != 0 && same_regs && (scratch.reuse_seq == window || copy_out) {
         bump(counter::UNWIND_REUSED);
         scratch.reuse_hash = hash_words::<MAX_USER_DEPTH>(hash, scratch.user_ips.as_ptr());

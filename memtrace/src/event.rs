@@ -502,7 +502,11 @@ pub fn decode(bytes: &[u8], cpu: u16) -> Result<Record, DecodeError> {
                 python_context: None,
                 py_key: h.py_key,
             };
-            if repeat_of != 0 { Record::CopyRepeat(stack, repeat_of) } else { Record::Stack(stack) }
+            if h.flags & stack_flags::COPY_REPEAT != 0 {
+                Record::CopyRepeat(stack, repeat_of)
+            } else {
+                Record::Stack(stack)
+            }
         }
     })
 }

@@ -1003,12 +1003,16 @@ fn a_shells_child_under_record_all_has_its_stacks_before_the_exec_in_bash() {
     let data = dir.join("all.data");
     let mut shell = Command::new("bash");
     shell.args(["-c", "read line; ls / > /dev/null; ls /usr > /dev/null; sleep 0.3"]).env("BIG", "x".repeat(60_000));
-    // A ring of 64 MiB a CPU: under the big environment each copy is 16 KiB (~1,900
+    // Rings of 64 MiB a CPU on 2 CPUs: under the big environment each copy is 16 KiB (~1,900
     // copies, 26 MB through the rings in this test when each kernel allocation of a
     // syscall sent its own: 119 from one `fork` of bash); on a busy 2-core machine a 16 MiB
     // ring filled in 1 run of 30 and 23 of ls's 242 allocations were cut for want of room
     // (counted and told apart below; what this test is about is where they are walked).
-    record_all_around(shell.stdout(Stdio::null()), &data, &["-d", "2s", "--ring-size", "64M"]);
+    // (128 MiB in all, at least 16 MiB a CPU: what a many-CPU runner can lock.)
+    let cpus = thread::available_parallelism().map_or(1, |n| n.get() as u64);
+    let ring = ((128u64 << 20) / cpus).next_power_of_two().max(16 << 20);
+    let ring = format!("{}K", ring >> 10);
+    record_all_around(shell.stdout(Stdio::null()), &data, &["-d", "2s", "--ring-size", &ring]);
     let processes = report_json(&data, &["--by", "process", "--domain", "user"]);
     // bash's `fork`s and the children's `execve`s allocate in the kernel again and again
     // under one syscall, each time from the same user registers: the copy the first sends

@@ -238,9 +238,9 @@ pub struct Stats {
     pub unwind_copies_anchored: u64,
     #[serde(default)]
     pub unwind_copies_anchor_missed: u64,
-    /// Of `unwind_copies`, kernel allocations finished by the copy an earlier allocation
-    /// of their syscall sent (the probes sent it once), and references whose copy was not
-    /// found (cut short).
+    /// Kernel allocations finished by the copy an earlier allocation of their syscall sent
+    /// (the probes sent it once; counted in `unwind_copies` too), and references whose
+    /// copy was not found (cut short, not in `unwind_copies`).
     #[serde(default)]
     pub unwind_copy_repeats: u64,
     #[serde(default)]

@@ -220,27 +220,7 @@ pub fn write_diff_json(d: &DiffSummary, w: &mut dyn std::io::Write) -> std::io::
         "sites": serde_json::Value::Null,
     });
     let serde_json::Value::Object(value) = value else { unreachable!("the comparison is an object") };
-    serde_json::to_writer_pretty(&mut *w, &Document { value, rows: Rows(d) })?;
+    let document = super::json::Spliced { value, first: ("sites", Rows(d)), second: None::<(&str, ())> };
+    serde_json::to_writer_pretty(&mut *w, &document)?;
     w.write_all(b"\n")
-}
-
-/// The comparison's object with `sites` written by [`Rows`] where the value holds its place.
-struct Document<'a> {
-    value: serde_json::Map<String, serde_json::Value>,
-    rows: Rows<'a>,
-}
-
-impl Serialize for Document<'_> {
-    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
-        use serde::ser::SerializeMap as _;
-        let mut map = serializer.serialize_map(Some(self.value.len()))?;
-        for (key, value) in &self.value {
-            if key == "sites" {
-                map.serialize_entry(key, &self.rows)?;
-            } else {
-                map.serialize_entry(key, value)?;
-            }
-        }
-        map.end()
-    }
 }

@@ -239,25 +239,24 @@ impl Serialize for Leaks<'_> {
     }
 }
 
-/// The report's object with `sites` and `leaks` written by [`Sites`] and [`Leaks`] where
-/// the value holds their places (`leaks` is null without `--leaks`).
-struct Document<'a> {
-    value: serde_json::Map<String, serde_json::Value>,
-    sites: Sites<'a>,
-    leaks: Option<Leaks<'a>>,
+/// A JSON object written as it is made: `value`'s entries in their order, with the entry
+/// named `first.0` (and `second.0`) taken from a serializer that writes its rows one at a
+/// time rather than from `value` (the report's sites and leaks, the comparison's rows).
+pub(super) struct Spliced<A, B> {
+    pub value: serde_json::Map<String, serde_json::Value>,
+    pub first: (&'static str, A),
+    pub second: Option<(&'static str, B)>,
 }
 
-impl Serialize for Document<'_> {
+impl<A: Serialize, B: Serialize> Serialize for Spliced<A, B> {
     fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
         use serde::ser::SerializeMap as _;
         let mut map = serializer.serialize_map(Some(self.value.len()))?;
         for (key, value) in &self.value {
-            if key == "sites" {
-                map.serialize_entry(key, &self.sites)?;
-            } else if key == "leaks" {
-                map.serialize_entry(key, &self.leaks)?;
-            } else {
-                map.serialize_entry(key, value)?;
+            match &self.second {
+                _ if key == self.first.0 => map.serialize_entry(key, &self.first.1)?,
+                Some((name, second)) if key == name => map.serialize_entry(key, second)?,
+                _ => map.serialize_entry(key, value)?,
             }
         }
         map.end()
@@ -353,5 +352,8 @@ pub fn write_json(a: &Summary, opts: &ReportOptions, w: &mut dyn std::io::Write)
         "timeline": json_memory::timeline(a, opts.filters.domain),
     });
     let serde_json::Value::Object(value) = value else { unreachable!("the report is an object") };
-    Ok(serde_json::to_writer_pretty(w, &Document { value, sites: Sites(a), leaks: opts.leaks.then_some(Leaks(a)) })?)
+    // (`leaks` is null without `--leaks`.)
+    let document =
+        Spliced { value, first: ("sites", Sites(a)), second: Some(("leaks", opts.leaks.then_some(Leaks(a)))) };
+    Ok(serde_json::to_writer_pretty(w, &document)?)
 }

@@ -103,13 +103,15 @@ pub struct RecentCopies {
 }
 
 /// Copies kept per ring: a reference comes from the same syscall on the same CPU, after
-/// its copy and before that CPU sends another (an interrupt's allocation may, in between).
-const RECENT_PER_RING: usize = 4;
+/// its copy and before that CPU sends another (an interrupt's allocation may, in between:
+/// the probes then walk again).
+const RECENT_PER_RING: usize = 2;
 
 impl RecentCopies {
-    /// A copy read from ring `ring` (a stack record without one is passed over).
+    /// A copy read from ring `ring` (one for a user allocation, which nothing refers to,
+    /// or a stack record without a copy, is passed over).
     pub fn seen(&mut self, ring: usize, stack: &StackRecord) {
-        let Some(miss) = &stack.miss else { return };
+        let Some(miss) = stack.miss.as_ref().filter(|_| stack.joined_kernel) else { return };
         if self.rings.len() <= ring {
             self.rings.resize_with(ring + 1, Default::default);
         }
@@ -189,6 +191,7 @@ mod tests {
     #[test]
     fn a_reference_is_finished_with_its_rings_copy() {
         let mut with_copy = copy(7, &[0x40_1000]);
+        with_copy.joined_kernel = true;
         with_copy.miss = Some(Box::new(StackMiss {
             ip: 0x40_1000,
             sp: 0x7ffc_0000,

@@ -593,6 +593,7 @@ impl Tracer {
         self.unwinder = None;
         self.python = python::PythonState::default();
         self.reorder = Reorder::new();
+        self.recent_copies = Default::default();
         self.probes.unmap_rings();
     }
 
