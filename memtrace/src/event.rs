@@ -642,22 +642,30 @@ pub(crate) mod tests {
         assert!(matches!(decode(&bytes_of(&code)[..100], 0), Err(DecodeError::Truncated { .. })));
     }
 
-    fn miss_record(copy_len: u32, copy: &[u8]) -> Vec<u8> {
+    /// A table walk's stack record of process 7: its header, one kernel frame and the user
+    /// addresses (what follows them is the caller's).
+    fn walked_record(flags: u8, hash: u64, kernel: u64, user: &[u64]) -> Vec<u8> {
         let header = StackHeader {
             rtype: RecordType::Stack as u8,
-            flags: stack_flags::USER_IPS | stack_flags::MISS | stack_flags::KERNEL,
+            flags: stack_flags::USER_IPS | stack_flags::KERNEL | flags,
             n_kernel: 1,
-            n_user: 2,
+            n_user: user.len() as u16,
             pid: 7,
-            hash: 99,
+            hash,
             asid: 5,
             _pad: 0,
             py_key: 0,
         };
         let mut bytes = bytes_of(&header);
-        bytes.extend(0xffff_ffff_8100_0000u64.to_ne_bytes());
-        bytes.extend(0x40_1000u64.to_ne_bytes());
-        bytes.extend(0x40_2000u64.to_ne_bytes());
+        bytes.extend(kernel.to_ne_bytes());
+        for ip in user {
+            bytes.extend(ip.to_ne_bytes());
+        }
+        bytes
+    }
+
+    fn miss_record(copy_len: u32, copy: &[u8]) -> Vec<u8> {
+        let mut bytes = walked_record(stack_flags::MISS, 99, 0xffff_ffff_8100_0000, &[0x40_1000, 0x40_2000]);
         let miss =
             UnwindMiss { ip: 0x40_2000, sp: 0x7ffc_0000, bp: 1, asid: 3, exact: 0, copy_len, ..Default::default() };
         bytes.extend(bytes_of(&miss));
@@ -686,20 +694,7 @@ pub(crate) mod tests {
     /// then the hash of that copy's record; never read as a copy of its own.
     #[test]
     fn decodes_a_stack_that_refers_to_an_earlier_copy() {
-        let header = StackHeader {
-            rtype: RecordType::Stack as u8,
-            flags: stack_flags::USER_IPS | stack_flags::COPY_REPEAT | stack_flags::KERNEL,
-            n_kernel: 1,
-            n_user: 1,
-            pid: 7,
-            hash: 100,
-            asid: 5,
-            _pad: 0,
-            py_key: 0,
-        };
-        let mut bytes = bytes_of(&header);
-        bytes.extend(0xffff_ffff_8100_0040u64.to_ne_bytes());
-        bytes.extend(0x40_1000u64.to_ne_bytes());
+        let mut bytes = walked_record(stack_flags::COPY_REPEAT, 100, 0xffff_ffff_8100_0040, &[0x40_1000]);
         bytes.extend(99u64.to_ne_bytes());
         let Record::CopyRepeat(s, of) = decode(&bytes, 0).unwrap() else { panic!() };
         assert_eq!(of, 99);

@@ -747,8 +747,9 @@ impl Unwinder {
         let mut out = Vec::new();
         for (read_at_poll, since, record) in std::mem::take(&mut self.unplaced) {
             let settled = self.last_dry_poll > read_at_poll;
-            if all || settled || since.elapsed() >= PLACE_WAIT || !self.has_unplaced_frames(&record) {
-                if !all && self.has_unplaced_frames(&record) {
+            let unplaced = !all && self.has_unplaced_frames(&record);
+            if all || settled || since.elapsed() >= PLACE_WAIT || !unplaced {
+                if unplaced {
                     log::debug!(
                         "pid {}: a stack named with frames in no known range of its space {} after {} ms{}",
                         record.pid,
