@@ -338,6 +338,9 @@ pub mod flags {
     pub const FOREIGN_FREE: u8 = 1 << 4;
     /// TaskRecord exit: the whole thread group is gone.
     pub const GROUP_DEAD: u8 = 1 << 5;
+    /// TaskRecord exec: `filename` is the absolute path of the file the kernel mapped (the
+    /// probes walked it up from the file: the name exec was given was relative).
+    pub const EXE_PATH: u8 = 1 << 0;
     /// TaskRecord fork: the child shares its parent's memory (`CLONE_VM`: `vfork`,
     /// `posix_spawn`) until it execs or exits; what it allocates there is its parent's heap.
     pub const SHARED_MEMORY: u8 = 1 << 6;
@@ -748,6 +751,18 @@ pub struct KernelLayout {
     /// `vm_area_struct.vm_flags` and `vm_file`: what an mremap's old mapping is (`vma`).
     pub vma_flags: u32,
     pub vma_file: u32,
+    /// A file's absolute path, walked up as `d_path` does (`file.f_path.mnt`/`.dentry`,
+    /// `dentry.d_parent`, `dentry.d_name.name`, `vfsmount.mnt_root`, and the `struct mount`
+    /// around a `vfsmount`: `mnt`, `mnt_parent`, `mnt_mountpoint`). `dentry_parent` 0: not
+    /// walked (a kernel whose BTF lacks one of them).
+    pub file_path_mnt: u32,
+    pub file_path_dentry: u32,
+    pub dentry_parent: u32,
+    pub dentry_name: u32,
+    pub vfsmount_root: u32,
+    pub mount_mnt: u32,
+    pub mount_parent: u32,
+    pub mount_mountpoint: u32,
     /// Keeps `ProbeConfig::sample_bytes` aligned with no padding.
     pub _pad: u32,
 }
@@ -841,6 +856,14 @@ impl ProbeConfig {
                 ri_next: 0,
                 vma_flags: 0,
                 vma_file: 0,
+                file_path_mnt: 0,
+                file_path_dentry: 0,
+                dentry_parent: 0,
+                dentry_name: 0,
+                vfsmount_root: 0,
+                mount_mnt: 0,
+                mount_parent: 0,
+                mount_mountpoint: 0,
                 _pad: 0,
             },
             sample_bytes: 0,
@@ -953,8 +976,8 @@ const _: () = {
     assert!((MAX_USER_DEPTH + 1).is_power_of_two() && MAX_USER_DEPTH <= u16::MAX as usize);
     assert!(core::mem::size_of::<UserFrame>() == 32);
     assert!(core::mem::size_of::<TaskRecord>() == 56 + COMM_LEN + FILENAME_LEN);
-    assert!(core::mem::size_of::<KernelLayout>() == 31 * 4);
-    assert!(core::mem::size_of::<ProbeConfig>() == 52 + 31 * 4 + 8);
+    assert!(core::mem::size_of::<KernelLayout>() == 39 * 4);
+    assert!(core::mem::size_of::<ProbeConfig>() == 52 + 39 * 4 + 8);
     assert!(core::mem::size_of::<CacheRecord>() == 16 + CACHE_NAME_LEN);
     assert!(core::mem::size_of::<SampledKey>() == 16);
     assert!(core::mem::size_of::<InFlight>() == 56 + 48 + 8);

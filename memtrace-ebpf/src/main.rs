@@ -26,6 +26,7 @@ mod kmem;
 mod kstack;
 mod mappings;
 mod maps;
+mod path;
 mod python;
 mod reuse;
 mod ring;

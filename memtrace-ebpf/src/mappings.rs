@@ -17,6 +17,7 @@ use memtrace_common::{FILENAME_LEN, MappingRecord, RecordType, mapping_record};
 use crate::{
     context::{is_traced_or_pending, pid_tgid, read_kernel_at, read_kernel_u64, scratch},
     maps::{FD_PATHS, MMAP_ARGS, MmapArgs, OPENAT_ARGS},
+    path::{memtrace_file_path, path_buffer},
     ring::{emit_waking, this_ring},
     syscall,
     unwind::{asid_of, file_table, install_range},
@@ -171,9 +172,24 @@ fn try_exit_openat(fd: i64) -> Result<(), ()> {
     if n <= 1 {
         return Ok(());
     }
+    // A relative name (`dlopen("./plugin.so")`, a directory's fd) means nothing to
+    // userspace once the process is gone: the file's absolute path stands for it.
+    // SAFETY: n > 1 bytes were written at buf.
+    let relative = unsafe { *buf } != b'/';
+    let key = (u64::from(tgid) << 32) | fd as u64;
+    if relative
+        && let Some(file) = fd_file(fd as u32)
+        && memtrace_file_path(file) != 0
+        && let Some(walked) = path_buffer()
+    {
+        // SAFETY: the path buffer holds at least FILENAME_LEN bytes, its path
+        // NUL-terminated within them.
+        let path = unsafe { &*(walked as *const [u8; FILENAME_LEN]) };
+        return FD_PATHS.insert(key, path, BPF_ANY as u64).map_err(|_| ());
+    }
     // SAFETY: the first FILENAME_LEN bytes of the buffer are readable as an array.
     let path = unsafe { &*(buf as *const [u8; FILENAME_LEN]) };
-    FD_PATHS.insert((u64::from(tgid) << 32) | fd as u64, path, BPF_ANY as u64).map_err(|_| ())
+    FD_PATHS.insert(key, path, BPF_ANY as u64).map_err(|_| ())
 }
 
 /// An executable `mmap` or `mprotect` returned `ret` (the mapping's start, or 0).

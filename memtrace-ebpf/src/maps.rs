@@ -313,6 +313,20 @@ pub(crate) static OPENAT_ARGS: HashMap<u64, u64, 16384> = HashMap::new();
 #[btf_map]
 pub(crate) static FD_PATHS: LruHashMap<u64, [u8; FILENAME_LEN], 8192> = LruHashMap::new();
 
+/// Names a path is walked up through at most (`path`; a power of two).
+pub(crate) const PATH_PARTS: usize = 32;
+
+/// Where a file's absolute path is built (`path`): the names' pointers, innermost first,
+/// then the path, twice as long as a path can be so that each name's read stays inside.
+#[repr(C)]
+pub(crate) struct PathWalk {
+    pub(crate) parts: [u64; PATH_PARTS],
+    pub(crate) buf: [u8; 2 * FILENAME_LEN],
+}
+
+#[btf_map]
+pub(crate) static PATH_WALK: PerCpuArray<PathWalk, 1> = PerCpuArray::new();
+
 #[repr(C)]
 #[derive(Clone, Copy)]
 pub(crate) struct MmapArgs {

@@ -2,16 +2,19 @@
 //! keep the traced set and the address-space ids current in the kernel, at the moment things
 //! happen, and tell userspace when an address space begins (with where exec mapped the
 //! program and its interpreter) and ends.
+use core::ffi::c_void;
+
 use aya_ebpf::{
     bindings::BPF_ANY,
-    helpers::{bpf_get_current_comm, bpf_ktime_get_ns},
+    helpers::{bpf_get_current_comm, bpf_ktime_get_ns, generated},
     programs::RawTracePointContext,
 };
-use memtrace_common::{COMM_LEN, RecordType, TaskEvent, TaskRecord, flags, traced};
+use memtrace_common::{COMM_LEN, FILENAME_LEN, RecordType, TaskEvent, TaskRecord, flags, traced};
 
 use crate::{
     context::{is_traced, is_traced_or_pending, pid_tgid, read_kernel_at, read_kernel_str},
     maps::{Ring, TRACED, traced_changed},
+    path::{memtrace_file_path, path_buffer},
     ring::{emit_waking, this_ring},
     unwind::{asid_of, begin_address_space, end_address_space, file_table, install_range, share_address_space},
 };
@@ -141,10 +144,11 @@ fn try_exec(ctx: &RawTracePointContext) -> Result<(), ()> {
     let filename: u64 = read_kernel_at(bprm, config!(kernel.binprm_filename)).unwrap_or(0);
     let (code_start, code_end, interp_base) = exec_layout(task);
     let asid = asid_of(tgid).unwrap_or(0);
+    let file = read_kernel_at::<u64>(bprm, config!(kernel.binprm_file)).unwrap_or(0);
     // A program whose table (and its interpreter's) userspace registered gets its code
     // into the new address space now, before its first instruction.
     if asid != 0
-        && let Some(file) = read_kernel_at::<u64>(bprm, config!(kernel.binprm_file))
+        && file != 0
         && let Some(t) = file_table(file)
     {
         install_range(asid, code_start, code_end, t.slot, code_start.wrapping_sub(t.exec_vaddr));
@@ -153,9 +157,24 @@ fn try_exec(ctx: &RawTracePointContext) -> Result<(), ()> {
             install_range(asid, start, start + t.interp_exec_size, t.interp_slot, interp_base);
         }
     }
+    // A relative name (`./prog`) means nothing once the process and its working directory
+    // are gone: the file's absolute path stands for it.
+    let relative = filename != 0 && read_kernel_at::<u8>(filename, 0).is_some_and(|c| c != b'/');
+    let path = if relative && memtrace_file_path(file) != 0 { path_buffer() } else { None };
+    let flags = if path.is_some() { flags::EXE_PATH } else { 0 };
     let ring = this_ring().ok_or(())?;
-    emit_task(ring, TaskEvent::Exec, TaskFacts { pid: tgid, tid, ppid: 0, asid, flags: 0 }, |r| {
-        if filename != 0 {
+    emit_task(ring, TaskEvent::Exec, TaskFacts { pid: tgid, tid, ppid: 0, asid, flags }, |r| {
+        if let Some(path) = path {
+            // SAFETY: the path buffer holds at least FILENAME_LEN bytes (its path is
+            // NUL-terminated within them); the record's array is FILENAME_LEN bytes.
+            unsafe {
+                generated::bpf_probe_read_kernel(
+                    r.filename.as_mut_ptr() as *mut c_void,
+                    FILENAME_LEN as u32,
+                    path as *const c_void,
+                )
+            };
+        } else if filename != 0 {
             read_kernel_str(filename, &mut r.filename);
         }
         r.code_start = code_start;

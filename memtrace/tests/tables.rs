@@ -1057,6 +1057,64 @@ fn a_shells_child_under_record_all_has_its_stacks_before_the_exec_in_bash() {
     }
 }
 
+/// A short program exec'd by a relative name (`./relprog`, from a directory that is not
+/// memtrace's) under `record -a`, loading its plugin by a relative name too: it is gone
+/// before its exec is read, and the names meant nothing from memtrace's directory, so every
+/// one of its stacks was cut short at a first frame `[unknown] 0x…` (100 % of them in each
+/// run). The probes now send the files' absolute paths, walked up from the kernel's own.
+#[test]
+fn a_program_and_a_library_opened_by_relative_names_under_record_all_are_named() {
+    require_root();
+    let _alone = alone_on_the_machine();
+    let dir = scratch("relative-all");
+    cc(
+        &dir,
+        "libplug.so",
+        "#include <stdlib.h>\n\
+         __attribute__((noinline)) void *plug_site(size_t n) { return malloc(n); }\n\
+         void plug_run(int n) { for (int i = 0; i < n; i++) free(plug_site(96)); }\n",
+        &["-shared", "-fPIC", "-fno-optimize-sibling-calls"],
+    );
+    cc(
+        &dir,
+        "relprog",
+        "#include <dlfcn.h>\n#include <stdlib.h>\n\
+         __attribute__((noinline)) void *alloc_site(size_t n) { return malloc(n); }\n\
+         int main(void) {\n\
+           for (int i = 0; i < 50; i++) free(alloc_site(64));\n\
+           void *h = dlopen(\"./libplug.so\", RTLD_NOW);\n\
+           if (!h) return 1;\n\
+           ((void (*)(int))dlsym(h, \"plug_run\"))(30);\n\
+           return 0;\n\
+         }\n",
+        &["-ldl", "-fno-optimize-sibling-calls"],
+    );
+    let data = dir.join("all.data");
+    let mut recorder = memtrace()
+        .args(["record", "-a", "--no-kernel", "-d", "3s", "-o"])
+        .arg(&data)
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let stderr = wait_until_tracing(&mut recorder);
+    thread::sleep(Duration::from_millis(300));
+    assert_ne!(std::env::current_dir().unwrap(), *dir, "memtrace runs in another directory");
+    assert!(Command::new("./relprog").current_dir(&*dir).status().unwrap().success());
+    assert!(recorder.wait().unwrap().success(), "{}", stderr.join().unwrap());
+    let report = report_json(&data, &["--by", "stack", "--domain", "user", "--comm", "relprog"]);
+    for (site, allocs, callers) in
+        [("alloc_site", 50, &["alloc_site", "main"][..]), ("plug_site", 30, &["plug_site", "plug_run", "main"][..])]
+    {
+        let found = sites_of(&report, site);
+        assert_eq!(found.len(), 1, "{site}: {:#}", report["sites"]);
+        assert_eq!(found[0]["allocs"], allocs, "{site}");
+        assert_eq!(found[0]["truncated"], false, "{site}: whole, though the process lived for milliseconds");
+        assert_eq!(&functions(found[0])[..callers.len()], callers, "{site}: and symbolized");
+    }
+    assert_eq!(report["stacks"]["user"]["allocs_truncated"], 0, "{:#}", report["stacks"]);
+}
+
 /// Under `-a`, a process that execs twice in quick succession (`env bash -c …`, as every
 /// `#!/usr/bin/env` script does): by the time its first exec is handled, `/proc` shows the
 /// second program. env's frames were named with bash's file at env's offsets

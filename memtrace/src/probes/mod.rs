@@ -42,7 +42,7 @@ use memtrace_common::{
     SampledKey, counter, traced, unwind_mode,
 };
 
-use self::btf::Btf;
+use self::btf::{Btf, BtfError};
 use crate::unwind::{
     spaces::SpaceSink,
     store::{InstallResult, TableSink},
@@ -805,7 +805,30 @@ fn kernel_layout(btf: &Btf) -> Result<KernelLayout> {
         ri_next: f("return_instance", "next")?,
         vma_flags: f("vm_area_struct", "vm_flags")?,
         vma_file: f("vm_area_struct", "vm_file")?,
-        _pad: 0,
+        ..path_layout(btf)
+    })
+}
+
+/// The fields a file's absolute path is walked up through (`dentry_parent` 0: none, when
+/// the kernel's BTF lacks one: names exec and `openat` were given stay as they were).
+fn path_layout(btf: &Btf) -> KernelLayout {
+    let f = |strukt: &str, field: &str| btf.field(strukt, field).map(|f| f.offset);
+    let walk = || -> Result<KernelLayout, BtfError> {
+        Ok(KernelLayout {
+            file_path_mnt: f("file", "f_path.mnt")?,
+            file_path_dentry: f("file", "f_path.dentry")?,
+            dentry_parent: f("dentry", "d_parent")?,
+            dentry_name: f("dentry", "d_name.name")?,
+            vfsmount_root: f("vfsmount", "mnt_root")?,
+            mount_mnt: f("mount", "mnt")?,
+            mount_parent: f("mount", "mnt_parent")?,
+            mount_mountpoint: f("mount", "mnt_mountpoint")?,
+            ..KernelLayout::default()
+        })
+    };
+    walk().unwrap_or_else(|e| {
+        log::debug!("relative names of exec'd and opened files stay relative: {e}");
+        KernelLayout::default()
     })
 }
 
@@ -1081,6 +1104,19 @@ fn install_rings(ebpf: &mut Ebpf, ring_bytes: u32) -> Result<(Vec<Ring>, RingsIn
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The fields a file's path is walked up through are all found in this kernel's BTF
+    /// (`struct mount`, around each `vfsmount`, is the kernel's private type), where the
+    /// walk expects them: `struct path` is {mnt, dentry}, and a `vfsmount` sits inside its
+    /// mount after the mount's parent and mount point.
+    #[test]
+    fn the_path_walk_finds_its_fields_in_the_kernels_btf() {
+        let layout = kernel_layout(&Btf::vmlinux().unwrap()).unwrap();
+        assert_ne!(layout.dentry_parent, 0, "{layout:?}");
+        assert_ne!(layout.dentry_name, 0, "{layout:?}");
+        assert_eq!(layout.file_path_dentry, layout.file_path_mnt + 8, "{layout:?}");
+        assert!(layout.mount_mnt > layout.mount_parent && layout.mount_mnt > layout.mount_mountpoint, "{layout:?}");
+    }
 
     /// An allocator one of whose links fails is not left half probed: the links made before
     /// the failure are closed and its `mmap`/`munmap` points can be probed again by the next
