@@ -156,11 +156,47 @@ pub fn exe(pid: u32) -> io::Result<PathBuf> {
 /// A path as seen from inside the process's mount namespace (containers): prefer the
 /// process's root when the file is not visible from ours.
 pub fn path_in_process(pid: u32, path: &Path) -> PathBuf {
+    let rooted = Path::new("/proc").join(pid.to_string()).join("root").join(path.strip_prefix("/").unwrap_or(path));
+    // The kernel names a file of another mount namespace (a container's) from that
+    // namespace's root: a file of ours with the name is another one (its copy of the C
+    // library is not the one we probe). In ours (a chroot too) names are from our root.
+    if other_mount_namespace(pid) && rooted.exists() {
+        return rooted;
+    }
     if path.exists() {
         return path.to_path_buf();
     }
-    let rooted = Path::new("/proc").join(pid.to_string()).join("root").join(path.strip_prefix("/").unwrap_or(path));
     if rooted.exists() { rooted } else { path.to_path_buf() }
+}
+
+/// Whether process `pid` runs in a mount namespace other than ours (false when it cannot
+/// be told: the process is gone, or not ours to look into).
+fn other_mount_namespace(pid: u32) -> bool {
+    match (fs::read_link(format!("/proc/{pid}/ns/mnt")), fs::read_link("/proc/self/ns/mnt")) {
+        (Ok(theirs), Ok(ours)) => theirs != ours,
+        _ => false,
+    }
+}
+
+/// The root directory of process `pid` when it is not ours (a chroot, a container): the
+/// file system its dynamic linker loads libraries from, as a path of ours (a chroot's
+/// directory; `/proc/PID/root` for another mount namespace, whose root has no name here).
+/// None when it is ours, or cannot be told (the process is gone).
+pub fn foreign_root(pid: u32) -> Option<PathBuf> {
+    use std::os::unix::fs::MetadataExt as _;
+    let root = Path::new("/proc").join(pid.to_string()).join("root");
+    let (theirs, ours) = (fs::metadata(&root).ok()?, fs::metadata("/").ok()?);
+    if (theirs.dev(), theirs.ino()) == (ours.dev(), ours.ino()) {
+        return None;
+    }
+    if !other_mount_namespace(pid)
+        && let Ok(dir) = fs::read_link(&root)
+        && dir.is_absolute()
+        && dir.is_dir()
+    {
+        return Some(dir);
+    }
+    Some(root)
 }
 
 /// The process state letter from /proc/PID/stat ('R', 'S', 'Z', ...), and whether it is a

@@ -469,6 +469,64 @@ fn record_all_traces_processes_started_later() {
     assert!(allocators.iter().all(|a| a["prefix"] != "mi_"), "{allocators:#?}");
 }
 
+/// A program run in a chroot that holds its own copy of the C library (as a container's
+/// file system does) under `record -a`: that copy is another file, which the probes of
+/// the machine's library do not see, and the program's libraries were looked for in ours:
+/// none of its allocations was recorded ("no allocation matches", helper-44). They are now
+/// looked for in its root, and its copy is probed.
+#[test]
+fn record_all_probes_the_c_library_a_chrooted_program_brings() {
+    require_root();
+    let _alone = alone_on_the_machine();
+    let dir = scratch("chroot");
+    let root = dir.join("root");
+    // The workload and, where it names them, its C library and dynamic linker: copies.
+    let ldd = run(Command::new("ldd").arg(workload()));
+    let libs: Vec<String> = String::from_utf8_lossy(&ldd.stdout)
+        .split_whitespace()
+        .filter(|w| w.starts_with('/'))
+        .map(str::to_string)
+        .collect();
+    assert!(libs.iter().any(|l| l.contains("libc.so")), "{libs:?}");
+    for lib in &libs {
+        let to = root.join(lib.trim_start_matches('/'));
+        std::fs::create_dir_all(to.parent().unwrap()).unwrap();
+        std::fs::copy(lib, &to).unwrap();
+    }
+    std::fs::copy(workload(), root.join("alloc_workload")).unwrap();
+    let data = dir.join("all.data");
+    let mut recorder = memtrace()
+        .args(["record", "-a", "--no-kernel", "--duration", "4s", "-o"])
+        .arg(&data)
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let stderr = wait_until_tracing(&mut recorder);
+    // It sleeps first: its C library is probed once its exec is read, a few ms after it.
+    let target = Command::new("chroot")
+        .arg(&root)
+        .arg("/alloc_workload")
+        .args(ARGS)
+        .args(["--sleep-ms", "500", "--manifest", "/manifest.json"])
+        .stdout(Stdio::null())
+        .status()
+        .unwrap();
+    assert!(target.success());
+    assert!(recorder.wait().unwrap().success(), "{}", stderr.join().unwrap());
+    let manifest = manifest(&root.join("manifest.json"));
+    let pid = manifest["pid"].as_u64().unwrap().to_string();
+    let report = report_json(&data, &["--by", "function", "--pid", &pid]);
+    assert_eq!(report["lost_events"], 0);
+    assert_matches_manifest(&report, &manifest);
+    let copy = root.join(libs.iter().find(|l| l.contains("libc.so")).unwrap().trim_start_matches('/'));
+    let allocators = report["allocators"].as_array().unwrap();
+    assert!(
+        allocators.iter().any(|a| a["module"] == copy.to_str().unwrap() && a["allocs"].as_u64() > Some(0)),
+        "the chroot's own C library, by its path from here: {allocators:#?}"
+    );
+}
+
 #[test]
 fn a_statically_linked_malloc_is_found_in_the_executable() {
     require_root();

@@ -447,22 +447,65 @@ fn group_by_offset(elf: &ElfFile, path: &Path, named: Vec<(String, Function, Kin
 
 /// Directories the dynamic linker searches after RUNPATH: ld.so.conf, then the defaults.
 fn system_library_dirs() -> Vec<PathBuf> {
+    system_library_dirs_in(Path::new("/"))
+}
+
+/// The library directories of the file system seen from `root` (a chrooted or contained
+/// process's `/proc/PID/root`), as paths from ours.
+fn system_library_dirs_in(root: &Path) -> Vec<PathBuf> {
     let mut dirs = Vec::new();
-    read_ld_so_conf(Path::new("/etc/ld.so.conf"), &mut dirs, 0);
-    for d in ["/lib/x86_64-linux-gnu", "/usr/lib/x86_64-linux-gnu", "/lib64", "/usr/lib64", "/lib", "/usr/lib"] {
-        dirs.push(PathBuf::from(d));
+    read_ld_so_conf(root, &root.join("etc/ld.so.conf"), &mut dirs, 0);
+    for d in ["lib/x86_64-linux-gnu", "usr/lib/x86_64-linux-gnu", "lib64", "usr/lib64", "lib", "usr/lib"] {
+        dirs.push(root.join(d));
     }
     dirs
 }
 
-fn read_ld_so_conf(path: &Path, dirs: &mut Vec<PathBuf>, depth: usize) {
+/// `path` as seen from `root`: absolute paths are taken from it (a path already under it
+/// is left as it is).
+fn under(root: &Path, path: &Path) -> PathBuf {
+    if path.starts_with(root) { path.to_path_buf() } else { root.join(path.strip_prefix("/").unwrap_or(path)) }
+}
+
+/// The root a path of `/proc/PID/root/…` (a process whose root is not ours: a chroot, a
+/// container) is under; `/` for any other path.
+fn root_of(path: &Path) -> PathBuf {
+    let mut parts = path.components().skip(1);
+    match (parts.next(), parts.next(), parts.next()) {
+        (Some(proc), Some(pid), Some(root))
+            if proc.as_os_str() == "proc"
+                && pid.as_os_str().to_str().is_some_and(|p| p.bytes().all(|b| b.is_ascii_digit()))
+                && root.as_os_str() == "root" =>
+        {
+            Path::new("/proc").join(pid).join("root")
+        }
+        _ => PathBuf::from("/"),
+    }
+}
+
+/// Where the dynamic linker of a process whose root is `root` finds library `name`: as
+/// [`search_dirs`] does for ours, but in that file system (and without our
+/// `LD_LIBRARY_PATH`).
+fn search_dirs_in(root: &Path, name: &str, runpath: &[PathBuf]) -> Option<PathBuf> {
+    if name.contains('/') {
+        return Some(under(root, Path::new(name)));
+    }
+    runpath
+        .iter()
+        .map(|d| under(root, d))
+        .chain(system_library_dirs_in(root))
+        .map(|d| d.join(name))
+        .find(|p| p.is_file())
+}
+
+fn read_ld_so_conf(root: &Path, path: &Path, dirs: &mut Vec<PathBuf>, depth: usize) {
     let Ok(text) = fs::read_to_string(path) else {
         return;
     };
     for line in text.lines() {
         let line = line.split('#').next().unwrap_or("").trim();
         if let Some(pattern) = line.strip_prefix("include") {
-            let pattern = Path::new(pattern.trim());
+            let pattern = under(root, Path::new(pattern.trim()));
             let (Some(dir), Some(file_pattern)) = (pattern.parent(), pattern.file_name()) else {
                 continue;
             };
@@ -478,11 +521,11 @@ fn read_ld_so_conf(path: &Path, dirs: &mut Vec<PathBuf>, depth: usize) {
             files.sort();
             if depth < 4 {
                 for file in files {
-                    read_ld_so_conf(&file, dirs, depth + 1);
+                    read_ld_so_conf(root, &file, dirs, depth + 1);
                 }
             }
         } else if line.starts_with('/') {
-            dirs.push(PathBuf::from(line));
+            dirs.push(under(root, Path::new(line)));
         }
     }
 }
@@ -578,11 +621,33 @@ pub fn for_executable(exe: &Path, prefix: &str) -> Result<Allocator> {
 /// Every allocator a program at `exe` will have once exec'd with `preload` (LD_PRELOAD's
 /// entries; None: ours): the one its `malloc` binds to first, then prefixed ones.
 pub fn all_for_executable(exe: &Path, preload: Option<&[PathBuf]>, prefix: &str) -> Result<Vec<Allocator>> {
+    all_for_executable_in(exe, &root_of(exe), preload, prefix)
+}
+
+/// [`all_for_executable`] for a process whose root directory is `root` (`/`: ours): a
+/// program run in a chroot or a container (`/proc/PID/root`) loads its libraries from its
+/// own file system, where a copy of the C library is another file, which the probes of
+/// ours do not see.
+pub fn all_for_executable_in(
+    exe: &Path,
+    root: &Path,
+    preload: Option<&[PathBuf]>,
+    prefix: &str,
+) -> Result<Vec<Allocator>> {
     let ours = env::var("LD_PRELOAD").unwrap_or_default();
     let names: Vec<PathBuf> = match preload {
         Some(p) => p.to_vec(),
         None => ours.split([':', ' ']).filter(|s| !s.is_empty()).map(PathBuf::from).collect(),
     };
+    if root != Path::new("/") {
+        let locate = |name: &str, runpath: &[PathBuf]| search_dirs_in(root, name, runpath);
+        let preload: Vec<PathBuf> = names.iter().filter_map(|s| locate(&s.to_string_lossy(), &[])).collect();
+        // A script's interpreter is named in its file system; the program itself as given.
+        let program = program_behind(exe);
+        let program = if program == exe { program } else { under(root, &program) };
+        let order = lookup_order(&program, &preload, &locate);
+        return Ok(with_prefixed(resolve(&order, prefix)?, &order));
+    }
     let preload: Vec<PathBuf> = names.iter().filter_map(|s| search_dirs(&s.to_string_lossy(), &[])).collect();
     let order = lookup_order(&program_behind(exe), &preload, &search_dirs);
     Ok(with_prefixed(resolve(&order, prefix)?, &order))
@@ -660,6 +725,34 @@ pub fn system_libc(prefix: &str) -> Result<Allocator> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A program in a chroot or a container finds its libraries in its own file system:
+    /// its standard directories, its `ld.so.conf` (includes followed there), names with a
+    /// slash; a path under `/proc/PID/root` says which root it is.
+    #[test]
+    fn a_chrooted_programs_libraries_are_found_in_its_root() {
+        let dir = tempfile::tempdir().unwrap();
+        let root = dir.path();
+        for (file, text) in [
+            ("lib/x86_64-linux-gnu/libfoo.so.1", "x"),
+            ("opt/l/libbar.so", "x"),
+            ("etc/ld.so.conf", "include /etc/ld.so.conf.d/*.conf\n"),
+            ("etc/ld.so.conf.d/x.conf", "/opt/l\n"),
+        ] {
+            fs::create_dir_all(root.join(file).parent().unwrap()).unwrap();
+            fs::write(root.join(file), text).unwrap();
+        }
+        let foo = root.join("lib/x86_64-linux-gnu/libfoo.so.1");
+        assert_eq!(search_dirs_in(root, "libfoo.so.1", &[]), Some(foo.clone()));
+        assert_eq!(search_dirs_in(root, "libbar.so", &[]), Some(root.join("opt/l/libbar.so")));
+        assert_eq!(search_dirs_in(root, "/lib/x86_64-linux-gnu/libfoo.so.1", &[]), Some(foo.clone()));
+        assert_eq!(search_dirs_in(root, "libfoo.so.1", &[PathBuf::from("/nowhere")]), Some(foo));
+        assert_eq!(search_dirs_in(root, "libc.so.6", &[]), None, "not ours");
+        assert_eq!(root_of(Path::new("/proc/42/root/usr/bin/x")), Path::new("/proc/42/root"));
+        assert_eq!(root_of(Path::new("/proc/self/root/usr/bin/x")), Path::new("/"));
+        assert_eq!(root_of(Path::new("/usr/bin/x")), Path::new("/"));
+        assert_eq!(under(Path::new("/proc/42/root"), Path::new("/proc/42/root/a")), Path::new("/proc/42/root/a"));
+    }
 
     #[test]
     fn our_own_process_uses_glibc_malloc_with_aliases_merged() {

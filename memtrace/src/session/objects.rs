@@ -161,7 +161,11 @@ fn look_into_now(ask: &Ask) -> Found {
             pid: *pid,
             canonical: canonical.clone(),
             preload: preload.clone(),
-            allocators: allocator::all_for_executable(exe, Some(preload), &ask.prefix).ok(),
+            // In a chroot or a container, the libraries are those of its file system.
+            allocators: match crate::procfs::foreign_root(*pid) {
+                Some(root) => allocator::all_for_executable_in(exe, &root, Some(preload), &ask.prefix).ok(),
+                None => allocator::all_for_executable(exe, Some(preload), &ask.prefix).ok(),
+            },
         },
     }
 }
