@@ -172,8 +172,9 @@ pub fn path_in_process(pid: u32, path: &Path) -> PathBuf {
 /// Whether process `pid` runs in a mount namespace other than ours (false when it cannot
 /// be told: the process is gone, or not ours to look into).
 fn other_mount_namespace(pid: u32) -> bool {
-    match (fs::read_link(format!("/proc/{pid}/ns/mnt")), fs::read_link("/proc/self/ns/mnt")) {
-        (Ok(theirs), Ok(ours)) => theirs != ours,
+    static OURS: std::sync::OnceLock<Option<PathBuf>> = std::sync::OnceLock::new();
+    match (fs::read_link(format!("/proc/{pid}/ns/mnt")), OURS.get_or_init(|| fs::read_link("/proc/self/ns/mnt").ok())) {
+        (Ok(theirs), Some(ours)) => &theirs != ours,
         _ => false,
     }
 }
@@ -288,6 +289,32 @@ pub fn kernel_functions<T: Ord>(mut of: impl FnMut(&str) -> T) -> Vec<(u64, T)> 
 
 #[cfg(test)]
 mod tests {
+
+    /// Our own files are named as they are; a process in another mount namespace names
+    /// its files from its root (there, the same name may be another file). Needs root
+    /// (`unshare -m`).
+    #[test]
+    fn a_process_in_another_mount_namespace_names_its_files_from_its_root() {
+        use std::path::Path;
+        let me = std::process::id();
+        assert_eq!(super::path_in_process(me, Path::new("/etc/os-release")), Path::new("/etc/os-release"));
+        assert_eq!(super::foreign_root(me), None);
+        // SAFETY: geteuid has no preconditions.
+        if unsafe { libc::geteuid() } != 0 {
+            eprintln!("skipped: a mount namespace needs root");
+            return;
+        }
+        let mut child = std::process::Command::new("unshare").args(["-m", "sleep", "5"]).spawn().unwrap();
+        let pid = child.id();
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+        while !super::other_mount_namespace(pid) && std::time::Instant::now() < deadline {
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
+        let named = super::path_in_process(pid, Path::new("/etc/os-release"));
+        let _ = child.kill();
+        let _ = child.wait();
+        assert_eq!(named, Path::new(&format!("/proc/{pid}/root/etc/os-release")));
+    }
 
     #[test]
     fn a_start_time_is_read_after_a_command_with_spaces_and_parentheses() {
