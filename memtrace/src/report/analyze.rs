@@ -631,7 +631,16 @@ pub fn analyze(path: &Path, opts: &ReportOptions) -> Result<Summary> {
     }
     let (leaks, leak_totals) =
         if opts.leaks { leak_rows(&live, &infos, &mut table, end_ts, opts) } else { Default::default() };
-    let duration_ns = first_ts.map_or(0, |f| end_ts.saturating_sub(f));
+    // A session of the whole machine or of running processes spans from its start (`-a -d
+    // 4s` is 4 s), not from its first event (`--no-kernel`: the first allocation of a
+    // program started later, which read "1.6s of events", helper-44).
+    let began = match first_ts {
+        Some(first) if meta.mode != "command" && meta.start_monotonic_ns > 0 => {
+            Some(first.min(meta.start_monotonic_ns))
+        }
+        first => first,
+    };
+    let duration_ns = began.map_or(0, |f| end_ts.saturating_sub(f));
     let mut under_counting = under_counting(&tallies, &comms, &meta, &stats);
     if meta.user && meta.mode == "command" && !user_allocs_seen && finalized {
         under_counting.push(super::warnings::nothing_seen(&meta));

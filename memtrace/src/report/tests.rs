@@ -103,15 +103,20 @@ fn events() -> Vec<Event> {
 }
 
 fn write_recording(path: &std::path::Path) {
+    write_recording_as(path, "command", 0);
+}
+
+/// The recording, as a session of `mode` begun at `start_monotonic_ns`.
+fn write_recording_as(path: &std::path::Path, mode: &str, start_monotonic_ns: u64) {
     let meta = Meta {
         memtrace_version: "test".into(),
         hostname: "testhost".into(),
         kernel_release: "6.1.0-test".into(),
-        mode: "command".into(),
+        mode: mode.into(),
         target_pids: vec![PID],
         target_command: vec!["/usr/bin/app".into(), "--serve".into()],
         start_unix_ns: 1_700_000_000_000_000_000,
-        start_monotonic_ns: 0,
+        start_monotonic_ns,
         page_size: 4096,
         allocator: Some("/usr/lib/libc.so.6".into()),
         allocator_is_glibc: true,
@@ -701,4 +706,20 @@ fn unnamed_rows_report_as_named_ones() {
             assert_eq!(String::from_utf8(streamed).unwrap(), render_text(&a, &named));
         }
     }
+}
+
+/// A session of the whole machine (or of running processes) lasts from its start, not from
+/// its first event: `record -a -d 4s --no-kernel` saw its first allocation 2.4 s in and
+/// read "1.6s of events" (helper-44). A command's recording still spans its events.
+#[test]
+fn a_machine_wide_session_lasts_from_its_start() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("all.data");
+    write_recording_as(&path, "all", 500);
+    let all = analyze(&path, &ReportOptions::default()).unwrap();
+    assert_eq!(all.duration_ns, 2_000_000_000 - 500);
+    let command = analyze(recording(), &ReportOptions::default()).unwrap();
+    let first = events().first().map(Event::ts_ns).unwrap();
+    assert!(first > 500, "{first}");
+    assert_eq!(command.duration_ns, 2_000_000_000 - first);
 }
