@@ -338,8 +338,9 @@ pub mod flags {
     pub const FOREIGN_FREE: u8 = 1 << 4;
     /// TaskRecord exit: the whole thread group is gone.
     pub const GROUP_DEAD: u8 = 1 << 5;
-    /// TaskRecord exec: `filename` is the absolute path of the file the kernel mapped (the
-    /// probes walked it up from the file: the name exec was given was relative).
+    /// TaskRecord exec: `filename` is the absolute path of the file the kernel mapped, from
+    /// the root of the mount tree (the probes walked it up from the file); else it is the
+    /// name exec was given.
     pub const EXE_PATH: u8 = 1 << 0;
     /// TaskRecord fork: the child shares its parent's memory (`CLONE_VM`: `vfork`,
     /// `posix_spawn`) until it execs or exits; what it allocates there is its parent's heap.

@@ -172,24 +172,9 @@ fn try_exit_openat(fd: i64) -> Result<(), ()> {
     if n <= 1 {
         return Ok(());
     }
-    // A relative name (`dlopen("./plugin.so")`, a directory's fd) means nothing to
-    // userspace once the process is gone: the file's absolute path stands for it.
-    // SAFETY: n > 1 bytes were written at buf.
-    let relative = unsafe { *buf } != b'/';
-    let key = (u64::from(tgid) << 32) | fd as u64;
-    if relative
-        && let Some(file) = fd_file(fd as u32)
-        && memtrace_file_path(file) != 0
-        && let Some(walked) = path_buffer()
-    {
-        // SAFETY: the path buffer holds at least FILENAME_LEN bytes, its path
-        // NUL-terminated within them.
-        let path = unsafe { &*(walked as *const [u8; FILENAME_LEN]) };
-        return FD_PATHS.insert(key, path, BPF_ANY as u64).map_err(|_| ());
-    }
     // SAFETY: the first FILENAME_LEN bytes of the buffer are readable as an array.
     let path = unsafe { &*(buf as *const [u8; FILENAME_LEN]) };
-    FD_PATHS.insert(key, path, BPF_ANY as u64).map_err(|_| ())
+    FD_PATHS.insert((u64::from(tgid) << 32) | fd as u64, path, BPF_ANY as u64).map_err(|_| ())
 }
 
 /// An executable `mmap` or `mprotect` returned `ret` (the mapping's start, or 0).
@@ -206,12 +191,12 @@ fn try_exit_mmap(ret: u64) -> Result<(), ()> {
     let start = if protected { args.addr } else { ret };
     let anonymous = args.fd == u64::MAX;
     let asid = asid_of(tgid).unwrap_or(0);
+    let file = if anonymous { None } else { fd_file(args.fd as u32) };
     // A file whose table userspace registered: the probes add the range themselves, so
     // the code is walkable before userspace hears of it (a segment whose bias they cannot
     // tell is left to userspace, which knows every segment).
-    if !anonymous
-        && asid != 0
-        && let Some(file) = fd_file(args.fd as u32)
+    if asid != 0
+        && let Some(file) = file
         && let Some(t) = file_table(file)
         && let Some(delta) = t.delta_at(args.offset, args.len)
     {
@@ -224,6 +209,15 @@ fn try_exit_mmap(ret: u64) -> Result<(), ()> {
     if !anonymous && path.is_none() {
         return Ok(()); // a file opened before tracing began: known from /proc instead
     }
+    // The name `openat` was given means nothing once the process is gone when it was
+    // relative (`dlopen("./plugin.so")`, a directory's descriptor) or taken in a chroot
+    // (the chroot's `/lib/…/libc.so.6` is not ours): the file's absolute path, from the
+    // root of the mount tree, stands for it. Walked here, for the few files mapped
+    // executable, not at every open.
+    let walked = match file {
+        Some(file) if memtrace_file_path(file) != 0 => path_buffer(),
+        _ => None,
+    };
     let ring = this_ring().ok_or(())?;
     // The reader learns the mapping and builds the file's table at once.
     emit_waking::<MappingRecord>(ring, true, |r| {
@@ -237,14 +231,21 @@ fn try_exit_mmap(ret: u64) -> Result<(), ()> {
         r.start = start;
         r.len = args.len;
         r.file_offset = args.offset;
-        if let Some(path) = path {
+        let from = match (walked, path) {
+            (Some(walked), _) => Some(walked),
+            (None, Some(path)) => Some(path.as_ptr()),
+            (None, None) => None,
+        };
+        if let Some(from) = from {
             // One helper call (an assignment became a byte-by-byte memcpy call).
-            // SAFETY: both are FILENAME_LEN-byte arrays: the record's and the map value's.
+            // SAFETY: the record's array is FILENAME_LEN bytes; the source is the map
+            // value's FILENAME_LEN-byte array or the path buffer, longer, its path
+            // NUL-terminated within FILENAME_LEN bytes.
             unsafe {
                 generated::bpf_probe_read_kernel(
                     r.path.as_mut_ptr() as *mut c_void,
                     FILENAME_LEN as u32,
-                    path.as_ptr() as *const c_void,
+                    from as *const c_void,
                 )
             };
         }

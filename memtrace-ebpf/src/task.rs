@@ -157,10 +157,10 @@ fn try_exec(ctx: &RawTracePointContext) -> Result<(), ()> {
             install_range(asid, start, start + t.interp_exec_size, t.interp_slot, interp_base);
         }
     }
-    // A relative name (`./prog`) means nothing once the process and its working directory
-    // are gone: the file's absolute path stands for it.
-    let relative = filename != 0 && read_kernel_at::<u8>(filename, 0).is_some_and(|c| c != b'/');
-    let path = if relative && memtrace_file_path(file) != 0 { path_buffer() } else { None };
+    // The name exec was given means nothing once the process is gone when it is relative
+    // (`./prog`: to a working directory) or taken in a chroot (`/prog`: from its root); the
+    // file's absolute path, from the root of the mount tree, stands for it.
+    let path = if memtrace_file_path(file) != 0 { path_buffer() } else { None };
     let flags = if path.is_some() { flags::EXE_PATH } else { 0 };
     let ring = this_ring().ok_or(())?;
     emit_task(ring, TaskEvent::Exec, TaskFacts { pid: tgid, tid, ppid: 0, asid, flags }, |r| {
