@@ -764,8 +764,10 @@ pub struct KernelLayout {
     pub mount_mnt: u32,
     pub mount_parent: u32,
     pub mount_mountpoint: u32,
-    /// Keeps `ProbeConfig::sample_bytes` aligned with no padding.
-    pub _pad: u32,
+    /// `dentry.d_hash.pprev`: 0 for a dentry unhashed, the file deleted (whose name now
+    /// names another file, or none), where the walk gives up as `d_path` marks it.
+    /// (An odd count of fields would leave `ProbeConfig::sample_bytes` unaligned.)
+    pub dentry_hash_pprev: u32,
 }
 
 /// Written by userspace into the programs' `.rodata` before load; the verifier then treats
@@ -865,7 +867,7 @@ impl ProbeConfig {
                 mount_mnt: 0,
                 mount_parent: 0,
                 mount_mountpoint: 0,
-                _pad: 0,
+                dentry_hash_pprev: 0,
             },
             sample_bytes: 0,
         }

@@ -22,10 +22,9 @@ const UP_STEPS: u32 = 2 * PATH_PARTS as u32;
 /// This CPU's buffer.
 #[inline(always)]
 fn buffer() -> Option<&'static mut PathWalk> {
-    // SAFETY: this CPU's value, in a map that lives while programs run. Programs that
-    // build paths run in syscall context (exec, `openat`'s return); one preempted between
-    // its walk and its copy may read another's path, which userspace checks against what
-    // the kernel mapped (exec) or names a file another `openat` on the CPU opened.
+    // SAFETY: this CPU's value, in a map that lives while programs run. The programs that
+    // build paths (exec, `mmap`'s return) are tracepoint programs of a task's syscall,
+    // which run with preemption off and never in an interrupt: they do not interleave.
     PATH_WALK.get_ptr_mut(0).map(|p| unsafe { &mut *p })
 }
 
@@ -149,6 +148,17 @@ pub extern "C" fn memtrace_file_path(file: u64) -> u64 {
     ) else {
         return 0;
     };
+    // A file deleted: its name now names another file, or none (`d_path` says
+    // "(deleted)"). Not so a root, which is never hashed.
+    let (Some(parent), Some(pprev)) = (
+        read_kernel_at::<u64>(dentry, config!(kernel.dentry_parent)),
+        read_kernel_at::<u64>(dentry, config!(kernel.dentry_hash_pprev)),
+    ) else {
+        return 0;
+    };
+    if pprev == 0 && parent != dentry {
+        return 0;
+    }
     let mut up = Up { dentry, vfsmnt, n: 0, whole: 0 };
     // SAFETY: up_step is a BPF callback taking (index, ctx); ctx is the Up on our stack.
     unsafe { generated::bpf_loop(UP_STEPS, up_step as *mut c_void, addr_of_mut!(up) as *mut c_void, 0) };

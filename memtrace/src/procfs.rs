@@ -160,8 +160,14 @@ pub fn path_in_process(pid: u32, path: &Path) -> PathBuf {
     // The kernel names a file of another mount namespace (a container's) from that
     // namespace's root: a file of ours with the name is another one (its copy of the C
     // library is not the one we probe). In ours (a chroot too) names are from our root.
-    if other_mount_namespace(pid) && rooted.exists() {
-        return rooted;
+    // Where both name one file (a service's private namespace sharing our `/usr`: most),
+    // ours: it outlives the process.
+    if other_mount_namespace(pid)
+        && let Ok(theirs) = fs::metadata(&rooted)
+    {
+        use std::os::unix::fs::MetadataExt as _;
+        let same = fs::metadata(path).is_ok_and(|ours| (ours.dev(), ours.ino()) == (theirs.dev(), theirs.ino()));
+        return if same { path.to_path_buf() } else { rooted };
     }
     if path.exists() {
         return path.to_path_buf();
@@ -291,8 +297,8 @@ pub fn kernel_functions<T: Ord>(mut of: impl FnMut(&str) -> T) -> Vec<(u64, T)> 
 mod tests {
 
     /// Our own files are named as they are; a process in another mount namespace names
-    /// its files from its root (there, the same name may be another file). Needs root
-    /// (`unshare -m`).
+    /// its files from its root where it sees another file by that name, and from ours
+    /// where it sees the same one. Needs root (`unshare -m`, a tmpfs mounted there).
     #[test]
     fn a_process_in_another_mount_namespace_names_its_files_from_its_root() {
         use std::path::Path;
@@ -304,16 +310,27 @@ mod tests {
             eprintln!("skipped: a mount namespace needs root");
             return;
         }
-        let mut child = std::process::Command::new("unshare").args(["-m", "sleep", "5"]).spawn().unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        let ours = dir.path().join("f");
+        std::fs::write(&ours, "ours").unwrap();
+        let script = format!(
+            "mount -t tmpfs none {d} && echo theirs > {d}/f && touch {d}/ready && sleep 5",
+            d = dir.path().display()
+        );
+        let mut child = std::process::Command::new("unshare").args(["-m", "sh", "-c", &script]).spawn().unwrap();
         let pid = child.id();
+        let root = Path::new("/proc").join(pid.to_string()).join("root");
+        let ready = root.join(dir.path().join("ready").strip_prefix("/").unwrap());
         let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
-        while !super::other_mount_namespace(pid) && std::time::Instant::now() < deadline {
+        while !ready.exists() && std::time::Instant::now() < deadline {
             std::thread::sleep(std::time::Duration::from_millis(5));
         }
-        let named = super::path_in_process(pid, Path::new("/etc/os-release"));
+        let theirs = super::path_in_process(pid, &ours);
+        let shared = super::path_in_process(pid, Path::new("/etc/os-release"));
         let _ = child.kill();
         let _ = child.wait();
-        assert_eq!(named, Path::new(&format!("/proc/{pid}/root/etc/os-release")));
+        assert_eq!(theirs, root.join(ours.strip_prefix("/").unwrap()), "another file by that name");
+        assert_eq!(shared, Path::new("/etc/os-release"), "the same file");
     }
 
     #[test]

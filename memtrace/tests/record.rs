@@ -473,13 +473,15 @@ fn record_all_traces_processes_started_later() {
 /// file system does) under `record -a`: that copy is another file, which the probes of
 /// the machine's library do not see, and the program's libraries were looked for in ours:
 /// none of its allocations was recorded ("no allocation matches", helper-44). They are now
-/// looked for in its root, and its copy is probed.
+/// looked for in its root, and its copy is probed. The same in a mount namespace of its
+/// own (`unshare -m --root`, as a container runtime starts one), where the process's root
+/// has no name from here, and where a program of the same name is the machine's, which
+/// shared the answer (helper-46).
 #[test]
 fn record_all_probes_the_c_library_a_chrooted_program_brings() {
     require_root();
     let _alone = alone_on_the_machine();
     let dir = scratch("chroot");
-    let root = dir.join("root");
     // The workload and, where it names them, its C library and dynamic linker: copies.
     let ldd = run(Command::new("ldd").arg(workload()));
     let libs: Vec<String> = String::from_utf8_lossy(&ldd.stdout)
@@ -487,44 +489,63 @@ fn record_all_probes_the_c_library_a_chrooted_program_brings() {
         .filter(|w| w.starts_with('/'))
         .map(str::to_string)
         .collect();
-    assert!(libs.iter().any(|l| l.contains("libc.so")), "{libs:?}");
-    for lib in &libs {
-        let to = root.join(lib.trim_start_matches('/'));
-        std::fs::create_dir_all(to.parent().unwrap()).unwrap();
-        std::fs::copy(lib, &to).unwrap();
+    let libc = libs.iter().find(|l| l.contains("libc.so")).unwrap_or_else(|| panic!("{libs:?}")).clone();
+    let roots = [dir.join("chroot"), dir.join("namespace")];
+    for root in &roots {
+        for lib in &libs {
+            let to = root.join(lib.trim_start_matches('/'));
+            std::fs::create_dir_all(to.parent().unwrap()).unwrap();
+            std::fs::copy(lib, &to).unwrap();
+        }
     }
-    std::fs::copy(workload(), root.join("alloc_workload")).unwrap();
+    // The chroot's at its root; the namespace's where the machine's is, a program of the
+    // same name (run first, below).
+    let in_namespace = workload().strip_prefix("/").unwrap().to_path_buf();
+    std::fs::copy(workload(), roots[0].join("alloc_workload")).unwrap();
+    std::fs::create_dir_all(roots[1].join(&in_namespace).parent().unwrap()).unwrap();
+    std::fs::copy(workload(), roots[1].join(&in_namespace)).unwrap();
     let data = dir.join("all.data");
     let mut recorder = memtrace()
-        .args(["record", "-a", "--no-kernel", "--duration", "4s", "-o"])
+        .args(["record", "-a", "--no-kernel", "--duration", "5s", "-o"])
         .arg(&data)
         .stdout(Stdio::null())
         .stderr(Stdio::piped())
         .spawn()
         .unwrap();
     let stderr = wait_until_tracing(&mut recorder);
-    // It sleeps first: its C library is probed once its exec is read, a few ms after it.
-    let target = Command::new("chroot")
-        .arg(&root)
-        .arg("/alloc_workload")
-        .args(ARGS)
-        .args(["--sleep-ms", "500", "--manifest", "/manifest.json"])
-        .stdout(Stdio::null())
-        .status()
-        .unwrap();
-    assert!(target.success());
+    // Each sleeps first: its C library is probed once its exec is read, a few ms after it.
+    let mut machines = Command::new(workload());
+    machines.args(["--threads", "1", "--iterations", "10", "--leaks", "0"]);
+    let mut chroot = Command::new("chroot");
+    chroot.arg(&roots[0]).arg("/alloc_workload");
+    let mut namespace = Command::new("unshare");
+    namespace.arg("-m").arg(format!("--root={}", roots[1].display())).arg(workload());
+    for c in [&mut chroot, &mut namespace] {
+        c.args(ARGS).args(["--sleep-ms", "500", "--manifest", "/manifest.json"]);
+    }
+    for c in [&mut machines, &mut chroot, &mut namespace] {
+        assert!(c.stdout(Stdio::null()).status().unwrap().success(), "{c:?}");
+    }
     assert!(recorder.wait().unwrap().success(), "{}", stderr.join().unwrap());
-    let manifest = manifest(&root.join("manifest.json"));
-    let pid = manifest["pid"].as_u64().unwrap().to_string();
-    let report = report_json(&data, &["--by", "function", "--pid", &pid]);
-    assert_eq!(report["lost_events"], 0);
-    assert_matches_manifest(&report, &manifest);
-    let copy = root.join(libs.iter().find(|l| l.contains("libc.so")).unwrap().trim_start_matches('/'));
-    let allocators = report["allocators"].as_array().unwrap();
-    assert!(
-        allocators.iter().any(|a| a["module"] == copy.to_str().unwrap() && a["allocs"].as_u64() > Some(0)),
-        "the chroot's own C library, by its path from here: {allocators:#?}"
-    );
+    for (root, own_namespace) in [(&roots[0], false), (&roots[1], true)] {
+        let manifest = manifest(&root.join("manifest.json"));
+        let pid = manifest["pid"].as_u64().unwrap().to_string();
+        let report = report_json(&data, &["--by", "function", "--pid", &pid]);
+        assert_eq!(report["lost_events"], 0);
+        assert_matches_manifest(&report, &manifest);
+        // A chroot's copy by its path from here; a namespace's through the process's root.
+        let copy = if own_namespace {
+            format!("/proc/{pid}/root{libc}")
+        } else {
+            std::fs::canonicalize(root.join(libc.trim_start_matches('/'))).unwrap().display().to_string()
+        };
+        let allocators = report["allocators"].as_array().unwrap();
+        assert!(
+            allocators.iter().any(|a| a["module"] == copy.as_str() && a["allocs"].as_u64() > Some(0)),
+            "{}: its own C library ({copy}): {allocators:#?}",
+            root.display()
+        );
+    }
 }
 
 #[test]

@@ -14,7 +14,7 @@ use crate::unwind::cache::{DiskCache, Rejected, read_trusted, write_atomically};
 const FILE_NAME: &str = "kernel-layout";
 const MAGIC: &[u8; 8] = b"MTKLAYT\0";
 /// Bumped whenever what the layout holds or how it is found changes.
-const VERSION: u32 = 5;
+const VERSION: u32 = 6;
 
 const WORDS: usize = size_of::<KernelLayout>() / 4;
 // Every field is a u32: the layout is its words, in order, with no padding.

@@ -823,6 +823,7 @@ fn path_layout(btf: &Btf) -> KernelLayout {
             mount_mnt: f("mount", "mnt")?,
             mount_parent: f("mount", "mnt_parent")?,
             mount_mountpoint: f("mount", "mnt_mountpoint")?,
+            dentry_hash_pprev: f("dentry", "d_hash.pprev")?,
             ..KernelLayout::default()
         })
     };
@@ -1114,6 +1115,7 @@ mod tests {
         let layout = kernel_layout(&Btf::vmlinux().unwrap()).unwrap();
         assert_ne!(layout.dentry_parent, 0, "{layout:?}");
         assert_ne!(layout.dentry_name, 0, "{layout:?}");
+        assert_ne!(layout.dentry_hash_pprev, 0, "{layout:?}");
         assert_eq!(layout.file_path_dentry, layout.file_path_mnt + 8, "{layout:?}");
         assert!(layout.mount_mnt > layout.mount_parent && layout.mount_mnt > layout.mount_mountpoint, "{layout:?}");
     }

@@ -164,15 +164,29 @@ impl Tracer {
         if !self.options.user || (!self.followed.contains(&pid) && !matches!(self.options.target, Target::All)) {
             return;
         }
-        let exe = match procfs::exe(pid) {
-            Ok(exe) => procfs::path_in_process(pid, &exe),
-            Err(_) if filename.is_absolute() && filename.exists() => filename.to_path_buf(),
+        let (exe, gone) = match procfs::exe(pid) {
+            Ok(exe) => (procfs::path_in_process(pid, &exe), false),
+            Err(_) if filename.is_absolute() && filename.exists() => (filename.to_path_buf(), true),
             Err(_) => return,
         };
-        if matches!(self.options.target, Target::All) && !self.checked_objects.insert(exe.clone()) {
-            return; // a program seen before: its allocator is attached for everyone
+        if matches!(self.options.target, Target::All) {
+            // A process gone before this is read tells nothing of its root (a chroot's
+            // program, named by its path from ours, would have its libraries looked for in
+            // ours): it does not stand for its program's later processes.
+            let seen =
+                if gone { self.checked_objects.contains(&exe) } else { !self.checked_objects.insert(exe.clone()) };
+            if seen {
+                return; // a program seen before: its allocator is attached for everyone
+            }
         }
-        let canonical = std::fs::canonicalize(&exe).unwrap_or_else(|_| exe.clone());
+        // A program seen through a process's root (`/proc/PID/root/…`, a container's) is
+        // that file: canonicalizing would read the root's link (`/`, for another mount
+        // namespace) and name the machine's program of the same name.
+        let canonical = if exe.starts_with("/proc") {
+            exe.clone()
+        } else {
+            std::fs::canonicalize(&exe).unwrap_or_else(|_| exe.clone())
+        };
         // What the new program preloads is in its own environment (`env LD_PRELOAD=... prog`).
         let preload = procfs::ld_preload(pid);
         let key = (canonical, preload);
@@ -223,14 +237,16 @@ impl Tracer {
     fn take_found(&mut self, found: objects::Found) {
         match found {
             objects::Found::Object(allocators, mapped) => self.attach_allocators(allocators, mapped),
-            objects::Found::Program { pid, canonical, preload, allocators } => {
+            objects::Found::Program { pid, canonical, preload, allocators, sure } => {
                 let key = (canonical, preload);
                 let pids = self.programs_in_flight.remove(&key).unwrap_or_else(|| vec![(pid, 0)]);
                 let Some(allocators) = allocators else { return };
                 for (pid, exec_ns) in pids {
                     self.attach_for_program(&key.0, pid, allocators.clone(), exec_ns);
                 }
-                self.resolved_programs.insert(key, allocators);
+                if sure {
+                    self.resolved_programs.insert(key, allocators);
+                }
             }
         }
     }

@@ -851,7 +851,10 @@ impl Tracer {
             // A short program's exec is often looked into after it is gone: its answer
             // still says what to probe from the next start.
             for found in self.objects.wait_for_the_rest(Duration::from_millis(500)) {
-                if let objects::Found::Program { canonical, preload, allocators: Some(allocators), .. } = found {
+                if let objects::Found::Program {
+                    canonical, preload, allocators: Some(allocators), sure: true, ..
+                } = found
+                {
                     self.resolved_programs.insert((canonical, preload), allocators);
                 }
             }

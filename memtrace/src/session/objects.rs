@@ -7,7 +7,7 @@
 //! while the program's first mappings waited behind it and its stacks needed copies. The
 //! answers are taken between drains, and the probes attached then.
 use std::{
-    path::PathBuf,
+    path::{Path, PathBuf},
     sync::mpsc::{self, Receiver, Sender},
 };
 
@@ -36,8 +36,11 @@ pub(super) enum Found {
     Object(Vec<Allocator>, Option<(u32, u64)>),
     /// In an exec'd program: for process `pid`, and any later process of that program
     /// (`canonical`, `preload`). None when the program could not be read (the process
-    /// exited, its file was replaced): not an answer to remember.
-    Program { pid: u32, canonical: PathBuf, preload: Vec<PathBuf>, allocators: Option<Vec<Allocator>> },
+    /// exited, its file was replaced): not an answer to remember. `sure`: the process was
+    /// there when its libraries were looked for, so its root was known (a chroot's program
+    /// looked into after it exited had its libraries looked for in ours: an answer for it
+    /// alone, not for its program's later processes).
+    Program { pid: u32, canonical: PathBuf, preload: Vec<PathBuf>, allocators: Option<Vec<Allocator>>, sure: bool },
 }
 
 pub(super) struct ObjectChecks {
@@ -157,16 +160,16 @@ fn look_into_now(ask: &Ask) -> Found {
             }
             Found::Object(found, *mapped)
         }
-        What::Program { pid, exe, canonical, preload } => Found::Program {
-            pid: *pid,
-            canonical: canonical.clone(),
-            preload: preload.clone(),
+        What::Program { pid, exe, canonical, preload } => {
             // In a chroot or a container, the libraries are those of its file system.
-            allocators: match crate::procfs::foreign_root(*pid) {
-                Some(root) => allocator::all_for_executable_in(exe, &root, Some(preload), &ask.prefix).ok(),
+            let root = crate::procfs::foreign_root(*pid);
+            let allocators = match &root {
+                Some(root) => allocator::all_for_executable_in(exe, root, Some(preload), &ask.prefix).ok(),
                 None => allocator::all_for_executable(exe, Some(preload), &ask.prefix).ok(),
-            },
-        },
+            };
+            let sure = root.is_some() || Path::new("/proc").join(pid.to_string()).exists();
+            Found::Program { pid: *pid, canonical: canonical.clone(), preload: preload.clone(), allocators, sure }
+        }
     }
 }
 
@@ -217,6 +220,22 @@ mod tests {
         assert!(found.iter().any(|a| a.file_id == allocator::file_id(&libc)), "{libc:?}");
     }
 
+    /// An answer for a process gone before it was looked into is for it alone: its root was
+    /// not known (a chroot's program would have had its libraries looked for in ours).
+    #[test]
+    fn an_answer_for_a_process_gone_is_not_sure() {
+        let exe = PathBuf::from("/bin/sh");
+        let mut checks = ObjectChecks::new();
+        for (pid, expected) in [(std::process::id(), true), (u32::MAX - 1, false)] {
+            let now = checks.ask_program(pid, (exe.clone(), exe.clone()), Vec::new(), "");
+            let Some(Found::Program { sure, allocators, .. }) = first_answer(&mut checks, now) else {
+                panic!("no answer for pid {pid}")
+            };
+            assert_eq!(sure, expected, "pid {pid}");
+            assert!(allocators.is_some(), "the program itself was read either way");
+        }
+    }
+
     #[test]
     fn a_program_that_cannot_be_read_is_answered_with_nothing_to_remember() {
         let exe = PathBuf::from("/nonexistent/program");
@@ -231,7 +250,7 @@ mod tests {
         let mut checks = ObjectChecks::new();
         let canonical = std::fs::canonicalize(&exe).unwrap();
         let now = checks.ask_program(42, (exe.clone(), canonical.clone()), Vec::new(), "");
-        let Some(Found::Program { pid, canonical: answered, preload, allocators }) = first_answer(&mut checks, now)
+        let Some(Found::Program { pid, canonical: answered, preload, allocators, .. }) = first_answer(&mut checks, now)
         else {
             panic!("no answer for {exe:?}")
         };

@@ -85,7 +85,12 @@ pub(super) fn programs_with_own_allocators<'a>(
 ) -> Vec<PathBuf> {
     let mut programs: Vec<PathBuf> = resolved
         .filter(|((program, preload), allocators)| {
-            preload.is_empty() && program != command && allocators.iter().any(|a| !base.contains(&a.file_id))
+            // Not a program seen through a process's root (`/proc/PID/root/…`: a
+            // container's), whose name means nothing to the next session.
+            preload.is_empty()
+                && program != command
+                && !program.starts_with("/proc")
+                && allocators.iter().any(|a| !base.contains(&a.file_id))
         })
         .map(|((program, _), _)| program.clone())
         .collect();
