@@ -253,6 +253,12 @@ pub struct Stats {
     /// [`MAX_NO_ROOM_STACKS`]): the report tells each process's share of that cause.
     #[serde(default)]
     pub unwind_no_room_stacks: Vec<u32>,
+    /// The stacks (ids) cut short at a frame in no file memtrace could read (an address
+    /// only: JIT code, or a program or library gone, in another mount namespace or in
+    /// memory only before it was read), as far as listed (the first
+    /// [`MAX_NO_ROOM_STACKS`]): the report names that cause per process.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub unwind_unplaced_stacks: Vec<u32>,
     /// The names of the kernel's slab caches the kmem_cache_alloc events name (`struct
     /// kmem_cache *` → name), as the probes sent them (version 9).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]

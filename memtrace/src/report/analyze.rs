@@ -347,6 +347,7 @@ pub fn analyze(path: &Path, opts: &ReportOptions) -> Result<Summary> {
 
     let duplicates: crate::FastMap<u64, u64> = table.duplicates().into_iter().collect();
     let no_room = super::warnings::no_room_stacks(&stats);
+    let unplaced = super::warnings::unplaced_stacks(&stats);
     let mut comms: HashMap<u32, String> = HashMap::new();
     let mut task_order = crate::lifecycle::Lifecycles::new();
     let mut coverage = CoverageCounter {
@@ -445,6 +446,7 @@ pub fn analyze(path: &Path, opts: &ReportOptions) -> Result<Summary> {
                 let cut = coverage.truncated_ids.contains(&a.stack);
                 t.truncated += u64::from(cut);
                 t.no_room += u64::from(cut && no_room.contains(&a.stack));
+                t.unplaced += u64::from(cut && unplaced.contains(&a.stack));
             }
         }
         if let Event::Free(f) = &event

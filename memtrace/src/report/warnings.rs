@@ -92,6 +92,7 @@ fn tally(path: &Path, len: u64, stats: &Stats) -> anyhow::Result<Vec<String>> {
     let mut order = crate::lifecycle::Lifecycles::new();
     let mut user_allocs_seen = false;
     let no_room = no_room_stacks(stats);
+    let unplaced = unplaced_stacks(stats);
     // The user heap paired as the report pairs it, keeping only addresses and times (no
     // groups, no kernel blocks: on PyTorch the report's pairing held 300 MB for this).
     let mut unmatched = UnmatchedFrees::new(stats.sampled_from.map(|(from, _)| from));
@@ -110,6 +111,7 @@ fn tally(path: &Path, len: u64, stats: &Stats) -> anyhow::Result<Vec<String>> {
                     };
                     t.truncated += u64::from(was_cut);
                     t.no_room += u64::from(was_cut && no_room.contains(&a.stack));
+                    t.unplaced += u64::from(was_cut && unplaced.contains(&a.stack));
                 }
             }
             Event::Free(f) if f.kind.space() == Space::Heap => {
@@ -192,8 +194,10 @@ pub struct ProcessTally {
     /// User allocations recorded with a stack, and of those, stacks cut short.
     pub with_stack: u64,
     pub truncated: u64,
-    /// Of those, cut short for want of ring room for a stack copy.
+    /// Of those, cut short for want of ring room for a stack copy, and at a frame in no
+    /// file memtrace could read.
     pub no_room: u64,
+    pub unplaced: u64,
     /// User heap frees, and of those, frees of blocks whose allocation was not seen.
     pub frees: u64,
     pub unmatched_frees: u64,
@@ -204,6 +208,11 @@ pub struct ProcessTally {
 /// The stacks cut short for want of ring room for a copy, as events refer to them (id + 1).
 pub fn no_room_stacks(stats: &Stats) -> crate::FastSet<u64> {
     stats.unwind_no_room_stacks.iter().map(|&id| u64::from(id) + 1).collect()
+}
+
+/// The stacks cut short at a frame in no file, as events refer to them (id + 1).
+pub fn unplaced_stacks(stats: &Stats) -> crate::FastSet<u64> {
+    stats.unwind_unplaced_stacks.iter().map(|&id| u64::from(id) + 1).collect()
 }
 
 /// The warnings for these processes (pid → tally), named with `comms`.
@@ -296,9 +305,17 @@ pub fn under_counting(
             // bound, only the session's count is known: both causes are named.
             let listed = !stats.unwind_no_room_stacks.is_empty()
                 && (stats.unwind_no_room_stacks.len() < recording::MAX_NO_ROOM_STACKS || t.no_room == t.truncated);
+            let unplaced = "frames in code memtrace found in no file (JIT-compiled code, or a program or library \
+                            gone, in another mount namespace or in memory only before memtrace read it)";
+            let unplaced_listed = !stats.unwind_unplaced_stacks.is_empty()
+                && (stats.unwind_unplaced_stacks.len() < recording::MAX_NO_ROOM_STACKS || t.unplaced == t.truncated);
             let cause = if meta.call_graph != "dwarf" {
                 "code built without frame pointers stops a frame-pointer walk: record with --call-graph dwarf"
                     .to_string()
+            } else if unplaced_listed && t.unplaced == t.truncated {
+                unplaced.to_string()
+            } else if unplaced_listed && t.unplaced > 0 && t.no_room == 0 {
+                format!("for {} of them, {unplaced}; for the others, {no_unwind_info}", t.unplaced)
             } else if listed && t.no_room == t.truncated {
                 room.to_string()
             } else if listed && t.no_room > 0 {
@@ -432,6 +449,23 @@ mod tests {
         assert!(
             none.contains("have a stack cut short: code without unwind information") && !none.contains("ring"),
             "{none}"
+        );
+        // Cut at a frame in no file (the program's file gone before it was read): that
+        // cause, not missing unwind information (helper-44).
+        let unplaced = Stats { unwind_unplaced_stacks: vec![4], ..Default::default() };
+        let cause_of = |n: u64| {
+            let mut tallies = tallies.clone();
+            tallies.get_mut(&8).unwrap().unplaced = n;
+            under_counting(&tallies, &comms, &meta, &unplaced)[1].clone()
+        };
+        let all = cause_of(400);
+        assert!(all.contains("cut short: frames in code memtrace found in no file"), "{all}");
+        assert!(!all.contains("without unwind information"), "{all}");
+        let some = cause_of(100);
+        assert!(
+            some.contains("for 100 of them, frames in code memtrace found in no file")
+                && some.contains("for the others, code without unwind information"),
+            "{some}"
         );
         tallies
             .insert(7, ProcessTally { frees: 1000, unmatched_frees: 200, started_traced: true, ..Default::default() });

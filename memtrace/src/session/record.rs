@@ -106,6 +106,9 @@ struct Recorder {
     /// Stacks cut short for want of ring room for a copy (the first
     /// [`crate::recording::MAX_NO_ROOM_STACKS`]), so the report names that cause per process.
     no_room_stacks: crate::FastSet<u32>,
+    /// Stacks cut short at a frame in no file (the same bound), so the report names that
+    /// cause per process.
+    unplaced_stacks: crate::FastSet<u32>,
     /// The slab caches' names, as the probes sent them (each once a session).
     slab_caches: std::collections::BTreeMap<u64, String>,
     write_error: Option<io::Error>,
@@ -223,6 +226,12 @@ impl Sink for Recorder {
         } else if !no_room && !self.no_room_stacks.is_empty() {
             // (An id defined again names another stack.)
             self.no_room_stacks.remove(&stack.id);
+        }
+        let unplaced = stack.truncated && matches!(stack.user.last(), Some(FileFrame::Address(_)));
+        if unplaced && self.unplaced_stacks.len() < crate::recording::MAX_NO_ROOM_STACKS {
+            self.unplaced_stacks.insert(stack.id);
+        } else if !unplaced && !self.unplaced_stacks.is_empty() {
+            self.unplaced_stacks.remove(&stack.id);
         }
         for frame in &stack.user {
             if let FileFrame::Address(ip) = *frame {
@@ -443,6 +452,7 @@ pub fn record(opts: RecordOptions) -> Result<RecordSummary> {
         user_frames: Default::default(),
         jit_frames: Default::default(),
         no_room_stacks: Default::default(),
+        unplaced_stacks: Default::default(),
         slab_caches: Default::default(),
         started: std::time::SystemTime::now(),
         kernel_addrs: Default::default(),
@@ -545,6 +555,11 @@ fn finish(
         unwind_late_task_records: unwind.late_task_records,
         unwind_no_room_stacks: {
             let mut ids: Vec<u32> = recorder.no_room_stacks.iter().copied().collect();
+            ids.sort_unstable();
+            ids
+        },
+        unwind_unplaced_stacks: {
+            let mut ids: Vec<u32> = recorder.unplaced_stacks.iter().copied().collect();
             ids.sort_unstable();
             ids
         },
