@@ -244,9 +244,8 @@ impl Tracer {
                 for (pid, exec_ns) in pids {
                     self.attach_for_program(&key.0, pid, allocators.clone(), exec_ns);
                 }
-                if sure {
-                    self.resolved_programs.insert(key, allocators);
-                }
+                let answers = if sure { &mut self.resolved_programs } else { &mut self.unsure_programs };
+                answers.insert(key, allocators);
             }
         }
     }

@@ -192,6 +192,11 @@ pub struct Tracer {
     /// Programs (and what they preload) whose allocators were resolved (exec'd again and
     /// again: resolved once).
     resolved_programs: HashMap<ProgramKey, Vec<Allocator>>,
+    /// Answers for programs whose process was gone before it was looked into: not reused
+    /// in this session (a chroot's program would have its libraries looked for in ours),
+    /// but what the next session of the command may probe ahead (the short program that
+    /// exec'd its own allocator is the case the memory of sessions is for).
+    unsure_programs: HashMap<ProgramKey, Vec<Allocator>>,
     /// A command's program and the allocator files probed from the start without the
     /// memory of earlier sessions ([`remembered`]): the programs exec'd with others are
     /// remembered for the next session.
@@ -518,6 +523,7 @@ impl Tracer {
             objects: objects::ObjectChecks::new(),
             programs_in_flight: HashMap::new(),
             late_probes: HashMap::new(),
+            unsure_programs: HashMap::new(),
             resolved_programs: program
                 .as_ref()
                 .and_then(|p| std::fs::canonicalize(p).ok())
@@ -851,15 +857,14 @@ impl Tracer {
             // A short program's exec is often looked into after it is gone: its answer
             // still says what to probe from the next start.
             for found in self.objects.wait_for_the_rest(Duration::from_millis(500)) {
-                if let objects::Found::Program {
-                    canonical, preload, allocators: Some(allocators), sure: true, ..
-                } = found
-                {
-                    self.resolved_programs.insert((canonical, preload), allocators);
+                if let objects::Found::Program { canonical, preload, allocators: Some(allocators), sure, .. } = found {
+                    let answers = if sure { &mut self.resolved_programs } else { &mut self.unsure_programs };
+                    answers.insert((canonical, preload), allocators);
                 }
             }
             let canonical = std::fs::canonicalize(command).unwrap_or_else(|_| command.clone());
-            let programs = remembered::programs_with_own_allocators(&canonical, base, self.resolved_programs.iter());
+            let answers = self.resolved_programs.iter().chain(self.unsure_programs.iter());
+            let programs = remembered::programs_with_own_allocators(&canonical, base, answers);
             if remembered::save(command, &programs) {
                 // What the warnings may promise: the next record probes these from the start.
                 for late in self.late_probes.values_mut().filter(|l| l.exec) {

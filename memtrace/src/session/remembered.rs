@@ -94,7 +94,10 @@ pub(super) fn programs_with_own_allocators<'a>(
         })
         .map(|((program, _), _)| program.clone())
         .collect();
+    // (A program may be answered twice: for a process gone before its look, and for one
+    // alive.)
     programs.sort();
+    programs.dedup();
     programs.truncate(MAX_PROGRAMS);
     programs
 }
@@ -144,7 +147,9 @@ mod tests {
             ((PathBuf::from("/opt/rust/bin/rustc"), Vec::new()), vec![jemalloc.clone(), libc.clone()]),
             // What a program preloads is probed from the start already (installed libraries).
             ((PathBuf::from("/usr/bin/ls"), vec![PathBuf::from("/usr/lib/libjemalloc.so.2")]), vec![jemalloc.clone()]),
-            ((PathBuf::from("/home/me/.cargo/bin/rustc"), Vec::new()), vec![jemalloc]),
+            ((PathBuf::from("/home/me/.cargo/bin/rustc"), Vec::new()), vec![jemalloc.clone()]),
+            // Answered again for a process gone before its look: named once.
+            ((PathBuf::from("/opt/rust/bin/rustc"), Vec::new()), vec![jemalloc]),
         ];
         let got = programs_with_own_allocators(
             Path::new("/home/me/.cargo/bin/rustc"),
