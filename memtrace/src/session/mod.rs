@@ -104,6 +104,10 @@ pub trait Sink {
 
 /// Events stamped within this long of "now" may still be on their way from another CPU.
 const REORDER_LAG_NS: u64 = 100_000_000;
+/// Events waiting at most while a ring left with records holds their release (~30 MB): a
+/// reader stopped or descheduled for a while catches up in order, one that stays behind
+/// under a load it cannot follow keeps its memory ([`MAX_HELD_EVENTS`] is the bound).
+const HOLD_BEHIND_EVENTS: usize = 1 << 18;
 /// Records read from one ring per drain: what one drain holds in memory is bounded,
 /// whatever the rings' size (a ring that has more is read again at once).
 pub const RING_BATCH: usize = 1 << 15;
@@ -174,6 +178,9 @@ pub struct Tracer {
     pub options: TraceOptions,
     child: Option<PausedChild>,
     reorder: Reorder,
+    /// The time of the last event read from each ring: one left with records holds the
+    /// release of every ring's events after it ([`reorder::watermark`]).
+    ring_last_ts: Vec<u64>,
     /// Every allocator found so far: the target's, those of programs exec'd later, those
     /// loaded with dlopen. An allocator's index is its position plus one.
     pub allocators: Vec<Allocator>,
@@ -549,6 +556,7 @@ impl Tracer {
             options: options.clone(),
             child,
             reorder: Reorder::new(),
+            ring_last_ts: Vec::new(),
             cutoff_ns: None,
             decode_errors: 0,
             forwarded_signal: None,
@@ -716,6 +724,9 @@ impl Tracer {
         let mut lifecycle: Vec<Lifecycle> = Vec::new();
         let mut dry = true;
         let rings = self.probes.rings_mut().len();
+        self.ring_last_ts.resize(rings, 0);
+        // The last event read from each ring left with records this drain.
+        let mut behind = Vec::new();
         let stack_budget = stack_bytes_per_ring(rings);
         let mut held_stack_bytes = 0u64;
         for cpu in 0..rings {
@@ -765,16 +776,26 @@ impl Tracer {
                         if self.cutoff_ns.is_none() {
                             lifecycle.push(Lifecycle::Task(t.clone(), space));
                         }
+                        let last = &mut self.ring_last_ts[cpu];
+                        *last = (*last).max(t.ts_ns);
                         if self.cutoff_ns.is_none_or(|c| t.ts_ns <= c) {
                             self.reorder.push(Event::Task(t));
                         }
                     }
-                    Ok(Record::Event(e)) if self.cutoff_ns.is_none_or(|c| e.ts_ns() <= c) => self.reorder.push(e),
+                    Ok(Record::Event(e)) if self.cutoff_ns.is_none_or(|c| e.ts_ns() <= c) => {
+                        let last = &mut self.ring_last_ts[cpu];
+                        *last = (*last).max(e.ts_ns());
+                        self.reorder.push(e)
+                    }
                     Ok(Record::Event(_)) => {}
                     Err(_) => self.decode_errors += 1,
                 }
             }
-            dry &= taken < RING_BATCH && stack_bytes < stack_budget;
+            let ring_dry = taken < RING_BATCH && stack_bytes < stack_budget;
+            if !ring_dry {
+                behind.push(self.ring_last_ts[cpu]);
+            }
+            dry &= ring_dry;
             held_stack_bytes += stack_bytes;
         }
         self.most_stack_bytes_held = self.most_stack_bytes_held.max(held_stack_bytes);
@@ -826,7 +847,12 @@ impl Tracer {
         if everything && dry {
             self.reorder.release_all(&mut forward);
         } else {
-            self.reorder.release(now.saturating_sub(REORDER_LAG_NS), &mut forward);
+            // Memory first: past HOLD_BEHIND_EVENTS waiting, they go out `REORDER_LAG_NS`
+            // behind now whatever the rings still hold.
+            if self.reorder.len() > HOLD_BEHIND_EVENTS {
+                behind.clear();
+            }
+            self.reorder.release(reorder::watermark(now, REORDER_LAG_NS, behind), &mut forward);
             if self.reorder.len() > MAX_HELD_EVENTS {
                 // Memory stays bounded whatever the event rate: the oldest go out early.
                 self.reorder.release_oldest(self.reorder.len() - MAX_HELD_EVENTS / 2, &mut forward);

@@ -198,6 +198,16 @@ impl Reorder {
     }
 }
 
+/// The time before which every event has arrived, `lag` (the most a record may take to
+/// reach its ring once stamped, and how far a ring's own records may be out of order) before
+/// now, and before the last event read from each ring left with more (`behind`): a ring not
+/// read dry still holds records, older than other rings' last ones when the reader fell
+/// behind (stopped, or descheduled by a busy machine) and each ring was read a batch at a
+/// time.
+pub fn watermark(now: u64, lag: u64, behind: impl IntoIterator<Item = u64>) -> u64 {
+    behind.into_iter().fold(now, u64::min).saturating_sub(lag)
+}
+
 #[cfg(test)]
 mod tests {
     use memtrace_common::Kind;
@@ -305,5 +315,18 @@ mod tests {
         r.push(ev(1));
         r.release_all(&mut |e| out.push(e.ts_ns()));
         assert_eq!(out.last(), Some(&1));
+    }
+
+    #[test]
+    fn a_ring_left_with_records_holds_the_watermark_at_its_last_event() {
+        let ms = 1_000_000;
+        assert_eq!(watermark(1_000 * ms, 100 * ms, []), 900 * ms);
+        // A ring read dry only to its batch, last event at 300 ms: nothing after 200 ms
+        // goes out, whatever the other rings read.
+        assert_eq!(watermark(1_000 * ms, 100 * ms, [300 * ms, 700 * ms]), 200 * ms);
+        // A ring behind that has not sent an event yet holds everything.
+        assert_eq!(watermark(1_000 * ms, 100 * ms, [0]), 0);
+        // Later than now (a clock read before the drain): now rules.
+        assert_eq!(watermark(1_000 * ms, 100 * ms, [2_000 * ms]), 900 * ms);
     }
 }
