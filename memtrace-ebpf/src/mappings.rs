@@ -17,7 +17,7 @@ use memtrace_common::{FILENAME_LEN, MappingRecord, RecordType, mapping_record};
 use crate::{
     context::{is_traced_or_pending, pid_tgid, read_kernel_at, read_kernel_u64, scratch},
     maps::{FD_PATHS, MMAP_ARGS, MmapArgs, OPENAT_ARGS},
-    path::{memtrace_file_path, path_buffer},
+    path::{copy_into, memtrace_file_path, path_buffer},
     ring::{emit_waking, this_ring},
     syscall,
     unwind::{asid_of, file_table, install_range},
@@ -237,17 +237,7 @@ fn try_exit_mmap(ret: u64) -> Result<(), ()> {
             (None, None) => None,
         };
         if let Some(from) = from {
-            // One helper call (an assignment became a byte-by-byte memcpy call).
-            // SAFETY: the record's array is FILENAME_LEN bytes; the source is the map
-            // value's FILENAME_LEN-byte array or the path buffer, longer, its path
-            // NUL-terminated within FILENAME_LEN bytes.
-            unsafe {
-                generated::bpf_probe_read_kernel(
-                    r.path.as_mut_ptr() as *mut c_void,
-                    FILENAME_LEN as u32,
-                    from as *const c_void,
-                )
-            };
+            copy_into(&mut r.path, from);
         }
     });
     Ok(())

@@ -179,3 +179,14 @@ pub extern "C" fn memtrace_file_path(file: u64) -> u64 {
 pub(crate) fn path_buffer() -> Option<*const u8> {
     buffer().map(|w| w.buf.as_ptr())
 }
+
+/// Copies a path into a record's array, in one helper call (an assignment became a
+/// byte-by-byte memcpy call): `from` is the walk's buffer ([`path_buffer`]) or a map value's
+/// `FILENAME_LEN`-byte array, the path NUL-terminated within its first `FILENAME_LEN` bytes.
+#[inline(always)]
+pub(crate) fn copy_into(to: &mut [u8; FILENAME_LEN], from: *const u8) {
+    // SAFETY: `to` is FILENAME_LEN bytes; `from` has FILENAME_LEN readable bytes (see above).
+    unsafe {
+        generated::bpf_probe_read_kernel(to.as_mut_ptr() as *mut c_void, FILENAME_LEN as u32, from as *const c_void)
+    };
+}

@@ -2,19 +2,17 @@
 //! keep the traced set and the address-space ids current in the kernel, at the moment things
 //! happen, and tell userspace when an address space begins (with where exec mapped the
 //! program and its interpreter) and ends.
-use core::ffi::c_void;
-
 use aya_ebpf::{
     bindings::BPF_ANY,
-    helpers::{bpf_get_current_comm, bpf_ktime_get_ns, generated},
+    helpers::{bpf_get_current_comm, bpf_ktime_get_ns},
     programs::RawTracePointContext,
 };
-use memtrace_common::{COMM_LEN, FILENAME_LEN, RecordType, TaskEvent, TaskRecord, flags, traced};
+use memtrace_common::{COMM_LEN, RecordType, TaskEvent, TaskRecord, flags, traced};
 
 use crate::{
     context::{is_traced, is_traced_or_pending, pid_tgid, read_kernel_at, read_kernel_str},
     maps::{Ring, TRACED, traced_changed},
-    path::{memtrace_file_path, path_buffer},
+    path::{copy_into, memtrace_file_path, path_buffer},
     ring::{emit_waking, this_ring},
     unwind::{asid_of, begin_address_space, end_address_space, file_table, install_range, share_address_space},
 };
@@ -165,15 +163,7 @@ fn try_exec(ctx: &RawTracePointContext) -> Result<(), ()> {
     let ring = this_ring().ok_or(())?;
     emit_task(ring, TaskEvent::Exec, TaskFacts { pid: tgid, tid, ppid: 0, asid, flags }, |r| {
         if let Some(path) = path {
-            // SAFETY: the path buffer holds at least FILENAME_LEN bytes (its path is
-            // NUL-terminated within them); the record's array is FILENAME_LEN bytes.
-            unsafe {
-                generated::bpf_probe_read_kernel(
-                    r.filename.as_mut_ptr() as *mut c_void,
-                    FILENAME_LEN as u32,
-                    path as *const c_void,
-                )
-            };
+            copy_into(&mut r.filename, path);
         } else if filename != 0 {
             read_kernel_str(filename, &mut r.filename);
         }

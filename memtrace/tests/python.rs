@@ -234,9 +234,7 @@ fn record_all_walks_a_python_process_already_running() {
     let data = dir.join("rec.data");
     let mut python = Command::new(PYTHON).arg(script()).arg("wait").stdin(Stdio::piped()).spawn().unwrap();
     std::thread::sleep(std::time::Duration::from_millis(300));
-    let mut recorder =
-        memtrace().args(["record", "-a", "--no-kernel", "-o"]).arg(&data).stderr(Stdio::piped()).spawn().unwrap();
-    let stderr = wait_until_tracing(&mut recorder);
+    let (mut recorder, stderr) = start_record_all(&data, &["--no-kernel"]);
     python.stdin.take().unwrap().write_all(b"go\n").unwrap();
     assert!(python.wait().unwrap().success());
     // Stops like a user at a terminal would.

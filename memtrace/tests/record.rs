@@ -505,14 +505,7 @@ fn record_all_probes_the_c_library_a_chrooted_program_brings() {
     std::fs::create_dir_all(roots[1].join(&in_namespace).parent().unwrap()).unwrap();
     std::fs::copy(workload(), roots[1].join(&in_namespace)).unwrap();
     let data = dir.join("all.data");
-    let mut recorder = memtrace()
-        .args(["record", "-a", "--no-kernel", "--duration", "5s", "-o"])
-        .arg(&data)
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let stderr = wait_until_tracing(&mut recorder);
+    let (mut recorder, stderr) = start_record_all(&data, &["--no-kernel", "--duration", "5s"]);
     // Each sleeps first: its C library is probed once its exec is read, a few ms after it.
     let mut machines = Command::new(workload());
     machines.args(["--threads", "1", "--iterations", "10", "--leaks", "0"]);

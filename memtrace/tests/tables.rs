@@ -735,14 +735,7 @@ fn a_short_lived_process_under_record_all_on_a_busy_machine_unwinds_whole() {
     let prog = cc(&dir, "frames", &small_frames(), &[]);
     let data = dir.join("all.data");
     let _hogs = Hogs::start();
-    let mut recorder = memtrace()
-        .args(["record", "-a", "--no-kernel", "-d", "4s", "-o"])
-        .arg(&data)
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let stderr = wait_until_tracing(&mut recorder);
+    let (mut recorder, stderr) = start_record_all(&data, &["--no-kernel", "-d", "4s"]);
     thread::sleep(Duration::from_millis(300));
     let child = Command::new(&prog).status().unwrap();
     assert!(child.success());
@@ -768,14 +761,7 @@ fn new_processes_started_at_once_on_a_busy_machine_keep_whole_stacks() {
     let dir = scratch("busy-many");
     let data = dir.join("all.data");
     let _hogs = Hogs::start();
-    let mut recorder = memtrace()
-        .args(["record", "-a", "--no-kernel", "--no-unwind-cache", "-d", "5s", "-o"])
-        .arg(&data)
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let stderr = wait_until_tracing(&mut recorder);
+    let (mut recorder, stderr) = start_record_all(&data, &["--no-kernel", "--no-unwind-cache", "-d", "5s"]);
     thread::sleep(Duration::from_millis(300));
     let n = 4 * thread::available_parallelism().map_or(2, |n| n.get());
     let pythons: Vec<Child> =
@@ -941,14 +927,7 @@ fn a_child_of_a_process_running_before_record_all_unwinds_in_its_parents_code() 
     let prog = cc(&dir, "subshell", SUBSHELL, &[]);
     let data = dir.join("all.data");
     let mut parent = Command::new(&prog).stdin(Stdio::piped()).stdout(Stdio::piped()).spawn().unwrap();
-    let mut recorder = memtrace()
-        .args(["record", "-a", "--no-kernel", "-d", "3s", "-o"])
-        .arg(&data)
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let stderr = wait_until_tracing(&mut recorder);
+    let (mut recorder, stderr) = start_record_all(&data, &["--no-kernel", "-d", "3s"]);
     thread::sleep(Duration::from_millis(300));
     parent.stdin.take().unwrap().write_all(b"go\n").unwrap();
     let out = parent.wait_with_output().unwrap();
@@ -969,15 +948,7 @@ fn a_child_of_a_process_running_before_record_all_unwinds_in_its_parents_code() 
 /// `record -a` with `args` into `data`; once tracing, lets the shell go, and waits for both.
 fn record_all_around(shell: &mut Command, data: &Path, args: &[&str]) {
     let mut shell = shell.stdin(Stdio::piped()).spawn().unwrap();
-    let mut recorder = memtrace()
-        .args(["record", "-a", "-o"])
-        .arg(data)
-        .args(args)
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let stderr = wait_until_tracing(&mut recorder);
+    let (mut recorder, stderr) = start_record_all(data, args);
     thread::sleep(Duration::from_millis(300));
     shell.stdin.take().unwrap().write_all(b"go\n").unwrap();
     assert!(shell.wait().unwrap().success());
@@ -1090,14 +1061,7 @@ fn a_program_and_a_library_opened_by_relative_names_under_record_all_are_named()
         &["-ldl", "-fno-optimize-sibling-calls"],
     );
     let data = dir.join("all.data");
-    let mut recorder = memtrace()
-        .args(["record", "-a", "--no-kernel", "-d", "3s", "-o"])
-        .arg(&data)
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let stderr = wait_until_tracing(&mut recorder);
+    let (mut recorder, stderr) = start_record_all(&data, &["--no-kernel", "-d", "3s"]);
     thread::sleep(Duration::from_millis(300));
     assert_ne!(std::env::current_dir().unwrap(), *dir, "memtrace runs in another directory");
     assert!(Command::new("./relprog").current_dir(&*dir).status().unwrap().success());

@@ -432,20 +432,22 @@ mod tests {
         assert!(w[1].contains("without unwind information") && w[1].contains("cut short 17 stacks of the session"));
         // Listed: each process's share is told.
         let listed = Stats { unwind_budget_truncated: 17, unwind_no_room_stacks: vec![3], ..Default::default() };
-        let cause_of = |no_room: u64| {
+        // Process 8's warning, with `set` applied to its tally, under `stats`.
+        let cause_of = |stats: &Stats, set: &dyn Fn(&mut ProcessTally)| {
             let mut tallies = tallies.clone();
-            tallies.get_mut(&8).unwrap().no_room = no_room;
-            under_counting(&tallies, &comms, &meta, &listed)[1].clone()
+            set(tallies.get_mut(&8).unwrap());
+            under_counting(&tallies, &comms, &meta, stats)[1].clone()
         };
-        let all = cause_of(400);
+        let no_room = |n: u64| cause_of(&listed, &move |t: &mut ProcessTally| t.no_room = n);
+        let all = no_room(400);
         assert!(all.ends_with("cut short: the rings had no room for stack copies while unwind rules were learned (a larger --ring-size keeps those)"), "{all}");
-        let some = cause_of(100);
+        let some = no_room(100);
         assert!(
             some.contains("for 100 of them, the rings had no room")
                 && some.contains("for the others, code without unwind information"),
             "{some}"
         );
-        let none = cause_of(0);
+        let none = no_room(0);
         assert!(
             none.contains("have a stack cut short: code without unwind information") && !none.contains("ring"),
             "{none}"
@@ -453,15 +455,11 @@ mod tests {
         // Cut at a frame in no file (the program's file gone before it was read): that
         // cause, not missing unwind information (helper-44).
         let unplaced = Stats { unwind_unplaced_stacks: vec![4], ..Default::default() };
-        let cause_of = |n: u64| {
-            let mut tallies = tallies.clone();
-            tallies.get_mut(&8).unwrap().unplaced = n;
-            under_counting(&tallies, &comms, &meta, &unplaced)[1].clone()
-        };
-        let all = cause_of(400);
+        let unplaced_by = |n: u64| cause_of(&unplaced, &move |t: &mut ProcessTally| t.unplaced = n);
+        let all = unplaced_by(400);
         assert!(all.contains("cut short: frames in code memtrace found in no file"), "{all}");
         assert!(!all.contains("without unwind information"), "{all}");
-        let some = cause_of(100);
+        let some = unplaced_by(100);
         assert!(
             some.contains("for 100 of them, frames in code memtrace found in no file")
                 && some.contains("for the others, code without unwind information"),

@@ -5,7 +5,7 @@
 use std::{
     io::{BufRead as _, BufReader},
     path::{Path, PathBuf},
-    process::{Child, Command, Output},
+    process::{Child, Command, Output, Stdio},
     thread::JoinHandle,
 };
 
@@ -187,4 +187,20 @@ pub fn wait_until_tracing(recorder: &mut Child) -> JoinHandle<String> {
         }
     }
     panic!("memtrace never started tracing:\n{seen}");
+}
+
+/// Starts `record -a ARGS -o DATA` (stdout to null) and waits until it is tracing; the
+/// recorder, and the thread collecting the rest of its stderr.
+pub fn start_record_all(data: &Path, args: &[&str]) -> (Child, JoinHandle<String>) {
+    let mut recorder = memtrace()
+        .args(["record", "-a"])
+        .args(args)
+        .arg("-o")
+        .arg(data)
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let stderr = wait_until_tracing(&mut recorder);
+    (recorder, stderr)
 }
