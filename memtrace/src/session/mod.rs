@@ -181,6 +181,9 @@ pub struct Tracer {
     /// The time of the last event read from each ring: one left with records holds the
     /// release of every ring's events after it ([`reorder::watermark`]).
     ring_last_ts: Vec<u64>,
+    /// The time up to which the rings are read in the next drain: the last event of the
+    /// ring furthest behind, plus the lag (None when every ring was read dry).
+    read_up_to: Option<u64>,
     /// Every allocator found so far: the target's, those of programs exec'd later, those
     /// loaded with dlopen. An allocator's index is its position plus one.
     pub allocators: Vec<Allocator>,
@@ -557,6 +560,7 @@ impl Tracer {
             child,
             reorder: Reorder::new(),
             ring_last_ts: Vec::new(),
+            read_up_to: None,
             cutoff_ns: None,
             decode_errors: 0,
             forwarded_signal: None,
@@ -728,13 +732,19 @@ impl Tracer {
         self.ring_last_ts.resize(rings, 0);
         // The last event read from each ring left with records this drain.
         let mut behind = Vec::new();
+        // Rings are read up to the time of the one furthest behind (and the lag): a ring
+        // read far ahead of another only waits in memory for it, and past
+        // `HOLD_BEHIND_EVENTS` waiting would go out of order.
+        let mut up_to = self.read_up_to;
         let stack_budget = stack_bytes_per_ring(rings);
         let mut held_stack_bytes = 0u64;
         for cpu in 0..rings {
             let mut taken = 0;
             let mut stack_bytes = 0u64;
+            let mut ahead = false;
             while taken < RING_BATCH
                 && stack_bytes < stack_budget
+                && !ahead
                 && let Some(record) = {
                     let ring = &mut self.probes.rings_mut()[cpu];
                     let cpu_id = ring.cpu;
@@ -779,6 +789,7 @@ impl Tracer {
                         }
                         let last = &mut self.ring_last_ts[cpu];
                         *last = (*last).max(t.ts_ns);
+                        ahead = up_to.is_some_and(|u| t.ts_ns > u);
                         if self.cutoff_ns.is_none_or(|c| t.ts_ns <= c) {
                             self.reorder.push(Event::Task(t));
                         }
@@ -786,19 +797,22 @@ impl Tracer {
                     Ok(Record::Event(e)) if self.cutoff_ns.is_none_or(|c| e.ts_ns() <= c) => {
                         let last = &mut self.ring_last_ts[cpu];
                         *last = (*last).max(e.ts_ns());
+                        ahead = up_to.is_some_and(|u| e.ts_ns() > u);
                         self.reorder.push(e)
                     }
                     Ok(Record::Event(_)) => {}
                     Err(_) => self.decode_errors += 1,
                 }
             }
-            let ring_dry = taken < RING_BATCH && stack_bytes < stack_budget;
+            let ring_dry = taken < RING_BATCH && stack_bytes < stack_budget && !ahead;
             if !ring_dry {
                 behind.push(self.ring_last_ts[cpu]);
+                up_to = reorder::read_up_to(up_to, self.ring_last_ts[cpu], REORDER_LAG_NS);
             }
             dry &= ring_dry;
             held_stack_bytes += stack_bytes;
         }
+        self.read_up_to = behind.iter().min().map(|&last| last.saturating_add(REORDER_LAG_NS));
         self.most_stack_bytes_held = self.most_stack_bytes_held.max(held_stack_bytes);
         if dry {
             self.caught_up_ns = now;

@@ -208,6 +208,14 @@ pub fn watermark(now: u64, lag: u64, behind: impl IntoIterator<Item = u64>) -> u
     behind.into_iter().fold(now, u64::min).saturating_sub(lag)
 }
 
+/// How far the rings read next in a drain are read (`up_to`), once a ring was left with
+/// records after its last event at `last`: no further than `lag` past it (a ring read
+/// ahead of another only waits in memory for it).
+pub fn read_up_to(up_to: Option<u64>, last: u64, lag: u64) -> Option<u64> {
+    let this = last.saturating_add(lag);
+    Some(up_to.map_or(this, |u| u.min(this)))
+}
+
 #[cfg(test)]
 mod tests {
     use memtrace_common::Kind;
@@ -328,5 +336,13 @@ mod tests {
         assert_eq!(watermark(1_000 * ms, 100 * ms, [0]), 0);
         // Later than now (a clock read before the drain): now rules.
         assert_eq!(watermark(1_000 * ms, 100 * ms, [2_000 * ms]), 900 * ms);
+    }
+
+    #[test]
+    fn rings_are_read_no_further_than_the_lag_past_the_one_behind() {
+        let ms = 1_000_000;
+        assert_eq!(read_up_to(None, 300 * ms, 100 * ms), Some(400 * ms));
+        assert_eq!(read_up_to(Some(250 * ms), 300 * ms, 100 * ms), Some(250 * ms));
+        assert_eq!(read_up_to(Some(900 * ms), 300 * ms, 100 * ms), Some(400 * ms));
     }
 }
