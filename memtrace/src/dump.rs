@@ -72,7 +72,7 @@ impl std::fmt::Display for Line<'_> {
                     (true, _) => "mremap",
                     _ => a.kind.name(),
                 };
-                write!(f, "{}/{} cpu{} {} 0x{:x}", a.pid, a.tid, a.cpu, name, a.ptr)?;
+                write!(f, "{}/{} {} {} 0x{:x}", a.pid, a.tid, Cpu(a.kind, a.cpu), name, a.ptr)?;
                 if matches!(a.kind, Kind::Realloc | Kind::ReallocArray) || remapped && self.old.is_some() {
                     write!(f, " old=0x{:x}", self.old.unwrap_or(0))?;
                 }
@@ -99,7 +99,7 @@ impl std::fmt::Display for Line<'_> {
                 Ok(())
             }
             Event::Free(x) => {
-                write!(f, "{}/{} cpu{} {} 0x{:x}", x.pid, x.tid, x.cpu, x.kind.name(), x.ptr)?;
+                write!(f, "{}/{} {} {} 0x{:x}", x.pid, x.tid, Cpu(x.kind, x.cpu), x.kind.name(), x.ptr)?;
                 if x.flags & flags::BY_REALLOC != 0 {
                     f.write_str(if x.kind == Kind::Munmap { " (mremap)" } else { " (realloc)" })?;
                 }
@@ -271,6 +271,16 @@ fn write_stacks(table: &mut StackTable, out: &mut dyn Write) -> std::io::Result<
     Ok(())
 }
 
+/// An event's CPU: the recording keeps a kernel event's, not a user one's (`cpu-`; a
+/// thread's allocations are its own whichever CPU ran them).
+struct Cpu(Kind, u16);
+
+impl std::fmt::Display for Cpu {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        if self.0.is_kernel() { write!(f, "cpu{}", self.1) } else { f.write_str("cpu-") }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use memtrace_common::{Kind, TaskEvent};
@@ -344,7 +354,7 @@ mod tests {
             ptr: 0x10,
             arg: 0,
         });
-        assert_eq!(Line::new(&free).to_string(), "     0.000000007 42/43 cpu0 free 0x10 (realloc)");
+        assert_eq!(Line::new(&free).to_string(), "     0.000000007 42/43 cpu- free 0x10 (realloc)");
         // As many digits as the recording's resolution holds.
         assert_eq!((time_digits(0), time_digits(1), time_digits(1000), time_digits(10_000_000)), (9, 9, 6, 2));
         assert_eq!(time_digits(1_000_000_000), 0);
@@ -359,7 +369,7 @@ mod tests {
         let realloc = alloc(Kind::Realloc, 0x20, 0);
         assert_eq!(
             state.line(&realloc).to_string(),
-            "     1.500000123 42/43 cpu1 realloc 0x20 old=0x10 req=64 alloc=96"
+            "     1.500000123 42/43 cpu- realloc 0x20 old=0x10 req=64 alloc=96"
         );
         assert!(state.line(&realloc).to_string().contains(" old=0x0 "), "realloc(NULL, n)");
     }
