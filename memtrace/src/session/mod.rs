@@ -226,6 +226,8 @@ pub struct Tracer {
     overload: overload::Overload,
     /// When the last drain that read every ring dry began.
     caught_up_ns: u64,
+    /// When the session began, before any probe was loaded: no event is older.
+    pub began_ns: u64,
     /// Whether the last drain read every ring dry (else one has more waiting).
     last_drain_dry: bool,
     /// The most bytes of stack records one drain held (for the debug log).
@@ -311,6 +313,7 @@ impl Tracer {
         if !options.user && !options.kernel {
             bail!("--no-user and --no-kernel together leave nothing to trace");
         }
+        let began_ns = monotonic_ns();
         priority::take(options.nice);
         let mut program = None;
         match &options.target {
@@ -550,6 +553,7 @@ impl Tracer {
             degraded: None,
             overload: overload::Overload::new(),
             caught_up_ns: 0,
+            began_ns,
             last_drain_dry: true,
             most_stack_bytes_held: 0,
             allocator,

@@ -460,9 +460,10 @@ pub fn record(opts: RecordOptions) -> Result<RecordSummary> {
         symbols,
     };
     // The process attached to is named now: one that makes no allocation while traced
-    // would otherwise have no name in the recording.
+    // would otherwise have no name in the recording. (Stamped when the session began:
+    // its events, from the probes' attaching on, come after it, in `dump` too.)
     if let (super::Target::Pid(_), Some(pid)) = (target, tracer.target_pid)
-        && let Some(name) = recorder.namer.name_process(pid, meta.start_monotonic_ns)
+        && let Some(name) = recorder.namer.name_process(pid, tracer.began_ns)
     {
         recorder.write(&name);
     }
