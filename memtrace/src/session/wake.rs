@@ -52,6 +52,8 @@ pub struct WakeLoop {
     watchers: Vec<TaskHandle<()>>,
     target: Option<AsyncFd<OwnedFd>>,
     target_exited: bool,
+    /// The target was gone before it could be watched: the first wait says it exited.
+    gone_before: bool,
     sigint: Signal,
     sigterm: Signal,
     sighup: Signal,
@@ -76,16 +78,20 @@ impl WakeLoop {
                 }
             }));
         }
-        let target = match tracer.target_pid {
-            Some(pid) => {
-                let pidfd = pidfd_open(pid).with_context(|| format!("watching process {pid}"))?;
+        let (target, gone_before) = match tracer.target_pid.map(|pid| (pid, pidfd_open(pid))) {
+            Some((_, Ok(pidfd))) => (
                 // SAFETY: the AsyncFd owns the pidfd, which stays open as long as it does.
                 Some(
                     unsafe { AsyncFd::register_with_interest(pidfd, Interest::READABLE) }
                         .map_err(|e| anyhow!("{e}"))?,
-                )
-            }
-            None => None,
+                ),
+                false,
+            ),
+            // Exited (and reaped) since the probes were attached: the session ends as at its
+            // exit, with what the probes saw meanwhile.
+            Some((_, Err(e))) if e.raw_os_error() == Some(libc::ESRCH) => (None, true),
+            Some((pid, Err(e))) => return Err(e).with_context(|| format!("watching process {pid}")),
+            None => (None, false),
         };
         let mut tick = tokio::time::interval(interval);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -94,6 +100,7 @@ impl WakeLoop {
             watchers,
             target,
             target_exited: false,
+            gone_before,
             sigint: signal(SignalKind::interrupt())?,
             sigterm: signal(SignalKind::terminate())?,
             sighup: signal(SignalKind::hangup())?,
@@ -103,6 +110,10 @@ impl WakeLoop {
     }
 
     pub async fn wait(&mut self) -> Wake {
+        if std::mem::take(&mut self.gone_before) {
+            self.target_exited = true;
+            return Wake::TargetExited;
+        }
         let target = self.target.as_ref().filter(|_| !self.target_exited);
         let target_exit = async {
             match target {
