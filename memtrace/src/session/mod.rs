@@ -406,7 +406,7 @@ impl Tracer {
         // pyarrow's mimalloc, loaded and used within a second of a script's start, went
         // unseen with `--no-user-stacks` and its arenas showed as 1.1 GiB of user mmaps).
         let python = python::wanted(options);
-        let loads_allocators = options.user;
+        let loads_allocators = options.user && !matches!(options.target, Target::All);
         let track_mappings = unwinder.is_some() || python || loads_allocators;
         let mut probes = Probes::load(&probes::Settings {
             all_processes: matches!(options.target, Target::All),
@@ -701,11 +701,10 @@ impl Tracer {
         if let Some(u) = self.unwinder.as_mut() {
             u.mapping(m, &mut self.probes);
         }
-        // A library mapped executable (dlopen): look for allocators in it now (under `-a`,
-        // any process's: Python's extension modules bring theirs, pyarrow a mimalloc).
+        // A library mapped executable (dlopen): look for allocators in it now.
         if let Some(path) = &m.path
             && self.cutoff_ns.is_none()
-            && (self.followed.contains(&m.pid) || matches!(self.options.target, Target::All))
+            && self.followed.contains(&m.pid)
         {
             let object = procfs::path_in_process(m.pid, Path::new(path));
             self.check_object(object, Some((m.pid, m.ts_ns)));
