@@ -19,6 +19,7 @@ pub type FastMap<K, V> = std::collections::HashMap<K, V, foldhash::fast::RandomS
 pub type FastSet<K> = std::collections::HashSet<K, foldhash::fast::RandomState>;
 
 pub mod analysis;
+pub mod at_start;
 pub mod columns;
 pub mod dump;
 pub mod elf;

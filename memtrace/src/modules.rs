@@ -10,7 +10,9 @@ use std::{
 };
 
 use crate::{
-    FastMap, elf,
+    FastMap,
+    at_start::{Snapshot, StartView},
+    elf,
     event::{RawUserFrame, UserWalk},
     procfs::{self, Maps},
     python::{self, PythonContext, Spliced},
@@ -51,6 +53,8 @@ pub struct ModuleTable {
     /// The module of each Python function (qualified name, file) met: a Python-heavy
     /// program names the same few hundred functions in tens of thousands of stacks.
     python_functions: FastMap<std::sync::Arc<python::code::PyFunction>, u32>,
+    /// The processes running when the session began, as they were then (`record -a`).
+    at_start: StartView,
 }
 
 impl ModuleTable {
@@ -87,10 +91,22 @@ impl ModuleTable {
         id
     }
 
-    /// Reads the maps of `pid` (if it still lives) and learns the build ids of its files.
+    /// The processes running when the session began, as they were then: the first read of
+    /// one of them takes its maps from there until it changes (a shell that exec'd its last
+    /// command before its first stack was read has that program's maps in /proc).
+    pub fn set_at_start(&mut self, snapshot: std::sync::Arc<Snapshot>) {
+        self.at_start = StartView::new(snapshot);
+    }
+
+    /// Reads the maps of `pid` (if it still lives; from the session's snapshot the first
+    /// time, while that holds) and learns the build ids of its files.
     pub fn learn_process(&mut self, pid: u32) -> bool {
-        let Ok(maps) = Maps::read(pid) else {
-            return false;
+        let maps = match self.at_start.take_maps(pid) {
+            Some((maps, _)) => maps,
+            None => match Maps::read(pid) {
+                Ok(maps) => maps,
+                Err(_) => return false,
+            },
         };
         let paths: Vec<PathBuf> =
             maps.file_mappings().filter(|m| m.executable).map(|m| procfs::path_in_process(pid, &m.path)).collect();
@@ -117,6 +133,7 @@ impl ModuleTable {
     /// under `-a`) is read now, while it still runs what the child runs. Returns whether
     /// the child has maps.
     pub fn learn_fork(&mut self, child: u32, parent: u32) -> bool {
+        self.at_start.changed(child);
         // (Maps of the parent read a while ago, at its exec, are kept: read now, they may be
         // those of a program it exec'd since. The copy keeps their age, so a frame they do
         // not cover has the child's own read.)
@@ -155,12 +172,16 @@ impl ModuleTable {
             return;
         }
         self.maps.retain(|pid, _| !pids.contains(pid));
+        for &pid in pids {
+            self.at_start.changed(pid);
+        }
         self.maps_order.retain(|pid| !pids.contains(pid));
     }
 
     /// Learns the build id of the program a process just exec'd (from /proc while it
     /// lives, else from the exec'd file name).
     pub fn learn_exec(&mut self, pid: u32, filename: &Path) {
+        self.at_start.changed(pid);
         // The new image replaces the old maps; read them now, the process may be short-lived.
         if !self.learn_process(pid) {
             self.maps.remove(&pid);

@@ -27,6 +27,10 @@ pub struct Namer {
     maps_read: crate::FastSet<u32>,
     /// Processes already named.
     named: crate::FastSet<u32>,
+    /// The processes running when the session began (`record -a`): one first met is named
+    /// as it was then (a shell read late, after it exec'd its last command, was named by
+    /// that command).
+    at_start: Option<std::sync::Arc<crate::at_start::Snapshot>>,
 }
 
 impl Namer {
@@ -68,6 +72,8 @@ impl Namer {
     /// Readies an event for its consumer: its stack hash becomes the stack id + 1 (0: none).
     /// Returns the name of a process met for the first time (one already running when
     /// tracing began has no exec event to name it), as a rename event to take before it.
+    /// (Events come in time order: one taken before its process's exec or fork is met
+    /// before it.)
     pub fn event(&mut self, event: &mut Event) -> Option<Event> {
         let named = match &*event {
             Event::Alloc(a) => self.name_process(a.pid, a.ts_ns),
@@ -100,7 +106,10 @@ impl Namer {
         if pid == 0 || !self.named.insert(pid) {
             return None;
         }
-        let comm = procfs::comm(pid, pid)?;
+        let comm = match self.at_start.as_ref().and_then(|s| s.comm(pid)) {
+            Some(comm) => comm.to_string(),
+            None => procfs::comm(pid, pid)?,
+        };
         Some(Event::Task(Task {
             ts_ns,
             event: TaskEvent::Rename,
@@ -111,6 +120,12 @@ impl Namer {
             comm,
             filename: String::new(),
         }))
+    }
+
+    /// The processes running when the session began, as they were then.
+    pub fn set_at_start(&mut self, snapshot: std::sync::Arc<crate::at_start::Snapshot>) {
+        self.modules.set_at_start(snapshot.clone());
+        self.at_start = Some(snapshot);
     }
 
     pub fn exec_seen(&mut self, pid: u32, filename: &Path) {

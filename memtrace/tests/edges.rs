@@ -36,11 +36,6 @@ fn fails(cmd: &mut Command, code: i32, needles: &[&str]) -> String {
     lines[0].to_string()
 }
 
-fn signal(pid: u32, sig: i32) {
-    // SAFETY: plain kill(2).
-    unsafe { libc::kill(pid as i32, sig) };
-}
-
 fn alive(pid: u32) -> bool {
     // SAFETY: signal 0 only checks that the process exists.
     let exists = unsafe { libc::kill(pid as i32, 0) } == 0;

@@ -34,11 +34,6 @@ fn fails(cmd: &mut Command, code: i32, needles: &[&str]) -> String {
     lines[0].to_string()
 }
 
-fn signal(pid: u32, sig: i32) {
-    // SAFETY: plain kill(2).
-    unsafe { libc::kill(pid as i32, sig) };
-}
-
 /// A workload that waits for a line on stdin (so memtrace attaches first), and its stdout.
 fn waiting_workload(args: &[&str]) -> (Child, BufReader<std::process::ChildStdout>) {
     let mut child = Command::new(workload())

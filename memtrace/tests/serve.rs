@@ -97,11 +97,6 @@ impl Drop for Agent {
     }
 }
 
-fn signal(pid: u32, sig: i32) {
-    // SAFETY: plain kill(2).
-    unsafe { libc::kill(pid as i32, sig) };
-}
-
 fn wait_at_most(child: &mut Child, limit: Duration) -> Option<i32> {
     let deadline = Instant::now() + limit;
     loop {

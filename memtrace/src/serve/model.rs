@@ -889,6 +889,10 @@ impl Sink for Model {
         self.pending.modules.extend(self.modules.take_new());
     }
 
+    fn processes_at_start(&mut self, snapshot: std::sync::Arc<crate::at_start::Snapshot>) {
+        self.modules.set_at_start(snapshot);
+    }
+
     fn fork_seen(&mut self, child: u32, parent: u32) {
         if self.modules.learn_fork(child, parent) {
             self.maps_from_fork.insert(child);

@@ -30,6 +30,7 @@ use std::{
     ffi::OsString,
     io,
     path::{Path, PathBuf},
+    sync::Arc,
     time::{Duration, Instant},
 };
 
@@ -100,6 +101,10 @@ pub trait Sink {
     fn maps_seen(&mut self, _pid: u32, _maps: procfs::Maps) {}
     /// The name of a kernel slab cache (kmem_cache_alloc events carry the cache).
     fn cache_seen(&mut self, _cache: u64, _name: &str) {}
+    /// The processes running when the session began, as they were then (`record -a`),
+    /// before any of their records: who names their frames and them learns them from
+    /// there, not from a `/proc` read after they may have exec'd.
+    fn processes_at_start(&mut self, _snapshot: std::sync::Arc<crate::at_start::Snapshot>) {}
 }
 
 /// Events stamped within this long of "now" may still be on their way from another CPU.
@@ -250,6 +255,11 @@ pub struct Tracer {
     copies: copies::CopyNames,
     /// The copies each ring carried last (`Record::CopyRepeat`).
     recent_copies: copies::RecentCopies,
+    /// Every process when tracing began (`record -a`), for the sink at its first drain.
+    at_start: Option<Arc<crate::at_start::Snapshot>>,
+    /// Task and mapping records read past what every ring was read up to, handled in a
+    /// later drain ([`reorder::handled_up_to`]).
+    lifecycle_held: Vec<Lifecycle>,
 }
 
 /// How long `-- CMD` waits for the unwind tables of its program before it starts (its
@@ -511,6 +521,24 @@ impl Tracer {
             return Err(e);
         }
         let attached_to = probe_scope(&probes, options, target_pid).unwrap_or(0);
+        // Under `-a`, every process as it is now that the probes see what changes it (perf's
+        // synthesized mmap events): one running before tracing began was learned from its
+        // `/proc` when its first record was read, and a shell that had exec'd its last
+        // command by then had its stacks walked and named in that command's maps.
+        let at_start = matches!(options.target, Target::All).then(|| {
+            let reading = Instant::now();
+            let snapshot = Arc::new(crate::at_start::Snapshot::take(std::process::id()));
+            log::debug!(
+                "{} processes running, {} executable mappings, read in {} ms",
+                snapshot.len(),
+                snapshot.mappings(),
+                reading.elapsed().as_millis()
+            );
+            snapshot
+        });
+        if let (Some(u), Some(snapshot)) = (unwinder.as_mut(), &at_start) {
+            u.set_at_start(snapshot.clone());
+        }
         if let Some(u) = unwinder.as_mut() {
             let started = Instant::now();
             let (ready, wait) = match &options.target {
@@ -574,6 +602,8 @@ impl Tracer {
             python: python_state,
             copies: Default::default(),
             recent_copies: Default::default(),
+            at_start,
+            lifecycle_held: Vec::new(),
         };
         if let (Target::Pid(pid), true) = (&options.target, options.user) {
             // A running process may have loaded the CUDA driver already.
@@ -721,6 +751,9 @@ impl Tracer {
     /// read: children get the allocator probes, programs exec'd get theirs. Returns how
     /// many records were read.
     pub fn drain(&mut self, sink: &mut dyn Sink, everything: bool) -> usize {
+        if let Some(snapshot) = self.at_start.take() {
+            sink.processes_at_start(snapshot);
+        }
         let now = monotonic_ns();
         let mut n = 0;
         // Stacks wait until every ring is read: the mappings they need may be in another.
@@ -821,8 +854,12 @@ impl Tracer {
             self.caught_up_ns = now;
         }
         self.last_drain_dry = dry;
-        // Stable: a ring's records of one time keep their order.
+        // Stable: a ring's records of one time keep their order. Those past what every ring
+        // was read up to wait for the next drain, which may read older ones.
+        lifecycle.append(&mut self.lifecycle_held);
         lifecycle.sort_by_key(Lifecycle::ts_ns);
+        let handled = lifecycle.partition_point(|r| r.ts_ns() <= reorder::handled_up_to(&behind));
+        self.lifecycle_held = lifecycle.split_off(handled);
         for record in lifecycle {
             match record {
                 Lifecycle::Task(t, space) => self.on_task(&t, space, sink),

@@ -356,6 +356,10 @@ impl Sink for LiveView {
         self.namer.exec_seen(pid, filename);
     }
 
+    fn processes_at_start(&mut self, snapshot: std::sync::Arc<crate::at_start::Snapshot>) {
+        self.namer.set_at_start(snapshot);
+    }
+
     fn fork_seen(&mut self, child: u32, parent: u32) {
         self.namer.fork_seen(child, parent);
     }

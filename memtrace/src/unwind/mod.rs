@@ -132,6 +132,11 @@ struct Pending {
     /// records of its fork, read from another CPU's ring, have had their turn; later, up to
     /// [`FORK_WAIT`], while that fork may still come ([`Unwinder::awaits_fork`]).
     process_at_poll: Option<u64>,
+    /// Its last walk met an address in no range of its space known yet: walked again at
+    /// each poll, until the ranges are settled (see [`Unwinder::poll`]).
+    unplaced: bool,
+    /// The poll after the drain that read it (as for `Unwinder::unplaced`).
+    read_at_poll: u64,
 }
 
 /// Whether a file's loadable `segments` are the program the kernel mapped for `space`: its
@@ -337,6 +342,9 @@ impl Unwinder {
         }
         // The kernel gave it a space of its own: the one given at its fork is replaced.
         self.given_at_fork.remove(&pid);
+        // Its copies taken before, the probes knowing no space of it, are walked in what it
+        // ran then.
+        self.spaces.learn_before_exec(pid, ts_ns, &mut self.store, sink);
         let live = self.spaces.learn_exec(pid, space.asid, ts_ns, sink);
         self.forget_emptied();
         log::trace!(
@@ -440,8 +448,13 @@ impl Unwinder {
         if asid == 0
             && learn_parent
             && parent != 0
-            && let Some(parent_asid) =
-                self.spaces.asid_of(parent).or_else(|| self.spaces.learn_process(parent, &mut self.store, sink))
+            // (The probes knew no space of the parent either: it ran in the one its stacks
+            // taken so were, if it exec'd since, in a fork read after its exec.)
+            && let Some(parent_asid) = self
+                .spaces
+                .first_space(parent)
+                .or_else(|| self.spaces.asid_of(parent))
+                .or_else(|| self.spaces.learn_process(parent, &mut self.store, sink))
             // Only a space learned here: one the kernel gave means the parent exec'd after
             // this fork (the fork would have shared it), and runs another program now.
             && spaces::is_learned(parent_asid)
@@ -541,6 +554,12 @@ impl Unwinder {
             }
         }
         self.spaces.add_mapping(asid, start, len, m.file_offset, path.as_deref(), &mut self.store, sink);
+    }
+
+    /// The processes running when the session began, as they were then (`record -a`): a
+    /// process among them is learned from there, not from its `/proc`, until it changes.
+    pub fn set_at_start(&mut self, snapshot: std::sync::Arc<crate::at_start::Snapshot>) {
+        self.spaces.set_at_start(snapshot);
     }
 
     /// Learns a process that existed before tracing began, from its maps.
@@ -679,8 +698,9 @@ impl Unwinder {
         // taken before the exec.
         let unknown_process = record.miss.as_ref().is_some_and(|m| m.asid == 0)
             && self.spaces.asid_of(record.pid).is_none_or(|a| !spaces::is_learned(a))
-            && self.spaces.forked_into(record.pid).is_none();
-        let finished = if unknown_process { Err(None) } else { self.finish(&record, &user, sink, false) };
+            && self.spaces.first_space(record.pid).is_none();
+        let waits = unknown_process || self.space_to_come(&record);
+        let finished = if waits { Err(None) } else { self.finish(&record, &user, sink, false, false) };
         match finished {
             Ok(done) => Some(self.named(done)),
             Err(waiting_on) => {
@@ -692,7 +712,7 @@ impl Unwinder {
                     + size_of::<Pending>()
                     + size_of::<crate::event::StackMiss>();
                 self.pending_bytes += bytes;
-                let process_at_poll = unknown_process.then_some(self.polls + 2);
+                let process_at_poll = waits.then_some(self.polls + 2);
                 self.pending.push_back(Pending {
                     record,
                     user,
@@ -700,13 +720,15 @@ impl Unwinder {
                     bytes,
                     waiting_on,
                     process_at_poll,
+                    unplaced: !waits && waiting_on.is_none(),
+                    read_at_poll: self.polls + 1,
                 });
                 let mut out = Vec::new();
                 while self.pending_bytes > MAX_PENDING_BYTES {
                     let Some(p) = self.pending.pop_front() else { break };
                     self.pending_bytes -= p.bytes;
                     self.stats.gave_up += 1;
-                    if let Ok(done) = self.finish(&p.record, &p.user, sink, true) {
+                    if let Ok(done) = self.finish(&p.record, &p.user, sink, true, true) {
                         out.push(done);
                     }
                 }
@@ -777,7 +799,8 @@ impl Unwinder {
             return out;
         }
         let timed_out = self.pending.front().is_some_and(|p| p.since.elapsed() > MAX_WAIT);
-        let processes_due = self.pending.iter().any(|p| p.process_at_poll.is_some_and(|at| at <= self.polls));
+        let processes_due =
+            self.pending.iter().any(|p| p.unplaced || p.process_at_poll.is_some_and(|at| at <= self.polls));
         if installed == 0 && !timed_out && !processes_due {
             return out;
         }
@@ -793,7 +816,8 @@ impl Unwinder {
                 Some(_)
                     if p.since.elapsed() < FORK_WAIT
                         && !give_up
-                        && *awaits_fork.entry(p.record.pid).or_insert_with(|| self.awaits_fork(p.record.pid)) =>
+                        && (self.space_to_come(&p.record)
+                            || *awaits_fork.entry(p.record.pid).or_insert_with(|| self.awaits_fork(p.record.pid))) =>
                 {
                     p.process_at_poll = Some(self.polls + 1);
                     self.pending.push_back(p);
@@ -808,7 +832,10 @@ impl Unwinder {
                 self.pending.push_back(p);
                 continue;
             }
-            match self.finish(&p.record, &p.user, sink, give_up) {
+            // Every ring was read dry since it was read: the ranges its frames lie in are
+            // known by now, or never will be.
+            let settled = self.last_dry_poll >= p.read_at_poll;
+            match self.finish(&p.record, &p.user, sink, give_up, settled) {
                 Ok(done) => {
                     if give_up {
                         self.stats.gave_up += 1;
@@ -818,11 +845,20 @@ impl Unwinder {
                 }
                 Err(waiting_on) => {
                     p.waiting_on = waiting_on;
+                    p.unplaced = waiting_on.is_none();
                     self.pending.push_back(p);
                 }
             }
         }
         out
+    }
+
+    /// Whether `record` is a copy taken in a space the kernel gave at an exec (or a fork)
+    /// whose record is not handled here yet: task records read past what every ring was
+    /// read up to wait for a later drain, and walked before, every frame of the new program
+    /// was `[unknown]` (11 of `ls`'s 242 allocations, its reader stopped behind the probes).
+    fn space_to_come(&self, record: &StackRecord) -> bool {
+        record.miss.as_ref().is_some_and(|m| m.asid != 0 && !self.spaces.knows(m.asid))
     }
 
     /// Whether a copy of `pid` the probes took in no space they knew, one drain on, must
@@ -834,7 +870,7 @@ impl Unwinder {
     /// every frame `[unknown]` (helper-35). A process that started before tracing has no
     /// fork to come: its copies are walked in what its `/proc` shows.
     fn awaits_fork(&self, pid: u32) -> bool {
-        self.spaces.forked_into(pid).is_none()
+        self.spaces.first_space(pid).is_none()
             && procfs::start_ticks(pid).ok().is_none_or(|started| started >= self.made_at_ticks)
     }
 
@@ -851,7 +887,7 @@ impl Unwinder {
         let mut out = self.poll(sink);
         for p in std::mem::take(&mut self.pending) {
             self.stats.gave_up += 1;
-            if let Ok(done) = self.finish(&p.record, &p.user, sink, true) {
+            if let Ok(done) = self.finish(&p.record, &p.user, sink, true, true) {
                 out.push(self.named(done));
             }
         }
@@ -861,13 +897,17 @@ impl Unwinder {
 
     /// Walks the copy of `record` on from its user frames `user`; Err with the table's slot
     /// if a table it needs is not ready (unless `give_up`: then the walk ends there,
-    /// truncated).
+    /// truncated); Err(None) if it met an address in no range of its space known yet
+    /// (unless `ranges_settled` or `give_up`: the walk ends there). The mapping records of
+    /// a library, read in a later drain than the copy (another CPU's ring, or held for
+    /// the time order), left every frame past it `[unknown]`.
     fn finish(
         &mut self,
         record: &StackRecord,
         user: &[u64],
         sink: &mut dyn SpaceSink,
         give_up: bool,
+        ranges_settled: bool,
     ) -> Result<StackRecord, Option<store::Slot>> {
         let Some(miss) = record.miss.as_ref() else { return Err(None) };
         let asid = match miss.asid {
@@ -876,7 +916,7 @@ impl Unwinder {
             // began ran in the space its parent was learned in.
             0 => self
                 .spaces
-                .forked_into(record.pid)
+                .first_space(record.pid)
                 .or_else(|| self.spaces.asid_of(record.pid))
                 .or_else(|| self.spaces.learn_process(record.pid, &mut self.store, sink)),
             asid => Some(asid),
@@ -907,6 +947,9 @@ impl Unwinder {
                 let mut waiting_on = None;
                 let end = walk::walk(regs, &memory, &mut ips, &miss.returns, &anchors, |addr| {
                     let Some(m) = spaces.find(asid, addr) else {
+                        if !give_up && !ranges_settled {
+                            return Lookup::Wait;
+                        }
                         return Lookup::Rule(memtrace_common::UnwindRule::STOP);
                     };
                     let Some(slot) = m.slot else {
@@ -1174,6 +1217,53 @@ mod tests {
         assert!(unwinder.accept(record, &mut probes).is_none(), "it waits for its fork");
         unwinder.fork((child, parent), 0, true, 1, &mut probes);
         unwinder.exit(child, 2, &mut probes);
+        let whole = poll_until_finished(&mut unwinder, &mut probes).expect("finished");
+        assert!(!whole.truncated, "{whole:?}");
+        assert!(whole.user.len() > 3, "{whole:?}");
+    }
+
+    /// A copy taken in a space an exec gave, read before the records of that space (task
+    /// and mapping records past what every ring was read up to wait for a later drain):
+    /// it waits for them, and for the ranges of the libraries its walk meets, instead of
+    /// stopping at the first address in no known range (every libc frame of an `ls`
+    /// `[unknown]`, its reader stopped behind the probes).
+    #[test]
+    fn a_copy_waits_for_the_ranges_of_its_space() {
+        let pid = u32::MAX - 9; // no such process: only the records say where its code is
+        let (mut record, _) = own_stack_copy(pid);
+        let asid = 42;
+        record.miss.as_mut().unwrap().asid = asid;
+        let ip = record.miss.as_ref().unwrap().ip;
+        let mut probes = FakeProbes::default();
+        let mut unwinder = Unwinder::new(&UnwindOptions { disk_cache: false, ..Default::default() });
+        assert!(unwinder.accept(record, &mut probes).is_none(), "its space is to come");
+        assert!(unwinder.poll(&mut probes).is_empty());
+        let maps = Maps::read_self().unwrap();
+        let mapping = |m: &crate::procfs::Mapping| FileMapping {
+            ts_ns: 1,
+            pid,
+            asid,
+            start: m.start,
+            len: m.end - m.start,
+            file_offset: m.offset,
+            path: Some(m.path.to_string_lossy().into_owned()),
+            made_executable: false,
+        };
+        let code: Vec<_> = maps.file_mappings().filter(|m| m.executable).collect();
+        let (own, libraries): (Vec<_>, Vec<_>) = code.into_iter().partition(|m| (m.start..m.end).contains(&ip));
+        for m in &own {
+            unwinder.mapping(&mapping(m), &mut probes);
+        }
+        // The test program's frames walk; the first in libc has no range yet: it waits.
+        let deadline = Instant::now() + Duration::from_millis(300);
+        while Instant::now() < deadline {
+            assert!(unwinder.poll(&mut probes).is_empty(), "walked before libc's range came");
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        assert_eq!(unwinder.waiting(), 1);
+        for m in &libraries {
+            unwinder.mapping(&mapping(m), &mut probes);
+        }
         let whole = poll_until_finished(&mut unwinder, &mut probes).expect("finished");
         assert!(!whole.truncated, "{whole:?}");
         assert!(whole.user.len() > 3, "{whole:?}");

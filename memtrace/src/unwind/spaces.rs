@@ -24,6 +24,7 @@ use super::{
     store::{Slot, TableSink, TableStore},
 };
 use crate::{
+    at_start::{Snapshot, StartView},
     lifecycle::Lifecycles,
     procfs::{self, Maps},
 };
@@ -84,8 +85,8 @@ struct Space {
 
 /// Address spaces of exited processes kept for naming late events.
 const DEAD_SPACES_KEPT: usize = 1024;
-/// Forks whose space is remembered (a few MB of copies wait at most a few seconds).
-const FORKS_KEPT: usize = 4096;
+/// First spaces remembered (a few MB of copies wait at most a few seconds).
+const FIRST_SPACES_KEPT: usize = 4096;
 /// Userspace's address-space ids (for processes that existed before tracing began).
 const USER_ASID_BASE: u32 = 1 << 31;
 
@@ -103,15 +104,19 @@ pub struct Spaces {
     /// Spaces emptied since the last [`Spaces::take_emptied`] (an exec leaves its old
     /// space as an exit does), for what the unwinder keeps per space.
     emptied: Vec<u32>,
-    /// pid → the space it was forked into: a stack the probes took before they knew any
-    /// space of the process (the child of a process running before tracing began) was
-    /// taken there, even if it is finished after the child's exec or exit. The latest
-    /// [`FORKS_KEPT`] forks, oldest first in `fork_order`.
-    forked_into: crate::FastMap<u32, u32>,
-    fork_order: VecDeque<u32>,
+    /// pid → the space a stack the probes took before they knew any space of the process
+    /// was taken in, even if it is finished after the process's exec or exit: the one it
+    /// was forked into (the child of a process running before tracing began), or what the
+    /// session's snapshot showed (a process running before tracing began that exec'd
+    /// before its first stack was walked). The latest [`FIRST_SPACES_KEPT`], oldest first
+    /// in `first_order`.
+    first_space: crate::FastMap<u32, u32>,
+    first_order: VecDeque<u32>,
     /// Which task records are news.
     order: Lifecycles,
     next_user_asid: u32,
+    /// The processes running when the session began, as they were then (`record -a`).
+    at_start: StartView,
 }
 
 /// The aligned prefixes that cover `[start, end)`: (first address, bits of the address
@@ -138,13 +143,19 @@ impl Spaces {
         Self { next_user_asid: USER_ASID_BASE, ..Default::default() }
     }
 
+    /// Whether address space `asid` is known here (a process was seen in it, alive or not).
+    pub fn knows(&self, asid: u32) -> bool {
+        self.spaces.contains_key(&asid)
+    }
+
     pub fn asid_of(&self, pid: u32) -> Option<u32> {
         self.asid_of.get(&pid).copied()
     }
 
-    /// The space `pid` was forked into (while traced), whatever it runs in now.
-    pub fn forked_into(&self, pid: u32) -> Option<u32> {
-        self.forked_into.get(&pid).copied()
+    /// The space `pid`'s stacks taken before the probes knew it ran in (see the field),
+    /// whatever it runs in now.
+    pub fn first_space(&self, pid: u32) -> Option<u32> {
+        self.first_space.get(&pid).copied()
     }
 
     /// Task records handled after a later one of their process and left out.
@@ -212,6 +223,7 @@ impl Spaces {
             return true;
         }
         if self.order.began(pid, ts_ns) {
+            self.at_start.changed(pid);
             self.join(pid, asid, sink);
             return true;
         }
@@ -239,26 +251,27 @@ impl Spaces {
     /// process's).
     pub fn learn_fork(&mut self, child: u32, asid: u32, ts_ns: u64, sink: &mut dyn SpaceSink) -> bool {
         if !self.order.began(child, ts_ns) {
-            if asid != 0 && !self.order.exited_since(child, ts_ns) && !self.forked_into.contains_key(&child) {
-                self.remember_fork(child, asid);
+            if asid != 0 && !self.order.exited_since(child, ts_ns) && !self.first_space.contains_key(&child) {
+                self.remember_first_space(child, asid);
             }
             return false;
         }
+        self.at_start.changed(child);
         if asid != 0 {
             self.join(child, asid, sink);
-            self.remember_fork(child, asid);
-        } else if self.forked_into.remove(&child).is_some() {
-            self.fork_order.retain(|&p| p != child);
+            self.remember_first_space(child, asid);
+        } else if self.first_space.remove(&child).is_some() {
+            self.first_order.retain(|&p| p != child);
         }
         true
     }
 
-    fn remember_fork(&mut self, child: u32, asid: u32) {
-        if self.forked_into.insert(child, asid).is_none() {
-            self.fork_order.push_back(child);
-            while self.fork_order.len() > FORKS_KEPT {
-                if let Some(old) = self.fork_order.pop_front() {
-                    self.forked_into.remove(&old);
+    fn remember_first_space(&mut self, child: u32, asid: u32) {
+        if self.first_space.insert(child, asid).is_none() {
+            self.first_order.push_back(child);
+            while self.first_order.len() > FIRST_SPACES_KEPT {
+                if let Some(old) = self.first_order.pop_front() {
+                    self.first_space.remove(&old);
                 }
             }
         }
@@ -269,6 +282,7 @@ impl Spaces {
         if !self.order.ended(pid, ts_ns) {
             return None;
         }
+        self.at_start.changed(pid);
         let asid = self.asid_of.remove(&pid)?;
         self.leave(asid, sink).then_some(asid)
     }
@@ -343,17 +357,63 @@ impl Spaces {
         }
     }
 
+    /// `pid` exec'd at `ts_ns`: the copies the probes took of it while they knew no space
+    /// of it were taken before, in the space it ran then, whatever it runs when they are
+    /// walked. That is the one this side learned it in (from `/proc` or the session's
+    /// snapshot; the probes had it from then on), or, for a process running when the
+    /// session began that nothing made learned yet, what the snapshot shows (read before the
+    /// exec): learned into a space of its own, dead from the start (no process joins it, the
+    /// probes never have it). `/proc`, and the exec's space, show the new program.
+    pub fn learn_before_exec(&mut self, pid: u32, ts_ns: u64, store: &mut TableStore, sink: &mut dyn SpaceSink) {
+        if self.first_space.contains_key(&pid) {
+            return;
+        }
+        let before = match self.asid_of(pid) {
+            Some(asid) if is_learned(asid) => asid,
+            // The kernel's: the probes stamped every stack of it with it.
+            Some(_) => return,
+            None => {
+                let Some((maps, _)) = self.at_start.take_maps(pid).filter(|&(_, read_ns)| read_ns < ts_ns) else {
+                    return;
+                };
+                let asid = self.next_user_asid;
+                self.next_user_asid = self.next_user_asid.wrapping_add(1) | USER_ASID_BASE;
+                self.spaces.entry(asid).or_default();
+                self.bury(asid);
+                for m in maps.mappings.iter().filter(|m| m.executable) {
+                    let path = m.is_file().then(|| procfs::path_in_process(pid, &m.path));
+                    self.add_mapping(asid, m.start, m.end - m.start, m.offset, path.as_deref(), store, sink);
+                }
+                asid
+            }
+        };
+        self.remember_first_space(pid, before);
+    }
+
+    /// The processes running when the session began, as they were then: what
+    /// [`Self::learn_process`] takes for them until they change.
+    pub fn set_at_start(&mut self, snapshot: Arc<Snapshot>) {
+        self.at_start = StartView::new(snapshot);
+    }
+
     /// Learns a process that existed before tracing began (or whose address space was
-    /// not seen being made) from `/proc/PID/maps`. Returns its address space.
+    /// not seen being made): from the session's snapshot of it while that holds, else from
+    /// `/proc/PID/maps`. Returns its address space.
     pub fn learn_process(&mut self, pid: u32, store: &mut TableStore, sink: &mut dyn SpaceSink) -> Option<u32> {
         if let Some(asid) = self.asid_of(pid)
             && self.spaces.get(&asid).is_some_and(|s| !s.mappings.is_empty())
         {
             return Some(asid);
         }
-        // What /proc shows is later than any record of the process made before it is read.
-        let seen = crate::session::monotonic_ns();
-        let maps = Maps::read(pid).ok()?;
+        // What /proc shows (the snapshot showed) is later than any record of the process
+        // made before it was read.
+        let (maps, seen) = match self.at_start.take_maps(pid) {
+            Some(found) => found,
+            None => {
+                let seen = crate::session::monotonic_ns();
+                (Maps::read(pid).ok()?, seen)
+            }
+        };
         if !maps.mappings.iter().any(|m| m.executable) {
             return None; // a kernel thread, a zombie: nothing to walk
         }
@@ -619,8 +679,60 @@ pub(crate) mod tests {
         assert!(probes.lookup(5, 0x18000).is_none());
         // Where the child was forked stays known after its exit: its copies taken before the
         // probes knew a space of it (asid 0) are finished later, in that space's ranges.
-        assert_eq!((spaces.forked_into(2), spaces.asid_of(2)), (Some(5), None));
+        assert_eq!((spaces.first_space(2), spaces.asid_of(2)), (Some(5), None));
         assert_eq!(spaces.find(5, 0x18000).map(|m| m.start), Some(0x18000));
+    }
+
+    /// A process running when the session began (`record -a`) is learned from the
+    /// session's snapshot, not from what its `/proc` shows when its first copy is read: by
+    /// then it may have exec'd (a shell's last command), and its stacks from before were
+    /// walked in that program's maps. An exec of it read before any of it was learned
+    /// leaves its copies from before a space of their own, from the snapshot.
+    #[test]
+    fn a_process_running_at_the_start_is_learned_as_it_was_then() {
+        use crate::{
+            at_start::{Process, Snapshot},
+            procfs::{Mapping, Maps},
+        };
+        let code = |start: u64| Mapping {
+            start,
+            end: start + 0x1000,
+            executable: true,
+            offset: 0,
+            inode: 0,
+            path: PathBuf::new(),
+            deleted: false,
+        };
+        // Pids far above any live one: /proc has nothing of them.
+        let (shell, other) = (u32::MAX - 10, u32::MAX - 11);
+        let process = |start| Process { maps: Maps { mappings: vec![code(start)] }, comm: "bash".into(), read_ns: 100 };
+        let snapshot = Snapshot::of([(shell, process(0x10000)), (other, process(0x30000))]);
+        assert_eq!(snapshot.comm(shell), Some("bash"));
+        let mut spaces = Spaces::new();
+        spaces.set_at_start(Arc::new(snapshot));
+        let mut store = TableStore::new(None, 1, super::super::store::DEFAULT_MAX_BYTES);
+        let mut probes = FakeProbes::default();
+        let asid = spaces.learn_process(other, &mut store, &mut probes).unwrap();
+        assert!(is_learned(asid) && spaces.find(asid, 0x30000).is_some());
+        // Its exec at 200: the copies the probes took before it (asid 0) were taken in the
+        // space it was learned in.
+        spaces.learn_before_exec(other, 200, &mut store, &mut probes);
+        assert_eq!(spaces.first_space(other), Some(asid));
+        // The shell, never learned, execs at 300: its space from before is the snapshot's,
+        // dead (the probes never have it).
+        spaces.learn_before_exec(shell, 300, &mut store, &mut probes);
+        let before = spaces.first_space(shell).unwrap();
+        assert!(spaces.find(before, 0x10000).is_some());
+        assert!(probes.lookup(before, 0x10000).is_none());
+        assert!(spaces.learn_exec(shell, 7, 300, &mut probes));
+        assert_eq!(spaces.asid_of(shell), Some(7));
+        // Taken once: after the exec, the snapshot no longer says what the shell is.
+        assert!(spaces.learn_process(shell, &mut store, &mut probes).is_none_or(|a| a == 7));
+        // An exec older than the snapshot's read: the snapshot shows the new program.
+        let mut spaces = Spaces::new();
+        spaces.set_at_start(Arc::new(Snapshot::of([(shell, process(0x10000))])));
+        spaces.learn_before_exec(shell, 50, &mut store, &mut probes);
+        assert_eq!(spaces.first_space(shell), None);
     }
 
     /// Task records come in the order the rings are read: a child's exec (its CPU's ring)
@@ -643,7 +755,7 @@ pub(crate) mod tests {
         assert_eq!(spaces.asid_of(2), Some(7));
         // Its stacks taken before the exec, in a space the probes did not know, are walked
         // in the parent's (a subshell's child under -a: every frame `[unknown]` before).
-        assert_eq!(spaces.forked_into(2), Some(5));
+        assert_eq!(spaces.first_space(2), Some(5));
         assert!(probes.lookup(7, 0x40000).is_some(), "the child's code stays in the probes");
         spaces.add_mapping(7, 0x50000, 0x1000, 0, None, &mut store, &mut probes);
         assert!(probes.lookup(7, 0x50000).is_some(), "and so does what it maps next");
@@ -659,7 +771,7 @@ pub(crate) mod tests {
         assert_eq!(spaces.learn_exit(3, 500, &mut probes), None);
         assert!(!spaces.learn_exec(3, 9, 400, &mut probes));
         assert!(!spaces.learn_fork(3, 7, 350, &mut probes));
-        assert_eq!(spaces.forked_into(3), None, "a fork older than the pid's exit: another process's");
+        assert_eq!(spaces.first_space(3), None, "a fork older than the pid's exit: another process's");
         spaces.add_mapping(9, 0x60000, 0x1000, 0, None, &mut store, &mut probes);
         assert_eq!(spaces.asid_of(3), None);
         assert!(probes.lookup(9, 0x60000).is_none());

@@ -204,3 +204,9 @@ pub fn start_record_all(data: &Path, args: &[&str]) -> (Child, JoinHandle<String
     let stderr = wait_until_tracing(&mut recorder);
     (recorder, stderr)
 }
+
+/// Sends `sig` to process `pid` (SIGSTOP a reader to hold it behind the probes).
+pub fn signal(pid: u32, sig: i32) {
+    // SAFETY: plain kill(2).
+    unsafe { libc::kill(pid as i32, sig) };
+}
