@@ -939,6 +939,20 @@ impl Unwinder {
         if ips.last() != Some(&miss.ip) {
             ips.push(miss.ip);
         }
+        // The frames the probes walked (before the gap, and from an anchor) are named by the
+        // ranges known here too: one in no range yet waits for them, as a walked stack does
+        // (an `ls`'s libc frames under its copy's gap were `[unknown]`). The uprobes' page
+        // (a return probe's trampoline) is in none.
+        if !give_up
+            && !ranges_settled
+            && let Some(asid) = asid
+            && ips
+                .iter()
+                .chain(&from_anchor)
+                .any(|&ip| !crate::overhead::in_uprobes_page(ip) && self.spaces.find(asid, ip).is_none())
+        {
+            return Err(None);
+        }
         let (end, waiting_on) = match asid {
             Some(asid) => {
                 let regs = Regs { ip: miss.ip, sp: miss.sp, bp: miss.bp, exact: miss.exact };
