@@ -546,6 +546,38 @@ fn an_allocator_loaded_with_dlopen_is_found_at_its_mapping_whatever_the_stacks()
     }
 }
 
+/// Under `record -a` too, whatever the stacks: a library any process loads with dlopen
+/// is looked into at its mapping and its allocator probed for every process (before, only
+/// a command's or a pid's libraries were: a Python extension module's own allocator, and
+/// this one's 700, went unseen).
+#[test]
+fn an_allocator_loaded_with_dlopen_is_found_under_record_all() {
+    require_root();
+    let _alone = alone_on_the_machine();
+    let dir = scratch("dlopen-all");
+    let lib = workload_dir().join("libbump_alloc.so");
+    for (name, flags) in [("dwarf", &[][..]), ("fp", &["--call-graph", "fp", "--python-frames", "off"])] {
+        let data = dir.join(format!("{name}.data"));
+        let (mut recorder, stderr) = start_record_all(&data, &[&["--no-kernel", "-d", "3s"][..], flags].concat());
+        thread::sleep(Duration::from_millis(300));
+        let child = Command::new(workload())
+            .arg("--dlopen")
+            .arg(&lib)
+            .arg("700")
+            .args(["--dlopen-wait-ms", "400"])
+            .stdout(Stdio::null())
+            .spawn()
+            .unwrap();
+        let pid = child.id().to_string();
+        assert!(child.wait_with_output().unwrap().status.success());
+        assert!(recorder.wait().unwrap().success(), "{}", stderr.join().unwrap());
+        let report = report_json(&data, &["--by", "function", "--pid", &pid]);
+        let s = site(&report, "wl_dlopen_alloc").unwrap_or_else(|| panic!("{name}: {:#}", report["allocators"]));
+        assert_eq!((&s["allocs"], &s["bytes_req"]), (&700.into(), &(700 * 48).into()), "{name}: {s:#}");
+        assert_eq!(s["bytes_alloc"], 700 * 48, "{name}: not glibc: allocated = requested");
+    }
+}
+
 // ---------------------------------------------------------------------------------------
 // Load and faults.
 // ---------------------------------------------------------------------------------------

@@ -276,11 +276,16 @@ impl Tracer {
     }
 
     fn attach_allocators(&mut self, found: Vec<probes::Allocator>, mapped: Option<(u32, u64)>) {
+        // Under `-a`, once for every process.
+        let scopes: Vec<u32> = if matches!(self.options.target, Target::All) {
+            vec![0]
+        } else {
+            self.followed.iter().map(|&p| probe_scope(&self.probes, &self.options, Some(p)).unwrap_or(0)).collect()
+        };
         for allocator in found {
             let allocator = self.register(allocator);
             let mut probed = false;
-            for p in self.followed.clone() {
-                let scope = probe_scope(&self.probes, &self.options, Some(p)).unwrap_or(0);
+            for &scope in &scopes {
                 probed |= self.attach(scope, &allocator);
             }
             if probed && let Some((pid, mapped_ns)) = mapped {

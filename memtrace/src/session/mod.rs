@@ -416,7 +416,7 @@ impl Tracer {
         // pyarrow's mimalloc, loaded and used within a second of a script's start, went
         // unseen with `--no-user-stacks` and its arenas showed as 1.1 GiB of user mmaps).
         let python = python::wanted(options);
-        let loads_allocators = options.user && !matches!(options.target, Target::All);
+        let loads_allocators = options.user;
         let track_mappings = unwinder.is_some() || python || loads_allocators;
         let mut probes = Probes::load(&probes::Settings {
             all_processes: matches!(options.target, Target::All),
@@ -731,10 +731,11 @@ impl Tracer {
         if let Some(u) = self.unwinder.as_mut() {
             u.mapping(m, &mut self.probes);
         }
-        // A library mapped executable (dlopen): look for allocators in it now.
+        // A library mapped executable (dlopen): look for allocators in it now (under `-a`,
+        // any process's: Python's extension modules bring theirs, pyarrow a mimalloc).
         if let Some(path) = &m.path
             && self.cutoff_ns.is_none()
-            && self.followed.contains(&m.pid)
+            && (self.followed.contains(&m.pid) || matches!(self.options.target, Target::All))
         {
             let object = procfs::path_in_process(m.pid, Path::new(path));
             self.check_object(object, Some((m.pid, m.ts_ns)));
