@@ -101,10 +101,10 @@ impl ModuleTable {
     /// Reads the maps of `pid` (if it still lives; from the session's snapshot the first
     /// time, while that holds) and learns the build ids of its files.
     pub fn learn_process(&mut self, pid: u32) -> bool {
-        let maps = match self.at_start.take_maps(pid) {
-            Some((maps, _)) => maps,
+        let (maps, from_start) = match self.at_start.take_maps(pid) {
+            Some((maps, _)) => (maps, true),
             None => match Maps::read(pid) {
-                Ok(maps) => maps,
+                Ok(maps) => (maps, false),
                 Err(_) => return false,
             },
         };
@@ -114,6 +114,11 @@ impl ModuleTable {
             self.file_build_id(&path);
         }
         self.keep_maps(pid, maps);
+        if from_start && let Some(m) = self.maps.get_mut(&pid) {
+            // As old as they are: an address in none (a library loaded since) has `/proc`
+            // read at once.
+            m.read_at = m.read_at.checked_sub(MAPS_REFRESH).unwrap_or(m.read_at);
+        }
         true
     }
 

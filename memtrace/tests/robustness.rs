@@ -328,20 +328,12 @@ fn a_target_gone_before_it_is_watched_ends_the_recording_cleanly() {
     for i in 0..8 {
         let mut target = Command::new("sleep").arg("30").spawn().unwrap();
         let data = dir.join(format!("g{i}.data"));
-        let mut rec = memtrace()
-            .args(["record", "--no-kernel", "--pid", &target.id().to_string(), "-o"])
-            .arg(&data)
-            .stderr(Stdio::piped())
-            .spawn()
-            .unwrap();
-        let mut lines = BufReader::new(rec.stderr.take().unwrap()).lines();
-        assert!(lines.by_ref().map_while(Result::ok).any(|l| l.contains("memtrace: tracing")));
+        let (mut rec, stderr) = start_recording(&["--no-kernel", "--pid", &target.id().to_string()], &data);
         signal(rec.id(), libc::SIGSTOP);
         target.kill().unwrap();
         target.wait().unwrap();
         signal(rec.id(), libc::SIGCONT);
-        let rest: Vec<String> = lines.map_while(Result::ok).collect();
-        assert!(rec.wait().unwrap().success(), "try {i}: {rest:?}");
+        assert!(rec.wait().unwrap().success(), "try {i}: {}", stderr.join().unwrap());
         assert_eq!(report_json(&data, &[])["finalized"], true, "try {i}");
     }
 }

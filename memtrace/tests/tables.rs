@@ -1055,14 +1055,7 @@ fn a_program_and_a_library_opened_by_relative_names_under_record_all_are_named()
     require_root();
     let _alone = alone_on_the_machine();
     let dir = scratch("relative-all");
-    cc(
-        &dir,
-        "libplug.so",
-        "#include <stdlib.h>\n\
-         __attribute__((noinline)) void *plug_site(size_t n) { return malloc(n); }\n\
-         void plug_run(int n) { for (int i = 0; i < n; i++) free(plug_site(96)); }\n",
-        &["-shared", "-fPIC", "-fno-optimize-sibling-calls"],
-    );
+    plug_library(&dir);
     cc(
         &dir,
         "relprog",
@@ -1094,6 +1087,62 @@ fn a_program_and_a_library_opened_by_relative_names_under_record_all_are_named()
         assert_eq!(&functions(found[0])[..callers.len()], callers, "{site}: and symbolized");
     }
     assert_eq!(report["stacks"]["user"]["allocs_truncated"], 0, "{:#}", report["stacks"]);
+}
+
+/// `libplug.so`: `plug_run(n)` allocates 96 bytes `n` times at `plug_site` and frees them.
+fn plug_library(dir: &Path) -> PathBuf {
+    cc(
+        dir,
+        "libplug.so",
+        "#include <stdlib.h>\n\
+         __attribute__((noinline)) void *plug_site(size_t n) { return malloc(n); }\n\
+         void plug_run(int n) { for (int i = 0; i < n; i++) free(plug_site(96)); }\n",
+        &["-shared", "-fPIC", "-fno-optimize-sibling-calls"],
+    )
+}
+
+/// A process running before `record -a` began loads a library with dlopen, the reader held
+/// behind the probes meanwhile: the library's mapping record is read before anything made
+/// the process known. It was dropped (no space of the process to put it in), and the
+/// process then learned from the session's snapshot, taken before the library was there:
+/// every stack through the library was cut short at its first frame in it. The process is
+/// now learned at that record, and the library added to what the snapshot showed.
+#[test]
+fn a_library_loaded_by_a_process_running_before_record_all_is_walked() {
+    require_root();
+    let _alone = alone_on_the_machine();
+    let dir = scratch("dlopen-before-all");
+    let plug = plug_library(&dir);
+    let prog = cc(
+        &dir,
+        "waitprog",
+        "#include <dlfcn.h>\n#include <unistd.h>\n\
+         int main(int argc, char **argv) {\n\
+           char line[16];\n\
+           if (argc < 2 || read(0, line, sizeof line) < 0) return 1;\n\
+           void *h = dlopen(argv[1], RTLD_NOW);\n\
+           if (!h) return 1;\n\
+           ((void (*)(int))dlsym(h, \"plug_run\"))(30);\n\
+           return 0;\n\
+         }\n",
+        &["-ldl", "-fno-optimize-sibling-calls"],
+    );
+    let mut child = Command::new(&prog).arg(&plug).stdin(Stdio::piped()).spawn().unwrap();
+    let data = dir.join("all.data");
+    let (mut recorder, stderr) = start_record_all(&data, &["--no-kernel", "-d", "3s"]);
+    thread::sleep(Duration::from_millis(300));
+    signal(recorder.id(), libc::SIGSTOP);
+    child.stdin.take().unwrap().write_all(b"go\n").unwrap();
+    let ended = child.wait().unwrap();
+    signal(recorder.id(), libc::SIGCONT);
+    assert!(ended.success());
+    assert!(recorder.wait().unwrap().success(), "{}", stderr.join().unwrap());
+    let report = report_json(&data, &["--by", "stack", "--domain", "user", "--pid", &child.id().to_string()]);
+    let found = sites_of(&report, "plug_site");
+    assert_eq!(found.len(), 1, "{:#}", report["sites"]);
+    assert_eq!(found[0]["allocs"], 30);
+    assert_eq!(found[0]["truncated"], false, "{:#}", found[0]);
+    assert_eq!(&functions(found[0])[..3], ["plug_site", "plug_run", "main"]);
 }
 
 /// Under `-a`, a process that execs twice in quick succession (`env bash -c …`, as every

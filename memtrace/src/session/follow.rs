@@ -141,7 +141,8 @@ impl Tracer {
     /// multi links the probes already cover it (the kernel added it to the traced set at
     /// its fork), from its first instruction.
     pub(super) fn on_fork(&mut self, pid: u32) {
-        if !self.following() {
+        // (Nothing is attached once tracing stopped: a fork read before, handled after.)
+        if !self.following() || self.cutoff_ns.is_some() {
             return;
         }
         self.followed.insert(pid);
@@ -161,7 +162,10 @@ impl Tracer {
     /// remembered for the command's next session.)
     /// (`exec_ns`: when it exec'd.)
     pub(super) fn on_exec(&mut self, pid: u32, filename: &Path, exec_ns: u64) {
-        if !self.options.user || (!self.followed.contains(&pid) && !matches!(self.options.target, Target::All)) {
+        if !self.options.user
+            || self.cutoff_ns.is_some()
+            || (!self.followed.contains(&pid) && !matches!(self.options.target, Target::All))
+        {
             return;
         }
         let (exe, gone) = match procfs::exe(pid) {
@@ -257,10 +261,19 @@ impl Tracer {
     /// (`mapped`: the process that mapped it and when, where a mapping record said so.)
     pub(super) fn check_object(&mut self, object: PathBuf, mapped: Option<(u32, u64)>) {
         // `--no-user`: no allocator is probed, whatever the processes map.
-        if !self.options.user || !self.checked_objects.insert(object.clone()) {
+        if !self.options.user {
             return;
         }
+        // Once per file, whatever it is named by: a container's libraries are named through
+        // each process's root (`/proc/PID/root/…`), and under `-a` every process start
+        // scanned them again. (The names are kept for the scan of the followed processes'
+        // maps, which `-a` has not: there they would grow with every process started.)
         let id = probes::allocator::file_id(&object);
+        let named_first = !matches!(self.options.target, Target::All) || id == (0, 0);
+        let first = if named_first { self.checked_objects.insert(object.clone()) } else { true };
+        if !first || (id != (0, 0) && !self.checked_files.insert(id)) {
+            return;
+        }
         let known = self.allocators.iter().any(|a| a.file_id == id && a.prefix == self.options.symbol_prefix);
         if let Some(found) = self.objects.ask(object, &self.options.symbol_prefix, known, mapped) {
             self.take_found(found);

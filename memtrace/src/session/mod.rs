@@ -177,6 +177,9 @@ pub struct Tracer {
     pub probes: Probes,
     pub allocator: Option<Allocator>,
     pub target_pid: Option<u32>,
+    /// Readable once the target exits: opened before the probes were attached, so that its
+    /// exit is seen however soon it comes (taken by the wake loop).
+    pub target_pidfd: Option<std::os::fd::OwnedFd>,
     pub is_command: bool,
     /// How the command ended, once reaped (`spawn::describe_status`).
     pub command_ended: Option<String>,
@@ -201,8 +204,10 @@ pub struct Tracer {
     /// Which task records are news (one read a drain after a later one of its process is
     /// not).
     lifecycles: crate::lifecycle::Lifecycles,
-    /// Objects already checked for an allocator, and the thread looking into them.
+    /// Objects already checked for an allocator, by name and by file, and the thread
+    /// looking into them.
     checked_objects: HashSet<PathBuf>,
+    checked_files: HashSet<(u64, u64)>,
     objects: objects::ObjectChecks,
     /// Programs (and what they preload) whose allocators were resolved (exec'd again and
     /// again: resolved once).
@@ -451,6 +456,24 @@ impl Tracer {
             }
             Target::All => None,
         };
+        // A `--pid` target that exited and was reaped between its check and here is gone
+        // before tracing began.
+        let target_pidfd = match target_pid.map(|pid| (pid, wake::pidfd_open(pid))) {
+            Some((_, Ok(fd))) => Some(fd),
+            Some((pid, Err(e))) if e.raw_os_error() == Some(libc::ESRCH) => {
+                if let Some(c) = child.take() {
+                    c.abandon();
+                }
+                bail!("process {pid} exited before tracing began");
+            }
+            Some((pid, Err(e))) => {
+                if let Some(c) = child.take() {
+                    c.abandon();
+                }
+                return Err(e).with_context(|| format!("watching process {pid}"));
+            }
+            None => None,
+        };
         let pythons_running = if python && matches!(options.target, Target::All) {
             python_state.scan_all(&mut probes, options.quiet)
         } else {
@@ -561,6 +584,7 @@ impl Tracer {
             followed: target_pid.into_iter().collect(),
             lifecycles: crate::lifecycle::Lifecycles::new(),
             checked_objects: HashSet::new(),
+            checked_files: HashSet::new(),
             objects: objects::ObjectChecks::new(),
             programs_in_flight: HashMap::new(),
             late_probes: HashMap::new(),
@@ -586,6 +610,7 @@ impl Tracer {
             most_stack_bytes_held: 0,
             allocator,
             target_pid,
+            target_pidfd,
             is_command,
             command_ended: None,
             options: options.clone(),
@@ -859,7 +884,8 @@ impl Tracer {
         // was read up to wait for the next drain, which may read older ones.
         lifecycle.append(&mut self.lifecycle_held);
         lifecycle.sort_by_key(Lifecycle::ts_ns);
-        let handled = lifecycle.partition_point(|r| r.ts_ns() <= reorder::handled_up_to(&behind));
+        let up_to = reorder::handled_up_to(now, &behind);
+        let handled = lifecycle.partition_point(|r| r.ts_ns() <= up_to);
         self.lifecycle_held = lifecycle.split_off(handled);
         for record in lifecycle {
             match record {

@@ -216,14 +216,16 @@ pub fn read_up_to(up_to: Option<u64>, last: u64, lag: u64) -> Option<u64> {
     Some(up_to.map_or(this, |u| u.min(this)))
 }
 
-/// How far task and mapping records (forks, execs, exits, mmaps) are handled in a drain:
-/// up to the last record read from each ring left with more (`behind`), past which another
-/// drain may still read older ones from such a ring; all of them when every ring was read
-/// dry. A fork of a shell read after its child's exec and exit (the shell's CPU's ring
-/// lagging another's by up to the read-ahead) gave the child no space to walk its stacks
-/// from before the exec in: all 17 cut short at a first frame `[unknown]`.
-pub fn handled_up_to(behind: &[u64]) -> u64 {
-    behind.iter().copied().min().unwrap_or(u64::MAX)
+/// How far task and mapping records (forks, execs, exits, mmaps) are handled in a drain
+/// that began at `now`: up to the last record read from each ring left with more
+/// (`behind`), past which another drain may still read older ones from such a ring, and
+/// up to `now` (a ring read dry early in the drain may have older records by the time a
+/// later ring is read). A fork of a shell read after its child's exec and exit (the
+/// shell's CPU's ring lagging another's by up to the read-ahead) gave the child no space
+/// to walk its stacks from before the exec in: all 17 cut short at a first frame
+/// `[unknown]`.
+pub fn handled_up_to(now: u64, behind: &[u64]) -> u64 {
+    behind.iter().copied().fold(now, u64::min)
 }
 
 #[cfg(test)]
@@ -358,9 +360,9 @@ mod tests {
 
     #[test]
     fn task_records_are_handled_up_to_the_ring_furthest_behind() {
-        // Every ring read dry: all of them.
-        assert_eq!(handled_up_to(&[]), u64::MAX);
+        // Every ring read dry: all of them up to when the drain began.
+        assert_eq!(handled_up_to(1_000, &[]), 1_000);
         // A ring left with records after 300: what came after in other rings waits.
-        assert_eq!(handled_up_to(&[700, 300]), 300);
+        assert_eq!(handled_up_to(1_000, &[700, 300]), 300);
     }
 }

@@ -7,7 +7,7 @@ use std::{
     time::Duration,
 };
 
-use anyhow::{Context as _, Result, anyhow};
+use anyhow::{Result, anyhow};
 use tokio::{
     io::{Interest, unix::AsyncFd},
     signal::unix::{Signal, SignalKind, signal},
@@ -25,7 +25,8 @@ impl AsRawFd for BorrowedFd {
     }
 }
 
-fn pidfd_open(pid: u32) -> io::Result<OwnedFd> {
+/// A descriptor that becomes readable when process `pid` exits (exited already: at once).
+pub fn pidfd_open(pid: u32) -> io::Result<OwnedFd> {
     // SAFETY: plain syscall; returns a new descriptor or -1.
     let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid as libc::pid_t, 0) };
     if fd < 0 {
@@ -52,8 +53,6 @@ pub struct WakeLoop {
     watchers: Vec<TaskHandle<()>>,
     target: Option<AsyncFd<OwnedFd>>,
     target_exited: bool,
-    /// The target was gone before it could be watched: the first wait says it exited.
-    gone_before: bool,
     sigint: Signal,
     sigterm: Signal,
     sighup: Signal,
@@ -78,20 +77,15 @@ impl WakeLoop {
                 }
             }));
         }
-        let (target, gone_before) = match tracer.target_pid.map(|pid| (pid, pidfd_open(pid))) {
-            Some((_, Ok(pidfd))) => (
+        // Opened as the session began (`Tracer::start`): a target that exits (and is
+        // reaped) before this is still seen exiting, at the first wait.
+        let target = match tracer.target_pidfd.take() {
+            Some(pidfd) => Some(
                 // SAFETY: the AsyncFd owns the pidfd, which stays open as long as it does.
-                Some(
-                    unsafe { AsyncFd::register_with_interest(pidfd, Interest::READABLE) }
-                        .map_err(|e| anyhow!("{e}"))?,
-                ),
-                false,
+                unsafe { AsyncFd::register_with_interest(pidfd, Interest::READABLE) }
+                    .map_err(|e| anyhow!("watching the target process: {e}"))?,
             ),
-            // Exited (and reaped) since the probes were attached: the session ends as at its
-            // exit, with what the probes saw meanwhile.
-            Some((_, Err(e))) if e.raw_os_error() == Some(libc::ESRCH) => (None, true),
-            Some((pid, Err(e))) => return Err(e).with_context(|| format!("watching process {pid}")),
-            None => (None, false),
+            None => None,
         };
         let mut tick = tokio::time::interval(interval);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -100,7 +94,6 @@ impl WakeLoop {
             watchers,
             target,
             target_exited: false,
-            gone_before,
             sigint: signal(SignalKind::interrupt())?,
             sigterm: signal(SignalKind::terminate())?,
             sighup: signal(SignalKind::hangup())?,
@@ -110,10 +103,6 @@ impl WakeLoop {
     }
 
     pub async fn wait(&mut self) -> Wake {
-        if std::mem::take(&mut self.gone_before) {
-            self.target_exited = true;
-            return Wake::TargetExited;
-        }
         let target = self.target.as_ref().filter(|_| !self.target_exited);
         let target_exit = async {
             match target {

@@ -522,7 +522,17 @@ impl Unwinder {
                 m.path
             );
         }
-        let asid = if m.asid != 0 { m.asid } else { self.spaces.asid_of(m.pid).unwrap_or(0) };
+        // A process the probes know no space of (running before tracing began, under `-a`)
+        // is learned first, as it was before this mapping: the session's snapshot misses
+        // what it maps since (a library loaded with dlopen after the start was dropped).
+        let asid = match m.asid {
+            0 => self
+                .spaces
+                .asid_of(m.pid)
+                .or_else(|| self.spaces.learn_process(m.pid, &mut self.store, sink))
+                .unwrap_or(0),
+            asid => asid,
+        };
         log::trace!(
             "mapping in pid {} (asid {}, from the probes {}): {:#x}+{:#x} at offset {:#x} of {:?}",
             m.pid,
@@ -832,9 +842,10 @@ impl Unwinder {
                 self.pending.push_back(p);
                 continue;
             }
-            // Every ring was read dry since it was read: the ranges its frames lie in are
-            // known by now, or never will be.
-            let settled = self.last_dry_poll >= p.read_at_poll;
+            // A drain after the one that read it read every ring dry (its own may have read
+            // a ring before the record), or it waited its time: the ranges its frames lie
+            // in are known by now, or never will be.
+            let settled = self.last_dry_poll > p.read_at_poll || p.since.elapsed() >= PLACE_WAIT;
             match self.finish(&p.record, &p.user, sink, give_up, settled) {
                 Ok(done) => {
                     if give_up {

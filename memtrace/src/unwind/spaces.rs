@@ -284,6 +284,11 @@ impl Spaces {
         }
         self.at_start.changed(pid);
         let asid = self.asid_of.remove(&pid)?;
+        // Learned here: the copies the probes took before they had it (asid 0), finished
+        // after this exit (waiting for a table), are walked there still.
+        if is_learned(asid) && !self.first_space.contains_key(&pid) {
+            self.remember_first_space(pid, asid);
+        }
         self.leave(asid, sink).then_some(asid)
     }
 
@@ -380,10 +385,7 @@ impl Spaces {
                 self.next_user_asid = self.next_user_asid.wrapping_add(1) | USER_ASID_BASE;
                 self.spaces.entry(asid).or_default();
                 self.bury(asid);
-                for m in maps.mappings.iter().filter(|m| m.executable) {
-                    let path = m.is_file().then(|| procfs::path_in_process(pid, &m.path));
-                    self.add_mapping(asid, m.start, m.end - m.start, m.offset, path.as_deref(), store, sink);
-                }
+                self.add_maps(asid, pid, &maps, store, sink);
                 asid
             }
         };
@@ -424,11 +426,16 @@ impl Spaces {
         }
         self.order.seen_alive(pid, seen);
         self.join(pid, asid, sink);
+        self.add_maps(asid, pid, &maps, store, sink);
+        Some(asid)
+    }
+
+    /// The executable mappings of process `pid`'s `maps`, into `asid`.
+    fn add_maps(&mut self, asid: u32, pid: u32, maps: &Maps, store: &mut TableStore, sink: &mut dyn SpaceSink) {
         for m in maps.mappings.iter().filter(|m| m.executable) {
             let path = m.is_file().then(|| procfs::path_in_process(pid, &m.path));
             self.add_mapping(asid, m.start, m.end - m.start, m.offset, path.as_deref(), store, sink);
         }
-        Some(asid)
     }
 
     /// The mapping of `addr` in `asid`.
@@ -704,9 +711,9 @@ pub(crate) mod tests {
             deleted: false,
         };
         // Pids far above any live one: /proc has nothing of them.
-        let (shell, other) = (u32::MAX - 10, u32::MAX - 11);
+        let (shell, other, third) = (u32::MAX - 10, u32::MAX - 11, u32::MAX - 12);
         let process = |start| Process { maps: Maps { mappings: vec![code(start)] }, comm: "bash".into(), read_ns: 100 };
-        let snapshot = Snapshot::of([(shell, process(0x10000)), (other, process(0x30000))]);
+        let snapshot = Snapshot::of([(shell, process(0x10000)), (other, process(0x30000)), (third, process(0x50000))]);
         assert_eq!(snapshot.comm(shell), Some("bash"));
         let mut spaces = Spaces::new();
         spaces.set_at_start(Arc::new(snapshot));
@@ -718,6 +725,12 @@ pub(crate) mod tests {
         // space it was learned in.
         spaces.learn_before_exec(other, 200, &mut store, &mut probes);
         assert_eq!(spaces.first_space(other), Some(asid));
+        // One that exits: its copies finished after (waiting for a table) are walked where
+        // it was learned.
+        let learned = spaces.learn_process(third, &mut store, &mut probes).unwrap();
+        assert_eq!(spaces.learn_exit(third, 400, &mut probes), Some(learned));
+        assert_eq!((spaces.first_space(third), spaces.asid_of(third)), (Some(learned), None));
+        assert!(spaces.find(learned, 0x50000).is_some());
         // The shell, never learned, execs at 300: its space from before is the snapshot's,
         // dead (the probes never have it).
         spaces.learn_before_exec(shell, 300, &mut store, &mut probes);
