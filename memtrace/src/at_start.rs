@@ -33,24 +33,27 @@ pub struct Snapshot {
 
 impl Snapshot {
     /// Reads every process's executable mappings and name (kernel threads, with none, and
-    /// processes gone meanwhile are left out; `except` too: memtrace itself).
+    /// processes gone meanwhile are left out; `except` too: memtrace itself), on a few
+    /// threads: 625 processes took 56 ms on one (the kernel formats each `maps` file).
     pub fn take(except: u32) -> Self {
-        let mut processes = FastMap::default();
-        let Ok(entries) = std::fs::read_dir("/proc") else { return Self { processes } };
-        for entry in entries.flatten() {
-            let Some(pid) = entry.file_name().to_str().and_then(|n| n.parse::<u32>().ok()) else { continue };
-            if pid == except {
-                continue;
-            }
-            let read_ns = crate::session::monotonic_ns();
-            let Ok(mut maps) = Maps::read(pid) else { continue };
-            maps.mappings.retain(|m| m.executable);
-            if maps.mappings.is_empty() {
-                continue;
-            }
-            let Some(comm) = procfs::comm(pid, pid) else { continue };
-            processes.insert(pid, Process { maps, comm, read_ns });
-        }
+        let pids: Vec<u32> = std::fs::read_dir("/proc")
+            .map(|entries| {
+                entries
+                    .flatten()
+                    .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
+                    .filter(|&pid| pid != except)
+                    .collect()
+            })
+            .unwrap_or_default();
+        let threads = std::thread::available_parallelism().map_or(1, |n| n.get()).clamp(1, 8);
+        let share = pids.len().div_ceil(threads).max(1);
+        let processes = std::thread::scope(|scope| {
+            let readers: Vec<_> = pids
+                .chunks(share)
+                .map(|chunk| scope.spawn(move || chunk.iter().filter_map(|&pid| read(pid)).collect::<Vec<_>>()))
+                .collect();
+            readers.into_iter().flat_map(|r| r.join().unwrap_or_default()).collect()
+        });
         Self { processes }
     }
 
@@ -76,6 +79,18 @@ impl Snapshot {
     pub fn mappings(&self) -> usize {
         self.processes.values().map(|p| p.maps.mappings.len()).sum()
     }
+}
+
+/// Process `pid` now, if it has code mapped.
+fn read(pid: u32) -> Option<(u32, Process)> {
+    let read_ns = crate::session::monotonic_ns();
+    let mut maps = Maps::read(pid).ok()?;
+    maps.mappings.retain(|m| m.executable);
+    if maps.mappings.is_empty() {
+        return None;
+    }
+    let comm = procfs::comm(pid, pid)?;
+    Some((pid, Process { maps, comm, read_ns }))
 }
 
 /// One consumer's use of a [`Snapshot`]: what still holds for it.
