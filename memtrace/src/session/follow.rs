@@ -269,9 +269,9 @@ impl Tracer {
         // scanned them again. (The names are kept for the scan of the followed processes'
         // maps, which `-a` has not: there they would grow with every process started.)
         let id = probes::allocator::file_id(&object);
-        let named_first = !matches!(self.options.target, Target::All) || id == (0, 0);
-        let first = if named_first { self.checked_objects.insert(object.clone()) } else { true };
-        if !first || (id != (0, 0) && !self.checked_files.insert(id)) {
+        let by_name = id == (0, 0) || !matches!(self.options.target, Target::All);
+        if (by_name && !self.checked_objects.insert(object.clone())) || (id != (0, 0) && !self.checked_files.insert(id))
+        {
             return;
         }
         let known = self.allocators.iter().any(|a| a.file_id == id && a.prefix == self.options.symbol_prefix);

@@ -460,15 +460,12 @@ impl Tracer {
         // before tracing began.
         let target_pidfd = match target_pid.map(|pid| (pid, wake::pidfd_open(pid))) {
             Some((_, Ok(fd))) => Some(fd),
-            Some((pid, Err(e))) if e.raw_os_error() == Some(libc::ESRCH) => {
-                if let Some(c) = child.take() {
-                    c.abandon();
-                }
-                bail!("process {pid} exited before tracing began");
-            }
             Some((pid, Err(e))) => {
                 if let Some(c) = child.take() {
                     c.abandon();
+                }
+                if e.raw_os_error() == Some(libc::ESRCH) {
+                    bail!("process {pid} exited before tracing began");
                 }
                 return Err(e).with_context(|| format!("watching process {pid}"));
             }
