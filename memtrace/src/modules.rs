@@ -301,6 +301,20 @@ impl ModuleTable {
         self.file_build_id(path);
     }
 
+    /// The user frames of stack record `s` as modules and file offsets
+    /// ([`Self::resolve_stack`]), and whether the walk was cut short: marked so by the
+    /// probes, or found so here. A frame-pointer walk of a user allocation's stack that
+    /// the kernel ended at its first frame is cut short too: that frame is the allocator's
+    /// caller, which was called from somewhere, so the register the walk took for its frame
+    /// pointer was none (code built without frame pointers; Debian's libraries). Where that
+    /// register held a small number or a freed page, the kernel's walk just stopped, and the
+    /// stack looked whole.
+    pub fn resolve_record(&mut self, s: &crate::event::StackRecord) -> (Vec<FileFrame>, bool) {
+        let (user, cut) = self.resolve_stack(s.pid, &s.user, s.python_context.as_deref(), s.walk);
+        let alone = s.walk == UserWalk::FramePointers && !s.joined_kernel && s.user.len() == 1;
+        (user, s.truncated || cut || alone)
+    }
+
     /// A user stack of process `pid` as modules and file offsets. A frame-pointer walk is
     /// cut where it went astray: at an address that is not code (the walk followed a
     /// register that was not a frame pointer), and at a frame repeated to the depth limit
@@ -489,6 +503,36 @@ mod tests {
             table.resolve_stack(0, &[RawUserFrame::Ip(16)], None, UserWalk::FramePointers),
             (vec![FileFrame::Address(16)], false)
         );
+    }
+
+    #[test]
+    fn a_frame_pointer_walk_of_a_user_allocation_ended_at_its_first_frame_is_cut_short() {
+        let pid = std::process::id();
+        let mut table = ModuleTable::new();
+        let record = |user: Vec<RawUserFrame>, walk: UserWalk, joined_kernel: bool| crate::event::StackRecord {
+            hash: 1,
+            pid,
+            kernel: Vec::new(),
+            user,
+            walk,
+            truncated: false,
+            no_room: false,
+            joined_kernel,
+            miss: None,
+            asid: 0,
+            python_context: None,
+            py_key: 0,
+        };
+        let one = vec![RawUserFrame::Ip(marker())];
+        let (frames, cut) = table.resolve_record(&record(one.clone(), UserWalk::FramePointers, false));
+        assert!(cut);
+        assert_eq!(frames.len(), 1);
+        // Two frames, a call-frame walk, or the user part of a kernel allocation's stack
+        // (a page fault in a program's entry code has no caller): as the walk left them.
+        let two = vec![RawUserFrame::Ip(marker()), RawUserFrame::Ip(marker() + 1)];
+        assert!(!table.resolve_record(&record(two, UserWalk::FramePointers, false)).1);
+        assert!(!table.resolve_record(&record(one.clone(), UserWalk::CallFrameInfo, false)).1);
+        assert!(!table.resolve_record(&record(one, UserWalk::FramePointers, true)).1);
     }
 
     #[test]

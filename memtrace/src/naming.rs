@@ -57,8 +57,8 @@ impl Namer {
         if self.maps_read.insert(s.pid) {
             self.modules.learn_process(s.pid);
         }
-        let (user, cut) = self.modules.resolve_stack(s.pid, &s.user, s.python_context.as_deref(), s.walk);
-        Some(FileStack { id, pid: s.pid, kernel: s.kernel, user, truncated: s.truncated || cut })
+        let (user, truncated) = self.modules.resolve_record(&s);
+        Some(FileStack { id, pid: s.pid, kernel: s.kernel, user, truncated })
     }
 
     /// Forgets which stacks were met, once no event or stack will come (a recording's end:

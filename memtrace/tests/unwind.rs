@@ -106,6 +106,15 @@ fn without_frame_pointers_the_figures_and_whole_stacks_match_the_frame_pointer_b
         .filter(|s| function_names(s).ends_with(&["exercise".into(), "start_thread".into(), "clone3".into()]))
         .count();
     assert_eq!(whole, 0, "frame pointers cannot walk code built without them");
+    // And every such stack says it was cut short (before, the kernel's walk ended at the
+    // allocator's caller, a register that was no frame pointer holding a small number, and
+    // 97 % of them read as whole), so the warning to record with DWARF comes.
+    let user = &fp_stacks["stacks"]["user"];
+    assert_eq!(user["allocs_truncated"], user["allocs_with_stack"], "{:#}", fp_stacks["stacks"]);
+    let warned = fp_stacks["warnings"].as_array().unwrap().iter().any(|w| {
+        w.as_str().unwrap().contains("100.0% of its allocations") && w.as_str().unwrap().contains("--call-graph dwarf")
+    });
+    assert!(warned, "{:#}", fp_stacks["warnings"]);
 }
 
 /// One recording of `--stacks` without frame pointers, shared by the tests below.

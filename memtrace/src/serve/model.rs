@@ -870,9 +870,9 @@ impl Sink for Model {
                 }
             }
         }
-        let (user, cut) = self.modules.resolve_stack(s.pid, &s.user, s.python_context.as_deref(), s.walk);
+        let (user, truncated) = self.modules.resolve_record(&s);
         self.pending.modules.extend(self.modules.take_new());
-        self.pending.stacks.push(FileStack { id, pid: s.pid, kernel: s.kernel, user, truncated: s.truncated || cut });
+        self.pending.stacks.push(FileStack { id, pid: s.pid, kernel: s.kernel, user, truncated });
     }
 
     fn event(&mut self, event: Event) {
