@@ -440,14 +440,9 @@ pub fn analyze(path: &Path, opts: &ReportOptions) -> Result<Summary> {
             if filters.admits_in(a.kind, domain) && filters.admits_size(a.bytes_req) && !other_allocator(a) {
                 coverage.count(domain, a.stack);
             }
-            if !a.kind.is_kernel() {
-                let t = tallies.entry(a.pid).or_default();
-                t.with_stack += 1;
-                let cut = coverage.truncated_ids.contains(&a.stack);
-                t.truncated += u64::from(cut);
-                t.no_room += u64::from(cut && no_room.contains(&a.stack));
-                t.unplaced += u64::from(cut && unplaced.contains(&a.stack));
-            }
+            let t = tallies.entry(a.pid).or_default();
+            let domain = if a.kind.is_kernel() { &mut t.kernel } else { &mut t.user };
+            domain.count(a.stack, coverage.truncated_ids.contains(&a.stack), &no_room, &unplaced);
         }
         if let Event::Free(f) = &event
             && process_ok

@@ -99,19 +99,17 @@ fn tally(path: &Path, len: u64, stats: &Stats) -> anyhow::Result<Vec<String>> {
     super::load::for_each_event(path, damaged_at, &mut |event| {
         match &event {
             Event::Task(t) => note_task(t, &mut comms, &mut tallies, &mut order),
-            Event::Alloc(a) if !a.kind.is_kernel() => {
-                user_allocs_seen = true;
+            Event::Alloc(a) => {
+                user_allocs_seen |= !a.kind.is_kernel();
                 if a.stack != 0 {
                     let t = tallies.entry(a.pid).or_default();
-                    t.with_stack += 1;
                     let id = a.stack - 1;
                     let was_cut = match cut.get(id as usize) {
                         Some(&c) => c,
                         None => u32::try_from(id).ok().and_then(|id| cut_far.get(&id)).copied().unwrap_or(false),
                     };
-                    t.truncated += u64::from(was_cut);
-                    t.no_room += u64::from(was_cut && no_room.contains(&a.stack));
-                    t.unplaced += u64::from(was_cut && unplaced.contains(&a.stack));
+                    let domain = if a.kind.is_kernel() { &mut t.kernel } else { &mut t.user };
+                    domain.count(a.stack, was_cut, &no_room, &unplaced);
                 }
             }
             Event::Free(f) if f.kind.space() == Space::Heap => {
@@ -188,21 +186,48 @@ const SHARE: f64 = 0.05;
 /// Fewer events than this are not enough to judge a share.
 const MIN_EVENTS: u64 = 20;
 
-/// What one process's user-space events say about how completely it was seen.
+/// What one process's events say about how completely it was seen.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct ProcessTally {
-    /// User allocations recorded with a stack, and of those, stacks cut short.
-    pub with_stack: u64,
-    pub truncated: u64,
-    /// Of those, cut short for want of ring room for a stack copy, and at a frame in no
-    /// file memtrace could read.
-    pub no_room: u64,
-    pub unplaced: u64,
+    /// Its user allocations' stacks.
+    pub user: CutShort,
+    /// The user part of its kernel allocations' stacks (the code that made the system call
+    /// or took the page fault).
+    pub kernel: CutShort,
     /// User heap frees, and of those, frees of blocks whose allocation was not seen.
     pub frees: u64,
     pub unmatched_frees: u64,
     /// Its fork was recorded: it started while traced.
     pub started_traced: bool,
+}
+
+/// Allocations recorded with a stack, and of those, stacks cut short: for want of ring
+/// room for a stack copy, and at a frame in no file memtrace could read.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct CutShort {
+    pub with_stack: u64,
+    pub truncated: u64,
+    pub no_room: u64,
+    pub unplaced: u64,
+}
+
+impl CutShort {
+    /// One more allocation with stack `stack` (id + 1), `cut` short or not.
+    pub fn count(&mut self, stack: u64, cut: bool, no_room: &crate::FastSet<u64>, unplaced: &crate::FastSet<u64>) {
+        self.with_stack += 1;
+        self.truncated += u64::from(cut);
+        self.no_room += u64::from(cut && no_room.contains(&stack));
+        self.unplaced += u64::from(cut && unplaced.contains(&stack));
+    }
+
+    /// Past the share where losses are more than noise.
+    fn worth_a_warning(&self) -> bool {
+        self.with_stack >= MIN_EVENTS && self.truncated as f64 >= SHARE * self.with_stack as f64
+    }
+
+    fn share(&self) -> String {
+        percent(100.0 * self.truncated as f64 / self.with_stack as f64)
+    }
 }
 
 /// The stacks cut short for want of ring room for a copy, as events refer to them (id + 1).
@@ -293,51 +318,74 @@ pub fn under_counting(
                 t.frees
             ));
         }
-        if t.with_stack >= MIN_EVENTS && t.truncated as f64 >= SHARE * t.with_stack as f64 {
-            let no_unwind_info = format!(
-                "code without unwind information (JIT-compiled or hand-written assembly), or stacks deeper than {} \
-                 frames",
-                memtrace_common::MAX_USER_DEPTH
-            );
-            let room = "the rings had no room for stack copies while unwind rules were learned (a larger \
-                        --ring-size keeps those)";
-            // Told per stack since the recordings list them; before, or past the list's
-            // bound, only the session's count is known: both causes are named.
-            let listed = !stats.unwind_no_room_stacks.is_empty()
-                && (stats.unwind_no_room_stacks.len() < recording::MAX_NO_ROOM_STACKS || t.no_room == t.truncated);
-            let unplaced = "frames in code memtrace found in no file (JIT-compiled code, or a program or library \
-                            gone, in another mount namespace or in memory only before memtrace read it)";
-            let unplaced_listed = !stats.unwind_unplaced_stacks.is_empty()
-                && (stats.unwind_unplaced_stacks.len() < recording::MAX_NO_ROOM_STACKS || t.unplaced == t.truncated);
-            let cause = if meta.call_graph != "dwarf" {
-                "code built without frame pointers stops a frame-pointer walk: record with --call-graph dwarf"
-                    .to_string()
-            } else if unplaced_listed && t.unplaced == t.truncated {
-                unplaced.to_string()
-            } else if unplaced_listed && t.unplaced > 0 && t.no_room == 0 {
-                format!("for {} of them, {unplaced}; for the others, {no_unwind_info}", t.unplaced)
-            } else if listed && t.no_room == t.truncated {
-                room.to_string()
-            } else if listed && t.no_room > 0 {
-                format!("for {} of them, {room}; for the others, {no_unwind_info}", t.no_room)
-            } else if stats.unwind_budget_truncated > 0 && !listed {
-                format!(
-                    "{no_unwind_info}; or no room in the rings for stack copies while unwind rules were learned, \
-                     which cut short {} stacks of the session (a larger --ring-size keeps those)",
-                    stats.unwind_budget_truncated
-                )
-            } else {
-                no_unwind_info
-            };
-            out.push(format!(
-                "{name}: {} of its allocations ({} of {}) have a stack cut short: {cause}",
-                percent(100.0 * t.truncated as f64 / t.with_stack as f64),
-                t.truncated,
-                t.with_stack
-            ));
+        let user = t.user.worth_a_warning().then(|| cut_short_cause(&t.user, meta, stats));
+        let kernel = t.kernel.worth_a_warning().then(|| cut_short_cause(&t.kernel, meta, stats));
+        let kernel_part = |k: &CutShort| {
+            format!("{} of its kernel allocations ({} of {}) in the user part", k.share(), k.truncated, k.with_stack)
+        };
+        match (user, kernel) {
+            // One cause for both: one line.
+            (Some(u), Some(k)) if u == k => out.push(format!(
+                "{name}: {} of its allocations ({} of {}), and {}, have a stack cut short: {u}",
+                t.user.share(),
+                t.user.truncated,
+                t.user.with_stack,
+                kernel_part(&t.kernel)
+            )),
+            (u, k) => {
+                if let Some(u) = u {
+                    out.push(format!(
+                        "{name}: {} of its allocations ({} of {}) have a stack cut short: {u}",
+                        t.user.share(),
+                        t.user.truncated,
+                        t.user.with_stack
+                    ));
+                }
+                if let Some(k) = k {
+                    out.push(format!("{name}: {} have a stack cut short: {k}", kernel_part(&t.kernel)));
+                }
+            }
         }
     }
     out
+}
+
+/// Why `c`'s stacks were cut short, as far as the recording tells.
+fn cut_short_cause(c: &CutShort, meta: &Meta, stats: &Stats) -> String {
+    let no_unwind_info = format!(
+        "code without unwind information (JIT-compiled or hand-written assembly), or stacks deeper than {} \
+         frames",
+        memtrace_common::MAX_USER_DEPTH
+    );
+    let room = "the rings had no room for stack copies while unwind rules were learned (a larger \
+                --ring-size keeps those)";
+    // Told per stack since the recordings list them; before, or past the list's
+    // bound, only the session's count is known: both causes are named.
+    let listed = !stats.unwind_no_room_stacks.is_empty()
+        && (stats.unwind_no_room_stacks.len() < recording::MAX_NO_ROOM_STACKS || c.no_room == c.truncated);
+    let unplaced = "frames in code memtrace found in no file (JIT-compiled code, or a program or library \
+                    gone, in another mount namespace or in memory only before memtrace read it)";
+    let unplaced_listed = !stats.unwind_unplaced_stacks.is_empty()
+        && (stats.unwind_unplaced_stacks.len() < recording::MAX_NO_ROOM_STACKS || c.unplaced == c.truncated);
+    if meta.call_graph != "dwarf" {
+        "code built without frame pointers stops a frame-pointer walk: record with --call-graph dwarf".to_string()
+    } else if unplaced_listed && c.unplaced == c.truncated {
+        unplaced.to_string()
+    } else if unplaced_listed && c.unplaced > 0 && c.no_room == 0 {
+        format!("for {} of them, {unplaced}; for the others, {no_unwind_info}", c.unplaced)
+    } else if listed && c.no_room == c.truncated {
+        room.to_string()
+    } else if listed && c.no_room > 0 {
+        format!("for {} of them, {room}; for the others, {no_unwind_info}", c.no_room)
+    } else if stats.unwind_budget_truncated > 0 && !listed {
+        format!(
+            "{no_unwind_info}; or no room in the rings for stack copies while unwind rules were learned, \
+             which cut short {} stacks of the session (a larger --ring-size keeps those)",
+            stats.unwind_budget_truncated
+        )
+    } else {
+        no_unwind_info
+    }
 }
 
 #[cfg(test)]
@@ -398,15 +446,19 @@ mod tests {
         let mut tallies = BTreeMap::new();
         tallies.insert(
             7,
-            ProcessTally { frees: 1000, unmatched_frees: 200, with_stack: 1000, truncated: 10, ..Default::default() },
+            ProcessTally {
+                frees: 1000,
+                unmatched_frees: 200,
+                user: CutShort { with_stack: 1000, truncated: 10, ..Default::default() },
+                ..Default::default()
+            },
         );
         tallies.insert(
             8,
             ProcessTally {
                 frees: 1000,
                 unmatched_frees: 20,
-                with_stack: 1000,
-                truncated: 400,
+                user: CutShort { with_stack: 1000, truncated: 400, ..Default::default() },
                 started_traced: true,
                 ..Default::default()
             },
@@ -438,7 +490,7 @@ mod tests {
             set(tallies.get_mut(&8).unwrap());
             under_counting(&tallies, &comms, &meta, stats)[1].clone()
         };
-        let no_room = |n: u64| cause_of(&listed, &move |t: &mut ProcessTally| t.no_room = n);
+        let no_room = |n: u64| cause_of(&listed, &move |t: &mut ProcessTally| t.user.no_room = n);
         let all = no_room(400);
         assert!(all.ends_with("cut short: the rings had no room for stack copies while unwind rules were learned (a larger --ring-size keeps those)"), "{all}");
         let some = no_room(100);
@@ -455,7 +507,7 @@ mod tests {
         // Cut at a frame in no file (the program's file gone before it was read): that
         // cause, not missing unwind information (helper-44).
         let unplaced = Stats { unwind_unplaced_stacks: vec![4], ..Default::default() };
-        let unplaced_by = |n: u64| cause_of(&unplaced, &move |t: &mut ProcessTally| t.unplaced = n);
+        let unplaced_by = |n: u64| cause_of(&unplaced, &move |t: &mut ProcessTally| t.user.unplaced = n);
         let all = unplaced_by(400);
         assert!(all.contains("cut short: frames in code memtrace found in no file"), "{all}");
         assert!(!all.contains("without unwind information"), "{all}");
@@ -465,6 +517,40 @@ mod tests {
                 && some.contains("for the others, code without unwind information"),
             "{some}"
         );
+        // The user part of kernel allocations' stacks (a compiler's page faults while
+        // its tables were built): a line of its own; with the user stacks' cause, one.
+        let kernel_cut = CutShort { with_stack: 10_501, truncated: 1_298, no_room: 1_298, unplaced: 0 };
+        let mut with_kernel = BTreeMap::new();
+        with_kernel.insert(7, ProcessTally { kernel: kernel_cut, ..Default::default() });
+        let w = under_counting(&with_kernel, &comms, &meta, &listed);
+        assert_eq!(
+            w,
+            [format!(
+                "process server [7]: 12.4% of its kernel allocations (1298 of 10501) in the user part have a stack \
+                 cut short: {}",
+                cut_short_cause(&kernel_cut, &meta, &listed)
+            )]
+        );
+        assert!(w[0].ends_with("the rings had no room for stack copies while unwind rules were learned (a larger --ring-size keeps those)"), "{}", w[0]);
+        with_kernel.get_mut(&7).unwrap().user = CutShort { with_stack: 100, truncated: 100, ..Default::default() };
+        let w = under_counting(&with_kernel, &comms, &fp, &listed);
+        assert_eq!(w.len(), 1, "{w:#?}");
+        assert!(
+            w[0].starts_with(
+                "process server [7]: 100.0% of its allocations (100 of 100), and 12.4% of its kernel allocations \
+                 (1298 of 10501) in the user part, have a stack cut short: code built without frame pointers"
+            ),
+            "{}",
+            w[0]
+        );
+        let w = under_counting(&with_kernel, &comms, &meta, &listed);
+        assert_eq!(w.len(), 2, "{w:#?}");
+        assert!(
+            w[0].contains("100.0% of its allocations (100 of 100) have a stack cut short: code without"),
+            "{}",
+            w[0]
+        );
+        assert!(w[1].contains("12.4% of its kernel allocations"), "{}", w[1]);
         tallies
             .insert(7, ProcessTally { frees: 1000, unmatched_frees: 200, started_traced: true, ..Default::default() });
         assert!(under_counting(&tallies, &comms, &meta, &Stats::default())[0].contains("probed after it started"));
