@@ -242,6 +242,27 @@ fn leaks_are_listed_by_stack_with_their_age() {
     assert!(old["leaks"].as_array().unwrap().is_empty());
 }
 
+/// A command's session ends with its last event (its exit, and its memory freed), not when
+/// memtrace had drained and detached: leaks' ages and the duration count to there.
+#[test]
+fn a_commands_session_lasts_from_its_first_event_to_its_last() {
+    let (data, _) = recording();
+    let dump = run(memtrace().args(["dump", "-i"]).arg(data));
+    let times: Vec<f64> = String::from_utf8_lossy(&dump.stdout)
+        .lines()
+        .filter_map(|l| l.split_whitespace().next()?.parse().ok())
+        .collect();
+    let first = times.iter().copied().fold(f64::MAX, f64::min);
+    let last = times.iter().copied().fold(0.0, f64::max);
+    let span_ns = ((last - first) * 1e9).round() as u64;
+    let report = report_json(data, &["--leaks", "--sort", "age"]);
+    // `dump` prints microseconds, the recording's resolution.
+    let duration = report["duration_ns"].as_u64().unwrap();
+    assert!(duration.abs_diff(span_ns) <= 1_000, "{duration} ns of events, {span_ns} ns between the first and last");
+    let oldest = report["leaks"][0]["oldest_age_ns"].as_u64().unwrap();
+    assert!(oldest <= duration, "{oldest} {duration}");
+}
+
 #[test]
 fn filters_and_sorting_select_what_they_say() {
     let (data, manifest) = recording();

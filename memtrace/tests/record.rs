@@ -110,6 +110,28 @@ fn a_script_as_the_command_is_traced_through_what_it_execs() {
     assert_eq!(report["exit_code"], 0);
 }
 
+/// A command killed by a signal: `record` exits as a shell would (128 + the signal), and the
+/// report says it was killed, not that it chose status 139.
+#[test]
+fn a_command_killed_by_a_signal_is_reported_so() {
+    require_root();
+    let _sharing = sharing_the_machine();
+    let dir = scratch("killed");
+    let data = dir.join("killed.data");
+    let out =
+        memtrace().args(["record", "-q", "-o"]).arg(&data).args(["--", "sh", "-c", "kill -SEGV $$"]).output().unwrap();
+    assert_eq!(out.status.code(), Some(139), "{}", String::from_utf8_lossy(&out.stderr));
+    let report = report_json(&data, &[]);
+    assert_eq!(report["exit_code"], 139);
+    // ", core dumped" where the limits let a core be written.
+    let reason = report["end_reason"].as_str().unwrap();
+    assert!(reason.starts_with("the command was killed by signal 11 (Segmentation fault"), "{reason}");
+    let text = run(memtrace().args(["report", "-i"]).arg(&data));
+    let text = String::from_utf8_lossy(&text.stdout);
+    let how = reason.strip_prefix("the command ").unwrap();
+    assert!(text.contains(&format!("\ncommand {how} (exit status 139, as a shell tells it)\n")), "{text}");
+}
+
 /// A user walk whose CPU scratch another program took meanwhile (on a preemptible kernel a
 /// uprobe program can be preempted and another thread's run on the CPU; here forced, one
 /// claim in 7, by `MEMTRACE_TEST_INTERLEAVE`, which also writes over the walk's frames as

@@ -183,6 +183,10 @@ fn yes() -> bool {
 /// partial stack: a few per program in a cold start).
 pub const MAX_NO_ROOM_STACKS: usize = 4096;
 
+/// `Stats::end_reason` of a `--pid` session whose target exited (a command's names its
+/// status instead, in `Stats::exit_code` too).
+pub const TARGET_EXITED: &str = "the target process exited";
+
 /// Counters of the recording (the `Stats` chunk).
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Stats {

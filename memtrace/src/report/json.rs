@@ -336,6 +336,7 @@ pub fn write_json(a: &Summary, opts: &ReportOptions, w: &mut dyn std::io::Write)
         "finalized": a.finalized,
         "warnings": a.warnings,
         "exit_code": a.stats.exit_code,
+        "end_reason": a.stats.end_reason,
         "sampled_from": a.stats.sampled_from,
         "recorder": recorder,
         "stacks": a.coverage.iter().map(|(d, c)| (domain_name(*d), c)).collect::<BTreeMap<_, _>>(),

@@ -216,7 +216,16 @@ pub fn write_text(a: &Summary, opts: &ReportOptions, w: &mut dyn io::Write) -> i
         }
     }
     if let Some(code) = s.exit_code {
-        let _ = writeln!(out, "command exit status: {code}");
+        // How it ended, in the recorder's words where they say more than the shell's code
+        // (139 is a SIGSEGV, not a status the program chose).
+        match s.end_reason.strip_prefix("the command ") {
+            Some(how) if how.starts_with("was killed") => {
+                let _ = writeln!(out, "command {how} (exit status {code}, as a shell tells it)");
+            }
+            _ => {
+                let _ = writeln!(out, "command exit status: {code}");
+            }
+        }
     }
     out.push('\n');
     if opts.timeline {

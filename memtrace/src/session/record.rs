@@ -511,7 +511,7 @@ fn finish(
             Some(how) => format!("the command {how}"),
             None => format!("the command exited with status {code}"),
         },
-        StopReason::TargetExited(None) => "the target process exited".into(),
+        StopReason::TargetExited(None) => crate::recording::TARGET_EXITED.into(),
         StopReason::Signal(sig) => match left_running {
             Some(pid) => {
                 format!("interrupted by signal {sig}; the command (pid {pid}) was left running, no longer traced")
