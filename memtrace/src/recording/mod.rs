@@ -97,8 +97,9 @@ pub enum FormatError {
     NotMemtrace,
     #[error("recording format version {0} is newer than this memtrace understands ({VERSION}); upgrade memtrace")]
     UnsupportedVersion(u16),
-    #[error("recording is truncated at byte {offset} (in the middle of a chunk)")]
-    Truncated { offset: u64 },
+    /// The file ends at byte `end`, inside the chunk that begins at `offset`.
+    #[error("{}", truncated(*offset, *end))]
+    Truncated { offset: u64, end: u64 },
     #[error("recording is corrupt at byte {offset}: {reason}")]
     Corrupt { offset: u64, reason: String },
     /// A chunk whose payload fails its checksum: its extent is known, so the chunks after
@@ -182,6 +183,18 @@ fn yes() -> bool {
 /// Stacks cut short for want of ring room a recording lists at most (each is a distinct
 /// partial stack: a few per program in a cold start).
 pub const MAX_NO_ROOM_STACKS: usize = 4096;
+
+/// [`FormatError::Truncated`]'s message: where the file ends, and where what it cut began.
+fn truncated(offset: u64, end: u64) -> String {
+    let cut = "cut short: the disk filled, memtrace was killed, or the file is still being copied";
+    if offset == end {
+        format!("recording is truncated: it ends at byte {end}, before the chunk that should follow ({cut})")
+    } else {
+        format!(
+            "recording is truncated: it ends at byte {end}, in the middle of a chunk begun at byte {offset} ({cut})"
+        )
+    }
+}
 
 /// `Stats::end_reason` of a `--pid` session whose target exited (a command's names its
 /// status instead, in `Stats::exit_code` too).

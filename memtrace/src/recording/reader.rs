@@ -103,7 +103,7 @@ impl<R: Read> Reader<R> {
             return Err(FormatError::NotMemtrace);
         }
         if n < HEADER_LEN {
-            return Err(FormatError::Truncated { offset: n as u64 });
+            return Err(FormatError::Truncated { offset: 0, end: n as u64 });
         }
         let version = u16::from_le_bytes([header[8], header[9]]);
         if header[11] != 8 {
@@ -148,7 +148,7 @@ impl<R: Read> Reader<R> {
                 return Err(FormatError::Corrupt { offset: HEADER_LEN as u64, reason: "no metadata chunk".into() });
             }
             None => {
-                return Err(FormatError::Truncated { offset: HEADER_LEN as u64 });
+                return Err(FormatError::Truncated { offset: HEADER_LEN as u64, end: HEADER_LEN as u64 });
             }
         }
         Ok(reader)
@@ -164,7 +164,7 @@ impl<R: Read> Reader<R> {
                 return Ok(None);
             }
             if n < head.len() {
-                return Err(FormatError::Truncated { offset: start });
+                return Err(FormatError::Truncated { offset: start, end: start + n as u64 });
             }
             let len = u32::from_le_bytes(head[1..5].try_into().expect("4 bytes"));
             let crc = u32::from_le_bytes(head[5..9].try_into().expect("4 bytes"));
@@ -180,7 +180,7 @@ impl<R: Read> Reader<R> {
             let mut payload = vec![0u8; len as usize];
             let got = read_full(&mut self.input, &mut payload)?;
             if got < payload.len() {
-                return Err(FormatError::Truncated { offset: start });
+                return Err(FormatError::Truncated { offset: start, end: start + 9 + got as u64 });
             }
             self.offset = start + 9 + u64::from(len);
             if chunk_crc(self.version, head[0], len, &payload) != crc {

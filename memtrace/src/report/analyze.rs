@@ -313,6 +313,8 @@ impl CoverageCounter {
 /// Reads the recording at `path` and adds it up as `opts` asks.
 pub fn analyze(path: &Path, opts: &ReportOptions) -> Result<Summary> {
     let Definitions { meta, stacks: mut table, stats, finalized, mut warnings, damaged_at } = read_definitions(path)?;
+    // No chunk skipped or cut: what the file lacks, the program did not do.
+    let intact = finalized && warnings.is_empty();
     if !finalized {
         let named = table.fill_missing_symbols();
         if named > 0 {
@@ -648,7 +650,7 @@ pub fn analyze(path: &Path, opts: &ReportOptions) -> Result<Summary> {
     };
     let duration_ns = began.map_or(0, |f| end_ts.saturating_sub(f));
     let mut under_counting = under_counting(&tallies, &comms, &meta, &stats);
-    if meta.user && meta.mode == "command" && !user_allocs_seen && finalized {
+    if meta.user && meta.mode == "command" && !user_allocs_seen && intact {
         under_counting.push(super::warnings::nothing_seen(&meta));
     }
     warnings.extend(under_counting.iter().cloned());
