@@ -371,6 +371,8 @@ fn warn_of(recording: &std::path::Path, warnings: &[String]) {
 
 fn diff(args: DiffArgs) -> Result<i32> {
     use report::diff::{DiffFormat, DiffOptions};
+    readable_recording(&args.old)?;
+    readable_recording(&args.new)?;
     let opts = DiffOptions {
         format: args.format,
         by: args.by,

@@ -1104,7 +1104,10 @@ int main(void) {
     let report = report_json(&data, &[]);
     let user = &report["totals"]["user"];
     assert_eq!((&user["unmatched_frees"], &user["allocator_frees"]), (&100.into(), &0.into()), "{user:#}");
-    let warning = format!("process shutdown [{pid}]: 100.0% of its frees (100 of 100) had no allocation");
+    let warning = format!(
+        "process shutdown [{pid}]: 100.0% of its frees (100 of 100; the report's FREES column counts the other 0) had \
+         no allocation"
+    );
     assert!(rest.contains(&warning) && rest.contains("attached mid-run"), "{rest}");
 }
 

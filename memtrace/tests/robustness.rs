@@ -153,6 +153,12 @@ fn damaged_recordings_give_clear_errors_or_the_complete_part() {
         "50",
     ]));
     let bytes = fs::read(&good).unwrap();
+    // `diff` says what `report` says of a recording that is not there.
+    fails(
+        memtrace().arg("diff").arg(&good).arg(dir.join("missing.data")),
+        1,
+        &["missing.data: no such file", "record one"],
+    );
     let mut newer = bytes.clone();
     newer[8] = 99;
     fs::write(dir.join("newer.data"), &newer).unwrap();

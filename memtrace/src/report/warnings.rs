@@ -312,10 +312,12 @@ pub fn under_counting(
                  without their allocation, and live figures miss them"
             };
             out.push(format!(
-                "{name}: {} of its frees ({} of {}) had no allocation: {cause}",
+                "{name}: {} of its frees ({} of {}; the report's FREES column counts the other {}) had no \
+                 allocation: {cause}",
                 percent(100.0 * t.unmatched_frees as f64 / t.frees as f64),
                 t.unmatched_frees,
-                t.frees
+                t.frees,
+                t.frees.saturating_sub(t.unmatched_frees)
             ));
         }
         let user = t.user.worth_a_warning().then(|| cut_short_cause(&t.user, meta, stats));
@@ -466,7 +468,14 @@ mod tests {
         tallies.insert(9, ProcessTally { frees: 10, unmatched_frees: 10, ..Default::default() });
         let w = under_counting(&tallies, &comms, &meta, &Stats::default());
         assert_eq!(w.len(), 2, "{w:#?}");
-        assert!(w[0].starts_with("process server [7]: 20.0% of its frees (200 of 1000) had no allocation"), "{}", w[0]);
+        assert!(
+            w[0].starts_with(
+                "process server [7]: 20.0% of its frees (200 of 1000; the report's FREES column counts the other 800) \
+                 had no allocation"
+            ),
+            "{}",
+            w[0]
+        );
         assert!(w[0].contains("attached mid-run"), "{}", w[0]);
         assert!(
             w[1].starts_with("process 8: 40.0% of its allocations (400 of 1000) have a stack cut short"),
