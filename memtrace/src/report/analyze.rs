@@ -597,6 +597,16 @@ pub fn analyze(path: &Path, opts: &ReportOptions) -> Result<Summary> {
         // Other rows are made and named once sorted, only those shown: a report by stack of
         // a million stacks named them all (gigabytes). The warnings after `record` show none.
         candidates.sort_by(|&a, &b| row_order(opts.sort, &groups[a], &groups[b]));
+        if opts.by == GroupBy::Process {
+            // A process's rows (one per domain) together, where its first one ranks: cc1's
+            // kernel row no longer sits between other processes' rows and its user row.
+            let mut rank: HashMap<&[u32], usize> = HashMap::new();
+            for &g in &candidates {
+                let next = rank.len();
+                rank.entry(infos[g].pids.as_slice()).or_insert(next);
+            }
+            candidates.sort_by_key(|&g| rank[infos[g].pids.as_slice()]);
+        }
         match (opts.by, opts.top) {
             // `--top N` by process keeps N processes, each with all its rows (one per
             // domain), as the header counts them.

@@ -738,3 +738,33 @@ fn a_machine_wide_session_lasts_from_its_start() {
     // allocated 0.1 ms before a program's exit read 95.8 ms old).
     assert_eq!(command.duration_ns, 2_000_000_000 - first);
 }
+
+/// By process, a process's rows (one per domain) stay together, where its first ranks:
+/// sorted by bytes alone, one process's kernel row came between another's two rows.
+#[test]
+fn a_process_keeps_its_rows_together() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("two.data");
+    let meta =
+        Meta { memtrace_version: "test".into(), mode: "all".into(), user: true, kernel: true, ..Default::default() };
+    let mut w = Writer::new(std::io::BufWriter::new(std::fs::File::create(&path).unwrap()), &meta).unwrap();
+    let on = |pid: u32, e: Event| match e {
+        Event::Alloc(a) => Event::Alloc(Alloc { pid, tid: pid, ..a }),
+        other => other,
+    };
+    // pid 1: user 1000 B, kernel 10 B; pid 2: kernel 600 B, user 500 B.
+    let events = [
+        on(1, alloc(1_000, Kind::Malloc, 0x1000, 1000, 1000, 0)),
+        on(1, alloc(2_000, Kind::Kmalloc, 0xffff_8880_0000_0000, 10, 10, 0)),
+        on(2, alloc(3_000, Kind::Kmalloc, 0xffff_8880_0000_1000, 600, 600, 0)),
+        on(2, alloc(4_000, Kind::Malloc, 0x2000, 500, 500, 0)),
+    ];
+    for e in &events {
+        w.event(e).unwrap();
+    }
+    w.finish(&recording::Stats { events: 4, ..Default::default() }).unwrap();
+    let opts = ReportOptions { by: GroupBy::Process, ..Default::default() };
+    let rows: Vec<(u32, Domain)> =
+        analyze(&path, &opts).unwrap().groups.iter().map(|r| (r.pids[0], r.domain)).collect();
+    assert_eq!(rows, [(1, Domain::User), (1, Domain::Kernel), (2, Domain::Kernel), (2, Domain::User)]);
+}
