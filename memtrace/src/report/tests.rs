@@ -768,3 +768,13 @@ fn a_process_keeps_its_rows_together() {
         analyze(&path, &opts).unwrap().groups.iter().map(|r| (r.pids[0], r.domain)).collect();
     assert_eq!(rows, [(1, Domain::User), (1, Domain::Kernel), (2, Domain::Kernel), (2, Domain::User)]);
 }
+
+#[test]
+fn a_command_is_shown_as_a_shell_reads_it_back() {
+    use super::text::shell_word;
+    assert_eq!(shell_word("/usr/bin/app"), "/usr/bin/app");
+    assert_eq!(shell_word("--size=4k"), "--size=4k");
+    assert_eq!(shell_word("trap \"\" INT; sleep 6"), "'trap \"\" INT; sleep 6'");
+    assert_eq!(shell_word("it's"), r"'it'\''s'");
+    assert_eq!(shell_word(""), "''");
+}

@@ -3,6 +3,8 @@
 //! width of the layout: figures are dropped by priority, never cut; names are ellipsized.
 use std::{fmt::Write as _, io};
 
+use memtrace_common::Kind;
+
 use super::{
     analyze::{GroupRow, Summary},
     options::{ReportColumn, ReportOptions},
@@ -18,7 +20,8 @@ fn describe_target(a: &Summary) -> String {
     let m = &a.meta;
     let target = match m.mode.as_str() {
         "command" => {
-            format!("command `{}` (pid {})", m.target_command.join(" "), m.target_pids.first().copied().unwrap_or(0))
+            let words: Vec<String> = m.target_command.iter().map(|w| shell_word(w)).collect();
+            format!("command `{}` (pid {})", words.join(" "), m.target_pids.first().copied().unwrap_or(0))
         }
         "pid" => {
             let pid = m.target_pids.first().copied().unwrap_or(0);
@@ -27,6 +30,17 @@ fn describe_target(a: &Summary) -> String {
         _ => "the whole machine".into(),
     };
     format!("{target} on {}, kernel {}, {} of events", m.hostname, m.kernel_release, duration(a.duration_ns))
+}
+
+/// `word` as a shell reads it back: as it is when nothing in it is special, else quoted
+/// (`sh -c 'trap "" INT; sleep 6'`, not `sh -c trap "" INT; sleep 6`).
+pub(super) fn shell_word(word: &str) -> String {
+    let plain = |c: char| c.is_ascii_alphanumeric() || "_@%+=:,./-".contains(c);
+    if !word.is_empty() && word.chars().all(plain) {
+        word.to_string()
+    } else {
+        format!("'{}'", word.replace('\'', r"'\''"))
+    }
 }
 
 /// A line of a stack under its row, cut to the width.
@@ -151,7 +165,11 @@ pub fn write_text(a: &Summary, opts: &ReportOptions, w: &mut dyn io::Write) -> i
         }
     );
     let o = &a.probe_overhead;
-    if o.allocs + o.map_allocs > 0 {
+    // Kernel allocations: said where the report counts some (not under `--domain user` or
+    // `--kind malloc`).
+    let kernel_counted =
+        [Kind::Kmalloc, Kind::KmemCacheAlloc, Kind::PageAlloc].iter().any(|&k| opts.filters.admits_kind(k));
+    if o.allocs + o.map_allocs > 0 && kernel_counted {
         let mut parts = Vec::new();
         if o.allocs > 0 {
             parts.push(format!(
