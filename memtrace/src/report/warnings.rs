@@ -322,29 +322,24 @@ pub fn under_counting(
         }
         let user = t.user.worth_a_warning().then(|| cut_short_cause(&t.user, meta, stats));
         let kernel = t.kernel.worth_a_warning().then(|| cut_short_cause(&t.kernel, meta, stats));
-        let kernel_part = |k: &CutShort| {
-            format!("{} of its kernel allocations ({} of {}) in the user part", k.share(), k.truncated, k.with_stack)
-        };
+        if user.is_none() && kernel.is_none() {
+            continue;
+        }
+        let (u, k) = (&t.user, &t.kernel);
+        let user_part = format!("{} of its allocations ({} of {})", u.share(), u.truncated, u.with_stack);
+        let kernel_part =
+            format!("{} of its kernel allocations ({} of {}) in the user part", k.share(), k.truncated, k.with_stack);
         match (user, kernel) {
             // One cause for both: one line.
-            (Some(u), Some(k)) if u == k => out.push(format!(
-                "{name}: {} of its allocations ({} of {}), and {}, have a stack cut short: {u}",
-                t.user.share(),
-                t.user.truncated,
-                t.user.with_stack,
-                kernel_part(&t.kernel)
-            )),
+            (Some(u), Some(k)) if u == k => {
+                out.push(format!("{name}: {user_part}, and {kernel_part}, have a stack cut short: {u}"))
+            }
             (u, k) => {
                 if let Some(u) = u {
-                    out.push(format!(
-                        "{name}: {} of its allocations ({} of {}) have a stack cut short: {u}",
-                        t.user.share(),
-                        t.user.truncated,
-                        t.user.with_stack
-                    ));
+                    out.push(format!("{name}: {user_part} have a stack cut short: {u}"));
                 }
                 if let Some(k) = k {
-                    out.push(format!("{name}: {} have a stack cut short: {k}", kernel_part(&t.kernel)));
+                    out.push(format!("{name}: {kernel_part} have a stack cut short: {k}"));
                 }
             }
         }
