@@ -38,7 +38,9 @@ pub struct Frame {
     pub python: bool,
     /// Inlined into the frame that follows.
     pub inlined: bool,
-    /// No symbol was found: `function` is `module+0xoffset` or an address.
+    /// No symbol was found: `function` is `module+0xoffset` (the offset where the function
+    /// starts, when the file's call-frame information tells, else the frame's) or an
+    /// address.
     pub unknown: bool,
     /// An allocation wrapper's ([`crate::wrappers`]): a site is named after the first
     /// user frame that is not one.
@@ -94,7 +96,7 @@ impl Serialize for Frame {
     }
 }
 
-fn module_name(path: &str) -> String {
+pub fn module_name(path: &str) -> String {
     Path::new(path).file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_else(|| path.to_string())
 }
 
@@ -392,13 +394,20 @@ impl StackTable {
     }
 
     /// Whether a user address has no name ([`Self::name`] makes it `module+0x…` or
-    /// `[unknown] 0x…`): no symbol, and not a Python function.
+    /// `[unknown] 0x…`): no symbol, or only where its function starts, and not a Python
+    /// function.
     fn is_unnamed_address(&self, frame: FileFrame) -> bool {
         match frame {
             FileFrame::Address(_) => true,
             FileFrame::Module { module, .. } => {
-                self.symbols.get(&SymbolKey::User(frame)).is_none_or(|chain| chain.is_empty())
-                    && self.modules.get(&module).is_none_or(|m| crate::python::function_of(m).is_none())
+                self.symbols.get(&SymbolKey::User(frame)).is_none_or(|chain| match &chain[..] {
+                    [] => true,
+                    // A function named only by where it starts.
+                    [only] => {
+                        only.file.is_none() && crate::symbolize::is_anonymous(&self.module_name(module), &only.name)
+                    }
+                    _ => false,
+                }) && self.modules.get(&module).is_none_or(|m| crate::python::function_of(m).is_none())
             }
         }
     }
@@ -602,7 +611,8 @@ impl StackTable {
                     kernel,
                     python: false,
                     inlined: s.inlined,
-                    unknown: false,
+                    // A function named only by where it starts (a stripped library's).
+                    unknown: !kernel && s.file.is_none() && crate::symbolize::is_anonymous(&module, &s.name),
                     wrapper: wrappers.and_then(|w| w.get(i)).copied().unwrap_or(false),
                 })
                 .collect(),

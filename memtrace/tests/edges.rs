@@ -759,6 +759,106 @@ fn kernel_sites_start_at_the_caller_and_never_print_the_same_name() {
     }
 }
 
+const STRIPPED: &str = r#"
+#include <stdlib.h>
+#define NOIPA __attribute__((noipa))
+volatile unsigned long sink;
+static NOIPA void two_sites(int n) {
+    for (int i = 0; i < n; i++) {
+        void *a = malloc(48);
+        void *b = malloc(96);
+        sink += (unsigned long)a ^ (unsigned long)b;
+        free(a);
+        free(b);
+    }
+}
+static NOIPA void one_site(int n) {
+    for (int i = 0; i < n; i++) {
+        void *c = malloc(200);
+        sink += (unsigned long)c;
+        free(c);
+    }
+}
+int main(void) {
+    two_sites(300);
+    one_site(200);
+    return 0;
+}
+"#;
+
+/// Where the symbol `name` of the (not yet stripped) program at `exe` starts, as a file
+/// offset: its address less its executable segment's distance from the file's start.
+fn function_offset(exe: &Path, name: &str) -> u64 {
+    let nm = String::from_utf8(run(Command::new("nm").arg(exe)).stdout).unwrap();
+    let address = nm
+        .lines()
+        .find_map(|l| {
+            let mut parts = l.split_whitespace();
+            let address = u64::from_str_radix(parts.next()?, 16).ok()?;
+            (parts.nth(1)? == name).then_some(address)
+        })
+        .unwrap_or_else(|| panic!("{name} in nm's output:\n{nm}"));
+    let segments = String::from_utf8(run(Command::new("readelf").args(["-lW"]).arg(exe)).stdout).unwrap();
+    let hex = |s: &str| u64::from_str_radix(s.trim_start_matches("0x"), 16).unwrap();
+    segments
+        .lines()
+        .map(|l| l.split_whitespace().collect::<Vec<_>>())
+        .filter(|f| f.first() == Some(&"LOAD") && f.contains(&"E"))
+        .map(|f| (hex(f[1]), hex(f[2]), hex(f[4])))
+        .find(|&(_, vaddr, size)| (vaddr..vaddr + size).contains(&address))
+        .map(|(offset, vaddr, _)| address - vaddr + offset)
+        .unwrap_or_else(|| panic!("{name} in an executable segment:\n{segments}"))
+}
+
+/// A stripped program's functions have no names, but each its call-frame information: a
+/// row per function (`--by function`) holds all its call sites, named after where the
+/// function starts; a row per site stays one per call.
+#[test]
+fn a_stripped_programs_functions_are_one_row_each_named_where_they_start() {
+    require_root();
+    let _sharing = sharing_the_machine();
+    let dir = scratch("stripped");
+    let exe = compile(&dir, "stripped", STRIPPED);
+    let two = function_offset(&exe, "two_sites");
+    let one = function_offset(&exe, "one_site");
+    run(Command::new("strip").arg(&exe));
+    let nm = run(Command::new("nm").arg(&exe));
+    assert!(!String::from_utf8_lossy(&nm.stdout).contains("two_sites"), "strip left the symbols");
+    let data = dir.join("s.data");
+    run(memtrace().args(["record", "-q", "--no-kernel", "-o"]).arg(&data).arg("--").arg(&exe));
+    let report = report_json(&data, &["--by", "function", "--domain", "user"]);
+    let rows = report["sites"].as_array().unwrap();
+    let row = |name: &str| -> &Value {
+        rows.iter().find(|r| r["function"] == name).unwrap_or_else(|| panic!("no row {name}: {report:#}"))
+    };
+    let two_sites = row(&format!("stripped+0x{two:x}"));
+    assert_eq!(two_sites["allocs"], 600, "{two_sites:#}");
+    assert_eq!(two_sites["bytes_req"], 300 * (48 + 96), "{two_sites:#}");
+    let one_site = row(&format!("stripped+0x{one:x}"));
+    assert_eq!(one_site["allocs"], 200, "{one_site:#}");
+    assert_eq!(one_site["bytes_req"], 200 * 200, "{one_site:#}");
+    // Its frames say they have no symbol, and keep where each call is.
+    let first = &two_sites["frames"][0];
+    assert_eq!(first["unknown"], true, "{first:#}");
+    let at = u64::from_str_radix(first["address"].as_str().unwrap().trim_start_matches("0x"), 16).unwrap();
+    assert!(at > two, "{first:#}");
+    // By site, the two calls of `two_sites` are two rows, each told apart by where it is.
+    let sites = report_json(&data, &["--domain", "user"]);
+    let in_two: Vec<&Value> = sites["sites"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|r| r["frames"][0]["function"] == format!("stripped+0x{two:x}"))
+        .collect();
+    assert_eq!(in_two.iter().map(|r| r["allocs"].as_u64().unwrap()).collect::<Vec<_>>(), [300, 300]);
+    let text =
+        String::from_utf8(run(memtrace().args(["report", "--wide", "--domain", "user", "-i"]).arg(&data)).stdout)
+            .unwrap();
+    let labels: Vec<&str> = text.lines().filter(|l| l.contains(&format!("stripped+0x{two:x}"))).collect();
+    assert_eq!(labels.len(), 2, "{text}");
+    assert!(labels.iter().all(|l| l.contains(" @stripped+0x")), "{text}");
+}
+
 const RING: &str = r#"
 #include <stdio.h>
 #include <stdlib.h>

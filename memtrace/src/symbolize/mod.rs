@@ -93,6 +93,46 @@ pub fn demangle(name: &str) -> Cow<'_, str> {
     Cow::Borrowed(name)
 }
 
+/// Names the offsets no symbol names (`out`'s empty chains) after the function that holds
+/// them, where the file's call-frame information tells where that function starts:
+/// `libsqlite3.so.0+0x96b40`, as [`anonymous_name`] writes it. Two call sites in one
+/// function of a stripped library are then one function (`report --by function`, the
+/// towers of a flame graph), as they are where a symbol names it.
+fn name_anonymous(path: &Path, offsets: &[u64], out: &mut [Vec<Symbol>]) {
+    if out.iter().all(|chain| !chain.is_empty()) {
+        return;
+    }
+    let started = Instant::now();
+    let Ok(cfi) = crate::unwind::cfi::Cfi::open(path) else { return };
+    let functions = cfi.functions();
+    log::debug!(
+        "{}: {} functions read from its call-frame information in {} ms",
+        path.display(),
+        functions.len(),
+        started.elapsed().as_millis()
+    );
+    let module = crate::stacks::module_name(&path.to_string_lossy());
+    for (chain, &offset) in out.iter_mut().zip(offsets) {
+        if chain.is_empty()
+            && let Some(start) = cfi.function_start(&functions, offset)
+        {
+            chain.push(Symbol { name: anonymous_name(&module, start).into(), file: None, line: 0, inlined: false });
+        }
+    }
+}
+
+/// The name of a function no symbol names: its module's and where it starts there.
+pub fn anonymous_name(module: &str, start: u64) -> String {
+    format!("{module}+0x{start:x}")
+}
+
+/// Whether `name`, a symbol of a frame of `module`, is one [`anonymous_name`] gave.
+pub fn is_anonymous(module: &str, name: &str) -> bool {
+    name.strip_prefix(module)
+        .and_then(|rest| rest.strip_prefix("+0x"))
+        .is_some_and(|hex| !hex.is_empty() && hex.bytes().all(|b| b.is_ascii_hexdigit()))
+}
+
 impl Symbolizer {
     pub fn new() -> Self {
         Self {
@@ -129,7 +169,9 @@ impl Symbolizer {
             return Vec::new();
         }
         let src = Source::Elf(Elf::new(path));
-        self.run(&src, Input::FileOffset(offsets), offsets.len())
+        let mut out = self.run(&src, Input::FileOffset(offsets), offsets.len());
+        name_anonymous(path, offsets, &mut out);
+        out
     }
 
     /// As [`Symbolizer::object`], then forgets what was read of the object (its parsed
@@ -402,6 +444,33 @@ mod tests {
         assert!(outer.file.as_deref().unwrap_or("").ends_with("symbolize/mod.rs"), "{result:?}");
         // Read with its debug information's pages bounded, the same names.
         assert_eq!(Symbolizer::new().big_object_once(&mapping.path, &[offset, 0]), result);
+    }
+
+    /// An address no symbol names is named after where its function's FDE starts: the
+    /// function's first byte, for any address inside it.
+    #[test]
+    fn an_unnamed_address_is_named_after_where_its_function_starts() {
+        let start = a_function_with_a_distinctive_name as *const () as u64;
+        let maps = crate::procfs::Maps::read_self().unwrap();
+        let mapping = maps.find(start).unwrap();
+        let (first, inside) = (mapping.file_offset(start), mapping.file_offset(start + 3));
+        let cfi = crate::unwind::cfi::Cfi::open(&mapping.path).unwrap();
+        let functions = cfi.functions();
+        assert!(functions.windows(2).all(|w| w[0] <= w[1]));
+        assert_eq!(cfi.function_start(&functions, inside), Some(first));
+        assert_eq!(cfi.function_start(&functions, first), Some(first));
+        // Past every function: none.
+        assert_eq!(cfi.function_start(&functions, u64::MAX / 2), None);
+        let mut out = vec![Vec::new(), vec![Symbol { name: "named".into(), ..Default::default() }]];
+        name_anonymous(&mapping.path, &[inside, inside], &mut out);
+        let module = crate::stacks::module_name(&mapping.path.to_string_lossy());
+        assert_eq!(&*out[0][0].name, anonymous_name(&module, first));
+        assert!(is_anonymous(&module, &out[0][0].name));
+        assert_eq!(&*out[1][0].name, "named", "a named address keeps its name");
+        for name in ["named", "", "prog+0x", "prog+0xg1", "prog2+0x10", "prog+10"] {
+            assert!(!is_anonymous("prog", name), "{name}");
+        }
+        assert!(is_anonymous("prog", "prog+0x1f0"));
     }
 
     #[test]

@@ -334,6 +334,74 @@ impl Cfi {
     }
 }
 
+impl Cfi {
+    /// The code each FDE of the file describes, as (start, end) virtual addresses, sorted:
+    /// where no symbol names it, a function is known by where its FDE starts (GCC and clang
+    /// give every function its own, and a cold part its own). `.debug_frame`'s FDEs fill in
+    /// code `.eh_frame` does not describe.
+    pub fn functions(&self) -> Vec<(u64, u64)> {
+        let mut out: Vec<(u64, u64)> = Vec::new();
+        if let Some(s) = self.section(&self.eh_frame) {
+            let mut frame = EhFrame::from(s);
+            frame.set_address_size(8);
+            fde_spans(&frame, &self.bases, &mut out);
+        }
+        let from_eh = out.len();
+        if let Some(s) = self.section(&self.debug_frame) {
+            let mut frame = DebugFrame::from(s);
+            frame.set_address_size(8);
+            let mut more = Vec::new();
+            fde_spans(&frame, &self.bases, &mut more);
+            out[..from_eh].sort_unstable();
+            let eh = &out[..from_eh];
+            let new: Vec<(u64, u64)> = more
+                .into_iter()
+                .filter(|&(start, end)| {
+                    let at = eh.partition_point(|&(s, _)| s < end);
+                    !eh[..at].iter().rev().take(4).any(|&(s, e)| s < end && start < e)
+                })
+                .collect();
+            out.extend(new);
+        }
+        out.sort_unstable();
+        out.dedup();
+        out
+    }
+
+    /// The file offset where the function holding file offset `offset` starts (the start of
+    /// the FDE that covers it), if an FDE does; `functions` is [`Cfi::functions`].
+    pub fn function_start(&self, functions: &[(u64, u64)], offset: u64) -> Option<u64> {
+        let vaddr = vaddr_of_file_offset(&self.segments, offset)?;
+        let i = functions.partition_point(|&(s, _)| s <= vaddr).checked_sub(1)?;
+        let (start, end) = functions[i];
+        if vaddr >= end {
+            return None;
+        }
+        // Back to a file offset, through the segment that holds both.
+        self.segments
+            .iter()
+            .filter(|s| s.file_size > 0 && (s.vaddr..s.vaddr + s.file_size).contains(&start))
+            .max_by_key(|s| s.executable)
+            .map(|s| start - s.vaddr + s.file_offset)
+    }
+}
+
+/// Appends the span of every well-formed FDE of `section`.
+fn fde_spans<R: Reader<Offset = usize>, S: UnwindSection<R>>(
+    section: &S,
+    bases: &BaseAddresses,
+    out: &mut Vec<(u64, u64)>,
+) {
+    let mut entries = section.entries(bases);
+    while let Ok(Some(entry)) = entries.next() {
+        let CieOrFde::Fde(partial) = entry else { continue };
+        let Ok(fde) = partial.parse(S::cie_from_offset) else { continue };
+        if fde.initial_address() < fde.end_address() {
+            out.push((fde.initial_address(), fde.end_address()));
+        }
+    }
+}
+
 /// Rows reserved at most ahead of reading the CFI (256 MiB of room).
 const MAX_RESERVED_ROWS: usize = 1 << 25;
 
