@@ -175,6 +175,14 @@ pub(crate) fn try_alloc_enter(ctx: &ProbeContext, cookie: u64, session: bool) ->
             // A tail call at the same depth (realloc(NULL, n) jumping to malloc,
             // reallocarray to realloc): the call the user made, and its sampling decision,
             // stay the outer one's; both return probes fire once, at the same return.
+            // From glibc into another allocator (glibc's reallocarray jumps to the realloc
+            // the program uses, a preloaded jemalloc's or tcmalloc's): the block is that
+            // one's, and so are its size classes, not a glibc chunk header's. (A prefixed
+            // copy's wrapper jumping into its library stays the allocator the user called.)
+            if state.flags & inflight::GLIBC != 0 && glibc & inflight::GLIBC == 0 {
+                state.allocator = (cookie >> memtrace_common::cookie::ALLOCATOR_SHIFT) as u8;
+                state.flags = state.flags & !inflight::GLIBC | glibc;
+            }
             return Ok(false);
         }
         // Otherwise the entry is stale (its return was never seen): replace it.

@@ -441,9 +441,16 @@ fn kill_9_leaves_no_probe_behind_and_the_target_running() {
     target.stdout.take().unwrap().read_to_string(&mut out).unwrap();
     assert!(target.wait().unwrap().success(), "the target ran on");
     assert!(out.contains("ns/pair"));
-    // A partial recording of a killed memtrace still reads.
+    // A partial recording of a killed memtrace still reads, and knows its allocator (written
+    // as it was found, not only in the final figures).
     let report = report_json(&dir.join("k.data"), &[]);
     assert_eq!(report["finalized"], false);
+    let families: Vec<&str> =
+        report["allocators"].as_array().unwrap().iter().filter_map(|a| a["family"].as_str()).collect();
+    assert_eq!(families, ["glibc"], "{:#}", report["allocators"]);
+    let glibc = report_json(&dir.join("k.data"), &["--allocator", "glibc"]);
+    let allocs = glibc["totals"]["user"]["allocs"].as_u64().unwrap_or(0);
+    assert!(allocs > 0 && allocs == report["totals"]["user"]["allocs"].as_u64().unwrap(), "{:#}", glibc["totals"]);
 }
 
 #[test]

@@ -105,10 +105,12 @@ struct tally {
 
 static volatile uintptr_t sink;
 
-/* Entry points the allocator in use does not provide (jemalloc has no pvalloc or
- * reallocarray, tcmalloc no reallocarray): glibc's would serve them from its own heap and the
- * allocator's free would then crash on the block. Those sites are skipped (0 in the manifest). */
-static int has_pvalloc = 1, has_reallocarray = 1;
+/* Entry points the allocator in use does not provide (jemalloc has no pvalloc): glibc's
+ * would serve them from its own heap and the allocator's free would then crash on the block.
+ * Those sites are skipped (0 in the manifest). reallocarray is called under every allocator:
+ * where the allocator has none (jemalloc, tcmalloc), glibc's hands the call on to the realloc
+ * the program uses (a tail call through its PLT), and the block is that allocator's. */
+static int has_pvalloc = 1;
 
 static void *object_of(const char *name) {
     Dl_info info;
@@ -121,7 +123,6 @@ static void *object_of(const char *name) {
 static void check_entry_points(void) {
     void *malloc_object = object_of("malloc");
     has_pvalloc = object_of("pvalloc") == malloc_object;
-    has_reallocarray = object_of("reallocarray") == malloc_object;
 }
 
 static void touch(void *p, size_t n) {
@@ -363,7 +364,7 @@ static void *exercise(void *argp) {
         void *a = wl_malloc(t, small);
         void *b = wl_calloc(t, 3 + i % 4, 24);
         wl_realloc(t, 40 + i % 9, 300 + (size_t)(i % 5) * 100);
-        void *c = has_reallocarray ? wl_reallocarray(t, 4, 12 + i % 3, 16) : NULL;
+        void *c = wl_reallocarray(t, 4, 12 + i % 3, 16);
         void *d = wl_posix_memalign(t, 64, 100 + (size_t)(i % 7));
         void *e = wl_aligned_alloc(t, 128, 256);
         void *f = wl_memalign(t, 32, 1000 + (size_t)(i % 3));

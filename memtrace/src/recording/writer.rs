@@ -216,6 +216,14 @@ impl<W: Write> ChunkWriter<W> {
         self.flush_out()
     }
 
+    /// A `Stats` chunk between others, on its way to the file at once: the events pending
+    /// stay for their own chunk.
+    fn stats_so_far(&mut self, stats: &Stats) -> io::Result<()> {
+        let json = serde_json::to_vec(stats).map_err(io::Error::other)?;
+        self.chunk(ChunkKind::Stats, &json, &[])?;
+        self.flush_out()
+    }
+
     /// Writes everything pending and hands back the output, without finalizing.
     fn into_inner(mut self) -> io::Result<W> {
         self.flush()?;
@@ -272,6 +280,8 @@ enum Job {
     /// The encoders' buffers, grown to the largest chunk and kept for the next, let go:
     /// no more events or stacks are coming (they would still be written, into new ones).
     Release,
+    /// Everything before it, then a `Stats` chunk of what is known so far.
+    Stats(Box<Stats>),
     Finish(Box<Stats>),
 }
 
@@ -405,6 +415,15 @@ impl<W: Write + Send + 'static> Writer<W> {
         let _ = self.push(Item::Symbol(key, symbols.to_vec()));
     }
 
+    /// Hands over what is pending, then a `Stats` chunk of what is known so far, without
+    /// waiting: a recording whose end is never written (memtrace killed, the disk full)
+    /// still reads what the session knew of its allocators. The last `Stats` chunk of a
+    /// file is the one read; the final one comes at [`Writer::finish`].
+    pub fn stats_so_far(&mut self, stats: &Stats) -> io::Result<()> {
+        self.hand_over()?;
+        self.send(Job::Stats(Box::new(stats.clone())))
+    }
+
     /// Hands over what is pending and asks for it to be written and the output flushed,
     /// without waiting; returns the error of a write that failed before.
     pub fn flush_behind(&mut self) -> io::Result<()> {
@@ -492,6 +511,11 @@ fn write_jobs<W: Write>(mut w: ChunkWriter<W>, jobs: &Receiver<Job>, progress: &
                 }
             }
             Job::Release => w.release(),
+            Job::Stats(_) if failed => {}
+            Job::Stats(stats) => {
+                let result = w.stats_so_far(&stats);
+                noted(result, &w);
+            }
             Job::Finish(_) if failed => return Err(progress.error()),
             Job::Finish(stats) => return w.finish(&stats).inspect_err(|e| progress.fail(e)),
         }

@@ -348,6 +348,7 @@ async fn run(tracer: &mut Tracer, recorder: &mut Recorder, opts: &RecordOptions)
     let mut last_status = Instant::now();
     let mut events_at_status = 0u64;
     let mut last_flush = Instant::now();
+    let mut allocators_written = (0, 0);
     let reason = loop {
         let wake = waker.wait().await;
         // A signal is decided as it is read, and one passed on is timed again once the
@@ -375,6 +376,17 @@ async fn run(tracer: &mut Tracer, recorder: &mut Recorder, opts: &RecordOptions)
             Wake::Signal(sig) if stop_on == Some(sig) => break StopReason::Signal(sig),
             Wake::Signal(_) => tracer.signal_read_through(),
         }
+        // The allocators found (at the start, exec, dlopen), in the file as they come (the
+        // final figures come at the end): a recording cut short still knows them.
+        let found = (tracer.allocators.len(), tracer.late_probes.len());
+        if found != allocators_written {
+            let stats = Stats { allocators: allocators_meta(tracer), ..Default::default() };
+            if let Err(e) = recorder.writer.stats_so_far(&stats) {
+                recorder.write_error = Some(e);
+                break StopReason::WriteFailed;
+            }
+            allocators_written = found;
+        }
         if last_flush.elapsed() >= FLUSH_INTERVAL {
             if let Err(e) = recorder.writer.flush_behind() {
                 recorder.write_error = Some(e);
@@ -392,6 +404,21 @@ async fn run(tracer: &mut Tracer, recorder: &mut Recorder, opts: &RecordOptions)
         eprint!("\r\x1b[K");
     }
     Ok(reason)
+}
+
+/// The allocators found so far, as the recording keeps them.
+fn allocators_meta(tracer: &Tracer) -> Vec<crate::recording::AllocatorMeta> {
+    tracer
+        .allocators
+        .iter()
+        .map(|a| crate::recording::AllocatorMeta {
+            module: a.object.display().to_string(),
+            family: a.family.name().to_string(),
+            prefix: a.prefix.clone(),
+            found: a.found,
+            probed_late: tracer.late_probes.get(&a.index).cloned(),
+        })
+        .collect()
 }
 
 /// Runs a whole recording.
@@ -594,17 +621,7 @@ fn finish(
         // tables, which only their outer array holds.
         bpf_map_bytes: crate::procfs::own_bpf_map_bytes() + unwind.tables.bytes,
         python: tracer.python_found(),
-        allocators: tracer
-            .allocators
-            .iter()
-            .map(|a| crate::recording::AllocatorMeta {
-                module: a.object.display().to_string(),
-                family: a.family.name().to_string(),
-                prefix: a.prefix.clone(),
-                found: a.found,
-                probed_late: tracer.late_probes.get(&a.index).cloned(),
-            })
-            .collect(),
+        allocators: allocators_meta(&tracer),
         ..Default::default()
     };
     log::debug!("ring records read across a ring's end: {}", tracer.probes.ring_records_joined());
