@@ -86,6 +86,14 @@ const FUNCTIONS: &[&str] = &[
     // GMP's default allocation functions.
     "__gmp_default_allocate",
     "__gmp_default_reallocate",
+    // Perl's allocation functions (every allocation of the interpreter), and its strdup.
+    "Perl_safesysmalloc",
+    "Perl_safesyscalloc",
+    "Perl_safesysrealloc",
+    "Perl_savepv",
+    "Perl_savepvn",
+    "Perl_savesharedpv",
+    "Perl_savesharedpvn",
     // CPython's allocator API, in front of the C library's malloc.
     "PyMem_Malloc",
     "PyMem_Calloc",
@@ -110,8 +118,8 @@ pub struct AllocFnArgs {
     /// A function that allocates for its caller, as valgrind massif's --alloc-fn: a call
     /// site is named after its caller. Repeat for several; NAME* matches a prefix; `none`
     /// empties the list, built-in wrappers included (the Rust and C++ standard libraries'
-    /// containers, operator new, strdup, xmalloc, g_malloc, sqlite3Malloc, PyMem_Malloc and
-    /// the like).
+    /// containers, operator new, strdup, xmalloc, g_malloc, sqlite3Malloc, Perl_safesysmalloc,
+    /// PyMem_Malloc and the like).
     #[arg(long = "alloc-fn", value_name = "NAME")]
     pub alloc_fn: Vec<String>,
 }

@@ -213,6 +213,46 @@ fn damaged_recordings_give_clear_errors_or_the_complete_part() {
     assert!(stderr.contains(&format!("byte {at}")) && stderr.contains("skipped"), "{stderr}");
 }
 
+/// Blocks allocated in one events chunk and freed in a later one, the first damaged: the
+/// frees without their allocations are blamed on the skipped chunk, not on late probes
+/// (helper-50: "its allocator was probed after it started").
+#[test]
+fn frees_whose_allocations_were_in_a_skipped_chunk_name_it() {
+    require_root();
+    let _sharing = sharing_the_machine();
+    let dir = scratch("skipped-allocations");
+    let source = dir.join("later.c");
+    fs::write(
+        &source,
+        "#include <stdlib.h>\n#include <unistd.h>\nstatic void *p[20000];\nint main(void) {\n\
+         for (int i = 0; i < 20000; i++) p[i] = malloc(40);\n usleep(1500000);\n\
+         for (int i = 0; i < 20000; i++) free(p[i]);\n return 0;\n}\n",
+    )
+    .unwrap();
+    let exe = dir.join("later");
+    let status = Command::new("cc").args(["-O1", "-fno-builtin", "-o"]).arg(&exe).arg(&source).status().unwrap();
+    assert!(status.success());
+    let good = dir.join("good.data");
+    run(memtrace().args(["record", "-q", "--no-kernel", "-o"]).arg(&good).arg("--").arg(&exe));
+    let whole = report_json(&good, &[]);
+    assert_eq!(whole["totals"]["user"]["frees"], whole["totals"]["user"]["allocs"], "{:#}", whole["totals"]);
+    // The first events chunk (the allocations; the frees come in a later one, 1.5 s on),
+    // one byte of its payload changed.
+    let mut bytes = fs::read(&good).unwrap();
+    let mut at = 16;
+    while bytes[at] & 0x7f != 2 {
+        at += 9 + u32::from_le_bytes(bytes[at + 1..at + 5].try_into().unwrap()) as usize;
+    }
+    bytes[at + 20] ^= 0xff;
+    let damaged = dir.join("damaged.data");
+    fs::write(&damaged, &bytes).unwrap();
+    let report = report_json(&damaged, &[]);
+    let warnings = report["warnings"].to_string();
+    assert!(warnings.contains("skipped"), "{warnings}");
+    assert!(warnings.contains("a damaged part of the recording was skipped"), "{warnings}");
+    assert!(!warnings.contains("probed after it started"), "{warnings}");
+}
+
 #[test]
 fn output_paths_that_cannot_be_written_fail_clearly() {
     require_root();

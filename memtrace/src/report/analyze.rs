@@ -312,7 +312,8 @@ impl CoverageCounter {
 
 /// Reads the recording at `path` and adds it up as `opts` asks.
 pub fn analyze(path: &Path, opts: &ReportOptions) -> Result<Summary> {
-    let Definitions { meta, stacks: mut table, stats, finalized, mut warnings, damaged_at } = read_definitions(path)?;
+    let Definitions { meta, stacks: mut table, stats, finalized, mut warnings, damaged_at, skipped } =
+        read_definitions(path)?;
     // No chunk skipped or cut: what the file lacks, the program did not do.
     let intact = finalized && warnings.is_empty();
     if !finalized {
@@ -659,7 +660,7 @@ pub fn analyze(path: &Path, opts: &ReportOptions) -> Result<Summary> {
         first => first,
     };
     let duration_ns = began.map_or(0, |f| end_ts.saturating_sub(f));
-    let mut under_counting = under_counting(&tallies, &comms, &meta, &stats);
+    let mut under_counting = under_counting(&tallies, &comms, &meta, &stats, skipped > 0);
     if meta.user && meta.mode == "command" && !user_allocs_seen && intact {
         under_counting.push(super::warnings::nothing_seen(&meta));
     }

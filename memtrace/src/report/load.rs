@@ -23,6 +23,8 @@ pub struct Definitions {
     pub warnings: Vec<String>,
     /// Where the damaged chunk starts: the events are read up to there.
     pub damaged_at: Option<u64>,
+    /// Chunks that failed their checksum and were skipped (what they held is missing).
+    pub skipped: usize,
 }
 
 /// Reads the definitions of a recording (everything but the events).
@@ -38,6 +40,7 @@ pub fn read_definitions(path: &Path) -> Result<Definitions> {
     let mut finalized = false;
     let mut warnings = Vec::new();
     let mut damaged_at = None;
+    let mut skipped = 0;
     loop {
         let at = reader.offset();
         match reader.next_chunk() {
@@ -52,6 +55,7 @@ pub fn read_definitions(path: &Path) -> Result<Definitions> {
             },
             // A chunk that fails its checksum is skipped: what follows it still reads.
             Err(e @ FormatError::Damaged { .. }) => {
+                skipped += 1;
                 warnings.push(format!("{e}: skipped (the events, stacks or names it held are missing)"));
             }
             Err(e) => {
@@ -71,6 +75,7 @@ pub fn read_definitions(path: &Path) -> Result<Definitions> {
         finalized,
         warnings,
         damaged_at,
+        skipped,
     })
 }
 

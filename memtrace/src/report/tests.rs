@@ -340,6 +340,14 @@ fn the_summary_counts_what_the_filters_keep() {
     let t = text(&none);
     assert!(t.contains("\nno allocation matches the filters\n") && t.ends_with("\n0 call sites\n"), "{t}");
     assert!(!t.contains("ALLOCS"), "{t}");
+    // A domain the recording has none of: allocations were recorded, not of it.
+    let gpu = ReportOptions {
+        filters: Filters { domain: crate::grouping::DomainFilter::Gpu, ..Default::default() },
+        layout: layout(Width::Columns(100)),
+        ..Default::default()
+    };
+    let t = text(&gpu);
+    assert!(t.contains("\nno allocation matches the filters\n"), "{t}");
 }
 
 #[test]

@@ -68,7 +68,11 @@ pub fn write_text(a: &Summary, opts: &ReportOptions, w: &mut dyn io::Write) -> i
     let mut out = String::new();
     let _ = writeln!(out, "memtrace report: {}", describe_target(a));
     if !a.allocators.is_empty() {
-        for r in &a.allocators {
+        // An allocator no call reached while another served the program (glibc's, under a
+        // preloaded jemalloc: its malloc is not the program's) says nothing (the JSON keeps
+        // it): "0 allocs, 0 frees; probed 20ms after perl mapped it" read as calls missed.
+        let others_served = a.allocators.iter().any(|r| r.allocs + r.frees > 0);
+        for r in a.allocators.iter().filter(|r| !others_served || r.allocs + r.frees > 0) {
             let prefix = if r.prefix.is_empty() { String::new() } else { format!(", prefix {}", r.prefix) };
             let how = crate::sizes::Family::from_name(&r.family).map_or("", |f| f.usable_source());
             let late = match &r.probed_late {
@@ -137,8 +141,13 @@ pub fn write_text(a: &Summary, opts: &ReportOptions, w: &mut dyn io::Write) -> i
         out.push_str(&totals_table(a, opts).render(opts.layout.width));
     } else {
         // A table of headers alone says nothing.
-        let what =
-            if opts.filters.is_empty() { "no allocation was recorded" } else { "no allocation matches the filters" };
+        // (`--domain gpu` of a recording of user and kernel allocations: some were.)
+        let recorded = a.totals.values().any(any) || a.allocs_by_pid.values().any(|&n| n > 0);
+        let what = if opts.filters.is_empty() && !recorded {
+            "no allocation was recorded"
+        } else {
+            "no allocation matches the filters"
+        };
         let _ = writeln!(out, "{what}");
     }
     for (domain, t) in a.totals.iter().filter(|(d, t)| opts.filters.domain.admits(**d) && t.stats.failed > 0) {

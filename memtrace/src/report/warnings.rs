@@ -123,7 +123,7 @@ fn tally(path: &Path, len: u64, stats: &Stats) -> anyhow::Result<Vec<String>> {
     for (pid, n) in &unmatched.by_pid {
         tallies.entry(*pid).or_default().unmatched_frees = *n;
     }
-    let mut out = under_counting(&tallies, &comms, &meta, stats);
+    let mut out = under_counting(&tallies, &comms, &meta, stats, false);
     if meta.user && meta.mode == "command" && !user_allocs_seen {
         out.push(nothing_seen(&meta));
     }
@@ -240,12 +240,14 @@ pub fn unplaced_stacks(stats: &Stats) -> crate::FastSet<u64> {
     stats.unwind_unplaced_stacks.iter().map(|&id| u64::from(id) + 1).collect()
 }
 
-/// The warnings for these processes (pid → tally), named with `comms`.
+/// The warnings for these processes (pid → tally), named with `comms`; `skipped`: damaged
+/// chunks of the recording were skipped.
 pub fn under_counting(
     tallies: &BTreeMap<u32, ProcessTally>,
     comms: &HashMap<u32, String>,
     meta: &Meta,
     stats: &Stats,
+    skipped: bool,
 ) -> Vec<String> {
     let mut out = Vec::new();
     if stats.kernel_stacks_differed > 0 {
@@ -303,7 +305,9 @@ pub fn under_counting(
     for (&pid, t) in tallies {
         let name = name_of(pid);
         if t.frees >= MIN_EVENTS && t.unmatched_frees as f64 >= SHARE * t.frees as f64 {
-            let cause = if t.started_traced || (meta.target_pids.contains(&pid) && meta.mode == "command") {
+            let cause = if skipped {
+                "a damaged part of the recording was skipped, and the allocations it held with it (see above)"
+            } else if t.started_traced || (meta.target_pids.contains(&pid) && meta.mode == "command") {
                 "its allocator was probed after it started (a child or an exec'd program with its own allocator is \
                  probed milliseconds after it appears, an allocator loaded with dlopen within 2 s): its first \
                  allocations were missed"
@@ -461,7 +465,7 @@ mod tests {
             },
         );
         tallies.insert(9, ProcessTally { frees: 10, unmatched_frees: 10, ..Default::default() });
-        let w = under_counting(&tallies, &comms, &meta, &Stats::default());
+        let w = under_counting(&tallies, &comms, &meta, &Stats::default(), false);
         assert_eq!(w.len(), 2, "{w:#?}");
         assert!(
             w[0].starts_with(
@@ -479,12 +483,12 @@ mod tests {
         );
         assert!(w[1].contains("without unwind information"), "{}", w[1]);
         let fp = Meta { call_graph: "fp".into(), ..meta.clone() };
-        assert!(under_counting(&tallies, &comms, &fp, &Stats::default())[1].contains("--call-graph dwarf"));
+        assert!(under_counting(&tallies, &comms, &fp, &Stats::default(), false)[1].contains("--call-graph dwarf"));
         // Copies refused for want of ring room, in a recording that does not list their
         // stacks: counted for the session, not per process, and that cause is named beside
         // the other, with the session's count.
         let budget = Stats { unwind_budget_truncated: 17, ..Default::default() };
-        let w = under_counting(&tallies, &comms, &meta, &budget);
+        let w = under_counting(&tallies, &comms, &meta, &budget, false);
         assert!(w[1].contains("without unwind information") && w[1].contains("cut short 17 stacks of the session"));
         // Listed: each process's share is told.
         let listed = Stats { unwind_budget_truncated: 17, unwind_no_room_stacks: vec![3], ..Default::default() };
@@ -492,7 +496,7 @@ mod tests {
         let cause_of = |stats: &Stats, set: &dyn Fn(&mut ProcessTally)| {
             let mut tallies = tallies.clone();
             set(tallies.get_mut(&8).unwrap());
-            under_counting(&tallies, &comms, &meta, stats)[1].clone()
+            under_counting(&tallies, &comms, &meta, stats, false)[1].clone()
         };
         let no_room = |n: u64| cause_of(&listed, &move |t: &mut ProcessTally| t.user.no_room = n);
         let all = no_room(400);
@@ -526,7 +530,7 @@ mod tests {
         let kernel_cut = CutShort { with_stack: 10_501, truncated: 1_298, no_room: 1_298, unplaced: 0 };
         let mut with_kernel = BTreeMap::new();
         with_kernel.insert(7, ProcessTally { kernel: kernel_cut, ..Default::default() });
-        let w = under_counting(&with_kernel, &comms, &meta, &listed);
+        let w = under_counting(&with_kernel, &comms, &meta, &listed, false);
         assert_eq!(
             w,
             [format!(
@@ -537,7 +541,7 @@ mod tests {
         );
         assert!(w[0].ends_with("the rings had no room for stack copies while unwind rules were learned (a larger --ring-size keeps those)"), "{}", w[0]);
         with_kernel.get_mut(&7).unwrap().user = CutShort { with_stack: 100, truncated: 100, ..Default::default() };
-        let w = under_counting(&with_kernel, &comms, &fp, &listed);
+        let w = under_counting(&with_kernel, &comms, &fp, &listed, false);
         assert_eq!(w.len(), 1, "{w:#?}");
         assert!(
             w[0].starts_with(
@@ -547,7 +551,7 @@ mod tests {
             "{}",
             w[0]
         );
-        let w = under_counting(&with_kernel, &comms, &meta, &listed);
+        let w = under_counting(&with_kernel, &comms, &meta, &listed, false);
         assert_eq!(w.len(), 2, "{w:#?}");
         assert!(
             w[0].contains("100.0% of its allocations (100 of 100) have a stack cut short: code without"),
@@ -557,17 +561,22 @@ mod tests {
         assert!(w[1].contains("12.4% of its kernel allocations"), "{}", w[1]);
         tallies
             .insert(7, ProcessTally { frees: 1000, unmatched_frees: 200, started_traced: true, ..Default::default() });
-        assert!(under_counting(&tallies, &comms, &meta, &Stats::default())[0].contains("probed after it started"));
+        assert!(
+            under_counting(&tallies, &comms, &meta, &Stats::default(), false)[0].contains("probed after it started")
+        );
+        // A chunk of the recording skipped is named the cause: the allocations went with it.
+        let w = under_counting(&tallies, &comms, &meta, &Stats::default(), true);
+        assert!(w[0].contains("a damaged part of the recording was skipped"), "{}", w[0]);
         let differed = Stats { kernel_stacks_differed: 2, ..Default::default() };
-        let w = under_counting(&BTreeMap::new(), &comms, &meta, &differed);
+        let w = under_counting(&BTreeMap::new(), &comms, &meta, &differed, false);
         assert_eq!(w.len(), 1, "{w:#?}");
         assert!(w[0].starts_with("2 kernel stacks taken from an earlier unwind"), "{}", w[0]);
         let interleaved = Stats { user_walks_interleaved: 5, ..Default::default() };
-        let w = under_counting(&BTreeMap::new(), &comms, &meta, &interleaved);
+        let w = under_counting(&BTreeMap::new(), &comms, &meta, &interleaved, false);
         assert_eq!(w.len(), 1, "{w:#?}");
         assert!(w[0].starts_with("5 user stacks keep their call site alone (cut short)"), "{}", w[0]);
         let unlooked = Stats { mremaps_unlooked: 3, ..Default::default() };
-        let w = under_counting(&BTreeMap::new(), &comms, &meta, &unlooked);
+        let w = under_counting(&BTreeMap::new(), &comms, &meta, &unlooked, false);
         assert_eq!(w.len(), 1, "{w:#?}");
         assert!(w[0].starts_with("3 mremap calls could not look up the mapping they moved"), "{}", w[0]);
         // An allocator probed after the program that brought it began: said for an exec'd
@@ -579,7 +588,7 @@ mod tests {
             ..Default::default()
         };
         let late = Stats { allocators: vec![allocator(true), allocator(false)], ..Default::default() };
-        let w = under_counting(&BTreeMap::new(), &comms, &meta, &late);
+        let w = under_counting(&BTreeMap::new(), &comms, &meta, &late, false);
         assert_eq!(w.len(), 1, "{w:#?}");
         assert_eq!(
             w[0],
@@ -587,7 +596,7 @@ mod tests {
              the calls it made to it before then are not in the recording"
         );
         let command = Meta { mode: "command".into(), ..meta.clone() };
-        assert!(under_counting(&BTreeMap::new(), &comms, &command, &late)[0].contains("the next `record`"));
+        assert!(under_counting(&BTreeMap::new(), &comms, &command, &late, false)[0].contains("the next `record`"));
         // A library's allocator that came with an exec'd program: the program is named, and
         // the next record is promised only where the session kept the program for it (not
         // under LD_PRELOAD, nor without the disk cache).
@@ -605,7 +614,7 @@ mod tests {
         };
         for remembered in [false, true] {
             let late = Stats { allocators: vec![preloaded(remembered)], ..Default::default() };
-            let w = under_counting(&BTreeMap::new(), &comms, &command, &late);
+            let w = under_counting(&BTreeMap::new(), &comms, &command, &late, false);
             assert!(
                 w[0].starts_with(
                     "process server [7] exec'd /usr/bin/ls, whose allocator (jemalloc, /usr/lib/libjemalloc.so.2) was \
