@@ -223,6 +223,16 @@ fn foreign_files_and_newer_versions_are_refused() {
     // No metadata to tell by: both are said.
     let err = read_all(&newer[..HEADER_LEN]).unwrap_err();
     assert!(err.to_string().contains("a newer format, or a damaged header"), "{err}");
+    // Every other header byte holds one of a few values: another is damage, at that byte
+    // (helper-50: a byte order of 2 → 3, or a reserved byte set, read on in silence).
+    let good = write(&[], true);
+    assert!(read_all(&good[..]).is_ok());
+    for (at, value) in [(10, 3u8), (10, 0), (11, 4), (12, 2), (13, 1), (14, 0x80), (15, 0xff)] {
+        let mut damaged = good.clone();
+        damaged[at] = value;
+        let err = read_all(&damaged[..]).unwrap_err();
+        assert!(matches!(&err, FormatError::Corrupt { offset, .. } if *offset == at as u64), "byte {at}: {err}");
+    }
 }
 
 #[test]

@@ -660,7 +660,8 @@ pub fn analyze(path: &Path, opts: &ReportOptions) -> Result<Summary> {
         first => first,
     };
     let duration_ns = began.map_or(0, |f| end_ts.saturating_sub(f));
-    let mut under_counting = under_counting(&tallies, &comms, &meta, &stats, skipped > 0);
+    let reading = super::warnings::Reading { skipped: skipped > 0, filtered: !opts.filters.is_empty() };
+    let mut under_counting = under_counting(&tallies, &comms, &meta, &stats, reading);
     if meta.user && meta.mode == "command" && !user_allocs_seen && intact {
         under_counting.push(super::warnings::nothing_seen(&meta));
     }

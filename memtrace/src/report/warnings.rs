@@ -123,7 +123,7 @@ fn tally(path: &Path, len: u64, stats: &Stats) -> anyhow::Result<Vec<String>> {
     for (pid, n) in &unmatched.by_pid {
         tallies.entry(*pid).or_default().unmatched_frees = *n;
     }
-    let mut out = under_counting(&tallies, &comms, &meta, stats, false);
+    let mut out = under_counting(&tallies, &comms, &meta, stats, Reading::default());
     if meta.user && meta.mode == "command" && !user_allocs_seen {
         out.push(nothing_seen(&meta));
     }
@@ -240,14 +240,23 @@ pub fn unplaced_stacks(stats: &Stats) -> crate::FastSet<u64> {
     stats.unwind_unplaced_stacks.iter().map(|&id| u64::from(id) + 1).collect()
 }
 
-/// The warnings for these processes (pid → tally), named with `comms`; `skipped`: damaged
-/// chunks of the recording were skipped.
+/// How the recording was read, for [`under_counting`].
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Reading {
+    /// Damaged chunks were skipped.
+    pub skipped: bool,
+    /// The report's filters keep some allocations out of its columns (the tallies count
+    /// them all).
+    pub filtered: bool,
+}
+
+/// The warnings for these processes (pid → tally), named with `comms`.
 pub fn under_counting(
     tallies: &BTreeMap<u32, ProcessTally>,
     comms: &HashMap<u32, String>,
     meta: &Meta,
     stats: &Stats,
-    skipped: bool,
+    reading: Reading,
 ) -> Vec<String> {
     let mut out = Vec::new();
     if stats.kernel_stacks_differed > 0 {
@@ -305,7 +314,7 @@ pub fn under_counting(
     for (&pid, t) in tallies {
         let name = name_of(pid);
         if t.frees >= MIN_EVENTS && t.unmatched_frees as f64 >= SHARE * t.frees as f64 {
-            let cause = if skipped {
+            let cause = if reading.skipped {
                 "a damaged part of the recording was skipped, and the allocations it held with it (see above)"
             } else if t.started_traced || (meta.target_pids.contains(&pid) && meta.mode == "command") {
                 "its allocator was probed after it started (a child or an exec'd program with its own allocator is \
@@ -315,13 +324,19 @@ pub fn under_counting(
                 "it was already running when tracing began (attached mid-run): blocks allocated before are freed \
                  without their allocation, and live figures miss them"
             };
+            // (Filtered, the FREES column counts fewer: only those the filters keep.)
+            let column = match reading.filtered {
+                false => format!(
+                    "; the report's FREES column counts the other {}",
+                    t.frees.saturating_sub(t.unmatched_frees)
+                ),
+                true => String::new(),
+            };
             out.push(format!(
-                "{name}: {} of its frees ({} of {}; the report's FREES column counts the other {}) had no \
-                 allocation: {cause}",
+                "{name}: {} of its frees ({} of {}{column}) had no allocation: {cause}",
                 percent(100.0 * t.unmatched_frees as f64 / t.frees as f64),
                 t.unmatched_frees,
                 t.frees,
-                t.frees.saturating_sub(t.unmatched_frees)
             ));
         }
         let user = t.user.worth_a_warning().then(|| cut_short_cause(&t.user, meta, stats));
@@ -465,7 +480,7 @@ mod tests {
             },
         );
         tallies.insert(9, ProcessTally { frees: 10, unmatched_frees: 10, ..Default::default() });
-        let w = under_counting(&tallies, &comms, &meta, &Stats::default(), false);
+        let w = under_counting(&tallies, &comms, &meta, &Stats::default(), Reading::default());
         assert_eq!(w.len(), 2, "{w:#?}");
         assert!(
             w[0].starts_with(
@@ -483,12 +498,15 @@ mod tests {
         );
         assert!(w[1].contains("without unwind information"), "{}", w[1]);
         let fp = Meta { call_graph: "fp".into(), ..meta.clone() };
-        assert!(under_counting(&tallies, &comms, &fp, &Stats::default(), false)[1].contains("--call-graph dwarf"));
+        assert!(
+            under_counting(&tallies, &comms, &fp, &Stats::default(), Reading::default())[1]
+                .contains("--call-graph dwarf")
+        );
         // Copies refused for want of ring room, in a recording that does not list their
         // stacks: counted for the session, not per process, and that cause is named beside
         // the other, with the session's count.
         let budget = Stats { unwind_budget_truncated: 17, ..Default::default() };
-        let w = under_counting(&tallies, &comms, &meta, &budget, false);
+        let w = under_counting(&tallies, &comms, &meta, &budget, Reading::default());
         assert!(w[1].contains("without unwind information") && w[1].contains("cut short 17 stacks of the session"));
         // Listed: each process's share is told.
         let listed = Stats { unwind_budget_truncated: 17, unwind_no_room_stacks: vec![3], ..Default::default() };
@@ -496,7 +514,7 @@ mod tests {
         let cause_of = |stats: &Stats, set: &dyn Fn(&mut ProcessTally)| {
             let mut tallies = tallies.clone();
             set(tallies.get_mut(&8).unwrap());
-            under_counting(&tallies, &comms, &meta, stats, false)[1].clone()
+            under_counting(&tallies, &comms, &meta, stats, Reading::default())[1].clone()
         };
         let no_room = |n: u64| cause_of(&listed, &move |t: &mut ProcessTally| t.user.no_room = n);
         let all = no_room(400);
@@ -530,7 +548,7 @@ mod tests {
         let kernel_cut = CutShort { with_stack: 10_501, truncated: 1_298, no_room: 1_298, unplaced: 0 };
         let mut with_kernel = BTreeMap::new();
         with_kernel.insert(7, ProcessTally { kernel: kernel_cut, ..Default::default() });
-        let w = under_counting(&with_kernel, &comms, &meta, &listed, false);
+        let w = under_counting(&with_kernel, &comms, &meta, &listed, Reading::default());
         assert_eq!(
             w,
             [format!(
@@ -541,7 +559,7 @@ mod tests {
         );
         assert!(w[0].ends_with("the rings had no room for stack copies while unwind rules were learned (a larger --ring-size keeps those)"), "{}", w[0]);
         with_kernel.get_mut(&7).unwrap().user = CutShort { with_stack: 100, truncated: 100, ..Default::default() };
-        let w = under_counting(&with_kernel, &comms, &fp, &listed, false);
+        let w = under_counting(&with_kernel, &comms, &fp, &listed, Reading::default());
         assert_eq!(w.len(), 1, "{w:#?}");
         assert!(
             w[0].starts_with(
@@ -551,7 +569,7 @@ mod tests {
             "{}",
             w[0]
         );
-        let w = under_counting(&with_kernel, &comms, &meta, &listed, false);
+        let w = under_counting(&with_kernel, &comms, &meta, &listed, Reading::default());
         assert_eq!(w.len(), 2, "{w:#?}");
         assert!(
             w[0].contains("100.0% of its allocations (100 of 100) have a stack cut short: code without"),
@@ -562,21 +580,26 @@ mod tests {
         tallies
             .insert(7, ProcessTally { frees: 1000, unmatched_frees: 200, started_traced: true, ..Default::default() });
         assert!(
-            under_counting(&tallies, &comms, &meta, &Stats::default(), false)[0].contains("probed after it started")
+            under_counting(&tallies, &comms, &meta, &Stats::default(), Reading::default())[0]
+                .contains("probed after it started")
         );
         // A chunk of the recording skipped is named the cause: the allocations went with it.
-        let w = under_counting(&tallies, &comms, &meta, &Stats::default(), true);
+        let w = under_counting(&tallies, &comms, &meta, &Stats::default(), Reading { skipped: true, filtered: false });
         assert!(w[0].contains("a damaged part of the recording was skipped"), "{}", w[0]);
+        // Unfiltered, the FREES column counts the other frees; filtered, it counts fewer.
+        assert!(w[0].contains("(200 of 1000; the report's FREES column counts the other 800)"), "{}", w[0]);
+        let w = under_counting(&tallies, &comms, &meta, &Stats::default(), Reading { filtered: true, skipped: false });
+        assert!(w[0].contains("(200 of 1000) had no allocation"), "{}", w[0]);
         let differed = Stats { kernel_stacks_differed: 2, ..Default::default() };
-        let w = under_counting(&BTreeMap::new(), &comms, &meta, &differed, false);
+        let w = under_counting(&BTreeMap::new(), &comms, &meta, &differed, Reading::default());
         assert_eq!(w.len(), 1, "{w:#?}");
         assert!(w[0].starts_with("2 kernel stacks taken from an earlier unwind"), "{}", w[0]);
         let interleaved = Stats { user_walks_interleaved: 5, ..Default::default() };
-        let w = under_counting(&BTreeMap::new(), &comms, &meta, &interleaved, false);
+        let w = under_counting(&BTreeMap::new(), &comms, &meta, &interleaved, Reading::default());
         assert_eq!(w.len(), 1, "{w:#?}");
         assert!(w[0].starts_with("5 user stacks keep their call site alone (cut short)"), "{}", w[0]);
         let unlooked = Stats { mremaps_unlooked: 3, ..Default::default() };
-        let w = under_counting(&BTreeMap::new(), &comms, &meta, &unlooked, false);
+        let w = under_counting(&BTreeMap::new(), &comms, &meta, &unlooked, Reading::default());
         assert_eq!(w.len(), 1, "{w:#?}");
         assert!(w[0].starts_with("3 mremap calls could not look up the mapping they moved"), "{}", w[0]);
         // An allocator probed after the program that brought it began: said for an exec'd
@@ -588,7 +611,7 @@ mod tests {
             ..Default::default()
         };
         let late = Stats { allocators: vec![allocator(true), allocator(false)], ..Default::default() };
-        let w = under_counting(&BTreeMap::new(), &comms, &meta, &late, false);
+        let w = under_counting(&BTreeMap::new(), &comms, &meta, &late, Reading::default());
         assert_eq!(w.len(), 1, "{w:#?}");
         assert_eq!(
             w[0],
@@ -596,7 +619,10 @@ mod tests {
              the calls it made to it before then are not in the recording"
         );
         let command = Meta { mode: "command".into(), ..meta.clone() };
-        assert!(under_counting(&BTreeMap::new(), &comms, &command, &late, false)[0].contains("the next `record`"));
+        assert!(
+            under_counting(&BTreeMap::new(), &comms, &command, &late, Reading::default())[0]
+                .contains("the next `record`")
+        );
         // A library's allocator that came with an exec'd program: the program is named, and
         // the next record is promised only where the session kept the program for it (not
         // under LD_PRELOAD, nor without the disk cache).
@@ -614,7 +640,7 @@ mod tests {
         };
         for remembered in [false, true] {
             let late = Stats { allocators: vec![preloaded(remembered)], ..Default::default() };
-            let w = under_counting(&BTreeMap::new(), &comms, &command, &late, false);
+            let w = under_counting(&BTreeMap::new(), &comms, &command, &late, Reading::default());
             assert!(
                 w[0].starts_with(
                     "process server [7] exec'd /usr/bin/ls, whose allocator (jemalloc, /usr/lib/libjemalloc.so.2) was \
