@@ -110,10 +110,16 @@ struct BaselineArgs {
 #[derive(Args)]
 struct TopArgs {
     /// Watch a running process (and its threads).
-    #[arg(short, long, conflicts_with = "command")]
+    #[arg(short, long, conflicts_with = "command", allow_negative_numbers = true)]
     pid: Option<u32>,
     /// Seconds between refreshes.
-    #[arg(short = 'd', long = "delay", value_parser = parse_positive_duration, default_value = "1")]
+    #[arg(
+        short = 'd',
+        long = "delay",
+        value_parser = parse_positive_duration,
+        default_value = "1",
+        allow_hyphen_values = true
+    )]
     delay: Duration,
     /// Batch mode: plain-text snapshots on stdout, like top -b.
     #[arg(short, long)]
@@ -473,7 +479,7 @@ fn parse_time_resolution(s: &str) -> Result<u64, String> {
 #[derive(Args)]
 struct RecordArgs {
     /// Trace a running process (and its threads).
-    #[arg(short, long, conflicts_with_all = ["all", "command"])]
+    #[arg(short, long, conflicts_with_all = ["all", "command"], allow_negative_numbers = true)]
     pid: Option<u32>,
     /// Trace every process and the kernel, including processes started later.
     #[arg(short = 'a', long, conflicts_with = "command")]
@@ -485,7 +491,7 @@ struct RecordArgs {
     #[arg(long)]
     force: bool,
     /// Stop after this long (e.g. 10s, 500ms, 2m).
-    #[arg(short, long, value_parser = parse_positive_duration)]
+    #[arg(short, long, value_parser = parse_positive_duration, allow_hyphen_values = true)]
     duration: Option<Duration>,
     /// Do not trace user-space allocators.
     #[arg(long)]

@@ -29,7 +29,7 @@ pub struct ServeArgs {
     #[arg(long, default_value = "127.0.0.1:6060", value_name = "ADDR")]
     pub listen: String,
     /// Trace this running process (repeat for several).
-    #[arg(short, long = "pid", value_name = "PID", conflicts_with_all = ["all", "command"])]
+    #[arg(short, long = "pid", value_name = "PID", conflicts_with_all = ["all", "command"], allow_negative_numbers = true)]
     pub pids: Vec<u32>,
     /// Trace every process and the kernel, including processes started later.
     #[arg(short = 'a', long, conflicts_with = "command")]
@@ -101,8 +101,9 @@ pub struct ServeArgs {
     pub ring_size: Option<u64>,
     #[command(flatten)]
     pub sites: crate::wrappers::AllocFnArgs,
-    /// The command to run and trace, after `--`; memtrace exits with it.
-    #[arg(last = true, value_name = "CMD")]
+    /// The command to run and trace, with its arguments (`--` before it is optional);
+    /// memtrace exits with it.
+    #[arg(trailing_var_arg = true, value_name = "CMD")]
     pub command: Vec<OsString>,
 }
 

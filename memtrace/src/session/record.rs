@@ -377,9 +377,10 @@ async fn run(tracer: &mut Tracer, recorder: &mut Recorder, opts: &RecordOptions)
             Wake::Signal(_) => tracer.signal_read_through(),
         }
         // The allocators found (at the start, exec, dlopen), in the file as they come (the
-        // final figures come at the end): a recording cut short still knows them.
+        // final figures come at the end): a recording cut short still knows them. At most
+        // once a flush interval after the first (`-a` meets a new one with many a program).
         let found = (tracer.allocators.len(), tracer.late_probes.len());
-        if found != allocators_written {
+        if found != allocators_written && (allocators_written == (0, 0) || last_flush.elapsed() >= FLUSH_INTERVAL) {
             let stats = Stats { allocators: allocators_meta(tracer), ..Default::default() };
             if let Err(e) = recorder.writer.stats_so_far(&stats) {
                 recorder.write_error = Some(e);
