@@ -24,7 +24,7 @@ use crate::{
     analysis::{Analyzer, Domain, EXCLUDED, LiveBlock, Origin, Stats, Timeline, Totals},
     event::Event,
     grouping::{Filters, GroupBy, GroupKey, LABEL_FRAMES, domain_of, label, row_label},
-    recording::{self, Meta, TARGET_EXITED},
+    recording::{self, FileFrame, Meta, SymbolKey, TARGET_EXITED},
     stacks::{Frame, StackTable},
 };
 
@@ -97,12 +97,49 @@ pub struct ProbeOverhead {
     pub map_bytes_alloc: u64,
 }
 
-/// What `--leaks` found in all: blocks, bytes and stacks.
+/// What `--leaks` found in all: blocks, bytes and stacks; and the blocks left out as the
+/// runtime's own ([`kept_by_the_runtime`]).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct LeakTotals {
     pub blocks: u64,
     pub bytes_req: u64,
     pub stacks: usize,
+    pub runtime_blocks: u64,
+    pub runtime_bytes_req: u64,
+}
+
+/// Whether the allocation of `stack` is a block a language runtime allocates once and keeps
+/// for the process's life, freed only when a leak checker asks it to at exit (heaptrack and
+/// valgrind call `__gnu_cxx::__freeres`): libstdc++'s emergency pool for exceptions (72,704
+/// bytes in every C++ program), allocated by `pool::pool` of eh_alloc.cc while the library is
+/// loaded. Known by that name where libstdc++'s debug information is installed, else by its
+/// stack: the allocator's caller in libstdc++, called from libstdc++ alone, by the dynamic
+/// loader (its constructors, run by `call_init`, whether the library came with the program
+/// or with dlopen). Live at the end, not a leak: `--leaks` leaves them out and says so.
+pub fn kept_by_the_runtime(table: &StackTable, stack: u64) -> bool {
+    let Some(s) = table.stack(stack) else { return false };
+    let file_is = |f: FileFrame, prefix: &str| match f {
+        FileFrame::Module { module, .. } => table.modules.get(&module).is_some_and(|m| {
+            std::path::Path::new(&m.path).file_name().is_some_and(|n| n.to_string_lossy().starts_with(prefix))
+        }),
+        FileFrame::Address(_) => false,
+    };
+    let pool = |f: FileFrame| {
+        table
+            .symbols
+            .get(&SymbolKey::User(f))
+            .is_some_and(|chain| chain.iter().any(|sym| sym.name.starts_with("(anonymous namespace)::pool::pool")))
+    };
+    let mut frames = s.user().peekable();
+    let mut in_libstdcxx = 0;
+    while let Some(&f) = frames.peek().filter(|&&f| file_is(f, "libstdc++")) {
+        if pool(f) {
+            return true;
+        }
+        in_libstdcxx += 1;
+        frames.next();
+    }
+    in_libstdcxx > 0 && frames.next().is_some_and(|f| file_is(f, "ld-linux") || file_is(f, "ld.so"))
 }
 
 /// An allocator the recording found, and what went through it (after the filters).
@@ -789,11 +826,14 @@ fn leak_rows(
             row.pids.push(b.pid);
         }
     }
-    let mut rows: Vec<LeakRow> = by_stack.into_values().collect();
+    let (runtime, mut rows): (Vec<LeakRow>, Vec<LeakRow>) =
+        by_stack.into_values().partition(|r| r.domain != Domain::Kernel && kept_by_the_runtime(table, r.stack));
     let totals = LeakTotals {
         blocks: rows.iter().map(|r| r.blocks).sum(),
         bytes_req: rows.iter().map(|r| r.bytes_req).sum(),
         stacks: rows.len(),
+        runtime_blocks: runtime.iter().map(|r| r.blocks).sum(),
+        runtime_bytes_req: runtime.iter().map(|r| r.bytes_req).sum(),
     };
     rows.sort_by(|a, b| {
         leak_value(opts.sort, b)

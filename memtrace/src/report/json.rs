@@ -348,6 +348,11 @@ pub fn write_json(a: &Summary, opts: &ReportOptions, w: &mut dyn std::io::Write)
         "sites": serde_json::Value::Null,
         // Written by `Leaks` in its place.
         "leaks": serde_json::Value::Null,
+        // Live blocks `--leaks` leaves out: the runtime's own (libstdc++'s emergency pool).
+        "leaks_kept_by_runtime": opts.leaks.then(|| serde_json::json!({
+            "blocks": a.leak_totals.runtime_blocks,
+            "bytes_req": a.leak_totals.runtime_bytes_req,
+        })),
         "peak": json_memory::peaks(a, opts.filters.domain),
         "timeline_interval_ns": a.memory.interval_ns,
         "timeline": json_memory::timeline(a, opts.filters.domain),

@@ -549,7 +549,10 @@ fn leaks_are_largest_first_and_top_keeps_the_totals() {
     let s = leaks(SortKey::default(), None);
     let bytes: Vec<u64> = s.leaks.iter().map(|l| l.bytes_alloc).collect();
     assert!(bytes.windows(2).all(|w| w[0] >= w[1]), "largest first by default: {bytes:?}");
-    assert_eq!(s.leak_totals, LeakTotals { blocks: 15, bytes_req: (1 << 20) + 200 + 50_000 + 192 + 64, stacks: 5 });
+    assert_eq!(
+        s.leak_totals,
+        LeakTotals { blocks: 15, bytes_req: (1 << 20) + 200 + 50_000 + 192 + 64, stacks: 5, ..Default::default() }
+    );
     let s = leaks(SortKey::LiveAllocs, None);
     assert_eq!(s.leaks[0].blocks, 10, "--sort live-allocs: most blocks first");
     let s = leaks(SortKey::Live, Some(1));

@@ -404,6 +404,15 @@ fn render_leaks(a: &Summary, opts: &ReportOptions, out: &mut String) {
         opts.sort.describe_leaks(),
         if a.leaks.len() < t.stacks { format!("; the first {}", a.leaks.len()) } else { String::new() },
     );
+    if t.runtime_blocks > 0 {
+        let _ = writeln!(
+            out,
+            "(not counted: {} ({}) that the C++ runtime keeps for the process's life: libstdc++'s \
+             emergency exception pool, which heaptrack and valgrind free at exit)",
+            counted(t.runtime_blocks, "block", "blocks"),
+            bytes(t.runtime_bytes_req)
+        );
+    }
     for l in &a.leaks {
         let _ = writeln!(
             out,
