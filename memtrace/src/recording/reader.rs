@@ -109,16 +109,6 @@ impl<R: Read> Reader<R> {
         if header[11] != 8 {
             return Err(FormatError::Corrupt { offset: 11, reason: format!("pointer size {}", header[11]) });
         }
-        // The header has no checksum: each byte is checked for what it may hold.
-        if !matches!(header[10], 1 | 2) {
-            return Err(FormatError::Corrupt { offset: 10, reason: format!("byte order {}", header[10]) });
-        }
-        if header[12] > super::CLOCK_MONOTONIC {
-            return Err(FormatError::Corrupt { offset: 12, reason: format!("clock {}", header[12]) });
-        }
-        if let Some(i) = (13..HEADER_LEN).find(|&i| header[i] != 0) {
-            return Err(FormatError::Corrupt { offset: i as u64, reason: format!("reserved byte {}", header[i]) });
-        }
         let mut reader = Self {
             input,
             offset: HEADER_LEN as u64,
@@ -148,6 +138,17 @@ impl<R: Read> Reader<R> {
                     reason: format!("format version {version}: a newer format, or a damaged header"),
                 },
             });
+        }
+        // The header has no checksum: each byte of a format this release knows is checked
+        // for what it may hold (a newer one may give them meanings).
+        if !matches!(header[10], 1 | 2) {
+            return Err(FormatError::Corrupt { offset: 10, reason: format!("byte order {}", header[10]) });
+        }
+        if header[12] > super::CLOCK_MONOTONIC {
+            return Err(FormatError::Corrupt { offset: 12, reason: format!("clock {}", header[12]) });
+        }
+        if let Some(i) = (13..HEADER_LEN).find(|&i| header[i] != 0) {
+            return Err(FormatError::Corrupt { offset: i as u64, reason: format!("reserved byte {}", header[i]) });
         }
         match reader.raw_chunk()? {
             Some((ChunkKind::Meta, payload, offset)) => {

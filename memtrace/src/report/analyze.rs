@@ -98,7 +98,7 @@ pub struct ProbeOverhead {
 }
 
 /// What `--leaks` found in all: blocks, bytes and stacks; and the blocks left out as the
-/// runtime's own ([`kept_by_the_runtime`]).
+/// runtime's own (libstdc++'s emergency pool).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct LeakTotals {
     pub blocks: u64,
@@ -108,16 +108,22 @@ pub struct LeakTotals {
     pub runtime_bytes_req: u64,
 }
 
-/// Whether the allocation of `stack` is a block a language runtime allocates once and keeps
-/// for the process's life, freed only when a leak checker asks it to at exit (heaptrack and
-/// valgrind call `__gnu_cxx::__freeres`): libstdc++'s emergency pool for exceptions (72,704
-/// bytes in every C++ program), allocated by `pool::pool` of eh_alloc.cc while the library is
-/// loaded. Known by that name where libstdc++'s debug information is installed, else by its
-/// stack: the allocator's caller in libstdc++, called from libstdc++ alone, by the dynamic
-/// loader (its constructors, run by `call_init`, whether the library came with the program
-/// or with dlopen). Live at the end, not a leak: `--leaks` leaves them out and says so.
-pub fn kept_by_the_runtime(table: &StackTable, stack: u64) -> bool {
-    let Some(s) = table.stack(stack) else { return false };
+/// Whether a leak row's blocks are what a language runtime allocates once and keeps for the
+/// process's life, freed only when a leak checker asks it to at exit (heaptrack and valgrind
+/// call `__gnu_cxx::__freeres`): libstdc++'s emergency pool for exceptions (72,704 bytes in
+/// every C++ program), allocated by `pool::pool` of eh_alloc.cc while the library is loaded.
+/// Known by that name where libstdc++'s debug information is installed, else by its stack and
+/// shape: the allocator's caller in libstdc++, called from libstdc++ alone, by the dynamic
+/// loader (its constructors, run by `call_init`, whether the library came with the program or
+/// with dlopen), one block of 64 KiB or more per process. (A stack cut at another library's
+/// constructor, without frame pointers under `--call-graph fp`, reads the same: the shape
+/// keeps its blocks in the list.) Live at the end, not a leak: `--leaks` leaves them out and
+/// says so.
+fn kept_by_the_runtime(table: &StackTable, row: &LeakRow) -> bool {
+    if row.domain == Domain::Kernel {
+        return false;
+    }
+    let Some(s) = table.stack(row.stack) else { return false };
     let file_is = |f: FileFrame, prefix: &str| match f {
         FileFrame::Module { module, .. } => table.modules.get(&module).is_some_and(|m| {
             std::path::Path::new(&m.path).file_name().is_some_and(|n| n.to_string_lossy().starts_with(prefix))
@@ -139,7 +145,8 @@ pub fn kept_by_the_runtime(table: &StackTable, stack: u64) -> bool {
         in_libstdcxx += 1;
         frames.next();
     }
-    in_libstdcxx > 0 && frames.next().is_some_and(|f| file_is(f, "ld-linux") || file_is(f, "ld.so"))
+    let shaped = row.blocks as usize <= row.pids.len() && row.bytes_req >= row.blocks * (64 << 10);
+    shaped && in_libstdcxx > 0 && frames.next().is_some_and(|f| file_is(f, "ld-linux") || file_is(f, "ld.so"))
 }
 
 /// An allocator the recording found, and what went through it (after the filters).
@@ -827,7 +834,7 @@ fn leak_rows(
         }
     }
     let (runtime, mut rows): (Vec<LeakRow>, Vec<LeakRow>) =
-        by_stack.into_values().partition(|r| r.domain != Domain::Kernel && kept_by_the_runtime(table, r.stack));
+        by_stack.into_values().partition(|r| kept_by_the_runtime(table, r));
     let totals = LeakTotals {
         blocks: rows.iter().map(|r| r.blocks).sum(),
         bytes_req: rows.iter().map(|r| r.bytes_req).sum(),

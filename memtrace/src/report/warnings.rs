@@ -314,15 +314,21 @@ pub fn under_counting(
     for (&pid, t) in tallies {
         let name = name_of(pid);
         if t.frees >= MIN_EVENTS && t.unmatched_frees as f64 >= SHARE * t.frees as f64 {
-            let cause = if reading.skipped {
-                "a damaged part of the recording was skipped, and the allocations it held with it (see above)"
-            } else if t.started_traced || (meta.target_pids.contains(&pid) && meta.mode == "command") {
+            let cause = if t.started_traced || (meta.target_pids.contains(&pid) && meta.mode == "command") {
                 "its allocator was probed after it started (a child or an exec'd program with its own allocator is \
                  probed milliseconds after it appears, an allocator loaded with dlopen within 2 s): its first \
                  allocations were missed"
             } else {
                 "it was already running when tracing began (attached mid-run): blocks allocated before are freed \
                  without their allocation, and live figures miss them"
+            };
+            // A damaged chunk skipped may have held them (its kind is not known): both said.
+            let cause = match reading.skipped {
+                true => format!(
+                    "a damaged part of the recording was skipped, and the allocations it held with it (see above); \
+                     or {cause}"
+                ),
+                false => cause.to_string(),
             };
             // (Filtered, the FREES column counts fewer: only those the filters keep.)
             let column = match reading.filtered {

@@ -348,7 +348,7 @@ async fn run(tracer: &mut Tracer, recorder: &mut Recorder, opts: &RecordOptions)
     let mut last_status = Instant::now();
     let mut events_at_status = 0u64;
     let mut last_flush = Instant::now();
-    let mut allocators_written = (0, 0);
+    let mut allocators_written = (0, 0, 0);
     let reason = loop {
         let wake = waker.wait().await;
         // A signal is decided as it is read, and one passed on is timed again once the
@@ -379,8 +379,10 @@ async fn run(tracer: &mut Tracer, recorder: &mut Recorder, opts: &RecordOptions)
         // The allocators found (at the start, exec, dlopen), in the file as they come (the
         // final figures come at the end): a recording cut short still knows them. At most
         // once a flush interval after the first (`-a` meets a new one with many a program).
-        let found = (tracer.allocators.len(), tracer.late_probes.len());
-        if found != allocators_written && (allocators_written == (0, 0) || last_flush.elapsed() >= FLUSH_INTERVAL) {
+        // (An allocator remembered from an earlier run is listed before it is found.)
+        let found =
+            (tracer.allocators.len(), tracer.allocators.iter().filter(|a| a.found).count(), tracer.late_probes.len());
+        if found != allocators_written && (allocators_written == (0, 0, 0) || last_flush.elapsed() >= FLUSH_INTERVAL) {
             let stats = Stats { allocators: allocators_meta(tracer), ..Default::default() };
             if let Err(e) = recorder.writer.stats_so_far(&stats) {
                 recorder.write_error = Some(e);

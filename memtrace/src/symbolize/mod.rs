@@ -95,7 +95,7 @@ pub fn demangle(name: &str) -> Cow<'_, str> {
 
 /// Names the offsets no symbol names (`out`'s empty chains) after the function that holds
 /// them, where the file's call-frame information tells where that function starts:
-/// `libsqlite3.so.0+0x96b40`, as [`anonymous_name`] writes it. Two call sites in one
+/// `libsqlite3.so.0.8.6+0x96b40`, as [`anonymous_name`] writes it. Two call sites in one
 /// function of a stripped library are then one function (`report --by function`, the
 /// towers of a flame graph), as they are where a symbol names it.
 fn name_anonymous(path: &Path, offsets: &[u64], out: &mut [Vec<Symbol>]) {
@@ -459,8 +459,17 @@ mod tests {
         assert!(functions.windows(2).all(|w| w[0] <= w[1]));
         assert_eq!(cfi.function_start(&functions, inside), Some(first));
         assert_eq!(cfi.function_start(&functions, first), Some(first));
-        // Past every function: none.
+        // Outside the file's segments: none. In padding between two functions (past the end
+        // of one FDE, before the next): none.
         assert_eq!(cfi.function_start(&functions, u64::MAX / 2), None);
+        let text = cfi.segments.iter().find(|s| s.executable).unwrap();
+        let gap = functions
+            .windows(2)
+            .find(|w| w[0].1 < w[1].0 && (text.vaddr..text.vaddr + text.file_size).contains(&w[0].1))
+            .map(|w| w[0].1)
+            .expect("padding between two functions");
+        assert_eq!(cfi.function_start(&functions, gap - text.vaddr + text.file_offset), None);
+        assert!(cfi.function_start(&functions, gap - 1 - text.vaddr + text.file_offset).is_some());
         let mut out = vec![Vec::new(), vec![Symbol { name: "named".into(), ..Default::default() }]];
         name_anonymous(&mapping.path, &[inside, inside], &mut out);
         let module = crate::stacks::module_name(&mapping.path.to_string_lossy());
