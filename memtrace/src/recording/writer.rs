@@ -211,9 +211,7 @@ impl<W: Write> ChunkWriter<W> {
 
     fn stats(&mut self, stats: &Stats) -> io::Result<()> {
         self.flush()?;
-        let json = serde_json::to_vec(stats).map_err(io::Error::other)?;
-        self.chunk(ChunkKind::Stats, &json, &[])?;
-        self.flush_out()
+        self.stats_so_far(stats)
     }
 
     /// A `Stats` chunk between others, on its way to the file at once: the events pending

@@ -354,13 +354,7 @@ impl Cfi {
             fde_spans(&frame, &self.bases, &mut more);
             out[..from_eh].sort_unstable();
             let eh = &out[..from_eh];
-            let new: Vec<(u64, u64)> = more
-                .into_iter()
-                .filter(|&(start, end)| {
-                    let at = eh.partition_point(|&(s, _)| s < end);
-                    !eh[..at].iter().rev().take(4).any(|&(s, e)| s < end && start < e)
-                })
-                .collect();
+            let new: Vec<(u64, u64)> = more.into_iter().filter(|&(start, end)| !overlaps(eh, start, end)).collect();
             out.extend(new);
         }
         out.sort_unstable();
@@ -384,6 +378,13 @@ impl Cfi {
             .max_by_key(|s| s.executable)
             .map(|s| start - s.vaddr + s.file_offset)
     }
+}
+
+/// Whether code from `start` to `end` overlaps one of `spans` (sorted FDE spans of another
+/// section; the few that start last before `end` are looked at).
+fn overlaps(spans: &[(u64, u64)], start: u64, end: u64) -> bool {
+    let at = spans.partition_point(|&(s, _)| s < end);
+    spans[..at].iter().rev().take(4).any(|&(s, e)| s < end && start < e)
 }
 
 /// Appends the span of every well-formed FDE of `section`.
@@ -497,8 +498,7 @@ fn fde_rows<R: Reader<Offset = usize>, S: UnwindSection<R>>(
         if start >= end {
             continue;
         }
-        let at = skip.partition_point(|&(s, _)| s < end);
-        if skip[..at].iter().rev().take(4).any(|&(s, e)| s < end && start < e) {
+        if overlaps(skip, start, end) {
             continue; // the other section already describes this code
         }
         covered.push((start, end));
